@@ -1,0 +1,28 @@
+"""Device partition (train vs generation meshes) and train -> generation weight transfer."""
+
+from areal_jax.parallel.distributed import agree_max, agree_sum, initialize_distributed
+from areal_jax.parallel.meshes import (
+    GENERATION_AXES,
+    TRAIN_AXES,
+    DeviceSplit,
+    Meshes,
+    MeshConfig,
+    build_meshes,
+    split_local_devices,
+)
+from areal_jax.parallel.weight_sync import TransferStats, WeightSync
+
+__all__ = [
+    "GENERATION_AXES",
+    "TRAIN_AXES",
+    "DeviceSplit",
+    "MeshConfig",
+    "Meshes",
+    "TransferStats",
+    "WeightSync",
+    "agree_max",
+    "agree_sum",
+    "build_meshes",
+    "initialize_distributed",
+    "split_local_devices",
+]

@@ -1,0 +1,73 @@
+"""Multi-controller start-up and small cross-process agreements.
+
+`initialize_distributed` must run before anything touches a JAX backend. `agree_max` /
+`agree_sum` launch a program over every process, so (like any cross-process program)
+only the trainer thread may call them, at the same point on every process.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+logger = logging.getLogger(__name__)
+
+# What jax.distributed.initialize raises when no argument was given and no cluster
+# environment (TPU pod, SLURM, Open MPI, ...) was detected.
+_NO_CLUSTER_MESSAGE = "coordinator_address should be defined"
+
+
+def initialize_distributed(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> bool:
+    """Starts the JAX distributed runtime once; returns whether it is running.
+
+    With all arguments None, cluster parameters are auto-detected (TPU pods, SLURM,
+    Open MPI); where nothing is detected the program runs as a single process and this
+    returns False. CPU cross-process collectives use gloo unless already configured.
+    Calling again after a successful start is a no-op.
+    """
+    if jax.distributed.is_initialized():
+        return True
+    if jax.config.jax_cpu_collectives_implementation is None:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    auto = coordinator is None and num_processes is None and process_id is None
+    try:
+        jax.distributed.initialize(
+            coordinator_address=coordinator, num_processes=num_processes, process_id=process_id
+        )
+    except ValueError as e:
+        if auto and _NO_CLUSTER_MESSAGE in str(e):
+            logger.info("no cluster environment detected: running as a single process")
+            return False
+        raise
+    logger.info(
+        "jax.distributed up: process %d of %d", jax.process_index(), jax.process_count()
+    )
+    return True
+
+
+def _gather(x: int) -> np.ndarray:
+    """This value from every process, indexed by process."""
+    if jax.process_count() == 1:
+        return np.array([x], dtype=np.int64)
+    # int32: x64 is off by default; the counts agreed here (micro-batches, tokens) fit.
+    if not -(2**31) <= x < 2**31:
+        raise OverflowError(f"{x} does not fit the int32 used to agree across processes")
+    gathered = multihost_utils.process_allgather(np.int32(x))
+    return np.asarray(gathered).astype(np.int64).reshape(-1)
+
+
+def agree_max(x: int) -> int:
+    """The largest `x` over all processes (e.g. a micro-batch count every host must use)."""
+    return int(_gather(int(x)).max())
+
+
+def agree_sum(x: int) -> int:
+    """The sum of `x` over all processes (e.g. the global count of valid tokens)."""
+    return int(_gather(int(x)).sum())

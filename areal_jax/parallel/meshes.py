@@ -1,0 +1,210 @@
+"""Per-host device split into a global train mesh and a host-local generation mesh.
+
+Conventions (used project-wide; models/sharding.py maps logical axes onto these names):
+
+    train mesh       ("fsdp", "tensor")  GLOBAL: every process's training devices.
+                     Each host's devices form a contiguous block of rows along "fsdp",
+                     so tensor parallelism never crosses a host.
+    generation mesh  ("data", "tensor")  HOST-LOCAL: this process's generation devices.
+                     Generation needs no cross-host collective; hosts scale as data
+                     parallelism (one inference server per node, as in AReaL).
+
+Every host splits its local devices the same way: the first `num_train` local devices
+(by id) train, the rest generate. In colocated mode (the synchronous baseline) both
+meshes use every local device, in the same order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+logger = logging.getLogger(__name__)
+
+TRAIN_AXES = ("fsdp", "tensor")
+GENERATION_AXES = ("data", "tensor")
+
+# Below this many local devices a host cannot give both sides a useful share.
+MIN_DEVICES_FOR_SPLIT = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """How each host divides its local devices between generation and training.
+
+    Attributes:
+      generation_fraction: share of each host's local devices that generate (paper: 3/4),
+        rounded down. Ignored when `num_generation_devices_per_host` is set.
+      num_generation_devices_per_host: explicit generation device count per host.
+      train_tensor: tensor-parallel size of the train mesh; fsdp takes the rest.
+      generation_tensor: tensor-parallel size of the generation mesh; data takes the rest.
+      colocated: generation and training share every local device (synchronous baseline).
+        Hosts with fewer than 4 devices colocate automatically unless an explicit
+        generation device count is given.
+    """
+
+    generation_fraction: float = 0.75
+    num_generation_devices_per_host: int | None = None
+    train_tensor: int = 1
+    generation_tensor: int = 1
+    colocated: bool = False
+
+    def __post_init__(self):
+        if not 0.0 < self.generation_fraction < 1.0:
+            raise ValueError(
+                f"generation_fraction must lie strictly between 0 and 1 so both sides get "
+                f"devices, got {self.generation_fraction}"
+            )
+        if self.num_generation_devices_per_host is not None:
+            if self.num_generation_devices_per_host < 1:
+                raise ValueError(
+                    "num_generation_devices_per_host must be >= 1, got "
+                    f"{self.num_generation_devices_per_host}"
+                )
+            if self.colocated:
+                raise ValueError(
+                    "colocated=True uses every device for both sides; do not also set "
+                    "num_generation_devices_per_host"
+                )
+        for name in ("train_tensor", "generation_tensor"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSplit:
+    """Per-host device counts that a MeshConfig resolves to for a given host size."""
+
+    num_local: int
+    num_train: int
+    num_generation: int
+    colocated: bool
+
+
+def split_local_devices(cfg: MeshConfig, num_local: int) -> DeviceSplit:
+    """Resolves `cfg` for hosts with `num_local` devices; raises ValueError if impossible."""
+    if num_local < 1:
+        raise ValueError("a host has no devices")
+    colocated = cfg.colocated
+    if not colocated and cfg.num_generation_devices_per_host is None and num_local < MIN_DEVICES_FOR_SPLIT:
+        logger.warning(
+            "each host has only %d device(s) (< %d): colocating generation and training "
+            "on all of them (synchronous baseline)",
+            num_local,
+            MIN_DEVICES_FOR_SPLIT,
+        )
+        colocated = True
+
+    if colocated:
+        num_train = num_generation = num_local
+    else:
+        if cfg.num_generation_devices_per_host is not None:
+            num_generation = cfg.num_generation_devices_per_host
+            how = f"num_generation_devices_per_host={num_generation}"
+        else:
+            num_generation = int(cfg.generation_fraction * num_local)
+            how = f"generation_fraction={cfg.generation_fraction}"
+        num_train = num_local - num_generation
+        if num_generation < 1 or num_train < 1:
+            raise ValueError(
+                f"{how} on hosts with {num_local} devices leaves {num_generation} generation "
+                f"and {num_train} training device(s); each side needs at least one"
+            )
+
+    if num_train % cfg.train_tensor:
+        raise ValueError(
+            f"train_tensor={cfg.train_tensor} does not divide the {num_train} training "
+            f"device(s) per host (tensor parallelism must stay within a host)"
+        )
+    if num_generation % cfg.generation_tensor:
+        raise ValueError(
+            f"generation_tensor={cfg.generation_tensor} does not divide the "
+            f"{num_generation} generation device(s) per host"
+        )
+    return DeviceSplit(num_local, num_train, num_generation, colocated)
+
+
+@dataclasses.dataclass(frozen=True)
+class Meshes:
+    """The two meshes of this process and the local devices behind them.
+
+    `train` spans every process; `generation` spans only this process's devices.
+    `train_devices_local` / `generation_devices_local` are this process's devices, in
+    mesh order. `train_devices_by_host[h]` are process h's training devices in train-mesh
+    order (the rows host h owns along "fsdp").
+    """
+
+    train: Mesh
+    generation: Mesh
+    train_devices_local: tuple[jax.Device, ...]
+    generation_devices_local: tuple[jax.Device, ...]
+    train_devices_by_host: tuple[tuple[jax.Device, ...], ...]
+    split: DeviceSplit
+
+    @property
+    def colocated(self) -> bool:
+        return self.split.colocated
+
+    @property
+    def num_hosts(self) -> int:
+        return len(self.train_devices_by_host)
+
+    @property
+    def host_index(self) -> int:
+        """Row of this process in `train_devices_by_host`."""
+        mine = self.train_devices_local[0]
+        return next(h for h, devs in enumerate(self.train_devices_by_host) if mine in devs)
+
+
+def _devices_by_process(devices: Sequence[jax.Device]) -> dict[int, list[jax.Device]]:
+    by_process: dict[int, list[jax.Device]] = {}
+    for d in devices:
+        by_process.setdefault(d.process_index, []).append(d)
+    for devs in by_process.values():
+        devs.sort(key=lambda d: d.id)
+    return dict(sorted(by_process.items()))
+
+
+def build_meshes(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Meshes:
+    """Splits each host's devices and builds the global train and host-local generation meshes.
+
+    Args:
+      cfg: the split and tensor-parallel sizes.
+      devices: global device list to use (default: `jax.devices()`); every process that
+        appears must contribute the same number of devices, and this process must appear.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    by_process = _devices_by_process(devices)
+    counts = {p: len(devs) for p, devs in by_process.items()}
+    if len(set(counts.values())) != 1:
+        raise ValueError(f"hosts have differing device counts {counts}; every host must split alike")
+    me = jax.process_index()
+    if me not in by_process:
+        raise ValueError(f"this process ({me}) owns none of the given devices")
+
+    split = split_local_devices(cfg, next(iter(counts.values())))
+    train_by_host = tuple(tuple(devs[: split.num_train]) for devs in by_process.values())
+    local = by_process[me]
+    train_local = tuple(local[: split.num_train])
+    generation_local = tuple(local if split.colocated else local[split.num_train :])
+
+    auto2 = (AxisType.Auto, AxisType.Auto)
+    train_grid = np.array([d for devs in train_by_host for d in devs], dtype=object)
+    train_mesh = Mesh(train_grid.reshape(-1, cfg.train_tensor), TRAIN_AXES, axis_types=auto2)
+    generation_grid = np.array(generation_local, dtype=object)
+    generation_mesh = Mesh(
+        generation_grid.reshape(-1, cfg.generation_tensor), GENERATION_AXES, axis_types=auto2
+    )
+    return Meshes(
+        train=train_mesh,
+        generation=generation_mesh,
+        train_devices_local=train_local,
+        generation_devices_local=generation_local,
+        train_devices_by_host=train_by_host,
+        split=split,
+    )
