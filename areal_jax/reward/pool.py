@@ -1,0 +1,463 @@
+"""A supervised pool of reward worker processes with per-call deadlines.
+
+Rewards run off the generation path, in separate processes, because reward code is slow,
+untrusted in its inputs and sometimes hangs or dies (sympy on a pathological expression,
+a sandbox gone wrong). ``concurrent.futures.ProcessPoolExecutor`` marks the whole pool broken
+when one worker dies and cannot kill one hung call, so this is a small supervisor instead:
+
+- one duplex pipe per worker, at most one task in flight per worker;
+- one dispatcher thread that waits on every pipe, every process sentinel and a wake-up pipe,
+  with a timeout equal to the nearest task deadline;
+- a call past its deadline: the worker is SIGKILLed and replaced, the call yields 0.0;
+- a worker that dies mid-call: the call yields 0.0 and the worker is replaced;
+- a function that raises or returns a non-number: 0.0, counted as an error, traceback logged;
+- a function path that cannot be resolved: the future raises ``RewardFunctionNotFound``
+  (a configuration bug should be loud, not a silent zero).
+
+Start method: ``forkserver`` (default) or ``spawn``, never ``fork``. The parent is a JAX
+process with XLA thread pools and our own threads; ``fork`` copies their locks in whatever
+state they are in, and the child can deadlock on the first malloc or import. ``forkserver``
+forks workers from a clean single-threaded server process that has already imported the
+preload modules, so a replacement worker is ready in milliseconds. As with any spawn or
+forkserver pool, the main script must be import-safe (an ``if __name__ == "__main__"`` guard).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ctypes
+import dataclasses
+import itertools
+import logging
+import math
+import multiprocessing
+import multiprocessing.connection
+import numbers
+import os
+import signal
+import threading
+import time
+import traceback
+from concurrent.futures import CancelledError, Future
+from typing import Any, Iterable
+
+from areal_jax.reward.registry import load_reward_function, resolve_reward_path
+
+__all__ = ["RewardFunctionNotFound", "RewardPool", "RewardPoolConfig", "RewardPoolStats"]
+
+logger = logging.getLogger(__name__)
+
+_START_METHODS = ("forkserver", "spawn")
+
+
+class RewardFunctionNotFound(LookupError):
+    """A worker could not import the reward function named by a task."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardPoolConfig:
+    """Configuration of a ``RewardPool``.
+
+    num_workers: worker processes (calls run concurrently up to this many).
+    timeout_s: default wall-clock limit of one call, measured from dispatch to a ready worker.
+    max_tasks_per_worker: recycle a worker after this many calls (bounds leaks); None = never.
+    start_method: "forkserver" or "spawn" (see module docstring for why not "fork").
+    preload: modules every worker imports before it reports ready, so import time is not
+        charged to the first call's deadline.
+    startup_timeout_s: a worker that is not ready within this time is killed and replaced.
+    """
+
+    num_workers: int = 2
+    timeout_s: float = 5.0
+    max_tasks_per_worker: int | None = None
+    start_method: str = "forkserver"
+    preload: tuple[str, ...] = ("areal_jax.reward.math",)
+    startup_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_workers, int) or self.num_workers < 1:
+            raise ValueError(f"num_workers must be an int >= 1, got {self.num_workers!r}")
+        if not _positive_finite(self.timeout_s):
+            raise ValueError(f"timeout_s must be a positive finite number, got {self.timeout_s!r}")
+        if self.max_tasks_per_worker is not None and (
+            not isinstance(self.max_tasks_per_worker, int) or self.max_tasks_per_worker < 1
+        ):
+            raise ValueError(f"max_tasks_per_worker must be None or an int >= 1, got {self.max_tasks_per_worker!r}")
+        if self.start_method not in _START_METHODS:
+            raise ValueError(f"start_method must be one of {_START_METHODS}, got {self.start_method!r}")
+        if isinstance(self.preload, str) or not all(isinstance(m, str) and m for m in self.preload):
+            raise ValueError(f"preload must be a tuple of module names, got {self.preload!r}")
+        if not _positive_finite(self.startup_timeout_s):
+            raise ValueError(f"startup_timeout_s must be a positive finite number, got {self.startup_timeout_s!r}")
+
+
+def _positive_finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardPoolStats:
+    """Counters since the pool started. Every finished call is in exactly one of
+    succeeded / timeouts / crashes / errors / cancelled."""
+
+    submitted: int = 0
+    succeeded: int = 0
+    timeouts: int = 0
+    crashes: int = 0
+    errors: int = 0
+    cancelled: int = 0
+    workers_started: int = 0
+
+    @property
+    def calls(self) -> int:
+        """Calls that finished (any outcome)."""
+        return self.succeeded + self.timeouts + self.crashes + self.errors + self.cancelled
+
+
+# ----------------------------------------------------------------------------- worker side
+
+
+def _die_with_parent() -> None:
+    # A forkserver child's parent is the fork server, which exits when the pool's process
+    # dies; PR_SET_PDEATHSIG then takes a worker stuck in a hung call down with it.
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _coerce_reward(value: object) -> float:
+    # Rewards are real numbers; bool and numpy scalars register as numbers.Real.
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"reward function returned {type(value).__name__}, expected a real number")
+    result = float(value)
+    if not math.isfinite(result):
+        raise ValueError(f"reward function returned a non-finite value {result!r}")
+    return result
+
+
+def _worker_main(conn: multiprocessing.connection.Connection, preload: tuple[str, ...]) -> None:
+    """Worker loop: receive (task_id, path, args, kwargs), reply (task_id, status, payload)."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # shutdown is the parent's job
+    for module in preload:
+        try:
+            __import__(module)
+        except Exception:  # a broken preload must not stop the pool; calls will report it
+            logging.getLogger(__name__).warning("reward worker failed to preload %s", module, exc_info=True)
+    conn.send(("ready", os.getpid(), None))
+    functions: dict[str, Any] = {}
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        task_id, path, args, kwargs = message
+        if path not in functions:
+            try:
+                functions[path] = load_reward_function(path)
+            except Exception:
+                conn.send((task_id, "not_found", traceback.format_exc()))
+                continue
+        fn = functions[path]
+        try:
+            reply = (task_id, "ok", _coerce_reward(fn(*args, **kwargs)))
+        except Exception:
+            reply = (task_id, "error", traceback.format_exc())
+        conn.send(reply)
+
+
+# ----------------------------------------------------------------------------- parent side
+
+
+@dataclasses.dataclass
+class _Task:
+    task_id: int
+    path: str
+    args: tuple
+    kwargs: dict
+    timeout_s: float
+    future: Future
+    started: bool = False  # set_running_or_notify_cancel already called
+
+
+@dataclasses.dataclass
+class _Worker:
+    process: multiprocessing.process.BaseProcess
+    conn: multiprocessing.connection.Connection
+    started_at: float
+    ready: bool = False
+    task: _Task | None = None
+    deadline: float = math.inf
+    tasks_done: int = 0
+
+
+class RewardPool:
+    """Evaluate reward functions in supervised worker processes.
+
+    Thread-safe; ``submit`` never blocks on the workers. Every submitted call's future is
+    resolved: with the reward, with 0.0 on timeout / crash / error, by cancellation on
+    ``close(wait=False)``, or with ``RewardFunctionNotFound``.
+    """
+
+    def __init__(self, config: RewardPoolConfig | None = None) -> None:
+        self.config = config or RewardPoolConfig()
+        self._ctx = multiprocessing.get_context(self.config.start_method)
+        if self.config.start_method == "forkserver":
+            # Ignored if this process's fork server already runs; workers then import themselves.
+            self._ctx.set_forkserver_preload(["__main__", __name__, *self.config.preload])
+        self._lock = threading.Lock()
+        self._inbox: collections.deque[_Task] = collections.deque()
+        self._queue: collections.deque[_Task] = collections.deque()
+        self._task_ids = itertools.count()
+        self._counts = collections.Counter()
+        self._checked_paths: dict[str, str] = {}
+        self._closing = False
+        self._cancel_on_close = False
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._workers: list[_Worker] = []
+        self._thread = threading.Thread(target=self._supervise, name="reward-pool", daemon=True)
+        self._thread.start()
+
+    # -- public API -----------------------------------------------------------------------
+
+    def submit(self, fn: str, *args: Any, **kwargs: Any) -> Future:
+        """Schedule ``fn(*args, **kwargs)`` ("math", "code" or "module:function"); returns a Future[float].
+
+        Raises ValueError at once if ``fn`` names no registered reward and no findable module.
+        """
+        return self.submit_call(fn, args, kwargs)
+
+    def submit_call(
+        self, fn: str, args: tuple = (), kwargs: dict | None = None, *, timeout_s: float | None = None
+    ) -> Future:
+        """Like ``submit`` with explicit args/kwargs and an optional per-call timeout."""
+        if timeout_s is not None and not _positive_finite(timeout_s):
+            raise ValueError(f"timeout_s must be a positive finite number, got {timeout_s!r}")
+        path = self._checked_paths.get(fn) if isinstance(fn, str) else None
+        if path is None:
+            path = resolve_reward_path(fn)
+            self._checked_paths[fn] = path
+        future: Future = Future()
+        with self._lock:
+            if self._closing:
+                raise RuntimeError("RewardPool is closed")
+            task = _Task(next(self._task_ids), path, tuple(args), dict(kwargs or {}),
+                         timeout_s or self.config.timeout_s, future)
+            self._inbox.append(task)
+            self._counts["submitted"] += 1
+        self._wake()
+        return future
+
+    async def evaluate(self, fn: str, *args: Any, **kwargs: Any) -> float:
+        """Await one reward from asyncio code."""
+        return await asyncio.wrap_future(self.submit(fn, *args, **kwargs))
+
+    def map(self, fn: str, *iterables: Iterable[Any]) -> list[float]:
+        """Evaluate ``fn`` over zipped argument iterables concurrently; results in input order."""
+        futures = [self.submit(fn, *args) for args in zip(*iterables, strict=True)]
+        return [f.result() for f in futures]
+
+    def stats(self) -> RewardPoolStats:
+        """A snapshot of the pool's counters."""
+        with self._lock:
+            return RewardPoolStats(**{f.name: self._counts[f.name] for f in dataclasses.fields(RewardPoolStats)})
+
+    def close(self, wait: bool = True) -> None:
+        """Stop the pool. ``wait=True`` finishes every submitted call first; ``wait=False``
+        cancels queued calls and kills workers with calls in flight (their futures are cancelled)."""
+        with self._lock:
+            if not self._closing:
+                self._closing = True
+                self._cancel_on_close = not wait
+        self._wake()
+        self._thread.join()
+
+    def __enter__(self) -> RewardPool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close(wait=exc_info[0] is None)
+
+    # -- supervisor thread ----------------------------------------------------------------
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:  # the pipe is full, so a wake-up is already pending
+            pass
+        except OSError:  # closed: the supervisor has exited
+            pass
+
+    def _count(self, key: str) -> None:
+        with self._lock:
+            self._counts[key] += 1
+
+    def _supervise(self) -> None:
+        try:
+            self._workers = [self._start_worker() for _ in range(self.config.num_workers)]
+            while self._step():
+                pass
+        except BaseException:
+            logger.exception("reward pool supervisor failed; failing every pending call")
+            raise
+        finally:
+            self._shutdown()
+
+    def _step(self) -> bool:
+        """One round of the supervisor loop; False when the pool is done."""
+        with self._lock:
+            self._queue.extend(self._inbox)
+            self._inbox.clear()
+            closing, cancel = self._closing, self._cancel_on_close
+        if closing and cancel:
+            return False
+        self._dispatch()
+        if closing and not self._queue and all(w.task is None for w in self._workers):
+            return False
+        now = time.monotonic()
+        deadlines = [w.deadline for w in self._workers if w.task is not None]
+        deadlines += [w.started_at + self.config.startup_timeout_s for w in self._workers if not w.ready]
+        timeout = max(0.0, min(deadlines) - now) if deadlines else None
+        waitables = [self._wake_r] + [w.conn for w in self._workers] + [w.process.sentinel for w in self._workers]
+        ready = set(multiprocessing.connection.wait(waitables, timeout))
+        if self._wake_r in ready:
+            os.read(self._wake_r, 65536)
+        for i, worker in enumerate(list(self._workers)):
+            if worker.conn in ready or worker.process.sentinel in ready:
+                self._receive(i, worker, died=worker.process.sentinel in ready)
+        now = time.monotonic()
+        for i, worker in enumerate(list(self._workers)):
+            if worker.task is not None and now >= worker.deadline:
+                logger.warning("reward call %s timed out after %.1fs; killing worker %d",
+                               worker.task.path, worker.task.timeout_s, worker.process.pid)
+                self._finish(worker.task, 0.0, "timeouts")
+                worker.task = None
+                self._replace(i)
+            elif not worker.ready and now >= worker.started_at + self.config.startup_timeout_s:
+                logger.warning("reward worker %d not ready after %.0fs; replacing it",
+                               worker.process.pid, self.config.startup_timeout_s)
+                self._replace(i)
+        return True
+
+    def _receive(self, index: int, worker: _Worker, died: bool) -> None:
+        """Drain the worker's replies; handle its death (a call in flight yields 0.0)."""
+        try:
+            while worker.conn.poll():
+                kind_or_id, status, payload = worker.conn.recv()
+                if kind_or_id == "ready":
+                    worker.ready = True
+                    continue
+                self._complete(worker, kind_or_id, status, payload)
+        except (EOFError, OSError):
+            died = True
+        if not died:
+            if self.config.max_tasks_per_worker is not None and worker.task is None \
+                    and worker.tasks_done >= self.config.max_tasks_per_worker:
+                self._replace(index, graceful=True)
+            return
+        if worker.task is not None:
+            worker.process.join(1.0)
+            logger.warning("reward worker %d died (exit code %s) during %s; replacing it",
+                           worker.process.pid, worker.process.exitcode, worker.task.path)
+            self._finish(worker.task, 0.0, "crashes")
+            worker.task = None
+        self._replace(index)
+
+    def _complete(self, worker: _Worker, task_id: int, status: str, payload: Any) -> None:
+        task = worker.task
+        if task is None or task.task_id != task_id:  # cannot happen with one task per worker
+            logger.error("reward worker %d replied to unknown task %s", worker.process.pid, task_id)
+            return
+        worker.task, worker.deadline = None, math.inf
+        worker.tasks_done += 1
+        if status == "ok":
+            self._finish(task, payload, "succeeded")
+        elif status == "not_found":
+            self._count("errors")
+            task.future.set_exception(RewardFunctionNotFound(f"cannot load reward function {task.path!r}:\n{payload}"))
+        else:
+            logger.warning("reward function %s raised; reward 0.0\n%s", task.path, payload)
+            self._finish(task, 0.0, "errors")
+
+    def _finish(self, task: _Task, value: float, outcome: str) -> None:
+        self._count(outcome)
+        task.future.set_result(value)
+
+    def _dispatch(self) -> None:
+        for worker in self._workers:
+            if not self._queue:
+                return
+            if not worker.ready or worker.task is not None:
+                continue
+            task = self._queue.popleft()
+            if not task.started:
+                if not task.future.set_running_or_notify_cancel():  # cancelled by the caller
+                    self._count("cancelled")
+                    continue
+                task.started = True
+            try:
+                worker.conn.send((task.task_id, task.path, task.args, task.kwargs))
+            except (BrokenPipeError, EOFError, OSError):
+                # The worker died before it saw the task: run the task elsewhere, not as a crash.
+                self._queue.appendleft(task)
+                continue
+            except Exception as exc:  # unpicklable arguments: the caller's bug, reported to the caller
+                self._count("errors")
+                task.future.set_exception(TypeError(f"cannot send arguments of {task.path!r} to a worker: {exc}"))
+                continue
+            worker.task, worker.deadline = task, time.monotonic() + task.timeout_s
+
+    def _start_worker(self) -> _Worker:
+        parent_conn, child_conn = self._ctx.Pipe(duplex=True)
+        process = self._ctx.Process(target=_worker_main, args=(child_conn, self.config.preload),
+                                    name="reward-worker", daemon=True)
+        process.start()
+        child_conn.close()
+        self._count("workers_started")
+        return _Worker(process=process, conn=parent_conn, started_at=time.monotonic())
+
+    def _replace(self, index: int, graceful: bool = False) -> None:
+        old = self._workers[index]
+        self._stop_worker(old, graceful)
+        self._workers[index] = self._start_worker()
+
+    @staticmethod
+    def _stop_worker(worker: _Worker, graceful: bool) -> None:
+        if graceful and worker.ready and worker.process.is_alive():
+            try:
+                worker.conn.send(None)
+            except OSError:
+                pass
+            worker.process.join(2.0)
+        if worker.process.is_alive():
+            worker.process.kill()
+        worker.process.join(5.0)
+        worker.conn.close()
+
+    def _shutdown(self) -> None:
+        """Resolve every remaining future (cancelled) and stop all workers."""
+        pending = list(self._queue)
+        with self._lock:
+            pending += list(self._inbox)
+            self._inbox.clear()
+            self._closing = True
+        self._queue.clear()
+        for worker in self._workers:
+            busy = worker.task is not None
+            if busy:
+                pending.append(worker.task)
+                worker.task = None
+            self._stop_worker(worker, graceful=not busy)
+        self._workers = []
+        for task in pending:
+            self._count("cancelled")
+            if not task.future.cancel():  # already running: cancel() refuses, so report it as cancelled
+                task.future.set_exception(CancelledError("RewardPool closed before this call finished"))
+        os.close(self._wake_w)
+        os.close(self._wake_r)

@@ -1,0 +1,60 @@
+"""Reward functions for the RewardPool tests, imported by path in worker processes."""
+
+import os
+import signal
+import time
+
+
+def add(a, b):
+    return a + b
+
+
+def constant_one(*args, **kwargs):
+    return 1
+
+
+def scaled(x, *, scale=1.0):
+    return x * scale
+
+
+def hang(seconds=3600.0):
+    time.sleep(seconds)
+    return 1.0
+
+
+def exit_hard():
+    os._exit(3)
+
+
+def kill_self():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def segfault():
+    import ctypes
+
+    ctypes.string_at(0)
+
+
+def boom(message="boom"):
+    raise RuntimeError(message)
+
+
+def not_a_number():
+    return "1.0"
+
+
+def nan():
+    return float("nan")
+
+
+def worker_pid():
+    return float(os.getpid())
+
+
+NOT_CALLABLE = 3
+
+
+def sleep_then_pid(seconds):
+    time.sleep(seconds)
+    return float(os.getpid())
