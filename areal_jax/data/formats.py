@@ -1,0 +1,226 @@
+"""Turn one raw dataset record into a normalized `PromptRow`.
+
+Supported record formats (auto-detected from the keys, or forced):
+
+- ``gsm8k``: ``question`` / ``answer``; the gold is the text after the last ``####``,
+  commas removed ("1,234" -> "1234").
+- ``math`` (Hendrycks MATH): ``problem`` / ``solution``; the gold is the content of the
+  last ``\\boxed{...}`` of the solution (nested braces handled).
+- ``areal``: AReaL's math format ``{prompt, solutions, query_id}``; ``solutions`` is a
+  list of strings with ``\\boxed{}``; the gold is the last box of the first solution.
+- ``code``: ``input_output`` (a JSON string or a dict with equal-length ``inputs`` and
+  ``outputs`` lists) with ``question`` or ``prompt`` as the text.
+
+Parsing is pure: a bad record raises `RowFormatError` with the reason; the caller
+attaches the file/line and decides what to do (the loader counts and skips).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any, Literal
+
+Task = Literal["math", "code"]
+RecordFormat = Literal["auto", "gsm8k", "math", "areal", "code"]
+RECORD_FORMATS: tuple[str, ...] = ("auto", "gsm8k", "math", "areal", "code")
+
+
+class RowFormatError(ValueError):
+    """A record does not fit its format (missing field, wrong type, no gold answer)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptRow:
+    """One prompt, normalized across formats.
+
+    `messages` is the chat to feed the tokenizer's chat template; `answer` is the math
+    gold (None for code); `test_cases` is ``{"inputs": [...], "outputs": [...], ...}``
+    for code (None for math); `source` says where the row came from ("path:line" for
+    JSONL, "path[row]" for Parquet and `datasets` directories).
+    """
+
+    query_id: str
+    messages: list[dict[str, str]]
+    answer: str | None
+    test_cases: dict[str, Any] | None
+    task: Task
+    source: str
+
+    def __post_init__(self) -> None:
+        if self.task not in ("math", "code"):
+            raise ValueError(f"PromptRow.task must be 'math' or 'code', got {self.task!r}")
+        if (self.task == "math") != (self.answer is not None):
+            raise ValueError(f"PromptRow {self.source}: math rows need an answer, code rows none")
+        if (self.task == "code") != (self.test_cases is not None):
+            raise ValueError(f"PromptRow {self.source}: code rows need test_cases, math rows none")
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptTemplate:
+    """How a question becomes chat messages: optional system prompt, suffix on the user turn."""
+
+    prompt_suffix: str = ""
+    system_prompt: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prompt_suffix, str):
+            raise TypeError(f"prompt_suffix must be a str, got {type(self.prompt_suffix).__name__}")
+        if self.system_prompt is not None and not isinstance(self.system_prompt, str):
+            raise TypeError(f"system_prompt must be a str or None, got {type(self.system_prompt).__name__}")
+
+    def messages(self, question: str) -> list[dict[str, str]]:
+        """Chat messages for one question."""
+        out = []
+        if self.system_prompt:
+            out.append({"role": "system", "content": self.system_prompt})
+        out.append({"role": "user", "content": question + self.prompt_suffix})
+        return out
+
+
+def extract_last_boxed(text: str) -> str | None:
+    """Content of the last well-formed ``\\boxed{...}`` (or ``\\fbox{...}``) in `text`.
+
+    Braces nest (``\\boxed{\\frac{1}{2}}`` -> ``\\frac{1}{2}``); escaped braces ``\\{``
+    and ``\\}`` are literal text, as in LaTeX. The brace-less form ``\\boxed 5`` yields
+    the token after the space. Returns None when there is no box.
+    """
+    candidates = []
+    for macro in ("\\boxed", "\\fbox"):
+        start = text.find(macro)
+        while start != -1:
+            candidates.append((start, len(macro)))
+            start = text.find(macro, start + 1)
+    # Latest start first: the "last box" is the one that starts last.
+    for start, macro_len in sorted(candidates, reverse=True):
+        content = _box_content(text, start + macro_len)
+        if content is not None:
+            return content
+    return None
+
+
+def _box_content(text: str, pos: int) -> str | None:
+    if pos < len(text) and text[pos] == " ":
+        tokens = text[pos:].split(maxsplit=1)
+        if not tokens:
+            return None
+        return tokens[0].split("$", 1)[0] or None  # "\boxed 5$" ends at the math delimiter
+    if pos >= len(text) or text[pos] != "{":
+        return None  # e.g. "\boxedx": another macro, not a box
+    depth = 0
+    i = pos
+    while i < len(text):
+        ch = text[i]
+        if ch == "\\":
+            i += 2  # skip the escaped character (\{ and \} do not count)
+            continue
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return text[pos + 1 : i]
+        i += 1
+    return None  # unbalanced
+
+
+def extract_gsm8k_answer(text: str) -> str | None:
+    """GSM8K gold: text after the last ``####``, whitespace trimmed, commas removed."""
+    _, sep, tail = text.rpartition("####")
+    if not sep:
+        return None
+    answer = tail.strip().replace(",", "")
+    return answer or None
+
+
+def detect_format(record: Mapping[str, Any]) -> str:
+    """Name the format of `record` from its keys; raises RowFormatError if none fits."""
+    # Null counts as absent: Parquet and `datasets` give every row every column of a
+    # mixed file, with None where a row had no such key.
+    present = {key for key, value in record.items() if value is not None}
+    if "input_output" in present:
+        return "code"
+    if {"prompt", "solutions"} <= present:
+        return "areal"
+    if {"problem", "solution"} <= present:
+        return "math"
+    if {"question", "answer"} <= present:
+        return "gsm8k"
+    raise RowFormatError(f"cannot detect the format from keys {sorted(present)[:8]}")
+
+
+def parse_record(
+    record: Mapping[str, Any], *, source: str, fmt: str = "auto", template: PromptTemplate = PromptTemplate()
+) -> PromptRow:
+    """Parse one raw record into a PromptRow; raises RowFormatError on bad records."""
+    if fmt not in RECORD_FORMATS:
+        raise ValueError(f"unknown record format {fmt!r}; expected one of {RECORD_FORMATS}")
+    if not isinstance(record, Mapping):
+        raise RowFormatError(f"expected an object/dict record, got {type(record).__name__}")
+    if fmt == "auto":
+        fmt = detect_format(record)
+    query_id = _query_id(record, source)
+    if fmt == "code":
+        question = _text_field(record, "question" if record.get("question") is not None else "prompt")
+        return PromptRow(query_id, template.messages(question), None, _test_cases(record), "code", source)
+    if fmt == "gsm8k":
+        question = _text_field(record, "question")
+        answer = extract_gsm8k_answer(_text_field(record, "answer"))
+        if answer is None:
+            raise RowFormatError("field 'answer' has no '#### <gold>' part")
+    elif fmt == "math":
+        question = _text_field(record, "problem")
+        answer = extract_last_boxed(_text_field(record, "solution"))
+        if answer is None:
+            raise RowFormatError("field 'solution' has no \\boxed{...} answer")
+    else:  # areal
+        question = _text_field(record, "prompt")
+        solutions = record.get("solutions")
+        if not isinstance(solutions, (list, tuple)) or not solutions or not isinstance(solutions[0], str):
+            raise RowFormatError("field 'solutions' must be a non-empty list of strings")
+        answer = extract_last_boxed(solutions[0])
+        if answer is None:
+            raise RowFormatError("first entry of 'solutions' has no \\boxed{...} answer")
+    return PromptRow(query_id, template.messages(question), answer, None, "math", source)
+
+
+def _query_id(record: Mapping[str, Any], source: str) -> str:
+    # Formats without an id (GSM8K, MATH) get their provenance as id: stable per file.
+    for key in ("query_id", "id"):
+        value = record.get(key)
+        if isinstance(value, (str, int)) and not isinstance(value, bool) and str(value):
+            return str(value)
+    return source
+
+
+def _text_field(record: Mapping[str, Any], key: str) -> str:
+    if record.get(key) is None:
+        raise RowFormatError(f"missing field {key!r}")
+    value = record[key]
+    if not isinstance(value, str):
+        raise RowFormatError(f"field {key!r} must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise RowFormatError(f"field {key!r} is empty")
+    return value
+
+
+def _test_cases(record: Mapping[str, Any]) -> dict[str, Any]:
+    raw = record.get("input_output")
+    if raw is None:
+        raise RowFormatError("missing field 'input_output'")
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as err:
+            raise RowFormatError(f"field 'input_output' is not valid JSON: {err}") from None
+    if not isinstance(raw, Mapping):
+        raise RowFormatError(f"field 'input_output' must be an object, got {type(raw).__name__}")
+    inputs, outputs = raw.get("inputs"), raw.get("outputs")
+    if not isinstance(inputs, list) or not isinstance(outputs, list):
+        raise RowFormatError("field 'input_output' needs list-valued 'inputs' and 'outputs'")
+    if len(inputs) != len(outputs) or not inputs:
+        raise RowFormatError(
+            f"field 'input_output' needs as many inputs as outputs, at least one (got {len(inputs)}/{len(outputs)})"
+        )
+    return dict(raw)
