@@ -1,0 +1,185 @@
+"""Advantages for critic-free PPO with gamma = lambda = 1 (AReaL's paper setting).
+
+Shapes: N = sequences (all answers of all prompt groups in the batch), T = token positions
+(padded rows; loss_mask marks generated tokens that are trained).
+
+Without a critic and with gamma = lambda = 1, GAE reduces to the reward-to-go: every
+generated token of a sequence sees the sequence reward R, placed on its last generated
+token. An optional per-token KL penalty against a frozen reference policy is reward
+shaping, so token t additionally gets -kl_coef * sum_{s >= t} kl_s (its KL-to-go).
+
+The returns are then normalized. Statistics are token-weighted -- every valid token
+counts once, so a long answer weighs more than a short one -- like AReaL's AdvNorm
+(masked mean and biased std over the loss mask, eps added to the std):
+    "batch"       (G - mean) / (std + eps) over all valid tokens of the batch (paper)
+    "group"       the same within each prompt group (GRPO)
+    "group_mean"  G - group mean (Dr. GRPO: no std division)
+    "rloo"        G - mean of the other sequences' rewards in the group (leave-one-out;
+                  sequence-level, unweighted: the RLOO baseline is per sample)
+    "none"        G unchanged
+
+Implemented in NumPy (float64 inside): it runs once per step on the trainer host, before
+packing, on a few thousand sequences; arbitrary group ids need np.unique, and host
+float64 keeps the statistics exact without enabling x64 in JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+import numpy as np
+
+from areal_jax.ppo.kl import KL_ESTIMATORS, kl_estimate
+
+AdvantageNorm = Literal["batch", "group", "group_mean", "rloo", "none"]
+ADVANTAGE_NORMS: tuple[str, ...] = ("batch", "group", "group_mean", "rloo", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageConfig:
+    """How sequence rewards become per-token advantages.
+
+    Attributes:
+        norm: normalization (see module docstring); "batch" is the paper default.
+        reward_scale, reward_bias: reward -> (reward + bias) * scale, as in AReaL.
+        reward_clip: then clip to [-reward_clip, reward_clip]; None disables.
+        eps: added to the std before dividing ("batch", "group").
+        kl_coef: weight of the per-token KL penalty against a reference policy; 0 = off.
+        kl_estimator: "k1", "k2" or "k3" (see areal_jax.ppo.kl).
+    """
+
+    norm: AdvantageNorm = "batch"
+    reward_scale: float = 1.0
+    reward_bias: float = 0.0
+    reward_clip: float | None = None
+    eps: float = 1e-5
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+
+    def __post_init__(self) -> None:
+        if self.norm not in ADVANTAGE_NORMS:
+            raise ValueError(f"norm must be one of {ADVANTAGE_NORMS}, got {self.norm!r}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(
+                f"kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}"
+            )
+        for name in ("reward_scale", "reward_bias", "eps", "kl_coef"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be finite, got {value}")
+        if self.reward_scale <= 0:
+            raise ValueError(f"reward_scale must be > 0, got {self.reward_scale}")
+        if self.eps <= 0:
+            raise ValueError(f"eps must be > 0, got {self.eps}")
+        if self.kl_coef < 0:
+            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        if self.reward_clip is not None and not self.reward_clip > 0:
+            raise ValueError(f"reward_clip must be > 0 or None, got {self.reward_clip}")
+
+
+def compute_advantages(
+    rewards: np.ndarray,
+    group_ids: np.ndarray,
+    loss_mask: np.ndarray,
+    cfg: AdvantageConfig,
+    *,
+    logprobs: np.ndarray | None = None,
+    ref_logprobs: np.ndarray | None = None,
+) -> np.ndarray:
+    """Per-token advantages [N, T] (float32, zero off the loss mask).
+
+    Args:
+        rewards: [N] sequence rewards (e.g. +5 / -5).
+        group_ids: [N] integer id of each sequence's prompt group (any values; equal id =
+            same prompt). Only used by the group norms.
+        loss_mask: [N, T] True on generated (trained) tokens.
+        cfg: AdvantageConfig.
+        logprobs: [N, T] log-probs of the tokens under the policy that produced them;
+            required when cfg.kl_coef > 0.
+        ref_logprobs: [N, T] the same tokens under the frozen reference policy; required
+            when cfg.kl_coef > 0.
+    """
+    if not isinstance(cfg, AdvantageConfig):
+        raise TypeError(f"cfg must be an AdvantageConfig, got {type(cfg).__name__}")
+    rewards = np.asarray(rewards, dtype=np.float64)
+    group_ids = np.asarray(group_ids)
+    mask = np.asarray(loss_mask).astype(bool)
+    if mask.ndim != 2:
+        raise ValueError(f"loss_mask must be [N, T], got shape {mask.shape}")
+    n = mask.shape[0]
+    if rewards.shape != (n,):
+        raise ValueError(f"rewards must have shape ({n},) like loss_mask rows, got {rewards.shape}")
+    if group_ids.shape != (n,):
+        raise ValueError(f"group_ids must have shape ({n},), got {group_ids.shape}")
+    if not np.issubdtype(group_ids.dtype, np.integer):
+        raise TypeError(f"group_ids must be integers, got dtype {group_ids.dtype}")
+    if not np.all(np.isfinite(rewards)):
+        raise ValueError(f"rewards must be finite; bad at indices {np.flatnonzero(~np.isfinite(rewards))}")
+
+    shaped = (rewards + cfg.reward_bias) * cfg.reward_scale  # [N]
+    if cfg.reward_clip is not None:
+        shaped = np.clip(shaped, -cfg.reward_clip, cfg.reward_clip)
+    returns = np.broadcast_to(shaped[:, None], mask.shape).copy()  # [N, T]
+    if cfg.kl_coef > 0:
+        returns += _kl_penalty_to_go(mask, cfg, logprobs, ref_logprobs)
+    returns *= mask
+
+    if cfg.norm == "none":
+        adv = returns
+    elif cfg.norm == "batch":
+        adv = _standardize(returns, mask, cfg.eps)
+    elif cfg.norm == "rloo":
+        adv = returns - _leave_one_out_baseline(shaped, group_ids)[:, None]
+    else:
+        adv = np.zeros_like(returns)
+        for gid in np.unique(group_ids):
+            rows = group_ids == gid
+            if cfg.norm == "group":
+                adv[rows] = _standardize(returns[rows], mask[rows], cfg.eps)
+            else:  # group_mean
+                adv[rows] = returns[rows] - _masked_mean(returns[rows], mask[rows])
+    return (adv * mask).astype(np.float32)
+
+
+def _kl_penalty_to_go(mask, cfg, logprobs, ref_logprobs) -> np.ndarray:
+    """-kl_coef * sum_{s >= t} kl_s over valid tokens: [N, T]."""
+    if logprobs is None or ref_logprobs is None:
+        raise ValueError("kl_coef > 0 needs both logprobs and ref_logprobs")
+    logprobs = np.asarray(logprobs, dtype=np.float64)
+    ref_logprobs = np.asarray(ref_logprobs, dtype=np.float64)
+    for name, arr in (("logprobs", logprobs), ("ref_logprobs", ref_logprobs)):
+        if arr.shape != mask.shape:
+            raise ValueError(f"{name} must have shape {mask.shape} like loss_mask, got {arr.shape}")
+    # Padding may hold -inf; zero it before the estimator so nothing leaks.
+    kl = kl_estimate(np.where(mask, logprobs, 0.0), np.where(mask, ref_logprobs, 0.0), cfg.kl_estimator)
+    penalty = -cfg.kl_coef * np.where(mask, kl, 0.0)
+    return np.cumsum(penalty[:, ::-1], axis=1)[:, ::-1]
+
+
+def _masked_mean(x: np.ndarray, mask: np.ndarray) -> float:
+    count = mask.sum()
+    return float((x * mask).sum() / count) if count else 0.0
+
+
+def _standardize(x: np.ndarray, mask: np.ndarray, eps: float) -> np.ndarray:
+    """(x - mean) / (std + eps) with token-weighted mean and biased std over mask."""
+    count = mask.sum()
+    if count == 0:
+        return np.zeros_like(x)
+    mean = (x * mask).sum() / count
+    var = (((x - mean) * mask) ** 2).sum() / count
+    return (x - mean) / (np.sqrt(var) + eps)
+
+
+def _leave_one_out_baseline(rewards: np.ndarray, group_ids: np.ndarray) -> np.ndarray:
+    """[N] mean reward of the other members of each sequence's group."""
+    uniq, inverse, counts = np.unique(group_ids, return_inverse=True, return_counts=True)
+    if np.any(counts < 2):
+        lonely = uniq[counts < 2].tolist()
+        raise ValueError(f"norm='rloo' needs >= 2 sequences per group; groups {lonely} have 1")
+    sums = np.bincount(inverse, weights=rewards)
+    return (sums[inverse] - rewards) / (counts[inverse] - 1)

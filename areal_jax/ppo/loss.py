@@ -1,0 +1,200 @@
+"""Decoupled PPO objective (AReaL, arXiv 2505.24298, Sec. 5) and token log-prob helpers.
+
+Shapes: B = rows (sequences or packed rows), T = tokens per row, V = vocabulary. The loss
+functions accept any shape as long as all per-token inputs agree; [B, T] is typical.
+
+Three policies meet in the decoupled objective:
+    pi_theta  the policy being optimized           (logprobs, carries gradient)
+    pi_prox   the proximal anchor for clipping     (proximal_logprobs: recomputed once per
+              training step with the pre-update weights)
+    pi_behav  the policy that sampled each token   (behavior_logprobs: from the generator;
+              may mix several versions in one sequence after interrupted generation)
+Per token, with r = pi_theta / pi_prox and w = stop_grad(pi_prox / pi_behav):
+    loss_t = w * max(-A * r, -A * clip(r, 1 - eps, 1 + eps_high))
+Naive PPO (the paper's ablation) is the same call with proximal = behavior, so w = 1.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from areal_jax.ppo.kl import kl_estimate
+
+# Stats whose cross-micro-batch combination is a max; every other stat is a sum.
+_MAX_STATS = ("imp_weight_max",)
+
+
+def token_logprobs(logits: jax.Array, targets: jax.Array, temperature: float = 1.0) -> jax.Array:
+    """log_softmax(logits / temperature) at the target ids, in float32.
+
+    Trainer and generator both call this so behavior and proximal log-probs agree
+    bit-for-bit on identical logits.
+
+    Args:
+        logits: [..., V] (e.g. [B, T, V]); any float dtype, computed in float32.
+        targets: [...] (e.g. [B, T]) integer token ids in [0, V).
+        temperature: > 0, the sampling temperature.
+    Returns:
+        [...] float32 log-probabilities.
+    """
+    _check_temperature(temperature)
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"logits {logits.shape} must be targets {targets.shape} plus a vocabulary axis"
+        )
+    if not jnp.issubdtype(targets.dtype, jnp.integer):
+        raise TypeError(f"targets must be integer token ids, got dtype {targets.dtype}")
+    scaled = logits.astype(jnp.float32) / temperature
+    picked = jnp.take_along_axis(scaled, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return picked - jax.nn.logsumexp(scaled, axis=-1)
+
+
+def token_entropy(logits: jax.Array, temperature: float = 1.0) -> jax.Array:
+    """Entropy of softmax(logits / temperature) per position, in float32: [..., V] -> [...]."""
+    _check_temperature(temperature)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+    return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+
+
+def decoupled_ppo_loss(
+    logprobs: jax.Array,
+    proximal_logprobs: jax.Array,
+    behavior_logprobs: jax.Array,
+    advantages: jax.Array,
+    loss_mask: jax.Array,
+    *,
+    eps_clip: float = 0.2,
+    eps_clip_higher: float | None = None,
+    behav_imp_weight_cap: float | None = None,
+    denominator: jax.Array | float | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Token-mean decoupled PPO loss and summable statistics.
+
+    Args:
+        logprobs: [B, T] log pi_theta of the sampled tokens (differentiated).
+        proximal_logprobs: [B, T] log pi_prox (treated as constant).
+        behavior_logprobs: [B, T] log pi_behav (treated as constant).
+        advantages: [B, T] per-token advantages (treated as constant).
+        loss_mask: [B, T] bool/0-1, True on tokens that are trained (generated tokens).
+        eps_clip: lower clip range, r >= 1 - eps_clip; in (0, 1).
+        eps_clip_higher: upper clip range (DAPO's clip-higher); defaults to eps_clip.
+        behav_imp_weight_cap: tokens with w > cap are dropped from the numerator (not
+            clipped) but still count in the denominator. None disables.
+        denominator: valid-token count to divide by. Pass the count of the whole
+            minibatch when it is split into micro-batches, so that the micro-batch losses
+            (and gradients) sum to the minibatch token-mean. Default: loss_mask.sum().
+            A zero denominator yields loss 0.
+    Returns:
+        loss: scalar in the promoted dtype of logprobs and float32 (float32 for bf16).
+        stats: scalars of the same dtype, sums over this call's valid tokens so they add up across
+            micro-batches (combine with accumulate_loss_stats, read with
+            summarize_loss_stats): n_valid, n_clipped (clipped branch active), n_capped,
+            imp_weight_sum / imp_weight_max (w over valid tokens), ratio_sum,
+            approx_kl_sum (k3 estimate of KL(pi_prox || pi_theta)), loss_sum.
+    """
+    _check_clip_args(eps_clip, eps_clip_higher, behav_imp_weight_cap)
+    shapes = {
+        "logprobs": logprobs.shape,
+        "proximal_logprobs": proximal_logprobs.shape,
+        "behavior_logprobs": behavior_logprobs.shape,
+        "advantages": advantages.shape,
+        "loss_mask": loss_mask.shape,
+    }
+    for name, shape in shapes.items():
+        if shape != logprobs.shape:
+            raise ValueError(f"{name} has shape {shape}, expected {logprobs.shape} like logprobs")
+    eps_high = eps_clip if eps_clip_higher is None else eps_clip_higher
+
+    # At least float32 (bf16 log-probs are too coarse for exp of differences); float64
+    # inputs stay float64 so the gradient can be checked against finite differences.
+    dtype = jnp.promote_types(logprobs.dtype, jnp.float32)
+    mask = loss_mask.astype(bool)
+    valid = mask.astype(dtype)
+    logp = logprobs.astype(dtype)
+    prox = jax.lax.stop_gradient(proximal_logprobs.astype(dtype))
+    behav = jax.lax.stop_gradient(behavior_logprobs.astype(dtype))
+    adv = jax.lax.stop_gradient(advantages.astype(dtype))
+
+    # Padding may hold -inf or garbage log-probs: neutralize before exp so that neither
+    # values nor gradients see them.
+    log_ratio = jnp.where(mask, logp - prox, 0.0)
+    ratio = jnp.exp(log_ratio)  # [B, T]
+    imp_weight = jnp.exp(jnp.where(mask, prox - behav, 0.0))  # [B, T], constant
+
+    surrogate = -adv * ratio
+    clipped_surrogate = -adv * jnp.clip(ratio, 1.0 - eps_clip, 1.0 + eps_high)
+    pg_loss = jnp.maximum(surrogate, clipped_surrogate)  # [B, T]
+    clipped = mask & (clipped_surrogate > surrogate)
+
+    if behav_imp_weight_cap is None:
+        kept = mask
+    else:
+        kept = mask & (imp_weight <= behav_imp_weight_cap)
+    capped = mask & ~kept
+
+    per_token = jnp.where(kept, imp_weight * pg_loss, 0.0)
+    loss_sum = jnp.sum(per_token)
+    n_valid = jnp.sum(valid)
+    denom = n_valid if denominator is None else jnp.asarray(denominator, dtype)
+    loss = jnp.where(denom > 0, loss_sum / jnp.where(denom > 0, denom, 1.0), 0.0)
+
+    approx_kl = kl_estimate(prox, jax.lax.stop_gradient(logp), "k3")  # r - 1 - log r
+    sg = jax.lax.stop_gradient
+    stats = {
+        "n_valid": n_valid,
+        "n_clipped": jnp.sum(clipped.astype(dtype)),
+        "n_capped": jnp.sum(capped.astype(dtype)),
+        "imp_weight_sum": jnp.sum(imp_weight * valid),
+        "imp_weight_max": jnp.max(jnp.where(mask, imp_weight, 0.0), initial=0.0),
+        "ratio_sum": sg(jnp.sum(ratio * valid)),
+        "approx_kl_sum": jnp.sum(jnp.where(mask, approx_kl, 0.0)),
+        "loss_sum": sg(loss_sum),
+    }
+    return loss, stats
+
+
+def accumulate_loss_stats(
+    total: dict[str, jax.Array] | None, new: dict[str, jax.Array]
+) -> dict[str, jax.Array]:
+    """Combine decoupled_ppo_loss stats of two micro-batches (sums add, maxima max)."""
+    if total is None:
+        return dict(new)
+    if total.keys() != new.keys():
+        raise ValueError(f"stats keys differ: {sorted(total)} vs {sorted(new)}")
+    return {
+        k: jnp.maximum(total[k], new[k]) if k in _MAX_STATS else total[k] + new[k]
+        for k in total
+    }
+
+
+def summarize_loss_stats(stats: dict[str, jax.Array]) -> dict[str, float]:
+    """Turn accumulated sums into logged means (fractions over valid tokens)."""
+    n = float(stats["n_valid"])
+    per_token = max(n, 1.0)  # an all-padding batch logs zeros
+    return {
+        "n_valid_tokens": n,
+        "clip_frac": float(stats["n_clipped"]) / per_token,
+        "capped_frac": float(stats["n_capped"]) / per_token,
+        "imp_weight_mean": float(stats["imp_weight_sum"]) / per_token,
+        "imp_weight_max": float(stats["imp_weight_max"]),
+        "ratio_mean": float(stats["ratio_sum"]) / per_token,
+        "approx_kl": float(stats["approx_kl_sum"]) / per_token,
+        "loss_token_mean": float(stats["loss_sum"]) / per_token,
+    }
+
+
+def _check_temperature(temperature: float) -> None:
+    if isinstance(temperature, (int, float)) and not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+def _check_clip_args(eps_clip, eps_clip_higher, cap) -> None:
+    # Only Python numbers are checked: these are static hyperparameters, but a traced
+    # value must not crash the check.
+    if isinstance(eps_clip, (int, float)) and not 0.0 < eps_clip < 1.0:
+        raise ValueError(f"eps_clip must be in (0, 1), got {eps_clip}")
+    if isinstance(eps_clip_higher, (int, float)) and not eps_clip_higher > 0.0:
+        raise ValueError(f"eps_clip_higher must be > 0, got {eps_clip_higher}")
+    if isinstance(cap, (int, float)) and not cap > 0.0:
+        raise ValueError(f"behav_imp_weight_cap must be > 0, got {cap}")
