@@ -19,6 +19,10 @@ logger = logging.getLogger(__name__)
 # environment (TPU pod, SLURM, Open MPI, ...) was detected.
 _NO_CLUSTER_MESSAGE = "coordinator_address should be defined"
 
+# Set once auto-detection found no cluster, so later calls stay no-ops even after the
+# backend is up (jax.distributed.initialize would then refuse to run).
+_single_process = False
+
 
 def initialize_distributed(
     coordinator: str | None = None,
@@ -32,8 +36,11 @@ def initialize_distributed(
     returns False. CPU cross-process collectives use gloo unless already configured.
     Calling again after a successful start is a no-op.
     """
+    global _single_process
     if jax.distributed.is_initialized():
         return True
+    if _single_process:
+        return False
     if jax.config.jax_cpu_collectives_implementation is None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     auto = coordinator is None and num_processes is None and process_id is None
@@ -44,6 +51,7 @@ def initialize_distributed(
     except ValueError as e:
         if auto and _NO_CLUSTER_MESSAGE in str(e):
             logger.info("no cluster environment detected: running as a single process")
+            _single_process = True
             return False
         raise
     logger.info(

@@ -1,0 +1,128 @@
+"""One process of the 2-process weight-transfer test (run by tests/test_weight_sync.py).
+
+Usage: multiprocess_weight_sync_worker.py PORT PROCESS_ID NUM_PROCESSES OUT_DIR
+Expects JAX_NUM_CPU_DEVICES=4 in the environment. Writes OUT_DIR/result_<id>.json.
+"""
+
+import json
+import pathlib
+import sys
+import traceback
+
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
+def _expected(shape, offset):
+    import numpy as np
+
+    n = int(np.prod(shape))
+    return np.arange(n, dtype=np.float32).reshape(shape) * np.float32(0.25) + np.float32(offset)
+
+
+def _check_case(name, cfg, dtype, checked):
+    """Builds meshes, transfers twice (new values the second time), checks bitwise."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from areal_jax.parallel import WeightSync, build_meshes
+
+    meshes = build_meshes(cfg)
+    # The global train mesh spans both hosts, each host a contiguous block along fsdp.
+    flat = list(meshes.train.devices.flat)
+    assert len(flat) == (8 if meshes.colocated else 4), flat
+    owners = [d.process_index for d in flat]
+    assert owners == sorted(owners), owners
+    assert all(d.process_index == jax.process_index() for d in meshes.generation.devices.flat)
+
+    layout = {  # name -> (shape, train spec, generation spec)
+        "embed": ((32, 16), P("fsdp", "tensor"), P(None, "tensor")),
+        "block": {
+            "w": ((16, 48), P(None, ("fsdp", "tensor")), P("tensor", None)),
+            "norm": ((16,), P(), P("data")),
+        },
+    }
+    is_entry = lambda x: isinstance(x, tuple) and len(x) == 3  # noqa: E731
+    train_specs = jax.tree.map(lambda e: e[1], layout, is_leaf=is_entry)
+    generation_specs = jax.tree.map(lambda e: e[2], layout, is_leaf=is_entry)
+    sync = WeightSync(meshes, train_specs, generation_specs, generation_dtype=dtype)
+
+    for offset in (0.0, 3.0):
+        def make(entry):
+            shape, spec, _ = entry
+            full = _expected(shape, offset)
+            return jax.make_array_from_callback(shape, NamedSharding(meshes.train, spec), lambda i: full[i])
+
+        train_params = jax.tree.map(make, layout, is_leaf=is_entry)
+        compiles = []
+        listener = lambda event, _secs, **kw: compiles.append(event == BACKEND_COMPILE)  # noqa: E731
+        jax.monitoring.register_event_duration_secs_listener(listener)
+        try:
+            out = sync.transfer(train_params)
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listener)
+        # First transfer compiles; the second must not compile anything.
+        assert any(compiles) == (offset == 0.0), (name, offset, sum(compiles))
+        for (shape, _, spec), got in zip(
+            jax.tree.leaves(layout, is_leaf=is_entry), jax.tree.leaves(out)
+        ):
+            want = _expected(shape, offset)
+            if dtype is not None:
+                want = np.asarray(jnp.asarray(want).astype(dtype))
+            assert got.is_fully_addressable
+            assert got.sharding.is_equivalent_to(NamedSharding(meshes.generation, spec), got.ndim)
+            assert set(got.sharding.device_set) == set(meshes.generation_devices_local)
+            assert np.asarray(got).tobytes() == want.tobytes(), (name, shape)
+            for shard in got.addressable_shards:
+                assert np.asarray(shard.data).tobytes() == want[shard.index].tobytes()
+        del train_params
+    assert sync.compiled_programs() == 1, sync.compiled_programs()
+    assert not sync.last_stats.compiled and sync.last_stats.index == 2
+    checked.append(name)
+
+
+def main():
+    port, process_id, num_processes, out_dir = sys.argv[1:5]
+    process_id, num_processes = int(process_id), int(num_processes)
+    result = {"ok": False, "process_id": process_id, "checked": []}
+    try:
+        from areal_jax.parallel import initialize_distributed
+
+        assert initialize_distributed(f"127.0.0.1:{port}", num_processes, process_id)
+        assert initialize_distributed(f"127.0.0.1:{port}", num_processes, process_id)  # idempotent
+
+        import jax
+        import jax.numpy as jnp
+
+        from areal_jax.parallel import MeshConfig, agree_max, agree_sum
+
+        assert jax.process_count() == num_processes and jax.local_device_count() == 4
+        result["agree_max"] = agree_max(process_id + 3)
+        result["agree_sum"] = agree_sum(process_id + 3)
+
+        split = dict(num_generation_devices_per_host=2)
+        _check_case("train4x1-gen2x1-bf16", MeshConfig(**split), jnp.bfloat16, result["checked"])
+        _check_case(
+            "train2x2-gen1x2-fp32",
+            MeshConfig(**split, train_tensor=2, generation_tensor=2),
+            None,
+            result["checked"],
+        )
+        _check_case(
+            "colocated-fp32",
+            MeshConfig(colocated=True, train_tensor=2, generation_tensor=2),
+            None,
+            result["checked"],
+        )
+        result["ok"] = True
+    except Exception:  # the parent test reports the traceback
+        result["error"] = traceback.format_exc()
+        print(result["error"], file=sys.stderr, flush=True)
+    pathlib.Path(out_dir, f"result_{process_id}.json").write_text(json.dumps(result))
+    sys.exit(0 if result["ok"] else 1)
+
+
+if __name__ == "__main__":
+    main()
