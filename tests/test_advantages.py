@@ -1,0 +1,273 @@
+"""compute_advantages: hand-computed cases per normalization, loop-based NumPy
+references on random batches, KL shaping, KL estimators against closed forms, errors."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from areal_jax.ppo import AdvantageConfig, compute_advantages, kl_estimate
+
+
+def mask_from_lengths(lengths, t):
+    return np.arange(t)[None, :] < np.asarray(lengths)[:, None]
+
+
+# --------------------------------------------------------------------------- hand cases
+
+
+def test_batch_norm_hand_case_token_weighted():
+    # Rewards 5 (2 tokens) and -5 (3 tokens). Token-weighted: mean = (10 - 15) / 5 = -1,
+    # var = (2 * 36 + 3 * 16) / 5 = 24.
+    mask = mask_from_lengths([2, 3], 4)
+    adv = compute_advantages(np.array([5.0, -5.0]), np.array([0, 0]), mask, AdvantageConfig(eps=1e-5))
+    std = np.sqrt(24.0)
+    want = np.array([[6, 6, 0, 0], [-4, -4, -4, 0]]) / (std + 1e-5)
+    np.testing.assert_allclose(adv, want * mask, rtol=1e-6)
+    assert adv.dtype == np.float32
+
+
+def test_group_norms_hand_case():
+    # Group 7: rewards 1 (1 token), 3 (1 token); group 2: rewards 0 (2 tokens), 0, 6 (1 token).
+    rewards = np.array([1.0, 3.0, 0.0, 6.0])
+    groups = np.array([7, 7, 2, 2])
+    mask = mask_from_lengths([1, 1, 2, 1], 3)
+    g = compute_advantages(rewards, groups, mask, AdvantageConfig(norm="group", eps=0.5))
+    # group 7: mean 2, std 1 -> +-1 / 1.5; group 2: tokens [0, 0, 6], mean 2, std sqrt(8)
+    s2 = np.sqrt(8.0) + 0.5
+    want = np.array([[-1 / 1.5, 0, 0], [1 / 1.5, 0, 0], [-2 / s2, -2 / s2, 0], [4 / s2, 0, 0]])
+    np.testing.assert_allclose(g, want, rtol=1e-6)
+
+    gm = compute_advantages(rewards, groups, mask, AdvantageConfig(norm="group_mean"))
+    np.testing.assert_allclose(gm, [[-1, 0, 0], [1, 0, 0], [-2, -2, 0], [4, 0, 0]], rtol=1e-6)
+
+    loo = compute_advantages(rewards, groups, mask, AdvantageConfig(norm="rloo"))
+    # rloo: sequence-level baseline = the other member's reward.
+    np.testing.assert_allclose(loo, [[-2, 0, 0], [2, 0, 0], [-6, -6, 0], [6, 0, 0]], rtol=1e-6)
+
+    none = compute_advantages(rewards, groups, mask, AdvantageConfig(norm="none"))
+    np.testing.assert_allclose(none, rewards[:, None] * mask)
+
+
+def test_rloo_three_members():
+    rewards = np.array([1.0, 2.0, 6.0])
+    adv = compute_advantages(rewards, np.zeros(3, int), np.ones((3, 2), bool), AdvantageConfig(norm="rloo"))
+    np.testing.assert_allclose(adv[:, 0], [1 - 4, 2 - 3.5, 6 - 1.5])
+    assert abs(adv[:, 0].sum() - 1.5 * (rewards - rewards.mean()).sum()) < 1e-9
+
+
+def test_reward_bias_scale_clip_order():
+    # (r + bias) * scale, then clip: (4 + 1) * 2 = 10 -> 3; (-1 + 1) * 2 = 0; (-3 + 1) * 2 = -4 -> -3.
+    cfg = AdvantageConfig(norm="none", reward_bias=1.0, reward_scale=2.0, reward_clip=3.0)
+    adv = compute_advantages(np.array([4.0, -1.0, -3.0]), np.arange(3), np.ones((3, 1), bool), cfg)
+    np.testing.assert_allclose(adv[:, 0], [3.0, 0.0, -3.0])
+
+
+@pytest.mark.parametrize("norm", ["group", "group_mean", "rloo"])
+def test_identical_rewards_in_group_give_zero(norm):
+    rng = np.random.default_rng(0)
+    rewards = np.repeat([5.0, -5.0, 1.0], 4)
+    groups = np.repeat([3, 1, 2], 4)
+    mask = mask_from_lengths(rng.integers(1, 9, 12), 8)
+    adv = compute_advantages(rewards, groups, mask, AdvantageConfig(norm=norm))
+    np.testing.assert_array_equal(adv, 0.0)
+
+
+def test_all_masked_batch_and_rows_are_zero():
+    mask = np.zeros((3, 4), bool)
+    for norm in ("batch", "group", "group_mean", "none"):
+        adv = compute_advantages(np.array([1.0, 2.0, 3.0]), np.zeros(3, int), mask, AdvantageConfig(norm=norm))
+        np.testing.assert_array_equal(adv, 0.0)
+    mask[0, :2] = True
+    mask[2, :1] = True
+    adv = compute_advantages(np.array([1.0, 9.0, 3.0]), np.zeros(3, int), mask, AdvantageConfig())
+    assert np.all(adv[1] == 0)  # the empty row does not enter the statistics
+    # Token values [1, 1, 3]: mean 5/3, biased std sqrt(8/9).
+    std = np.sqrt(8 / 9) + 1e-5
+    np.testing.assert_allclose(adv[0], [-2 / 3 / std, -2 / 3 / std, 0, 0], rtol=1e-6)
+    np.testing.assert_allclose(adv[2], [4 / 3 / std, 0, 0, 0], rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- references
+
+
+def reference(rewards, groups, mask, cfg, logprobs=None, ref_logprobs=None):
+    """Loop-based NumPy reference, written independently of the library's vectorization."""
+    n, t = mask.shape
+    r = (rewards + cfg.reward_bias) * cfg.reward_scale
+    if cfg.reward_clip is not None:
+        r = np.clip(r, -cfg.reward_clip, cfg.reward_clip)
+    ret = np.zeros((n, t))
+    for i in range(n):
+        running = r[i]
+        for j in reversed(range(t)):
+            if not mask[i, j]:
+                continue
+            if cfg.kl_coef:
+                d = logprobs[i, j] - ref_logprobs[i, j]
+                kl = {"k1": d, "k2": d * d / 2, "k3": np.exp(-d) + d - 1}[cfg.kl_estimator]
+                running -= cfg.kl_coef * kl
+            ret[i, j] = running
+    vals = lambda rows: [ret[i, j] for i in rows for j in range(t) if mask[i, j]]  # noqa: E731
+    out = np.zeros((n, t))
+    for i in range(n):
+        members = [k for k in range(n) if groups[k] == groups[i]]
+        pool = range(n) if cfg.norm == "batch" else members
+        v = np.array(vals(pool))
+        for j in range(t):
+            if not mask[i, j]:
+                continue
+            if cfg.norm == "none":
+                out[i, j] = ret[i, j]
+            elif cfg.norm in ("batch", "group"):
+                out[i, j] = (ret[i, j] - v.mean()) / (v.std() + cfg.eps)
+            elif cfg.norm == "group_mean":
+                out[i, j] = ret[i, j] - v.mean()
+            else:
+                others = [r[k] for k in members if k != i]
+                out[i, j] = ret[i, j] - np.mean(others)
+    return out
+
+
+def random_case(seed, n_groups=4, group_size=3, t=10):
+    rng = np.random.default_rng(seed)
+    n = n_groups * group_size
+    rewards = rng.choice([5.0, -5.0, 0.5], n) + rng.normal(0, 0.1, n)
+    groups = rng.permutation(np.repeat(rng.choice(100, n_groups, replace=False), group_size))
+    lengths = rng.integers(1, t + 1, n)
+    lengths[rng.integers(n)] = 0  # an answer with no trained tokens
+    mask = mask_from_lengths(lengths, t)
+    logprobs = -rng.uniform(0.01, 3, (n, t))
+    ref = logprobs + rng.normal(0, 0.3, (n, t))
+    logprobs[~mask] = -np.inf  # padding garbage must not leak
+    return rewards, groups, mask, logprobs, ref
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("norm", ["batch", "group", "group_mean", "rloo", "none"])
+@pytest.mark.parametrize("kl", [(0.0, "k1"), (0.1, "k1"), (0.05, "k2"), (0.2, "k3")])
+def test_matches_reference(seed, norm, kl):
+    rewards, groups, mask, logprobs, ref = random_case(seed)
+    cfg = AdvantageConfig(norm=norm, kl_coef=kl[0], kl_estimator=kl[1], reward_bias=0.5,
+                          reward_scale=0.5, reward_clip=2.0)
+    got = compute_advantages(rewards, groups, mask, cfg, logprobs=logprobs, ref_logprobs=ref)
+    want = reference(rewards, groups, mask, cfg, logprobs, ref)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_invariants_of_normalizations():
+    rewards, groups, mask, logprobs, ref = random_case(7)
+    cfg = AdvantageConfig(kl_coef=0.1)
+    batch = compute_advantages(rewards, groups, mask, cfg, logprobs=logprobs, ref_logprobs=ref)
+    np.testing.assert_allclose(batch[mask].mean(), 0.0, atol=1e-5)
+    np.testing.assert_allclose(batch[mask].std(), 1.0, atol=1e-4)
+    for gid in np.unique(groups):
+        rows = groups == gid
+        g = compute_advantages(rewards, groups, mask, dataclasses.replace(cfg, norm="group"),
+                               logprobs=logprobs, ref_logprobs=ref)
+        np.testing.assert_allclose(g[rows][mask[rows]].mean(), 0.0, atol=1e-5)
+    # Shift invariance: adding a constant to every reward changes no normalized advantage.
+    for norm in ("batch", "group", "group_mean", "rloo"):
+        c = dataclasses.replace(cfg, norm=norm)
+        a = compute_advantages(rewards, groups, mask, c, logprobs=logprobs, ref_logprobs=ref)
+        b = compute_advantages(rewards + 3.0, groups, mask, c, logprobs=logprobs, ref_logprobs=ref)
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_kl_shaping_is_reward_to_go():
+    # One sequence, 3 tokens, k1 penalty: tokens see R - c * (kl_t + kl_{t+1} + ...).
+    logp = np.array([[-1.0, -2.0, -0.5, -9.0]])
+    ref = np.array([[-1.5, -1.0, -0.5, 0.0]])  # k1 = [0.5, -1, 0]
+    mask = np.array([[True, True, True, False]])
+    cfg = AdvantageConfig(norm="none", kl_coef=0.1)
+    adv = compute_advantages(np.array([2.0]), np.array([0]), mask, cfg, logprobs=logp, ref_logprobs=ref)
+    np.testing.assert_allclose(adv, [[2 - 0.1 * (-0.5), 2 - 0.1 * (-1.0), 2.0, 0.0]], rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- KL estimators
+
+
+def test_kl_estimators_closed_forms():
+    rng = np.random.default_rng(0)
+    p = rng.dirichlet(np.ones(7))
+    q = rng.dirichlet(np.ones(7))
+    kl = float(np.sum(p * np.log(p / q)))
+    lp, lq = np.log(p), np.log(q)
+    # Expectations under x ~ p, taken exactly over the support.
+    assert np.sum(p * kl_estimate(lp, lq, "k1")) == pytest.approx(kl, rel=1e-12)
+    assert np.sum(p * kl_estimate(lp, lq, "k3")) == pytest.approx(kl, rel=1e-10)
+    assert np.sum(p * kl_estimate(lp, lq, "k2")) == pytest.approx(0.5 * np.sum(p * np.log(p / q) ** 2))
+    assert np.all(kl_estimate(lp, lq, "k2") >= 0) and np.all(kl_estimate(lp, lq, "k3") >= 0)
+    # k2 matches KL to second order for nearby distributions.
+    q2 = p * np.exp(1e-3 * rng.normal(size=7))
+    q2 /= q2.sum()
+    kl2 = float(np.sum(p * np.log(p / q2)))
+    assert np.sum(p * kl_estimate(lp, np.log(q2), "k2")) == pytest.approx(kl2, rel=1e-2)
+
+
+def test_kl_estimate_pointwise_and_jax():
+    d = np.array([-1.0, 0.0, 0.3])
+    np.testing.assert_allclose(kl_estimate(d, np.zeros(3), "k1"), d)
+    np.testing.assert_allclose(kl_estimate(d, np.zeros(3), "k2"), d**2 / 2)
+    np.testing.assert_allclose(kl_estimate(d, np.zeros(3), "k3"), np.exp(-d) + d - 1)
+    out = kl_estimate(jnp.asarray(d), jnp.zeros(3), "k3")
+    assert isinstance(out, jnp.ndarray)
+    np.testing.assert_allclose(out, np.exp(-d) + d - 1, rtol=1e-6)
+    tiny = kl_estimate(np.array([1e-9]), np.array([0.0]), "k3")
+    assert tiny[0] == pytest.approx(5e-19, rel=1e-6)  # expm1 keeps precision near 0
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    "kwargs, err, match",
+    [
+        (dict(norm="grpo"), ValueError, "norm"),
+        (dict(kl_estimator="k4"), ValueError, "kl_estimator"),
+        (dict(eps=0.0), ValueError, "eps"),
+        (dict(reward_scale=0.0), ValueError, "reward_scale"),
+        (dict(reward_scale=float("nan")), ValueError, "reward_scale"),
+        (dict(reward_clip=0.0), ValueError, "reward_clip"),
+        (dict(kl_coef=-0.1), ValueError, "kl_coef"),
+        (dict(reward_bias="1"), TypeError, "reward_bias"),
+    ],
+)
+def test_bad_config(kwargs, err, match):
+    with pytest.raises(err, match=match):
+        AdvantageConfig(**kwargs)
+
+
+def test_config_is_frozen():
+    cfg = AdvantageConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.norm = "group"
+
+
+def test_bad_inputs():
+    mask = np.ones((2, 3), bool)
+    cfg = AdvantageConfig()
+    with pytest.raises(ValueError, match="rewards"):
+        compute_advantages(np.ones(3), np.zeros(2, int), mask, cfg)
+    with pytest.raises(ValueError, match="group_ids"):
+        compute_advantages(np.ones(2), np.zeros(3, int), mask, cfg)
+    with pytest.raises(TypeError, match="group_ids"):
+        compute_advantages(np.ones(2), np.zeros(2), mask, cfg)
+    with pytest.raises(ValueError, match="loss_mask"):
+        compute_advantages(np.ones(2), np.zeros(2, int), np.ones(2, bool), cfg)
+    with pytest.raises(ValueError, match="finite"):
+        compute_advantages(np.array([1.0, np.nan]), np.zeros(2, int), mask, cfg)
+    with pytest.raises(TypeError, match="AdvantageConfig"):
+        compute_advantages(np.ones(2), np.zeros(2, int), mask, {"norm": "batch"})
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        compute_advantages(np.ones(2), np.zeros(2, int), mask, AdvantageConfig(kl_coef=0.1))
+    with pytest.raises(ValueError, match="logprobs"):
+        compute_advantages(np.ones(2), np.zeros(2, int), mask, AdvantageConfig(kl_coef=0.1),
+                           logprobs=np.zeros((2, 4)), ref_logprobs=np.zeros((2, 3)))
+    with pytest.raises(ValueError, match=r"groups \[5\]"):
+        compute_advantages(np.ones(3), np.array([1, 1, 5]), np.ones((3, 2), bool), AdvantageConfig(norm="rloo"))
+    with pytest.raises(ValueError, match="estimator"):
+        kl_estimate(np.zeros(2), np.zeros(2), "k5")
+    with pytest.raises(ValueError, match="shape"):
+        kl_estimate(np.zeros(2), np.zeros(3))
