@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from areal_jax.models.tokenizer import ChatTemplateError, Tokenizer, TokenizerConfig
-from tests.tokenizer_fixtures import build_tiny_tokenizer
+from tests.tokenizer_fixtures import build_tiny_tokenizer, build_tiny_wordpiece_tokenizer
 
 DATE = {"date_string": "26 Jul 2024"}  # Llama-3 templates otherwise print today's date
 
@@ -79,6 +79,9 @@ SETUPS_BY_KEY = {s[0]: s for s in SETUPS}
 CHAT_IDS = [_chat_id(key, SETUPS_BY_KEY[key][3][i]) for key, i in CHAT_CASES]
 
 
+EXTRA_DIRS = ["chatml_map", "chatml_bosflag", "wordpiece"]  # tokenizer dirs checked without chats
+
+
 @pytest.fixture(scope="module")
 def tokenizer_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tokenizers")
@@ -87,19 +90,27 @@ def tokenizer_dirs(tmp_path_factory):
     dirs["chatml_map"] = build_tiny_tokenizer(root / "chatml_map", "chatml")
     (dirs["chatml_map"] / "special_tokens_map.json").write_text(json.dumps(
         {"eos_token": {"content": "<|endoftext|>", "special": True}, "pad_token": "<|im_start|>"}))
+    # transformers 5 ignores add_bos_token when tokenizer.json exists: its post-processor decides.
+    dirs["chatml_bosflag"] = build_tiny_tokenizer(root / "chatml_bosflag", "chatml")
+    config_path = dirs["chatml_bosflag"] / "tokenizer_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "add_bos_token": True,
+                                       "bos_token": "<|endoftext|>"}))
+    # WordPiece decoding goes through the legacy clean-up (" ," -> ","); BPE decoding does not.
+    dirs["wordpiece"] = build_tiny_wordpiece_tokenizer(root / "wordpiece")
     return dirs
 
 
 def _ids_of(tokenizer_dir):
     tok = Tokenizer.from_pretrained(tokenizer_dir)
-    return [tok.encode(t) for t in TEXTS] + [[0, 1, 2, 3, 4, 5, 17, 42, 99]]
+    punctuated = "hello , world . is n't it ? yes ! 3 , 4"
+    return [tok.encode(t) for t in TEXTS + [punctuated]] + [[0, 1, 2, 3, 4, 5, 17, 42, 99]]
 
 
 @pytest.fixture(scope="module")
 def hf(reference, tokenizer_dirs):
     """transformers' answers for every setup, from one reference call."""
-    keys = [s[0] for s in SETUPS] + ["chatml_map"]
-    chats = {s[0]: s[3] for s in SETUPS} | {"chatml_map": []}
+    keys = [s[0] for s in SETUPS] + EXTRA_DIRS
+    chats = {s[0]: s[3] for s in SETUPS} | {k: [] for k in EXTRA_DIRS}
     requests = [{"path": str(tokenizer_dirs[k]), "texts": TEXTS, "id_lists": _ids_of(tokenizer_dirs[k]),
                  "chats": [{k2: v for k2, v in c.items() if k2 != "name"} for c in chats[k]]} for k in keys]
     results = reference.run("tokenizer_parity", requests=requests)["results"]
@@ -134,7 +145,7 @@ def test_reference_cases_cover_errors_and_thinking(hf):
     assert "17 minus 9" not in qwen3["qwen3-multi_turn-agp0"]["text"]  # reasoning before the last query is dropped
 
 
-@pytest.mark.parametrize("key", [s[0] for s in SETUPS] + ["chatml_map"])
+@pytest.mark.parametrize("key", [s[0] for s in SETUPS] + EXTRA_DIRS)
 def test_encode_decode_and_special_ids_match_transformers(hf, tokenizer_dirs, key):
     expected = hf[key]
     tok = Tokenizer.from_pretrained(tokenizer_dirs[key])

@@ -181,6 +181,25 @@ def _trained_json(style: str) -> str:
     return tok.to_str()
 
 
+def build_tiny_wordpiece_tokenizer(directory: str | pathlib.Path) -> pathlib.Path:
+    """A BERT-like WordPiece tokenizer with the legacy decode clean-up on (spaces before punctuation)."""
+    out = pathlib.Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    punctuation = ["Hello, world! Isn't it? Yes, it's 3, 4. We're done; I'm sure you've seen."] * 5
+    tok.train_from_iterator(_corpus() + punctuation, trainers.WordPieceTrainer(vocab_size=400, special_tokens=specials,
+                                                                 show_progress=False))
+    tok.save(str(out / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": True,
+              **{f"{name}_token": f"[{name.upper()}]" for name in ("pad", "unk", "cls", "sep", "mask")}}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    return out
+
+
 def _added_token(content: str) -> dict:
     return {"__type": "AddedToken", "content": content, "lstrip": False, "normalized": False,
             "rstrip": False, "single_word": False, "special": True}
