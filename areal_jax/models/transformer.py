@@ -1,0 +1,330 @@
+"""One decoder for Llama 3, Qwen2/2.5 and Qwen3: GQA, RoPE, RMSNorm, SwiGLU.
+
+Conventions (see ModelConfig for the dimension letters B T S D N K H F V L):
+- Parameters live in one nested dict of arrays; layer weights are stacked on a leading `L` axis
+  and the forward pass scans over them (one compiled layer body, whatever the depth).
+- Every parameter has logical axis names (PARAM_AXES); models/sharding.py maps them to a mesh.
+- `forward` is a pure function of (params, tokens) used by the trainer and the generation
+  engine alike; `Transformer` is the Flax NNX module users hold, a thin owner of the same dict.
+- Packed rows: `segment_ids [B, T]` mark sequences (0 = padding); a token attends only to
+  earlier tokens of its own non-zero segment.
+- KV cache (generation): `KVCache` arrays `[L, B, S, K, H]`; a token at position p writes its
+  key/value at cache index p and attends to cache indices <= p of its own row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from areal_jax.models.config import ModelConfig, rope_inverse_frequencies
+from areal_jax.models.sharding import constrain
+
+Params = dict[str, Any]
+Remat = Literal["none", "full", "save_dots"]
+
+
+def param_axes(cfg: ModelConfig) -> dict[str, Any]:
+    """Logical axis names of every parameter, in the layout of the params dict."""
+    layers: dict[str, tuple[str, ...]] = {
+        "attn_norm": ("layers", "norm"),
+        "wq": ("layers", "embed", "q_heads", "head_dim"),
+        "wk": ("layers", "embed", "kv_heads", "head_dim"),
+        "wv": ("layers", "embed", "kv_heads", "head_dim"),
+        "wo": ("layers", "q_heads", "head_dim", "embed"),
+        "mlp_norm": ("layers", "norm"),
+        "w_gate": ("layers", "embed", "mlp"),
+        "w_up": ("layers", "embed", "mlp"),
+        "w_down": ("layers", "mlp", "embed"),
+    }
+    if cfg.qkv_bias:
+        layers.update(bq=("layers", "q_heads", "head_dim"), bk=("layers", "kv_heads", "head_dim"),
+                      bv=("layers", "kv_heads", "head_dim"))
+    if cfg.o_bias:
+        layers["bo"] = ("layers", "norm")
+    if cfg.mlp_bias:
+        layers.update(b_gate=("layers", "mlp"), b_up=("layers", "mlp"), b_down=("layers", "norm"))
+    if cfg.qk_norm:
+        layers.update(q_norm=("layers", "head_dim"), k_norm=("layers", "head_dim"))
+    axes: dict[str, Any] = {"embed": ("vocab", "embed"), "layers": layers, "final_norm": ("norm",)}
+    if not cfg.tie_word_embeddings:
+        axes["lm_head"] = ("embed", "vocab")
+    return axes
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
+    """Shape of every parameter, in the layout of the params dict."""
+    L, D, N, K, H, F, V = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                           cfg.intermediate_size, cfg.vocab_size)
+    sizes = {"layers": L, "embed": D, "q_heads": N, "kv_heads": K, "head_dim": H, "mlp": F, "vocab": V,
+             "norm": D}
+    return jax.tree.map(lambda axes: tuple(sizes[a] for a in axes), param_axes(cfg),
+                        is_leaf=lambda x: isinstance(x, tuple))
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> Params:
+    """Random weights (normal(std)); norms start at one and biases at zero, as in HF."""
+    shapes = param_shapes(cfg)
+    flat, treedef = jax.tree.flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(key, len(flat))
+    leaves = []
+    for (path, shape), k in zip(flat, keys):
+        name = path[-1].key
+        if name.endswith("norm"):
+            leaves.append(jnp.ones(shape, dtype))
+        elif name.startswith("b"):
+            leaves.append(jnp.zeros(shape, dtype))
+        else:
+            leaves.append((std * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
+    return jax.tree.unflatten(treedef, leaves)
+
+
+# ---- building blocks ------------------------------------------------------------------------------
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in fp32 (as HF does), returned in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (weight.astype(jnp.float32) * x32).astype(x.dtype)
+
+
+def rotary(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotates pairs (i, i + H/2) of `x [B, T, *, H]` by angle position * inv_freq (HF layout)."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """GQA attention. q `[B, T, N, H]`, k/v `[B, S, K, H]`, mask `[B, T, S]` -> `[B, T, N, H]`."""
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    qg = q.reshape(B, T, K, N // K, H)
+    scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * (H ** -0.5)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
+    return out.reshape(B, T, N, H)
+
+
+class KVCache(NamedTuple):
+    """Keys and values of every layer: `k, v [L, B, S, K, H]` (B = decode slots)."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @classmethod
+    def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> "KVCache":
+        shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def segment_positions(segment_ids: jax.Array) -> jax.Array:
+    """Position of each token within its segment: `[B, T] -> [B, T]` (padding gets 0)."""
+    idx = jnp.arange(segment_ids.shape[1])
+    starts = jnp.concatenate(
+        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    start_idx = jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+    return jnp.where(segment_ids > 0, idx - start_idx, 0)
+
+
+def _layer(cfg: ModelConfig, inv_freq, x, p, positions, mask, cache_kv, write_index, compute_dtype):
+    """One decoder layer. x `[B, T, D]`; cache_kv = (k, v) `[B, S, K, H]` of this layer or None."""
+    cast = lambda a: a.astype(compute_dtype)  # noqa: E731
+    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+    q = jnp.einsum("btd,dnh->btnh", h, cast(p["wq"]))
+    k = jnp.einsum("btd,dkh->btkh", h, cast(p["wk"]))
+    v = jnp.einsum("btd,dkh->btkh", h, cast(p["wv"]))
+    if cfg.qkv_bias:
+        q, k, v = q + cast(p["bq"]), k + cast(p["bk"]), v + cast(p["bv"])
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    q = rotary(q, positions, inv_freq)
+    k = rotary(k, positions, inv_freq)
+    q = constrain(q, ("batch", "seq", "act_heads", "head_dim"))
+    if cache_kv is None:
+        attn = attention(q, k, v, mask)
+        new_kv = None
+    else:
+        ck, cv = cache_kv
+        rows = jnp.arange(x.shape[0])[:, None]
+        ck = ck.at[rows, write_index].set(k.astype(ck.dtype), mode="drop")
+        cv = cv.at[rows, write_index].set(v.astype(cv.dtype), mode="drop")
+        attn = attention(q, ck.astype(compute_dtype), cv.astype(compute_dtype), mask)
+        new_kv = (ck, cv)
+    out = jnp.einsum("btnh,nhd->btd", attn, cast(p["wo"]))
+    if cfg.o_bias:
+        out = out + cast(p["bo"])
+    x = x + out
+    x = constrain(x, ("batch", "seq", "act_embed"))
+    h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    gate = jnp.einsum("btd,df->btf", h, cast(p["w_gate"]))
+    up = jnp.einsum("btd,df->btf", h, cast(p["w_up"]))
+    if cfg.mlp_bias:
+        gate, up = gate + cast(p["b_gate"]), up + cast(p["b_up"])
+    act = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
+    down = jnp.einsum("btf,fd->btd", act, cast(p["w_down"]))
+    if cfg.mlp_bias:
+        down = down + cast(p["b_down"])
+    return constrain(x + down, ("batch", "seq", "act_embed")), new_kv
+
+
+_REMAT_POLICIES = {
+    "full": None,
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def forward(
+    params: Params,
+    cfg: ModelConfig,
+    input_ids: jax.Array,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    *,
+    cache: KVCache | None = None,
+    compute_dtype=None,
+    remat: Remat = "none",
+    return_hidden: bool = False,
+) -> tuple[jax.Array, KVCache | None]:
+    """Logits `[B, T, V]` (fp32) and the updated cache.
+
+    Without a cache: positions default to 0..T-1, or to the position within each segment when
+    `segment_ids` is given; attention is causal within segments. With a cache: `positions [B, T]`
+    are required and are also the cache indices written; a position < 0 marks a padding token
+    whose key/value is not written (its logits are meaningless).
+    """
+    B, T = input_ids.shape
+    compute_dtype = compute_dtype or params["embed"].dtype
+    if positions is None:
+        if cache is not None:
+            raise ValueError("forward with a KV cache needs explicit positions [B, T]")
+        positions = (jnp.broadcast_to(jnp.arange(T), (B, T)) if segment_ids is None
+                     else segment_positions(segment_ids))
+    positions = positions.astype(jnp.int32)
+    inv_freq = jnp.asarray(np.asarray(rope_inverse_frequencies(cfg.rope, cfg.head_dim), np.float32))
+
+    if cache is None:
+        idx = jnp.arange(T)
+        mask = idx[None, :, None] >= idx[None, None, :]  # [1, T, S] causal by array index
+        if segment_ids is not None:
+            same = segment_ids[:, :, None] == segment_ids[:, None, :]
+            mask = mask & same & (segment_ids[:, None, :] > 0)
+        mask = jnp.broadcast_to(mask, (B, T, T))
+        write_index = None
+    else:
+        S = cache.k.shape[2]
+        valid = positions >= 0
+        mask = (jnp.arange(S)[None, None, :] <= positions[:, :, None]) & valid[:, :, None]  # [B, T, S]
+        write_index = jnp.where(valid, positions, S)  # index S is out of bounds: dropped
+        positions = jnp.maximum(positions, 0)
+
+    x = params["embed"].astype(compute_dtype)[input_ids]
+    x = constrain(x, ("batch", "seq", "act_embed"))
+    layer_fn = lambda x, p, kv: _layer(cfg, inv_freq, x, p, positions, mask, kv, write_index, compute_dtype)  # noqa: E731
+    if remat != "none":
+        layer_fn = jax.checkpoint(layer_fn, policy=_REMAT_POLICIES[remat])
+
+    if cache is None:
+        def body(x, p):
+            x, _ = layer_fn(x, p, None)
+            return x, None
+
+        x, _ = jax.lax.scan(body, x, params["layers"])
+        new_cache = None
+    else:
+        def body(carry, p_and_index):
+            x, ck, cv = carry
+            p, i = p_and_index
+            x, (k_i, v_i) = layer_fn(x, p, (ck[i], cv[i]))
+            ck = jax.lax.dynamic_update_index_in_dim(ck, k_i, i, 0)
+            cv = jax.lax.dynamic_update_index_in_dim(cv, v_i, i, 0)
+            return (x, ck, cv), None
+
+        (x, ck, cv), _ = jax.lax.scan(body, (x, cache.k, cache.v),
+                                      (params["layers"], jnp.arange(cfg.num_layers)))
+        new_cache = KVCache(ck, cv)
+
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    if return_hidden:
+        return x, new_cache
+    logits = lm_head(params, cfg, x)
+    return logits, new_cache
+
+
+def lm_head(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """Final-norm hidden states `[B, T, D]` -> fp32 logits `[B, T, V]`."""
+    w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    logits = jnp.einsum("btd,dv->btv", hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
+    return constrain(logits, ("batch", "seq", "act_vocab"))
+
+
+# ---- the NNX module -------------------------------------------------------------------------------
+
+
+class Transformer(nnx.Module):
+    """The policy model. `model(input_ids, positions=None, segment_ids=None) -> logits [B, T, V]`.
+
+    Holds its weights as `nnx.Param`s (with `axes` metadata) in the layout of `param_axes`;
+    `model.params` gives the plain dict that `forward` takes.
+    """
+
+    def __init__(self, config: ModelConfig, params: Params | None = None, *, rngs: nnx.Rngs | None = None,
+                 dtype=jnp.float32):
+        self.config = config
+        if params is None:
+            key = (rngs or nnx.Rngs(0)).params()
+            params = init_params(config, key, dtype)
+        self._set(params)
+
+    def _set(self, params: Params) -> None:
+        axes = param_axes(self.config)
+        _check_layout(params, axes)
+        self.embed = nnx.Param(params["embed"], axes=axes["embed"])
+        self.final_norm = nnx.Param(params["final_norm"], axes=axes["final_norm"])
+        if "lm_head" in axes:
+            self.lm_head = nnx.Param(params["lm_head"], axes=axes["lm_head"])
+        self.layers = nnx.Dict({name: nnx.Param(params["layers"][name], axes=a)
+                                for name, a in axes["layers"].items()})
+
+    @property
+    def params(self) -> Params:
+        """The weights as a plain nested dict of arrays (what `forward` takes)."""
+        out = {"embed": self.embed[...], "final_norm": self.final_norm[...],
+               "layers": {name: p[...] for name, p in self.layers.items()}}
+        if "lm_head" in param_axes(self.config):
+            out["lm_head"] = self.lm_head[...]
+        return out
+
+    def replace_params(self, params: Params) -> None:
+        """Swaps in new weights of the same layout (e.g. after a training step)."""
+        self._set(params)
+
+    def __call__(self, input_ids, positions=None, segment_ids=None, *, compute_dtype=None) -> jax.Array:
+        logits, _ = forward(self.params, self.config, jnp.asarray(input_ids),
+                            None if positions is None else jnp.asarray(positions),
+                            None if segment_ids is None else jnp.asarray(segment_ids),
+                            compute_dtype=compute_dtype)
+        return logits
+
+
+def _check_layout(params: Mapping[str, Any], axes: Mapping[str, Any], prefix: str = "") -> None:
+    missing = set(axes) - set(params)
+    extra = set(params) - set(axes)
+    if missing or extra:
+        raise ValueError(f"params{prefix}: missing {sorted(missing)}, unexpected {sorted(extra)}")
+    for name, a in axes.items():
+        if isinstance(a, Mapping):
+            _check_layout(params[name], a, f"{prefix}[{name!r}]")
+        elif np.ndim(params[name]) != len(a):
+            raise ValueError(f"params{prefix}[{name!r}] has rank {np.ndim(params[name])}, expected {len(a)} {a}")

@@ -1,0 +1,118 @@
+"""Reference side of the parity tests: runs under .venv-ref (Python 3.11, torch CPU, transformers).
+
+Reads one JSON request on stdin, writes one JSON reply line on stdout. Ops:
+  make_model     {family, config, out, seed, max_shard_size?}: random model saved in HF format
+  logits         {model, sequences, out}: fp32 logits of each unpadded sequence -> out (.npz)
+  chat_template  {tokenizer, conversations, add_generation_prompt}: rendered text and ids
+  generate       {model, prompts, max_new_tokens}: greedy continuation of each prompt
+  many           {requests}: several of the above in one process
+"""
+
+import json
+import sys
+
+import numpy as np
+import torch
+import transformers
+
+CONFIG_CLASSES = {
+    "llama": transformers.LlamaConfig,
+    "qwen2": transformers.Qwen2Config,
+    "qwen3": transformers.Qwen3Config,
+}
+
+
+def make_model(family, config, out, seed=0, max_shard_size=None):
+    torch.manual_seed(seed)
+    cfg = CONFIG_CLASSES[family](**config)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.eval()
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out, safe_serialization=True, **kwargs)
+    return {"params": sum(p.numel() for p in model.parameters())}
+
+
+def _load(path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.eval()
+
+
+@torch.no_grad()
+def logits(model, sequences, out):
+    m = _load(model)
+    arrays = {}
+    for i, seq in enumerate(sequences):
+        ids = torch.tensor([seq], dtype=torch.long)
+        arrays[f"logits_{i}"] = m(input_ids=ids).logits[0].float().numpy()
+    np.savez(out, **arrays)
+    return {"n": len(sequences)}
+
+
+def chat_template(tokenizer, conversations, add_generation_prompt=True):
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer)
+    texts, ids = [], []
+    for conv in conversations:
+        texts.append(tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt))
+        enc = tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=add_generation_prompt)
+        if hasattr(enc, "keys"):
+            enc = enc["input_ids"]
+        ids.append(list(map(int, enc)))
+    return {"texts": texts, "ids": ids}
+
+
+@torch.no_grad()
+def generate(model, prompts, max_new_tokens):
+    m = _load(model)
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p], dtype=torch.long)
+        g = m.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(ids),
+                       pad_token_id=0, eos_token_id=None)
+        outs.append(g[0, len(p):].tolist())
+    return {"tokens": outs}
+
+
+def many(requests):
+    """Runs several requests in one interpreter (torch import is the slow part)."""
+    return {"results": [OPS[r.pop("op")](**r) for r in requests]}
+
+
+OPS = {"make_model": make_model, "logits": logits, "chat_template": chat_template, "generate": generate,
+       "many": many}
+
+def _tokenizer_report(path, chats=(), texts=(), id_lists=()):
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    rendered = []
+    for chat in chats:
+        kw = dict(add_generation_prompt=chat.get("add_generation_prompt", False), tools=chat.get("tools"),
+                  **chat.get("template_kwargs", {}))
+        try:
+            text = tok.apply_chat_template(chat["messages"], tokenize=False, **kw)
+            ids = tok.apply_chat_template(chat["messages"], tokenize=True, return_dict=False, **kw)
+            rendered.append({"text": text, "ids": list(map(int, ids))})
+        except Exception as e:  # noqa: BLE001 - the test compares the message
+            rendered.append({"error": f"{type(e).__name__}: {e}"})
+    return {
+        "chats": rendered,
+        "encode": [tok.encode(t, add_special_tokens=True) for t in texts],
+        "encode_plain": [tok.encode(t, add_special_tokens=False) for t in texts],
+        "decode": [tok.decode(i) for i in id_lists],
+        "decode_skip": [tok.decode(i, skip_special_tokens=True) for i in id_lists],
+        "special": {k: getattr(tok, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
+        "len": len(tok),
+    }
+
+
+def tokenizer_parity(requests):
+    """For each {path, chats: [{messages, add_generation_prompt, tools, template_kwargs}], texts, id_lists}:
+    chat renderings (text and ids, or the error), encodings, decodings and special ids."""
+    return {"results": [_tokenizer_report(**r) for r in requests]}
+
+
+OPS["tokenizer_parity"] = tokenizer_parity
+
+if __name__ == "__main__":
+    torch.set_num_threads(2)
+    request = json.loads(sys.stdin.read())
+    op = request.pop("op")
+    print(json.dumps(OPS[op](**request)))
