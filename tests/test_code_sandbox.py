@@ -1,0 +1,226 @@
+"""code_reward and its sandbox: verdicts, limits, isolation, and cleanup."""
+
+import json
+import os
+import pathlib
+import subprocess
+import time
+import uuid
+
+import pytest
+
+from areal_jax.reward.code import (
+    SandboxLimits,
+    _processes_of_uid,
+    code_reward,
+    extract_last_code_block,
+    normalize_test_cases,
+    outputs_match,
+    run_test_cases,
+)
+
+LIMITS = SandboxLimits(wall_s=1.5, cpu_s=1, memory_mb=256, max_processes=8, file_size_mb=1)
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOUBLE = {"inputs": ["3\n", "5\n", "-4\n"], "outputs": ["6\n", "10\n", "-8\n"]}
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="private-uid sandbox needs root")
+
+
+def fenced(code: str, tag: str = "python") -> str:
+    return f"Here is my solution.\n```{tag}\n{code}\n```\nIt reads n and prints 2n."
+
+
+def assert_no_leftovers(results):
+    for r in results:
+        if os.geteuid() == 0:
+            assert _processes_of_uid(r.uid) == [], f"processes of sandbox uid {r.uid} survived"
+
+
+@pytest.mark.parametrize(
+    ("completion", "expected"),
+    [
+        ("```python\nprint(1)\n```", "print(1)\n"),
+        ("```py\na\n```\n```\nb\n```", "b\n"),
+        ("```python\na\n```\n```bash\nls\n```", "a\n"),  # a non-Python block is skipped
+        ("```Python3\nx = {'a': 1}\n```", "x = {'a': 1}\n"),
+        ("```python\nfirst\n```\ntext\n```python\ntruncated", "first\n"),  # unterminated last block
+        ("  ```python\n  indented\n  ```", "  indented\n"),
+        ("no code here", None),
+        ("inline ```print(1)``` only", None),
+    ],
+)
+def test_extract_last_code_block(completion, expected):
+    assert extract_last_code_block(completion) == expected
+
+
+def test_test_case_formats_and_errors():
+    expected = [("1", "2"), ("a\nb", "c\nd")]
+    apps = {"inputs": ["1", ["a", "b"]], "outputs": ["2", ["c", "d"]]}
+    assert normalize_test_cases(apps) == expected
+    assert normalize_test_cases(json.dumps(apps)) == expected
+    assert normalize_test_cases([{"input": "1", "output": "2"}, {"input": "a\nb", "output": "c\nd"}]) == expected
+    for bad, culprit in [
+        ({"inputs": [], "outputs": []}, "no test cases"),
+        ({"inputs": ["1"], "outputs": []}, "equal length"),
+        ({"inputs": ["1"]}, "'outputs'"),
+        ({"fn_name": "solve", "inputs": [[1]], "outputs": [2]}, "fn_name"),
+        ([{"input": "1"}], "'input' and 'output'"),
+        ({"inputs": [1], "outputs": ["1"]}, "input must be a str"),
+        (42, "dict, list or JSON"),
+    ]:
+        with pytest.raises(ValueError, match=culprit):
+            normalize_test_cases(bad)
+
+
+@pytest.mark.parametrize(
+    ("actual", "expected", "match"),
+    [("6\n", "6", True), ("1  2 \n3\n\n", "1 2\n3", True), ("1 2", "1\n2", False), ("6", "7", False), ("", "0", False)],
+)
+def test_outputs_match(actual, expected, match):
+    assert outputs_match(actual, expected) is match
+
+
+@pytest.mark.parametrize("fmt", ["dict", "json", "list"])
+def test_correct_solution_passes(fmt):
+    cases = {"dict": DOUBLE, "json": json.dumps(DOUBLE),
+             "list": [{"input": i, "output": o} for i, o in zip(DOUBLE["inputs"], DOUBLE["outputs"])]}[fmt]
+    assert code_reward(fenced("n = int(input())\nprint(2 * n)"), cases, limits=LIMITS) == 1.0
+
+
+def test_plain_fence_and_whitespace_tolerance():
+    completion = fenced("n = int(input())\nprint('  ', 2 * n, '  ')\nprint()", tag="")
+    assert code_reward(completion, DOUBLE, limits=LIMITS) == 1.0
+
+
+def test_wrong_answer_and_partial_pass_fail():
+    results = run_test_cases("n = int(input())\nprint(n * n if n != 3 else 6)", DOUBLE, limits=LIMITS)
+    assert [r.verdict for r in results] == ["passed", "wrong_answer", "wrong_answer"]
+    assert code_reward(fenced("print(6)"), DOUBLE, limits=LIMITS) == 0.0
+
+
+def test_runtime_error_and_no_code_block():
+    [result] = run_test_cases("raise SystemExit(int(input()) // 0)", {"inputs": ["1"], "outputs": ["1"]}, limits=LIMITS)
+    assert result.verdict == "runtime_error" and "ZeroDivisionError" in result.stderr_tail
+    assert code_reward("I think the answer is print(6)", DOUBLE, limits=LIMITS) == 0.0
+
+
+@pytest.mark.parametrize("program", ["while True:\n    pass", "import time\ntime.sleep(60)"])
+def test_infinite_loop_and_sleep_fail_within_limit(program):
+    start = time.monotonic()
+    results = run_test_cases(program, {"inputs": ["1"], "outputs": ["1"]}, limits=LIMITS)
+    elapsed = time.monotonic() - start
+    assert [r.verdict for r in results] == ["timeout"]
+    assert elapsed < LIMITS.wall_s + 1.5
+    assert_no_leftovers(results)
+
+
+def test_fork_bomb_is_contained():
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    results = run_test_cases(bomb, {"inputs": [""], "outputs": ["x"]}, limits=LIMITS)
+    assert [r.verdict for r in results] == ["timeout"]
+    assert_no_leftovers(results)
+    # the calling process is unharmed: it can still start processes
+    assert subprocess.run(["true"], check=False).returncode == 0
+
+
+@needs_root
+def test_process_limit_is_exact():
+    program = (
+        "import os, time\nok = 0\n"
+        "for _ in range(30):\n"
+        "    try:\n        pid = os.fork()\n    except OSError:\n        continue\n"
+        "    if pid == 0:\n        time.sleep(30)\n        os._exit(0)\n"
+        "    ok += 1\n"
+        "print(ok)"
+    )
+    [result] = run_test_cases(program, {"inputs": [""], "outputs": [str(LIMITS.max_processes - 1)]}, limits=LIMITS)
+    assert result.passed  # the program itself plus 7 children; the 8th fork is refused
+    assert_no_leftovers([result])
+
+
+@needs_root
+def test_escaped_daemon_is_killed():
+    # double fork + setsid: the grandchild leaves the session and is orphaned
+    program = (
+        "import os, time\n"
+        "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(60)\n    os._exit(0)\n"
+        "time.sleep(0.2)\nprint('done')"
+    )
+    [result] = run_test_cases(program, {"inputs": [""], "outputs": ["done"]}, limits=LIMITS)
+    assert result.passed
+    assert_no_leftovers([result])
+
+
+def test_memory_hog_fails():
+    [result] = run_test_cases("x = bytearray(1 << 30)\nprint(1)", {"inputs": [""], "outputs": ["1"]}, limits=LIMITS)
+    assert result.verdict == "runtime_error" and "MemoryError" in result.stderr_tail
+
+
+def test_output_flood_is_capped():
+    [result] = run_test_cases("while True:\n    print('y' * 1000)", {"inputs": [""], "outputs": ["y"]}, limits=LIMITS)
+    assert result.verdict == "runtime_error"  # SIGXFSZ at file_size_mb of stdout
+
+
+@needs_root
+def test_writes_outside_private_dir_fail():
+    tag = uuid.uuid4().hex
+    repo_target = ROOT / f"sandbox_escape_{tag}.txt"
+    root_target = pathlib.Path(f"/root/sandbox_escape_{tag}.txt")
+    tmp_target = pathlib.Path(f"/tmp/sandbox_escape_{tag}.txt")
+    program = (
+        "import sys\n"
+        "for path in sys.stdin.read().split():\n"
+        "    try:\n        open(path, 'w').write('pwned')\n        print(path, 'written')\n"
+        "    except OSError:\n        print(path, 'denied')\n"
+    )
+    stdin = f"own_file.txt {repo_target} {root_target} {tmp_target}"
+    expected = f"own_file.txt written\n{repo_target} denied\n{root_target} denied\n{tmp_target} written"
+    [result] = run_test_cases(program, {"inputs": [stdin], "outputs": [expected]}, limits=LIMITS)
+    assert result.passed, result
+    assert not repo_target.exists() and not root_target.exists()
+    assert not tmp_target.exists()  # world-writable /tmp: swept after the run
+
+
+def test_parent_secrets_are_invisible(monkeypatch):
+    secret = f"hunter2-{uuid.uuid4().hex}"
+    monkeypatch.setenv("AREAL_FAKE_SECRET", secret)
+    program = (
+        "import os, sys\n"
+        "print(' '.join(sorted(os.environ)))\n"
+        "found = 'SECRET' in ''.join(os.environ) or any(os.environ.get(k, '').startswith('hunter2') for k in os.environ)\n"
+        "for pid in filter(str.isdigit, os.listdir('/proc')):\n"
+        "    try:\n        found |= b'hunter2-' in open(f'/proc/{pid}/environ', 'rb').read()\n"
+        "    except OSError:\n        pass\n"
+        "print('leaked' if found else 'clean')\n"
+    )
+    expected_env = "HOME LANG PATH TMPDIR" if os.geteuid() == 0 else None
+    [result] = run_test_cases(program, {"inputs": [""], "outputs": [f"{expected_env}\nclean"]}, limits=LIMITS)
+    if expected_env is not None:
+        assert result.passed, result
+    assert secret not in result.stderr_tail
+
+
+def test_code_reward_through_pool():
+    from areal_jax.reward.pool import RewardPool, RewardPoolConfig
+
+    good = fenced("n = int(input())\nprint(2 * n)")
+    with RewardPool(RewardPoolConfig(num_workers=2, timeout_s=20.0, preload=("areal_jax.reward.code",))) as pool:
+        futures = [pool.submit("code", c, DOUBLE, limits=LIMITS) for c in (good, fenced("print(0)"), "no code")]
+        assert [f.result(60) for f in futures] == [1.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "culprit"),
+    [
+        ({"wall_s": 0}, "wall_s"),
+        ({"cpu_s": float("nan")}, "cpu_s"),
+        ({"memory_mb": 8}, "memory_mb"),
+        ({"max_processes": 0}, "max_processes"),
+        ({"file_size_mb": 0}, "file_size_mb"),
+        ({"open_files": 2}, "open_files"),
+        ({"python": "python3"}, "python"),
+        ({"run_as_uid": 0}, "run_as_uid"),
+    ],
+)
+def test_limits_validation(kwargs, culprit):
+    with pytest.raises(ValueError, match=culprit):
+        SandboxLimits(**kwargs)
