@@ -78,6 +78,7 @@ def _check_case(name, cfg, dtype, checked):
             for shard in got.addressable_shards:
                 assert np.asarray(shard.data).tobytes() == want[shard.index].tobytes()
         del train_params
+    assert sync.host_staged_leaves == (), sync.host_staged_leaves  # device-to-device puts only
     assert sync.compiled_programs() == 1, sync.compiled_programs()
     assert not sync.last_stats.compiled and sync.last_stats.index == 2
     checked.append(name)

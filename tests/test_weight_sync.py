@@ -91,22 +91,38 @@ def _assert_transferred(meshes, out, host_values, dtype):
             assert np.asarray(shard.data).tobytes() == expected[shard.index].tobytes()
 
 
-SPLITS = [
-    pytest.param(MeshConfig(train_tensor=2, generation_tensor=2), id="train1x2-gen3x2"),
-    pytest.param(MeshConfig(num_generation_devices_per_host=4, train_tensor=2, generation_tensor=4), id="train2x2-gen1x4"),
-    pytest.param(MeshConfig(num_generation_devices_per_host=4, train_tensor=1, generation_tensor=2), id="train4x1-gen2x2"),
-    pytest.param(MeshConfig(colocated=True, train_tensor=2, generation_tensor=2), id="colocated"),
+SPLITS = [  # (config, parameters whose host-local put must go through host memory)
+    pytest.param(MeshConfig(train_tensor=2, generation_tensor=2), ("['bias']",), id="train1x2-gen3x2"),
+    pytest.param(MeshConfig(num_generation_devices_per_host=4, train_tensor=2, generation_tensor=4), (), id="train2x2-gen1x4"),
+    pytest.param(MeshConfig(num_generation_devices_per_host=4, train_tensor=1, generation_tensor=2), (), id="train4x1-gen2x2"),
+    pytest.param(MeshConfig(colocated=True, train_tensor=2, generation_tensor=2), (), id="colocated"),
 ]
 
 
-@pytest.mark.parametrize("cfg", SPLITS)
+@pytest.fixture
+def host_gathers(monkeypatch):
+    """Shapes of arrays that jax gathers into host memory (`Array._value`) during the test."""
+    from jax._src import array as array_impl
+
+    seen = []
+    value = array_impl.ArrayImpl._value
+    monkeypatch.setattr(
+        array_impl.ArrayImpl, "_value", property(lambda self: (seen.append(self.shape), value.fget(self))[1])
+    )
+    return seen
+
+
+@pytest.mark.parametrize("cfg, staged", SPLITS)
 @pytest.mark.parametrize("dtype", [None, jnp.bfloat16], ids=["fp32", "bf16"])
-def test_transfer_is_exact_and_lands_on_generation_mesh(cfg, dtype):
+def test_transfer_is_exact_and_lands_on_generation_mesh(cfg, staged, dtype, host_gathers):
     meshes = build_meshes(cfg)
     values = _host_values()
     train_params = _on_train_mesh(meshes, values)
     sync = WeightSync(meshes, _specs(2), _specs(3), generation_dtype=dtype)
     out = sync.transfer(train_params)
+    # Device-to-device copies everywhere except the reported leaves (bias: (60,)).
+    assert sync.host_staged_leaves == staged
+    assert host_gathers == [(60,)] * len(staged)
     _assert_transferred(meshes, out, values, dtype)
     # The trainer's copy is untouched.
     for got, want in zip(jax.tree.leaves(train_params), jax.tree.leaves(values)):
@@ -124,10 +140,11 @@ def test_uneven_view_falls_back_to_replication():
     out = sync.transfer({"v": jax.device_put(v, NamedSharding(meshes.train, P()))})
     assert np.asarray(out["v"]).tobytes() == v.tobytes()
     assert out["v"].sharding.is_equivalent_to(NamedSharding(meshes.generation, P("data")), 1)
+    assert sync.host_staged_leaves == ("['v']",)
 
 
-@pytest.mark.parametrize("cfg", [SPLITS[0], SPLITS[3]])
-def test_second_transfer_reuses_program_and_frees_staging(cfg):
+@pytest.mark.parametrize("cfg, _staged", [SPLITS[0], SPLITS[3]])
+def test_second_transfer_reuses_program_and_frees_staging(cfg, _staged):
     meshes = build_meshes(cfg)
     sync = WeightSync(meshes, _specs(2), _specs(3), generation_dtype=jnp.bfloat16)
     with _BackendCompiles() as compiles:

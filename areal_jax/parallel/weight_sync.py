@@ -10,6 +10,11 @@ jitted program cannot read one mesh and write another. So a transfer is three st
       host-local mesh of its own training devices (no copy).
   (c) place: a host-local `jax.device_put` onto the generation mesh.
 
+Step (c) copies whole device buffers when every block of the generation layout exists on
+some training device, i.e. when `generation_tensor` divides the training devices per host
+and generation specs shard over "tensor" (not "data"). Otherwise jax stages those
+parameters through host memory; `host_staged_leaves` names them and a warning is logged.
+
 In colocated mode the view of each host *is* its generation mesh, so (c) is skipped and
 the transfer is a single reshard (+ cast) on the same devices.
 
@@ -20,6 +25,7 @@ processes must issue it in the same order.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from typing import Any
@@ -30,6 +36,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from areal_jax.parallel.meshes import GENERATION_AXES, TRAIN_AXES, Meshes
+
+logger = logging.getLogger(__name__)
 
 PyTree = Any
 VIEW_AXES = ("hosts",) + GENERATION_AXES
@@ -86,6 +94,22 @@ def _fit_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> Partit
     return PartitionSpec(*fitted)
 
 
+def _copies_whole_buffers(src: NamedSharding, dst: NamedSharding, shape: tuple[int, ...]) -> bool:
+    """Whether `device_put` src -> dst can copy existing device buffers as they are.
+
+    jax copies buffer by buffer when every block the target needs already exists as one
+    source buffer; otherwise it gathers the whole array through host memory.
+    """
+
+    def blocks(sharding):
+        return {
+            tuple(sl.indices(n) for sl, n in zip(index, shape))
+            for index in sharding.devices_indices_map(shape).values()
+        }
+
+    return blocks(dst) <= blocks(src)
+
+
 def _cast(x: jax.Array, dtype: jnp.dtype | None) -> jax.Array:
     # Integer buffers (e.g. step counters) keep their dtype; only weights are cast.
     if dtype is None or not jnp.issubdtype(x.dtype, jnp.floating):
@@ -129,6 +153,8 @@ class WeightSync:
         self._count = 0
         self.last_transfer_s: float | None = None
         self.last_stats: TransferStats | None = None
+        # Parameters whose host-local put is staged through host memory (slow path).
+        self.host_staged_leaves: tuple[str, ...] = ()
 
     @staticmethod
     def _build_views(meshes: Meshes) -> tuple[Mesh, Mesh]:
@@ -169,6 +195,8 @@ class WeightSync:
             ]
             view_sh = [NamedSharding(self._view, s) for s in view_specs]
             local_sh = [NamedSharding(self._local_view, s) for s in view_specs]
+            if not self._meshes.colocated:
+                self._warn_host_staging(leaves, local_sh)
             dtype = self._dtype
             reshard = jax.jit(
                 lambda xs: [_cast(x, dtype) for x in xs],
@@ -177,6 +205,26 @@ class WeightSync:
             )
             self._programs[signature] = (reshard, local_sh)
         return self._programs[signature]
+
+    def _warn_host_staging(self, leaves: list[jax.Array], local_sh: list[NamedSharding]) -> None:
+        generation_mesh = self._meshes.generation
+        staged = tuple(
+            path
+            for path, x, src, spec in zip(self._paths(), leaves, local_sh, self._generation_specs)
+            if not _copies_whole_buffers(src, NamedSharding(generation_mesh, spec), x.shape)
+        )
+        self.host_staged_leaves = staged
+        if staged:
+            logger.warning(
+                "weight transfer goes through host memory for %d parameter(s) (%s): the %d "
+                "training device(s) per host cannot hold the generation layout's blocks "
+                "(generation mesh %s). Prefer a generation_tensor that divides the training "
+                "devices per host and generation specs without 'data'.",
+                len(staged),
+                ", ".join(staged[:4]) + (", ..." if len(staged) > 4 else ""),
+                self._meshes.split.num_train,
+                dict(generation_mesh.shape),
+            )
 
     def _paths(self) -> list[str]:
         dummy = self._treedef.unflatten(range(self._treedef.num_leaves))
