@@ -236,7 +236,7 @@ def _sequence_lengths(seqs: Sequence[Mapping[str, np.ndarray]], keys: list[str])
             raise ValueError(f"sequence {i} has keys {sorted(s)}, expected {sorted(keys)}")
         shapes = {k: np.shape(s[k]) for k in keys}
         if any(len(shape) == 0 for shape in shapes.values()):
-            raise ValueError(f"sequence {i} has a scalar array; per-token arrays need a length axis")
+            raise ValueError(f"sequence {i} has a scalar array; per-token arrays need axis 0")
         first = {shape[0] for shape in shapes.values()}
         if len(first) != 1:
             raise ValueError(f"sequence {i} arrays disagree on length: {shapes}")
@@ -246,7 +246,8 @@ def _sequence_lengths(seqs: Sequence[Mapping[str, np.ndarray]], keys: list[str])
         for k in keys:
             if shapes[k][1:] != tails[k]:
                 raise ValueError(
-                    f"sequence {i} key {k!r} has trailing shape {shapes[k][1:]}, expected {tails[k]}"
+                    f"sequence {i} key {k!r} has trailing shape {shapes[k][1:]}, "
+                    f"expected {tails[k]}"
                 )
         lengths.append(length)
     return lengths

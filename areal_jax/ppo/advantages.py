@@ -112,13 +112,14 @@ def compute_advantages(
         raise ValueError(f"loss_mask must be [N, T], got shape {mask.shape}")
     n = mask.shape[0]
     if rewards.shape != (n,):
-        raise ValueError(f"rewards must have shape ({n},) like loss_mask rows, got {rewards.shape}")
+        raise ValueError(f"rewards must have shape ({n},) like loss_mask, got {rewards.shape}")
     if group_ids.shape != (n,):
         raise ValueError(f"group_ids must have shape ({n},), got {group_ids.shape}")
     if not np.issubdtype(group_ids.dtype, np.integer):
         raise TypeError(f"group_ids must be integers, got dtype {group_ids.dtype}")
     if not np.all(np.isfinite(rewards)):
-        raise ValueError(f"rewards must be finite; bad at indices {np.flatnonzero(~np.isfinite(rewards))}")
+        bad = np.flatnonzero(~np.isfinite(rewards)).tolist()
+        raise ValueError(f"rewards must be finite; bad at indices {bad}")
 
     shaped = (rewards + cfg.reward_bias) * cfg.reward_scale  # [N]
     if cfg.reward_clip is not None:
@@ -153,9 +154,13 @@ def _kl_penalty_to_go(mask, cfg, logprobs, ref_logprobs) -> np.ndarray:
     ref_logprobs = np.asarray(ref_logprobs, dtype=np.float64)
     for name, arr in (("logprobs", logprobs), ("ref_logprobs", ref_logprobs)):
         if arr.shape != mask.shape:
-            raise ValueError(f"{name} must have shape {mask.shape} like loss_mask, got {arr.shape}")
+            raise ValueError(
+                f"{name} must have shape {mask.shape} like loss_mask, got {arr.shape}"
+            )
     # Padding may hold -inf; zero it before the estimator so nothing leaks.
-    kl = kl_estimate(np.where(mask, logprobs, 0.0), np.where(mask, ref_logprobs, 0.0), cfg.kl_estimator)
+    kl = kl_estimate(
+        np.where(mask, logprobs, 0.0), np.where(mask, ref_logprobs, 0.0), cfg.kl_estimator
+    )
     penalty = -cfg.kl_coef * np.where(mask, kl, 0.0)
     return np.cumsum(penalty[:, ::-1], axis=1)[:, ::-1]
 
