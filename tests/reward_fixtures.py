@@ -58,3 +58,7 @@ NOT_CALLABLE = 3
 def sleep_then_pid(seconds):
     time.sleep(seconds)
     return float(os.getpid())
+
+
+# Importing this module kills the importing process: a preload that crashes every worker.
+CRASH_ON_IMPORT = "tests.reward_fixtures_crash_on_import"

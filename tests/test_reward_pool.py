@@ -170,3 +170,39 @@ def test_spawn_start_method_works():
 def test_config_validation(kwargs, culprit):
     with pytest.raises(ValueError, match=culprit):
         RewardPoolConfig(**kwargs)
+
+
+def test_workers_that_cannot_start_fail_the_pool_instead_of_respawning_forever(caplog):
+    from tests.reward_fixtures import CRASH_ON_IMPORT
+
+    pool = RewardPool(RewardPoolConfig(num_workers=1, start_method="spawn", preload=(CRASH_ON_IMPORT,)))
+    future = pool.submit(f"{FIX}:add", 1, 1)
+    with pytest.raises(concurrent.futures.CancelledError):
+        future.result(60)
+    assert "giving up" in caplog.text
+    pool.close()
+    assert pool.stats().workers_started == 6  # 1 + 5 replacements, then it gives up
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.submit(f"{FIX}:add", 1, 1)
+
+
+def test_registered_short_name(pool):
+    from areal_jax.reward.registry import BUILTIN_REWARDS, register_reward
+
+    register_reward("fixture_add", f"{FIX}:add")
+    try:
+        assert pool.submit("fixture_add", 4, 5).result(10) == 9.0
+    finally:
+        del BUILTIN_REWARDS["fixture_add"]
+    with pytest.raises(ValueError, match="function"):
+        register_reward("bad", "not a path")
+
+
+def test_importing_the_pool_does_not_import_sympy():
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom areal_jax.reward import RewardPool, RewardPoolConfig, code_reward\n"
+            "assert 'sympy' not in sys.modules and 'math_verify' not in sys.modules\n"
+            "from areal_jax.reward import math_reward\nassert 'math_verify' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -176,6 +176,8 @@ def code_reward(completion: str, test_cases: dict | list | str, *, limits: Sandb
 
     No code block scores 0.0. Cases run one by one and stop at the first failure.
     Malformed ``test_cases`` raise ValueError (a data bug, not a wrong answer).
+    Through a ``RewardPool``, give the call a timeout above ``len(cases) * limits.wall_s``
+    (plus ~0.2 s per case of start-up), or slow-but-correct programs will be cut off.
     """
     cases = normalize_test_cases(test_cases)
     code = extract_last_code_block(completion)

@@ -49,6 +49,11 @@ __all__ = ["RewardFunctionNotFound", "RewardPool", "RewardPoolConfig", "RewardPo
 logger = logging.getLogger(__name__)
 
 _START_METHODS = ("forkserver", "spawn")
+_MAX_STARTUP_FAILURES = 5
+
+
+class _PoolBroken(RuntimeError):
+    """Workers cannot even start; respawning them forever would only burn CPU."""
 
 
 class RewardFunctionNotFound(LookupError):
@@ -221,6 +226,7 @@ class RewardPool:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._workers: list[_Worker] = []
+        self._startup_failures = 0
         self._thread = threading.Thread(target=self._supervise, name="reward-pool", daemon=True)
         self._thread.start()
 
@@ -287,12 +293,15 @@ class RewardPool:
     # -- supervisor thread ----------------------------------------------------------------
 
     def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"x")
-        except BlockingIOError:  # the pipe is full, so a wake-up is already pending
-            pass
-        except OSError:  # closed: the supervisor has exited
-            pass
+        # Under the lock so that _shutdown cannot close the fd (and the number be reused by
+        # an unrelated file) between the check and the write.
+        with self._lock:
+            if self._wake_w < 0:
+                return
+            try:
+                os.write(self._wake_w, b"x")
+            except BlockingIOError:  # the pipe is full, so a wake-up is already pending
+                pass
 
     def _count(self, key: str) -> None:
         with self._lock:
@@ -303,8 +312,10 @@ class RewardPool:
             self._workers = [self._start_worker() for _ in range(self.config.num_workers)]
             while self._step():
                 pass
+        except _PoolBroken as exc:
+            logger.error("%s; closing the pool and cancelling every pending call", exc)
         except BaseException:
-            logger.exception("reward pool supervisor failed; failing every pending call")
+            logger.exception("reward pool supervisor failed; cancelling every pending call")
             raise
         finally:
             self._shutdown()
@@ -352,6 +363,7 @@ class RewardPool:
                 kind_or_id, status, payload = worker.conn.recv()
                 if kind_or_id == "ready":
                     worker.ready = True
+                    self._startup_failures = 0
                     continue
                 self._complete(worker, kind_or_id, status, payload)
         except (EOFError, OSError):
@@ -361,6 +373,12 @@ class RewardPool:
                     and worker.tasks_done >= self.config.max_tasks_per_worker:
                 self._replace(index, graceful=True)
             return
+        if not worker.ready:
+            worker.process.join(1.0)
+            self._startup_failures += 1
+            if self._startup_failures > _MAX_STARTUP_FAILURES:  # e.g. a preload that segfaults
+                raise _PoolBroken(f"reward workers died during start-up {self._startup_failures} times in a row "
+                                   f"(last exit code {worker.process.exitcode}); giving up")
         if worker.task is not None:
             worker.process.join(1.0)
             logger.warning("reward worker %d died (exit code %s) during %s; replacing it",
@@ -459,5 +477,7 @@ class RewardPool:
             self._count("cancelled")
             if not task.future.cancel():  # already running: cancel() refuses, so report it as cancelled
                 task.future.set_exception(CancelledError("RewardPool closed before this call finished"))
-        os.close(self._wake_w)
-        os.close(self._wake_r)
+        with self._lock:
+            os.close(self._wake_w)
+            os.close(self._wake_r)
+            self._wake_w = self._wake_r = -1
