@@ -1,0 +1,528 @@
+"""Continuous-batching generation over fixed decode slots, with interruptible weight swaps.
+
+Vocabulary (after JetStream): *prefill* a prompt into a fresh KV block, *insert* that block into
+free slots (one prefill shared by the `n` samples of a group), *generate* a chunk of decode
+steps for all slots at once. Between chunks the host frees finished slots, refills them from
+the queue (continuous batching), applies aborts and swaps weights.
+
+Interruptible swap (AReaL): `update_weights(params, version)` may be called from any thread and
+takes effect at the next chunk boundary. In-flight samples keep their tokens, logprobs and
+versions; their KV cache is recomputed from prompt + tokens so far under the new weights, and
+later tokens carry the new version. With `interruptible=False` the engine instead stops
+admitting, lets in-flight samples finish on the old weights, then swaps (the ablation).
+
+Device state is the KV cache `[L, B, S, K, H]` (B = slots, S = max_seq_len); per-slot scalars
+live on the host and travel with each chunk call (a few hundred bytes).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import itertools
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from areal_jax.generation.sampling import MAX_STOP_IDS, SamplingParams, sample_tokens
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.transformer import KVCache, Params, Transformer, forward
+
+StopReason = Literal["stop", "length", "aborted"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Engine shape. Compiled programs: one decode chunk, one prefill and one insert per bucket."""
+
+    num_slots: int = 8
+    max_seq_len: int = 512  # prompt + completion tokens of one sample; the KV cache length S
+    decode_chunk: int = 8  # decode steps per jitted chunk: the granularity of refills and swaps
+    prefill_buckets: tuple[int, ...] = ()  # default: powers of two from 16, capped by max_seq_len
+    interruptible: bool = True
+    cache_dtype: str | None = None  # default: the dtype of the weights
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("num_slots", "max_seq_len", "decode_chunk"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {v!r}")
+        if self.max_seq_len < 2:
+            raise ValueError("EngineConfig.max_seq_len must be >= 2 (one prompt token and one generated)")
+        buckets = tuple(sorted(set(self.prefill_buckets))) or _default_buckets(self.max_seq_len)
+        if buckets[-1] < self.max_seq_len - 1 or any(b < 1 for b in buckets):
+            raise ValueError(f"prefill_buckets {buckets} must be >= 1 and cover max_seq_len - 1 = "
+                             f"{self.max_seq_len - 1}")
+        object.__setattr__(self, "prefill_buckets", tuple(b for b in buckets if b < self.max_seq_len)
+                           + ((self.max_seq_len,) if buckets[-1] >= self.max_seq_len else ()))
+
+    def bucket(self, length: int) -> int:
+        return next(b for b in self.prefill_buckets if b >= length)
+
+
+def _default_buckets(max_seq_len: int) -> tuple[int, ...]:
+    out, b = [], 16
+    while b < max_seq_len:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (max_seq_len,)
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """One sample: generated `tokens [G]`, behavior `logprobs [G]`, policy `versions [G]`."""
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    stop_reason: StopReason
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupResult:
+    """The `n` samples of one request, in submission order of the samples."""
+
+    request_id: str
+    prompt_ids: np.ndarray
+    completions: list[Completion]
+
+
+@dataclasses.dataclass
+class EngineStats:
+    generated_tokens: int = 0
+    prefill_tokens: int = 0
+    reprefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+    busy_slot_steps: int = 0  # sum over decode steps of slots that were generating
+    chunks: int = 0
+    weight_swaps: int = 0
+    finished_samples: int = 0
+    aborted_samples: int = 0
+    queued_requests: int = 0
+    active_slots: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        busy = self.prefill_s + self.decode_s
+        return self.generated_tokens / busy if busy else 0.0
+
+    @property
+    def slot_occupancy(self) -> float:
+        return self.busy_slot_steps / self.decode_steps if self.decode_steps else 0.0
+
+
+@dataclasses.dataclass
+class _Request:
+    request_id: str
+    prompt: np.ndarray  # [P] int32
+    sampling: SamplingParams
+    n: int
+    future: concurrent.futures.Future
+    results: list[Completion | None]
+    next_sample: int = 0  # samples [0, next_sample) have been inserted
+    prefix: tuple[Any, jax.Array] | None = None  # (KV block, last-position logits) shared by the group
+    aborted: bool = False
+
+
+@dataclasses.dataclass
+class _Sample:
+    request: _Request
+    index: int
+    tokens: list[int]
+    logprobs: list[float]
+    versions: list[int]
+
+
+class RequestHandle(concurrent.futures.Future):
+    """A future for a `GroupResult` that also names its request (for `abort`)."""
+
+    request_id: str
+
+
+class GenerationEngine:
+    """Generates for many requests at once over `config.num_slots` decode slots.
+
+    Thread model: any thread may `submit`, `abort` and `update_weights`; one thread drives the
+    engine, either the engine's own (`start()`/`stop()`) or the caller (`step()`/`run_until_idle()`).
+    """
+
+    def __init__(self, model: Transformer | tuple[ModelConfig, Params], config: EngineConfig = EngineConfig(),
+                 *, version: int = 0):
+        self.model_config, params = (model.config, model.params) if isinstance(model, Transformer) else model
+        self.config = config
+        self._params = params
+        self._version = version
+        cfg, ec = self.model_config, config
+        dtype = jnp.dtype(ec.cache_dtype) if ec.cache_dtype else params["embed"].dtype
+        self._cache = KVCache.zeros(cfg, ec.num_slots, ec.max_seq_len, dtype)
+        B = ec.num_slots
+        self._slot_sample: list[_Sample | None] = [None] * B
+        self._tokens = np.zeros(B, np.int32)  # next input token of each slot
+        self._positions = np.zeros(B, np.int32)  # its position (= sequence length - 1)
+        self._remaining = np.zeros(B, np.int32)  # tokens the slot may still generate
+        self._temperature = np.ones(B, np.float32)
+        self._top_p = np.ones(B, np.float32)
+        self._top_k = np.zeros(B, np.int32)
+        self._stop_ids = np.full((B, MAX_STOP_IDS), -1, np.int32)
+        self._key = jax.random.key(ec.seed)
+        self._lock = threading.Condition()
+        self._queue: collections.deque[_Request] = collections.deque()
+        self._requests: dict[str, _Request] = {}
+        self._aborts: set[str] = set()
+        self._pending_weights: tuple[Params, int, concurrent.futures.Future] | None = None
+        self._ids = itertools.count()
+        self._stats = EngineStats()
+        self.compile_counts: collections.Counter[str] = collections.Counter()
+        self._thread: threading.Thread | None = None
+        self._stop_event = threading.Event()
+        self._build_programs()
+
+    # ---- public API ---------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams, n: int = 1,
+               request_id: str | None = None) -> RequestHandle:
+        """Queues a prompt for `n` samples; returns a future of its `GroupResult`.
+
+        Invalid requests raise here (ValueError naming the problem) and never reach the engine.
+        """
+        prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
+        if prompt.size == 0:
+            raise ValueError("empty prompt: at least one prompt token is needed")
+        if prompt.size >= self.config.max_seq_len:
+            raise ValueError(f"prompt of {prompt.size} tokens does not fit: max_seq_len is "
+                             f"{self.config.max_seq_len} (prompt + at least one generated token)")
+        if prompt.min() < 0 or prompt.max() >= self.model_config.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size}), "
+                             f"got range [{prompt.min()}, {prompt.max()}]")
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be an int >= 1, got {n!r}")
+        future = RequestHandle()
+        with self._lock:
+            rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+            if rid in self._requests:
+                raise ValueError(f"request id {rid!r} is already in flight")
+            future.request_id = rid
+            request = _Request(rid, prompt.astype(np.int32), sampling, n, future, [None] * n)
+            self._requests[rid] = request
+            self._queue.append(request)
+            self._lock.notify_all()
+        return future
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request: its unfinished samples end with stop_reason 'aborted' (tokens so far kept)."""
+        with self._lock:
+            if request_id in self._requests:
+                self._aborts.add(request_id)
+                self._lock.notify_all()
+
+    def update_weights(self, params: Params, version: int) -> concurrent.futures.Future:
+        """Hands new weights to the engine; the returned future resolves once they are in use."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._pending_weights is not None:  # a newer push supersedes one not yet applied
+                self._pending_weights[2].set_result(False)
+            self._pending_weights = (params, int(version), done)
+            self._lock.notify_all()
+        return done
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            s = dataclasses.replace(self._stats)
+            s.queued_requests = len(self._queue)
+        s.active_slots = sum(x is not None for x in self._slot_sample)
+        return s
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._queue or self._aborts or self._pending_weights
+                        or any(s is not None for s in self._slot_sample))
+
+    def run_until_idle(self) -> None:
+        """Drives the engine from the calling thread until nothing is queued or running."""
+        while self.step():
+            pass
+
+    def start(self) -> None:
+        """Runs the engine on its own thread until `stop()`."""
+        if self._thread is not None:
+            raise RuntimeError("engine already started")
+        self._stop_event.clear()
+        self._thread = threading.Thread(target=self._loop, name="generation-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, abort_pending: bool = True) -> None:
+        """Stops the engine thread; with `abort_pending`, every unfinished request ends 'aborted'."""
+        self._stop_event.set()
+        with self._lock:
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if abort_pending:
+            with self._lock:
+                self._aborts.update(self._requests)
+            self._apply_aborts()
+
+    # ---- the scheduling loop ------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop_event.is_set():
+            try:
+                busy = self.step()
+            except BaseException as e:  # noqa: BLE001 - fail every waiter rather than hang them
+                self._fail_all(e)
+                raise
+            if not busy:
+                with self._lock:
+                    if not (self._queue or self._aborts or self._pending_weights or self._stop_event.is_set()):
+                        self._lock.wait(timeout=0.1)
+
+    def step(self) -> bool:
+        """One scheduling round: aborts, weight swap, refill free slots, one decode chunk.
+
+        Returns whether work remains.
+        """
+        self._apply_aborts()
+        draining = self._maybe_swap_weights()
+        if not draining:
+            self._admit()
+        if any(s is not None for s in self._slot_sample):
+            self._decode_chunk()
+        return self.has_work()
+
+    def _apply_aborts(self) -> None:
+        with self._lock:
+            aborts, self._aborts = self._aborts, set()
+            for rid in aborts:
+                req = self._requests.get(rid)
+                if req is not None:
+                    req.aborted = True
+                    if req in self._queue:
+                        self._queue.remove(req)
+        for slot, sample in enumerate(self._slot_sample):
+            if sample is not None and sample.request.aborted:
+                self._finish(slot, "aborted")
+        for rid in aborts:
+            req = self._requests.get(rid)
+            if req is None:
+                continue
+            empty = np.zeros(0, np.int32)
+            for i in range(req.next_sample, req.n):
+                req.results[i] = Completion(empty, np.zeros(0, np.float32), empty, "aborted")
+                self._stats.aborted_samples += 1
+            req.next_sample = req.n
+            self._maybe_complete(req)
+
+    def _maybe_swap_weights(self) -> bool:
+        """Applies pending weights if allowed now; returns True while draining for a non-interruptible swap."""
+        with self._lock:
+            pending = self._pending_weights
+        if pending is None:
+            return False
+        active = [i for i, s in enumerate(self._slot_sample) if s is not None]
+        if active and not self.config.interruptible:
+            return True  # let in-flight samples finish on the old weights first
+        params, version, done = pending
+        with self._lock:
+            self._pending_weights = None
+        self._params, self._version = params, version
+        self._stats.weight_swaps += 1
+        for slot in active:  # interrupted: recompute the KV cache under the new weights
+            sample = self._slot_sample[slot]
+            history = np.concatenate([sample.request.prompt, np.asarray(sample.tokens[:-1], np.int32)])
+            block, _ = self._prefill(history)
+            self._stats.reprefill_tokens += history.size
+            self._insert(block, slot)
+        done.set_result(True)
+        return False
+
+    def _admit(self) -> None:
+        free = [i for i, s in enumerate(self._slot_sample) if s is None]
+        while free:
+            with self._lock:
+                if not self._queue:
+                    return
+                req = self._queue[0]
+            if req.prefix is None:
+                req.prefix = self._prefill(req.prompt)
+            block, last_logits = req.prefix
+            take = min(len(free), req.n - req.next_sample)
+            slots, free = free[:take], free[take:]
+            for slot in slots:
+                self._insert(block, slot)
+            tokens, logprobs = self._first_tokens(last_logits, req.sampling)
+            for j, slot in enumerate(slots):
+                self._start_sample(slot, req, req.next_sample + j, int(tokens[j]), float(logprobs[j]))
+            req.next_sample += take
+            if req.next_sample == req.n:
+                req.prefix = None  # the group's prefill block is no longer needed
+                with self._lock:
+                    if self._queue and self._queue[0] is req:
+                        self._queue.popleft()
+
+    def _start_sample(self, slot: int, req: _Request, index: int, token: int, logprob: float) -> None:
+        sp = req.sampling
+        sample = _Sample(req, index, [token], [logprob], [self._version])
+        self._slot_sample[slot] = sample
+        self._stats.generated_tokens += 1
+        self._tokens[slot] = token
+        self._positions[slot] = req.prompt.size
+        self._remaining[slot] = sp.max_new_tokens - 1
+        self._temperature[slot] = sp.temperature
+        self._top_p[slot] = sp.top_p
+        self._top_k[slot] = sp.top_k
+        self._stop_ids[slot] = -1
+        self._stop_ids[slot, :len(sp.stop_token_ids)] = sp.stop_token_ids
+        if token in sp.stop_token_ids:
+            self._finish(slot, "stop")
+        elif self._remaining[slot] <= 0 or self._positions[slot] >= self.config.max_seq_len - 1:
+            self._finish(slot, "length")
+
+    def _decode_chunk(self) -> None:
+        active = np.array([s is not None for s in self._slot_sample])
+        self._key, key = jax.random.split(self._key)
+        t0 = time.perf_counter()
+        self._cache, out = self._decode_fn(
+            self._params, self._cache, self._tokens, self._positions, active, self._remaining,
+            self._temperature, self._top_p, self._top_k, self._stop_ids, key)
+        tokens, logprobs, valid = (np.asarray(x) for x in jax.device_get(out))  # [B, C] each
+        self._stats.decode_s += time.perf_counter() - t0
+        self._stats.chunks += 1
+        self._stats.decode_steps += self.config.decode_chunk
+        self._stats.busy_slot_steps += int(valid.sum())
+        for slot in np.flatnonzero(active):
+            sample = self._slot_sample[slot]
+            got = int(valid[slot].sum())  # valid steps form a prefix of the chunk
+            if got == 0:
+                continue
+            new = tokens[slot, :got]
+            sample.tokens.extend(new.tolist())
+            sample.logprobs.extend(logprobs[slot, :got].tolist())
+            sample.versions.extend([self._version] * got)
+            self._stats.generated_tokens += got
+            self._tokens[slot] = new[-1]
+            self._positions[slot] += got
+            self._remaining[slot] -= got
+            if new[-1] in sample.request.sampling.stop_token_ids:
+                self._finish(slot, "stop")
+            elif self._remaining[slot] <= 0 or self._positions[slot] >= self.config.max_seq_len - 1:
+                self._finish(slot, "length")
+
+    def _finish(self, slot: int, reason: StopReason) -> None:
+        sample = self._slot_sample[slot]
+        self._slot_sample[slot] = None
+        req = sample.request
+        req.results[sample.index] = Completion(
+            np.asarray(sample.tokens, np.int32), np.asarray(sample.logprobs, np.float32),
+            np.asarray(sample.versions, np.int32), reason)
+        if reason == "aborted":
+            self._stats.aborted_samples += 1
+        else:
+            self._stats.finished_samples += 1
+        self._maybe_complete(req)
+
+    def _maybe_complete(self, req: _Request) -> None:
+        if any(r is None for r in req.results):
+            return
+        with self._lock:
+            self._requests.pop(req.request_id, None)
+        if not req.future.done():
+            req.future.set_result(GroupResult(req.request_id, req.prompt, list(req.results)))
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            requests = list(self._requests.values())
+            self._requests.clear()
+            self._queue.clear()
+        for req in requests:
+            if not req.future.done():
+                req.future.set_exception(error)
+
+    # ---- compiled programs --------------------------------------------------------------------
+
+    def _build_programs(self) -> None:
+        cfg, ec = self.model_config, self.config
+        counts = self.compile_counts
+
+        def prefill(params, tokens, length):
+            counts["prefill"] += 1  # runs once per trace, i.e. per compilation
+            P = tokens.shape[1]
+            positions = jnp.where(jnp.arange(P) < length, jnp.arange(P), -1)[None]
+            block = KVCache.zeros(cfg, 1, P, self._cache.k.dtype)
+            logits, block = forward(params, cfg, tokens, positions, cache=block)
+            return block, logits[0, length - 1]
+
+        def insert(cache, block, slot):
+            counts["insert"] += 1
+            k = jax.lax.dynamic_update_slice(cache.k, block.k, (0, slot, 0, 0, 0))
+            v = jax.lax.dynamic_update_slice(cache.v, block.v, (0, slot, 0, 0, 0))
+            return KVCache(k, v)
+
+        def first_tokens(logits, key, temperature, top_p, top_k):
+            counts["first_tokens"] += 1
+            rows = jnp.broadcast_to(logits, (temperature.shape[0], logits.shape[-1]))
+            return sample_tokens(rows, key, temperature, top_p, top_k)
+
+        def decode(params, cache, tokens, positions, active, remaining, temperature, top_p, top_k, stop_ids, key):
+            counts["decode"] += 1
+            S = cache.k.shape[2]
+
+            def step(carry, c):
+                cache, tokens, positions, active, remaining = carry
+                pos = jnp.where(active, positions, -1)
+                logits, cache = forward(params, cfg, tokens[:, None], pos[:, None], cache=cache)
+                new, lp = sample_tokens(logits[:, 0], jax.random.fold_in(key, c), temperature, top_p, top_k)
+                valid = active
+                positions = positions + valid
+                remaining = remaining - valid
+                hit_stop = jnp.any(new[:, None] == stop_ids, axis=-1)
+                done = hit_stop | (remaining <= 0) | (positions >= S - 1)
+                tokens = jnp.where(valid, new, tokens)
+                return (cache, tokens, positions, active & ~done, remaining), (new, lp, valid)
+
+            carry = (cache, tokens, positions, active, remaining)
+            (cache, *_), (new, lp, valid) = jax.lax.scan(step, carry, jnp.arange(ec.decode_chunk))
+            return cache, (new.T, lp.T, valid.T)  # [B, C]
+
+        self._prefill_fn = jax.jit(prefill)
+        self._insert_fn = jax.jit(insert, donate_argnums=(0,))
+        self._first_tokens_fn = jax.jit(first_tokens)
+        self._decode_fn = jax.jit(decode, donate_argnums=(1,))
+
+    def _prefill(self, tokens: np.ndarray) -> tuple[KVCache, jax.Array]:
+        """KV block `[L, 1, P_bucket, K, H]` and last-position logits `[V]` of `tokens [P]`."""
+        t0 = time.perf_counter()
+        bucket = self.config.bucket(tokens.size)
+        padded = np.zeros((1, bucket), np.int32)
+        padded[0, :tokens.size] = tokens
+        block, logits = self._prefill_fn(self._params, padded, np.int32(tokens.size))
+        jax.block_until_ready(logits)
+        self._stats.prefill_s += time.perf_counter() - t0
+        self._stats.prefill_tokens += tokens.size
+        return block, logits
+
+    def _insert(self, block: KVCache, slot: int) -> None:
+        self._cache = self._insert_fn(self._cache, block, np.int32(slot))
+
+    def _first_tokens(self, logits: jax.Array, sp: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+        B = self.config.num_slots  # fixed row count: one compiled program whatever n is
+        self._key, key = jax.random.split(self._key)
+        tokens, logprobs = self._first_tokens_fn(
+            logits, key, np.full(B, sp.temperature, np.float32), np.full(B, sp.top_p, np.float32),
+            np.full(B, sp.top_k, np.int32))
+        return np.asarray(tokens), np.asarray(logprobs)

@@ -1,0 +1,98 @@
+"""Sampling parameters and the per-slot sampler used inside the decode loop.
+
+Behavior log-probabilities: for every sampled token we record
+`log_softmax(logits / temperature)[token]` over the *full* vocabulary, whatever top-p/top-k
+did to the sampling distribution. That is exactly what the trainer recomputes for the
+proximal and current policies (areal_jax.ppo.token_logprobs), so the importance weight
+exp(prox - behav) compares like with like; the truncation by top-p/top-k is treated as part of
+the environment rather than of the policy, as AReaL and most RL systems do. Greedy decoding
+(temperature 0) records the temperature-1 log-probability of the argmax token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+# Per-slot stop lists are padded to this many ids (longer lists are an error at submit).
+MAX_STOP_IDS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request. temperature=0 means greedy; top_k=0 and top_p=1 disable them."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if len(self.stop_token_ids) > MAX_STOP_IDS:
+            raise ValueError(f"at most {MAX_STOP_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def behavior_logprobs(logits: jax.Array, tokens: jax.Array, temperature: jax.Array) -> jax.Array:
+    """`log_softmax(logits / t)[token]` per row: logits `[B, V]`, tokens `[B]`, temperature `[B]`.
+
+    Same arithmetic as areal_jax.ppo.token_logprobs; temperature 0 (greedy) scores at t = 1.
+    """
+    t = jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)
+    scaled = logits.astype(jnp.float32) / t[:, None]
+    picked = jnp.take_along_axis(scaled, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    return picked - jax.nn.logsumexp(scaled, axis=-1)
+
+
+def allowed_mask(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array) -> jax.Array:
+    """Tokens top-k then top-p keep, per row: logits `[B, V]` -> bool `[B, V]`.
+
+    top-k keeps the k largest logits; top-p then keeps the smallest prefix (by descending
+    probability of the top-k-renormalized distribution at this temperature) whose mass reaches p.
+    """
+    B, V = logits.shape
+    t = jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)
+    scaled = logits.astype(jnp.float32) / t[:, None]
+    ordered = -jnp.sort(-scaled, axis=-1)  # [B, V] descending
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+    rank = jnp.arange(V)[None, :]
+    ordered = jnp.where(rank < k[:, None], ordered, -jnp.inf)
+    probs = jax.nn.softmax(ordered, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = (mass_before < top_p[:, None]) & (rank < k[:, None])
+    keep = keep.at[:, 0].set(True)  # the most likely token always survives
+    n_keep = jnp.sum(keep, axis=-1)
+    threshold = jnp.take_along_axis(ordered, (n_keep - 1)[:, None], axis=-1)  # [B, 1]
+    return scaled >= threshold
+
+
+def sample_tokens(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array,
+                  top_k: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Samples one token per row. logits `[B, V]`, per-row params `[B]` -> (tokens `[B]`, logprobs `[B]`)."""
+    t = jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)
+    scaled = logits.astype(jnp.float32) / t[:, None]
+    needs_filter = jnp.any((top_k > 0) | (top_p < 1.0))
+    mask = jax.lax.cond(needs_filter, lambda: allowed_mask(logits, temperature, top_p, top_k),
+                        lambda: jnp.ones(logits.shape, bool))
+    gumbel = jax.random.gumbel(key, logits.shape, jnp.float32)
+    sampled = jnp.argmax(jnp.where(mask, scaled + gumbel, -jnp.inf), axis=-1)
+    greedy = jnp.argmax(logits, axis=-1)
+    tokens = jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
+    return tokens, behavior_logprobs(logits, tokens, temperature)

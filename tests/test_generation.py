@@ -1,0 +1,254 @@
+"""Generation engine: exactness against the training forward, swaps, batching, sampling rules."""
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from areal_jax.generation import EngineConfig, GenerationEngine, SamplingParams, allowed_mask, generate, sample_tokens
+from areal_jax.models import ModelConfig, Transformer, init_params, load_pretrained
+from areal_jax.ppo import token_logprobs
+from tests.model_fixtures import FAMILY_CONFIGS, make_models
+
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=8, qkv_bias=True)
+
+
+def _model(seed: int) -> Transformer:
+    return Transformer(CFG, init_params(CFG, jax.random.key(seed), std=0.3))
+
+
+def _teacher_forced(model: Transformer, prompt, tokens, temperature: float) -> np.ndarray:
+    """log p(token_i | prompt, tokens_<i) from one full forward pass, as the trainer computes it."""
+    seq = jnp.asarray([list(prompt) + list(tokens)])
+    logits = model(seq)[:, len(prompt) - 1:-1]
+    return np.asarray(token_logprobs(logits, jnp.asarray([tokens]), temperature=temperature))[0]
+
+
+PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [4]]
+
+
+def test_greedy_equals_argmax_of_full_reforward():
+    model = _model(0)
+    out = generate(model, PROMPTS, max_new_tokens=10, temperature=0.0, decode_chunk=3)
+    for prompt, (c,) in zip(PROMPTS, out):
+        assert c.stop_reason == "length" and len(c.tokens) == 10
+        seq = list(prompt)
+        for tok in c.tokens:
+            assert int(jnp.argmax(model(jnp.asarray([seq]))[0, -1])) == tok
+            seq.append(int(tok))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_equal_teacher_forced_logprobs(temperature):
+    model = _model(1)
+    out = generate(model, PROMPTS, max_new_tokens=12, temperature=temperature, n=3, seed=3)
+    for prompt, group in zip(PROMPTS, out):
+        assert len(group) == 3
+        for c in group:
+            np.testing.assert_allclose(c.logprobs, _teacher_forced(model, prompt, c.tokens, temperature), atol=1e-4)
+            assert (c.versions == 0).all()
+        assert len({tuple(c.tokens) for c in group}) > 1  # samples of one group differ
+
+
+def test_group_shares_one_prefill():
+    engine = GenerationEngine(_model(0), EngineConfig(num_slots=4, max_seq_len=32, decode_chunk=4))
+    handle = engine.submit([1, 2, 3, 4, 5], SamplingParams(max_new_tokens=6), n=4)
+    engine.run_until_idle()
+    assert len(handle.result().completions) == 4
+    assert engine.stats().prefill_tokens == 5
+
+
+def test_interruptible_swap_recomputes_cache_and_switches_versions():
+    old, new = _model(2), _model(3)
+    engine = GenerationEngine(old, EngineConfig(num_slots=2, max_seq_len=48, decode_chunk=4))
+    sp = SamplingParams(max_new_tokens=20, temperature=1.0)
+    handles = [engine.submit(p, sp) for p in PROMPTS[:2]]
+    engine.step()  # first token from prefill + 4 decode steps
+    engine.step()
+    applied = engine.update_weights(new.params, version=7)
+    engine.run_until_idle()
+    assert applied.result() is True and engine.version == 7
+    for prompt, h in zip(PROMPTS, handles):
+        (c,) = h.result().completions
+        assert len(c.tokens) == 20
+        np.testing.assert_array_equal(c.versions, [0] * 9 + [7] * 11)  # switch exactly at the swap
+        under_old = _teacher_forced(old, prompt, c.tokens, 1.0)
+        under_new = _teacher_forced(new, prompt, c.tokens, 1.0)
+        np.testing.assert_allclose(c.logprobs[:9], under_old[:9], atol=1e-4)
+        np.testing.assert_allclose(c.logprobs[9:], under_new[9:], atol=1e-4)  # full prefix, new weights
+        assert np.abs(under_old[9:] - under_new[9:]).max() > 1e-2  # the two policies do differ
+
+
+def test_non_interruptible_swap_drains_in_flight_samples_first():
+    old, new = _model(2), _model(3)
+    engine = GenerationEngine(old, EngineConfig(num_slots=2, max_seq_len=48, decode_chunk=4, interruptible=False))
+    first = engine.submit(PROMPTS[0], SamplingParams(max_new_tokens=12))
+    engine.step()
+    engine.update_weights(new.params, version=1)
+    later = engine.submit(PROMPTS[2], SamplingParams(max_new_tokens=5))
+    engine.run_until_idle()
+    (c,) = first.result().completions
+    assert (c.versions == 0).all()
+    np.testing.assert_allclose(c.logprobs, _teacher_forced(old, PROMPTS[0], c.tokens, 1.0), atol=1e-4)
+    (c2,) = later.result().completions
+    assert (c2.versions == 1).all()
+    np.testing.assert_allclose(c2.logprobs, _teacher_forced(new, PROMPTS[2], c2.tokens, 1.0), atol=1e-4)
+
+
+def test_compilation_count_stays_bounded_across_prompt_lengths():
+    engine = GenerationEngine(_model(0), EngineConfig(num_slots=4, max_seq_len=64, decode_chunk=4))
+    rng = np.random.default_rng(0)
+    handles = [engine.submit(rng.integers(0, 64, size=n).tolist(), SamplingParams(max_new_tokens=3), n=1 + n % 3)
+               for n in range(1, 60)]
+    engine.run_until_idle()
+    assert all(len(h.result().completions) == 1 + i % 3 for i, h in enumerate(handles, start=1))
+    counts = engine.compile_counts
+    assert counts["decode"] == 1 and counts["first_tokens"] == 1
+    assert counts["prefill"] <= len(engine.config.prefill_buckets) == 3  # buckets 16, 32, 64
+    assert counts["insert"] <= 3
+
+
+def test_continuous_batching_refills_freed_slots_at_next_chunk():
+    occupancy = []
+
+    class Recording(GenerationEngine):
+        def _decode_chunk(self):
+            outstanding = sum(s is not None for s in self._slot_sample) + sum(
+                r.n - r.next_sample for r in self._queue)
+            occupancy.append((sum(s is not None for s in self._slot_sample), outstanding))
+            super()._decode_chunk()
+
+    engine = Recording(_model(0), EngineConfig(num_slots=3, max_seq_len=64, decode_chunk=2))
+    lengths = [2, 30, 3, 25, 4, 2, 20, 5, 3, 3]
+    handles = [engine.submit([1 + i], SamplingParams(max_new_tokens=n)) for i, n in enumerate(lengths)]
+    engine.run_until_idle()
+    assert [len(h.result().completions[0].tokens) for h in handles] == lengths
+    for busy, outstanding in occupancy:
+        assert busy == min(3, outstanding)  # no slot idles while work is queued
+    assert engine.stats().slot_occupancy > 2.0
+
+
+def _numpy_allowed(logits, temperature, top_p, top_k):
+    scaled = logits / temperature
+    order = np.argsort(-scaled)
+    allowed = np.zeros_like(logits, bool)
+    keep = order[:top_k] if top_k else order
+    probs = np.exp(scaled[keep] - scaled[keep].max())
+    probs /= probs.sum()
+    before = np.cumsum(probs) - probs
+    allowed[keep[before < top_p]] = True
+    return allowed
+
+
+def test_top_p_top_k_never_leave_the_allowed_set():
+    rng = np.random.default_rng(0)
+    B, V = 6, 50
+    logits = rng.normal(size=(B, V)).astype(np.float32) * 3
+    temperature = np.array([1.0, 0.5, 2.0, 1.0, 0.8, 1.0], np.float32)
+    top_p = np.array([0.9, 1.0, 0.5, 0.3, 0.95, 1.0], np.float32)
+    top_k = np.array([0, 5, 0, 10, 3, 1], np.int32)
+    expected = np.stack([_numpy_allowed(logits[b], temperature[b], top_p[b], top_k[b]) for b in range(B)])
+    mask = np.asarray(allowed_mask(jnp.asarray(logits), temperature, top_p, top_k))
+    np.testing.assert_array_equal(mask, expected)
+    seen = np.zeros((B, V), bool)
+    draw = jax.jit(sample_tokens)
+    for i in range(300):
+        tokens, _ = draw(jnp.asarray(logits), jax.random.key(i), temperature, top_p, top_k)
+        seen[np.arange(B), np.asarray(tokens)] = True
+    assert not (seen & ~expected).any()
+    several = expected.sum(1) > 1
+    assert several.sum() >= 4 and (seen.sum(1) > 1)[several].all()  # it does sample, not just take the argmax
+
+
+def test_engine_top_k_tokens_come_from_the_top_k():
+    model = _model(4)
+    (group,) = generate(model, [PROMPTS[1]], max_new_tokens=16, temperature=1.5, top_k=3, n=4, seed=1)
+    for c in group:
+        seq = jnp.asarray([PROMPTS[1] + c.tokens.tolist()])
+        logits = np.asarray(model(seq))[0, len(PROMPTS[1]) - 1:-1]
+        top3 = np.argsort(-logits, axis=-1)[:, :3]
+        assert all(t in row for t, row in zip(c.tokens, top3))
+        # Behavior logprobs are over the full vocabulary, not the truncated distribution.
+        np.testing.assert_allclose(c.logprobs, _teacher_forced(model, PROMPTS[1], c.tokens, 1.5), atol=1e-4)
+
+
+def test_stop_tokens_end_a_sample_and_are_kept():
+    model = _model(0)
+    (free,) = generate(model, [PROMPTS[0]], max_new_tokens=10, temperature=0.0)
+    stop = int(free[0].tokens[4])
+    first = int(np.flatnonzero(free[0].tokens == stop)[0])
+    (stopped,) = generate(model, [PROMPTS[0]], max_new_tokens=10, temperature=0.0, stop_token_ids=[stop])
+    c = stopped[0]
+    assert c.stop_reason == "stop" and c.tokens[-1] == stop
+    np.testing.assert_array_equal(c.tokens, free[0].tokens[:first + 1])
+
+
+def test_bad_requests_fail_clearly_and_the_engine_keeps_serving():
+    engine = GenerationEngine(_model(0), EngineConfig(num_slots=2, max_seq_len=16, decode_chunk=4))
+    good = engine.submit([1, 2], SamplingParams(max_new_tokens=4))
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.submit([], SamplingParams(max_new_tokens=4))
+    with pytest.raises(ValueError, match="does not fit"):
+        engine.submit(list(range(16)), SamplingParams(max_new_tokens=4))
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 64\)"):
+        engine.submit([1, 99], SamplingParams(max_new_tokens=4))
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(max_new_tokens=4, temperature=-1.0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(max_new_tokens=4, top_p=0.0)
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(max_new_tokens=4, top_k=-2)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=0)
+    with pytest.raises(ValueError, match="n must be"):
+        engine.submit([1], SamplingParams(max_new_tokens=4), n=0)
+    also_good = engine.submit([3], SamplingParams(max_new_tokens=30))  # capped by max_seq_len
+    engine.run_until_idle()
+    assert len(good.result().completions[0].tokens) == 4
+    c = also_good.result().completions[0]
+    assert c.stop_reason == "length" and 1 + len(c.tokens) == 16
+
+
+def test_abort_keeps_tokens_so_far():
+    engine = GenerationEngine(_model(0), EngineConfig(num_slots=1, max_seq_len=64, decode_chunk=4))
+    running = engine.submit([1, 2], SamplingParams(max_new_tokens=40), n=2)  # second sample still queued
+    engine.step()
+    engine.abort(running.request_id)
+    engine.run_until_idle()
+    first, second = running.result().completions
+    assert first.stop_reason == second.stop_reason == "aborted"
+    assert len(first.tokens) == 5 and len(second.tokens) == 0
+
+
+def test_threaded_engine_with_concurrent_weight_updates():
+    models = [_model(s) for s in (5, 6, 7)]
+    engine = GenerationEngine(models[0], EngineConfig(num_slots=4, max_seq_len=64, decode_chunk=2))
+    engine.start()
+    try:
+        handles = [engine.submit(p, SamplingParams(max_new_tokens=24), n=2) for p in PROMPTS]
+        pusher = threading.Thread(target=lambda: [engine.update_weights(m.params, v).result()
+                                                  for v, m in enumerate(models[1:], start=1)])
+        pusher.start()
+        pusher.join()
+        results = [h.result(timeout=120) for h in handles]
+    finally:
+        engine.stop()
+    by_version = {v: m for v, m in enumerate(models)}
+    for prompt, res in zip(PROMPTS, results):
+        for c in res.completions:
+            assert (np.diff(c.versions) >= 0).all()  # versions never go back within a sample
+            for v in np.unique(c.versions):
+                idx = np.flatnonzero(c.versions == v)
+                ref = _teacher_forced(by_version[int(v)], prompt, c.tokens, 1.0)
+                np.testing.assert_allclose(c.logprobs[idx], ref[idx], atol=1e-4)
+
+
+def test_greedy_matches_transformers_generate(reference, tmp_path):
+    path = make_models(reference, tmp_path, {"qwen2": FAMILY_CONFIGS["qwen2"]})["qwen2"]
+    prompts = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26, 43, 38]]
+    want = reference.run("generate", model=str(path), prompts=prompts, max_new_tokens=12)["tokens"]
+    out = generate(load_pretrained(path), prompts, max_new_tokens=12, temperature=0.0)
+    assert [g[0].tokens.tolist() for g in out] == want
