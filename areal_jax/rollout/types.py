@@ -1,0 +1,76 @@
+"""What rollouts hand to the trainer: trajectories grouped by prompt.
+
+Token alignment used by the trainer (one row per trajectory, length L = P + G):
+  input_ids[i]         = sequence token i              (prompt then completion)
+  target i             = sequence token i + 1          (the last position has no target)
+  loss_mask[i]         = 1 where target i is a completion token
+  behavior_logprobs[i] = log-prob the generator assigned to target i (0 elsewhere)
+  versions[i]          = policy version that sampled target i (-1 for prompt targets / padding)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Trajectory:
+    """One sampled completion. completion arrays are `[G]`, prompt `[P]`."""
+
+    prompt_ids: np.ndarray
+    completion_ids: np.ndarray
+    behavior_logprobs: np.ndarray
+    versions: np.ndarray
+    reward: float
+    stop_reason: str = "stop"
+
+    def __post_init__(self):
+        g = len(self.completion_ids)
+        if len(self.prompt_ids) == 0:
+            raise ValueError("Trajectory.prompt_ids is empty")
+        if len(self.behavior_logprobs) != g or len(self.versions) != g:
+            raise ValueError(f"Trajectory arrays disagree: {g} completion ids, {len(self.behavior_logprobs)} "
+                             f"logprobs, {len(self.versions)} versions")
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+    def training_row(self) -> dict[str, np.ndarray]:
+        """Per-token arrays `[L]` in the alignment described in the module docstring."""
+        P, G = len(self.prompt_ids), len(self.completion_ids)
+        L = P + G
+        ids = np.concatenate([self.prompt_ids, self.completion_ids]).astype(np.int32)
+        loss_mask = np.zeros(L, np.float32)
+        loss_mask[P - 1:L - 1] = 1.0
+        behav = np.zeros(L, np.float32)
+        behav[P - 1:L - 1] = self.behavior_logprobs
+        versions = np.full(L, -1, np.int32)
+        versions[P - 1:L - 1] = self.versions
+        targets = np.zeros(L, np.int32)
+        targets[:-1] = ids[1:]
+        return {"input_ids": ids, "targets": targets, "loss_mask": loss_mask, "behavior_logprobs": behav,
+                "versions": versions}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrajectoryGroup:
+    """The samples of one prompt (the unit of admission, staleness accounting and GRPO-style norms)."""
+
+    query_id: str
+    trajectories: tuple[Trajectory, ...]
+    admitted_version: int
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(t.length for t in self.trajectories)
+
+    @property
+    def oldest_version(self) -> int:
+        """Oldest policy version among generated tokens (admitted_version if none were generated)."""
+        versions = [int(t.versions.min()) for t in self.trajectories if len(t.versions)]
+        return min(versions, default=self.admitted_version)
