@@ -1,0 +1,268 @@
+"""From trajectory groups to packed, fixed-shape micro-batches for the train step.
+
+Shapes: N = sequences, L_i = tokens of sequence i, M = minibatches, R = rows per micro-batch,
+T = row length (a bucket size).
+
+1. `build_sequences`: one dict of per-token arrays `[L_i]` per trajectory (the alignment of
+   `Trajectory.training_row`) plus `advantages [L_i]` from `compute_advantages` (nonzero only
+   on loss-mask tokens, i.e. generated tokens).
+2. `make_microbatches`: split the sequences into M contiguous, token-balanced minibatches
+   (one optimizer update each); inside each, first-fit-decreasing bins of at most
+   `max_tokens_per_microbatch` tokens (one micro-batch each, never splitting a sequence);
+   each bin is packed into R rows of length T, where T is the smallest bucket that holds
+   the bin in `rows_for_bucket(T)` rows. R depends on T only, so the compiled shapes come
+   from the bucket list: short sequences get many short rows (attention costs T^2 per
+   row), long ones few long rows, and every shape holds about the same number of tokens.
+
+Host-side NumPy, run once per training step on the trainer thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from areal_jax.packing import default_buckets, ffd_allocate, pack_sequences
+from areal_jax.ppo import AdvantageConfig, compute_advantages
+from areal_jax.rollout.types import TrajectoryGroup
+
+# Per-token keys of a sequence dict and of a packed micro-batch (plus segment_ids, positions).
+SEQUENCE_KEYS = ("input_ids", "targets", "loss_mask", "behavior_logprobs", "versions", "advantages")
+# Padding values that differ from 0: padding tokens carry no policy version.
+PAD_VALUES = {"versions": -1}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PackedBatch:
+    """One micro-batch: `[R, T]` arrays plus what the loss needs beyond them.
+
+    Attributes:
+        arrays: input_ids, targets, segment_ids (0 = padding), positions, loss_mask,
+            behavior_logprobs, advantages, versions (-1 on padding / prompt targets); the
+            trainer adds proximal_logprobs. All `[R, T]`.
+        rows: for each packed row, the indices (into the sequence list given to
+            `make_microbatches`) of its sequences in packing order; empty rows are omitted,
+            so a padding micro-batch has `rows == ()`.
+        minibatch_valid_tokens: loss-mask tokens of the whole minibatch this micro-batch
+            belongs to (over all processes when agreed): the loss denominator that makes
+            micro-batch losses sum to the minibatch token mean.
+    """
+
+    arrays: Mapping[str, np.ndarray]
+    rows: tuple[tuple[int, ...], ...]
+    minibatch_valid_tokens: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(R, T)."""
+        return tuple(np.shape(self.arrays["segment_ids"]))  # type: ignore[return-value]
+
+    @property
+    def sequence_indices(self) -> list[int]:
+        return [i for row in self.rows for i in row]
+
+    @property
+    def num_tokens(self) -> int:
+        """Non-padding tokens."""
+        return int(np.count_nonzero(np.asarray(self.arrays["segment_ids"])))
+
+    @property
+    def num_valid_tokens(self) -> int:
+        """Loss-mask tokens of this micro-batch."""
+        return int(np.asarray(self.arrays["loss_mask"]).sum())
+
+    def with_arrays(self, **arrays) -> PackedBatch:
+        """A copy with arrays added or replaced (e.g. proximal_logprobs)."""
+        return dataclasses.replace(self, arrays={**self.arrays, **arrays})
+
+
+def build_sequences(groups: Sequence[TrajectoryGroup], adv_cfg: AdvantageConfig) -> list[dict[str, np.ndarray]]:
+    """Per-token training arrays `[L_i]` of every trajectory, groups in order.
+
+    The group id of each trajectory (for group-normalized advantages) is its group's index in
+    `groups`. Keys: SEQUENCE_KEYS.
+    """
+    if not groups:
+        raise ValueError("build_sequences needs at least one trajectory group")
+    if adv_cfg.kl_coef > 0:
+        raise ValueError("AdvantageConfig.kl_coef > 0 needs reference log-probs, which build_sequences "
+                         "does not have (there is no reference model); use kl_coef=0")
+    rows, rewards, group_ids = [], [], []
+    for g_index, group in enumerate(groups):
+        for traj in group.trajectories:
+            rows.append(traj.training_row())
+            rewards.append(traj.reward)
+            group_ids.append(g_index)
+    if not rows:
+        raise ValueError("the trajectory groups hold no trajectories")
+    lengths = [len(r["input_ids"]) for r in rows]
+    mask = np.zeros((len(rows), max(lengths)), np.float32)  # [N, L_max]
+    for i, row in enumerate(rows):
+        mask[i, :lengths[i]] = row["loss_mask"]
+    adv = compute_advantages(np.asarray(rewards, np.float64), np.asarray(group_ids, np.int64), mask, adv_cfg)
+    for i, row in enumerate(rows):
+        row["advantages"] = adv[i, :lengths[i]].astype(np.float32)
+    return rows
+
+
+def rows_for_bucket(row_len: int, max_tokens_per_microbatch: int, row_multiple: int = 1) -> int:
+    """R for row length T: as many rows as the token budget allows, a multiple of row_multiple
+    (e.g. the data-parallel mesh size, so rows shard evenly), at least row_multiple."""
+    per = max(1, max_tokens_per_microbatch // (row_len * row_multiple))
+    return per * row_multiple
+
+
+def make_microbatches(
+    seqs: Sequence[Mapping[str, np.ndarray]],
+    *,
+    max_tokens_per_microbatch: int,
+    num_minibatches: int,
+    buckets: Sequence[int] | None = None,
+    row_multiple: int = 1,
+    agree_max: Callable[[int], int] | None = None,
+    agree_sum: Callable[[int], int] | None = None,
+) -> list[list[PackedBatch]]:
+    """Minibatches of packed micro-batches.
+
+    Args:
+        seqs: N per-token dicts (from `build_sequences`), in group order.
+        max_tokens_per_microbatch: token budget of one micro-batch; a longer sequence is an error.
+        num_minibatches: M optimizer updates per step; needs N >= M (contiguous chunks of
+            sequences, token-balanced, so a prompt group's samples stay together).
+        buckets: allowed row lengths; default powers of two from 128 up to the budget. The
+            largest must be >= the budget.
+        row_multiple: R is always a multiple of this (see `rows_for_bucket`).
+        agree_max: cross-process max (e.g. areal_jax.parallel.agree_max). When given, every
+            process ends up with the same number of micro-batches per minibatch (padded with
+            all-padding micro-batches) and the same shape per micro-batch index, as a global
+            array built from process-local rows requires. Called the same number of times,
+            in the same order, on every process.
+        agree_sum: cross-process sum for the minibatch valid-token count (the loss
+            denominator), so the loss is a token mean over the global minibatch.
+    Returns:
+        M lists of PackedBatch.
+    """
+    budget = _positive_int("max_tokens_per_microbatch", max_tokens_per_microbatch)
+    m = _positive_int("num_minibatches", num_minibatches)
+    row_multiple = _positive_int("row_multiple", row_multiple)
+    candidates = _candidate_lengths(budget, buckets)
+    lengths = [len(s["input_ids"]) for s in seqs]
+    for i, n in enumerate(lengths):
+        if n > budget:
+            raise ValueError(f"sequence {i} has {n} tokens > max_tokens_per_microbatch {budget}; "
+                             "raise the budget or cap generation length")
+    if len(seqs) < m:
+        raise ValueError(f"num_minibatches={m} needs at least {m} sequences, got {len(seqs)}")
+
+    minibatches = []
+    for lo, hi in _balanced_chunks(lengths, m):
+        index = list(range(lo, hi))
+        bins = [[index[j] for j in b] for b in ffd_allocate([lengths[i] for i in index], budget)]
+        n_micro = len(bins) if agree_max is None else agree_max(len(bins))
+        bins += [[] for _ in range(n_micro - len(bins))]
+        valid = int(sum(float(np.asarray(seqs[i]["loss_mask"]).sum()) for i in index))
+        if agree_sum is not None:
+            valid = agree_sum(valid)
+        micro = []
+        for b in bins:
+            row_len = _agreed_row_len([lengths[i] for i in b], candidates, budget, row_multiple, agree_max)
+            micro.append(_pack_bin(seqs, b, lengths, row_len, rows_for_bucket(row_len, budget, row_multiple),
+                                   valid))
+        minibatches.append(micro)
+    return minibatches
+
+
+# ---- helpers ---------------------------------------------------------------------------------------
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _candidate_lengths(budget: int, buckets: Sequence[int] | None) -> list[int]:
+    """Allowed row lengths, ascending, up to the smallest one that holds the whole budget."""
+    sizes = sorted(set(default_buckets(budget) if buckets is None
+                       else (_positive_int(f"buckets[{i}]", b) for i, b in enumerate(buckets))))
+    if not sizes:
+        raise ValueError("buckets must not be empty")
+    if sizes[-1] < budget:
+        raise ValueError(f"the largest bucket ({sizes[-1]}) must be >= max_tokens_per_microbatch ({budget})")
+    top = next(s for s in sizes if s >= budget)
+    return [s for s in sizes if s <= top]
+
+
+def _balanced_chunks(lengths: Sequence[int], m: int) -> list[tuple[int, int]]:
+    """m non-empty contiguous [lo, hi) ranges whose token sums are as close to total/m as possible."""
+    n = len(lengths)
+    cum = np.cumsum(lengths)  # cum[i] = tokens of sequences 0..i
+    total = float(cum[-1])
+    bounds = [0]
+    for k in range(1, m):
+        target = total * k / m
+        # End (exclusive) e whose prefix sum cum[e - 1] is nearest the target.
+        e = int(np.searchsorted(cum, target)) + 1  # cum[e - 1] >= target
+        if e > 1 and target - cum[e - 2] <= cum[e - 1] - target:
+            e -= 1
+        e = min(max(e, bounds[-1] + 1), n - (m - k))
+        bounds.append(e)
+    bounds.append(n)
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _rows_at(lengths: Sequence[int], row_len: int, budget: int, row_multiple: int) -> list[list[int]] | None:
+    """Row layout of a bin at row length T (positions into `lengths`), or None if it does not fit."""
+    if not lengths:
+        return []
+    if max(lengths) > row_len:
+        return None
+    rows = ffd_allocate(lengths, row_len)
+    return rows if len(rows) <= rows_for_bucket(row_len, budget, row_multiple) else None
+
+
+def _smallest_row_len(lengths, candidates, budget, row_multiple, at_least: int) -> int:
+    for size in candidates:
+        if size >= at_least and _rows_at(lengths, size, budget, row_multiple) is not None:
+            return size
+    # Unreachable: the top candidate is >= the budget >= the bin's tokens, in one row.
+    raise AssertionError(f"no bucket holds a bin of lengths {list(lengths)}")
+
+
+def _agreed_row_len(lengths, candidates, budget, row_multiple, agree_max) -> int:
+    """Smallest bucket that fits this bin (and, with agree_max, every process's bin of this index).
+
+    Processes propose their smallest fitting size at or above the current agreement until
+    nobody needs more; sizes only grow and the largest always fits, so this terminates.
+    """
+    size = _smallest_row_len(lengths, candidates, budget, row_multiple, 0)
+    if agree_max is None:
+        return size
+    agreed = agree_max(size)
+    while True:
+        proposal = _smallest_row_len(lengths, candidates, budget, row_multiple, agreed)
+        new = agree_max(proposal)
+        if new == agreed:
+            return agreed
+        agreed = new
+
+
+def _pack_bin(seqs, members: list[int], lengths, row_len: int, num_rows: int, valid: int) -> PackedBatch:
+    """Pack the sequences `members` into `num_rows` rows of `row_len` tokens."""
+    if not members:
+        arrays = {k: np.full((num_rows, row_len), PAD_VALUES.get(k, 0), _dtype_of(seqs, k)) for k in seqs[0]}
+        arrays["segment_ids"] = np.zeros((num_rows, row_len), np.int32)
+        arrays["positions"] = np.zeros((num_rows, row_len), np.int32)
+        return PackedBatch(arrays, (), valid)
+    local_rows = ffd_allocate([lengths[i] for i in members], row_len)  # the layout _rows_at checked
+    subset = [seqs[i] for i in members]
+    arrays = pack_sequences(subset, local_rows, row_len, num_rows=num_rows,
+                            pad_values={k: v for k, v in PAD_VALUES.items() if k in subset[0]})
+    rows = tuple(tuple(members[j] for j in row) for row in local_rows)
+    return PackedBatch(arrays, rows, valid)
+
+
+def _dtype_of(seqs, key: str) -> np.dtype:
+    return np.asarray(seqs[0][key]).dtype

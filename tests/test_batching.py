@@ -1,0 +1,194 @@
+"""trainer/batching.py: trajectory groups -> per-token sequences -> packed micro-batches."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from areal_jax.packing import unpack
+from areal_jax.ppo import AdvantageConfig
+from areal_jax.rollout.types import Trajectory, TrajectoryGroup
+from areal_jax.trainer.batching import (
+    SEQUENCE_KEYS,
+    build_sequences,
+    make_microbatches,
+    rows_for_bucket,
+)
+
+
+def random_groups(rng, n_groups=5, per_group=3, max_prompt=6, max_completion=12, vocab=50):
+    groups = []
+    for g in range(n_groups):
+        trajs = []
+        for _ in range(per_group):
+            p, c = int(rng.integers(1, max_prompt + 1)), int(rng.integers(0, max_completion + 1))
+            trajs.append(Trajectory(
+                prompt_ids=rng.integers(0, vocab, p), completion_ids=rng.integers(0, vocab, c),
+                behavior_logprobs=-rng.random(c).astype(np.float32), versions=rng.integers(0, 4, c),
+                reward=float(rng.choice([-5.0, 5.0]))))
+        groups.append(TrajectoryGroup(query_id=f"q{g}", trajectories=tuple(trajs), admitted_version=0))
+    return groups
+
+
+def test_advantages_land_on_completion_tokens_only():
+    rng = np.random.default_rng(0)
+    groups = random_groups(rng)
+    seqs = build_sequences(groups, AdvantageConfig(norm="none"))
+    trajs = [t for g in groups for t in g.trajectories]
+    assert len(seqs) == len(trajs)
+    for seq, traj in zip(seqs, trajs):
+        assert set(seq) == set(SEQUENCE_KEYS)
+        P, G = len(traj.prompt_ids), len(traj.completion_ids)
+        expected = np.zeros(P + G, np.float32)
+        expected[P - 1:P + G - 1] = traj.reward  # targets that are completion tokens
+        np.testing.assert_array_equal(seq["advantages"], expected)
+        np.testing.assert_array_equal(seq["loss_mask"], expected != 0)
+
+
+def test_group_normalized_advantages_match_numpy():
+    rng = np.random.default_rng(1)
+    groups = random_groups(rng, n_groups=3, per_group=4, max_completion=8)
+    cfg = AdvantageConfig(norm="group", eps=1e-5)
+    seqs = build_sequences(groups, cfg)
+    i = 0
+    for group in groups:
+        # Token-weighted mean / biased std of the group's rewards, by hand.
+        tokens = np.concatenate([np.full(len(t.completion_ids), t.reward) for t in group.trajectories])
+        mean, std = (tokens.mean(), tokens.std()) if tokens.size else (0.0, 0.0)
+        for traj in group.trajectories:
+            mask = seqs[i]["loss_mask"] > 0
+            np.testing.assert_allclose(seqs[i]["advantages"][mask], (traj.reward - mean) / (std + 1e-5), rtol=1e-5)
+            assert np.all(seqs[i]["advantages"][~mask] == 0)
+            i += 1
+
+
+def test_build_sequences_rejects_kl_penalty_and_empty_input():
+    with pytest.raises(ValueError, match="kl_coef"):
+        build_sequences(random_groups(np.random.default_rng(0), 1), AdvantageConfig(kl_coef=0.1))
+    with pytest.raises(ValueError, match="at least one"):
+        build_sequences([], AdvantageConfig())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_microbatches_cover_every_sequence_once_under_the_budget(seed):
+    rng = np.random.default_rng(seed)
+    seqs = build_sequences(random_groups(rng, n_groups=8, per_group=4), AdvantageConfig())
+    budget, buckets, m = 40, (8, 16, 32, 64), int(rng.integers(1, 5))
+    row_multiple = int(rng.integers(1, 3))
+    minibatches = make_microbatches(seqs, max_tokens_per_microbatch=budget, num_minibatches=m, buckets=buckets,
+                                    row_multiple=row_multiple)
+    assert len(minibatches) == m
+    lengths = np.array([len(s["input_ids"]) for s in seqs])
+    seen, chunk_tokens = [], []
+    for mb in minibatches:
+        indices = sorted(i for micro in mb for i in micro.sequence_indices)
+        # Contiguous chunk of the sequence list; denominator = its loss-mask tokens.
+        assert indices == list(range(indices[0], indices[-1] + 1))
+        valid = sum(seqs[i]["loss_mask"].sum() for i in indices)
+        chunk_tokens.append(lengths[indices].sum())
+        for micro in mb:
+            R, T = micro.shape
+            assert T in buckets and R == rows_for_bucket(T, budget, row_multiple)
+            assert micro.num_tokens <= budget
+            assert micro.minibatch_valid_tokens == valid
+            # Unpacking the rows gives back every sequence's arrays exactly.
+            local = micro.sequence_indices
+            position = {i: j for j, i in enumerate(local)}
+            groups = [[position[i] for i in row] for row in micro.rows]
+            for i, arrays in zip(local, unpack(micro.arrays, groups, SEQUENCE_KEYS)):
+                for key in SEQUENCE_KEYS:
+                    np.testing.assert_array_equal(arrays[key], seqs[i][key])
+            pad = np.asarray(micro.arrays["segment_ids"]) == 0
+            assert np.all(micro.arrays["loss_mask"][pad] == 0) and np.all(micro.arrays["versions"][pad] == -1)
+        seen.extend(indices)
+    assert sorted(seen) == list(range(len(seqs)))
+    # Token balance: a chunk is off the mean by less than one sequence.
+    assert max(abs(t - lengths.sum() / m) for t in chunk_tokens) <= lengths.max()
+
+
+def test_rows_per_bucket_are_fixed_and_fill_the_budget():
+    rng = np.random.default_rng(7)
+    seqs = build_sequences(random_groups(rng, n_groups=10, per_group=4, max_completion=20), AdvantageConfig())
+    budget, buckets = 64, (16, 32, 64)
+    shapes = {micro.shape for mb in make_microbatches(seqs, max_tokens_per_microbatch=budget, num_minibatches=2,
+                                                      buckets=buckets) for micro in mb}
+    assert shapes <= {(4, 16), (2, 32), (1, 64)}
+    assert rows_for_bucket(16, 64, row_multiple=2) == 4 and rows_for_bucket(64, 64, row_multiple=2) == 2
+
+
+def test_oversize_sequence_is_named():
+    rng = np.random.default_rng(3)
+    seqs = build_sequences(random_groups(rng, n_groups=2, per_group=2, max_prompt=3, max_completion=3),
+                           AdvantageConfig())
+    long = dict(seqs[2])
+    long = {k: np.concatenate([v] * 20) for k, v in long.items()}
+    seqs[2] = long
+    with pytest.raises(ValueError, match=r"sequence 2 has \d+ tokens > max_tokens_per_microbatch 32"):
+        make_microbatches(seqs, max_tokens_per_microbatch=32, num_minibatches=1, buckets=(16, 32))
+
+
+def test_argument_errors():
+    seqs = build_sequences(random_groups(np.random.default_rng(0), 1, 2), AdvantageConfig())
+    with pytest.raises(ValueError, match="at least 3 sequences"):
+        make_microbatches(seqs, max_tokens_per_microbatch=64, num_minibatches=3, buckets=(64,))
+    with pytest.raises(ValueError, match="largest bucket"):
+        make_microbatches(seqs, max_tokens_per_microbatch=64, num_minibatches=1, buckets=(16, 32))
+
+
+def test_padding_microbatches_up_to_the_agreed_count():
+    seqs = build_sequences(random_groups(np.random.default_rng(4), 3, 3), AdvantageConfig())
+    base = make_microbatches(seqs, max_tokens_per_microbatch=32, num_minibatches=2, buckets=(16, 32))
+    padded = make_microbatches(seqs, max_tokens_per_microbatch=32, num_minibatches=2, buckets=(16, 32),
+                               agree_max=lambda n: max(n, 6), agree_sum=lambda n: 3 * n)  # a peer with more
+    for b, p in zip(base, padded):
+        assert len(p) == 6 and len(b) < 6
+        for micro_b, micro_p in zip(b, p):
+            assert micro_p.rows == micro_b.rows
+            assert micro_p.minibatch_valid_tokens == 3 * micro_b.minibatch_valid_tokens
+        for extra in p[len(b):]:
+            assert extra.rows == () and extra.num_tokens == 0 and extra.num_valid_tokens == 0
+            assert np.all(extra.arrays["versions"] == -1) and np.all(extra.arrays["advantages"] == 0)
+
+
+class ThreadAgreement:
+    """Cross-'process' max among threads (each thread plays one process), as jax collectives would."""
+
+    def __init__(self, n):
+        self.barrier = threading.Barrier(n)
+        self.values = {}
+        self.calls = {}
+
+    def agree_max(self, x):
+        me = threading.get_ident()
+        self.calls[me] = self.calls.get(me, 0) + 1
+        self.values[me] = x
+        self.barrier.wait()
+        result = max(self.values.values())
+        self.barrier.wait()
+        return result
+
+
+def test_processes_agree_on_microbatch_count_and_shapes():
+    rng = np.random.default_rng(5)
+    # Process A has short sequences, process B long ones: their natural shapes differ.
+    a = build_sequences(random_groups(rng, 6, 2, max_prompt=3, max_completion=4), AdvantageConfig())
+    b = build_sequences(random_groups(rng, 3, 2, max_prompt=10, max_completion=20), AdvantageConfig())
+    agreement, results = ThreadAgreement(2), {}
+
+    def run(name, seqs):
+        results[name] = make_microbatches(seqs, max_tokens_per_microbatch=64, num_minibatches=2,
+                                          buckets=(8, 16, 32, 64), agree_max=agreement.agree_max)
+
+    threads = [threading.Thread(target=run, args=args) for args in (("a", a), ("b", b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert set(results) == {"a", "b"}
+    alone = make_microbatches(a, max_tokens_per_microbatch=64, num_minibatches=2, buckets=(8, 16, 32, 64))
+    assert [[m.shape for m in mb] for mb in results["a"]] == [[m.shape for m in mb] for mb in results["b"]]
+    assert [[m.shape for m in mb] for mb in alone] != [[m.shape for m in mb] for mb in results["a"]]
+    for name, seqs in (("a", a), ("b", b)):
+        covered = sorted(i for mb in results[name] for m in mb for i in m.sequence_indices)
+        assert covered == list(range(len(seqs)))
+        assert all(m.num_tokens <= 64 for mb in results[name] for m in mb)
