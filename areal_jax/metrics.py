@@ -1,0 +1,221 @@
+"""Training observability: JSONL metrics, TensorBoard scalars, a console progress line, rollout dumps.
+
+Layout under `run_dir`:
+
+    metrics.jsonl           one object per `log` call: {"step", "wall_time", "metrics": {...nested}}
+    tensorboard/            event files (scalars tagged by the "/"-joined nested key)
+    rollouts/step_<N>.jsonl one object per record, written by `dump_rollouts`
+
+JSON has no NaN or infinity; non-finite floats are written as the strings "NaN", "Infinity"
+and "-Infinity" everywhere in these files (`read_jsonl` turns them back into floats).
+TensorBoard events are written with tensorboard's own writer and protos: no TensorFlow.
+Create the logger on one process only (process 0) in multi-host runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import sys
+import time
+from typing import Any, Mapping
+
+Number = int | float
+Metrics = Mapping[str, Any]  # values: numbers (incl. NumPy/JAX scalars) or nested Metrics
+
+_NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+# Console progress fields: (label, candidate flattened keys in order of preference, format).
+PROGRESS_FIELDS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("reward", ("reward/mean", "reward"), "{:.3f}"),
+    ("staleness", ("staleness/mean", "staleness"), "{:.2f}"),
+    ("tok/s", ("throughput/tokens_per_s", "tokens_per_s"), "{:,.0f}"),
+)
+
+
+def _encode_float(x: float) -> float | str:
+    if math.isnan(x):
+        return "NaN"
+    if math.isinf(x):
+        return "Infinity" if x > 0 else "-Infinity"
+    return x
+
+
+def to_number(value: Any, key: str = "value") -> Number:
+    """A metric value as a plain Python int or float (bools, NumPy and 0-d JAX arrays accepted)."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value)  # plain float, also for np.float64 (a float subclass)
+    if hasattr(value, "__array__") or hasattr(value, "item"):
+        import numpy as np
+
+        arr = np.asarray(value)
+        if arr.shape == () and arr.dtype.kind in "biuf":
+            item = arr.item()
+            return int(item) if isinstance(item, bool) else item
+    raise TypeError(f"metric {key!r} must be a number or a dict of numbers, got {type(value).__name__}: {value!r}")
+
+
+def flatten_metrics(metrics: Metrics, prefix: str = "") -> dict[str, Number]:
+    """Nested metrics as {"a/b/c": number}; values converted by `to_number`."""
+    flat: dict[str, Number] = {}
+    for key, value in metrics.items():
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"metric keys must be non-empty strings, got {key!r} under {prefix!r}")
+        name = f"{prefix}/{key}" if prefix else key
+        if isinstance(value, Mapping):
+            flat.update(flatten_metrics(value, name))
+        else:
+            flat[name] = to_number(value, name)
+    return flat
+
+
+def _normalize(metrics: Metrics, prefix: str = "") -> dict[str, Any]:
+    """Nested metrics with plain numbers (structure kept, for JSONL)."""
+    out: dict[str, Any] = {}
+    for key, value in metrics.items():
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"metric keys must be non-empty strings, got {key!r} under {prefix!r}")
+        name = f"{prefix}/{key}" if prefix else key
+        out[key] = _normalize(value, name) if isinstance(value, Mapping) else to_number(value, name)
+    return out
+
+
+def to_jsonable(obj: Any, path: str = "record") -> Any:
+    """`obj` as strict-JSON data: arrays become lists, non-finite floats become strings."""
+    if obj is None or isinstance(obj, (str, bool, int)):
+        return obj
+    if isinstance(obj, float):
+        return _encode_float(obj)
+    if isinstance(obj, Mapping):
+        return {str(k): to_jsonable(v, f"{path}.{k}") for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+    if hasattr(obj, "__array__"):
+        import numpy as np
+
+        return to_jsonable(np.asarray(obj).tolist(), path)
+    if hasattr(obj, "item"):  # NumPy scalar
+        return to_jsonable(obj.item(), path)
+    raise TypeError(f"{path} is not JSON-serializable: {type(obj).__name__}")
+
+
+def _decode(obj: Any) -> Any:
+    if isinstance(obj, str) and obj in _NON_FINITE:
+        return _NON_FINITE[obj]
+    if isinstance(obj, dict):
+        return {k: _decode(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_decode(v) for v in obj]
+    return obj
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """Reads a metrics or rollouts JSONL file written here, non-finite strings back to floats."""
+    with open(path) as f:
+        return [_decode(json.loads(line)) for line in f if line.strip()]
+
+
+def format_progress(step: int, metrics: Metrics) -> str:
+    """One console line: step, then reward, staleness and tokens/s where present (see PROGRESS_FIELDS)."""
+    flat = flatten_metrics(metrics)
+    parts = [f"step {step}"]
+    for label, keys, fmt in PROGRESS_FIELDS:
+        key = next((k for k in keys if k in flat), None)
+        if key is None:
+            continue
+        value = flat[key]
+        text = fmt.format(value) if math.isfinite(value) else str(float(value))
+        parts.append(f"{text} {label}" if label == "tok/s" else f"{label} {text}")
+    return " | ".join(parts)
+
+
+class _TensorBoardScalars:
+    """Scalar summaries through tensorboard's event writer and protos (no TensorFlow needed)."""
+
+    def __init__(self, logdir: pathlib.Path):
+        try:
+            from tensorboard.compat.proto import event_pb2, summary_pb2
+            from tensorboard.summary.writer.event_file_writer import EventFileWriter
+        except ImportError as err:
+            raise ImportError("MetricsLogger(tensorboard=True) needs the `tensorboard` package "
+                              "(pip install tensorboard), or pass tensorboard=False") from err
+        self._event_pb2, self._summary_pb2 = event_pb2, summary_pb2
+        logdir.mkdir(parents=True, exist_ok=True)
+        self._writer = EventFileWriter(str(logdir))
+
+    def write(self, step: int, wall_time: float, flat: Mapping[str, Number]) -> None:
+        values = [self._summary_pb2.Summary.Value(tag=tag, simple_value=float(v)) for tag, v in flat.items()]
+        event = self._event_pb2.Event(wall_time=wall_time, step=step, summary=self._summary_pb2.Summary(value=values))
+        self._writer.add_event(event)
+        # Flush per call so a live TensorBoard (and a crash) sees every logged step.
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class MetricsLogger:
+    """Writes each step's metrics to JSONL and TensorBoard and prints a progress line."""
+
+    def __init__(self, run_dir: str | os.PathLike, *, tensorboard: bool = True, jsonl: bool = True,
+                 console: bool = True):
+        self.run_dir = pathlib.Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.console = console
+        # Append: a resumed run continues the same file.
+        self._jsonl = open(self.run_dir / "metrics.jsonl", "a") if jsonl else None
+        self._tensorboard = _TensorBoardScalars(self.run_dir / "tensorboard") if tensorboard else None
+        self._closed = False
+
+    def log(self, step: int, metrics: Metrics, wall_time: float | None = None) -> None:
+        """Records `metrics` (numbers or nested dicts of numbers) for `step`."""
+        if self._closed:
+            raise RuntimeError("MetricsLogger is closed")
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise TypeError(f"step must be an int, got {step!r}")
+        wall_time = time.time() if wall_time is None else float(wall_time)
+        nested = _normalize(metrics)
+        if self._jsonl is not None:
+            record = {"step": step, "wall_time": wall_time, "metrics": to_jsonable(nested)}
+            self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
+            self._jsonl.flush()
+        if self._tensorboard is not None:
+            self._tensorboard.write(step, wall_time, flatten_metrics(nested))
+        if self.console:
+            print(format_progress(step, nested), file=sys.stdout, flush=True)
+
+    def dump_rollouts(self, step: int, records: list[Mapping[str, Any]]) -> pathlib.Path:
+        """Writes `records` (prompt, completion, reward, per-token versions, ...) to rollouts/step_<step>.jsonl.
+
+        The file appears whole (written beside it, then renamed); a second dump of a step replaces it.
+        """
+        out_dir = self.run_dir / "rollouts"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        lines = [json.dumps(to_jsonable(r, f"records[{i}]"), allow_nan=False) for i, r in enumerate(records)]
+        path = out_dir / f"step_{step}.jsonl"
+        tmp = out_dir / f".{path.name}.tmp-{os.getpid()}"
+        tmp.write_text("".join(line + "\n" for line in lines))
+        os.replace(tmp, path)
+        return path
+
+    def close(self) -> None:
+        """Flushes and closes the JSONL file and the TensorBoard writer."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
