@@ -35,6 +35,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from areal_jax.models import ModelConfig, save_params
+from areal_jax.parallel import agree_max
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +159,8 @@ class Checkpointer:
         """Whether `step` is due by the step interval or by time since the last save.
 
         `now` is a `time.monotonic()` reading (default: the current one). A step that is
-        already on disk is never due again.
+        already on disk is never due again. With several processes and `save_interval_s`
+        set, this is a collective (processes agree on the time trigger): call it everywhere.
         """
         latest = self.latest_step()
         if latest is not None and step <= latest:
@@ -166,8 +168,12 @@ class Checkpointer:
         cfg = self.config
         if cfg.save_interval_steps is not None and step % cfg.save_interval_steps == 0:
             return True
+        if cfg.save_interval_s is None:
+            return False
         now = time.monotonic() if now is None else now
-        return cfg.save_interval_s is not None and now - self._last_save_time >= cfg.save_interval_s
+        due = now - self._last_save_time >= cfg.save_interval_s
+        # Clocks differ across hosts, and a save is collective: all must decide alike.
+        return bool(agree_max(int(due))) if jax.process_count() > 1 else due
 
     def save(self, step: int, *, state: Any, meta: dict | None = None,
              data_iterator: StatefulIterator | None = None, force: bool = False) -> bool:
