@@ -1,0 +1,439 @@
+"""The rollout controller: staleness-bounded admission, workflows as asyncio tasks, hand-off.
+
+One thread runs an asyncio event loop. It admits prompt rows from `data_iter` while the
+StalenessManager has capacity (`try_submit`, so check and count are one atomic step), runs
+each admitted row's `workflow.arun` as a task (generation happens on the engine's own
+thread, rewards in the reward pool or a small thread pool: the loop only awaits), and
+settles every finished group exactly once:
+
+    accepted  kept by every filter; `on_accept`, then queued for the channel in acceptance order
+    rejected  workflow returned None ("workflow"), a filter named a reason, or "stale"; `on_reject`
+    failed    the workflow raised (reward error, aborted generation...); logged with the
+              row's source, `on_reject`
+    in flight still running at shutdown: cancelled (engine request aborted), `on_reject`
+
+so `admitted == accepted + sum(rejected) + failed + in_flight` holds exactly in the
+ShutdownReport. Accepted groups wait in an outbox until the (bounded) channel has room; one
+pump moves them in acceptance order without ever blocking the loop.
+
+Versions. The admission version is `min(version_fn(), engine.version)`: the trainer's
+version, but never ahead of the weights the engine actually serves, so every token of a
+group admitted at u has version >= u whatever the order of "bump version" and "push
+weights" in the trainer. Give the engine the right starting version when resuming.
+
+What bounds the age of trained tokens (eta = staleness.max_staleness, B = its batch_size).
+Assume the trainer takes groups only from this channel (oldest first), and that its version
+when it takes a batch is at most (groups it took before) / B, as with one version bump per
+batch of B. Let G be accepted when `version_fn()` read v_a, and taken at trainer version v_t.
+
+* v_t <= v_a + eta. Proof: admissions keep accepted + running <= (eta + u + 1) * B at the
+  admission version u <= v_a, and neither accepting nor a later version raises the left
+  side beyond that; so when G is accepted, (groups accepted before G) + (groups still
+  running) <= (eta + v_a + 1) * B - 1. A group taken before G either reached the channel
+  before G (accepted before G: the pump keeps acceptance order) or sorted before G when
+  taken, i.e. was admitted before G and so was running when G was accepted. Hence
+  v_t * B <= (eta + v_a + 1) * B - 1.
+* With `max_head_offpolicyness = K`, a group is accepted only if its oldest token has
+  version >= v_a - K (`is_too_stale(group, v_a, K)` is False). Then every trained token
+  lags at most v_t - oldest <= eta + K versions. Without K, a straggler (admitted long ago,
+  finished late) has no per-group bound: admission limits the volume of stale data only.
+* eta = 0: v_t = v_a and every token of every trained group has version v_t (synchronous).
+* For an exact per-token bound at training time, the trainer applies the same pure check
+  `is_too_stale(group, v_t, K)` to each batch it takes (and counts what it drops); the
+  controller's check then only saves the channel space and the trainer's time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import inspect
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from areal_jax.generation.engine import GenerationEngine
+from areal_jax.rollout.channel import ChannelClosed, TrajectoryChannel
+from areal_jax.rollout.filters import GroupFilter, is_too_stale
+from areal_jax.rollout.staleness import StalenessManager
+from areal_jax.rollout.types import TrajectoryGroup
+from areal_jax.rollout.workflow import Detokenizer, RolloutClient, row_source
+
+__all__ = ["ControllerStats", "RolloutController", "ShutdownReport"]
+
+logger = logging.getLogger(__name__)
+
+# While the channel is full the pump retries a blocking put with this timeout, so that a
+# shutdown is noticed quickly and a put never completes after the pump gave up on it.
+_PUT_RETRY_S = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class ControllerStats:
+    """A snapshot of the controller's counters (all in prompt groups)."""
+
+    admitted: int
+    accepted: int
+    rejected: dict[str, int]
+    failed: int
+    failed_by_error: dict[str, int]
+    in_flight: int
+    peak_in_flight: int
+    outbox: int  # accepted, waiting for room in the channel
+    channel_depth: int
+    paused: bool
+    data_exhausted: bool
+    admission_version: int  # version used by the latest admission (-1: none yet)
+    generation_tokens_per_s: float
+    error: str | None
+
+    @property
+    def rejected_total(self) -> int:
+        return sum(self.rejected.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class ShutdownReport:
+    """Where every admitted group ended: accepted (of which `queued` were not yet taken by
+    the trainer: in the outbox or the channel), rejected by reason, failed, or in flight."""
+
+    admitted: int
+    accepted: int
+    rejected: dict[str, int]
+    failed: int
+    in_flight: int
+    queued: int
+    failed_by_error: dict[str, int]
+    error: str | None = None
+
+    @property
+    def balanced(self) -> bool:
+        """admitted == accepted + rejected + failed + in_flight."""
+        return self.admitted == self.accepted + sum(self.rejected.values()) + self.failed + self.in_flight
+
+
+class RolloutController:
+    """Keeps the generation engine busy with admitted prompt groups and feeds the channel.
+
+    Args:
+        engine: a started GenerationEngine (its own thread drives it).
+        workflow: RLVRWorkflow or any object with `async def arun(client, row, *, version)`
+            (optionally `reject_reason(group) -> str | None`).
+        staleness: admission control; its counters are updated here.
+        channel: where accepted groups go (the trainer reads it).
+        data_iter: iterator of loader examples ({"prompt_ids", "row"}).
+        version_fn: the trainer's current policy version (thread-safe, non-decreasing).
+        tokenizer: decodes completions for rewards (may be None if the workflow never decodes).
+        reward_pool: a RewardPool, or None for in-process rewards.
+        max_concurrent: most groups in flight (default: staleness.max_concurrent).
+        filters: extra group filters, `group -> reason | None`, applied after the workflow's.
+        max_head_offpolicyness: K; reject at acceptance groups whose oldest token is more than
+            K versions behind `version_fn()` (reason "stale"). None: no such check.
+        poll_interval_s: how often the loop re-reads version_fn when nothing else wakes it
+            (`notify()` wakes it at once).
+    """
+
+    def __init__(self, engine: GenerationEngine, workflow: Any, staleness: StalenessManager,
+                 channel: TrajectoryChannel, data_iter: Iterator[Any], *, version_fn: Callable[[], int],
+                 tokenizer: Detokenizer | None = None, reward_pool: Any = None, max_concurrent: int | None = None,
+                 filters: Sequence[GroupFilter] = (), max_head_offpolicyness: int | None = None,
+                 poll_interval_s: float = 0.02, reward_threads: int = 4) -> None:
+        if not inspect.iscoroutinefunction(getattr(workflow, "arun", None)):
+            raise TypeError(f"workflow {type(workflow).__name__} has no `async def arun(client, row, *, version)`")
+        if max_concurrent is None:
+            max_concurrent = staleness.max_concurrent
+        if isinstance(max_concurrent, bool) or not isinstance(max_concurrent, int) or max_concurrent < 1:
+            raise ValueError(f"max_concurrent must be an int >= 1, got {max_concurrent!r}")
+        if max_head_offpolicyness is not None and (not isinstance(max_head_offpolicyness, int)
+                                                   or max_head_offpolicyness < 0):
+            raise ValueError(f"max_head_offpolicyness must be None or an int >= 0, got {max_head_offpolicyness!r}")
+        if not poll_interval_s > 0:
+            raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s!r}")
+        self.engine = engine
+        self.workflow = workflow
+        self.staleness = staleness
+        self.channel = channel
+        self.max_concurrent = max_concurrent
+        self.max_head_offpolicyness = max_head_offpolicyness
+        self.poll_interval_s = float(poll_interval_s)
+        self._data_iter = iter(data_iter)
+        self._version_fn = version_fn
+        self._filters = tuple(filters)
+        self._client = RolloutClient(engine, tokenizer, reward_pool, reward_threads=reward_threads)
+
+        # Counters: written on the loop thread, read anywhere, under the condition's lock.
+        self._cond = threading.Condition()
+        self._admitted = 0
+        self._accepted = 0
+        self._rejected: collections.Counter[str] = collections.Counter()
+        self._failed: collections.Counter[str] = collections.Counter()
+        self._in_flight = 0
+        self._peak_in_flight = 0
+        self._cancelled = 0
+        self._admission_version = -1
+        self._error: str | None = None
+        self._exhausted = False
+
+        self._paused = threading.Event()
+        self._stop_requested = False
+        self._drain_deadline: float | None = None  # monotonic time; None: cancel at once
+        self._outbox: collections.deque[TrajectoryGroup] = collections.deque()
+        self._outbox_ready: asyncio.Event | None = None
+        self._pump_stop = False
+        self._next_row: Any = None
+        self._tasks: set[asyncio.Task] = set()
+        self._put_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-put")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+        self._report: ShutdownReport | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the controller's thread and event loop."""
+        if self._thread is not None:
+            raise RuntimeError("RolloutController already started")
+        self._thread = threading.Thread(target=self._thread_main, name="rollout-controller", daemon=True)
+        self._thread.start()
+        self._started.wait()
+
+    def shutdown(self, timeout: float = 30.0, *, drain: bool = False, close_channel: bool = False) -> ShutdownReport:
+        """Stop admitting, end in-flight groups, stop the thread; report where every group ended.
+
+        drain: first let in-flight groups finish (up to `timeout` s), then cancel the rest.
+        close_channel: close the channel afterwards (wakes a trainer waiting on it).
+        The engine and the reward pool belong to the caller and are left running.
+        """
+        if self._report is not None:
+            return self._report
+        if self._thread is not None:
+            self._drain_deadline = time.monotonic() + timeout if drain else None
+            self._stop_requested = True
+            self.notify()
+            self._thread.join(timeout + 10.0)  # cancellation itself takes milliseconds
+            if self._thread.is_alive():
+                raise TimeoutError(f"rollout controller thread did not stop within {timeout + 10.0} s")
+        self._client.close()
+        self._put_executor.shutdown(wait=True)
+        if close_channel:
+            self.channel.close()
+        with self._cond:
+            self._report = ShutdownReport(
+                admitted=self._admitted, accepted=self._accepted, rejected=dict(self._rejected),
+                failed=sum(self._failed.values()), in_flight=self._cancelled,
+                queued=len(self._outbox) + self.channel.qsize(), failed_by_error=dict(self._failed),
+                error=self._error)
+        if self._outbox:
+            logger.warning("rollout shutdown: %d accepted groups never reached the full channel", len(self._outbox))
+        return self._report
+
+    @property
+    def unsent(self) -> list[TrajectoryGroup]:
+        """Accepted groups still waiting for room in the channel (after shutdown: left there)."""
+        return list(self._outbox)
+
+    def pause(self) -> None:
+        """Stop admitting new groups (in-flight ones continue); for colocated synchronous runs.
+
+        The engine has no pause of its own: to keep it off the devices, `wait_idle()` after
+        pausing, which returns once every admitted group has finished generating and scoring.
+        """
+        self._paused.set()
+
+    def resume(self) -> None:
+        """Admit again after `pause()`."""
+        self._paused.clear()
+        self.notify()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no group is in flight; return False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._in_flight == 0, timeout)
+
+    def notify(self) -> None:
+        """Wake the loop now (e.g. right after the trainer bumped its version)."""
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:  # the loop closed in between
+                pass
+
+    def check(self) -> None:
+        """Raise if the controller hit a fatal error (data iterator or version_fn raised)."""
+        if self._error is not None:
+            raise RuntimeError(f"rollout controller stopped admitting: {self._error}")
+
+    def stats(self) -> ControllerStats:
+        """Counters now, plus the channel depth and the engine's generation throughput."""
+        tokens_per_s = self.engine.stats().tokens_per_s
+        with self._cond:
+            return ControllerStats(
+                admitted=self._admitted, accepted=self._accepted, rejected=dict(self._rejected),
+                failed=sum(self._failed.values()), failed_by_error=dict(self._failed), in_flight=self._in_flight,
+                peak_in_flight=self._peak_in_flight, outbox=len(self._outbox), channel_depth=self.channel.qsize(),
+                paused=self._paused.is_set(), data_exhausted=self._exhausted,
+                admission_version=self._admission_version, generation_tokens_per_s=tokens_per_s, error=self._error)
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    def _thread_main(self) -> None:
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(self._main(loop))
+        finally:
+            self._loop = None
+            loop.close()
+
+    async def _main(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._wake = asyncio.Event()
+        outbox_ready = asyncio.Event()
+        self._outbox_ready = outbox_ready
+        self._loop = loop
+        self._started.set()
+        pump = asyncio.create_task(self._pump(loop, outbox_ready))
+        try:
+            while not self._stop_requested:
+                self._admit()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), self.poll_interval_s)
+                except TimeoutError:
+                    pass
+                self._wake.clear()
+        except Exception as exc:  # noqa: BLE001 - a bug here must still settle every group below
+            self._fatal(f"admission loop raised {type(exc).__name__}: {exc}")
+            while not self._stop_requested:  # in-flight groups finish; shutdown() ends the rest
+                await asyncio.sleep(self.poll_interval_s)
+        if self._drain_deadline is not None and self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=max(0.0, self._drain_deadline - time.monotonic()))
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._pump_stop = True
+        outbox_ready.set()
+        await pump
+
+    def _admit(self) -> None:
+        """Start groups while capacity allows; only this thread admits."""
+        while not self._paused.is_set() and not self._exhausted and len(self._tasks) < self.max_concurrent:
+            try:
+                version = min(int(self._version_fn()), int(self.engine.version))
+            except Exception as exc:  # noqa: BLE001 - a broken version source stops admission loudly
+                self._fatal(f"version_fn raised {type(exc).__name__}: {exc}")
+                return
+            if self.staleness.capacity(version) <= 0:
+                return
+            if self._next_row is None:  # read a row only when it can be admitted
+                try:
+                    self._next_row = next(self._data_iter)
+                except StopIteration:
+                    with self._cond:
+                        self._exhausted = True
+                    logger.info("rollout data exhausted after %d admitted groups", self._admitted)
+                    return
+                except Exception as exc:  # noqa: BLE001
+                    self._fatal(f"data iterator raised {type(exc).__name__}: {exc}")
+                    return
+            if not self.staleness.try_submit(version):  # another admitter took the capacity
+                return
+            row, self._next_row = self._next_row, None
+            with self._cond:
+                self._admitted += 1
+                self._in_flight += 1
+                self._peak_in_flight = max(self._peak_in_flight, self._in_flight)
+                self._admission_version = version
+            task = asyncio.create_task(self._run_group(row, version))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _fatal(self, message: str) -> None:
+        logger.error("rollout controller stops admitting: %s", message, exc_info=True)
+        with self._cond:
+            self._error = message
+            self._exhausted = True
+
+    async def _run_group(self, row: Any, version: int) -> None:
+        source = row_source(row)
+        try:
+            group = await self.workflow.arun(self._client, row, version=version)
+            if group is not None and not isinstance(group, TrajectoryGroup):
+                raise TypeError(f"workflow returned {type(group).__name__}, expected TrajectoryGroup or None")
+            trainer_version = int(self._version_fn())
+            reason = self._reject_reason(group, trainer_version)
+        except asyncio.CancelledError:
+            self.staleness.on_reject()
+            self._settle(cancelled=True)
+            raise
+        except Exception as exc:  # noqa: BLE001 - one bad row must not stop the run
+            logger.warning("rollout of %s failed: %s: %s", source, type(exc).__name__, exc,
+                           exc_info=logger.isEnabledFor(logging.DEBUG))
+            self.staleness.on_reject()
+            self._settle(failed=type(exc).__name__)
+            return
+        if reason is not None:
+            self.staleness.on_reject()
+            self._settle(rejected=reason)
+            return
+        # The controller owns admission: it stamps the admission version whatever the workflow set.
+        group = dataclasses.replace(group, admitted_version=version,
+                                    info={**group.info, "source": source, "accepted_version": trainer_version})
+        self.staleness.on_accept()
+        self._outbox.append(group)
+        self._outbox_ready.set()
+        self._settle(accepted=True)
+
+    def _reject_reason(self, group: TrajectoryGroup | None, trainer_version: int) -> str | None:
+        if group is None:
+            return "workflow"
+        own = getattr(self.workflow, "reject_reason", None)
+        for check in ((own,) if own is not None else ()) + self._filters:
+            reason = check(group)
+            if reason is not None:
+                return str(reason)
+        if self.max_head_offpolicyness is not None and is_too_stale(group, trainer_version,
+                                                                     self.max_head_offpolicyness):
+            return "stale"
+        return None
+
+    def _settle(self, *, accepted: bool = False, rejected: str | None = None, failed: str | None = None,
+                cancelled: bool = False) -> None:
+        with self._cond:
+            self._in_flight -= 1
+            if accepted:
+                self._accepted += 1
+            elif rejected is not None:
+                self._rejected[rejected] += 1
+            elif failed is not None:
+                self._failed[failed] += 1
+            elif cancelled:
+                self._cancelled += 1
+            self._cond.notify_all()
+        self.notify()  # capacity may have been freed
+
+    async def _pump(self, loop: asyncio.AbstractEventLoop, ready: asyncio.Event) -> None:
+        """Move accepted groups to the channel in acceptance order, never blocking the loop."""
+        while True:
+            await ready.wait()
+            ready.clear()
+            while self._outbox:
+                group = self._outbox[0]
+                try:
+                    if not self.channel.try_put(group):
+                        # Not cancelled mid-call: a put that succeeds is always recorded.
+                        await loop.run_in_executor(self._put_executor, self.channel.put, group, _PUT_RETRY_S)
+                except TimeoutError:
+                    if self._pump_stop:
+                        return
+                    continue
+                except ChannelClosed:
+                    logger.warning("trajectory channel closed: %d accepted groups stay unsent", len(self._outbox))
+                    return
+                self._outbox.popleft()
+            if self._pump_stop:
+                return

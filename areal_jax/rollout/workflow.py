@@ -1,0 +1,241 @@
+"""Workflows: how one prompt row becomes one group of scored trajectories.
+
+A workflow is an object with `async def arun(client, row, *, version) -> TrajectoryGroup |
+None` (AReaL-lite's idea: the episode logic is plain async Python, so multi-turn or tool-using
+episodes are just more awaits). It talks to the system only through a `RolloutClient`:
+`generate` (the generation engine, awaited without blocking the event loop), `reward` (the
+reward pool, or an in-process call) and `decode` (the tokenizer). Returning None rejects the
+row; raising fails it; both are counted by the controller, nothing is dropped silently.
+
+`RLVRWorkflow` is the default (single-turn reasoning with a verifiable reward). Any other
+workflow is loaded by import path with `load_workflow("package.module:Class", **kwargs)`.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import concurrent.futures
+import dataclasses
+import importlib
+import inspect
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from areal_jax.generation.engine import GenerationEngine, GroupResult
+from areal_jax.generation.sampling import SamplingParams
+from areal_jax.reward.registry import load_reward_function, resolve_reward_path
+from areal_jax.rollout.filters import equal_rewards_filter
+from areal_jax.rollout.types import Trajectory, TrajectoryGroup
+
+__all__ = [
+    "Detokenizer", "GenerationAborted", "RLVRConfig", "RLVRWorkflow", "RewardTimeout", "RolloutClient",
+    "RolloutWorkflow", "load_workflow", "row_source",
+]
+
+
+class Detokenizer(Protocol):
+    """What workflows need from a tokenizer (areal_jax.models.tokenizer.Tokenizer fits)."""
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+
+class GenerationAborted(RuntimeError):
+    """The engine ended a sample as 'aborted' (engine stopped or request aborted)."""
+
+
+class RewardTimeout(TimeoutError):
+    """An in-process reward call exceeded its deadline."""
+
+
+def row_source(row: Any) -> str:
+    """Where a data row came from, for logs ("path:line" for loader rows)."""
+    if isinstance(row, Mapping):
+        inner = row.get("row")
+        if getattr(inner, "source", None):
+            return str(inner.source)
+        if row.get("source"):
+            return str(row["source"])
+    return repr(row)[:120]
+
+
+class RolloutClient:
+    """A workflow's handle on the engine, the reward functions and the tokenizer.
+
+    Rewards run in `reward_pool` (worker processes, per-call deadlines; an error or timeout
+    there yields 0.0, the pool's contract) when one is given; otherwise in this process, on a
+    small thread pool so a slow reward does not stall the event loop (an error raises and a
+    timeout raises RewardTimeout: the group fails). In-process is meant for cheap rewards;
+    math-verify needs the main thread or a worker process, so use the pool for "math".
+    """
+
+    def __init__(self, engine: GenerationEngine, tokenizer: Detokenizer | None, reward_pool: Any = None,
+                 *, reward_threads: int = 4) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.reward_pool = reward_pool
+        self._functions: dict[str, Any] = {}
+        self._executor = concurrent.futures.ThreadPoolExecutor(reward_threads, thread_name_prefix="reward")
+
+    async def generate(self, prompt_ids: Sequence[int] | np.ndarray, sampling: SamplingParams,
+                       n: int = 1) -> GroupResult:
+        """Submit `prompt_ids` for `n` samples and await the engine's result.
+
+        If the awaiting task is cancelled, the request is aborted in the engine. The engine's
+        future itself is shielded: cancelling it would make the engine thread fail when it
+        later sets the result.
+        """
+        handle = self.engine.submit(prompt_ids, sampling, n)
+        try:
+            return await asyncio.shield(asyncio.wrap_future(handle))
+        except asyncio.CancelledError:
+            self.engine.abort(handle.request_id)
+            raise
+
+    async def reward(self, fn: str, *args: Any, timeout_s: float) -> float:
+        """Evaluate reward `fn` ("math", "code" or "module:function") on `args`."""
+        if self.reward_pool is not None:
+            future = self.reward_pool.submit_call(fn, args, timeout_s=timeout_s)
+            return float(await asyncio.shield(asyncio.wrap_future(future)))
+        function = self._functions.get(fn)
+        if function is None:
+            function = load_reward_function(resolve_reward_path(fn))
+            self._functions[fn] = function
+        loop = asyncio.get_running_loop()
+        call = loop.run_in_executor(self._executor, lambda: function(*args))
+        try:
+            value = await asyncio.wait_for(call, timeout_s)
+        except TimeoutError:
+            raise RewardTimeout(f"reward {fn!r} took longer than {timeout_s} s") from None
+        return float(value)
+
+    def decode(self, tokens: Sequence[int] | np.ndarray) -> str:
+        """Completion text for the reward (special tokens such as EOS removed)."""
+        if self.tokenizer is None:
+            raise ValueError("this workflow decodes completions, so the controller needs a tokenizer")
+        return self.tokenizer.decode([int(t) for t in tokens], skip_special_tokens=True)
+
+    def close(self) -> None:
+        """Stop the in-process reward threads (calls still running finish in the background)."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class RolloutWorkflow(abc.ABC):
+    """One prompt row -> one TrajectoryGroup. Subclass, or match this shape (duck typing works)."""
+
+    @abc.abstractmethod
+    async def arun(self, engine_client: RolloutClient, row: Any, *, version: int) -> TrajectoryGroup | None:
+        """Run one episode for `row` (a loader example: {"prompt_ids", "row"}).
+
+        `version` is the policy version at admission; put it in `admitted_version`. Return
+        None to reject the row (counted under reason "workflow"), raise to fail it.
+        """
+
+    def reject_reason(self, group: TrajectoryGroup) -> str | None:
+        """The workflow's own dynamic filter: a reason to reject a finished group, or None."""
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class RLVRConfig:
+    """Single-turn RL with verifiable rewards.
+
+    reward: a registered name ("math", "code") or "package.module:function"; called as
+        reward(completion_text, gold) where gold is the row's answer (math) or test cases (code).
+    filter_all_equal_rewards: reject groups whose n rewards are all equal (no learning signal).
+    """
+
+    n_samples: int = 4
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    reward: str = "math"
+    reward_timeout_s: float = 10.0
+    filter_all_equal_rewards: bool = True
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if isinstance(self.n_samples, bool) or not isinstance(self.n_samples, int) or self.n_samples < 1:
+            raise ValueError(f"RLVRConfig.n_samples must be an int >= 1, got {self.n_samples!r}")
+        if not isinstance(self.reward, str) or not self.reward:
+            raise ValueError(f"RLVRConfig.reward must name a reward function, got {self.reward!r}")
+        if not (isinstance(self.reward_timeout_s, (int, float)) and 0 < self.reward_timeout_s < float("inf")):
+            raise ValueError(f"RLVRConfig.reward_timeout_s must be a positive finite number, "
+                             f"got {self.reward_timeout_s!r}")
+        _ = self.sampling  # validates max_new_tokens, temperature, top_p, top_k, stop_token_ids
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, stop_token_ids=self.stop_token_ids)
+
+
+def _gold(row: Any) -> Any:
+    """The reward's reference for a loader row: the answer (math) or the test cases (code)."""
+    prompt_row = row["row"]
+    return prompt_row.answer if prompt_row.task == "math" else prompt_row.test_cases
+
+
+class RLVRWorkflow(RolloutWorkflow):
+    """Sample n completions of the row's prompt, score each, return them as one group."""
+
+    def __init__(self, config: RLVRConfig) -> None:
+        if not isinstance(config, RLVRConfig):
+            raise TypeError(f"RLVRWorkflow takes an RLVRConfig, got {type(config).__name__}")
+        self.config = config
+
+    async def arun(self, engine_client: RolloutClient, row: Any, *, version: int) -> TrajectoryGroup | None:
+        cfg = self.config
+        prompt = np.asarray(row["prompt_ids"], np.int32)
+        t0 = time.perf_counter()
+        result = await engine_client.generate(prompt, cfg.sampling, cfg.n_samples)
+        gen_s = time.perf_counter() - t0
+        if any(c.stop_reason == "aborted" for c in result.completions):
+            raise GenerationAborted(f"generation for {row_source(row)} was aborted")
+        gold = _gold(row)
+        # return_exceptions: wait for every call, so no failed call is left unobserved
+        rewards = await asyncio.gather(*(
+            engine_client.reward(cfg.reward, engine_client.decode(c.tokens), gold, timeout_s=cfg.reward_timeout_s)
+            for c in result.completions), return_exceptions=True)
+        for r in rewards:
+            if isinstance(r, BaseException):
+                raise r
+        trajectories = tuple(
+            Trajectory(prompt_ids=prompt, completion_ids=c.tokens, behavior_logprobs=c.logprobs, versions=c.versions,
+                       reward=float(r), stop_reason=c.stop_reason)
+            for c, r in zip(result.completions, rewards))
+        prompt_row = row["row"]
+        return TrajectoryGroup(query_id=str(prompt_row.query_id), trajectories=trajectories, admitted_version=version,
+                               info={"source": prompt_row.source, "task": prompt_row.task, "generation_s": gen_s,
+                                     "reward_s": time.perf_counter() - t0 - gen_s})
+
+    def reject_reason(self, group: TrajectoryGroup) -> str | None:
+        return equal_rewards_filter(group) if self.config.filter_all_equal_rewards else None
+
+
+def load_workflow(path: str, **kwargs: Any) -> Any:
+    """Instantiate the workflow class at `path` ("package.module:Class") with `kwargs`.
+
+    The class must define `async def arun(self, engine_client, row, *, version)`.
+    """
+    if not isinstance(path, str) or path.count(":") != 1:
+        raise ValueError(f"workflow path {path!r} is not of the form 'package.module:Class'")
+    module_name, attr_path = path.split(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"workflow {path!r}: cannot import {module_name!r}: {exc}") from exc
+    for attr in attr_path.split("."):
+        if not hasattr(obj, attr):
+            raise ValueError(f"workflow {path!r}: {module_name!r} has no attribute {attr_path!r}")
+        obj = getattr(obj, attr)
+    if not inspect.isclass(obj):
+        raise TypeError(f"workflow {path!r} is not a class (got {type(obj).__name__})")
+    if not inspect.iscoroutinefunction(getattr(obj, "arun", None)):
+        raise TypeError(f"workflow {path!r} has no `async def arun(self, engine_client, row, *, version)`")
+    return obj(**kwargs)
