@@ -1,1 +1,24 @@
+"""The trainer: packed micro-batches (batching), AdamW (optimizer), the jitted PPO step (train_step)."""
 
+from areal_jax.trainer.batching import (
+    SEQUENCE_KEYS,
+    PackedBatch,
+    build_sequences,
+    make_microbatches,
+    rows_for_bucket,
+)
+from areal_jax.trainer.optimizer import OptimizerConfig, build_optimizer, learning_rate_schedule
+from areal_jax.trainer.train_step import PolicyTrainer, PPOConfig
+
+__all__ = [
+    "SEQUENCE_KEYS",
+    "OptimizerConfig",
+    "PPOConfig",
+    "PackedBatch",
+    "PolicyTrainer",
+    "build_optimizer",
+    "build_sequences",
+    "learning_rate_schedule",
+    "make_microbatches",
+    "rows_for_bucket",
+]

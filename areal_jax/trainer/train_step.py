@@ -1,0 +1,424 @@
+"""The jitted PPO training step over packed micro-batches (AReaL's decoupled objective).
+
+One training step, given M minibatches of packed micro-batches (trainer/batching.py):
+1. Proximal log-probs: one forward per micro-batch with the weights *before* the step; they
+   stay fixed for all M minibatches (AReaL semantics). Naive PPO uses the behavior log-probs.
+2. For each minibatch: gradients summed over its micro-batches, each loss divided by the
+   minibatch's valid-token count so the sum is the minibatch token mean; then one AdamW
+   update, skipped (params and optimizer state untouched) when the gradient is non-finite.
+
+Shapes: R rows, T row length (a bucket size). Compilation is bounded: one logprob and one
+grad program per (R, T) shape plus one update program (`compile_counts` counts traces).
+Params are fp32 master weights whatever `compute_dtype` (bf16 casts them inside forward,
+so gradients and Adam moments stay fp32). With a train mesh, params and optimizer state
+are sharded by their logical axes (`rules`) and micro-batch rows over "fsdp".
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import math
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.sharding import TRAIN_RULES, Rules, activation_rules, sharding_for
+from areal_jax.models.transformer import Params, forward, param_axes, param_shapes
+from areal_jax.ppo import (
+    accumulate_loss_stats,
+    decoupled_ppo_loss,
+    summarize_loss_stats,
+    token_entropy,
+    token_logprobs,
+)
+from areal_jax.trainer.batching import PackedBatch
+from areal_jax.trainer.optimizer import OptimizerConfig, build_optimizer, learning_rate_schedule
+
+COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+REMATS = ("none", "full", "save_dots")
+FORWARD_KEYS = ("input_ids", "targets", "segment_ids", "positions")
+LOSS_KEYS = (*FORWARD_KEYS, "loss_mask", "behavior_logprobs", "advantages", "proximal_logprobs")
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOConfig:
+    """PPO step hyperparameters.
+
+    Attributes:
+        eps_clip: clip range of r = pi_theta / pi_prox (paper: 0.2).
+        eps_clip_higher: upper clip range (DAPO clip-higher); None = eps_clip.
+        behav_imp_weight_cap: drop tokens whose pi_prox / pi_behav exceeds this; None = off.
+        decoupled: True = decoupled PPO (proximal recomputed with pre-step weights);
+            False = naive PPO (proximal := behavior, the paper's ablation).
+        temperature: sampling temperature the log-probs are taken at (match the generator).
+        num_minibatches: optimizer updates per training step.
+        max_tokens_per_microbatch: token budget of one micro-batch (for make_microbatches).
+        compute_dtype: "float32", or "bfloat16" compute on fp32 master weights.
+        remat: rematerialization of the decoder layers ("none", "full", "save_dots").
+        skip_nonfinite: skip (and count) updates whose gradient has a NaN/inf.
+    """
+
+    eps_clip: float = 0.2
+    eps_clip_higher: float | None = None
+    behav_imp_weight_cap: float | None = None
+    decoupled: bool = True
+    temperature: float = 1.0
+    num_minibatches: int = 4
+    max_tokens_per_microbatch: int = 4096
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    remat: Literal["none", "full", "save_dots"] = "none"
+    skip_nonfinite: bool = True
+
+    def __post_init__(self) -> None:
+        if not _is_number(self.eps_clip) or not 0.0 < self.eps_clip < 1.0:
+            raise ValueError(f"PPOConfig.eps_clip must be in (0, 1), got {self.eps_clip!r}")
+        if self.eps_clip_higher is not None and not (_is_number(self.eps_clip_higher) and self.eps_clip_higher > 0):
+            raise ValueError(f"PPOConfig.eps_clip_higher must be > 0 or None, got {self.eps_clip_higher!r}")
+        if self.behav_imp_weight_cap is not None and not (
+                _is_number(self.behav_imp_weight_cap) and self.behav_imp_weight_cap > 0):
+            raise ValueError(f"PPOConfig.behav_imp_weight_cap must be > 0 or None, got {self.behav_imp_weight_cap!r}")
+        if not _is_number(self.temperature) or not self.temperature > 0:
+            raise ValueError(f"PPOConfig.temperature must be > 0, got {self.temperature!r}")
+        for name in ("num_minibatches", "max_tokens_per_microbatch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"PPOConfig.{name} must be a positive int, got {value!r}")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"PPOConfig.compute_dtype must be one of {tuple(COMPUTE_DTYPES)}, "
+                             f"got {self.compute_dtype!r}")
+        if self.remat not in REMATS:
+            raise ValueError(f"PPOConfig.remat must be one of {REMATS}, got {self.remat!r}")
+        for name in ("decoupled", "skip_nonfinite"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"PPOConfig.{name} must be a bool, got {getattr(self, name)!r}")
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+class PolicyTrainer:
+    """Holds fp32 params + AdamW state and runs decoupled-PPO training steps.
+
+    Args:
+        model_cfg: the decoder's ModelConfig.
+        params: initial weights (layout of `param_axes(model_cfg)`; any float dtype, stored fp32;
+            copied, so the caller's arrays stay valid).
+        opt_cfg: OptimizerConfig.
+        ppo_cfg: PPOConfig.
+        mesh: the train mesh (axes "fsdp", "tensor"); None = default device.
+        rules: logical-axis rules for params and activations on `mesh`.
+    """
+
+    def __init__(self, model_cfg: ModelConfig, params: Params, opt_cfg: OptimizerConfig, ppo_cfg: PPOConfig,
+                 *, mesh: Mesh | None = None, rules: Rules = TRAIN_RULES):
+        for name, value, cls in (("model_cfg", model_cfg, ModelConfig), ("opt_cfg", opt_cfg, OptimizerConfig),
+                                 ("ppo_cfg", ppo_cfg, PPOConfig)):
+            if not isinstance(value, cls):
+                raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
+        self.model_config = model_cfg
+        self.opt_config = opt_cfg
+        self.ppo_config = ppo_cfg
+        self.mesh = mesh
+        self.rules = rules
+        self.compile_counts: collections.Counter[str] = collections.Counter()
+        self.last_minibatch_metrics: list[dict[str, float]] = []
+        self._optimizer = build_optimizer(opt_cfg)
+        self._schedule = learning_rate_schedule(opt_cfg)
+        self._compute_dtype = COMPUTE_DTYPES[ppo_cfg.compute_dtype]
+        self._axes = param_axes(model_cfg)
+        self._check_params(params)
+        self._param_shardings = self._make_param_shardings()
+        self._params = self._place_params(params)
+        self._opt_state_shardings = self._make_opt_state_shardings()
+        self._opt_state = jax.jit(self._optimizer.init, out_shardings=self._opt_state_shardings)(self._params)
+        self._step = 0
+        self._zero_stats = _zero_loss_stats()
+        self._build_programs()
+
+    # ---- public API -----------------------------------------------------------------------------
+
+    @property
+    def params(self) -> Params:
+        """Current fp32 weights. The next `train_step` donates these buffers: use (or copy) them
+        before calling it again."""
+        return self._params
+
+    @property
+    def step(self) -> int:
+        """Training steps taken (each is num_minibatches optimizer updates, minus skipped ones)."""
+        return self._step
+
+    @property
+    def opt_state(self) -> optax.OptState:
+        return self._opt_state
+
+    @property
+    def num_updates(self) -> int:
+        """Optimizer updates applied so far (skipped updates excluded): the schedule's clock."""
+        return _update_count(self._opt_state)
+
+    def state_dict(self) -> dict[str, Any]:
+        """{"params", "opt_state", "step"}: pytrees of (possibly sharded) arrays plus an int."""
+        return {"params": self._params, "opt_state": self._opt_state, "step": self._step}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores a `state_dict()` (arrays are copied onto this trainer's shardings)."""
+        missing = {"params", "opt_state", "step"} - set(state)
+        if missing:
+            raise ValueError(f"state dict lacks {sorted(missing)}")
+        self._check_params(state["params"])
+        want = jax.tree.structure(self._opt_state)
+        if jax.tree.structure(state["opt_state"]) != want:
+            raise ValueError(f"opt_state structure {jax.tree.structure(state['opt_state'])} does not match {want}")
+        self._params = self._place_params(state["params"])
+        self._opt_state = _copy_to(state["opt_state"], self._opt_state_shardings)
+        self._step = int(state["step"])
+
+    def compute_logprobs(self, microbatch: PackedBatch) -> jax.Array:
+        """Log-probs `[R, T]` of the targets under the current weights at `temperature`
+        (meaningless on padding; the loss masks them)."""
+        batch = self._to_device(microbatch, FORWARD_KEYS)
+        with self._activation_rules():
+            return self._logprobs_fn(self._params, batch)
+
+    def with_proximal_logprobs(self, minibatches: Sequence[Sequence[PackedBatch]]) -> list[list[PackedBatch]]:
+        """Adds `proximal_logprobs` to every micro-batch lacking it: the current weights' log-probs
+        (decoupled) or the behavior log-probs (naive PPO). Call before any update of the step."""
+        out = []
+        for mb in minibatches:
+            row = []
+            for micro in mb:
+                if "proximal_logprobs" not in micro.arrays:
+                    prox = (self.compute_logprobs(micro) if self.ppo_config.decoupled
+                            else micro.arrays["behavior_logprobs"])
+                    micro = micro.with_arrays(proximal_logprobs=prox)
+                row.append(micro)
+            out.append(row)
+        return out
+
+    def minibatch_gradients(self, microbatches: Sequence[PackedBatch]) -> tuple[Params, dict[str, jax.Array]]:
+        """Summed gradients of one minibatch's loss and its summed loss stats (incl. "loss",
+        the minibatch token-mean loss, and "entropy_sum"). Needs proximal_logprobs present."""
+        if not microbatches:
+            raise ValueError("a minibatch needs at least one micro-batch")
+        grads = self._zeros_like_params(self._params)
+        stats = dict(self._zero_stats)
+        with self._activation_rules():
+            for micro in microbatches:
+                if "proximal_logprobs" not in micro.arrays:
+                    raise ValueError("micro-batch has no proximal_logprobs; call with_proximal_logprobs first")
+                batch = self._to_device(micro, LOSS_KEYS)
+                denom = np.float32(micro.minibatch_valid_tokens)
+                grads, stats = self._grad_fn(self._params, grads, stats, batch, denom)
+        return grads, stats
+
+    def train_step(self, minibatches: Sequence[Sequence[PackedBatch]], *,
+                   current_version: int | None = None) -> dict[str, Any]:
+        """One PPO training step: one optimizer update per minibatch.
+
+        Args:
+            minibatches: from `make_microbatches` (proximal_logprobs added here if missing).
+            current_version: the policy version being trained; enables the version-lag stats
+                of trained tokens (lag = current_version - version that sampled the token).
+        Returns:
+            Scalars (loss, grad_norm, clip_frac, imp_weight_mean/max, capped_frac, ratio_mean,
+            entropy, approx_kl, skipped_updates, trained_tokens, lr, timings, ...) plus
+            "version_lag_hist" ({lag: tokens}) when current_version is given.
+        """
+        if not minibatches or any(len(mb) == 0 for mb in minibatches):
+            raise ValueError("train_step needs non-empty minibatches of micro-batches")
+        t_start = time.perf_counter()
+        minibatches = self.with_proximal_logprobs(minibatches)
+        jax.block_until_ready([m.arrays["proximal_logprobs"] for mb in minibatches for m in mb])
+        t_prox = time.perf_counter()
+
+        total, per_mb, skipped, trained_tokens, norms = None, [], 0, 0.0, []
+        for mb in minibatches:
+            grads, stats = self.minibatch_gradients(mb)
+            self._params, self._opt_state, grad_norm, finite = self._update_fn(self._params, self._opt_state, grads)
+            del grads
+            finite = bool(finite)
+            summary = summarize_loss_stats(stats)
+            summary.update(loss=float(stats["loss"]), grad_norm=float(grad_norm), skipped=float(not finite),
+                           entropy=float(stats["entropy_sum"]) / max(summary["n_valid_tokens"], 1.0))
+            per_mb.append(summary)
+            norms.append(float(grad_norm))
+            if finite or not self.ppo_config.skip_nonfinite:
+                trained_tokens += summary["n_valid_tokens"]
+            else:
+                skipped += 1
+            total = accumulate_loss_stats(total, stats)
+        t_end = time.perf_counter()
+        self._step += 1
+        self.last_minibatch_metrics = per_mb
+
+        metrics: dict[str, Any] = summarize_loss_stats(total)
+        n_valid = max(metrics["n_valid_tokens"], 1.0)
+        count = self.num_updates
+        applied = len(minibatches) - skipped
+        metrics.update(
+            loss=float(np.mean([m["loss"] for m in per_mb])),
+            grad_norm=float(np.mean(norms)),
+            grad_norm_max=float(np.max(norms)),
+            entropy=float(total["entropy_sum"]) / n_valid,
+            skipped_updates=float(skipped),
+            trained_tokens=float(trained_tokens),
+            lr=float(self._schedule(count - 1 if applied else count)),
+            step=float(self._step),
+            num_minibatches=float(len(minibatches)),
+            num_microbatches=float(sum(len(mb) for mb in minibatches)),
+            time_proximal_s=t_prox - t_start,
+            time_update_s=t_end - t_prox,
+            time_step_s=t_end - t_start,
+        )
+        if current_version is not None:
+            metrics.update(_version_lag_stats(minibatches, current_version))
+        return metrics
+
+    # ---- placement ------------------------------------------------------------------------------
+
+    def _check_params(self, params: Params) -> None:
+        want = jax.tree.structure(self._axes, is_leaf=lambda x: isinstance(x, tuple))
+        got = jax.tree.structure(params)
+        if got != want:
+            raise ValueError(f"params layout {got} does not match param_axes(model_cfg) {want}")
+
+    def _make_param_shardings(self):
+        if self.mesh is None:
+            return None
+        return jax.tree.map(lambda axes, shape: sharding_for(axes, self.rules, self.mesh, shape), self._axes,
+                            param_shapes(self.model_config), is_leaf=lambda x: isinstance(x, tuple))
+
+    def _make_opt_state_shardings(self):
+        if self.mesh is None:
+            return None
+        shapes = jax.eval_shape(self._optimizer.init, self._params)
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        return optax.tree_map_params(self._optimizer, lambda _, s: s, shapes, self._param_shardings,
+                                     transform_non_params=lambda _: replicated)
+
+    def _place_params(self, params: Params) -> Params:
+        if self._param_shardings is not None:
+            params = jax.device_put(params, self._param_shardings)
+        # A jitted cast always writes fresh buffers: updates donate ours, never the caller's.
+        return jax.jit(lambda p: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), p),
+                       out_shardings=self._param_shardings)(params)
+
+    def _activation_rules(self):
+        return contextlib.nullcontext() if self.mesh is None else activation_rules(self.rules, self.mesh)
+
+    def _to_device(self, micro: PackedBatch, keys: Sequence[str]) -> dict[str, jax.Array]:
+        out = {}
+        for key in keys:
+            x = micro.arrays[key]
+            if isinstance(x, jax.Array):  # already on device (e.g. proximal log-probs)
+                out[key] = x
+            elif self.mesh is None:
+                out[key] = jnp.asarray(x)
+            else:
+                x = np.asarray(x)
+                global_shape = (x.shape[0] * jax.process_count(), *x.shape[1:])
+                sharding = sharding_for(("batch", "seq"), self.rules, self.mesh, global_shape)
+                out[key] = (jax.device_put(x, sharding) if jax.process_count() == 1
+                            else jax.make_array_from_process_local_data(sharding, x, global_shape))
+        return out
+
+    # ---- compiled programs ----------------------------------------------------------------------
+
+    def _build_programs(self) -> None:
+        cfg, ppo, counts = self.model_config, self.ppo_config, self.compile_counts
+        optimizer = self._optimizer
+
+        def logits_of(params, batch):
+            logits, _ = forward(params, cfg, batch["input_ids"], batch["positions"], batch["segment_ids"],
+                                compute_dtype=self._compute_dtype, remat=ppo.remat)
+            return logits  # [R, T, V] fp32
+
+        def logprobs(params, batch):
+            counts["logprobs"] += 1  # runs once per trace, i.e. per compilation
+            return token_logprobs(logits_of(params, batch), batch["targets"], ppo.temperature)
+
+        def grad_step(params, grad_acc, stats_acc, batch, denominator):
+            counts["grad"] += 1
+
+            def loss_fn(p):
+                logits = logits_of(p, batch)
+                logp = token_logprobs(logits, batch["targets"], ppo.temperature)
+                loss, stats = decoupled_ppo_loss(
+                    logp, batch["proximal_logprobs"], batch["behavior_logprobs"], batch["advantages"],
+                    batch["loss_mask"], eps_clip=ppo.eps_clip, eps_clip_higher=ppo.eps_clip_higher,
+                    behav_imp_weight_cap=ppo.behav_imp_weight_cap, denominator=denominator)
+                entropy = token_entropy(jax.lax.stop_gradient(logits), ppo.temperature)
+                stats["entropy_sum"] = jnp.sum(jnp.where(batch["loss_mask"] > 0, entropy, 0.0))
+                stats["loss"] = jax.lax.stop_gradient(loss)
+                return loss, stats
+
+            (_, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+            grad_acc = jax.tree.map(jnp.add, grad_acc, grads)
+            return grad_acc, accumulate_loss_stats(stats_acc, stats)
+
+        def update(params, opt_state, grads):
+            counts["update"] += 1
+            grad_norm = optax.tree.norm(grads)
+            finite = jnp.isfinite(grad_norm)
+            updates, new_state = optimizer.update(grads, opt_state, params)
+            new_params = optax.apply_updates(params, updates)
+            if ppo.skip_nonfinite:
+                keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+                new_params = jax.tree.map(keep, new_params, params)
+                new_state = jax.tree.map(keep, new_state, opt_state)
+            return new_params, new_state, grad_norm, finite
+
+        param_sh, state_sh = self._param_shardings, self._opt_state_shardings
+        self._logprobs_fn = jax.jit(logprobs)
+        self._grad_fn = jax.jit(grad_step, donate_argnums=(1,))  # stats are scalars: not worth donating
+        self._update_fn = jax.jit(update, donate_argnums=(0, 1),
+                                  out_shardings=None if param_sh is None else (param_sh, state_sh, None, None))
+        self._zeros_like_params = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=param_sh)
+
+
+def _zero_loss_stats() -> dict[str, jax.Array]:
+    """Zeros for every stat the grad program accumulates (keys taken from decoupled_ppo_loss)."""
+    x = jnp.zeros((1, 1), jnp.float32)
+    shapes = jax.eval_shape(lambda: decoupled_ppo_loss(x, x, x, x, x)[1])
+    stats = {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
+    stats["entropy_sum"] = jnp.zeros((), jnp.float32)
+    stats["loss"] = jnp.zeros((), jnp.float32)
+    return stats
+
+
+def _update_count(opt_state) -> int:
+    counts = optax.tree_utils.tree_get_all_with_path(opt_state, "count")
+    return int(counts[0][1]) if counts else 0
+
+
+def _copy_to(tree, shardings):
+    if shardings is None:
+        return jax.jit(lambda t: jax.tree.map(jnp.copy, t))(tree)
+    return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(jax.device_put(tree, shardings))
+
+
+def _version_lag_stats(minibatches: Sequence[Sequence[PackedBatch]], current_version: int) -> dict[str, Any]:
+    """Histogram {lag: tokens}, max and mean of current_version - version over trained tokens."""
+    lags = []
+    for mb in minibatches:
+        for micro in mb:
+            mask = np.asarray(micro.arrays["loss_mask"]) > 0
+            lags.append(current_version - np.asarray(micro.arrays["versions"])[mask])
+    lag = np.concatenate(lags) if lags else np.zeros(0, np.int64)
+    values, counts = np.unique(lag, return_counts=True)
+    return {
+        "version_lag_hist": {int(v): int(c) for v, c in zip(values, counts)},
+        "version_lag_max": float(lag.max()) if lag.size else 0.0,
+        "version_lag_mean": float(lag.mean()) if lag.size else 0.0,
+    }

@@ -1,0 +1,330 @@
+"""trainer/train_step.py + optimizer.py: the jitted decoupled-PPO step on a tiny random model.
+
+References are independent of packing: one sequence per row of a right-padded batch, the
+plain decoder `forward`, and `decoupled_ppo_loss` over the whole minibatch.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, PartitionSpec
+
+from areal_jax.models import ModelConfig, forward, init_params
+from areal_jax.packing import unpack
+from areal_jax.ppo import AdvantageConfig, decoupled_ppo_loss, token_logprobs
+from areal_jax.rollout.types import Trajectory, TrajectoryGroup
+from areal_jax.trainer.batching import build_sequences, make_microbatches
+from areal_jax.trainer.optimizer import OptimizerConfig, build_optimizer, learning_rate_schedule
+from areal_jax.trainer.train_step import PolicyTrainer, PPOConfig
+
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=8)
+BUDGET, BUCKETS = 32, (16, 32)
+PPO = PPOConfig(eps_clip=0.2, behav_imp_weight_cap=3.0, num_minibatches=1, max_tokens_per_microbatch=BUDGET)
+OPT = OptimizerConfig(lr=1e-2)
+INIT = init_params(CFG, jax.random.key(0), std=0.1)
+
+
+def random_seqs(seed, n_groups=4, per_group=3, proximal=False):
+    """Sequences with random tokens, behavior log-probs, versions and advantages."""
+    rng = np.random.default_rng(seed)
+    groups = []
+    for g in range(n_groups):
+        trajs = []
+        for _ in range(per_group):
+            p, c = int(rng.integers(2, 6)), int(rng.integers(1, 10))
+            trajs.append(Trajectory(rng.integers(0, CFG.vocab_size, p), rng.integers(0, CFG.vocab_size, c),
+                                    (-4.0 - 2.0 * rng.random(c)).astype(np.float32), rng.integers(3, 6, c),
+                                    float(rng.choice([-5.0, 5.0]))))
+        groups.append(TrajectoryGroup(f"q{g}", tuple(trajs), 0))
+    seqs = build_sequences(groups, AdvantageConfig(norm="none"))
+    for s in seqs:
+        s["advantages"] = (rng.normal(size=s["loss_mask"].shape) * s["loss_mask"]).astype(np.float32)
+        if proximal:  # near the model's own log-probs (about -log 64), so some tokens clip
+            s["proximal_logprobs"] = (-4.2 + 0.4 * rng.normal(size=s["loss_mask"].shape)).astype(np.float32)
+    return seqs
+
+
+def padded(seqs):
+    """One sequence per row, right-padded: `[N, L_max]` per key."""
+    n, width = len(seqs), max(len(s["input_ids"]) for s in seqs)
+    out = {k: np.zeros((n, width), np.asarray(v).dtype) for k, v in seqs[0].items()}
+    for i, s in enumerate(seqs):
+        for k, v in s.items():
+            out[k][i, :len(v)] = v
+    return out
+
+
+def reference_loss_and_grads(params, seqs, ppo):
+    batch = {k: jnp.asarray(v) for k, v in padded(seqs).items()}
+
+    def loss_fn(p):
+        logits, _ = forward(p, CFG, batch["input_ids"])  # causal: right padding is never attended
+        logp = token_logprobs(logits, batch["targets"], ppo.temperature)
+        loss, _ = decoupled_ppo_loss(logp, batch["proximal_logprobs"], batch["behavior_logprobs"],
+                                     batch["advantages"], batch["loss_mask"], eps_clip=ppo.eps_clip,
+                                     behav_imp_weight_cap=ppo.behav_imp_weight_cap)
+        return loss
+
+    return jax.value_and_grad(loss_fn)(params)
+
+
+def teacher_forced_logprobs(params, seqs):
+    batch = padded(seqs)
+    logits, _ = forward(params, CFG, jnp.asarray(batch["input_ids"]))
+    logp = np.asarray(token_logprobs(logits, jnp.asarray(batch["targets"])))
+    return [logp[i, :len(s["input_ids"])] for i, s in enumerate(seqs)]
+
+
+def snapshot(tree):
+    return jax.tree.map(lambda x: np.array(x, copy=True), tree)
+
+
+def assert_trees_close(a, b, atol):
+    for (path, x), y in zip(jax.tree.leaves_with_path(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=0, err_msg=str(path))
+
+
+@pytest.fixture(scope="module")
+def trainer():
+    """One fp32 decoupled trainer for the module (compiles once); tests reset it to INIT."""
+    return PolicyTrainer(CFG, INIT, OPT, PPO)
+
+
+@pytest.fixture
+def fresh(trainer):
+    trainer.load_state_dict({"params": INIT, "opt_state": build_optimizer(OPT).init(INIT), "step": 0})
+    return trainer
+
+
+# ---- loss and gradients ----------------------------------------------------------------------------
+
+
+def test_packed_microbatches_equal_one_sequence_per_row(fresh):
+    seqs = random_seqs(0, proximal=True)
+    [microbatches] = make_microbatches(seqs, max_tokens_per_microbatch=BUDGET, num_minibatches=1, buckets=BUCKETS)
+    assert len(microbatches) >= 2 and any(len(row) >= 2 for m in microbatches for row in m.rows)
+    grads, stats = fresh.minibatch_gradients(microbatches)
+    ref_loss, ref_grads = reference_loss_and_grads(INIT, seqs, PPO)
+    assert 0 < stats["n_clipped"] < stats["n_valid"]  # the clipped branch is exercised
+    assert stats["n_capped"] > 0
+    np.testing.assert_allclose(float(stats["loss"]), float(ref_loss), atol=1e-5)
+    assert_trees_close(grads, ref_grads, atol=1e-5)
+
+
+def test_padding_microbatches_contribute_nothing(fresh):
+    seqs = random_seqs(1, proximal=True)
+    [plain] = make_microbatches(seqs, max_tokens_per_microbatch=BUDGET, num_minibatches=1, buckets=BUCKETS)
+    [with_pad] = make_microbatches(seqs, max_tokens_per_microbatch=BUDGET, num_minibatches=1, buckets=BUCKETS,
+                                   agree_max=lambda n: max(n, len(plain) + 2))  # a peer with more bins
+    assert len(with_pad) == len(plain) + 2
+    g_plain, s_plain = fresh.minibatch_gradients(plain)
+    g_pad, s_pad = fresh.minibatch_gradients(with_pad)
+    assert_trees_close(g_pad, g_plain, atol=1e-7)
+    assert float(s_pad["loss"]) == pytest.approx(float(s_plain["loss"]), abs=1e-7)
+    assert float(s_pad["n_valid"]) == float(s_plain["n_valid"])
+
+
+# ---- proximal log-probs -----------------------------------------------------------------------------
+
+
+def test_proximal_logprobs_equal_teacher_forced_logprobs(fresh):
+    seqs = random_seqs(2)
+    [microbatches] = make_microbatches(seqs, max_tokens_per_microbatch=BUDGET, num_minibatches=1, buckets=BUCKETS)
+    expected = teacher_forced_logprobs(INIT, seqs)
+    for micro in fresh.with_proximal_logprobs([microbatches])[0]:
+        local = micro.sequence_indices
+        position = {i: j for j, i in enumerate(local)}
+        rows = [[position[i] for i in row] for row in micro.rows]
+        arrays = {"segment_ids": micro.arrays["segment_ids"], "prox": np.asarray(micro.arrays["proximal_logprobs"])}
+        for i, got in zip(local, unpack(arrays, rows, ["prox"])):
+            np.testing.assert_allclose(got["prox"], expected[i], atol=1e-5)
+
+
+def test_proximal_logprobs_stay_fixed_across_minibatches(fresh):
+    seqs = random_seqs(3)
+    minibatches = make_microbatches(seqs, max_tokens_per_microbatch=BUDGET, num_minibatches=2, buckets=BUCKETS)
+    # Behavior := pre-step log-probs, so w = pi_prox / pi_behav is exactly 1 iff proximal is pre-step.
+    pre = fresh.with_proximal_logprobs(minibatches)
+    minibatches = [[m.with_arrays(behavior_logprobs=np.asarray(m.arrays["proximal_logprobs"])) for m in mb]
+                   for mb in pre]
+    metrics = fresh.train_step(minibatches)
+    first, second = fresh.last_minibatch_metrics
+    assert metrics["skipped_updates"] == 0
+    assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-6)  # nothing updated yet
+    assert second["imp_weight_mean"] == pytest.approx(1.0, abs=1e-6)  # still the pre-step proximal...
+    assert abs(second["ratio_mean"] - 1.0) > 1e-3  # ...while the weights moved after minibatch 1
+    post = fresh.compute_logprobs(minibatches[1][0])
+    mask = minibatches[1][0].arrays["loss_mask"] > 0
+    assert np.max(np.abs(np.asarray(post) - np.asarray(pre[1][0].arrays["proximal_logprobs"]))[mask]) > 1e-3
+
+
+# ---- updates ------------------------------------------------------------------------------------------
+
+
+def _on_policy(trainer, seed):
+    """Minibatches whose behavior log-probs are the current model's (proximal = behavior = current)."""
+    [mb] = make_microbatches(random_seqs(seed), max_tokens_per_microbatch=BUDGET, num_minibatches=1,
+                             buckets=BUCKETS)
+    return [[m.with_arrays(behavior_logprobs=np.asarray(trainer.compute_logprobs(m))) for m in mb]]
+
+
+def test_positive_advantages_raise_logprobs(fresh):
+    minibatches = _on_policy(fresh, 4)
+    minibatches = [[m.with_arrays(advantages=np.abs(m.arrays["advantages"]) * m.arrays["loss_mask"]) for m in mb]
+                   for mb in minibatches]
+    before = [np.asarray(fresh.compute_logprobs(m)) for m in minibatches[0]]
+    fresh.train_step(minibatches)
+    for m, old in zip(minibatches[0], before):
+        new = np.asarray(fresh.compute_logprobs(m))
+        mask = m.arrays["loss_mask"] > 0
+        # Summed over the trained tokens the log-likelihood goes up (a single token may not).
+        assert (new[mask] - old[mask]).sum() > 0.1
+
+
+def test_naive_ppo_equals_decoupled_when_behavior_is_proximal(fresh):
+    naive = PolicyTrainer(CFG, INIT, OPT, dataclasses.replace(PPO, decoupled=False))
+    minibatches = _on_policy(fresh, 5)
+    m_dec = fresh.train_step(minibatches)
+    m_naive = naive.train_step(minibatches)
+    assert naive.compile_counts["logprobs"] == 0  # naive PPO never recomputes log-probs
+    assert m_naive["loss"] == pytest.approx(m_dec["loss"], abs=1e-7)
+    assert_trees_close(naive.params, fresh.params, atol=1e-7)
+
+
+def test_nonfinite_gradient_skips_the_update(fresh):
+    [mb] = make_microbatches(random_seqs(6), max_tokens_per_microbatch=BUDGET, num_minibatches=1, buckets=BUCKETS)
+    adv = np.array(mb[0].arrays["advantages"])
+    adv[np.nonzero(mb[0].arrays["loss_mask"])[0][0], np.nonzero(mb[0].arrays["loss_mask"])[1][0]] = np.inf
+    poisoned = [[mb[0].with_arrays(advantages=adv), *mb[1:]]]
+    params, opt_state = snapshot(fresh.params), snapshot(fresh.opt_state)
+    metrics = fresh.train_step(poisoned)
+    assert metrics["skipped_updates"] == 1 and metrics["trained_tokens"] == 0
+    assert not np.isfinite(metrics["grad_norm"])
+    assert fresh.num_updates == 0 and fresh.step == 1
+    assert_trees_close(fresh.params, params, atol=0)
+    assert_trees_close(fresh.opt_state, opt_state, atol=0)
+    # The trainer is not poisoned: the clean batch trains normally.
+    metrics = fresh.train_step([mb])
+    assert metrics["skipped_updates"] == 0 and fresh.num_updates == 1
+    assert metrics["trained_tokens"] == sum(m.num_valid_tokens for m in mb)
+    assert np.abs(np.asarray(fresh.params["embed"]) - params["embed"]).max() > 0
+
+
+def test_metrics_version_lag_and_compilation_bound(fresh):
+    minibatches = make_microbatches(random_seqs(7), max_tokens_per_microbatch=BUDGET, num_minibatches=2,
+                                    buckets=BUCKETS)
+    metrics = fresh.train_step(minibatches, current_version=6)
+    versions = np.concatenate([m.arrays["versions"][m.arrays["loss_mask"] > 0] for mb in minibatches for m in mb])
+    lags, counts = np.unique(6 - versions, return_counts=True)
+    assert metrics["version_lag_hist"] == dict(zip(lags.tolist(), counts.tolist()))
+    assert metrics["version_lag_max"] == lags.max()
+    assert metrics["trained_tokens"] == len(versions) == metrics["n_valid_tokens"]
+    assert metrics["lr"] == pytest.approx(OPT.lr) and metrics["num_minibatches"] == 2
+    assert 0 < metrics["entropy"] <= np.log(CFG.vocab_size) + 1e-5
+    for key in ("loss", "grad_norm", "clip_frac", "imp_weight_mean", "imp_weight_max", "capped_frac",
+                "approx_kl", "time_step_s"):
+        assert np.isfinite(metrics[key]), key
+    # One program per bucket shape, one update program, however many steps ran in this module.
+    assert fresh.compile_counts["grad"] <= len(BUCKETS)
+    assert fresh.compile_counts["logprobs"] <= len(BUCKETS)
+    assert fresh.compile_counts["update"] == 1
+
+
+def test_state_dict_round_trip(fresh):
+    mb1 = make_microbatches(random_seqs(8), max_tokens_per_microbatch=BUDGET, num_minibatches=1, buckets=BUCKETS)
+    mb2 = make_microbatches(random_seqs(9), max_tokens_per_microbatch=BUDGET, num_minibatches=1, buckets=BUCKETS)
+    fresh.train_step(mb1)
+    saved = snapshot(fresh.state_dict())
+    fresh.train_step(mb2)
+    after_two = snapshot(fresh.params)
+    fresh.load_state_dict(saved)
+    assert fresh.step == 1 and fresh.num_updates == 1
+    fresh.train_step(mb2)
+    assert_trees_close(fresh.params, after_two, atol=0)
+
+
+# ---- numerics and sharding ------------------------------------------------------------------------------
+
+
+def test_bf16_compute_keeps_fp32_master_state(fresh):
+    seqs = random_seqs(10, proximal=True)
+    [mb] = make_microbatches(seqs, max_tokens_per_microbatch=BUDGET, num_minibatches=1, buckets=(32,))
+    bf16 = PolicyTrainer(CFG, jax.tree.map(lambda x: x.astype(jnp.bfloat16), INIT), OPT,
+                         dataclasses.replace(PPO, compute_dtype="bfloat16"))
+    _, stats32 = fresh.minibatch_gradients(mb)
+    grads16, stats16 = bf16.minibatch_gradients(mb)
+    assert float(stats16["loss"]) == pytest.approx(float(stats32["loss"]), abs=2e-2)
+    bf16.train_step([mb])
+    for tree in (bf16.params, bf16.opt_state, grads16):
+        floats = [x.dtype for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+        assert floats and all(d == jnp.float32 for d in floats)
+
+
+def test_sharded_step_matches_single_device(fresh):
+    mesh = jax.make_mesh((2, 2), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:4])
+    sharded = PolicyTrainer(CFG, INIT, OPT, PPO, mesh=mesh)
+    assert sharded.params["layers"]["wq"].sharding.spec == PartitionSpec(None, "fsdp", "tensor")
+    # One bucket: R = 2 rows of 32 (rows split over fsdp), so the mesh compiles one program of each kind.
+    minibatches = make_microbatches(random_seqs(11), max_tokens_per_microbatch=BUDGET, num_minibatches=2,
+                                    buckets=(32,), row_multiple=2)
+    assert {m.shape for mb in minibatches for m in mb} == {(2, 32)}
+    m_one = fresh.train_step(minibatches)
+    m_mesh = sharded.train_step(minibatches)
+    assert m_mesh["loss"] == pytest.approx(m_one["loss"], abs=1e-6)
+    assert_trees_close(sharded.params, fresh.params, atol=1e-5)
+    assert sharded.opt_state[1][0].mu["layers"]["wq"].sharding.spec == PartitionSpec(None, "fsdp", "tensor")
+
+
+# ---- optimizer -----------------------------------------------------------------------------------------------
+
+
+def test_schedules_match_closed_forms():
+    lr, w, total = 1e-3, 4, 24
+    cos = learning_rate_schedule(OptimizerConfig(lr=lr, warmup_steps=w, schedule="cosine", total_steps=total,
+                                                 min_lr_ratio=0.1))
+    lin = learning_rate_schedule(OptimizerConfig(lr=lr, warmup_steps=w, schedule="linear", total_steps=total))
+    const = learning_rate_schedule(OptimizerConfig(lr=lr, warmup_steps=w))
+    for s in range(30):
+        if s < w:
+            warm = lr * (s + 1) / w
+            assert float(cos(s)) == pytest.approx(warm) and float(lin(s)) == pytest.approx(warm)
+            continue
+        p = min((s - w) / (total - w), 1.0)
+        assert float(cos(s)) == pytest.approx(lr * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * p))), rel=1e-5)
+        assert float(lin(s)) == pytest.approx(lr * (1 - p), rel=1e-5, abs=1e-12)
+        assert float(const(s)) == pytest.approx(lr)
+
+
+def test_adamw_first_step_is_lr_times_sign_plus_decay():
+    cfg = OptimizerConfig(lr=0.1, weight_decay=0.5, max_grad_norm=1e-3)  # clipping rescales, signs stay
+    opt = build_optimizer(cfg)
+    params = {"w": jnp.array([1.0, -2.0, 3.0])}
+    grads = {"w": jnp.array([4.0, -0.5, 0.0])}
+    updates, _ = opt.update(grads, opt.init(params), params)
+    np.testing.assert_allclose(updates["w"], -0.1 * (np.sign([4.0, -0.5, 0.0]) + 0.5 * np.array([1.0, -2.0, 3.0])),
+                               rtol=1e-4)
+    clipped, _ = optax.clip_by_global_norm(1e-3).update(grads, None)
+    assert float(optax.tree.norm(clipped)) == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(lr=0.0), "lr"), (dict(schedule="cosine"), "total_steps"), (dict(schedule="step"), "schedule"),
+    (dict(warmup_steps=5, total_steps=5, schedule="linear"), "total_steps"), (dict(min_lr_ratio=2.0), "min_lr"),
+    (dict(max_grad_norm=0.0), "max_grad_norm"), (dict(b2=1.0), "b2"), (dict(warmup_steps=-1), "warmup")])
+def test_optimizer_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        OptimizerConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(eps_clip=1.5), "eps_clip"), (dict(compute_dtype="float16"), "compute_dtype"), (dict(remat="x"), "remat"),
+    (dict(num_minibatches=0), "num_minibatches"), (dict(temperature=0.0), "temperature"),
+    (dict(behav_imp_weight_cap=-1.0), "cap")])
+def test_ppo_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PPOConfig(**kwargs)
