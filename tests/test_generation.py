@@ -252,3 +252,26 @@ def test_greedy_matches_transformers_generate(reference, tmp_path):
     want = reference.run("generate", model=str(path), prompts=prompts, max_new_tokens=12)["tokens"]
     out = generate(load_pretrained(path), prompts, max_new_tokens=12, temperature=0.0)
     assert [g[0].tokens.tolist() for g in out] == want
+
+
+def test_pause_holds_slots_and_resume_continues():
+    engine = GenerationEngine(_model(0), EngineConfig(num_slots=2, max_seq_len=32, decode_chunk=2))
+    handle = engine.submit([1, 2], SamplingParams(max_new_tokens=8, temperature=0.0))
+    engine.step()
+    engine.pause()
+    generated = engine.stats().generated_tokens
+    assert engine.step() is False and engine.stats().generated_tokens == generated
+    engine.resume()
+    engine.run_until_idle()
+    (c,) = handle.result().completions
+    (ref,) = generate(_model(0), [[1, 2]], max_new_tokens=8, temperature=0.0)
+    np.testing.assert_array_equal(c.tokens, ref[0].tokens)
+
+
+def test_cancelled_future_does_not_break_the_engine():
+    engine = GenerationEngine(_model(0), EngineConfig(num_slots=2, max_seq_len=32, decode_chunk=2))
+    dropped = engine.submit([1, 2], SamplingParams(max_new_tokens=4))
+    kept = engine.submit([3], SamplingParams(max_new_tokens=4))
+    assert dropped.cancel()
+    engine.run_until_idle()
+    assert len(kept.result().completions[0].tokens) == 4

@@ -184,6 +184,7 @@ class GenerationEngine:
         self.compile_counts: collections.Counter[str] = collections.Counter()
         self._thread: threading.Thread | None = None
         self._stop_event = threading.Event()
+        self._paused = False
         self._build_programs()
 
     # ---- public API ---------------------------------------------------------------------------
@@ -240,6 +241,20 @@ class GenerationEngine:
             self._lock.notify_all()
         return done
 
+    def pause(self) -> None:
+        """Stops scheduling after the current chunk (in-flight samples keep their slots and cache).
+
+        Used by the colocated synchronous baseline, where generation and training take turns on
+        the same devices.
+        """
+        with self._lock:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._lock:
+            self._paused = False
+            self._lock.notify_all()
+
     def stats(self) -> EngineStats:
         with self._lock:
             s = dataclasses.replace(self._stats)
@@ -289,14 +304,17 @@ class GenerationEngine:
                 raise
             if not busy:
                 with self._lock:
-                    if not (self._queue or self._aborts or self._pending_weights or self._stop_event.is_set()):
+                    idle = not (self._queue or self._aborts or self._pending_weights)
+                    if (idle or self._paused) and not self._stop_event.is_set():
                         self._lock.wait(timeout=0.1)
 
     def step(self) -> bool:
         """One scheduling round: aborts, weight swap, refill free slots, one decode chunk.
 
-        Returns whether work remains.
+        Returns whether work remains (False while paused).
         """
+        if self._paused:
+            return False
         self._apply_aborts()
         draining = self._maybe_swap_weights()
         if not draining:
@@ -441,8 +459,10 @@ class GenerationEngine:
             return
         with self._lock:
             self._requests.pop(req.request_id, None)
-        if not req.future.done():
+        try:
             req.future.set_result(GroupResult(req.request_id, req.prompt, list(req.results)))
+        except concurrent.futures.InvalidStateError:
+            pass  # the caller cancelled the future; the samples are simply dropped
 
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:
@@ -450,8 +470,10 @@ class GenerationEngine:
             self._requests.clear()
             self._queue.clear()
         for req in requests:
-            if not req.future.done():
+            try:
                 req.future.set_exception(error)
+            except concurrent.futures.InvalidStateError:
+                pass
 
     # ---- compiled programs --------------------------------------------------------------------
 

@@ -67,20 +67,26 @@ def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
                         is_leaf=lambda x: isinstance(x, tuple))
 
 
-def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> Params:
-    """Random weights (normal(std)); norms start at one and biases at zero, as in HF."""
+def init_params(cfg: ModelConfig, key: jax.Array | int, dtype=jnp.float32, std: float = 0.02) -> Params:
+    """Random weights (normal(std)); norms start at one and biases at zero, as in HF.
+
+    Drawn with NumPy from the key's bits: compiling a threefry sampler per tensor costs seconds
+    on CPU, and initialization is not a hot path.
+    """
+    seed = int(key) if isinstance(key, int) else np.asarray(jax.random.key_data(key)).ravel().tolist()
+    rng = np.random.default_rng(seed)
     shapes = param_shapes(cfg)
     flat, treedef = jax.tree.flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
-    keys = jax.random.split(key, len(flat))
     leaves = []
-    for (path, shape), k in zip(flat, keys):
+    for path, shape in flat:
         name = path[-1].key
         if name.endswith("norm"):
-            leaves.append(jnp.ones(shape, dtype))
+            value = np.ones(shape, np.float32)
         elif name.startswith("b"):
-            leaves.append(jnp.zeros(shape, dtype))
+            value = np.zeros(shape, np.float32)
         else:
-            leaves.append((std * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
+            value = rng.normal(0.0, std, size=shape).astype(np.float32)
+        leaves.append(jnp.asarray(value, dtype=dtype))
     return jax.tree.unflatten(treedef, leaves)
 
 
@@ -105,15 +111,24 @@ def rotary(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """GQA attention. q `[B, T, N, H]`, k/v `[B, S, K, H]`, mask `[B, T, S]` -> `[B, T, N, H]`."""
+    """GQA attention. q `[B, T, N, H]`, k/v `[B, S, K, H]`, mask `[B, T, S]` -> `[B, T, N, H]`.
+
+    Heads go in front and the G = N/K query heads sharing a kv head are folded into the query
+    axis, so both products are plain batched matmuls over (B, K): on XLA CPU that is ~15%
+    faster than contracting the 5-D layout directly.
+    """
     B, T, N, H = q.shape
     K = k.shape[2]
-    qg = q.reshape(B, T, K, N // K, H)
-    scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * (H ** -0.5)
+    G = N // K
+    qt = q.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
+    kt = k.transpose(0, 2, 1, 3)  # [B, K, S, H]
+    vt = v.transpose(0, 2, 1, 3)
+    scores = jnp.einsum("bkqh,bksh->bkqs", qt, kt, preferred_element_type=jnp.float32) * (H ** -0.5)
+    scores = scores.reshape(B, K, G, T, -1)
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
-    return out.reshape(B, T, N, H)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(B, K, G * T, -1)
+    out = jnp.einsum("bkqs,bksh->bkqh", probs, vt)
+    return out.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
 
 
 class KVCache(NamedTuple):
