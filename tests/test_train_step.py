@@ -187,13 +187,14 @@ def test_positive_advantages_raise_logprobs(fresh):
 
 
 def test_naive_ppo_equals_decoupled_when_behavior_is_proximal(fresh):
-    naive = PolicyTrainer(CFG, INIT, OPT, dataclasses.replace(PPO, decoupled=False))
+    # Naive also runs with full remat: recomputing activations must not change the numbers.
+    naive = PolicyTrainer(CFG, INIT, OPT, dataclasses.replace(PPO, decoupled=False, remat="full"))
     minibatches = _on_policy(fresh, 5)
     m_dec = fresh.train_step(minibatches)
     m_naive = naive.train_step(minibatches)
     assert naive.compile_counts["logprobs"] == 0  # naive PPO never recomputes log-probs
-    assert m_naive["loss"] == pytest.approx(m_dec["loss"], abs=1e-7)
-    assert_trees_close(naive.params, fresh.params, atol=1e-7)
+    assert m_naive["loss"] == pytest.approx(m_dec["loss"], abs=1e-6)
+    assert_trees_close(naive.params, fresh.params, atol=1e-6)
 
 
 def test_nonfinite_gradient_skips_the_update(fresh):
