@@ -275,3 +275,30 @@ def test_cancelled_future_does_not_break_the_engine():
     assert dropped.cancel()
     engine.run_until_idle()
     assert len(kept.result().completions[0].tokens) == 4
+
+
+def test_engine_runs_on_the_generation_mesh_of_its_weights():
+    """Weights on a (data=2, tensor=2) mesh or on a non-default device: same tokens, cache placed alike."""
+    from jax.sharding import AxisType
+
+    from areal_jax.models import param_axes
+    from areal_jax.models.sharding import GENERATION_RULES, sharding_for
+
+    model = _model(1)
+    mesh = jax.make_mesh((2, 2), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[4:8])
+    placed = jax.tree.map(lambda a, axes: jax.device_put(a, sharding_for(axes, GENERATION_RULES, mesh, a.shape)),
+                          model.params, param_axes(CFG), is_leaf=lambda x: isinstance(x, tuple))
+    other_device = jax.device_put(model.params, jax.devices()[3])
+    sp = SamplingParams(max_new_tokens=10, temperature=0.0)
+    results = []
+    for params in (model.params, placed, other_device):
+        engine = GenerationEngine((CFG, params), EngineConfig(num_slots=4, max_seq_len=48, decode_chunk=4))
+        handles = [engine.submit(p, sp) for p in PROMPTS]
+        engine.run_until_idle()
+        results.append([h.result().completions[0] for h in handles])
+        devices = engine._cache.k.sharding.device_set
+        assert devices == set(jax.tree.leaves(params)[0].sharding.device_set)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            np.testing.assert_array_equal(a.tokens, b.tokens)
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import itertools
 import threading
@@ -29,9 +30,11 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from areal_jax.generation.sampling import MAX_STOP_IDS, SamplingParams, sample_tokens
 from areal_jax.models.config import ModelConfig
+from areal_jax.models.sharding import GENERATION_RULES, activation_rules, sharding_for
 from areal_jax.models.transformer import KVCache, Params, Transformer, forward
 
 StopReason = Literal["stop", "length", "aborted"]
@@ -162,8 +165,19 @@ class GenerationEngine:
         self._params = params
         self._version = version
         cfg, ec = self.model_config, config
+        # The engine runs where its weights live: on their generation mesh (slots over "data",
+        # kv heads over "tensor") or on their single device. Host inputs are put there too.
+        home = params["embed"].sharding
+        self._mesh = home.mesh if isinstance(home, NamedSharding) else None
         dtype = jnp.dtype(ec.cache_dtype) if ec.cache_dtype else params["embed"].dtype
-        self._cache = KVCache.zeros(cfg, ec.num_slots, ec.max_seq_len, dtype)
+        cache = KVCache.zeros(cfg, ec.num_slots, ec.max_seq_len, dtype)
+        if self._mesh is not None:
+            self._inputs_sharding = NamedSharding(self._mesh, PartitionSpec())
+            cache_sharding = sharding_for(("layers", "cache_slots", "cache_seq", "kv_heads", "head_dim"),
+                                          GENERATION_RULES, self._mesh, cache.k.shape)
+        else:
+            self._inputs_sharding = cache_sharding = SingleDeviceSharding(next(iter(home.device_set)))
+        self._cache = jax.device_put(cache, cache_sharding)
         B = ec.num_slots
         self._slot_sample: list[_Sample | None] = [None] * B
         self._tokens = np.zeros(B, np.int32)  # next input token of each slot
@@ -173,7 +187,7 @@ class GenerationEngine:
         self._top_p = np.ones(B, np.float32)
         self._top_k = np.zeros(B, np.int32)
         self._stop_ids = np.full((B, MAX_STOP_IDS), -1, np.int32)
-        self._key = jax.random.key(ec.seed)
+        self._key = jax.device_put(jax.random.key(ec.seed), self._inputs_sharding)
         self._lock = threading.Condition()
         self._queue: collections.deque[_Request] = collections.deque()
         self._requests: dict[str, _Request] = {}
@@ -315,13 +329,21 @@ class GenerationEngine:
         """
         if self._paused:
             return False
-        self._apply_aborts()
-        draining = self._maybe_swap_weights()
-        if not draining:
-            self._admit()
-        if any(s is not None for s in self._slot_sample):
-            self._decode_chunk()
+        with self._placement():
+            self._apply_aborts()
+            draining = self._maybe_swap_weights()
+            if not draining:
+                self._admit()
+            if any(s is not None for s in self._slot_sample):
+                self._decode_chunk()
         return self.has_work()
+
+    def _placement(self):
+        """Activation sharding rules of the generation mesh (traced into the programs)."""
+        return activation_rules(GENERATION_RULES, self._mesh) if self._mesh is not None else contextlib.nullcontext()
+
+    def _put(self, *arrays):
+        return jax.device_put(arrays, self._inputs_sharding)
 
     def _apply_aborts(self) -> None:
         with self._lock:
@@ -415,9 +437,9 @@ class GenerationEngine:
         active = np.array([s is not None for s in self._slot_sample])
         self._key, key = jax.random.split(self._key)
         t0 = time.perf_counter()
-        self._cache, out = self._decode_fn(
-            self._params, self._cache, self._tokens, self._positions, active, self._remaining,
-            self._temperature, self._top_p, self._top_k, self._stop_ids, key)
+        self._cache, out = self._decode_fn(self._params, self._cache, *self._put(
+            self._tokens, self._positions, active, self._remaining, self._temperature, self._top_p, self._top_k,
+            self._stop_ids), key)
         tokens, logprobs, valid = (np.asarray(x) for x in jax.device_get(out))  # [B, C] each
         self._stats.decode_s += time.perf_counter() - t0
         self._stats.chunks += 1
@@ -532,19 +554,18 @@ class GenerationEngine:
         bucket = self.config.bucket(tokens.size)
         padded = np.zeros((1, bucket), np.int32)
         padded[0, :tokens.size] = tokens
-        block, logits = self._prefill_fn(self._params, padded, np.int32(tokens.size))
+        block, logits = self._prefill_fn(self._params, *self._put(padded, np.int32(tokens.size)))
         jax.block_until_ready(logits)
         self._stats.prefill_s += time.perf_counter() - t0
         self._stats.prefill_tokens += tokens.size
         return block, logits
 
     def _insert(self, block: KVCache, slot: int) -> None:
-        self._cache = self._insert_fn(self._cache, block, np.int32(slot))
+        self._cache = self._insert_fn(self._cache, block, *self._put(np.int32(slot)))
 
     def _first_tokens(self, logits: jax.Array, sp: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
         B = self.config.num_slots  # fixed row count: one compiled program whatever n is
         self._key, key = jax.random.split(self._key)
-        tokens, logprobs = self._first_tokens_fn(
-            logits, key, np.full(B, sp.temperature, np.float32), np.full(B, sp.top_p, np.float32),
-            np.full(B, sp.top_k, np.int32))
+        tokens, logprobs = self._first_tokens_fn(logits, key, *self._put(
+            np.full(B, sp.temperature, np.float32), np.full(B, sp.top_p, np.float32), np.full(B, sp.top_k, np.int32)))
         return np.asarray(tokens), np.asarray(logprobs)

@@ -1,0 +1,250 @@
+"""The asynchronous RL loop: trainer thread + rollout side, connected by the channel.
+
+Per process (multi-controller): the trainer thread (the caller of `RLLoop.run`) drives the
+global train mesh; the rollout side (controller thread + engine thread) drives only this
+host's generation mesh. One training step:
+
+    take B oldest groups from the channel -> advantages -> packed minibatches
+    -> proximal logprobs (pre-update weights) -> minibatch updates -> version + 1
+    -> reshard weights train -> generation mesh -> engine swaps them at its next chunk boundary
+
+Modes: "async" (the paper's system; eta = max_staleness bounds how far generation runs ahead)
+and "sync" (the baseline the paper's speedup is measured against): generation waits while
+the trainer trains (engine paused) and nothing generated under old weights is trained, which
+together with max_staleness = 0 is exactly synchronous RL; with MeshConfig.colocated both
+sides use all devices in turn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal
+
+import jax
+import numpy as np
+
+from areal_jax.generation.engine import EngineConfig, GenerationEngine
+from areal_jax.generation.sampling import SamplingParams
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.sharding import GENERATION_RULES, TRAIN_RULES, spec_for
+from areal_jax.models.transformer import Params, param_axes
+from areal_jax.parallel.meshes import MeshConfig, Meshes, build_meshes
+from areal_jax.parallel.weight_sync import WeightSync
+from areal_jax.ppo.advantages import AdvantageConfig
+from areal_jax.reward.registry import load_reward_function, resolve_reward_path
+from areal_jax.rollout.channel import TrajectoryChannel
+from areal_jax.rollout.controller import RolloutController, ShutdownReport
+from areal_jax.rollout.staleness import StalenessManager
+from areal_jax.rollout.types import TrajectoryGroup
+from areal_jax.rollout.workflow import RLVRConfig, RLVRWorkflow
+from areal_jax.trainer.batching import build_sequences, make_microbatches
+from areal_jax.trainer.optimizer import OptimizerConfig
+from areal_jax.trainer.train_step import PolicyTrainer, PPOConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    """The RL loop. batch_size is in prompt groups per training step (global, all processes)."""
+
+    steps: int = 20
+    batch_size: int = 8
+    max_staleness: int = 4  # eta; 0 = synchronous
+    max_concurrent: int = 32  # prompt groups in flight on the generator
+    mode: Literal["async", "sync"] = "async"
+    # Reject groups whose oldest token lags more than this behind the trainer when they finish;
+    # then no trained token lags more than max_staleness + max_head_offpolicyness versions.
+    max_head_offpolicyness: int | None = None
+    channel_capacity: int = 0  # 0: 4 x batch_size
+    generation_dtype: str | None = None  # e.g. "bfloat16": cast on the way to the generator
+    eval_every: int = 0  # steps between held-out evaluations (0: only at the start and end)
+    eval_max_new_tokens: int = 64
+    batch_timeout_s: float = 600.0  # waiting longer than this for a batch is an error
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "max_concurrent"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"RLConfig.{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+            raise ValueError(f"RLConfig.max_staleness must be an int >= 0, got {self.max_staleness!r}")
+        if self.mode not in ("async", "sync"):
+            raise ValueError(f"RLConfig.mode must be 'async' or 'sync', got {self.mode!r}")
+        if self.mode == "sync" and self.max_staleness != 0:
+            raise ValueError("RLConfig.mode = 'sync' needs max_staleness = 0")
+        if self.channel_capacity < 0 or self.eval_every < 0:
+            raise ValueError("RLConfig.channel_capacity and eval_every must be >= 0")
+        if not self.batch_timeout_s > 0:
+            raise ValueError(f"RLConfig.batch_timeout_s must be > 0, got {self.batch_timeout_s!r}")
+
+
+@dataclasses.dataclass
+class LoopResult:
+    steps: int
+    version: int
+    wall_time_s: float
+    trained_tokens: float
+    history: list[dict[str, Any]]
+    rollout_report: ShutdownReport | None
+    final_params: Params
+
+
+def partition_specs(cfg: ModelConfig, rules, mesh, params_shapes) -> Any:
+    """PartitionSpec of every parameter on `mesh` by the rule table."""
+    return jax.tree.map(lambda axes, shape: spec_for(axes, rules, mesh, shape), param_axes(cfg), params_shapes,
+                        is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x))
+
+
+class RLLoop:
+    """Owns the trainer, the engine, the controller and the weight path between them."""
+
+    def __init__(self, model_cfg: ModelConfig, params: Params, *, tokenizer: Any, data_iter: Iterator[Any],
+                 rl: RLConfig, ppo: PPOConfig, optimizer: OptimizerConfig, advantages: AdvantageConfig,
+                 workflow: RLVRConfig | Any, engine: EngineConfig, mesh: MeshConfig = MeshConfig(),
+                 eval_rows: Sequence[Any] = (), reward_pool: Any = None,
+                 on_step: Callable[[int, dict[str, Any]], None] | None = None,
+                 devices: Sequence[jax.Device] | None = None, start_version: int = 0):
+        self.model_config = model_cfg
+        self.rl = rl
+        self.advantages = advantages
+        self.tokenizer = tokenizer
+        self.eval_rows = list(eval_rows)
+        self.on_step = on_step
+        self.meshes: Meshes = build_meshes(mesh, devices)
+        self.trainer = PolicyTrainer(model_cfg, params, optimizer, ppo, mesh=self.meshes.train)
+        shapes = jax.tree.map(lambda a: a.shape, self.trainer.params)
+        self.weight_sync = WeightSync(
+            self.meshes, partition_specs(model_cfg, TRAIN_RULES, self.meshes.train, shapes),
+            partition_specs(model_cfg, GENERATION_RULES, self.meshes.generation, shapes),
+            generation_dtype=rl.generation_dtype)
+        self.version = start_version
+        self.engine = GenerationEngine((model_cfg, self.weight_sync.transfer(self.trainer.params)), engine,
+                                       version=start_version)
+        local_batch = rl.batch_size // jax.process_count()
+        if local_batch * jax.process_count() != rl.batch_size:
+            raise ValueError(f"RLConfig.batch_size {rl.batch_size} must divide over {jax.process_count()} processes")
+        self.local_batch = local_batch
+        self.staleness = StalenessManager(rl.max_staleness, local_batch, rl.max_concurrent)
+        self.channel = TrajectoryChannel(rl.channel_capacity or 4 * local_batch)
+        self.workflow_config = workflow if isinstance(workflow, RLVRConfig) else None
+        wf = RLVRWorkflow(workflow) if isinstance(workflow, RLVRConfig) else workflow
+        self.controller = RolloutController(self.engine, wf, self.staleness, self.channel, data_iter,
+                                            version_fn=lambda: self.version, tokenizer=tokenizer,
+                                            reward_pool=reward_pool,
+                                            max_head_offpolicyness=rl.max_head_offpolicyness)
+        self._last_applied = None
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    def run(self) -> LoopResult:
+        history: list[dict[str, Any]] = []
+        trained_tokens = 0.0
+        report = None
+        self.engine.start()
+        self.controller.start()
+        t_start = time.perf_counter()
+        try:
+            for step in range(self.rl.steps):
+                metrics = self._train_one_step(step)
+                trained_tokens += metrics["train/trained_tokens"]
+                metrics["time/wall_s"] = time.perf_counter() - t_start
+                metrics["train/trained_tokens_total"] = trained_tokens
+                metrics["throughput/trained_tokens_per_s"] = trained_tokens / metrics["time/wall_s"]
+                last = step == self.rl.steps - 1
+                if self.eval_rows and self.rl.eval_every and ((step + 1) % self.rl.eval_every == 0 or last):
+                    metrics["eval/accuracy"] = self.evaluate()
+                history.append(metrics)
+                if self.on_step is not None:
+                    self.on_step(step, metrics)
+            if self._last_applied is not None:  # leave the generator serving the final weights
+                self._last_applied.result(timeout=self.rl.batch_timeout_s)
+        finally:
+            report = self.controller.shutdown(timeout=30.0)
+            self.engine.stop()
+        return LoopResult(steps=len(history), version=self.version, wall_time_s=time.perf_counter() - t_start,
+                          trained_tokens=trained_tokens, history=history, rollout_report=report,
+                          final_params=self.trainer.params)
+
+    def _take_batch(self) -> tuple[list[TrajectoryGroup], float]:
+        t0 = time.perf_counter()
+        deadline = t0 + self.rl.batch_timeout_s
+        while True:
+            self.controller.check()  # a fatal rollout error surfaces here instead of a hang
+            try:
+                return self.channel.get_batch(self.local_batch, timeout=1.0), time.perf_counter() - t0
+            except TimeoutError:
+                if time.perf_counter() > deadline:
+                    raise TimeoutError(f"no batch of {self.local_batch} groups within {self.rl.batch_timeout_s} s; "
+                                       f"rollout stats: {self.controller.stats()}") from None
+
+    def _train_one_step(self, step: int) -> dict[str, Any]:
+        groups, wait_s = self._take_batch()
+        if self.rl.mode == "sync":
+            self.engine.pause()
+        seqs = build_sequences(groups, self.advantages)
+        ppo = self.trainer.ppo_config
+        minibatches = make_microbatches(seqs, max_tokens_per_microbatch=ppo.max_tokens_per_microbatch,
+                                        num_minibatches=min(ppo.num_minibatches, len(seqs)))
+        train = self.trainer.train_step(minibatches, current_version=self.version)
+        self.version += 1
+        t0 = time.perf_counter()
+        generation_params = self.weight_sync.transfer(self.trainer.params)
+        applied = self._last_applied = self.engine.update_weights(generation_params, self.version)
+        transfer_s = time.perf_counter() - t0
+        if self.rl.mode == "sync":
+            self.engine.resume()
+            applied.result()  # nothing generates on stale weights in the synchronous baseline
+        self.controller.notify()
+        return self._metrics(step, groups, train, wait_s, transfer_s)
+
+    def _metrics(self, step, groups, train, wait_s, transfer_s) -> dict[str, Any]:
+        rewards = np.array([t.reward for g in groups for t in g.trajectories], np.float64)
+        lengths = np.array([len(t.completion_ids) for g in groups for t in g.trajectories])
+        gen = self.engine.stats()
+        roll = self.controller.stats()
+        lag = train.get("version_lag_hist", {})
+        out = {
+            "step": step,
+            "version": self.version,
+            "reward/mean": float(rewards.mean()),
+            "reward/accuracy": float((rewards >= 1.0).mean()),
+            "completion/mean_length": float(lengths.mean()),
+            "completion/max_length": int(lengths.max()),
+            "staleness/mean": float(sum(int(k) * v for k, v in lag.items()) / max(sum(lag.values()), 1)),
+            "staleness/max": int(max((int(k) for k, v in lag.items() if v), default=0)),
+            "staleness/hist": {str(k): float(v) for k, v in lag.items()},
+            "rollout/queue_depth": self.channel.qsize(),
+            "rollout/accepted": roll.accepted,
+            "rollout/rejected": roll.rejected_total,
+            "throughput/generated_tokens_per_s": gen.tokens_per_s,
+            "throughput/tokens_per_s": train.get("trained_tokens", 0.0) / max(train.get("time_step_s", 1e-9), 1e-9),
+            "time/wait_batch_s": wait_s,
+            "time/train_step_s": train.get("time_step_s", math.nan),
+            "time/weight_transfer_s": transfer_s,
+        }
+        for k in ("loss", "grad_norm", "clip_frac", "imp_weight_mean", "imp_weight_max", "capped_frac", "entropy",
+                  "approx_kl", "skipped_updates", "trained_tokens", "lr"):
+            if k in train:
+                out[f"train/{k}"] = train[k]
+        return out
+
+    # ---- evaluation ---------------------------------------------------------------------------
+
+    def evaluate(self) -> float:
+        """Held-out greedy accuracy with the current weights, on the running engine."""
+        reward = self.workflow_config.reward if self.workflow_config else "math"
+        fn = load_reward_function(resolve_reward_path(reward))
+        stop = self.workflow_config.stop_token_ids if self.workflow_config else ()
+        sp = SamplingParams(max_new_tokens=self.rl.eval_max_new_tokens, temperature=0.0, stop_token_ids=stop)
+        handles = [self.engine.submit(row["prompt_ids"], sp) for row in self.eval_rows]
+        correct = 0
+        for row, h in zip(self.eval_rows, handles):
+            tokens = h.result(timeout=self.rl.batch_timeout_s).completions[0].tokens
+            gold = row["row"].answer if row["row"].task == "math" else row["row"].test_cases
+            correct += float(fn(self.tokenizer.decode(tokens, skip_special_tokens=True), gold)) >= 1.0
+        return correct / max(len(self.eval_rows), 1)

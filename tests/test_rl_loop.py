@@ -1,0 +1,82 @@
+"""The RL loop end to end: real trainer, engine, controller and weight transfer on fake CPU devices."""
+
+import itertools
+
+import jax
+import numpy as np
+import pytest
+
+from areal_jax.data.formats import PromptRow
+from areal_jax.generation import EngineConfig
+from areal_jax.models import ModelConfig, init_params
+from areal_jax.models.tokenizer import Tokenizer
+from areal_jax.parallel import MeshConfig
+from areal_jax.ppo import AdvantageConfig
+from areal_jax.rollout.workflow import RLVRConfig
+from areal_jax.trainer import OptimizerConfig, PPOConfig
+from areal_jax.trainer.loop import RLConfig, RLLoop
+from tests.tokenizer_fixtures import build_tiny_tokenizer
+
+REWARD = "tests.rollout_fixtures:scripted_reward"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return Tokenizer.from_pretrained(build_tiny_tokenizer(tmp_path_factory.mktemp("tok"), "chatml"))
+
+
+def rows(tokenizer, reward_script="text_hash"):
+    for i in itertools.count():
+        question = f"What is {i % 50}+{i % 7}?"
+        row = PromptRow(query_id=f"q{i}", messages=[{"role": "user", "content": question}], answer=reward_script,
+                        test_cases=None, task="math", source=f"gen:{i}")
+        yield {"prompt_ids": np.asarray(tokenizer.encode(question), np.int32), "row": row}
+
+
+def make_loop(tokenizer, *, rl: RLConfig, mesh: MeshConfig, devices, reward_script="text_hash"):
+    cfg = ModelConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8)
+    params = init_params(cfg, 0, std=0.3)
+    return RLLoop(
+        cfg, params, tokenizer=tokenizer, data_iter=rows(tokenizer, reward_script), rl=rl,
+        ppo=PPOConfig(num_minibatches=2, max_tokens_per_microbatch=256),
+        optimizer=OptimizerConfig(lr=1e-3), advantages=AdvantageConfig(norm="group"),
+        workflow=RLVRConfig(n_samples=4, max_new_tokens=6, reward=REWARD, filter_all_equal_rewards=False),
+        engine=EngineConfig(num_slots=8, max_seq_len=48, decode_chunk=2), mesh=mesh, devices=devices)
+
+
+def test_async_loop_bounds_staleness_and_keeps_versions(tokenizer):
+    rl = RLConfig(steps=4, batch_size=2, max_staleness=1, max_concurrent=4, max_head_offpolicyness=1)
+    loop = make_loop(tokenizer, rl=rl, mesh=MeshConfig(num_generation_devices_per_host=2),
+                     devices=jax.devices()[:4])
+    assert loop.meshes.train.devices.size == 2 and loop.meshes.generation.devices.size == 2
+    before = jax.tree.map(np.asarray, loop.trainer.params)
+    result = loop.run()
+    assert result.steps == 4 and result.version == 4 and loop.engine.version == 4
+    for m in result.history:
+        assert m["staleness/max"] <= rl.max_staleness + rl.max_head_offpolicyness
+        assert np.isfinite(m["train/loss"]) and m["train/trained_tokens"] > 0
+    report = result.rollout_report
+    assert report.balanced
+    after = jax.tree.map(np.asarray, result.final_params)
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+    # The generator serves exactly the trainer's weights (bitwise: fp32 both sides).
+    served = loop.engine._params
+    for a, b in zip(jax.tree.leaves(served), jax.tree.leaves(after)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_sync_mode_trains_only_on_policy_tokens(tokenizer):
+    rl = RLConfig(steps=3, batch_size=2, max_staleness=0, max_concurrent=4, mode="sync")
+    loop = make_loop(tokenizer, rl=rl, mesh=MeshConfig(colocated=True), devices=jax.devices()[:2])
+    result = loop.run()
+    assert result.version == 3
+    for m in result.history:
+        assert m["staleness/max"] == 0 and m["staleness/hist"].keys() == {"0"}
+
+
+def test_bad_batch_split_is_reported_before_work_starts(tokenizer):
+    with pytest.raises(ValueError, match="max_staleness = 0"):
+        RLConfig(mode="sync", max_staleness=2)
+    with pytest.raises(ValueError, match="batch_size"):
+        RLConfig(batch_size=0)
