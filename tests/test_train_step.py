@@ -190,11 +190,18 @@ def test_naive_ppo_equals_decoupled_when_behavior_is_proximal(fresh):
     # Naive also runs with full remat: recomputing activations must not change the numbers.
     naive = PolicyTrainer(CFG, INIT, OPT, dataclasses.replace(PPO, decoupled=False, remat="full"))
     minibatches = _on_policy(fresh, 5)
-    m_dec = fresh.train_step(minibatches)
-    m_naive = naive.train_step(minibatches)
+    dec_mb, naive_mb = fresh.with_proximal_logprobs(minibatches)[0], naive.with_proximal_logprobs(minibatches)[0]
+    for d, n in zip(dec_mb, naive_mb):  # decoupled recomputes exactly what naive takes from behavior
+        np.testing.assert_array_equal(np.asarray(d.arrays["proximal_logprobs"]), n.arrays["proximal_logprobs"])
+    g_dec, s_dec = fresh.minibatch_gradients(dec_mb)
+    g_naive, s_naive = naive.minibatch_gradients(naive_mb)
+    assert float(s_naive["loss"]) == pytest.approx(float(s_dec["loss"]), abs=1e-7)
+    assert_trees_close(g_naive, g_dec, atol=1e-7)
+    fresh.train_step(minibatches)
+    naive.train_step(minibatches)
     assert naive.compile_counts["logprobs"] == 0  # naive PPO never recomputes log-probs
-    assert m_naive["loss"] == pytest.approx(m_dec["loss"], abs=1e-6)
-    assert_trees_close(naive.params, fresh.params, atol=1e-6)
+    # Adam's first step is about lr * sign(g): tiny gradient entries amplify rounding, hence 1e-5.
+    assert_trees_close(naive.params, fresh.params, atol=1e-5)
 
 
 def test_nonfinite_gradient_skips_the_update(fresh):
