@@ -1,0 +1,41 @@
+"""Built-in tasks. `arithmetic`: synthetic multi-step arithmetic with verifiable answers, its
+character-level tokenizer and small model (`tokenizer_builder`) and its reward (`reward`).
+
+Importing this package registers the reward name "arithmetic" with areal_jax.reward. Names are
+re-exported lazily (PEP 562) so that a reward worker importing `areal_jax.tasks.reward` does not
+pull in JAX.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from areal_jax.reward.registry import register_reward
+
+REWARD_NAME = "arithmetic"
+register_reward(REWARD_NAME, "areal_jax.tasks.reward:arithmetic_reward")
+
+_EXPORTS = {
+    **{name: "areal_jax.tasks.arithmetic" for name in (
+        "ArithmeticConfig", "ArithmeticProblem", "iter_problems", "make_problem", "problems", "prompt_ids",
+        "prompt_rows", "sft_examples", "solve", "split_of", "write_jsonl")},
+    **{name: "areal_jax.tasks.reward" for name in ("REWARD_PATH", "arithmetic_reward", "parse_boxed_integer")},
+    **{name: "areal_jax.tasks.tokenizer_builder" for name in (
+        "build_task_model_dir", "build_tokenizer", "task_model_config", "vocabulary")},
+}
+
+__all__ = sorted([*_EXPORTS, "REWARD_NAME"])
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

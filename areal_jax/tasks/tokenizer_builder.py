@@ -1,0 +1,101 @@
+"""The arithmetic task's tokenizer and model directory, built locally (no model hub).
+
+`build_tokenizer(dir)` writes a Hugging Face tokenizer directory that
+`areal_jax.models.tokenizer.Tokenizer.from_pretrained` loads (the path users' real models
+take): a character-level `tokenizer.json` (every printable ASCII character and newline is one
+token, so each digit is its own token, which is what small models need to learn carrying),
+``\\boxed`` as one token, a short chat template and eos/pad tokens.
+
+`task_model_config(vocab_size)` is a Qwen2-style decoder of about 0.8M parameters that trains in
+minutes on a CPU; `build_task_model_dir(dir)` writes tokenizer + randomly initialized weights as
+one HF checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.hf_io import save_params
+from areal_jax.models.transformer import init_params
+
+PAD, UNK, EOS = "<|pad|>", "<|unk|>", "<|end|>"
+ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
+SPECIAL_TOKENS = (PAD, UNK, EOS, *ROLE_TOKENS.values())
+# Multi-character tokens that are ordinary text (decode keeps them).
+WORD_TOKENS = ("\\boxed",)
+ALPHABET = "\n" + "".join(chr(c) for c in range(32, 127))
+
+# <|role|>content<|end|> per message; the generation prompt opens the assistant turn, whose
+# completion ends with <|end|> (= eos), so SFT targets and sampling stop at the same token.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message.role not in ['system', 'user', 'assistant'] %}"
+    "{{- raise_exception('Unsupported role: ' + message.role) }}"
+    "{%- endif %}"
+    "{{- '<|' + message.role + '|>' + message.content + '<|end|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|assistant|>' }}{%- endif %}"
+)
+
+
+def vocabulary() -> dict[str, int]:
+    """Token -> id: special tokens first (pad = 0), then word tokens, then the characters."""
+    tokens = [*SPECIAL_TOKENS, *WORD_TOKENS, *ALPHABET]
+    return {t: i for i, t in enumerate(tokens)}
+
+
+def build_tokenizer(directory: str | pathlib.Path) -> pathlib.Path:
+    """Writes tokenizer.json, tokenizer_config.json and generation_config.json into `directory`."""
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    vocab = vocabulary()
+    backend = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
+    # One pre-token per character (newline included); WordLevel maps each to its id.
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()  # concatenate tokens, no spaces in between
+    backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in WORD_TOKENS])
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in SPECIAL_TOKENS])
+    backend.save(str(directory / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "unk_token": UNK,
+        "bos_token": None,
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 512,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    (directory / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": vocab[EOS], "pad_token_id": vocab[PAD]}, indent=2))
+    return directory
+
+
+def task_model_config(vocab_size: int | None = None, *, hidden_size: int = 128, num_layers: int = 4,
+                      num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 384,
+                      max_position_embeddings: int = 256) -> ModelConfig:
+    """A small Qwen2-style decoder for the task (defaults: ~0.8M parameters, tied embeddings)."""
+    vocab = vocabulary()
+    return ModelConfig(
+        vocab_size=vocab_size or len(vocab), hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads, rms_norm_eps=1e-6, tie_word_embeddings=True, qkv_bias=True,
+        max_position_embeddings=max_position_embeddings, family="qwen2", eos_token_id=vocab[EOS])
+
+
+def build_task_model_dir(directory: str | pathlib.Path, cfg: ModelConfig | None = None, *, seed: int = 0,
+                         params=None) -> pathlib.Path:
+    """Writes tokenizer + config.json + safetensors (random init, or `params`) as one HF directory."""
+    directory = build_tokenizer(directory)
+    cfg = cfg or task_model_config()
+    if params is None:
+        params = init_params(cfg, jax.random.key(seed), jnp.float32)
+    save_params(params, cfg, directory)
+    return directory

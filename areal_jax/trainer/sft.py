@@ -1,0 +1,258 @@
+"""Supervised fine-tuning on (prompt, completion) pairs: the warm start before RL.
+
+Works for the built-in arithmetic task and for user data alike: examples are token-id pairs.
+The loss is the token-mean cross-entropy over completion tokens only (prompt tokens are
+context, not targets). Sequences are packed into fixed-shape rows `[B, T]` (areal_jax.packing,
+first-fit-decreasing, never splitting a sequence) with segment ids masking attention across
+sequence boundaries, so every step runs one compiled program.
+
+Per sequence of prompt p (P tokens) and completion c, the model reads `x = (p + c)[:-1]` and
+predicts `y = (p + c)[1:]`; target j is trained iff it is a completion token (j >= P - 1).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm.auto import tqdm
+
+from areal_jax.generation.offline import generate
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.transformer import Params, Transformer, forward
+from areal_jax.packing import ffd_allocate, pack_sequences
+from areal_jax.ppo.loss import token_logprobs
+
+Example = tuple[Sequence[int], Sequence[int]]  # (prompt_ids, completion_ids)
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+    """SFT hyper-parameters.
+
+    steps: optimizer steps. batch_size: packed rows per step (B). max_len: tokens per row (T);
+    every example must fit in one row. lr: peak AdamW learning rate, reached after `warmup`
+    linear steps, then cosine decay to `lr * min_lr_ratio`. compute_dtype: "float32" or
+    "bfloat16" for matmuls (weights and optimizer state stay float32). log_every: steps between
+    metric read-backs (reading forces a device sync).
+    """
+
+    steps: int = 1000
+    batch_size: int = 16
+    lr: float = 3e-3
+    warmup: int = 50
+    max_len: int = 256
+    seed: int = 0
+    compute_dtype: str = "float32"
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    min_lr_ratio: float = 0.1
+    log_every: int = 10
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "max_len", "log_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"SFTConfig.{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.warmup, int) or not 0 <= self.warmup <= self.steps:
+            raise ValueError(f"SFTConfig.warmup must be an int in [0, steps={self.steps}], got {self.warmup!r}")
+        if not self.lr > 0:
+            raise ValueError(f"SFTConfig.lr must be positive, got {self.lr!r}")
+        if self.compute_dtype not in _DTYPES:
+            raise ValueError(f"SFTConfig.compute_dtype must be one of {sorted(_DTYPES)}, got {self.compute_dtype!r}")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"SFTConfig.weight_decay must be >= 0, got {self.weight_decay!r}")
+        if not self.grad_clip > 0:
+            raise ValueError(f"SFTConfig.grad_clip must be positive, got {self.grad_clip!r}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"SFTConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+
+
+# ---- data -----------------------------------------------------------------------------------------
+
+
+def sequence_arrays(prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> dict[str, np.ndarray]:
+    """Per-token arrays `[L]` (L = P + C - 1) of one example: input_ids, targets, loss_mask."""
+    prompt = np.asarray(prompt_ids, np.int32).reshape(-1)
+    completion = np.asarray(completion_ids, np.int32).reshape(-1)
+    if prompt.size == 0 or completion.size == 0:
+        raise ValueError(f"examples need a non-empty prompt and completion, got {prompt.size} and "
+                         f"{completion.size} tokens")
+    tokens = np.concatenate([prompt, completion])
+    return {
+        "input_ids": tokens[:-1],
+        "targets": tokens[1:],
+        "loss_mask": (np.arange(tokens.size - 1) >= prompt.size - 1).astype(np.float32),
+    }
+
+
+class PackedBatches:
+    """Endless stream of packed batches `{input_ids, targets, loss_mask, segment_ids, positions}`,
+    each `[B, T]`, over epochs reshuffled from `seed`. Sequences left over when B rows are full
+    start the next batch, so every example is seen once per epoch."""
+
+    def __init__(self, examples: Sequence[Example], batch_size: int, max_len: int, seed: int = 0):
+        if not examples:
+            raise ValueError("SFT needs at least one example")
+        self.seqs = [sequence_arrays(p, c) for p, c in examples]
+        self.lengths = [len(s["input_ids"]) for s in self.seqs]
+        for i, n in enumerate(self.lengths):
+            if n > max_len:
+                raise ValueError(f"example {i} has {n + 1} tokens (prompt + completion), more than "
+                                 f"max_len + 1 = {max_len + 1}; raise SFTConfig.max_len")
+        self.batch_size, self.max_len = batch_size, max_len
+        self._rng = np.random.default_rng(seed)
+        self._pending: collections.deque[int] = collections.deque()
+        self.epoch = 0
+
+    def _refill(self) -> None:
+        self._pending.extend(self._rng.permutation(len(self.seqs)).tolist())
+        self.epoch += 1
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        budget = self.batch_size * self.max_len
+        chosen: list[int] = []
+        tokens = 0
+        while tokens < budget:
+            if not self._pending:
+                self._refill()
+            idx = self._pending.popleft()
+            chosen.append(idx)
+            tokens += self.lengths[idx]
+        bins = ffd_allocate([self.lengths[i] for i in chosen], self.max_len)
+        kept, extra = bins[:self.batch_size], bins[self.batch_size:]
+        # Sequences that did not fit go back to the front, in their original order.
+        leftover = [chosen[j] for j in sorted(j for b in extra for j in b)]
+        self._pending.extendleft(reversed(leftover))
+        order = [chosen[j] for b in kept for j in b]
+        groups, start = [], 0
+        for b in kept:
+            groups.append(list(range(start, start + len(b))))
+            start += len(b)
+        return pack_sequences([self.seqs[i] for i in order], groups, self.max_len, num_rows=self.batch_size)
+
+
+# ---- loss and step --------------------------------------------------------------------------------
+
+
+def completion_loss(params: Params, model_cfg: ModelConfig, batch: Mapping[str, jax.Array], *,
+                    compute_dtype=None) -> tuple[jax.Array, jax.Array]:
+    """Token-mean cross-entropy over completion tokens of a packed (or padded) batch.
+
+    batch: input_ids, targets, loss_mask `[B, T]`, and optionally segment_ids / positions `[B, T]`
+    (without them each row is one sequence starting at position 0). Returns (loss, n_tokens).
+    """
+    logits, _ = forward(params, model_cfg, batch["input_ids"], batch.get("positions"), batch.get("segment_ids"),
+                        compute_dtype=compute_dtype)
+    logp = token_logprobs(logits, batch["targets"])  # [B, T]
+    mask = batch["loss_mask"].astype(jnp.float32)
+    n = jnp.sum(mask)
+    return -jnp.sum(logp * mask) / jnp.maximum(n, 1.0), n
+
+
+def make_optimizer(cfg: SFTConfig) -> optax.GradientTransformation:
+    """AdamW with linear warm-up, cosine decay and global-norm clipping."""
+    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, cfg.steps, cfg.lr * cfg.min_lr_ratio)
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
+                       optax.adamw(schedule, b1=0.9, b2=0.98, weight_decay=cfg.weight_decay))
+
+
+def make_train_step(model_cfg: ModelConfig, optimizer: optax.GradientTransformation, compute_dtype=None
+                    ) -> Callable[..., tuple[Params, Any, dict[str, jax.Array]]]:
+    """Jitted `(params, opt_state, batch) -> (params, opt_state, metrics)`; params/state donated."""
+
+    def step(params, opt_state, batch):
+        (loss, n), grads = jax.value_and_grad(
+            lambda p: completion_loss(p, model_cfg, batch, compute_dtype=compute_dtype), has_aux=True)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, {"loss": loss, "tokens": n, "grad_norm": optax.tree.norm(grads)}
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def run_sft(model_cfg: ModelConfig, params: Params, examples: Sequence[Example], cfg: SFTConfig, *,
+            progress: bool = True) -> tuple[Params, list[dict[str, float]]]:
+    """Fine-tunes `params` on (prompt_ids, completion_ids) pairs; returns new params and metrics.
+
+    Metrics: one dict per `log_every` steps (and the last step) with step, loss (mean over the
+    steps since the previous entry), tokens (completion tokens trained), grad_norm, lr and
+    elapsed seconds (compilation included).
+    """
+    compute_dtype = _DTYPES[cfg.compute_dtype]
+    params = jax.tree.map(lambda a: jnp.array(a, jnp.float32), params)  # own copy: the step donates it
+    optimizer = make_optimizer(cfg)
+    opt_state = optimizer.init(params)
+    step_fn = make_train_step(model_cfg, optimizer, compute_dtype)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, cfg.steps, cfg.lr * cfg.min_lr_ratio)
+    batches = PackedBatches(examples, cfg.batch_size, cfg.max_len, cfg.seed)
+    metrics: list[dict[str, float]] = []
+    window: list[dict[str, jax.Array]] = []
+    start = time.perf_counter()
+    bar = tqdm(total=cfg.steps, desc="sft", disable=not progress, dynamic_ncols=True)
+    for step in range(1, cfg.steps + 1):
+        params, opt_state, m = step_fn(params, opt_state, next(batches))
+        window.append(m)
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            host = jax.device_get(window)
+            entry = {"step": step, "loss": float(np.mean([w["loss"] for w in host])),
+                     "tokens": float(sum(w["tokens"] for w in host)), "grad_norm": float(host[-1]["grad_norm"]),
+                     "lr": float(schedule(step - 1)), "seconds": time.perf_counter() - start}
+            metrics.append(entry)
+            window = []
+            bar.set_postfix(loss=f"{entry['loss']:.4f}")
+        bar.update(1)
+    bar.close()
+    return params, metrics
+
+
+# ---- evaluation -----------------------------------------------------------------------------------
+
+
+def _row_answer(row: Mapping[str, Any]) -> Any:
+    r = row["row"]
+    return r["answer"] if isinstance(r, Mapping) else r.answer
+
+
+def sample_rewards(model_cfg: ModelConfig, params: Params, rows: Sequence[Mapping[str, Any]], tokenizer: Any, *,
+                   max_new_tokens: int, batch: int = 64, n: int = 1, temperature: float = 0.0, seed: int = 0,
+                   reward_fn: Callable[[str, Any], float] | None = None) -> np.ndarray:
+    """Rewards `[R, n]` of `n` completions per row (`temperature=0`: greedy).
+
+    rows: loader-style examples with `prompt_ids` and `row` (a PromptRow, or a dict, with `answer`).
+    batch: decode slots of the generation engine. reward_fn: (completion_text, answer) -> float,
+    default the arithmetic reward.
+    """
+    if reward_fn is None:
+        from areal_jax.tasks.reward import arithmetic_reward as reward_fn
+    if not rows:
+        return np.zeros((0, n), np.float32)
+    model = Transformer(model_cfg, params)
+    prompts = [np.asarray(r["prompt_ids"]).tolist() for r in rows]
+    results = generate(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, n=n, seed=seed,
+                       stop_token_ids=tokenizer.stop_token_ids, num_slots=batch)
+    out = np.zeros((len(rows), n), np.float32)
+    for i, (row, completions) in enumerate(zip(rows, results)):
+        for j, c in enumerate(completions):
+            out[i, j] = reward_fn(tokenizer.decode(c.tokens, skip_special_tokens=True), _row_answer(row))
+    return out
+
+
+def evaluate_accuracy(model_cfg: ModelConfig, params: Params, rows: Sequence[Mapping[str, Any]], tokenizer: Any,
+                      *, max_new_tokens: int, batch: int = 64,
+                      reward_fn: Callable[[str, Any], float] | None = None) -> float:
+    """Share of rows whose greedy completion earns reward 1 (see `sample_rewards`)."""
+    rewards = sample_rewards(model_cfg, params, rows, tokenizer, max_new_tokens=max_new_tokens, batch=batch,
+                             reward_fn=reward_fn)
+    return float(np.mean(rewards[:, 0] >= 1.0)) if len(rewards) else 0.0
