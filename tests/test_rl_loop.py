@@ -1,9 +1,15 @@
 """The RL loop end to end: real trainer, engine, controller and weight transfer on fake CPU devices."""
 
 import itertools
+import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import numpy as np
+import portpicker
 import pytest
 
 from areal_jax.data.formats import PromptRow
@@ -25,20 +31,20 @@ def tokenizer(tmp_path_factory):
     return Tokenizer.from_pretrained(build_tiny_tokenizer(tmp_path_factory.mktemp("tok"), "chatml"))
 
 
-def rows(tokenizer, reward_script="text_hash"):
-    for i in itertools.count():
+def rows(tokenizer, reward_script="text_hash", offset=0):
+    for i in itertools.count(offset):
         question = f"What is {i % 50}+{i % 7}?"
         row = PromptRow(query_id=f"q{i}", messages=[{"role": "user", "content": question}], answer=reward_script,
                         test_cases=None, task="math", source=f"gen:{i}")
         yield {"prompt_ids": np.asarray(tokenizer.encode(question), np.int32), "row": row}
 
 
-def make_loop(tokenizer, *, rl: RLConfig, mesh: MeshConfig, devices, reward_script="text_hash"):
+def make_loop(tokenizer, *, rl: RLConfig, mesh: MeshConfig, devices, reward_script="text_hash", row_offset=0):
     cfg = ModelConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=8)
     params = init_params(cfg, 0, std=0.3)
     return RLLoop(
-        cfg, params, tokenizer=tokenizer, data_iter=rows(tokenizer, reward_script), rl=rl,
+        cfg, params, tokenizer=tokenizer, data_iter=rows(tokenizer, reward_script, row_offset), rl=rl,
         ppo=PPOConfig(num_minibatches=2, max_tokens_per_microbatch=256),
         optimizer=OptimizerConfig(lr=1e-3), advantages=AdvantageConfig(norm="group"),
         workflow=RLVRConfig(n_samples=4, max_new_tokens=6, reward=REWARD, filter_all_equal_rewards=False),
@@ -80,3 +86,34 @@ def test_bad_batch_split_is_reported_before_work_starts(tokenizer):
         RLConfig(mode="sync", max_staleness=2)
     with pytest.raises(ValueError, match="batch_size"):
         RLConfig(batch_size=0)
+
+
+def test_two_processes_train_with_consistent_versions(tmp_path):
+    """2 processes x 4 fake CPU devices over real jax.distributed: 2 train + 2 generation devices each."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    tok_dir = build_tiny_tokenizer(tmp_path / "tok", "chatml")
+    port = portpicker.pick_unused_port()
+    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "4", "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root)}
+    worker = root / "tests" / "multiprocess_rl_worker.py"
+    procs = [subprocess.Popen([sys.executable, str(worker), str(port), str(i), "2", str(tok_dir), str(tmp_path)],
+                              env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=600)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    results = []
+    for i, p in enumerate(procs):
+        assert p.returncode == 0, f"process {i} failed:\n{logs[i][-4000:]}"
+        results.append(json.loads((tmp_path / f"result_{i}.json").read_text()))
+    a, b = results
+    assert a["versions"] == b["versions"] == [1, 2, 3]
+    assert a["engine_version"] == b["engine_version"] == 3
+    assert a["params_checksum"] == b["params_checksum"]  # one global model, seen alike by both
+    assert a["served_equals_trained"] and b["served_equals_trained"]
+    assert a["balanced"] and b["balanced"]
+    assert max(a["staleness_max"], b["staleness_max"]) <= 2

@@ -32,6 +32,7 @@ from areal_jax.generation.sampling import SamplingParams
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.sharding import GENERATION_RULES, TRAIN_RULES, spec_for
 from areal_jax.models.transformer import Params, param_axes
+from areal_jax.parallel.distributed import agree_max, agree_sum
 from areal_jax.parallel.meshes import MeshConfig, Meshes, build_meshes
 from areal_jax.parallel.weight_sync import WeightSync
 from areal_jax.ppo.advantages import AdvantageConfig
@@ -129,6 +130,8 @@ class RLLoop:
         if local_batch * jax.process_count() != rl.batch_size:
             raise ValueError(f"RLConfig.batch_size {rl.batch_size} must divide over {jax.process_count()} processes")
         self.local_batch = local_batch
+        # Micro-batch rows split over "fsdp": each process contributes a multiple of its share.
+        self.rows_per_process = max(self.meshes.train.shape["fsdp"] // jax.process_count(), 1)
         self.staleness = StalenessManager(rl.max_staleness, local_batch, rl.max_concurrent)
         self.channel = TrajectoryChannel(rl.channel_capacity or 4 * local_batch)
         self.workflow_config = workflow if isinstance(workflow, RLVRConfig) else None
@@ -188,8 +191,13 @@ class RLLoop:
             self.engine.pause()
         seqs = build_sequences(groups, self.advantages)
         ppo = self.trainer.ppo_config
+        # Every process must run the same programs in the same order: agree on micro-batch counts
+        # and shapes, and on the minibatch token count that divides the loss.
+        multi = jax.process_count() > 1
         minibatches = make_microbatches(seqs, max_tokens_per_microbatch=ppo.max_tokens_per_microbatch,
-                                        num_minibatches=min(ppo.num_minibatches, len(seqs)))
+                                        num_minibatches=min(ppo.num_minibatches, len(seqs)),
+                                        row_multiple=self.rows_per_process,
+                                        agree_max=agree_max if multi else None, agree_sum=agree_sum if multi else None)
         train = self.trainer.train_step(minibatches, current_version=self.version)
         self.version += 1
         t0 = time.perf_counter()
@@ -247,4 +255,7 @@ class RLLoop:
             tokens = h.result(timeout=self.rl.batch_timeout_s).completions[0].tokens
             gold = row["row"].answer if row["row"].task == "math" else row["row"].test_cases
             correct += float(fn(self.tokenizer.decode(tokens, skip_special_tokens=True), gold)) >= 1.0
-        return correct / max(len(self.eval_rows), 1)
+        total = len(self.eval_rows)
+        if jax.process_count() > 1:  # each host evaluates its own shard of the held-out rows
+            correct, total = agree_sum(int(correct)), agree_sum(total)
+        return correct / max(total, 1)
