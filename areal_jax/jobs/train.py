@@ -1,0 +1,214 @@
+"""`areal-jax train`: (optional) SFT warm start, then asynchronous RL, with a run directory.
+
+The run directory receives: config.gin (operative bindings), config.json (every resolved
+config), metrics.jsonl (one object per RL step) and TensorBoard events, summary.json,
+progress.png (reward and held-out accuracy against steps and wall time) and final_model/
+(HF format).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import pathlib
+import shutil
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from areal_jax import config_system as cs
+from areal_jax.jobs.configs import JobConfigs
+from areal_jax.metrics import MetricsLogger
+from areal_jax.models.hf_io import load_params, save_params
+from areal_jax.models.tokenizer import Tokenizer
+from areal_jax.models.transformer import init_params
+from areal_jax.parallel.meshes import build_meshes
+from areal_jax.trainer.loop import RLLoop
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Workload:
+    model_config: Any
+    params: Any
+    tokenizer: Tokenizer
+    tokenizer_dir: pathlib.Path
+    train_rows: Any  # iterator of loader rows
+    eval_rows: list
+    sft_examples: list
+
+
+def prepare_workload(cfg: JobConfigs, run_dir: pathlib.Path) -> Workload:
+    """Tokenizer, initial weights, prompts and held-out rows for the job."""
+    if cfg.model.path is None:
+        from areal_jax.tasks import arithmetic as ar
+        from areal_jax.tasks.tokenizer_builder import build_tokenizer, task_model_config
+
+        tokenizer_dir = build_tokenizer(run_dir / "tokenizer")
+        tokenizer = Tokenizer.from_pretrained(tokenizer_dir)
+        model_cfg = task_model_config(hidden_size=cfg.model.hidden_size, num_layers=cfg.model.num_layers)
+        params = init_params(model_cfg, cfg.model.init_seed, dtype=cfg.model.dtype)
+    else:
+        tokenizer_dir = pathlib.Path(cfg.model.tokenizer_path or cfg.model.path)
+        tokenizer = Tokenizer.from_pretrained(tokenizer_dir)
+        model_cfg, params = load_params(cfg.model.path, dtype=cfg.model.dtype)
+    if cfg.task.kind == "arithmetic":
+        from areal_jax.tasks import arithmetic as ar
+
+        train = ar.problems(cfg.arithmetic, "train", cfg.task.train_size, seed=cfg.task.seed)
+        held_out = ar.problems(cfg.arithmetic, "test", cfg.task.eval_size, seed=cfg.task.seed)
+        shard = slice(jax.process_index(), None, jax.process_count())
+        rng = np.random.default_rng(cfg.task.seed + 1 + jax.process_index())
+
+        def endless_rows():
+            items = train[shard]
+            while True:  # epochs in a fresh order each time
+                yield from ar.prompt_rows(tokenizer, [items[i] for i in rng.permutation(len(items))])
+
+        return Workload(model_cfg, params, tokenizer, tokenizer_dir, endless_rows(), list(ar.prompt_rows(tokenizer, held_out[shard])),
+                        ar.sft_examples(tokenizer, train))
+    from areal_jax.data.pipeline import build_prompt_loader
+
+    loader = build_prompt_loader(cfg.data, tokenizer, process_index=jax.process_index(),
+                                 process_count=jax.process_count())
+    eval_rows: list = []
+    if cfg.task.eval_paths and cfg.task.eval_size:
+        eval_cfg = dataclasses.replace(cfg.data, paths=cfg.task.eval_paths, shuffle=False, num_epochs=1,
+                                       even_shards=False)
+        eval_loader = build_prompt_loader(eval_cfg, tokenizer, process_index=jax.process_index(),
+                                          process_count=jax.process_count())
+        eval_rows = [r for _, r in zip(range(cfg.task.eval_size), eval_loader)]
+    return Workload(model_cfg, params, tokenizer, tokenizer_dir, loader, eval_rows, [])
+
+
+def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = True) -> dict[str, Any]:
+    """Runs the configured stages; returns the summary also written to summary.json."""
+    from areal_jax.trainer.sft import evaluate_accuracy, run_sft
+
+    t0 = time.perf_counter()
+    run_dir = pathlib.Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        build_meshes(cfg.mesh)  # an impossible device split fails here, before any work
+    except ValueError as e:
+        raise cs.ConfigError(f"MeshConfig: {e}") from None
+    if jax.process_index() == 0:
+        (run_dir / "config.gin").write_text(cs.operative_config())
+        (run_dir / "config.json").write_text(json.dumps(cfg.as_dict(), indent=2, default=str))
+    work = prepare_workload(cfg, run_dir)
+    reward_name = cfg.rollout.reward
+    stop_ids = tuple(cfg.rollout.stop_token_ids) or tuple(work.tokenizer.stop_token_ids)
+    rollout_cfg = dataclasses.replace(cfg.rollout, stop_token_ids=stop_ids)
+    reward_fn = _reward_function(reward_name)
+    params = work.params
+    summary: dict[str, Any] = {"sft_steps": 0, "sft_time_s": 0.0}
+
+    def held_out_accuracy(p) -> float:
+        if not work.eval_rows:
+            return float("nan")
+        return evaluate_accuracy(work.model_config, p, work.eval_rows, work.tokenizer,
+                                 max_new_tokens=cfg.rl.eval_max_new_tokens, reward_fn=reward_fn)
+
+    if cfg.stages.sft and work.sft_examples:
+        t_sft = time.perf_counter()
+        params, _ = run_sft(work.model_config, params, work.sft_examples, cfg.sft, progress=progress)
+        summary.update(sft_steps=cfg.sft.steps, sft_time_s=time.perf_counter() - t_sft)
+    summary["sft_accuracy"] = held_out_accuracy(params)
+    print(f"[areal-jax] held-out greedy accuracy after SFT: {summary['sft_accuracy']:.3f}", flush=True)
+
+    history: list[dict[str, Any]] = []
+    if cfg.stages.rl:
+        metrics_log = MetricsLogger(run_dir, console=progress and jax.process_index() == 0)
+        bar = _progress_bar(cfg.rl.steps, progress)
+        t_rl = time.perf_counter()
+
+        def on_step(step: int, m: dict[str, Any]) -> None:
+            m = {**m, "time/since_start_s": time.perf_counter() - t0}
+            history.append(m)
+            metrics_log.log(step, m)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(reward=f"{m['reward/mean']:.2f}", stale=m["staleness/max"],
+                                acc=f"{m.get('eval/accuracy', float('nan')):.2f}")
+
+        loop = RLLoop(work.model_config, params, tokenizer=work.tokenizer, data_iter=work.train_rows, rl=cfg.rl,
+                      ppo=cfg.ppo, optimizer=cfg.optimizer, advantages=cfg.advantages, workflow=rollout_cfg,
+                      engine=cfg.engine, mesh=cfg.mesh, eval_rows=work.eval_rows, on_step=on_step)
+        result = loop.run()
+        if bar is not None:
+            bar.close()
+        metrics_log.close()
+        params = result.final_params
+        summary.update(steps=result.steps, version=result.version, rl_time_s=time.perf_counter() - t_rl,
+                       trained_tokens=result.trained_tokens)
+        report = result.rollout_report
+        if report is not None:
+            summary["rollout"] = {"admitted": report.admitted, "accepted": report.accepted,
+                                  "rejected": dict(report.rejected), "failed": report.failed,
+                                  "in_flight_at_shutdown": report.in_flight}
+    summary["final_accuracy"] = held_out_accuracy(params)
+    summary.setdefault("steps", 0)
+    summary.setdefault("trained_tokens", 0.0)
+    summary["wall_time_s"] = time.perf_counter() - t0
+    if jax.process_index() == 0:
+        if cfg.stages.save_final_model:
+            save_params(jax.device_get(params), work.model_config, run_dir / "final_model")
+            for f in work.tokenizer_dir.iterdir():  # the tokenizer travels with the model
+                if f.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
+                    shutil.copy(f, run_dir / "final_model" / f.name)
+        if cfg.stages.plot and history:
+            _plot(history, summary, run_dir / "progress.png")
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(f"[areal-jax] summary: sft_accuracy={summary['sft_accuracy']:.3f} "
+          f"final_accuracy={summary['final_accuracy']:.3f} steps={summary['steps']} "
+          f"trained_tokens={summary['trained_tokens']:.0f} wall_time={summary['wall_time_s']:.0f}s -> {run_dir}",
+          flush=True)
+    return summary
+
+
+def _reward_function(name: str):
+    from areal_jax.reward.registry import load_reward_function, resolve_reward_path
+
+    if name == "arithmetic":
+        import areal_jax.tasks  # noqa: F401  (registers the name)
+    fn = load_reward_function(resolve_reward_path(name))
+    return lambda text, gold: float(fn(text, gold))
+
+
+def _progress_bar(total: int, enabled: bool):
+    if not enabled or jax.process_index() != 0:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="RL steps", unit="step")
+
+
+def _plot(history: list[dict[str, Any]], summary: dict[str, Any], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [m["step"] + 1 for m in history]
+    wall = [m["time/since_start_s"] for m in history]
+    reward = [m["reward/mean"] for m in history]
+    evals = [(m["step"] + 1, m["time/since_start_s"], m["eval/accuracy"]) for m in history if "eval/accuracy" in m]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, xs, xlabel, col in ((axes[0], steps, "RL step", 0), (axes[1], wall, "wall time (s)", 1)):
+        ax.plot(xs, reward, label="train reward (sampled)", color="tab:blue")
+        if evals:
+            ax.plot([e[col] for e in evals], [e[2] for e in evals], "o-", label="held-out accuracy (greedy)",
+                    color="tab:orange")
+        ax.axhline(summary["sft_accuracy"], ls="--", color="gray", label="held-out accuracy after SFT")
+        ax.set_xlabel(xlabel)
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+    axes[0].legend(loc="lower right", fontsize=8)
+    fig.suptitle(f"areal-jax: held-out accuracy {summary['sft_accuracy']:.2f} -> {summary['final_accuracy']:.2f}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
