@@ -5,6 +5,8 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+from update_build import _python_files  # noqa: E402  (tracked files: what a clean checkout has)
 
 
 def _evaluate_build() -> dict[str, dict]:
@@ -25,10 +27,11 @@ def _evaluate_build() -> dict[str, dict]:
 def test_every_module_and_test_has_a_target():
     targets = _evaluate_build()
     library_srcs = {s for t in targets.values() if t["kind"] == "py_library" for s in t["srcs"]}
-    modules = {str(p.relative_to(ROOT)) for p in (ROOT / "areal_jax").rglob("*.py") if "__pycache__" not in p.parts}
+    modules = {str(p.relative_to(ROOT)) for p in _python_files("areal_jax")}
     assert modules - library_srcs == set(), "modules missing from BUILD: run tools/update_build.py"
     assert library_srcs - modules - {s for s in library_srcs if s.startswith("tests/")} == set()
-    tests = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")}
+    tests = {str(p.relative_to(ROOT)) for p in _python_files("tests")
+             if p.name.startswith("test_") and p.parent == ROOT / "tests"}
     test_srcs = {s for t in targets.values() if t["kind"] == "py_test" for s in t["srcs"]}
     assert tests == test_srcs, "tests missing from (or stale in) BUILD: run tools/update_build.py"
     for t in targets.values():

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes BUILD from the source tree (a tiny gazelle): one py_library per package directory
+"""Writes BUILD from the committed source tree (a tiny gazelle): one py_library per package directory
 of areal_jax/, a test-support library, and one py_test per tests/test_*.py.
 
 Run `python3 tools/update_build.py` after adding or removing modules; tests/test_build_file.py
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pathlib
 import re
+import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -20,6 +21,15 @@ package(default_visibility = ["//visibility:public"])
 '''
 
 
+def _python_files(under: str) -> list[pathlib.Path]:
+    """Tracked .py files under `under` (the tree a clean checkout has); the filesystem outside git."""
+    proc = subprocess.run(["git", "ls-files", "--", f"{under}/*.py", f"{under}/**/*.py"], cwd=ROOT,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        return [p for p in (ROOT / under).rglob("*.py") if "__pycache__" not in p.parts]
+    return sorted({ROOT / line for line in proc.stdout.splitlines() if (ROOT / line).exists()})
+
+
 def _target_name(pkg: pathlib.Path) -> str:
     return "_".join(pkg.relative_to(ROOT).parts)
 
@@ -28,10 +38,11 @@ def _list(items: list[str], indent: str = "        ") -> str:
     return "[\n" + "".join(f'{indent}"{i}",\n' for i in items) + indent[:-4] + "]"
 
 
-def _imported_packages(pkg: pathlib.Path, packages: list[pathlib.Path]) -> set[pathlib.Path]:
+def _imported_packages(pkg: pathlib.Path, packages: list[pathlib.Path], sources: list[pathlib.Path]
+                       ) -> set[pathlib.Path]:
     """Package directories whose modules `pkg`'s modules import (plus its parent packages)."""
     found = {q for q in packages if pkg.is_relative_to(q)}
-    for src in pkg.glob("*.py"):
+    for src in (p for p in sources if p.parent == pkg):
         for mod in re.findall(r"^\s*(?:from|import)\s+(areal_jax(?:\.\w+)*)", src.read_text(), re.M):
             path = ROOT.joinpath(*mod.split("."))
             target = path if path.is_dir() else path.parent
@@ -40,21 +51,22 @@ def _imported_packages(pkg: pathlib.Path, packages: list[pathlib.Path]) -> set[p
 
 
 def render() -> str:
-    packages = sorted({p.parent for p in (ROOT / "areal_jax").rglob("*.py") if "__pycache__" not in p.parts})
+    sources = _python_files("areal_jax")
+    tests = _python_files("tests")
+    packages = sorted({p.parent for p in sources})
     parts = [HEADER]
     names = []
     for pkg in packages:
-        srcs = sorted(str(p.relative_to(ROOT)) for p in pkg.glob("*.py"))
+        srcs = sorted(str(p.relative_to(ROOT)) for p in sources if p.parent == pkg)
         name = _target_name(pkg)
         names.append(f":{name}")
-        deps = sorted({f":{_target_name(q)}" for q in _imported_packages(pkg, packages) if q != pkg})
+        deps = sorted({f":{_target_name(q)}" for q in _imported_packages(pkg, packages, sources) if q != pkg})
         deps = "" if not deps else f"    deps = {_list(deps)},\n"
         parts.append(f'py_library(\n    name = "{name}",\n    srcs = {_list(srcs)},\n{deps})\n')
-    support = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("*.py")
-                     if not p.name.startswith("test_") and "__pycache__" not in p.parts)
+    support = sorted(str(p.relative_to(ROOT)) for p in tests if not p.name.startswith("test_"))
     parts.append(f'py_library(\n    name = "test_support",\n    testonly = True,\n    srcs = {_list(support)},\n'
                  f'    deps = {_list(names)},\n)\n')
-    for test in sorted((ROOT / "tests").glob("test_*.py")):
+    for test in (p for p in tests if p.name.startswith("test_") and p.parent == ROOT / "tests"):
         src = str(test.relative_to(ROOT))
         parts.append(f'py_test(\n    name = "{test.stem}",\n    srcs = ["{src}"],\n    main = "{src}",\n'
                      f'    deps = [":test_support"],\n)\n')
