@@ -1,0 +1,348 @@
+"""Evaluation runner: sample a model on prompt rows, score the samples, report pass@k / maj@k.
+
+`run_evaluation` is the backend of ``areal-jax eval``. One `GenerationEngine` takes every
+prompt at once (continuous batching keeps its slots full) and is driven to idle from the
+calling thread. Each finished group is decoded as soon as the engine hands it back and, when
+a `RewardPool` is given, its samples are sent to the pool right away, so scoring in worker
+processes overlaps the rest of generation. Without a pool the reward runs in this process
+after generation, with no deadline: that path is for cheap, trusted rewards (math-verify can
+stall on adversarial input; give it a pool).
+
+Decisions worth knowing:
+
+- A sample is *correct* when its reward is >= `correct_threshold` (1.0: the built-in math and
+  code rewards give 1.0 or 0.0). pass@k is the unbiased estimator over the n samples;
+  "accuracy" is the mean fraction of correct samples per prompt (pass@1 whatever n is).
+- maj@k votes over the *extracted answers* of the first k samples (`answer_extractor`;
+  "boxed": the last ``\\boxed{...}``, whitespace-stripped; samples without one cast no vote)
+  and scores the winner by its first sample's correctness (see areal_jax.eval_metrics).
+- Greedy decoding (temperature 0) requires n_samples == 1: greedy samples of one prompt are
+  identical, so n > 1 would only repeat work and make pass@k look like a sampled estimate.
+- Rewards from a pool that time out, crash or raise score 0.0 (the pool's contract) and are
+  counted in ``reward_failures``; an in-process reward that raises stops the evaluation.
+- Metrics are reported overall and per dataset file: `row.source` without its trailing
+  ``:line`` (JSONL) or ``[row]`` (Parquet, `datasets`). Timings exist only overall, since all
+  datasets share one engine.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import math
+import pathlib
+import re
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from areal_jax.data.formats import extract_last_boxed
+from areal_jax.data.pipeline import PromptLoader
+from areal_jax.eval_metrics import PromptSamples, summarize
+from areal_jax.generation import EngineConfig, GenerationEngine, GroupResult, SamplingParams
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.transformer import Params, Transformer
+from areal_jax.reward.registry import load_reward_function, resolve_reward_path
+
+__all__ = ["EvalConfig", "EvalReport", "dataset_of", "run_evaluation"]
+
+logger = logging.getLogger(__name__)
+
+_EXTRACTOR_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+# "path:12" (JSONL line) or "path[3]" (Parquet / datasets row): the dataset is "path".
+_SOURCE_SUFFIX = re.compile(r"^(?P<path>.+?)(?::\d+|\[\d+\])$")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """How to sample and score an evaluation.
+
+    n_samples: samples per prompt. temperature 0 is greedy and then needs n_samples == 1.
+    ks: the k of pass@k and maj@k (each 1 <= k <= n_samples); stored sorted and deduplicated.
+    reward: registered reward name ("math", "code") or "package.module:function", called as
+        reward(completion_text, gold) with gold = row.answer (math) or row.test_cases (code).
+    reward_timeout_s: per-call deadline in the RewardPool (in-process calls have none).
+    correct_threshold: a sample is correct when its reward >= this.
+    num_slots, max_seq_len, decode_chunk, seed: the generation engine's shape and sampling seed
+        (max_seq_len bounds prompt + completion; a longer prompt is an error).
+    answer_extractor: "boxed" or "package.module:function" (text -> str | None), the answer
+        each sample votes for in maj@k.
+    """
+
+    n_samples: int = 1
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 512
+    ks: tuple[int, ...] = (1,)
+    reward: str = "math"
+    reward_timeout_s: float = 10.0
+    correct_threshold: float = 1.0
+    num_slots: int = 32
+    max_seq_len: int = 2048
+    decode_chunk: int = 8
+    seed: int = 0
+    answer_extractor: str = "boxed"
+
+    def __post_init__(self) -> None:
+        for name in ("n_samples", "max_new_tokens", "num_slots", "max_seq_len", "decode_chunk"):
+            _require_int(name, getattr(self, name), minimum=1)
+        _require_int("top_k", self.top_k, minimum=0)
+        _require_int("seed", self.seed, minimum=0)
+        if not _is_real(self.temperature) or not 0.0 <= self.temperature < math.inf:
+            raise ValueError(f"EvalConfig.temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.temperature == 0.0 and self.n_samples != 1:
+            raise ValueError(f"EvalConfig: temperature=0 (greedy) gives identical samples, so n_samples must be 1 "
+                             f"(got n_samples={self.n_samples}); use temperature > 0 for pass@k with k > 1")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"EvalConfig.top_p must be in (0, 1], got {self.top_p!r}")
+        if self.max_new_tokens >= self.max_seq_len:
+            raise ValueError(f"EvalConfig.max_new_tokens={self.max_new_tokens} must be < max_seq_len="
+                             f"{self.max_seq_len} (the prompt needs at least one position)")
+        if isinstance(self.ks, (str, bytes)) or not isinstance(self.ks, Iterable):
+            raise ValueError(f"EvalConfig.ks must be a sequence of ints, got {self.ks!r}")
+        ks = tuple(self.ks)
+        if not ks:
+            raise ValueError("EvalConfig.ks must name at least one k")
+        for k in ks:
+            _require_int("ks entry", k, minimum=1)
+            if k > self.n_samples:
+                raise ValueError(f"EvalConfig.ks contains k={k} > n_samples={self.n_samples} "
+                                 "(pass@k and maj@k need at least k samples per prompt)")
+        object.__setattr__(self, "ks", tuple(sorted(set(ks))))
+        if not isinstance(self.reward, str) or not self.reward:
+            raise ValueError(f"EvalConfig.reward must name a reward function, got {self.reward!r}")
+        if not _is_real(self.reward_timeout_s) or not 0.0 < self.reward_timeout_s < math.inf:
+            raise ValueError(f"EvalConfig.reward_timeout_s must be a positive finite number, "
+                             f"got {self.reward_timeout_s!r}")
+        if not _is_real(self.correct_threshold) or not math.isfinite(self.correct_threshold):
+            raise ValueError(f"EvalConfig.correct_threshold must be a finite number, got {self.correct_threshold!r}")
+        if self.answer_extractor != "boxed" and not (
+                isinstance(self.answer_extractor, str) and _EXTRACTOR_PATH.match(self.answer_extractor)):
+            raise ValueError(f"EvalConfig.answer_extractor must be 'boxed' or 'package.module:function', "
+                             f"got {self.answer_extractor!r}")
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _require_int(name: str, value: object, *, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"EvalConfig.{name} must be an int >= {minimum}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalReport:
+    """Outcome of `run_evaluation`.
+
+    overall: "pass@k" and "maj@k" for each k, "accuracy", "mean_reward", "num_prompts",
+        "num_samples", "generated_tokens", "truncated_fraction" (samples that hit a length
+        limit), "reward_failures" (pool timeouts/crashes/errors), "wall_s", "generation_s",
+        "scoring_s" (from the end of generation to the last reward), "tokens_per_s".
+    per_dataset: dataset file -> the same metrics without the timings.
+    config: the EvalConfig as a plain dict.
+    """
+
+    overall: dict[str, float]
+    per_dataset: dict[str, dict[str, float]]
+    config: dict[str, Any]
+
+    def to_json(self) -> str:
+        """The report as indented JSON text."""
+        return json.dumps({"config": self.config, "overall": self.overall, "per_dataset": self.per_dataset},
+                          indent=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sample:
+    """One scored sample: the row of the JSONL output."""
+
+    query_id: str
+    source: str
+    dataset: str
+    sample: int
+    completion: str
+    answer: str | None
+    gold: str | None
+    reward: float
+    correct: bool
+    stop_reason: str
+    num_tokens: int
+
+
+def dataset_of(source: str) -> str:
+    """The dataset file of a row's `source`: "data/a.jsonl:12" -> "data/a.jsonl", "dir[3]" -> "dir"."""
+    match = _SOURCE_SUFFIX.match(source)
+    return match.group("path") if match else source
+
+
+def run_evaluation(model: Transformer | tuple[ModelConfig, Params], tokenizer: Any, rows: Iterable[Mapping[str, Any]],
+                   config: EvalConfig, *, reward_pool: Any = None,
+                   out_path: str | pathlib.Path | None = None) -> EvalReport:
+    """Sample `config.n_samples` completions per row, score them, and report pass@k / maj@k.
+
+    model: a `Transformer` or `(ModelConfig, params)`; the engine runs where the params live.
+    tokenizer: decodes completions (special tokens skipped) and gives `stop_token_ids`.
+    rows: a finite iterable of loader examples ``{"prompt_ids", "row": PromptRow}`` (for a
+        `PromptLoader`, build it with ``num_epochs=1``; ``shuffle=False, even_shards=False``
+        keeps every row in file order).
+    reward_pool: a `RewardPool` to score in worker processes with deadlines; None scores
+        in this process.
+    out_path: where to write one JSON line per sample (rows in order, then sample index).
+    """
+    if not isinstance(config, EvalConfig):
+        raise TypeError(f"config must be an EvalConfig, got {type(config).__name__}")
+    if isinstance(rows, PromptLoader) and rows.dataset.config.num_epochs is None:
+        raise ValueError("rows is a PromptLoader that repeats forever (num_epochs=None); build it with num_epochs=1")
+    examples = list(rows)
+    if not examples:
+        raise ValueError("run_evaluation: no rows to evaluate")
+    model_cfg, params = (model.config, model.params) if isinstance(model, Transformer) else model
+    for i, example in enumerate(examples):
+        _check_example(i, example, model_cfg, config)
+    # Name problems (unknown reward, bad extractor) before minutes of generation.
+    reward_path = resolve_reward_path(config.reward)
+    reward_fn = load_reward_function(reward_path) if reward_pool is None else None
+    extract = _load_extractor(config.answer_extractor)
+    failures_before = _pool_failures(reward_pool)
+
+    t_start = time.perf_counter()
+    n = config.n_samples
+    engine = GenerationEngine((model_cfg, params), EngineConfig(
+        num_slots=min(config.num_slots, len(examples) * n), max_seq_len=config.max_seq_len,
+        decode_chunk=config.decode_chunk, seed=config.seed))
+    sampling = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=float(config.temperature),
+                              top_p=config.top_p, top_k=config.top_k,
+                              stop_token_ids=tuple(tokenizer.stop_token_ids))
+    groups: dict[int, tuple[GroupResult, list[str], list[concurrent.futures.Future] | None]] = {}
+    callback_errors: list[BaseException] = []
+
+    def on_generated(index: int, handle: concurrent.futures.Future) -> None:
+        # Runs on this thread inside run_until_idle; concurrent.futures would swallow an exception.
+        try:
+            result = handle.result()
+            texts = [tokenizer.decode([int(t) for t in c.tokens], skip_special_tokens=True)
+                     for c in result.completions]
+            futures = None
+            if reward_pool is not None:
+                gold = _gold(examples[index]["row"])
+                futures = [reward_pool.submit_call(reward_path, (text, gold), timeout_s=config.reward_timeout_s)
+                           for text in texts]
+            groups[index] = (result, texts, futures)
+        except BaseException as exc:  # noqa: BLE001 - re-raised after the engine is idle
+            callback_errors.append(exc)
+
+    for i, example in enumerate(examples):
+        handle = engine.submit(example["prompt_ids"], sampling, n, request_id=f"eval-{i}")
+        handle.add_done_callback(lambda h, i=i: on_generated(i, h))
+    engine.run_until_idle()
+    generation_s = time.perf_counter() - t_start
+    engine_tokens = engine.stats().generated_tokens
+    del engine  # frees its KV cache before scoring
+    if callback_errors:
+        raise callback_errors[0]
+    if len(groups) != len(examples):
+        raise RuntimeError(f"the engine went idle with {len(examples) - len(groups)} of {len(examples)} "
+                           "prompts unfinished")
+
+    t_scoring = time.perf_counter()
+    samples: list[list[_Sample]] = []
+    for i, example in enumerate(examples):
+        result, texts, futures = groups[i]
+        row = example["row"]
+        gold = _gold(row)
+        if futures is not None:
+            rewards = [float(f.result()) for f in futures]
+        else:
+            rewards = [float(reward_fn(text, gold)) for text in texts]
+        samples.append([
+            _Sample(query_id=str(row.query_id), source=row.source, dataset=dataset_of(row.source), sample=j,
+                    completion=text, answer=extract(text), gold=row.answer, reward=reward,
+                    correct=reward >= config.correct_threshold, stop_reason=c.stop_reason,
+                    num_tokens=int(len(c.tokens)))
+            for j, (c, text, reward) in enumerate(zip(result.completions, texts, rewards))])
+    scoring_s = time.perf_counter() - t_scoring
+    wall_s = time.perf_counter() - t_start
+
+    if out_path is not None:
+        _write_jsonl(pathlib.Path(out_path), samples)
+    overall = _metrics(samples, config.ks)
+    if overall["generated_tokens"] != engine_tokens:  # an accounting slip would skew tokens_per_s
+        logger.warning("completions hold %d tokens but the engine counted %d", overall["generated_tokens"],
+                       engine_tokens)
+    overall.update(
+        reward_failures=_pool_failures(reward_pool) - failures_before,
+        wall_s=wall_s, generation_s=generation_s, scoring_s=scoring_s,
+        tokens_per_s=overall["generated_tokens"] / generation_s if generation_s > 0 else 0.0)
+    by_dataset: dict[str, list[list[_Sample]]] = {}
+    for group in samples:
+        by_dataset.setdefault(group[0].dataset, []).append(group)
+    per_dataset = {name: _metrics(groups_, config.ks) for name, groups_ in by_dataset.items()}
+    return EvalReport(overall=overall, per_dataset=per_dataset, config=dataclasses.asdict(config))
+
+
+def _check_example(index: int, example: Any, model_cfg: ModelConfig, config: EvalConfig) -> None:
+    if not isinstance(example, Mapping) or "prompt_ids" not in example or "row" not in example:
+        raise TypeError(f"row {index}: expected a loader example {{'prompt_ids', 'row'}}, got {type(example).__name__}")
+    row = example["row"]
+    for attr in ("query_id", "source", "task", "answer", "test_cases"):
+        if not hasattr(row, attr):
+            raise TypeError(f"row {index}: 'row' must be a PromptRow (missing .{attr}), got {type(row).__name__}")
+    length = len(example["prompt_ids"])
+    if not 1 <= length < config.max_seq_len:
+        raise ValueError(f"row {index} ({row.source}): prompt of {length} tokens does not fit max_seq_len="
+                         f"{config.max_seq_len} (prompt + at least one generated token)")
+    if max(int(t) for t in example["prompt_ids"]) >= model_cfg.vocab_size or min(example["prompt_ids"]) < 0:
+        raise ValueError(f"row {index} ({row.source}): prompt token ids outside the model's vocabulary "
+                         f"[0, {model_cfg.vocab_size})")
+
+
+def _gold(row: Any) -> Any:
+    """The reward's reference: the answer (math) or the test cases (code), as in RLVR training."""
+    return row.answer if row.task == "math" else row.test_cases
+
+
+def _load_extractor(name: str) -> Callable[[str], str | None]:
+    """The maj@k answer of a completion: stripped, with empty answers counted as no answer."""
+    raw = extract_last_boxed if name == "boxed" else load_reward_function(name)
+
+    def extract(text: str) -> str | None:
+        answer = raw(text)
+        if answer is None:
+            return None
+        if not isinstance(answer, str):
+            raise TypeError(f"answer_extractor {name!r} returned {type(answer).__name__}, expected str or None")
+        return answer.strip() or None
+
+    return extract
+
+
+def _pool_failures(pool: Any) -> int:
+    if pool is None:
+        return 0
+    stats = pool.stats()
+    return stats.timeouts + stats.crashes + stats.errors
+
+
+def _metrics(groups: list[list[_Sample]], ks: tuple[int, ...]) -> dict[str, float]:
+    """pass@k / maj@k / accuracy over prompts, plus sample and token counts."""
+    prompts = [PromptSamples(tuple(s.answer for s in g), tuple(s.correct for s in g)) for g in groups]
+    out: dict[str, float] = summarize(prompts, ks)
+    flat = [s for g in groups for s in g]
+    out["num_prompts"] = len(groups)
+    out["num_samples"] = len(flat)
+    out["mean_reward"] = sum(s.reward for s in flat) / len(flat)
+    out["generated_tokens"] = sum(s.num_tokens for s in flat)
+    out["truncated_fraction"] = sum(s.stop_reason == "length" for s in flat) / len(flat)
+    return out
+
+
+def _write_jsonl(path: pathlib.Path, samples: list[list[_Sample]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for group in samples:
+            for s in group:
+                f.write(json.dumps(dataclasses.asdict(s), ensure_ascii=False) + "\n")
