@@ -78,17 +78,24 @@ class PackedBatch:
         return dataclasses.replace(self, arrays={**self.arrays, **arrays})
 
 
-def build_sequences(groups: Sequence[TrajectoryGroup], adv_cfg: AdvantageConfig) -> list[dict[str, np.ndarray]]:
+def build_sequences(groups: Sequence[TrajectoryGroup], adv_cfg: AdvantageConfig, *,
+                    logprobs: Sequence[np.ndarray] | None = None,
+                    ref_logprobs: Sequence[np.ndarray] | None = None) -> list[dict[str, np.ndarray]]:
     """Per-token training arrays `[L_i]` of every trajectory, groups in order.
 
     The group id of each trajectory (for group-normalized advantages) is its group's index in
     `groups`. Keys: SEQUENCE_KEYS.
+
+    Args:
+        logprobs, ref_logprobs: with `adv_cfg.kl_coef > 0`, one `[L_i]` array per trajectory (in
+            the order above, aligned like `behavior_logprobs`): the targets' log-probs under the
+            policy and under the frozen reference (trainer/reference.py computes both).
     """
     if not groups:
         raise ValueError("build_sequences needs at least one trajectory group")
-    if adv_cfg.kl_coef > 0:
-        raise ValueError("AdvantageConfig.kl_coef > 0 needs reference log-probs, which build_sequences "
-                         "does not have (there is no reference model); use kl_coef=0")
+    if adv_cfg.kl_coef > 0 and (logprobs is None or ref_logprobs is None):
+        raise ValueError("AdvantageConfig.kl_coef > 0 needs per-sequence logprobs and ref_logprobs; use "
+                         "areal_jax.trainer.reference.sequences_with_kl (or kl_coef=0)")
     rows, rewards, group_ids = [], [], []
     for g_index, group in enumerate(groups):
         for traj in group.trajectories:
@@ -101,7 +108,12 @@ def build_sequences(groups: Sequence[TrajectoryGroup], adv_cfg: AdvantageConfig)
     mask = np.zeros((len(rows), max(lengths)), np.float32)  # [N, L_max]
     for i, row in enumerate(rows):
         mask[i, :lengths[i]] = row["loss_mask"]
-    adv = compute_advantages(np.asarray(rewards, np.float64), np.asarray(group_ids, np.int64), mask, adv_cfg)
+    kl_inputs = {}
+    if adv_cfg.kl_coef > 0:
+        kl_inputs = {name: _padded_per_token(name, values, lengths)
+                     for name, values in (("logprobs", logprobs), ("ref_logprobs", ref_logprobs))}
+    adv = compute_advantages(np.asarray(rewards, np.float64), np.asarray(group_ids, np.int64), mask, adv_cfg,
+                             **kl_inputs)
     for i, row in enumerate(rows):
         row["advantages"] = adv[i, :lengths[i]].astype(np.float32)
     return rows
@@ -175,6 +187,19 @@ def make_microbatches(
 
 
 # ---- helpers ---------------------------------------------------------------------------------------
+
+
+def _padded_per_token(name: str, values: Sequence[np.ndarray], lengths: Sequence[int]) -> np.ndarray:
+    """`[N, L_max]` float64 from N arrays `[L_i]` (zero padded), checking count and lengths."""
+    if len(values) != len(lengths):
+        raise ValueError(f"{name} has {len(values)} arrays for {len(lengths)} trajectories")
+    out = np.zeros((len(lengths), max(lengths)), np.float64)
+    for i, (v, n) in enumerate(zip(values, lengths)):
+        v = np.asarray(v, np.float64)
+        if v.shape != (n,):
+            raise ValueError(f"{name}[{i}] has shape {v.shape}, trajectory {i} has {n} tokens")
+        out[i, :n] = v
+    return out
 
 
 def _positive_int(name: str, value: object) -> int:

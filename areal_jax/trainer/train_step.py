@@ -184,12 +184,16 @@ class PolicyTrainer:
         self._opt_state = _copy_to(state["opt_state"], self._opt_state_shardings)
         self._step = int(state["step"])
 
-    def compute_logprobs(self, microbatch: PackedBatch) -> jax.Array:
+    def compute_logprobs(self, microbatch: PackedBatch, params: Params | None = None) -> jax.Array:
         """Log-probs `[R, T]` of the targets under the current weights at `temperature`
-        (meaningless on padding; the loss masks them)."""
+        (meaningless on padding; the loss masks them).
+
+        `params` (default: the current weights) may be another set laid out like `self.params`
+        (same dtype and shardings, e.g. a frozen reference copy): the same compiled program runs.
+        """
         batch = self._to_device(microbatch, FORWARD_KEYS)
         with self._activation_rules():
-            return self._logprobs_fn(self._params, batch)
+            return self._logprobs_fn(self._params if params is None else params, batch)
 
     def with_proximal_logprobs(self, minibatches: Sequence[Sequence[PackedBatch]]) -> list[list[PackedBatch]]:
         """Adds `proximal_logprobs` to every micro-batch lacking it: the current weights' log-probs
