@@ -17,3 +17,11 @@ def parity_answer(completion: str) -> str | None:
 def parity_reward(completion: str, gold: str) -> float:
     """1.0 when `parity_answer(completion)` equals `gold`, else 0.0."""
     return 1.0 if parity_answer(completion) == gold else 0.0
+
+
+def hang_reward(completion: str, gold: str) -> float:
+    """Never answers in time: sleeps a minute (the pool's deadline must cut it short)."""
+    import time
+
+    time.sleep(60.0)
+    return 1.0

@@ -7,6 +7,7 @@ for maj@k) and compared with the report.
 
 import json
 import math
+import time
 from collections import Counter
 
 import jax
@@ -167,18 +168,34 @@ def test_per_dataset_split_by_source_file(sampled_run, data_files):
     assert report.overall["mean_reward"] == pytest.approx(total / report.overall["num_samples"], abs=1e-12)
 
 
-def test_reward_pool_scores_like_in_process(sampled_run, tokenizer, model, data_files, tmp_path):
+@pytest.fixture(scope="module")
+def pool():
+    config = RewardPoolConfig(num_workers=2, timeout_s=10.0, preload=("tests.evaluation_fixtures",))
+    with RewardPool(config) as reward_pool:
+        yield reward_pool
+
+
+def test_reward_pool_scores_like_in_process(sampled_run, tokenizer, model, data_files, pool, tmp_path):
     _, report, lines = sampled_run
     out = tmp_path / "pool.jsonl"
-    config = RewardPoolConfig(num_workers=2, timeout_s=10.0, preload=("tests.evaluation_fixtures",))
-    with RewardPool(config) as pool:
-        pooled = run_evaluation(model, tokenizer, loader_rows(tokenizer, data_files), SAMPLED, reward_pool=pool,
-                                out_path=out)
-        assert pool.stats().succeeded == len(lines)
+    before = pool.stats().succeeded
+    pooled = run_evaluation(model, tokenizer, loader_rows(tokenizer, data_files), SAMPLED, reward_pool=pool,
+                            out_path=out)
+    assert pool.stats().succeeded - before == len(lines)
     assert read_jsonl(out) == lines  # same seed: same samples, same rewards
     strip = lambda d: {k: v for k, v in d.items() if k not in TIMINGS}  # noqa: E731
     assert strip(pooled.overall) == strip(report.overall)
     assert pooled.per_dataset == report.per_dataset
+
+
+def test_a_reward_past_its_deadline_scores_zero_and_is_counted(tokenizer, model, data_files, pool):
+    rows = loader_rows(tokenizer, data_files)[:2]
+    config = EvalConfig(reward="tests.evaluation_fixtures:hang_reward", reward_timeout_s=0.5, **ENGINE)
+    start = time.monotonic()
+    report = run_evaluation(model, tokenizer, rows, config, reward_pool=pool)
+    assert time.monotonic() - start < 30  # the 60 s sleeps were cut short
+    assert report.overall["reward_failures"] == 2
+    assert report.overall["mean_reward"] == 0.0 and report.overall["accuracy"] == 0.0
 
 
 def test_greedy_single_sample_matches_offline_generation(tokenizer, model, tmp_path):
