@@ -5,6 +5,7 @@ the plain decoder `forward`, the k1/k2/k3 estimators and the KL-to-go written ou
 Run as a script, this file is one process of the 2-process test (see the end).
 """
 
+import functools
 import json
 import os
 import pathlib
@@ -22,7 +23,7 @@ from areal_jax.ppo import AdvantageConfig, token_logprobs
 from areal_jax.rollout.types import Trajectory, TrajectoryGroup
 from areal_jax.trainer.batching import build_sequences, make_microbatches
 from areal_jax.trainer.optimizer import OptimizerConfig, build_optimizer
-from areal_jax.trainer.reference import ReferencePolicy, process_local_rows, sequences_with_kl
+from areal_jax.trainer.reference import ReferencePolicy, sequences_with_kl
 from areal_jax.trainer.train_step import PolicyTrainer, PPOConfig
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -30,11 +31,17 @@ CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layer
 BUDGET, BUCKETS = 32, (16, 32)
 PPO = PPOConfig(num_minibatches=2, max_tokens_per_microbatch=BUDGET, temperature=0.9)
 OPT = OptimizerConfig(lr=1e-2)
-INIT = init_params(CFG, jax.random.key(0), std=0.1)
-# The reference: the initial weights plus noise, so KL(policy || reference) is clearly nonzero.
-_noise = jax.tree.leaves(init_params(CFG, jax.random.key(1), std=0.05))
-REF = jax.tree.unflatten(jax.tree.structure(INIT), [np.asarray(a) + np.asarray(n)
-                                                    for a, n in zip(jax.tree.leaves(INIT), _noise)])
+
+
+@functools.cache
+def weights():
+    """(initial weights, reference weights = initial plus noise, so KL is clearly nonzero).
+
+    Built on first use, not at import: the 2-process worker must start jax.distributed first.
+    """
+    init = jax.tree.map(np.asarray, init_params(CFG, jax.random.key(0), std=0.1))
+    noise = init_params(CFG, jax.random.key(1), std=0.05)
+    return init, jax.tree.map(lambda a, n: a + np.asarray(n), init, noise)
 
 
 def random_groups(seed, n_groups=4, per_group=3):
@@ -70,8 +77,9 @@ def numpy_kl(logp, ref, estimator):
 
 def numpy_advantages(groups, estimator, kl_coef, norm):
     """Reward on every completion token minus kl_coef * the KL-to-go, then the norm."""
-    logp, rows = teacher_forced(INIT, groups)
-    ref, _ = teacher_forced(REF, groups)
+    init, ref_params = weights()
+    logp, rows = teacher_forced(init, groups)
+    ref, _ = teacher_forced(ref_params, groups)
     rewards = [t.reward for g in groups for t in g.trajectories]
     returns, kls = [], []
     for lp, rf, row, reward in zip(logp, ref, rows, rewards):
@@ -87,15 +95,21 @@ def numpy_advantages(groups, estimator, kl_coef, norm):
     return returns, logp, ref, float(np.concatenate(kls).mean())
 
 
+def reset(trainer):
+    """Back to the initial weights and a fresh optimizer state."""
+    init = weights()[0]
+    trainer.load_state_dict({"params": init, "opt_state": build_optimizer(OPT).init(init), "step": 0})
+    return trainer
+
+
 @pytest.fixture(scope="module")
 def trainer():
-    return PolicyTrainer(CFG, INIT, OPT, PPO)
+    return PolicyTrainer(CFG, weights()[0], OPT, PPO)
 
 
 @pytest.fixture
 def fresh(trainer):
-    trainer.load_state_dict({"params": INIT, "opt_state": build_optimizer(OPT).init(INIT), "step": 0})
-    return trainer
+    return reset(trainer)
 
 
 def test_kl_off_is_exactly_build_sequences(fresh):
@@ -125,7 +139,7 @@ def test_reference_equal_to_policy_gives_zero_kl(fresh, estimator):
 
 
 def test_reference_reuses_the_compiled_logprob_program(fresh):
-    reference = ReferencePolicy(fresh, REF)
+    reference = ReferencePolicy(fresh, weights()[1])
     seqs = build_sequences(random_groups(2), AdvantageConfig())
     [micro] = make_microbatches(seqs, max_tokens_per_microbatch=BUDGET, num_minibatches=1, buckets=BUCKETS)
     fresh.compute_logprobs(micro[0])
@@ -140,7 +154,7 @@ def test_reference_reuses_the_compiled_logprob_program(fresh):
 @pytest.mark.parametrize("estimator,norm", [("k1", "none"), ("k2", "batch"), ("k3", "none")])
 def test_perturbed_reference_matches_numpy(fresh, estimator, norm):
     groups, kl_coef = random_groups(3), 2.0
-    reference = ReferencePolicy(fresh, REF)
+    reference = ReferencePolicy(fresh, weights()[1])
     out = sequences_with_kl(groups, AdvantageConfig(norm=norm, kl_coef=kl_coef, kl_estimator=estimator), fresh,
                             reference, buckets=BUCKETS)
     want_adv, want_logp, want_ref, want_kl = numpy_advantages(groups, estimator, kl_coef, norm)
@@ -163,9 +177,9 @@ def test_train_step_on_kl_sequences_with_reused_proximal(trainer):
     groups, cfg = random_groups(4, n_groups=6), AdvantageConfig(norm="group", kl_coef=0.3, kl_estimator="k3")
     results = []
     for attach in (True, False):
-        trainer.load_state_dict({"params": INIT, "opt_state": build_optimizer(OPT).init(INIT), "step": 0})
-        frozen_copy = ReferencePolicy(trainer)  # default: the weights now (INIT); train_step donates the trainer's
-        out = sequences_with_kl(groups, cfg, trainer, ReferencePolicy(trainer, REF), buckets=BUCKETS,
+        reset(trainer)
+        frozen_copy = ReferencePolicy(trainer)  # default: the weights now (initial); train_step donates the trainer's
+        out = sequences_with_kl(groups, cfg, trainer, ReferencePolicy(trainer, weights()[1]), buckets=BUCKETS,
                                 attach_proximal=attach)
         assert ("proximal_logprobs" in out.sequences[0]) == attach
         minibatches = make_microbatches(out.sequences, max_tokens_per_microbatch=BUDGET,
@@ -174,7 +188,7 @@ def test_train_step_on_kl_sequences_with_reused_proximal(trainer):
         assert np.isfinite(metrics["loss"]) and metrics["skipped_updates"] == 0 and metrics["grad_norm"] > 0
         assert trainer.last_minibatch_metrics[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-6)  # pi_theta == pi_prox
         results.append((metrics, jax.tree.map(np.asarray, trainer.params)))
-        for x, y in zip(jax.tree.leaves(frozen_copy.params), jax.tree.leaves(INIT)):
+        for x, y in zip(jax.tree.leaves(frozen_copy.params), jax.tree.leaves(weights()[0])):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # the copy survived the donation
     (m_reused, p_reused), (m_recomputed, p_recomputed) = results
     assert m_reused["loss"] == pytest.approx(m_recomputed["loss"], abs=1e-6)
@@ -184,27 +198,92 @@ def test_train_step_on_kl_sequences_with_reused_proximal(trainer):
 
 def test_on_a_train_mesh_equals_single_device(fresh):
     mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:8])
-    sharded = PolicyTrainer(CFG, INIT, OPT, PPO, mesh=mesh)
-    reference = ReferencePolicy(sharded, REF)
+    sharded = PolicyTrainer(CFG, weights()[0], OPT, PPO, mesh=mesh)
+    reference = ReferencePolicy(sharded, weights()[1])
     assert jax.tree.map(lambda x: x.sharding, reference.params) == jax.tree.map(lambda x: x.sharding, sharded.params)
     groups, cfg = random_groups(5), AdvantageConfig(norm="batch", kl_coef=1.0, kl_estimator="k1")
     got = sequences_with_kl(groups, cfg, sharded, reference, row_multiple=4, buckets=BUCKETS)
-    want = sequences_with_kl(groups, cfg, fresh, ReferencePolicy(fresh, REF), buckets=BUCKETS)
+    want = sequences_with_kl(groups, cfg, fresh, ReferencePolicy(fresh, weights()[1]), buckets=BUCKETS)
     assert got.kl_mean == pytest.approx(want.kl_mean, abs=1e-6)
     for a, b in zip(got.sequences, want.sequences):
         np.testing.assert_allclose(a["advantages"], b["advantages"], atol=1e-5)
+    with pytest.raises(ValueError, match="another PolicyTrainer"):
+        sequences_with_kl(groups, cfg, fresh, reference)
 
 
-def test_rejects_missing_or_foreign_reference(fresh):
+def test_rejects_missing_reference_and_bad_shapes(fresh):
     groups, cfg = random_groups(6), AdvantageConfig(kl_coef=0.1)
     with pytest.raises(TypeError, match="ReferencePolicy"):
         sequences_with_kl(groups, cfg, fresh, None)
     with pytest.raises(ValueError, match="kl_coef"):
         build_sequences(groups, cfg)
     with pytest.raises(ValueError, match="shape"):
-        ReferencePolicy(fresh, jax.tree.map(lambda x: np.zeros((1, *np.shape(x)[1:])), INIT))
+        ReferencePolicy(fresh, jax.tree.map(lambda x: np.zeros((1, *np.shape(x)[1:])), weights()[0]))
 
 
-def test_process_local_rows_single_process_is_the_array():
-    x = jnp.arange(12.0).reshape(4, 3)
-    np.testing.assert_array_equal(process_local_rows(x), np.asarray(x))
+# ---- two processes ----------------------------------------------------------------------------------
+
+MP_GROUPS = {0: (10, 4), 1: (11, 2)}  # process -> (seed, groups): unequal, so padding micro-batches run
+MP_CFG = AdvantageConfig(norm="none", kl_coef=2.0, kl_estimator="k3")
+
+
+@pytest.mark.slow  # about 60 s: two JAX processes compile and run the programs
+def test_two_processes_match_numpy(tmp_path):
+    """2 processes x 4 CPU devices, train mesh over all 8 with the processes' devices interleaved
+    on "fsdp" (so each process's rows are non-contiguous in the global micro-batch)."""
+    portpicker = pytest.importorskip("portpicker")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    port = portpicker.pick_unused_port()
+    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "4", "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root)}
+    procs = [subprocess.Popen([sys.executable, __file__, str(port), str(i), str(tmp_path)], env=env, cwd=root,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=300)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    results = []
+    for i, p in enumerate(procs):
+        assert p.returncode == 0, f"process {i} failed:\n{logs[i][-4000:]}"
+        results.append(json.loads((tmp_path / f"result_{i}.json").read_text()))
+    for i, result in enumerate(results):
+        seed, n_groups = MP_GROUPS[i]
+        want_adv, _, _, want_kl = numpy_advantages(random_groups(seed, n_groups), MP_CFG.kl_estimator,
+                                                   MP_CFG.kl_coef, MP_CFG.norm)
+        assert len(result["advantages"]) == len(want_adv)
+        for got, want in zip(result["advantages"], want_adv):
+            np.testing.assert_allclose(np.asarray(got), want, atol=2e-4)
+        assert result["kl_mean"] == pytest.approx(want_kl, abs=1e-5)
+        assert np.isfinite(result["loss"])
+    assert results[0]["loss"] == results[1]["loss"]  # one global step, seen alike by both
+    assert results[0]["num_microbatches"] == results[1]["num_microbatches"]
+
+
+def _worker(port: str, process_id: int, out_dir: str) -> None:
+    """One process of test_two_processes_match_numpy."""
+    from jax.sharding import Mesh
+
+    from areal_jax.parallel import agree_max, agree_sum, initialize_distributed
+
+    assert initialize_distributed(f"127.0.0.1:{port}", 2, process_id)
+    init, ref = weights()
+    by_process = [[d for d in jax.devices() if d.process_index == p] for p in range(2)]
+    devices = [d for pair in zip(*by_process) for d in pair]  # p0, p1, p0, p1, ...
+    mesh = Mesh(np.array(devices).reshape(8, 1), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2)
+    trainer = PolicyTrainer(CFG, init, OPT, PPO, mesh=mesh)
+    seed, n_groups = MP_GROUPS[process_id]
+    out = sequences_with_kl(random_groups(seed, n_groups), MP_CFG, trainer, ReferencePolicy(trainer, ref),
+                            row_multiple=4, buckets=BUCKETS, agree_max=agree_max)
+    minibatches = make_microbatches(out.sequences, max_tokens_per_microbatch=BUDGET, num_minibatches=1,
+                                    buckets=(BUDGET,), row_multiple=4, agree_max=agree_max, agree_sum=agree_sum)
+    metrics = trainer.train_step(minibatches)
+    result = {"advantages": [s["advantages"].tolist() for s in out.sequences], "kl_mean": out.kl_mean,
+              "loss": metrics["loss"], "num_microbatches": metrics["num_microbatches"]}
+    pathlib.Path(out_dir, f"result_{process_id}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], int(sys.argv[2]), sys.argv[3])

@@ -66,7 +66,7 @@ class ReferencePolicy:
             source = jax.device_put(source, shardings)
         # A jitted copy writes fresh buffers with the trainer's shardings: same dtype and layout
         # means the trainer's compiled log-prob program is reused as is.
-        self._params = jax.jit(lambda p: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32) + 0, p),
+        self._params = jax.jit(lambda p: jax.tree.map(lambda x: jnp.copy(x.astype(jnp.float32)), p),
                                out_shardings=shardings)(source)
         self.trainer = trainer
 
