@@ -302,3 +302,21 @@ def test_engine_runs_on_the_generation_mesh_of_its_weights():
         for a, b in zip(results[0], other):
             np.testing.assert_array_equal(a.tokens, b.tokens)
             np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_sampling_depends_only_on_the_request_seed_not_on_batching():
+    model = _model(2)
+    sp = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9)
+
+    def run(num_slots, chunk, others):
+        engine = GenerationEngine(model, EngineConfig(num_slots=num_slots, max_seq_len=48, decode_chunk=chunk))
+        noise = [engine.submit(p, sp, n=2) for p in others]
+        target = engine.submit(PROMPTS[1], sp, n=3, seed=1234)
+        engine.run_until_idle()
+        assert all(h.done() for h in noise)
+        return [c.tokens.tolist() for c in target.result().completions]
+
+    alone = run(4, 4, [])
+    assert run(8, 3, PROMPTS) == alone
+    assert run(3, 5, PROMPTS[::-1] + PROMPTS) == alone
+    assert len({tuple(t) for t in alone}) > 1  # the samples of the group still differ

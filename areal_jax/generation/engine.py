@@ -134,6 +134,7 @@ class _Request:
     next_sample: int = 0  # samples [0, next_sample) have been inserted
     prefix: tuple[Any, jax.Array] | None = None  # (KV block, last-position logits) shared by the group
     aborted: bool = False
+    seed: int = 0
 
 
 @dataclasses.dataclass
@@ -187,13 +188,14 @@ class GenerationEngine:
         self._top_p = np.ones(B, np.float32)
         self._top_k = np.zeros(B, np.int32)
         self._stop_ids = np.full((B, MAX_STOP_IDS), -1, np.int32)
-        self._key = jax.device_put(jax.random.key(ec.seed), self._inputs_sharding)
+        self._slot_keys = np.zeros((B, 2), np.uint32)  # threefry key data of each slot's sample
         self._lock = threading.Condition()
         self._queue: collections.deque[_Request] = collections.deque()
         self._requests: dict[str, _Request] = {}
         self._aborts: set[str] = set()
         self._pending_weights: tuple[Params, int, concurrent.futures.Future] | None = None
         self._ids = itertools.count()
+        self._seeds = itertools.count()
         self._stats = EngineStats()
         self.compile_counts: collections.Counter[str] = collections.Counter()
         self._thread: threading.Thread | None = None
@@ -208,8 +210,12 @@ class GenerationEngine:
         return self._version
 
     def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams, n: int = 1,
-               request_id: str | None = None) -> RequestHandle:
+               request_id: str | None = None, seed: int | None = None) -> RequestHandle:
         """Queues a prompt for `n` samples; returns a future of its `GroupResult`.
+
+        Sample i draws its randomness from (engine seed, `seed`, i, token position) alone, so the
+        same request with the same seed and weights gives the same tokens however the engine
+        happens to batch it. Without `seed`, a per-engine counter is used.
 
         Invalid requests raise here (ValueError naming the problem) and never reach the engine.
         """
@@ -232,7 +238,8 @@ class GenerationEngine:
             if rid in self._requests:
                 raise ValueError(f"request id {rid!r} is already in flight")
             future.request_id = rid
-            request = _Request(rid, prompt.astype(np.int32), sampling, n, future, [None] * n)
+            request = _Request(rid, prompt.astype(np.int32), sampling, n, future, [None] * n,
+                               seed=next(self._seeds) if seed is None else int(seed))
             self._requests[rid] = request
             self._queue.append(request)
             self._lock.notify_all()
@@ -405,7 +412,9 @@ class GenerationEngine:
             slots, free = free[:take], free[take:]
             for slot in slots:
                 self._insert(block, slot)
-            tokens, logprobs = self._first_tokens(last_logits, req.sampling)
+            for j, slot in enumerate(slots):
+                self._slot_keys[slot] = self._sample_key(req.seed, req.next_sample + j)
+            tokens, logprobs = self._first_tokens(last_logits, req.sampling, slots, req.prompt.size - 1)
             for j, slot in enumerate(slots):
                 self._start_sample(slot, req, req.next_sample + j, int(tokens[j]), float(logprobs[j]))
             req.next_sample += take
@@ -435,11 +444,10 @@ class GenerationEngine:
 
     def _decode_chunk(self) -> None:
         active = np.array([s is not None for s in self._slot_sample])
-        self._key, key = jax.random.split(self._key)
         t0 = time.perf_counter()
         self._cache, out = self._decode_fn(self._params, self._cache, *self._put(
             self._tokens, self._positions, active, self._remaining, self._temperature, self._top_p, self._top_k,
-            self._stop_ids), key)
+            self._stop_ids, self._slot_keys))
         tokens, logprobs, valid = (np.asarray(x) for x in jax.device_get(out))  # [B, C] each
         self._stats.decode_s += time.perf_counter() - t0
         self._stats.chunks += 1
@@ -517,20 +525,25 @@ class GenerationEngine:
             v = jax.lax.dynamic_update_slice(cache.v, block.v, (0, slot, 0, 0, 0))
             return KVCache(k, v)
 
-        def first_tokens(logits, key, temperature, top_p, top_k):
+        def first_tokens(logits, key_data, position, temperature, top_p, top_k):
             counts["first_tokens"] += 1
             rows = jnp.broadcast_to(logits, (temperature.shape[0], logits.shape[-1]))
-            return sample_tokens(rows, key, temperature, top_p, top_k)
+            keys = jax.vmap(jax.random.fold_in, (0, None))(jax.random.wrap_key_data(key_data), position)
+            return sample_tokens(rows, keys, temperature, top_p, top_k)
 
-        def decode(params, cache, tokens, positions, active, remaining, temperature, top_p, top_k, stop_ids, key):
+        def decode(params, cache, tokens, positions, active, remaining, temperature, top_p, top_k, stop_ids,
+                   key_data):
             counts["decode"] += 1
             S = cache.k.shape[2]
+            slot_keys = jax.random.wrap_key_data(key_data)
 
             def step(carry, c):
                 cache, tokens, positions, active, remaining = carry
                 pos = jnp.where(active, positions, -1)
                 logits, cache = forward(params, cfg, tokens[:, None], pos[:, None], cache=cache)
-                new, lp = sample_tokens(logits[:, 0], jax.random.fold_in(key, c), temperature, top_p, top_k)
+                # The token sampled from the input at position p uses the slot's key folded with p.
+                keys = jax.vmap(jax.random.fold_in)(slot_keys, positions)
+                new, lp = sample_tokens(logits[:, 0], keys, temperature, top_p, top_k)
                 valid = active
                 positions = positions + valid
                 remaining = remaining - valid
@@ -563,9 +576,17 @@ class GenerationEngine:
     def _insert(self, block: KVCache, slot: int) -> None:
         self._cache = self._insert_fn(self._cache, block, *self._put(np.int32(slot)))
 
-    def _first_tokens(self, logits: jax.Array, sp: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    def _sample_key(self, request_seed: int, index: int) -> np.ndarray:
+        return np.random.SeedSequence([self.config.seed, request_seed & 0xFFFFFFFF, request_seed >> 32, index]
+                                      ).generate_state(2, np.uint32)
+
+    def _first_tokens(self, logits: jax.Array, sp: SamplingParams, slots: list[int], position: int
+                      ) -> tuple[np.ndarray, np.ndarray]:
+        """First token of each of `slots` from the prompt's last logits (rows padded to num_slots)."""
         B = self.config.num_slots  # fixed row count: one compiled program whatever n is
-        self._key, key = jax.random.split(self._key)
-        tokens, logprobs = self._first_tokens_fn(logits, key, *self._put(
-            np.full(B, sp.temperature, np.float32), np.full(B, sp.top_p, np.float32), np.full(B, sp.top_k, np.int32)))
-        return np.asarray(tokens), np.asarray(logprobs)
+        keys = np.zeros((B, 2), np.uint32)
+        keys[:len(slots)] = self._slot_keys[slots]
+        tokens, logprobs = self._first_tokens_fn(logits, *self._put(
+            keys, np.int32(position), np.full(B, sp.temperature, np.float32), np.full(B, sp.top_p, np.float32),
+            np.full(B, sp.top_k, np.int32)))
+        return np.asarray(tokens)[:len(slots)], np.asarray(logprobs)[:len(slots)]

@@ -85,13 +85,20 @@ def allowed_mask(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, to
 
 def sample_tokens(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array,
                   top_k: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Samples one token per row. logits `[B, V]`, per-row params `[B]` -> (tokens `[B]`, logprobs `[B]`)."""
+    """Samples one token per row. logits `[B, V]`, per-row params `[B]` -> (tokens `[B]`, logprobs `[B]`).
+
+    `key` is one key for the whole batch, or a key per row `[B]` (the engine's: each sample's
+    randomness then depends only on its own seed and position, not on what else is batched).
+    """
     t = jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)
     scaled = logits.astype(jnp.float32) / t[:, None]
     needs_filter = jnp.any((top_k > 0) | (top_p < 1.0))
     mask = jax.lax.cond(needs_filter, lambda: allowed_mask(logits, temperature, top_p, top_k),
                         lambda: jnp.ones(logits.shape, bool))
-    gumbel = jax.random.gumbel(key, logits.shape, jnp.float32)
+    if key.ndim == 0:
+        gumbel = jax.random.gumbel(key, logits.shape, jnp.float32)
+    else:
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[1:], jnp.float32))(key)
     sampled = jnp.argmax(jnp.where(mask, scaled + gumbel, -jnp.inf), axis=-1)
     greedy = jnp.argmax(logits, axis=-1)
     tokens = jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
