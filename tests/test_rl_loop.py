@@ -39,14 +39,15 @@ def rows(tokenizer, reward_script="text_hash", offset=0):
         yield {"prompt_ids": np.asarray(tokenizer.encode(question), np.int32), "row": row}
 
 
-def make_loop(tokenizer, *, rl: RLConfig, mesh: MeshConfig, devices, reward_script="text_hash", row_offset=0):
+def make_loop(tokenizer, *, rl: RLConfig, mesh: MeshConfig, devices, reward_script="text_hash", row_offset=0,
+              advantages=AdvantageConfig(norm="group")):
     cfg = ModelConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=8)
     params = init_params(cfg, 0, std=0.3)
     return RLLoop(
         cfg, params, tokenizer=tokenizer, data_iter=rows(tokenizer, reward_script, row_offset), rl=rl,
         ppo=PPOConfig(num_minibatches=2, max_tokens_per_microbatch=256),
-        optimizer=OptimizerConfig(lr=1e-3), advantages=AdvantageConfig(norm="group"),
+        optimizer=OptimizerConfig(lr=1e-3), advantages=advantages,
         workflow=RLVRConfig(n_samples=4, max_new_tokens=6, reward=REWARD, filter_all_equal_rewards=False),
         engine=EngineConfig(num_slots=8, max_seq_len=48, decode_chunk=2), mesh=mesh, devices=devices)
 
@@ -79,6 +80,16 @@ def test_sync_mode_trains_only_on_policy_tokens(tokenizer):
     assert result.version == 3
     for m in result.history:
         assert m["staleness/max"] == 0 and m["staleness/hist"].keys() == {"0"}
+
+
+def test_kl_penalty_against_the_initial_policy(tokenizer):
+    rl = RLConfig(steps=2, batch_size=2, max_staleness=0, max_concurrent=4, mode="sync")
+    loop = make_loop(tokenizer, rl=rl, mesh=MeshConfig(colocated=True), devices=jax.devices()[:1],
+                     advantages=AdvantageConfig(norm="group", kl_coef=0.1, kl_estimator="k3"))
+    result = loop.run()
+    kl = [m["train/kl_to_reference"] for m in result.history]
+    assert kl[0] == 0.0  # step 0 trains the initial policy itself
+    assert kl[1] > 0.0  # after one update the policy has moved away from the reference
 
 
 def test_bad_batch_split_is_reported_before_work_starts(tokenizer):

@@ -42,7 +42,8 @@ from areal_jax.rollout.controller import RolloutController, ShutdownReport
 from areal_jax.rollout.staleness import StalenessManager
 from areal_jax.rollout.types import TrajectoryGroup
 from areal_jax.rollout.workflow import RLVRConfig, RLVRWorkflow
-from areal_jax.trainer.batching import build_sequences, make_microbatches
+from areal_jax.trainer.batching import make_microbatches
+from areal_jax.trainer.reference import ReferencePolicy, sequences_with_kl
 from areal_jax.trainer.optimizer import OptimizerConfig
 from areal_jax.trainer.train_step import PolicyTrainer, PPOConfig
 
@@ -118,6 +119,8 @@ class RLLoop:
         self.on_step = on_step
         self.meshes: Meshes = build_meshes(mesh, devices)
         self.trainer = PolicyTrainer(model_cfg, params, optimizer, ppo, mesh=self.meshes.train)
+        # A frozen copy of the initial policy, only when the KL penalty needs it (it costs a copy).
+        self.reference = ReferencePolicy(self.trainer) if advantages.kl_coef > 0 else None
         shapes = jax.tree.map(lambda a: a.shape, self.trainer.params)
         self.weight_sync = WeightSync(
             self.meshes, partition_specs(model_cfg, TRAIN_RULES, self.meshes.train, shapes),
@@ -189,11 +192,15 @@ class RLLoop:
         groups, wait_s = self._take_batch()
         if self.rl.mode == "sync":
             self.engine.pause()
-        seqs = build_sequences(groups, self.advantages)
         ppo = self.trainer.ppo_config
+        multi = jax.process_count() > 1
+        # KL against the frozen reference (off by default) shapes the advantages; with it off this
+        # is exactly build_sequences.
+        shaped = sequences_with_kl(groups, self.advantages, self.trainer, self.reference,
+                                   row_multiple=self.rows_per_process, agree_max=agree_max if multi else None)
+        seqs = shaped.sequences
         # Every process must run the same programs in the same order: agree on micro-batch counts
         # and shapes, and on the minibatch token count that divides the loss.
-        multi = jax.process_count() > 1
         minibatches = make_microbatches(seqs, max_tokens_per_microbatch=ppo.max_tokens_per_microbatch,
                                         num_minibatches=min(ppo.num_minibatches, len(seqs)),
                                         row_multiple=self.rows_per_process,
@@ -208,7 +215,10 @@ class RLLoop:
             self.engine.resume()
             applied.result()  # nothing generates on stale weights in the synchronous baseline
         self.controller.notify()
-        return self._metrics(step, groups, train, wait_s, transfer_s)
+        metrics = self._metrics(step, groups, train, wait_s, transfer_s)
+        if shaped.kl_mean is not None:
+            metrics["train/kl_to_reference"] = shaped.kl_mean
+        return metrics
 
     def _metrics(self, step, groups, train, wait_s, transfer_s) -> dict[str, Any]:
         rewards = np.array([t.reward for g in groups for t in g.trajectories], np.float64)
