@@ -248,6 +248,15 @@ class Checkpointer:
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         return restored[_STATE], dict(restored[_META])
 
+    def read_meta(self, step: int | None = None) -> dict:
+        """Only the metadata of `step` (default: latest): cheap, no arrays are read."""
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"no finalized checkpoint under {self.directory}")
+        restored = self._manager.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))
+        return dict(restored[_META])
+
     # ---- HF export --------------------------------------------------------------------------
 
     def should_export_hf(self, step: int) -> bool:

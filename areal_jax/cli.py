@@ -24,6 +24,8 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num_processes", type=int, default=None)
     p.add_argument("--process_id", type=int, default=None)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in the run's CheckpointConfig directory")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,7 +70,7 @@ def _train(args) -> int:
         params.append("Stages.rl = False")
     try:
         cfg = load_job_configs(args.gin_file, params, run_dir=run_dir)
-        run_train(cfg, run_dir, progress=not args.quiet)
+        run_train(cfg, run_dir, progress=not args.quiet, resume=args.resume)
     except ConfigError as e:
         print(f"areal-jax: configuration error: {e}", file=sys.stderr)
         return 2

@@ -21,6 +21,7 @@ import numpy as np
 
 from areal_jax import config_system as cs
 from areal_jax.jobs.configs import JobConfigs
+from areal_jax.checkpoint import Checkpointer
 from areal_jax.metrics import MetricsLogger
 from areal_jax.models.hf_io import load_params, save_params
 from areal_jax.models.tokenizer import Tokenizer
@@ -40,6 +41,40 @@ class Workload:
     train_rows: Any  # iterator of loader rows
     eval_rows: list
     sft_examples: list
+
+
+class ProblemStream:
+    """Endless loader-style rows over `items`, a fresh permutation per epoch; checkpointable."""
+
+    def __init__(self, tokenizer: Tokenizer, items: list, *, seed: int):
+        if not items:
+            raise ValueError("no training problems for this process")
+        self._tokenizer, self._items, self._seed = tokenizer, items, seed
+        self._epoch, self._index = 0, 0
+        self._order = self._permutation()
+
+    def _permutation(self) -> np.ndarray:
+        return np.random.default_rng([self._seed, self._epoch]).permutation(len(self._items))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        from areal_jax.tasks import arithmetic as ar
+
+        if self._index == len(self._items):
+            self._epoch, self._index = self._epoch + 1, 0
+            self._order = self._permutation()
+        item = self._items[self._order[self._index]]
+        self._index += 1
+        return next(ar.prompt_rows(self._tokenizer, [item]))
+
+    def get_state(self) -> dict[str, int]:
+        return {"epoch": self._epoch, "index": self._index}
+
+    def set_state(self, state: dict[str, int]) -> None:
+        self._epoch, self._index = int(state["epoch"]), int(state["index"])
+        self._order = self._permutation()
 
 
 def prepare_workload(cfg: JobConfigs, run_dir: pathlib.Path) -> Workload:
@@ -62,14 +97,8 @@ def prepare_workload(cfg: JobConfigs, run_dir: pathlib.Path) -> Workload:
         train = ar.problems(cfg.arithmetic, "train", cfg.task.train_size, seed=cfg.task.seed)
         held_out = ar.problems(cfg.arithmetic, "test", cfg.task.eval_size, seed=cfg.task.seed)
         shard = slice(jax.process_index(), None, jax.process_count())
-        rng = np.random.default_rng(cfg.task.seed + 1 + jax.process_index())
-
-        def endless_rows():
-            items = train[shard]
-            while True:  # epochs in a fresh order each time
-                yield from ar.prompt_rows(tokenizer, [items[i] for i in rng.permutation(len(items))])
-
-        return Workload(model_cfg, params, tokenizer, tokenizer_dir, endless_rows(), list(ar.prompt_rows(tokenizer, held_out[shard])),
+        stream = ProblemStream(tokenizer, train[shard], seed=cfg.task.seed + 1 + jax.process_index())
+        return Workload(model_cfg, params, tokenizer, tokenizer_dir, stream, list(ar.prompt_rows(tokenizer, held_out[shard])),
                         ar.sft_examples(tokenizer, train))
     from areal_jax.data.pipeline import build_prompt_loader
 
@@ -85,8 +114,13 @@ def prepare_workload(cfg: JobConfigs, run_dir: pathlib.Path) -> Workload:
     return Workload(model_cfg, params, tokenizer, tokenizer_dir, loader, eval_rows, [])
 
 
-def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = True) -> dict[str, Any]:
-    """Runs the configured stages; returns the summary also written to summary.json."""
+def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = True, resume: bool = False
+              ) -> dict[str, Any]:
+    """Runs the configured stages; returns the summary also written to summary.json.
+
+    With `resume` and a checkpoint under the run's CheckpointConfig directory, SFT is skipped and
+    RL continues from the latest checkpoint (weights, optimizer, version, counters, data position).
+    """
     from areal_jax.trainer.sft import evaluate_accuracy, run_sft
 
     t0 = time.perf_counter()
@@ -113,14 +147,22 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
         return evaluate_accuracy(work.model_config, p, work.eval_rows, work.tokenizer,
                                  max_new_tokens=cfg.rl.eval_max_new_tokens, reward_fn=reward_fn)
 
-    if cfg.stages.sft and work.sft_examples:
-        t_sft = time.perf_counter()
-        params, _ = run_sft(work.model_config, params, work.sft_examples, cfg.sft, progress=progress)
-        summary.update(sft_steps=cfg.sft.steps, sft_time_s=time.perf_counter() - t_sft)
-    summary["sft_accuracy"] = held_out_accuracy(params)
-    print(f"[areal-jax] held-out greedy accuracy after SFT: {summary['sft_accuracy']:.3f}", flush=True)
-
+    checkpointer = Checkpointer(cfg.checkpoint) if cfg.checkpoint is not None else None
+    resuming = bool(resume and checkpointer is not None and checkpointer.latest_step() is not None)
     history: list[dict[str, Any]] = []
+    if resuming:  # the SFT stage is already in the checkpoint's weights
+        meta = checkpointer.read_meta()
+        summary.update({k: _decode_float(v) for k, v in meta.get("extra", {}).get("summary", {}).items()})
+        history = list(meta.get("extra", {}).get("history", []))
+        print(f"[areal-jax] resuming from checkpoint step {checkpointer.latest_step()}", flush=True)
+    else:
+        if cfg.stages.sft and work.sft_examples:
+            t_sft = time.perf_counter()
+            params, _ = run_sft(work.model_config, params, work.sft_examples, cfg.sft, progress=progress)
+            summary.update(sft_steps=cfg.sft.steps, sft_time_s=time.perf_counter() - t_sft)
+        summary["sft_accuracy"] = held_out_accuracy(params)
+        print(f"[areal-jax] held-out greedy accuracy after SFT: {summary['sft_accuracy']:.3f}", flush=True)
+
     if cfg.stages.rl:
         metrics_log = MetricsLogger(run_dir, console=progress and jax.process_index() == 0)
         bar = _progress_bar(cfg.rl.steps, progress)
@@ -137,14 +179,18 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
 
         loop = RLLoop(work.model_config, params, tokenizer=work.tokenizer, data_iter=work.train_rows, rl=cfg.rl,
                       ppo=cfg.ppo, optimizer=cfg.optimizer, advantages=cfg.advantages, workflow=rollout_cfg,
-                      engine=cfg.engine, mesh=cfg.mesh, eval_rows=work.eval_rows, on_step=on_step)
+                      engine=cfg.engine, mesh=cfg.mesh, eval_rows=work.eval_rows, on_step=on_step,
+                      checkpointer=checkpointer, resume=resuming,
+                      checkpoint_extra=lambda: {"summary": _jsonable(summary), "history": _jsonable(history)})
+        if bar is not None and loop.first_step:
+            bar.update(loop.first_step)
         result = loop.run()
         if bar is not None:
             bar.close()
         metrics_log.close()
         params = result.final_params
-        summary.update(steps=result.steps, version=result.version, rl_time_s=time.perf_counter() - t_rl,
-                       trained_tokens=result.trained_tokens)
+        summary.update(steps=loop.first_step + result.steps, version=result.version,
+                       rl_time_s=time.perf_counter() - t_rl, trained_tokens=loop.trained_tokens)
         report = result.rollout_report
         if report is not None:
             summary["rollout"] = {"admitted": report.admitted, "accepted": report.accepted,
@@ -153,7 +199,9 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
     summary["final_accuracy"] = held_out_accuracy(params)
     summary.setdefault("steps", 0)
     summary.setdefault("trained_tokens", 0.0)
-    summary["wall_time_s"] = time.perf_counter() - t0
+    summary["wall_time_s"] = time.perf_counter() - t0 + summary.get("wall_time_s_before_resume", 0.0)
+    if checkpointer is not None:
+        checkpointer.close()
     if jax.process_index() == 0:
         if cfg.stages.save_final_model:
             save_params(jax.device_get(params), work.model_config, run_dir / "final_model")
@@ -168,6 +216,18 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
           f"trained_tokens={summary['trained_tokens']:.0f} wall_time={summary['wall_time_s']:.0f}s -> {run_dir}",
           flush=True)
     return summary
+
+
+def _decode_float(value: Any) -> Any:
+    return {"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-inf")}.get(value, value) \
+        if isinstance(value, str) else value
+
+
+def _jsonable(obj: Any) -> Any:
+    """Strict JSON for the checkpoint's metadata (NaN and infinities become strings)."""
+    from areal_jax.metrics import to_jsonable
+
+    return to_jsonable(obj)
 
 
 def _reward_function(name: str):

@@ -17,6 +17,7 @@ import abc
 import asyncio
 import concurrent.futures
 import dataclasses
+import hashlib
 import importlib
 import inspect
 import time
@@ -81,14 +82,14 @@ class RolloutClient:
         self._executor = concurrent.futures.ThreadPoolExecutor(reward_threads, thread_name_prefix="reward")
 
     async def generate(self, prompt_ids: Sequence[int] | np.ndarray, sampling: SamplingParams,
-                       n: int = 1) -> GroupResult:
+                       n: int = 1, *, seed: int | None = None) -> GroupResult:
         """Submit `prompt_ids` for `n` samples and await the engine's result.
 
         If the awaiting task is cancelled, the request is aborted in the engine. The engine's
         future itself is shielded: cancelling it would make the engine thread fail when it
         later sets the result.
         """
-        handle = self.engine.submit(prompt_ids, sampling, n)
+        handle = self.engine.submit(prompt_ids, sampling, n, seed=seed)
         try:
             return await asyncio.shield(asyncio.wrap_future(handle))
         except asyncio.CancelledError:
@@ -175,6 +176,12 @@ class RLVRConfig:
                               top_k=self.top_k, stop_token_ids=self.stop_token_ids)
 
 
+def stable_seed(*parts: object) -> int:
+    """A 63-bit seed from `parts` that is the same in every process and Python run."""
+    digest = hashlib.sha256("\x1f".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
 def _gold(row: Any) -> Any:
     """The reward's reference for a loader row: the answer (math) or the test cases (code)."""
     prompt_row = row["row"]
@@ -193,7 +200,10 @@ class RLVRWorkflow(RolloutWorkflow):
         cfg = self.config
         prompt = np.asarray(row["prompt_ids"], np.int32)
         t0 = time.perf_counter()
-        result = await engine_client.generate(prompt, cfg.sampling, cfg.n_samples)
+        # The samples' randomness follows from the row and the admission version alone, so a run
+        # is reproducible however the engine batches requests (and after a resume).
+        seed = stable_seed(str(row["row"].query_id), version)
+        result = await engine_client.generate(prompt, cfg.sampling, cfg.n_samples, seed=seed)
         gen_s = time.perf_counter() - t0
         if any(c.stop_reason == "aborted" for c in result.completions):
             raise GenerationAborted(f"generation for {row_source(row)} was aborted")

@@ -27,6 +27,7 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
+from areal_jax.checkpoint import Checkpointer
 from areal_jax.generation.engine import EngineConfig, GenerationEngine
 from areal_jax.generation.sampling import SamplingParams
 from areal_jax.models.config import ModelConfig
@@ -110,7 +111,9 @@ class RLLoop:
                  workflow: RLVRConfig | Any, engine: EngineConfig, mesh: MeshConfig = MeshConfig(),
                  eval_rows: Sequence[Any] = (), reward_pool: Any = None,
                  on_step: Callable[[int, dict[str, Any]], None] | None = None,
-                 devices: Sequence[jax.Device] | None = None, start_version: int = 0):
+                 devices: Sequence[jax.Device] | None = None, start_version: int = 0,
+                 checkpointer: Checkpointer | None = None, resume: bool = False,
+                 checkpoint_extra: Callable[[], dict[str, Any]] | None = None):
         self.model_config = model_cfg
         self.rl = rl
         self.advantages = advantages
@@ -139,6 +142,15 @@ class RLLoop:
         self.channel = TrajectoryChannel(rl.channel_capacity or 4 * local_batch)
         self.workflow_config = workflow if isinstance(workflow, RLVRConfig) else None
         wf = RLVRWorkflow(workflow) if isinstance(workflow, RLVRConfig) else workflow
+        self.data_iter = data_iter
+        self.checkpointer = checkpointer
+        self.checkpoint_extra = checkpoint_extra
+        self.first_step = 0
+        self.trained_tokens = 0.0  # over the whole run, resumes included
+        self._run_tokens = 0.0  # by this process since it started
+        self.resumed_meta: dict[str, Any] | None = None
+        if resume and checkpointer is not None and checkpointer.latest_step() is not None:
+            self._restore()
         self.controller = RolloutController(self.engine, wf, self.staleness, self.channel, data_iter,
                                             version_fn=lambda: self.version, tokenizer=tokenizer,
                                             reward_pool=reward_pool,
@@ -149,18 +161,16 @@ class RLLoop:
 
     def run(self) -> LoopResult:
         history: list[dict[str, Any]] = []
-        trained_tokens = 0.0
         report = None
         self.engine.start()
         self.controller.start()
         t_start = time.perf_counter()
         try:
-            for step in range(self.rl.steps):
+            for step in range(self.first_step, self.rl.steps):
                 metrics = self._train_one_step(step)
-                trained_tokens += metrics["train/trained_tokens"]
                 metrics["time/wall_s"] = time.perf_counter() - t_start
-                metrics["train/trained_tokens_total"] = trained_tokens
-                metrics["throughput/trained_tokens_per_s"] = trained_tokens / metrics["time/wall_s"]
+                metrics["train/trained_tokens_total"] = self.trained_tokens
+                metrics["throughput/trained_tokens_per_s"] = self._run_tokens / metrics["time/wall_s"]
                 last = step == self.rl.steps - 1
                 if self.eval_rows and self.rl.eval_every and ((step + 1) % self.rl.eval_every == 0 or last):
                     metrics["eval/accuracy"] = self.evaluate()
@@ -172,8 +182,10 @@ class RLLoop:
         finally:
             report = self.controller.shutdown(timeout=30.0)
             self.engine.stop()
+            if self.checkpointer is not None:
+                self.checkpointer.wait()
         return LoopResult(steps=len(history), version=self.version, wall_time_s=time.perf_counter() - t_start,
-                          trained_tokens=trained_tokens, history=history, rollout_report=report,
+                          trained_tokens=self._run_tokens, history=history, rollout_report=report,
                           final_params=self.trainer.params)
 
     def _take_batch(self) -> tuple[list[TrajectoryGroup], float]:
@@ -182,7 +194,11 @@ class RLLoop:
         while True:
             self.controller.check()  # a fatal rollout error surfaces here instead of a hang
             try:
-                return self.channel.get_batch(self.local_batch, timeout=1.0), time.perf_counter() - t0
+                batch = self.channel.get_batch(self.local_batch, timeout=1.0)
+                # A fixed order (groups arrive in completion order) keeps the step's arithmetic
+                # independent of thread timing.
+                batch.sort(key=lambda g: (g.admitted_version, g.query_id))
+                return batch, time.perf_counter() - t0
             except TimeoutError:
                 if time.perf_counter() > deadline:
                     raise TimeoutError(f"no batch of {self.local_batch} groups within {self.rl.batch_timeout_s} s; "
@@ -207,6 +223,11 @@ class RLLoop:
                                         agree_max=agree_max if multi else None, agree_sum=agree_sum if multi else None)
         train = self.trainer.train_step(minibatches, current_version=self.version)
         self.version += 1
+        self.trained_tokens += float(train.get("trained_tokens", 0.0))
+        self._run_tokens += float(train.get("trained_tokens", 0.0))
+        # Saved before the new weights reach the generator: in "sync" mode nothing is in flight
+        # or queued here, so the data position is exactly what the trained steps consumed.
+        self._maybe_checkpoint(step)
         t0 = time.perf_counter()
         generation_params = self.weight_sync.transfer(self.trainer.params)
         applied = self._last_applied = self.engine.update_weights(generation_params, self.version)
@@ -224,7 +245,7 @@ class RLLoop:
         rewards = np.array([t.reward for g in groups for t in g.trajectories], np.float64)
         lengths = np.array([len(t.completion_ids) for g in groups for t in g.trajectories])
         gen = self.engine.stats()
-        roll = self.controller.stats()
+        counters = self.staleness.stats()  # restored on resume, unlike the controller's own
         lag = train.get("version_lag_hist", {})
         out = {
             "step": step,
@@ -237,8 +258,8 @@ class RLLoop:
             "staleness/max": int(max((int(k) for k, v in lag.items() if v), default=0)),
             "staleness/hist": {str(k): float(v) for k, v in lag.items()},
             "rollout/queue_depth": self.channel.qsize(),
-            "rollout/accepted": roll.accepted,
-            "rollout/rejected": roll.rejected_total,
+            "rollout/accepted": counters.accepted,
+            "rollout/rejected": counters.rejected,
             "throughput/generated_tokens_per_s": gen.tokens_per_s,
             "throughput/tokens_per_s": train.get("trained_tokens", 0.0) / max(train.get("time_step_s", 1e-9), 1e-9),
             "time/wait_batch_s": wait_s,
@@ -250,6 +271,42 @@ class RLLoop:
             if k in train:
                 out[f"train/{k}"] = train[k]
         return out
+
+    # ---- checkpoints --------------------------------------------------------------------------
+
+    def _maybe_checkpoint(self, step: int) -> None:
+        ckpt = self.checkpointer
+        if ckpt is None:
+            return
+        last = step == self.rl.steps - 1
+        if not (last or ckpt.should_save(step + 1)):
+            return
+        meta = {"step": step, "version": self.version, "staleness": self.staleness.state_dict(),
+                "engine_seed": self.engine.config.seed,
+                "trained_tokens": self.trained_tokens}
+        if self.checkpoint_extra is not None:
+            meta["extra"] = self.checkpoint_extra()
+        ckpt.save(step + 1, state=self.trainer.state_dict(), meta=meta,
+                  data_iterator=self.data_iter if hasattr(self.data_iter, "get_state") else None, force=True)
+        if ckpt.should_export_hf(step + 1):
+            ckpt.export_hf(self.trainer.params, self.model_config, step + 1)
+
+    def _restore(self) -> None:
+        """Continues from the latest checkpoint: weights, optimizer, version, counters, data position."""
+        ckpt = self.checkpointer
+        template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+                                if isinstance(a, jax.Array) else a, self.trainer.state_dict())
+        state, meta = ckpt.restore(state_template=template,
+                                   data_iterator=self.data_iter if hasattr(self.data_iter, "get_state") else None)
+        self.trainer.load_state_dict(state)
+        self.version = int(meta["version"])
+        self.staleness.load_state_dict(meta["staleness"])
+        self.first_step = int(meta["step"]) + 1
+        self.resumed_meta = meta
+        self.trained_tokens = float(meta.get("trained_tokens", 0.0))
+        # The generator starts on the restored weights, as the restored version.
+        self.engine.update_weights(self.weight_sync.transfer(self.trainer.params), self.version)
+        logger.info("resumed at step %d, version %d", self.first_step, self.version)
 
     # ---- evaluation ---------------------------------------------------------------------------
 

@@ -1,0 +1,57 @@
+"""Kill a training run with SIGKILL mid-run, resume it, and get exactly the uninterrupted run."""
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+from areal_jax.cli import main
+from areal_jax.metrics import read_jsonl
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ARGS = [
+    f"--gin_file={ROOT / 'configs' / 'quickstart.gin'}",
+    *[f"--gin_param={p}" for p in (
+        "ModelSource.hidden_size = 32", "ModelSource.num_layers = 1", "TaskSource.train_size = 300",
+        "TaskSource.eval_size = 4", "SFTConfig.steps = 10", "SFTConfig.warmup = 2", "RLConfig.steps = 6",
+        "RLConfig.batch_size = 2", "RLConfig.max_concurrent = 4", "RLVRConfig.n_samples = 2",
+        "RLVRConfig.max_new_tokens = 8", "RLVRConfig.filter_all_equal_rewards = False",
+        "RLConfig.eval_max_new_tokens = 8", "EngineConfig.num_slots = 8", "EngineConfig.max_seq_len = 64",
+        # deterministic mode: synchronous RL, so nothing is in flight at a checkpoint
+        "RLConfig.mode = 'sync'", "RLConfig.max_staleness = 0", "CheckpointConfig.save_interval_steps = 1",
+    )],
+    "--quiet",
+]
+TIMING = ("time/", "throughput/")
+
+
+def _by_step(run_dir):
+    """Last record of each step (a killed run may have logged steps its checkpoint does not hold)."""
+    return {r["step"]: r["metrics"] for r in read_jsonl(run_dir / "metrics.jsonl")}
+
+
+def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path):
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    assert main(["train", *ARGS, f"--run_dir={straight}"]) == 0
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "areal_jax.cli", "train", *ARGS, f"--run_dir={killed}"],
+                            env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    marker = killed / "checkpoints" / "2" / "_CHECKPOINT_METADATA"
+    deadline = time.monotonic() + 300
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL, "the run finished before it could be killed"
+    assert not (killed / "summary.json").exists()
+
+    assert main(["train", *ARGS, f"--run_dir={killed}", "--resume"]) == 0
+    want, got = _by_step(straight), _by_step(killed)
+    assert sorted(got) == sorted(want) == list(range(6))
+    for step in range(6):
+        a = {k: v for k, v in want[step].items() if not k.startswith(TIMING)}
+        b = {k: v for k, v in got[step].items() if not k.startswith(TIMING)}
+        assert a == b, f"step {step} differs after resume"
+    assert got[5]["version"] == 6
