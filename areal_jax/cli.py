@@ -2,6 +2,8 @@
 
     areal-jax train --gin_file=configs/quickstart.gin [--gin_param='RLConfig.steps = 40'] --run_dir=runs/x
     areal-jax sft   ...same flags...          (the SFT stage alone)
+    areal-jax eval --model=DIR --gin_param="DataConfig.paths = ('test.jsonl',)" \
+                   --gin_param='EvalConfig.n_samples = 8' --gin_param='EvalConfig.ks = (1, 8)' --run_dir=runs/e
     areal-jax generate --model=DIR --prompt='...' [--max_new_tokens=64]
 
 Every flag of the config dataclasses is bound gin-style; an unknown name, a wrong type or an
@@ -35,6 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text in (("train", "SFT warm start (optional) then asynchronous RL"),
                             ("sft", "the supervised warm start alone")):
         _add_config_flags(sub.add_parser(name, help=help_text))
+    ev = sub.add_parser("eval", help="pass@k / maj@k of a model directory on prompt files")
+    ev.add_argument("--model", required=True, help="HF model directory (tokenizer files beside the weights)")
+    ev.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
+    ev.add_argument("--gin_file", action="append", default=[])
+    ev.add_argument("--gin_param", action="append", default=[])
+    ev.add_argument("--run_dir", default=None)
+    ev.add_argument("--reward_workers", type=int, default=2, help="reward worker processes (0: in-process)")
     gen = sub.add_parser("generate", help="sample completions from a model directory")
     gen.add_argument("--model", required=True)
     gen.add_argument("--prompt", action="append", required=True)
@@ -49,7 +58,51 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command in ("train", "sft"):
         return _train(args)
+    if args.command == "eval":
+        return _eval(args)
     return _generate(args)
+
+
+def _eval(args) -> int:
+    import dataclasses
+    import json
+    import pathlib
+    import time
+
+    from areal_jax import config_system as cs
+    from areal_jax.data.pipeline import DataConfig, build_prompt_loader
+    from areal_jax.evaluation import EvalConfig, run_evaluation
+    from areal_jax.models import load_pretrained
+    from areal_jax.models.tokenizer import Tokenizer
+    from areal_jax.reward import RewardPool, RewardPoolConfig
+
+    run_dir = pathlib.Path(args.run_dir or os.path.join("runs", "eval-" + time.strftime("%Y%m%d-%H%M%S")))
+    cs.register(EvalConfig)
+    cs.register(DataConfig)
+    try:
+        cs.parse(args.gin_file, args.gin_param)
+        cfg = cs.build(EvalConfig)
+        data = cs.build(DataConfig)
+    except cs.ConfigError as e:
+        print(f"areal-jax: configuration error: {e}", file=sys.stderr)
+        return 2
+    # Every row once, in file order.
+    data = dataclasses.replace(data, shuffle=False, num_epochs=1, even_shards=False)
+    tokenizer = Tokenizer.from_pretrained(args.tokenizer or args.model)
+    model = load_pretrained(args.model)
+    rows = build_prompt_loader(data, tokenizer)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    pool = RewardPool(RewardPoolConfig(num_workers=args.reward_workers, timeout_s=cfg.reward_timeout_s)) \
+        if args.reward_workers > 0 else None
+    try:
+        report = run_evaluation(model, tokenizer, rows, cfg, reward_pool=pool, out_path=run_dir / "samples.jsonl")
+    finally:
+        if pool is not None:
+            pool.close()
+    (run_dir / "report.json").write_text(report.to_json())
+    print(json.dumps(report.overall, indent=2))
+    print(f"[areal-jax] per-sample results: {run_dir / 'samples.jsonl'}; report: {run_dir / 'report.json'}")
+    return 0
 
 
 def _train(args) -> int:

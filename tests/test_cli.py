@@ -25,7 +25,7 @@ def _args(run_dir, *extra):
 
 
 def test_quickstart_runs_end_to_end_in_short_form(tmp_path):
-    assert main(_args(tmp_path)) == 0
+    assert main(_args(tmp_path, "RLConfig.dump_rollouts_every = 2")) == 0
     records = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1]
     for r in records:
@@ -40,6 +40,10 @@ def test_quickstart_runs_end_to_end_in_short_form(tmp_path):
         assert key in summary, key
     assert summary["steps"] == 2 and summary["trained_tokens"] > 0
     assert (tmp_path / "progress.png").stat().st_size > 0
+    rollouts = read_jsonl(tmp_path / "rollouts" / "step_1.jsonl")  # step index 1 = the 2nd step
+    assert len(rollouts) == 2 * 2 and not (tmp_path / "rollouts" / "step_0.jsonl").exists()
+    for r in rollouts:
+        assert len(r["versions"]) == len(r["behavior_logprobs"]) and r["prompt"] and "reward" in r
     assert "RLConfig.steps = 2" in (tmp_path / "config.gin").read_text()
     from areal_jax.models import load_pretrained
     from areal_jax.models.tokenizer import Tokenizer
@@ -61,3 +65,34 @@ def test_config_errors_are_reported_before_anything_starts(tmp_path, capsys, bin
     assert "configuration error" in err and message in err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     assert not (tmp_path / "run" / "config.gin").exists()
+
+
+def test_eval_command_reports_pass_at_k_from_files(tmp_path, capsys):
+    import jax
+
+    from areal_jax.models import ModelConfig, init_params, save_params
+    from tests.tokenizer_fixtures import build_tiny_tokenizer
+
+    model_dir = build_tiny_tokenizer(tmp_path / "model", "chatml")
+    from areal_jax.models.tokenizer import Tokenizer
+
+    vocab = len(Tokenizer.from_pretrained(model_dir))
+    cfg = ModelConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=8)
+    save_params(init_params(cfg, jax.random.key(0), std=0.3), cfg, model_dir)
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {i}+1?", "answer": f"so #### {i + 1}"}) + "\n"
+                            for i in range(3)))
+    out = tmp_path / "eval"
+    assert main(["eval", f"--model={model_dir}", f"--run_dir={out}", "--reward_workers=1",
+                 f"--gin_param=DataConfig.paths = ('{data}',)", "--gin_param=EvalConfig.n_samples = 4",
+                 "--gin_param=EvalConfig.temperature = 1.0", "--gin_param=EvalConfig.ks = (1, 4)",
+                 "--gin_param=EvalConfig.max_new_tokens = 8", "--gin_param=EvalConfig.max_seq_len = 64",
+                 "--gin_param=EvalConfig.num_slots = 8"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["overall"]["num_prompts"] == 3 and report["overall"]["num_samples"] == 12
+    assert {"pass@1", "pass@4", "maj@1", "maj@4"} <= set(report["overall"])
+    assert len(read_jsonl(out / "samples.jsonl")) == 12
+    assert main(["eval", f"--model={model_dir}", "--gin_param=EvalConfig.ks = (8,)",
+                 f"--gin_param=DataConfig.paths = ('{data}',)"]) == 2
+    assert "configuration error" in capsys.readouterr().err

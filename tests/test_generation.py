@@ -13,7 +13,7 @@ from areal_jax.ppo import token_logprobs
 from tests.model_fixtures import FAMILY_CONFIGS, make_models
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                  head_dim=8, qkv_bias=True)
+                  head_dim=8, qkv_bias=True, family="qwen2")
 
 
 def _model(seed: int) -> Transformer:

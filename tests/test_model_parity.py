@@ -211,3 +211,17 @@ def test_unusable_dtypes_are_named(checkpoints, tmp_path):
     (d / "model.safetensors").write_bytes(len(blob).to_bytes(8, "little") + blob + raw[8 + n:])
     with pytest.raises(ValueError, match=r"model\.norm\.weight.*I8"):
         load_pretrained(d)
+
+
+def test_config_rejects_what_its_family_cannot_express():
+    from areal_jax.models import ModelConfig
+
+    base = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2, num_kv_heads=1,
+                head_dim=4)
+    with pytest.raises(ValueError, match="qwen2"):
+        ModelConfig(**base, family="qwen2", qkv_bias=False)
+    with pytest.raises(ValueError, match="llama"):
+        ModelConfig(**base, family="llama", qk_norm=True)
+    with pytest.raises(ValueError, match="qwen3"):
+        ModelConfig(**base, family="qwen3", qk_norm=False)
+    ModelConfig(**base, family="qwen3", qk_norm=True, qkv_bias=True, o_bias=True)

@@ -181,7 +181,8 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
                       ppo=cfg.ppo, optimizer=cfg.optimizer, advantages=cfg.advantages, workflow=rollout_cfg,
                       engine=cfg.engine, mesh=cfg.mesh, eval_rows=work.eval_rows, on_step=on_step,
                       checkpointer=checkpointer, resume=resuming,
-                      checkpoint_extra=lambda: {"summary": _jsonable(summary), "history": _jsonable(history)})
+                      checkpoint_extra=lambda: {"summary": _jsonable(summary), "history": _jsonable(history)},
+                      on_rollouts=metrics_log.dump_rollouts if jax.process_index() == 0 else None)
         if bar is not None and loop.first_step:
             bar.update(loop.first_step)
         result = loop.run()

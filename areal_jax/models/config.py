@@ -63,7 +63,7 @@ class ModelConfig:
     mlp_bias: bool = False  # Llama mlp_bias
     qk_norm: bool = False  # Qwen3: RMSNorm over H on q and k before rotary
     max_position_embeddings: int = 4096
-    family: Family = "qwen2"
+    family: Family = "llama"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
 
@@ -81,6 +81,17 @@ class ModelConfig:
             raise ValueError(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
         if self.family not in ("llama", "qwen2", "qwen3"):
             raise ValueError(f"unknown family {self.family!r}")
+        # What each family's HF class can express, so a saved checkpoint loads back as it was.
+        rules = {
+            "qwen2": self.qkv_bias and not (self.o_bias or self.mlp_bias or self.qk_norm),
+            "qwen3": self.qk_norm and not self.mlp_bias and self.qkv_bias == self.o_bias,
+            "llama": not self.qk_norm and self.qkv_bias == self.o_bias,
+        }
+        if not rules[self.family]:
+            raise ValueError(
+                f"family {self.family!r} cannot express qkv_bias={self.qkv_bias}, o_bias={self.o_bias}, "
+                f"mlp_bias={self.mlp_bias}, qk_norm={self.qk_norm} (qwen2: qkv bias only; qwen3: q/k norm, "
+                f"attention bias on all four projections or none; llama: no q/k norm, same)")
 
     @property
     def group_size(self) -> int:

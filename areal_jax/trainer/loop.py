@@ -67,6 +67,7 @@ class RLConfig:
     generation_dtype: str | None = None  # e.g. "bfloat16": cast on the way to the generator
     eval_every: int = 0  # steps between held-out evaluations (0: only at the start and end)
     eval_max_new_tokens: int = 64
+    dump_rollouts_every: int = 0  # write the step's trajectories to rollouts/step_N.jsonl every N steps
     batch_timeout_s: float = 600.0  # waiting longer than this for a batch is an error
 
     def __post_init__(self):
@@ -80,8 +81,8 @@ class RLConfig:
             raise ValueError(f"RLConfig.mode must be 'async' or 'sync', got {self.mode!r}")
         if self.mode == "sync" and self.max_staleness != 0:
             raise ValueError("RLConfig.mode = 'sync' needs max_staleness = 0")
-        if self.channel_capacity < 0 or self.eval_every < 0:
-            raise ValueError("RLConfig.channel_capacity and eval_every must be >= 0")
+        if self.channel_capacity < 0 or self.eval_every < 0 or self.dump_rollouts_every < 0:
+            raise ValueError("RLConfig.channel_capacity, eval_every and dump_rollouts_every must be >= 0")
         if not self.batch_timeout_s > 0:
             raise ValueError(f"RLConfig.batch_timeout_s must be > 0, got {self.batch_timeout_s!r}")
 
@@ -113,7 +114,8 @@ class RLLoop:
                  on_step: Callable[[int, dict[str, Any]], None] | None = None,
                  devices: Sequence[jax.Device] | None = None, start_version: int = 0,
                  checkpointer: Checkpointer | None = None, resume: bool = False,
-                 checkpoint_extra: Callable[[], dict[str, Any]] | None = None):
+                 checkpoint_extra: Callable[[], dict[str, Any]] | None = None,
+                 on_rollouts: Callable[[int, list[dict[str, Any]]], None] | None = None):
         self.model_config = model_cfg
         self.rl = rl
         self.advantages = advantages
@@ -145,6 +147,7 @@ class RLLoop:
         self.data_iter = data_iter
         self.checkpointer = checkpointer
         self.checkpoint_extra = checkpoint_extra
+        self.on_rollouts = on_rollouts
         self.first_step = 0
         self.trained_tokens = 0.0  # over the whole run, resumes included
         self._run_tokens = 0.0  # by this process since it started
@@ -237,6 +240,9 @@ class RLLoop:
             applied.result()  # nothing generates on stale weights in the synchronous baseline
         self.controller.notify()
         metrics = self._metrics(step, groups, train, wait_s, transfer_s)
+        every = self.rl.dump_rollouts_every
+        if self.on_rollouts is not None and every and (step + 1) % every == 0:
+            self.on_rollouts(step, self.rollout_records(groups))
         if shaped.kl_mean is not None:
             metrics["train/kl_to_reference"] = shaped.kl_mean
         return metrics
@@ -271,6 +277,15 @@ class RLLoop:
             if k in train:
                 out[f"train/{k}"] = train[k]
         return out
+
+    def rollout_records(self, groups: Sequence[TrajectoryGroup]) -> list[dict[str, Any]]:
+        """Human-readable trajectories of a batch: prompt, completion, reward, per-token versions."""
+        decode = self.tokenizer.decode
+        return [{"query_id": g.query_id, "admitted_version": g.admitted_version, "sample": i,
+                 "prompt": decode(t.prompt_ids), "completion": decode(t.completion_ids), "reward": t.reward,
+                 "stop_reason": t.stop_reason, "versions": t.versions.tolist(),
+                 "behavior_logprobs": t.behavior_logprobs.tolist()}
+                for g in groups for i, t in enumerate(g.trajectories)]
 
     # ---- checkpoints --------------------------------------------------------------------------
 
