@@ -52,15 +52,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--train-size", type=int, default=20000)
     p.add_argument("--test-size", type=int, default=200)
-    p.add_argument("--sft-steps", type=int, default=500)
-    p.add_argument("--long-sft-steps", type=int, default=1500, help="total steps of the longer SFT (0: skip)")
+    p.add_argument("--sft-steps", type=int, default=400)
+    p.add_argument("--long-sft-steps", type=int, default=1000, help="total steps of the longer SFT (0: skip)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-len", type=int, default=128)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--samples", type=int, default=8, help="samples per prompt at temperature 1")
     p.add_argument("--rl-seconds", type=float, default=240.0, help="wall time of the RL check (0: skip)")
     p.add_argument("--rl-prompts", type=int, default=16, help="prompts per RL step")
-    p.add_argument("--rl-lr", type=float, default=5e-4)
+    p.add_argument("--rl-lr", type=float, default=3e-5)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -69,6 +69,33 @@ def parse_args(argv=None) -> argparse.Namespace:
 def load() -> str:
     one, five, _ = os.getloadavg()
     return f"load {one:.1f}/{five:.1f} on {os.cpu_count()} cores"
+
+
+def rl_batch(groups, answers, tokenizer, T: int) -> tuple[dict[str, np.ndarray], list[float]]:
+    """Padded on-policy batch `[G * n, T]` from sampled groups, with group-normalized advantages
+    on the completion tokens; also each group's mean reward."""
+    rows = sum(len(g.completions) for g in groups)
+    batch = {k: np.zeros((rows, T), dt) for k, dt in (("input_ids", np.int32), ("targets", np.int32),
+                                                      ("behavior", np.float32), ("advantages", np.float32),
+                                                      ("mask", np.float32))}
+    row, means = 0, []
+    for group, answer in zip(groups, answers):
+        r = np.array([arithmetic_reward(tokenizer.decode(c.tokens, skip_special_tokens=True), answer)
+                      for c in group.completions])
+        means.append(float(r.mean()))
+        adv = (r - r.mean()) / (r.std() + 1e-6)  # GRPO-style group normalization
+        prompt = list(group.prompt_ids)
+        for c, a in zip(group.completions, adv):
+            tokens = prompt + list(c.tokens)
+            L = len(tokens) - 1
+            completion = slice(len(prompt) - 1, L)  # targets that are generated tokens
+            batch["input_ids"][row, :L] = tokens[:-1]
+            batch["targets"][row, :L] = tokens[1:]
+            batch["behavior"][row, completion] = c.logprobs
+            batch["advantages"][row, completion] = a
+            batch["mask"][row, completion] = 1.0
+            row += 1
+    return batch, means
 
 
 def rl_check(mcfg, params, tokenizer, train_items, test_rows, args) -> tuple[object, dict]:
@@ -100,26 +127,9 @@ def rl_check(mcfg, params, tokenizer, train_items, test_rows, args) -> tuple[obj
         items = [train_items[i] for i in rng.choice(len(train_items), P, replace=False)]
         handles = [engine.submit(ar.prompt_ids(tokenizer, it).tolist(), sampling, n=n) for it in items]
         engine.run_until_idle()
-        batch = {k: np.zeros((n * P, T), dt) for k, dt in (("input_ids", np.int32), ("targets", np.int32),
-                                                           ("behavior", np.float32), ("advantages", np.float32),
-                                                           ("mask", np.float32))}
-        row = 0
-        for it, h in zip(items, handles):
-            group = h.result()
-            r = np.array([arithmetic_reward(tokenizer.decode(c.tokens, skip_special_tokens=True), it.answer)
-                          for c in group.completions])
-            rewards_seen.append(r.mean())
-            adv = (r - r.mean()) / (r.std() + 1e-6)  # GRPO-style group normalization
-            prompt = list(group.prompt_ids)
-            for c, a in zip(group.completions, adv):
-                tokens = prompt + list(c.tokens)
-                L = len(tokens) - 1
-                batch["input_ids"][row, :L] = tokens[:-1]
-                batch["targets"][row, :L] = tokens[1:]
-                batch["behavior"][row, len(prompt) - 1:L] = c.logprobs
-                batch["advantages"][row, len(prompt) - 1:L] = a
-                batch["mask"][row, len(prompt) - 1:L] = 1.0
-                row += 1
+        groups = [h.result() for h in handles]
+        batch, mean_rewards = rl_batch(groups, [it.answer for it in items], tokenizer, T)
+        rewards_seen.extend(mean_rewards)
         params, opt_state, _ = step(params, opt_state, batch)
         engine.update_weights(params, steps + 1)
         steps += 1

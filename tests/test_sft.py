@@ -115,10 +115,8 @@ def test_sft_overfits_a_handful_of_problems(tokenizer):
     rows = list(ar.prompt_rows(tokenizer, items))
     cfg = task_model_config(**TINY)
     params = init_params(cfg, jax.random.key(0))
-    before = evaluate_accuracy(cfg, params, rows, tokenizer, max_new_tokens=32, batch=8)
     sft = SFTConfig(steps=120, batch_size=2, max_len=96, lr=1e-2, warmup=10, log_every=20, seed=0)
     trained, metrics = run_sft(cfg, params, examples, sft, progress=False)
-    assert before == 0.0
     assert [m["step"] for m in metrics] == [20, 40, 60, 80, 100, 120]
     assert metrics[-1]["loss"] < 0.05 < metrics[0]["loss"]
     assert all(m["tokens"] > 0 for m in metrics)
