@@ -96,3 +96,12 @@ def test_eval_command_reports_pass_at_k_from_files(tmp_path, capsys):
     assert main(["eval", f"--model={model_dir}", "--gin_param=EvalConfig.ks = (8,)",
                  f"--gin_param=DataConfig.paths = ('{data}',)"]) == 2
     assert "configuration error" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_1_5b_gsm8k_tpu.gin", "qwen3_1_7b_gsm8k_gpu.gin"])
+def test_real_model_configs_parse_and_validate(tmp_path, name):
+    from areal_jax.jobs.configs import load_job_configs
+
+    cfg = load_job_configs([ROOT / "configs" / name], run_dir=str(tmp_path))
+    assert cfg.task.kind == "dataset" and cfg.data.paths and cfg.model.path
+    assert cfg.rl.max_staleness == 4 and cfg.rollout.reward == "math"

@@ -106,9 +106,10 @@ def test_compilation_count_stays_bounded_across_prompt_lengths():
     engine.run_until_idle()
     assert all(len(h.result().completions) == 1 + i % 3 for i, h in enumerate(handles, start=1))
     counts = engine.compile_counts
-    assert counts["decode"] == 1 and counts["first_tokens"] == 1
-    assert counts["prefill"] <= len(engine.config.prefill_buckets) == 3  # buckets 16, 32, 64
-    assert counts["insert"] <= 3
+    row_buckets = 2  # prefill calls of 1 or max_prefill_batch rows
+    assert counts["decode"] == 1 and counts["first_tokens"] <= row_buckets
+    assert counts["prefill"] <= len(engine.config.prefill_buckets) * row_buckets  # lengths 16, 32, 64
+    assert counts["insert"] <= len(engine.config.prefill_buckets) * row_buckets
 
 
 def test_continuous_batching_refills_freed_slots_at_next_chunk():

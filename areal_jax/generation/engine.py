@@ -48,12 +48,13 @@ class EngineConfig:
     max_seq_len: int = 512  # prompt + completion tokens of one sample; the KV cache length S
     decode_chunk: int = 8  # decode steps per jitted chunk: the granularity of refills and swaps
     prefill_buckets: tuple[int, ...] = ()  # default: powers of two from 16, capped by max_seq_len
+    max_prefill_batch: int = 8  # prompts prefilled together in one call (1 or this many rows)
     interruptible: bool = True
     cache_dtype: str | None = None  # default: the dtype of the weights
     seed: int = 0
 
     def __post_init__(self):
-        for name in ("num_slots", "max_seq_len", "decode_chunk"):
+        for name in ("num_slots", "max_seq_len", "decode_chunk", "max_prefill_batch"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {v!r}")
@@ -68,6 +69,10 @@ class EngineConfig:
 
     def bucket(self, length: int) -> int:
         return next(b for b in self.prefill_buckets if b >= length)
+
+    def batch_bucket(self, n: int) -> int:
+        """Rows of a prefill call for n prompts: 1, or max_prefill_batch (two shapes per length bucket)."""
+        return 1 if n == 1 else self.max_prefill_batch
 
 
 def _default_buckets(max_seq_len: int) -> tuple[int, ...]:
@@ -132,7 +137,9 @@ class _Request:
     future: concurrent.futures.Future
     results: list[Completion | None]
     next_sample: int = 0  # samples [0, next_sample) have been inserted
-    prefix: tuple[Any, jax.Array] | None = None  # (KV block, last-position logits) shared by the group
+    # (KV block [L, R, P, K, H], row of this prompt in it, last-position logits [R, V]): one
+    # prefill shared by the group's samples (and by other prompts prefilled in the same call).
+    prefix: tuple[Any, int, jax.Array] | None = None
     aborted: bool = False
     seed: int = 0
 
@@ -389,12 +396,19 @@ class GenerationEngine:
             self._pending_weights = None
         self._params, self._version = params, version
         self._stats.weight_swaps += 1
-        for slot in active:  # interrupted: recompute the KV cache under the new weights
-            sample = self._slot_sample[slot]
-            history = np.concatenate([sample.request.prompt, np.asarray(sample.tokens[:-1], np.int32)])
-            block, _ = self._prefill(history)
-            self._stats.reprefill_tokens += history.size
-            self._insert(block, slot)
+        # Interrupted samples: recompute their KV cache from prompt + tokens so far (all but the
+        # last token, which is the next decode input) under the new weights, in batched calls.
+        histories = [np.concatenate([self._slot_sample[slot].request.prompt,
+                                     np.asarray(self._slot_sample[slot].tokens[:-1], np.int32)]) for slot in active]
+        for start in range(0, len(active), self.config.max_prefill_batch):
+            part = slice(start, start + self.config.max_prefill_batch)
+            block, _ = self._prefill(histories[part])
+            for row, slot in enumerate(active[part]):
+                self._insert(block, row, slot)
+        self._stats.reprefill_tokens += sum(h.size for h in histories)
+        with self._lock:  # queued groups' prefill blocks hold old-weight keys and values
+            for req in self._queue:
+                req.prefix = None
         done.set_result(True)
         return False
 
@@ -406,15 +420,15 @@ class GenerationEngine:
                     return
                 req = self._queue[0]
             if req.prefix is None:
-                req.prefix = self._prefill(req.prompt)
-            block, last_logits = req.prefix
+                self._prefill_queue_head(len(free))
+            block, row, last_logits = req.prefix
             take = min(len(free), req.n - req.next_sample)
             slots, free = free[:take], free[take:]
             for slot in slots:
-                self._insert(block, slot)
+                self._insert(block, row, slot)
             for j, slot in enumerate(slots):
                 self._slot_keys[slot] = self._sample_key(req.seed, req.next_sample + j)
-            tokens, logprobs = self._first_tokens(last_logits, req.sampling, slots, req.prompt.size - 1)
+            tokens, logprobs = self._first_tokens(last_logits, row, req.sampling, slots, req.prompt.size - 1)
             for j, slot in enumerate(slots):
                 self._start_sample(slot, req, req.next_sample + j, int(tokens[j]), float(logprobs[j]))
             req.next_sample += take
@@ -423,6 +437,20 @@ class GenerationEngine:
                 with self._lock:
                     if self._queue and self._queue[0] is req:
                         self._queue.popleft()
+
+    def _prefill_queue_head(self, free_slots: int) -> None:
+        """Prefills, in one call, the queued requests (from the head) whose samples fit in the free slots."""
+        with self._lock:
+            batch, room = [], free_slots
+            for req in self._queue:
+                if len(batch) == self.config.max_prefill_batch or room <= 0:
+                    break
+                if req.prefix is None:
+                    batch.append(req)
+                room -= req.n - req.next_sample
+        block, logits = self._prefill([req.prompt for req in batch])
+        for row, req in enumerate(batch):
+            req.prefix = (block, row, logits)
 
     def _start_sample(self, slot: int, req: _Request, index: int, token: int, logprob: float) -> None:
         sp = req.sampling
@@ -511,22 +539,27 @@ class GenerationEngine:
         cfg, ec = self.model_config, self.config
         counts = self.compile_counts
 
-        def prefill(params, tokens, length):
+        def prefill(params, tokens, lengths):
             counts["prefill"] += 1  # runs once per trace, i.e. per compilation
-            P = tokens.shape[1]
-            positions = jnp.where(jnp.arange(P) < length, jnp.arange(P), -1)[None]
-            block = KVCache.zeros(cfg, 1, P, self._cache.k.dtype)
+            R, P = tokens.shape
+            idx = jnp.arange(P)[None, :]
+            positions = jnp.where(idx < lengths[:, None], idx, -1)  # padding writes nothing
+            block = KVCache.zeros(cfg, R, P, self._cache.k.dtype)
             logits, block = forward(params, cfg, tokens, positions, cache=block)
-            return block, logits[0, length - 1]
+            last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [R, V]
+            return block, last
 
-        def insert(cache, block, slot):
+        def insert(cache, block, row, slot):
             counts["insert"] += 1
-            k = jax.lax.dynamic_update_slice(cache.k, block.k, (0, slot, 0, 0, 0))
-            v = jax.lax.dynamic_update_slice(cache.v, block.v, (0, slot, 0, 0, 0))
+            k = jax.lax.dynamic_slice_in_dim(block.k, row, 1, axis=1)
+            v = jax.lax.dynamic_slice_in_dim(block.v, row, 1, axis=1)
+            k = jax.lax.dynamic_update_slice(cache.k, k, (0, slot, 0, 0, 0))
+            v = jax.lax.dynamic_update_slice(cache.v, v, (0, slot, 0, 0, 0))
             return KVCache(k, v)
 
-        def first_tokens(logits, key_data, position, temperature, top_p, top_k):
+        def first_tokens(all_logits, row, key_data, position, temperature, top_p, top_k):
             counts["first_tokens"] += 1
+            logits = jax.lax.dynamic_index_in_dim(all_logits, row, 0, keepdims=False)
             rows = jnp.broadcast_to(logits, (temperature.shape[0], logits.shape[-1]))
             keys = jax.vmap(jax.random.fold_in, (0, None))(jax.random.wrap_key_data(key_data), position)
             return sample_tokens(rows, keys, temperature, top_p, top_k)
@@ -561,32 +594,39 @@ class GenerationEngine:
         self._first_tokens_fn = jax.jit(first_tokens)
         self._decode_fn = jax.jit(decode, donate_argnums=(1,))
 
-    def _prefill(self, tokens: np.ndarray) -> tuple[KVCache, jax.Array]:
-        """KV block `[L, 1, P_bucket, K, H]` and last-position logits `[V]` of `tokens [P]`."""
+    def _prefill(self, seqs: list[np.ndarray]) -> tuple[KVCache, jax.Array]:
+        """KV block `[L, R, P, K, H]` and last-position logits `[R, V]` of `seqs` (row i = seqs[i]).
+
+        R and P are bucketed (powers of two rows, prefill_buckets lengths): few compiled programs.
+        """
         t0 = time.perf_counter()
-        bucket = self.config.bucket(tokens.size)
-        padded = np.zeros((1, bucket), np.int32)
-        padded[0, :tokens.size] = tokens
-        block, logits = self._prefill_fn(self._params, *self._put(padded, np.int32(tokens.size)))
+        rows = self.config.batch_bucket(len(seqs))
+        bucket = self.config.bucket(max(s.size for s in seqs))
+        padded = np.zeros((rows, bucket), np.int32)
+        lengths = np.ones(rows, np.int32)  # unused rows: one dummy token
+        for i, s in enumerate(seqs):
+            padded[i, :s.size] = s
+            lengths[i] = s.size
+        block, logits = self._prefill_fn(self._params, *self._put(padded, lengths))
         jax.block_until_ready(logits)
         self._stats.prefill_s += time.perf_counter() - t0
-        self._stats.prefill_tokens += tokens.size
+        self._stats.prefill_tokens += sum(s.size for s in seqs)
         return block, logits
 
-    def _insert(self, block: KVCache, slot: int) -> None:
-        self._cache = self._insert_fn(self._cache, block, *self._put(np.int32(slot)))
+    def _insert(self, block: KVCache, row: int, slot: int) -> None:
+        self._cache = self._insert_fn(self._cache, block, *self._put(np.int32(row), np.int32(slot)))
 
     def _sample_key(self, request_seed: int, index: int) -> np.ndarray:
         return np.random.SeedSequence([self.config.seed, request_seed & 0xFFFFFFFF, request_seed >> 32, index]
                                       ).generate_state(2, np.uint32)
 
-    def _first_tokens(self, logits: jax.Array, sp: SamplingParams, slots: list[int], position: int
+    def _first_tokens(self, logits: jax.Array, row: int, sp: SamplingParams, slots: list[int], position: int
                       ) -> tuple[np.ndarray, np.ndarray]:
         """First token of each of `slots` from the prompt's last logits (rows padded to num_slots)."""
         B = self.config.num_slots  # fixed row count: one compiled program whatever n is
         keys = np.zeros((B, 2), np.uint32)
         keys[:len(slots)] = self._slot_keys[slots]
         tokens, logprobs = self._first_tokens_fn(logits, *self._put(
-            keys, np.int32(position), np.full(B, sp.temperature, np.float32), np.full(B, sp.top_p, np.float32),
+            np.int32(row), keys, np.int32(position), np.full(B, sp.temperature, np.float32), np.full(B, sp.top_p, np.float32),
             np.full(B, sp.top_k, np.int32)))
         return np.asarray(tokens)[:len(slots)], np.asarray(logprobs)[:len(slots)]
