@@ -321,3 +321,25 @@ def test_sampling_depends_only_on_the_request_seed_not_on_batching():
     assert run(8, 3, PROMPTS) == alone
     assert run(3, 5, PROMPTS[::-1] + PROMPTS) == alone
     assert len({tuple(t) for t in alone}) > 1  # the samples of the group still differ
+
+
+def test_sampling_frequencies_follow_the_tempered_distribution():
+    logits = jnp.asarray([[2.0, 1.0, 0.0, -1.0, 0.5]] * 1000, jnp.float32)
+    draw = jax.jit(sample_tokens)
+    counts = np.zeros(5)
+    for temperature, top_p in ((0.7, 1.0), (0.7, 0.8)):
+        counts[:] = 0
+        for i in range(8):
+            keys = jax.random.split(jax.random.key(100 + i), 1000)
+            tokens, _ = draw(logits, keys, jnp.full(1000, temperature), jnp.full(1000, top_p), jnp.zeros(1000, jnp.int32))
+            counts += np.bincount(np.asarray(tokens), minlength=5)
+        probs = np.exp(np.asarray(logits[0]) / temperature)
+        probs /= probs.sum()
+        if top_p < 1.0:  # keep the smallest prefix by probability reaching top_p, renormalize
+            order = np.argsort(-probs)
+            keep = order[: int(np.searchsorted(np.cumsum(probs[order]), top_p) + 1)]
+            kept = np.zeros(5)
+            kept[keep] = probs[keep]
+            probs = kept / kept.sum()
+        freq = counts / counts.sum()
+        np.testing.assert_allclose(freq, probs, atol=0.015)  # 8000 draws: ~3.5 standard errors
