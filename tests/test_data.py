@@ -195,7 +195,7 @@ def test_parquet_loads_every_format_with_row_numbers(tmp_path, tokenizer):
 
 
 def test_datasets_directory(tmp_path, tokenizer):
-    datasets = pytest.importorskip("datasets")
+    import datasets  # a test dependency (pyproject [test])
     directory = tmp_path / "saved"
     datasets.Dataset.from_list([GSM8K, {"question": "No gold", "answer": "none"}]).save_to_disk(str(directory))
     loader = build_prompt_loader(DataConfig(paths=(str(directory),), shuffle=False, num_epochs=1), tokenizer)
