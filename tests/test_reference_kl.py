@@ -7,9 +7,7 @@ Run as a script, this file is one process of the 2-process test (see the end).
 
 import functools
 import json
-import os
 import pathlib
-import subprocess
 import sys
 
 import jax
@@ -25,6 +23,7 @@ from areal_jax.trainer.batching import build_sequences, make_microbatches
 from areal_jax.trainer.optimizer import OptimizerConfig, build_optimizer
 from areal_jax.trainer.reference import ReferencePolicy, sequences_with_kl
 from areal_jax.trainer.train_step import PolicyTrainer, PPOConfig
+from tests.multiprocess import run_processes
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=8)
@@ -231,24 +230,7 @@ MP_CFG = AdvantageConfig(norm="none", kl_coef=2.0, kl_estimator="k3")
 def test_two_processes_match_numpy(tmp_path):
     """2 processes x 4 CPU devices, train mesh over all 8 with the processes' devices interleaved
     on "fsdp" (so each process's rows are non-contiguous in the global micro-batch)."""
-    portpicker = pytest.importorskip("portpicker")
-    root = pathlib.Path(__file__).resolve().parents[1]
-    port = portpicker.pick_unused_port()
-    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "4", "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root)}
-    procs = [subprocess.Popen([sys.executable, __file__, str(port), str(i), str(tmp_path)], env=env, cwd=root,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=300)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    results = []
-    for i, p in enumerate(procs):
-        assert p.returncode == 0, f"process {i} failed:\n{logs[i][-4000:]}"
-        results.append(json.loads((tmp_path / f"result_{i}.json").read_text()))
+    results = run_processes(__file__, lambda i: (tmp_path,), tmp_path)
     for i, result in enumerate(results):
         seed, n_groups = MP_GROUPS[i]
         want_adv, _, _, want_kl = numpy_advantages(random_groups(seed, n_groups), MP_CFG.kl_estimator,

@@ -1,15 +1,10 @@
 """The RL loop end to end: real trainer, engine, controller and weight transfer on fake CPU devices."""
 
 import itertools
-import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import numpy as np
-import portpicker
 import pytest
 
 from areal_jax.data.formats import PromptRow
@@ -21,6 +16,7 @@ from areal_jax.ppo import AdvantageConfig
 from areal_jax.rollout.workflow import RLVRConfig
 from areal_jax.trainer import OptimizerConfig, PPOConfig
 from areal_jax.trainer.loop import RLConfig, RLLoop
+from tests.multiprocess import run_processes
 from tests.tokenizer_fixtures import build_tiny_tokenizer
 
 REWARD = "tests.rollout_fixtures:scripted_reward"
@@ -101,26 +97,9 @@ def test_bad_batch_split_is_reported_before_work_starts(tokenizer):
 
 def test_two_processes_train_with_consistent_versions(tmp_path):
     """2 processes x 4 fake CPU devices over real jax.distributed: 2 train + 2 generation devices each."""
-    root = pathlib.Path(__file__).resolve().parents[1]
     tok_dir = build_tiny_tokenizer(tmp_path / "tok", "chatml")
-    port = portpicker.pick_unused_port()
-    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "4", "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root)}
-    worker = root / "tests" / "multiprocess_rl_worker.py"
-    procs = [subprocess.Popen([sys.executable, str(worker), str(port), str(i), "2", str(tok_dir), str(tmp_path)],
-                              env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=600)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    results = []
-    for i, p in enumerate(procs):
-        assert p.returncode == 0, f"process {i} failed:\n{logs[i][-4000:]}"
-        results.append(json.loads((tmp_path / f"result_{i}.json").read_text()))
+    worker = pathlib.Path(__file__).parent / "multiprocess_rl_worker.py"
+    results = run_processes(worker, lambda i: ("2", tok_dir, tmp_path), tmp_path, timeout=600)
     a, b = results
     assert a["versions"] == b["versions"] == [1, 2, 3]
     assert a["engine_version"] == b["engine_version"] == 3
