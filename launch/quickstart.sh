@@ -8,4 +8,4 @@ cd "$ROOT"
 # shellcheck disable=SC1091
 source launch/env.sh
 set -euo pipefail
-exec areal-jax train --gin_file=configs/quickstart.gin --run_dir="${RUN_DIR:-runs/quickstart}" "$@"
+exec areal-jax train --gin_file=configs/quickstart.gin --run_dir="${RUN_DIR:-runs/quickstart-$(date +%Y%m%d-%H%M%S)}" "$@"
