@@ -7,8 +7,7 @@ import sympy / math-verify into the JAX process; workers import what they run.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from areal_jax.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "math_reward": "areal_jax.reward.math",
@@ -28,14 +27,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -8,9 +8,7 @@ pull in JAX.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from areal_jax.lazy_exports import lazy_exports
 from areal_jax.reward.registry import register_reward
 
 REWARD_NAME = "arithmetic"
@@ -28,14 +26,4 @@ _EXPORTS = {
 __all__ = sorted([*_EXPORTS, "REWARD_NAME"])
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
