@@ -1,0 +1,118 @@
+"""Attention in plain JAX: dense GQA for decoding against a cache, causal-blocked for self-attention.
+
+Shapes: q `[B, T, N, H]`, k/v `[B, S, K, H]`, mask `[B, T, S]` (True = may attend), N = K * G.
+
+`attention` is the dense formula: one `[B, K, G*T, S]` score tensor. It serves decoding, where
+T is a few tokens and S the cache length.
+
+`causal_attention` serves training and prefill (T == S, causal mask). On CPU the dense score
+tensor of a 512-token row is tens of MB per layer and every softmax pass over it is memory-bound,
+while half of it lies above the diagonal. Here query block [i, e) only meets keys [0, e): about
+half the work of the dense product for 16 blocks, and each block's scores are small enough to
+stay in cache. The block loop is unrolled at trace time, so all shapes are static and the
+function is differentiable and shardable like any jnp code.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+# Query block of 32 tokens: the fastest of 16/32/64/128 for 512-token rows on the 2-core CPU
+# benchmark machine (bench/forward_throughput.py). Longer rows get longer blocks so that the
+# unrolled loop (and the compiled program) stays at most MAX_BLOCKS blocks long.
+BLOCK_SIZE = 32
+MAX_BLOCKS = 32
+
+_NEG = float(jnp.finfo(jnp.float32).min)
+
+
+def _fold_heads(x: jax.Array, K: int) -> jax.Array:
+    """`[B, T, N, H]` -> `[B, K, G*T, H]`: the G query heads of one kv head join the query axis."""
+    B, T, N, H = x.shape
+    G = N // K
+    return x.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
+
+
+def _unfold_heads(x: jax.Array, N: int) -> jax.Array:
+    """Inverse of `_fold_heads`: `[B, K, G*T, H]` -> `[B, T, N, H]`."""
+    B, K, GT, H = x.shape
+    G = N // K
+    return x.reshape(B, K, G, GT // G, H).transpose(0, 3, 1, 2, 4).reshape(B, GT // G, N, H)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Dense GQA attention. q `[B, T, N, H]`, k/v `[B, S, K, H]`, mask `[B, T, S]` -> `[B, T, N, H]`.
+
+    Heads go in front and the G = N/K query heads sharing a kv head are folded into the query
+    axis, so both products are plain batched matmuls over (B, K): on XLA CPU that is ~15%
+    faster than contracting the 5-D layout directly. A query with no allowed key gets the mean
+    of all values (meaningless, but finite).
+    """
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    G = N // K
+    qt = _fold_heads(q, K)
+    kt = k.transpose(0, 2, 1, 3)  # [B, K, S, H]
+    vt = v.transpose(0, 2, 1, 3)
+    scores = jnp.einsum("bkqh,bksh->bkqs", qt, kt, preferred_element_type=jnp.float32) * (H ** -0.5)
+    scores = scores.reshape(B, K, G, T, -1)
+    scores = jnp.where(mask[:, None, None], scores, _NEG)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(B, K, G * T, -1)
+    out = jnp.einsum("bkqs,bksh->bkqh", probs, vt)
+    return _unfold_heads(out, N)
+
+
+def _block(qt: jax.Array, kt: jax.Array, vt: jax.Array, mask: jax.Array, G: int) -> jax.Array:
+    """One query block against its keys. qt `[B, K, G*Tq, H]`, kt/vt `[B, K, Sk, H]`,
+    mask `[B, Tq, Sk]` -> `[B, K, G*Tq, H]`; a query with no allowed key gets zeros."""
+    B, K, GT, H = qt.shape
+    Tq = GT // G
+    s = jnp.einsum("bkqh,bksh->bkqs", qt, kt, preferred_element_type=jnp.float32) * (H ** -0.5)
+    s = jnp.where(mask[:, None, None], s.reshape(B, K, G, Tq, -1), _NEG)
+    peak = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - peak)
+    total = jnp.sum(p, axis=-1, keepdims=True)  # >= 1: the peak itself contributes exp(0)
+    # Normalizing the [.., Tq, H] output instead of the [.., Tq, Sk] probabilities saves a pass
+    # over the scores.
+    out = jnp.einsum("bkqs,bksh->bkqh", p.astype(vt.dtype).reshape(B, K, GT, -1), vt,
+                     preferred_element_type=jnp.float32).reshape(B, K, G, Tq, H) / total
+    out = jnp.where(peak > _NEG, out, 0.0)  # peak == _NEG: every key masked
+    return out.reshape(B, K, GT, H).astype(vt.dtype)
+
+
+def block_size_for(T: int, block_size: int = BLOCK_SIZE, max_blocks: int = MAX_BLOCKS) -> int:
+    """Query block length used for T tokens: `block_size`, raised so at most `max_blocks` blocks."""
+    if block_size < 1 or max_blocks < 1:
+        raise ValueError(f"block_size ({block_size}) and max_blocks ({max_blocks}) must be >= 1")
+    return max(block_size, math.ceil(T / max_blocks))
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
+                     block_size: int = BLOCK_SIZE, max_blocks: int = MAX_BLOCKS) -> jax.Array:
+    """Exact GQA self-attention under a causal mask, skipping the key blocks above the diagonal.
+
+    q `[B, T, N, H]`, k/v `[B, T, K, H]`, mask `[B, T, T]` -> `[B, T, N, H]`. The mask must allow
+    no key after its query (`mask[b, t, s]` only where s <= t, e.g. causal within packed
+    segments): keys past the end of a query's block are not looked at. Equals `attention` on
+    every query with at least one allowed key; a query with none (padding) gets zeros.
+    """
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    if k.shape[1] != T or v.shape[1] != T or mask.shape[-2:] != (T, T):
+        raise ValueError(f"causal_attention needs T == S: q {q.shape}, k {k.shape}, v {v.shape}, "
+                         f"mask {mask.shape}")
+    if N % K:
+        raise ValueError(f"query heads ({N}) must be a multiple of kv heads ({K})")
+    G = N // K
+    bq = block_size_for(T, block_size, max_blocks)
+    kt = k.transpose(0, 2, 1, 3)  # [B, K, T, H]
+    vt = v.transpose(0, 2, 1, 3)
+    outs = []
+    for start in range(0, T, bq):
+        end = min(T, start + bq)
+        qb = _fold_heads(q[:, start:end], K)
+        outs.append(_unfold_heads(_block(qb, kt[:, :, :end], vt[:, :, :end], mask[:, start:end, :end], G), N))
+    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
