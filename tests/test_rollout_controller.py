@@ -312,6 +312,9 @@ def test_filter_rejection_frees_capacity_and_a_raising_reward_fails_the_group(en
         (g,) = channel.get_batch(1)
         assert g.query_id == "q2" and g.info["source"] == "test.jsonl:3"
         assert len({t.reward for t in g.trajectories}) == N
+        # the reward tally covers the filtered group (all 1.0) too, not the failed one
+        assert s.finished_trajectories == 2 * N
+        assert s.finished_reward_sum == pytest.approx(N * 1.0 + sum(t.reward for t in g.trajectories))
         assert engine.update_weights(weights_for(model, 1), 1).result(timeout=30)
         version.value = 1
         ctl.notify()

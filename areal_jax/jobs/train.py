@@ -174,7 +174,7 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
             metrics_log.log(step, m)
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(reward=f"{m['reward/mean']:.2f}", stale=m["staleness/max"],
+                bar.set_postfix(reward=f"{m.get('rollout/reward_mean', m['reward/mean']):.2f}", stale=m["staleness/max"],
                                 acc=f"{m.get('eval/accuracy', float('nan')):.2f}")
 
         loop = RLLoop(work.model_config, params, tokenizer=work.tokenizer, data_iter=work.train_rows, rl=cfg.rl,
@@ -256,11 +256,11 @@ def _plot(history: list[dict[str, Any]], summary: dict[str, Any], path: pathlib.
 
     steps = [m["step"] + 1 for m in history]
     wall = [m["time/since_start_s"] for m in history]
-    reward = [m["reward/mean"] for m in history]
+    reward = [m.get("rollout/reward_mean", m["reward/mean"]) for m in history]
     evals = [(m["step"] + 1, m["time/since_start_s"], m["eval/accuracy"]) for m in history if "eval/accuracy" in m]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, xs, xlabel, col in ((axes[0], steps, "RL step", 0), (axes[1], wall, "wall time (s)", 1)):
-        ax.plot(xs, reward, label="train reward (sampled)", color="tab:blue")
+        ax.plot(xs, reward, label="sampled reward (all finished groups)", color="tab:blue")
         if evals:
             ax.plot([e[col] for e in evals], [e[2] for e in evals], "o-", label="held-out accuracy (greedy)",
                     color="tab:orange")

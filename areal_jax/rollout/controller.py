@@ -90,6 +90,10 @@ class ControllerStats:
     admission_version: int  # version used by the latest admission (-1: none yet)
     generation_tokens_per_s: float
     error: str | None
+    # Over every finished group, accepted or rejected by a filter (the accepted ones alone are
+    # biased: the all-equal filter drops groups that are all right or all wrong).
+    finished_trajectories: int = 0
+    finished_reward_sum: float = 0.0
 
     @property
     def rejected_total(self) -> int:
@@ -175,6 +179,8 @@ class RolloutController:
         self._peak_in_flight = 0
         self._cancelled = 0
         self._admission_version = -1
+        self._finished_trajectories = 0
+        self._finished_reward_sum = 0.0
         self._error: str | None = None
         self._exhausted = False
 
@@ -279,7 +285,8 @@ class RolloutController:
                 failed=sum(self._failed.values()), failed_by_error=dict(self._failed), in_flight=self._in_flight,
                 peak_in_flight=self._peak_in_flight, outbox=len(self._outbox), channel_depth=self.channel.qsize(),
                 paused=self._paused.is_set(), data_exhausted=self._exhausted,
-                admission_version=self._admission_version, generation_tokens_per_s=tokens_per_s, error=self._error)
+                admission_version=self._admission_version, generation_tokens_per_s=tokens_per_s, error=self._error,
+                finished_trajectories=self._finished_trajectories, finished_reward_sum=self._finished_reward_sum)
 
     # ---- the loop -----------------------------------------------------------------------------
 
@@ -366,6 +373,8 @@ class RolloutController:
                 raise TypeError(f"workflow returned {type(group).__name__}, expected TrajectoryGroup or None")
             trainer_version = int(self._version_fn())
             reason = self._reject_reason(group, trainer_version)
+            if group is not None:
+                self._tally_rewards(group)
         except asyncio.CancelledError:
             self.staleness.on_reject()
             self._settle(cancelled=True)
@@ -387,6 +396,12 @@ class RolloutController:
         self._outbox.append(group)
         self._outbox_ready.set()
         self._settle(accepted=True)
+
+    def _tally_rewards(self, group: TrajectoryGroup) -> None:
+        rewards = [float(t.reward) for t in group.trajectories]
+        with self._cond:
+            self._finished_trajectories += len(rewards)
+            self._finished_reward_sum += sum(rewards)
 
     def _reject_reason(self, group: TrajectoryGroup | None, trainer_version: int) -> str | None:
         if group is None:

@@ -159,6 +159,7 @@ class RLLoop:
                                             reward_pool=reward_pool,
                                             max_head_offpolicyness=rl.max_head_offpolicyness)
         self._last_applied = None
+        self._reward_tally = (0, 0.0)  # (trajectories, reward sum) finished before the last step
 
     # ---- the loop -----------------------------------------------------------------------------
 
@@ -252,12 +253,19 @@ class RLLoop:
         lengths = np.array([len(t.completion_ids) for g in groups for t in g.trajectories])
         gen = self.engine.stats()
         counters = self.staleness.stats()  # restored on resume, unlike the controller's own
+        ctl = self.controller.stats()
+        n_prev, sum_prev = self._reward_tally
+        self._reward_tally = (ctl.finished_trajectories, ctl.finished_reward_sum)
+        n_new = ctl.finished_trajectories - n_prev
         lag = train.get("version_lag_hist", {})
         out = {
             "step": step,
             "version": self.version,
             "reward/mean": float(rewards.mean()),
             "reward/accuracy": float((rewards >= 1.0).mean()),
+            # Every group finished since the previous step, filtered ones included (unbiased,
+            # unlike reward/mean over the trained groups when the all-equal filter is on).
+            "rollout/reward_mean": (ctl.finished_reward_sum - sum_prev) / n_new if n_new else math.nan,
             "completion/mean_length": float(lengths.mean()),
             "completion/max_length": int(lengths.max()),
             "staleness/mean": float(sum(int(k) * v for k, v in lag.items()) / max(sum(lag.values()), 1)),
