@@ -95,6 +95,16 @@ def test_bad_batch_split_is_reported_before_work_starts(tokenizer):
         RLConfig(batch_size=0)
 
 
+def test_sampling_and_training_temperatures_must_agree(tokenizer):
+    cfg = ModelConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8)
+    with pytest.raises(ValueError, match=r"RLVRConfig.temperature \(0.7\) and PPOConfig.temperature \(1.0\)"):
+        RLLoop(cfg, init_params(cfg, 0), tokenizer=tokenizer, data_iter=rows(tokenizer), rl=RLConfig(),
+               ppo=PPOConfig(), optimizer=OptimizerConfig(), advantages=AdvantageConfig(),
+               workflow=RLVRConfig(n_samples=2, max_new_tokens=4, reward=REWARD, temperature=0.7),
+               engine=EngineConfig(num_slots=4, max_seq_len=32), mesh=MeshConfig(colocated=True))
+
+
 def test_two_processes_train_with_consistent_versions(tmp_path):
     """2 processes x 4 fake CPU devices over real jax.distributed: 2 train + 2 generation devices each."""
     tok_dir = build_tiny_tokenizer(tmp_path / "tok", "chatml")

@@ -116,6 +116,12 @@ class RLLoop:
                  checkpointer: Checkpointer | None = None, resume: bool = False,
                  checkpoint_extra: Callable[[], dict[str, Any]] | None = None,
                  on_rollouts: Callable[[int, list[dict[str, Any]]], None] | None = None):
+        if isinstance(workflow, RLVRConfig) and workflow.temperature != ppo.temperature:
+            # The trainer's log-probs must be of the distribution that sampled the tokens, or the
+            # importance weights pi_prox / pi_behav measure the temperature, not the staleness.
+            raise ValueError(f"RLVRConfig.temperature ({workflow.temperature}) and PPOConfig.temperature "
+                             f"({ppo.temperature}) must be equal: behavior log-probs are taken at the sampling "
+                             "temperature and the trainer recomputes them at PPOConfig.temperature")
         self.model_config = model_cfg
         self.rl = rl
         self.advantages = advantages
