@@ -116,6 +116,23 @@ def test_rows_per_bucket_are_fixed_and_fill_the_budget():
     assert rows_for_bucket(16, 64, row_multiple=2) == 4 and rows_for_bucket(64, 64, row_multiple=2) == 2
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_short_sequences_get_short_rows(seed):
+    """RL-sized sequences (40-75 tokens) under a 2048-token budget: every micro-batch uses
+    128-token rows (a few sequences each), never a few long rows of many sequences."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(40, 76, size=int(rng.integers(60, 200)))
+    seqs = [{"input_ids": np.zeros(n, np.int32), "targets": np.zeros(n, np.int32),
+             "loss_mask": np.ones(n, np.float32), "behavior_logprobs": np.zeros(n, np.float32),
+             "versions": np.zeros(n, np.int32), "advantages": np.zeros(n, np.float32)} for n in lengths]
+    (mb,) = make_microbatches(seqs, max_tokens_per_microbatch=2048, num_minibatches=1)
+    assert {micro.shape for micro in mb} == {(16, 128)}
+    # dense packing: all micro-batches but the last hold at least 70% of their slots
+    fills = [micro.num_tokens / 2048 for micro in mb]
+    assert min(fills[:-1], default=1.0) >= 0.7
+    assert sorted(i for micro in mb for i in micro.sequence_indices) == list(range(len(seqs)))
+
+
 def test_oversize_sequence_is_named():
     rng = np.random.default_rng(3)
     seqs = build_sequences(random_groups(rng, n_groups=2, per_group=2, max_prompt=3, max_completion=3),

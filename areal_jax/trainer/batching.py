@@ -7,12 +7,13 @@ T = row length (a bucket size).
    `Trajectory.training_row`) plus `advantages [L_i]` from `compute_advantages` (nonzero only
    on loss-mask tokens, i.e. generated tokens).
 2. `make_microbatches`: split the sequences into M contiguous, token-balanced minibatches
-   (one optimizer update each); inside each, first-fit-decreasing bins of at most
-   `max_tokens_per_microbatch` tokens (one micro-batch each, never splitting a sequence);
-   each bin is packed into R rows of length T, where T is the smallest bucket that holds
-   the bin in `rows_for_bucket(T)` rows. R depends on T only, so the compiled shapes come
-   from the bucket list: short sequences get many short rows (attention costs T^2 per
-   row), long ones few long rows, and every shape holds about the same number of tokens.
+   (one optimizer update each); inside each, bins of at most `max_tokens_per_microbatch`
+   tokens (one micro-batch each, never splitting a sequence), filled longest first so that
+   each packs into R = `rows_for_bucket(T)` rows of the bucket T of its longest sequence;
+   each bin is then packed at the smallest bucket that holds it in `rows_for_bucket(T)`
+   rows. R depends on T only, so the compiled shapes come from the bucket list: short
+   sequences get many short rows (attention costs T^2 per row), long ones few long rows,
+   and every shape holds about the same number of tokens.
 
 Host-side NumPy, run once per training step on the trainer thread.
 """
@@ -171,7 +172,8 @@ def make_microbatches(
     minibatches = []
     for lo, hi in _balanced_chunks(lengths, m):
         index = list(range(lo, hi))
-        bins = [[index[j] for j in b] for b in ffd_allocate([lengths[i] for i in index], budget)]
+        bins = [[index[j] for j in b]
+                for b in _row_aware_bins([lengths[i] for i in index], candidates, budget, row_multiple)]
         n_micro = len(bins) if agree_max is None else agree_max(len(bins))
         bins += [[] for _ in range(n_micro - len(bins))]
         valid = int(sum(float(np.asarray(seqs[i]["loss_mask"]).sum()) for i in index))
@@ -236,6 +238,47 @@ def _balanced_chunks(lengths: Sequence[int], m: int) -> list[tuple[int, int]]:
         bounds.append(e)
     bounds.append(n)
     return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _row_aware_bins(lengths: Sequence[int], candidates: Sequence[int], budget: int, row_multiple: int
+                    ) -> list[list[int]]:
+    """Micro-batch bins (positions into `lengths`) that pack densely into rows.
+
+    Each bin takes its row length T from its longest sequence (the smallest candidate that
+    holds it) and fills R = rows_for_bucket(T) rows with the sequences that fit, longest
+    first. Binning by tokens alone lets a bin of short sequences fragment so that it only fits
+    a few long rows, where attention costs T^2 per row (e.g. 64 sequences of ~60 tokens in one
+    2048-token row instead of 16 rows of 128). Rows are opened and filled exactly as
+    `ffd_allocate(bin, T)` would place the bin, so `_pack_bin` reproduces the same layout.
+    """
+    remaining = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    while remaining:
+        row_len = next(size for size in candidates if size >= lengths[remaining[0]])
+        max_rows = rows_for_bucket(row_len, budget, row_multiple)
+        token_cap = max(budget, row_len)  # a bin never exceeds the budget (or one row)
+        free: list[int] = []  # free tokens per opened row
+        count: list[int] = []  # sequences per opened row
+        members, deferred, tokens = [], [], 0
+        for i in remaining:
+            n = lengths[i]
+            fits = [r for r in range(len(free)) if free[r] >= n]
+            if tokens + n > token_cap or (not fits and len(free) == max_rows):
+                deferred.append(i)
+                continue
+            if fits:  # ffd_allocate's rule: the fitting row holding the fewest sequences
+                r = min(fits, key=lambda r: (count[r], r))
+            else:
+                free.append(row_len)
+                count.append(0)
+                r = len(free) - 1
+            free[r] -= n
+            count[r] += 1
+            tokens += n
+            members.append(i)
+        bins.append(members)
+        remaining = deferred
+    return bins
 
 
 def _rows_at(lengths: Sequence[int], row_len: int, budget: int, row_multiple: int) -> list[list[int]] | None:
