@@ -1,0 +1,170 @@
+"""Staleness ablation at toy scale (the paper's Table 2 / Fig. 5): max_staleness (eta) x objective.
+
+One SFT-only run of the quickstart job writes a checkpoint; every RL configuration then starts
+from that same checkpoint in a fresh `areal-jax train` subprocess (one at a time: throughput is
+wall time on shared cores). Every configuration runs in "async" mode so only eta changes
+(eta = 0 there is synchronous data with the asynchronous machinery); "decoupled" is decoupled
+PPO (proximal policy recomputed with the pre-step weights), "naive" is PPO with
+proximal := behavior (`PPOConfig.decoupled = False`).
+
+Per configuration, from the run's summary.json and metrics.jsonl: held-out greedy accuracy at
+the start (the checkpoint), during RL (`RLConfig.eval_every`) and at the end; trained tokens per
+second (whole RL stage, and steady state after `--warmup` steps, in-loop evaluations included);
+observed staleness of the trained tokens (max, token-weighted mean).
+
+    .venv/bin/python -m bench.staleness_ablation --steps 30 --seeds 0
+    .venv/bin/python -m bench.staleness_ablation --sft_run /tmp/staleness_ablation/sft --etas 0 4 \\
+        --gin_param 'OptimizerConfig.lr = 2e-5'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+VARIANTS = {"decoupled": True, "naive": False}
+
+
+def train(run_dir: pathlib.Path, gin_file: str, params: list[str], compile_cache: str = "") -> float:
+    """`areal-jax train` in a fresh process; returns the command's wall time.
+
+    With `compile_cache`, XLA programs persist across the runs (every configuration compiles the
+    same shapes; on shared cores that costs minutes per run otherwise).
+    """
+    cache = {"JAX_COMPILATION_CACHE_DIR": compile_cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"} if compile_cache else {}
+    cmd = [sys.executable, "-m", "areal_jax.cli", "train", f"--gin_file={gin_file}", f"--run_dir={run_dir}",
+           "--quiet", *(f"--gin_param={p}" for p in params)]
+    t0 = time.perf_counter()
+    with open(run_dir.parent / f"{run_dir.name}.log", "w") as log:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                              env={**os.environ, "PYTHONPATH": str(ROOT), **cache})
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}); see {log.name}")
+    return time.perf_counter() - t0
+
+
+def sft_checkpoint(out: pathlib.Path, gin_file: str, extra: list[str]) -> pathlib.Path:
+    """The shared SFT-only run (skipped when its final_model already exists)."""
+    run_dir = out / "sft"
+    if not (run_dir / "final_model" / "config.json").exists():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        wall = train(run_dir, gin_file, [*extra, "Stages.rl = False", "Stages.plot = False"])
+        print(f"SFT: {json.loads((run_dir / 'summary.json').read_text())['sft_accuracy']:.3f} held-out accuracy "
+              f"({wall:.0f} s) -> {run_dir / 'final_model'}", flush=True)
+    return run_dir / "final_model"
+
+
+def _number(v) -> float:
+    return float(v) if not isinstance(v, str) else {"NaN": math.nan, "Infinity": math.inf}.get(v, math.nan)
+
+
+def read_run(run_dir: pathlib.Path, warmup: int) -> dict:
+    """Figures of one RL run from its summary.json and metrics.jsonl."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    steps = [json.loads(line)["metrics"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    curve = [(0, summary["sft_accuracy"])] + [(m["step"] + 1, _number(m["eval/accuracy"])) for m in steps
+                                              if "eval/accuracy" in m]
+    lag = {}
+    for m in steps:
+        for k, v in m["staleness/hist"].items():
+            lag[int(k)] = lag.get(int(k), 0.0) + _number(v)
+    lag_tokens = sum(lag.values())
+    wall = [m["time/wall_s"] for m in steps]
+    tokens = [m["train/trained_tokens_total"] for m in steps]
+    k = min(warmup, len(steps) - 1)
+    return {
+        "start_accuracy": summary["sft_accuracy"], "final_accuracy": summary["final_accuracy"], "curve": curve,
+        "steps": len(steps), "rl_wall_s": wall[-1], "trained_tokens": tokens[-1],
+        "tokens_per_s": tokens[-1] / wall[-1],
+        "steady_tokens_per_s": (tokens[-1] - tokens[k - 1]) / (wall[-1] - wall[k - 1]) if k >= 1 else math.nan,
+        "staleness_max": max(m["staleness/max"] for m in steps),
+        "staleness_mean": sum(k * v for k, v in lag.items()) / lag_tokens if lag_tokens else 0.0,
+        "rollout_reward_first": float(np.nanmean([_number(m["rollout/reward_mean"]) for m in steps[:5]])),
+        "rollout_reward_last": float(np.nanmean([_number(m["rollout/reward_mean"]) for m in steps[-5:]])),
+    }
+
+
+def run_config(out: pathlib.Path, model: pathlib.Path, eta: int, variant: str, seed: int, args) -> dict:
+    run_dir = out / f"eta{eta}_{variant}_seed{seed}"
+    if not (run_dir / "summary.json").exists():
+        params = [*args.gin_param, "Stages.sft = False", f"ModelSource.path = '{model}'",
+                  "Stages.save_final_model = False", "Stages.plot = False", 'RLConfig.mode = "async"',
+                  f"RLConfig.max_staleness = {eta}", f"PPOConfig.decoupled = {VARIANTS[variant]}",
+                  f"EngineConfig.seed = {seed}"]
+        if args.steps is not None:
+            params.append(f"RLConfig.steps = {args.steps}")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        train(run_dir, args.gin_file, params, args.compile_cache)
+    return {"eta": eta, "variant": variant, "seed": seed, **read_run(run_dir, args.warmup)}
+
+
+def table(results: list[dict]) -> str:
+    """Per (eta, variant): mean over seeds of the figures; the accuracy curve of the first seed."""
+    lines = ["| eta | objective | seeds | start acc | final acc | gain | acc curve (step: acc) | trained tok/s "
+             "(steady) | staleness max / mean | sampled reward first 5 -> last 5 steps |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    keys = sorted({(r["eta"], r["variant"]) for r in results}, key=lambda k: (k[0], k[1] != "decoupled"))
+    for eta, variant in keys:
+        rs = [r for r in results if r["eta"] == eta and r["variant"] == variant]
+
+        def mean(name):
+            return float(np.mean([r[name] for r in rs]))
+
+        final = [r["final_accuracy"] for r in rs]
+        spread = f" ± {np.std(final):.3f}" if len(rs) > 1 else ""
+        curve = ", ".join(f"{s}: {a:.2f}" for s, a in rs[0]["curve"])
+        lines.append(f"| {eta} | {variant} | {len(rs)} | {mean('start_accuracy'):.3f} | {mean('final_accuracy'):.3f}"
+                     f"{spread} | {mean('final_accuracy') - mean('start_accuracy'):+.3f} | {curve} | "
+                     f"{mean('tokens_per_s'):.0f} ({mean('steady_tokens_per_s'):.0f}) | "
+                     f"{max(r['staleness_max'] for r in rs)} / {mean('staleness_mean'):.2f} | "
+                     f"{mean('rollout_reward_first'):.3f} -> {mean('rollout_reward_last'):.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gin_file", default="configs/quickstart.gin")
+    p.add_argument("--gin_param", action="append", default=[], help="binding for every run, SFT included (repeatable)")
+    p.add_argument("--steps", type=int, default=None, help="RL steps (default: the gin file's RLConfig.steps)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="RL sampling seeds (EngineConfig.seed)")
+    p.add_argument("--etas", type=int, nargs="+", default=[0, 1, 2, 4, 8])
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--warmup", type=int, default=3, help="steps left out of the steady-state throughput")
+    p.add_argument("--out", default="/tmp/staleness_ablation",
+                   help="parent of the run directories; finished runs found there are read, not rerun")
+    p.add_argument("--compile_cache", default="/tmp/areal_jax_bench_cache",
+                   help="persistent XLA cache shared by the runs ('' = off)")
+    p.add_argument("--sft_run", default=None, help="an existing run directory whose final_model to start from")
+    args = p.parse_args(argv)
+    out = pathlib.Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    model = (pathlib.Path(args.sft_run).resolve() / "final_model") if args.sft_run \
+        else sft_checkpoint(out, args.gin_file, args.gin_param)
+    results = []
+    for eta in args.etas:
+        for variant in args.variants:
+            for seed in args.seeds:
+                t0 = time.perf_counter()
+                r = run_config(out, model, eta, variant, seed, args)
+                results.append(r)
+                print(f"eta {eta} {variant:9s} seed {seed}: accuracy {r['start_accuracy']:.3f} -> "
+                      f"{r['final_accuracy']:.3f}, {r['tokens_per_s']:.0f} trained tokens/s, staleness max "
+                      f"{r['staleness_max']} mean {r['staleness_mean']:.2f} ({time.perf_counter() - t0:.0f} s)",
+                      flush=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    print(table(results))
+    print(f"load average: {os.getloadavg()}; results: {out / 'results.json'}; command: {' '.join(sys.argv)}")
+
+
+if __name__ == "__main__":
+    main()
