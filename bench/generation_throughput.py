@@ -1,13 +1,15 @@
 """Generation benchmarks (issue: generation engine).
 
-1. Generated tokens/s, areal_jax engine vs transformers `generate` (torch CPU): same random
-   Qwen2 model, same prompts, greedy, fixed number of new tokens.
+1. Generated tokens/s, areal_jax engine vs transformers `generate` (torch CPU), for each batch
+   size in --batches (every row is printed): same random Qwen2 model, same prompts, greedy, fp32
+   on both sides, a fixed number of new tokens.
 2. Continuous vs static batching when response lengths are long-tailed (log-normal, max/mean
    >= 4, enforced per request by max_new_tokens): same engine, same requests; static admits
    the next batch only when the whole previous batch has finished.
-3. Achieved FLOP/s and bytes/s of decoding against this machine's measured ceilings.
+3. Per batch size, the engine's decode step: achieved FLOP/s and bytes/s against this machine's
+   measured ceilings.
 
-Usage: .venv/bin/python bench/generation_throughput.py [--batch 16 --new 64]
+Usage: .venv/bin/python -m bench.generation_throughput [--batches 16,64 --new 64]
 """
 
 import argparse
@@ -52,60 +54,72 @@ def run_engine(model, prompts, lengths, *, slots, max_seq_len, chunk, static):
     return generated / wall, after
 
 
+def decode_step_traffic(cfg, batch: int, max_seq_len: int) -> tuple[float, float]:
+    """(FLOPs, bytes) of one decode step over `batch` slots: every layer weight and the LM head are
+    read once, the embedding only at the batch's rows, and each slot's whole cache row (length S)."""
+    d, h = cfg.hidden_size, cfg.head_dim
+    layer = d * (cfg.num_heads + 2 * cfg.num_kv_heads) * h + cfg.num_heads * h * d + 3 * d * cfg.intermediate_size
+    matmul_params = cfg.num_layers * layer + d * cfg.vocab_size
+    kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * h * 4 * batch * max_seq_len
+    return 2 * matmul_params * batch, 4 * (matmul_params + batch * d) + kv_bytes
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--batches", default="16,64", help="comma-separated batch sizes (slots = batch)")
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=16)
     ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--tail-slots", type=int, default=16)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
     hf = qwen2_bench_config(layers=4, hidden=256)
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, hf["vocab_size"], size=args.prompt).tolist() for _ in range(args.batch)]
+    print(f"machine: {machine()}; load average at start: {os.getloadavg()[0]:.2f}")
+    rows = []
     with tempfile.TemporaryDirectory() as d:
         info = torch_side("make_model", out=d, config=hf)
         model = load_pretrained(d)
         max_seq_len = args.prompt + args.new + 16
-        jax_tps, stats = run_engine(model, prompts, [args.new] * args.batch, slots=args.batch,
-                                    max_seq_len=max_seq_len, chunk=args.chunk, static=False)
-        torch_res = torch_side("generate", model=d, prompts=prompts, max_new_tokens=args.new, iters=1,
-                               threads=args.threads)
+        for batch in batches:
+            prompts = [rng.integers(0, hf["vocab_size"], size=args.prompt).tolist() for _ in range(batch)]
+            jax_tps, stats = run_engine(model, prompts, [args.new] * batch, slots=batch, max_seq_len=max_seq_len,
+                                        chunk=args.chunk, static=False)
+            torch_res = torch_side("generate", model=d, prompts=prompts, max_new_tokens=args.new, iters=1,
+                                   threads=args.threads)
+            rows.append((batch, jax_tps, torch_res["tokens_per_s"], stats))
 
         # Long-tailed lengths: log-normal, clipped to [4, 512].
         lengths = np.clip(rng.lognormal(mean=np.log(24), sigma=1.0, size=args.requests), 4, 512).astype(int)
         tail_prompts = [rng.integers(0, hf["vocab_size"], size=16).tolist() for _ in range(args.requests)]
         tail_len = 16 + int(lengths.max()) + 16
-        cont_tps, cont_stats = run_engine(model, tail_prompts, lengths.tolist(), slots=args.batch,
+        cont_tps, cont_stats = run_engine(model, tail_prompts, lengths.tolist(), slots=args.tail_slots,
                                           max_seq_len=tail_len, chunk=args.chunk, static=False)
-        stat_tps, stat_stats = run_engine(model, tail_prompts, lengths.tolist(), slots=args.batch,
+        stat_tps, stat_stats = run_engine(model, tail_prompts, lengths.tolist(), slots=args.tail_slots,
                                           max_seq_len=tail_len, chunk=args.chunk, static=True)
 
     ceil = measured_ceilings()
-    cfg = model.config
-    weight_bytes = 4 * info["params"]
-    kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
-    flops_per_token = 2 * info["params"]
-    step_s = stats.decode_s / max(stats.decode_steps, 1)
-    # Per decode step the engine reads all weights once and each slot's whole cache row (length S).
-    bytes_per_step = weight_bytes + args.batch * max_seq_len * kv_bytes_per_token
-    print(f"machine: {machine()}; model: {info['params'] / 1e6:.1f}M params (Qwen2-shaped, 4 layers, hidden 256)")
-    print(f"[1] batch {args.batch}, prompt {args.prompt}, {args.new} new tokens, greedy")
-    print(f"    areal_jax engine : {jax_tps:9.0f} generated tokens/s")
-    print(f"    torch generate   : {torch_res['tokens_per_s']:9.0f} generated tokens/s")
-    print(f"    ratio            : {jax_tps / torch_res['tokens_per_s']:.2f}x")
+    print(f"model: {info['params'] / 1e6:.1f}M params (Qwen2-shaped, 4 layers, hidden 256), fp32 on both sides; "
+          f"load average at end: {os.getloadavg()[0]:.2f}")
+    print(f"[1] greedy, prompt {args.prompt}, {args.new} new tokens, decode chunk {args.chunk}; generated tokens/s")
+    for batch, jax_tps, torch_tps, _ in rows:
+        print(f"    batch {batch:3d}: engine {jax_tps:7.0f}   torch generate {torch_tps:7.0f}   "
+              f"ratio {jax_tps / torch_tps:.2f}x")
     print(f"[2] {args.requests} requests, lengths log-normal: mean {lengths.mean():.1f}, max {lengths.max()}, "
-          f"max/mean {lengths.max() / lengths.mean():.1f}; {args.batch} slots")
+          f"max/mean {lengths.max() / lengths.mean():.1f}; {args.tail_slots} slots")
     print(f"    continuous batching: {cont_tps:9.0f} tokens/s (slot occupancy {cont_stats.slot_occupancy:.1f})")
     print(f"    static batching    : {stat_tps:9.0f} tokens/s (slot occupancy {stat_stats.slot_occupancy:.1f})")
     print(f"    ratio              : {cont_tps / stat_tps:.2f}x")
-    print(f"[3] decode step {1e3 * step_s:.2f} ms for {args.batch} slots: "
-          f"{flops_per_token * args.batch / step_s / 1e9:.2f} GFLOP/s "
-          f"({100 * flops_per_token * args.batch / step_s / ceil['matmul_flops']:.1f}% of matmul ceiling "
-          f"{ceil['matmul_flops'] / 1e9:.0f} GFLOP/s), "
-          f"{bytes_per_step / step_s / 1e9:.2f} GB/s ({100 * bytes_per_step / step_s / ceil['copy_bytes']:.1f}% of "
-          f"copy ceiling {ceil['copy_bytes'] / 1e9:.1f} GB/s)")
+    print(f"[3] decode step (ceilings: matmul {ceil['matmul_flops'] / 1e9:.0f} GFLOP/s, "
+          f"copy {ceil['copy_bytes'] / 1e9:.1f} GB/s)")
+    for batch, _, _, stats in rows:
+        step_s = stats.decode_s / max(stats.decode_steps, 1)
+        flops, nbytes = decode_step_traffic(model.config, batch, max_seq_len)
+        print(f"    batch {batch:3d}: {1e3 * step_s:.2f} ms/step, {flops / step_s / 1e9:.1f} GFLOP/s "
+              f"({100 * flops / step_s / ceil['matmul_flops']:.0f}% of ceiling), {nbytes / step_s / 1e9:.2f} GB/s "
+              f"({100 * nbytes / step_s / ceil['copy_bytes']:.0f}% of ceiling; {nbytes / 1e6:.1f} MB read per step)")
 
 
 if __name__ == "__main__":

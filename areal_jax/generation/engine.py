@@ -11,8 +11,11 @@ versions; their KV cache is recomputed from prompt + tokens so far under the new
 later tokens carry the new version. With `interruptible=False` the engine instead stops
 admitting, lets in-flight samples finish on the old weights, then swaps (the ablation).
 
-Device state is the KV cache `[L, B, S, K, H]` (B = slots, S = max_seq_len); per-slot scalars
-live on the host and travel with each chunk call (a few hundred bytes).
+Device state is the KV cache `[L, B, K, S, H]` (B = slots, S = max_seq_len); per-slot scalars
+live on the host and travel with each chunk call (a few hundred bytes). A decode chunk splits
+the cache and the layer weights per layer once, then runs its steps with the layers unrolled
+over those pieces: each cache layer is then updated in place and each weight is read where it
+lies (in a scan over stacked layers XLA copies every layer's weights and cache on every step).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from areal_jax.generation.sampling import MAX_STOP_IDS, SamplingParams, sample_tokens
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.sharding import GENERATION_RULES, activation_rules, sharding_for
-from areal_jax.models.transformer import KVCache, Params, Transformer, forward
+from areal_jax.models.transformer import KVCache, Params, Transformer, forward, lm_head, split_layers
 
 StopReason = Literal["stop", "length", "aborted"]
 
@@ -137,7 +140,7 @@ class _Request:
     future: concurrent.futures.Future
     results: list[Completion | None]
     next_sample: int = 0  # samples [0, next_sample) have been inserted
-    # (KV block [L, R, P, K, H], row of this prompt in it, last-position logits [R, V]): one
+    # (KV block [L, R, K, P, H], row of this prompt in it, last-position logits [R, V]): one
     # prefill shared by the group's samples (and by other prompts prefilled in the same call).
     prefix: tuple[Any, int, jax.Array] | None = None
     aborted: bool = False
@@ -181,7 +184,7 @@ class GenerationEngine:
         cache = KVCache.zeros(cfg, ec.num_slots, ec.max_seq_len, dtype)
         if self._mesh is not None:
             self._inputs_sharding = NamedSharding(self._mesh, PartitionSpec())
-            cache_sharding = sharding_for(("layers", "cache_slots", "cache_seq", "kv_heads", "head_dim"),
+            cache_sharding = sharding_for(("layers", "cache_slots", "kv_heads", "cache_seq", "head_dim"),
                                           GENERATION_RULES, self._mesh, cache.k.shape)
         else:
             self._inputs_sharding = cache_sharding = SingleDeviceSharding(next(iter(home.device_set)))
@@ -414,29 +417,35 @@ class GenerationEngine:
 
     def _admit(self) -> None:
         free = [i for i, s in enumerate(self._slot_sample) if s is None]
+        started: list[tuple[int, _Request, int, jax.Array, int]] = []  # slot, request, sample, logits, row
         while free:
             with self._lock:
                 if not self._queue:
-                    return
+                    break
                 req = self._queue[0]
             if req.prefix is None:
                 self._prefill_queue_head(len(free))
             block, row, last_logits = req.prefix
             take = min(len(free), req.n - req.next_sample)
             slots, free = free[:take], free[take:]
-            for slot in slots:
+            for j, slot in enumerate(slots):
                 self._insert(block, row, slot)
-            for j, slot in enumerate(slots):
                 self._slot_keys[slot] = self._sample_key(req.seed, req.next_sample + j)
-            tokens, logprobs = self._first_tokens(last_logits, row, req.sampling, slots, req.prompt.size - 1)
-            for j, slot in enumerate(slots):
-                self._start_sample(slot, req, req.next_sample + j, int(tokens[j]), float(logprobs[j]))
+                started.append((slot, req, req.next_sample + j, last_logits, row))
             req.next_sample += take
             if req.next_sample == req.n:
                 req.prefix = None  # the group's prefill block is no longer needed
                 with self._lock:
                     if self._queue and self._queue[0] is req:
                         self._queue.popleft()
+        # First tokens: one call per prefill call's logits, for every sample started from them.
+        while started:
+            logits = started[0][3]
+            group = [s for s in started if s[3] is logits]
+            started = [s for s in started if s[3] is not logits]
+            tokens, logprobs = self._first_tokens(logits, group)
+            for (slot, req, index, _, _), token, logprob in zip(group, tokens, logprobs):
+                self._start_sample(slot, req, index, int(token), float(logprob))
 
     def _prefill_queue_head(self, free_slots: int) -> None:
         """Prefills, in one call, the queued requests (from the head) whose samples fit in the free slots."""
@@ -545,9 +554,11 @@ class GenerationEngine:
             idx = jnp.arange(P)[None, :]
             positions = jnp.where(idx < lengths[:, None], idx, -1)  # padding writes nothing
             block = KVCache.zeros(cfg, R, P, self._cache.k.dtype)
-            logits, block = forward(params, cfg, tokens, positions, cache=block)
-            last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [R, V]
-            return block, last
+            hidden, block = forward(params, cfg, tokens, positions, cache=block, return_hidden=True)
+            # Only the last prompt position needs logits: the LM head over all P would be ~40% of
+            # a small model's prefill FLOPs.
+            last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)  # [R, 1, D]
+            return block, lm_head(params, cfg, last)[:, 0]  # [R, V]
 
         def insert(cache, block, row, slot):
             counts["insert"] += 1
@@ -557,18 +568,17 @@ class GenerationEngine:
             v = jax.lax.dynamic_update_slice(cache.v, v, (0, slot, 0, 0, 0))
             return KVCache(k, v)
 
-        def first_tokens(all_logits, row, key_data, position, temperature, top_p, top_k):
+        def first_tokens(all_logits, rows, key_data, positions, temperature, top_p, top_k):
             counts["first_tokens"] += 1
-            logits = jax.lax.dynamic_index_in_dim(all_logits, row, 0, keepdims=False)
-            rows = jnp.broadcast_to(logits, (temperature.shape[0], logits.shape[-1]))
-            keys = jax.vmap(jax.random.fold_in, (0, None))(jax.random.wrap_key_data(key_data), position)
-            return sample_tokens(rows, keys, temperature, top_p, top_k)
+            keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(key_data), positions)
+            return sample_tokens(all_logits[rows], keys, temperature, top_p, top_k)
 
         def decode(params, cache, tokens, positions, active, remaining, temperature, top_p, top_k, stop_ids,
                    key_data):
             counts["decode"] += 1
-            S = cache.k.shape[2]
+            S = cache.k.shape[3]
             slot_keys = jax.random.wrap_key_data(key_data)
+            params = split_layers(params)
 
             def step(carry, c):
                 cache, tokens, positions, active, remaining = carry
@@ -585,9 +595,9 @@ class GenerationEngine:
                 tokens = jnp.where(valid, new, tokens)
                 return (cache, tokens, positions, active & ~done, remaining), (new, lp, valid)
 
-            carry = (cache, tokens, positions, active, remaining)
+            carry = (cache.per_layer(), tokens, positions, active, remaining)
             (cache, *_), (new, lp, valid) = jax.lax.scan(step, carry, jnp.arange(ec.decode_chunk))
-            return cache, (new.T, lp.T, valid.T)  # [B, C]
+            return cache.stacked(), (new.T, lp.T, valid.T)  # [B, C]
 
         self._prefill_fn = jax.jit(prefill)
         self._insert_fn = jax.jit(insert, donate_argnums=(0,))
@@ -595,7 +605,7 @@ class GenerationEngine:
         self._decode_fn = jax.jit(decode, donate_argnums=(1,))
 
     def _prefill(self, seqs: list[np.ndarray]) -> tuple[KVCache, jax.Array]:
-        """KV block `[L, R, P, K, H]` and last-position logits `[R, V]` of `seqs` (row i = seqs[i]).
+        """KV block `[L, R, K, P, H]` and last-position logits `[R, V]` of `seqs` (row i = seqs[i]).
 
         R and P are bucketed (powers of two rows, prefill_buckets lengths): few compiled programs.
         """
@@ -620,13 +630,18 @@ class GenerationEngine:
         return np.random.SeedSequence([self.config.seed, request_seed & 0xFFFFFFFF, request_seed >> 32, index]
                                       ).generate_state(2, np.uint32)
 
-    def _first_tokens(self, logits: jax.Array, row: int, sp: SamplingParams, slots: list[int], position: int
+    def _first_tokens(self, logits: jax.Array, started: list[tuple[int, _Request, int, jax.Array, int]]
                       ) -> tuple[np.ndarray, np.ndarray]:
-        """First token of each of `slots` from the prompt's last logits (rows padded to num_slots)."""
-        B = self.config.num_slots  # fixed row count: one compiled program whatever n is
+        """First token of each started (slot, request, sample, logits, row) from its prompt's last
+        logits `logits[row]`; rows padded to num_slots (one compiled program per prefill row count)."""
+        B = self.config.num_slots
+        rows, positions, top_k = np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
         keys = np.zeros((B, 2), np.uint32)
-        keys[:len(slots)] = self._slot_keys[slots]
-        tokens, logprobs = self._first_tokens_fn(logits, *self._put(
-            np.int32(row), keys, np.int32(position), np.full(B, sp.temperature, np.float32), np.full(B, sp.top_p, np.float32),
-            np.full(B, sp.top_k, np.int32)))
-        return np.asarray(tokens)[:len(slots)], np.asarray(logprobs)[:len(slots)]
+        temperature, top_p = np.zeros(B, np.float32), np.ones(B, np.float32)  # padding: greedy, no filter
+        for i, (slot, req, _, _, row) in enumerate(started):
+            sp = req.sampling
+            rows[i], positions[i], keys[i] = row, req.prompt.size - 1, self._slot_keys[slot]
+            temperature[i], top_p[i], top_k[i] = sp.temperature, sp.top_p, sp.top_k
+        tokens, logprobs = self._first_tokens_fn(logits, *self._put(rows, keys, positions, temperature, top_p, top_k))
+        tokens, logprobs = jax.device_get((tokens, logprobs))
+        return tokens[:len(started)], logprobs[:len(started)]

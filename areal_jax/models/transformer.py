@@ -8,7 +8,7 @@ Conventions (see ModelConfig for the dimension letters B T S D N K H F V L):
   engine alike; `Transformer` is the Flax NNX module users hold, a thin owner of the same dict.
 - Packed rows: `segment_ids [B, T]` mark sequences (0 = padding); a token attends only to
   earlier tokens of its own non-zero segment.
-- KV cache (generation): `KVCache` arrays `[L, B, S, K, H]`; a token at position p writes its
+- KV cache (generation): `KVCache` arrays `[L, B, K, S, H]`; a token at position p writes its
   key/value at cache index p and attends to cache indices <= p of its own row.
 """
 
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from areal_jax.models.attention import attention, causal_attention
+from areal_jax.models.attention import causal_attention
 from areal_jax.models.config import ModelConfig, rope_inverse_frequencies
 from areal_jax.models.sharding import constrain
 
@@ -112,15 +112,61 @@ def rotary(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array
 
 
 class KVCache(NamedTuple):
-    """Keys and values of every layer: `k, v [L, B, S, K, H]` (B = decode slots)."""
+    """Keys and values of every layer: `k, v [L, B, K, S, H]` (B = decode slots, S = cache length).
 
-    k: jax.Array
-    v: jax.Array
+    Heads precede positions so that attention reads a layer's cache as it lies, without a
+    transposed copy. A decode loop carries the cache *per layer* instead (`per_layer()`: tuples
+    of L `[B, K, S, H]` arrays), because XLA updates a whole buffer in place but copies a slice
+    of a stacked one before writing into it; `stacked()` turns it back.
+    """
+
+    k: jax.Array | tuple[jax.Array, ...]
+    v: jax.Array | tuple[jax.Array, ...]
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> "KVCache":
-        shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_layers, batch, cfg.num_kv_heads, length, cfg.head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    @property
+    def is_per_layer(self) -> bool:
+        return isinstance(self.k, tuple)
+
+    def per_layer(self) -> "KVCache":
+        if self.is_per_layer:
+            return self
+        return KVCache(tuple(self.k[i] for i in range(self.k.shape[0])), tuple(self.v[i] for i in range(self.v.shape[0])))
+
+    def stacked(self) -> "KVCache":
+        return KVCache(jnp.stack(self.k), jnp.stack(self.v)) if self.is_per_layer else self
+
+
+def split_layers(params: Params) -> Params:
+    """The same weights with `params["layers"]` as a tuple of per-layer dicts (what an unrolled
+    decode step wants: slicing the stacked weights inside the step copies every layer's weights
+    on every step). Only `forward` with a per-layer `KVCache` accepts this layout."""
+    layers = params["layers"]
+    if isinstance(layers, tuple):
+        return params
+    count = len(next(iter(layers.values())))
+    return {**params, "layers": tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(count))}
+
+
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """GQA attention over a cache layer. q `[B, T, N, H]`, k/v `[B, K, S, H]`, mask `[B, T, S]`.
+
+    The G = N/K query heads of a kv head are folded with T into one query axis, so both
+    products are batched matmuls over (B, K) that read the cache in its stored layout.
+    """
+    B, T, N, H = q.shape
+    K, S = k.shape[1], k.shape[2]
+    G = N // K
+    q_bk = q.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
+    logits = jnp.einsum("bkqh,bksh->bkqs", q_bk, k, preferred_element_type=jnp.float32) * (H ** -0.5)
+    logits = jnp.where(mask[:, None, None], logits.reshape(B, K, G, T, S), jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(logits, axis=-1).reshape(B, K, G * T, S)
+    out = jnp.einsum("bkqs,bksh->bkqh", weights.astype(v.dtype), v)
+    return out.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
 
 
 def segment_positions(segment_ids: jax.Array) -> jax.Array:
@@ -133,7 +179,7 @@ def segment_positions(segment_ids: jax.Array) -> jax.Array:
 
 
 def _layer(cfg: ModelConfig, inv_freq, x, p, positions, mask, cache_kv, write_index, compute_dtype):
-    """One decoder layer. x `[B, T, D]`; cache_kv = (k, v) `[B, S, K, H]` of this layer or None."""
+    """One decoder layer. x `[B, T, D]`; cache_kv = (k, v) `[B, K, S, H]` of this layer or None."""
     cast = lambda a: a.astype(compute_dtype)  # noqa: E731
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
     q = jnp.einsum("btd,dnh->btnh", h, cast(p["wq"]))
@@ -151,13 +197,14 @@ def _layer(cfg: ModelConfig, inv_freq, x, p, positions, mask, cache_kv, write_in
         attn = causal_attention(q, k, v, mask)
         new_kv = None
     else:
-        ck, cv = cache_kv
+        ck, cv = cache_kv  # [B, K, S, H]; write_index [B, T] puts token t of row b at [b, :, index]
         rows = jnp.arange(x.shape[0])[:, None]
-        ck = ck.at[rows, write_index].set(k.astype(ck.dtype), mode="drop")
-        cv = cv.at[rows, write_index].set(v.astype(cv.dtype), mode="drop")
-        attn = attention(q, ck.astype(compute_dtype), cv.astype(compute_dtype), mask)
+        ck = ck.at[rows, :, write_index].set(k.astype(ck.dtype), mode="drop")
+        cv = cv.at[rows, :, write_index].set(v.astype(cv.dtype), mode="drop")
+        attn = cached_attention(q, ck.astype(compute_dtype), cv.astype(compute_dtype), mask)
         new_kv = (ck, cv)
-    out = jnp.einsum("btnh,nhd->btd", attn, cast(p["wo"]))
+    # One contraction axis (N*H): with two, XLA CPU transposes wo and the activations per call.
+    out = jnp.einsum("btf,fd->btd", attn.reshape(*attn.shape[:2], -1), cast(p["wo"]).reshape(-1, x.shape[-1]))
     if cfg.o_bias:
         out = out + cast(p["bo"])
     x = x + out
@@ -197,7 +244,9 @@ def forward(
     Without a cache: positions default to 0..T-1, or to the position within each segment when
     `segment_ids` is given; attention is causal within segments. With a cache: `positions [B, T]`
     are required and are also the cache indices written; a position < 0 marks a padding token
-    whose key/value is not written (its logits are meaningless).
+    whose key/value is not written (its logits are meaningless). A stacked cache runs the layers
+    as a scan (prefill); a per-layer one (`KVCache.per_layer()`, returned per layer) unrolls them,
+    and `params` may then hold per-layer weights (`split_layers`): the decode step's layout.
     """
     B, T = input_ids.shape
     compute_dtype = compute_dtype or params["embed"].dtype
@@ -218,7 +267,7 @@ def forward(
         mask = jnp.broadcast_to(mask, (B, T, T))
         write_index = None
     else:
-        S = cache.k.shape[2]
+        S = cache.k[0].shape[2] if cache.is_per_layer else cache.k.shape[3]
         valid = positions >= 0
         mask = (jnp.arange(S)[None, None, :] <= positions[:, :, None]) & valid[:, :, None]  # [B, T, S]
         write_index = jnp.where(valid, positions, S)  # index S is out of bounds: dropped
@@ -237,7 +286,15 @@ def forward(
 
         x, _ = jax.lax.scan(body, x, params["layers"])
         new_cache = None
-    else:
+    elif cache.is_per_layer:  # a decode step: layers unrolled, each cache layer updated in place
+        layers = split_layers(params)["layers"]
+        new_k, new_v = [], []
+        for p, ck, cv in zip(layers, cache.k, cache.v, strict=True):
+            x, (ck, cv) = layer_fn(x, p, (ck, cv))
+            new_k.append(ck)
+            new_v.append(cv)
+        new_cache = KVCache(tuple(new_k), tuple(new_v))
+    else:  # prefill: one compiled layer body, whatever the depth
         def body(carry, p_and_index):
             x, ck, cv = carry
             p, i = p_and_index
