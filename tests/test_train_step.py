@@ -284,7 +284,11 @@ def test_sharded_step_matches_single_device(fresh):
     m_one = fresh.train_step(minibatches)
     m_mesh = sharded.train_step(minibatches)
     assert m_mesh["loss"] == pytest.approx(m_one["loss"], abs=1e-6)
-    assert_trees_close(sharded.params, fresh.params, atol=1e-5)
+    assert m_mesh["grad_norm"] == pytest.approx(m_one["grad_norm"], rel=1e-5)
+    # Adam divides by sqrt(v): on entries whose gradient is near rounding level the two
+    # reduction orders give visibly different updates (measured up to 3.4e-5 after two updates
+    # at lr 1e-2), so the weights are compared at 1% of one update's size.
+    assert_trees_close(sharded.params, fresh.params, atol=1e-2 * OPT.lr)
     assert sharded.opt_state[1][0].mu["layers"]["wq"].sharding.spec == PartitionSpec(None, "fsdp", "tensor")
 
 
