@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from areal_jax.models.attention import causal_attention
+from areal_jax.models.attention import cached_attention, causal_attention
 from areal_jax.models.config import ModelConfig, rope_inverse_frequencies
 from areal_jax.models.sharding import constrain
 
@@ -150,23 +150,6 @@ def split_layers(params: Params) -> Params:
         return params
     count = len(next(iter(layers.values())))
     return {**params, "layers": tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(count))}
-
-
-def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """GQA attention over a cache layer. q `[B, T, N, H]`, k/v `[B, K, S, H]`, mask `[B, T, S]`.
-
-    The G = N/K query heads of a kv head are folded with T into one query axis, so both
-    products are batched matmuls over (B, K) that read the cache in its stored layout.
-    """
-    B, T, N, H = q.shape
-    K, S = k.shape[1], k.shape[2]
-    G = N // K
-    q_bk = q.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
-    logits = jnp.einsum("bkqh,bksh->bkqs", q_bk, k, preferred_element_type=jnp.float32) * (H ** -0.5)
-    logits = jnp.where(mask[:, None, None], logits.reshape(B, K, G, T, S), jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(logits, axis=-1).reshape(B, K, G * T, S)
-    out = jnp.einsum("bkqs,bksh->bkqh", weights.astype(v.dtype), v)
-    return out.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
 
 
 def segment_positions(segment_ids: jax.Array) -> jax.Array:

@@ -257,7 +257,6 @@ class RLLoop:
     def _metrics(self, step, groups, train, wait_s, transfer_s) -> dict[str, Any]:
         rewards = np.array([t.reward for g in groups for t in g.trajectories], np.float64)
         lengths = np.array([len(t.completion_ids) for g in groups for t in g.trajectories])
-        gen = self.engine.stats()
         counters = self.staleness.stats()  # restored on resume, unlike the controller's own
         ctl = self.controller.stats()
         n_prev, sum_prev = self._reward_tally
@@ -280,7 +279,7 @@ class RLLoop:
             "rollout/queue_depth": self.channel.qsize(),
             "rollout/accepted": counters.accepted,
             "rollout/rejected": counters.rejected,
-            "throughput/generated_tokens_per_s": gen.tokens_per_s,
+            "throughput/generated_tokens_per_s": ctl.generation_tokens_per_s,
             "throughput/tokens_per_s": train.get("trained_tokens", 0.0) / max(train.get("time_step_s", 1e-9), 1e-9),
             "time/wait_batch_s": wait_s,
             "time/train_step_s": train.get("time_step_s", math.nan),
