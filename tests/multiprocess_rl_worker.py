@@ -35,7 +35,7 @@ def main():
         out = loop.run()
         gathered = [np.asarray(multihost_utils.process_allgather(x, tiled=True))
                     for x in jax.tree.leaves(out.final_params)]
-        served = [np.asarray(x) for x in jax.tree.leaves(loop.engine._params)]
+        served = [np.asarray(x) for x in jax.tree.leaves(loop.engine.params)]
         result.update(
             versions=[m["version"] for m in out.history],
             engine_version=loop.engine.version,

@@ -132,6 +132,70 @@ def test_continuous_batching_refills_freed_slots_at_next_chunk():
     assert engine.stats().slot_occupancy > 2.0
 
 
+def test_chunk_ends_early_to_refill_a_freed_slot():
+    chunks = []  # (slots busy at start, requests waiting, steps run, busy slot-steps, samples finished)
+
+    class Recording(GenerationEngine):
+        def _decode_chunk(self):
+            before = self.stats()
+            busy = sum(s is not None for s in self._slot_sample)
+            super()._decode_chunk()
+            after = self.stats()
+            chunks.append((busy, before.queued_requests, after.decode_steps - before.decode_steps,
+                           after.busy_slot_steps - before.busy_slot_steps,
+                           after.finished_samples - before.finished_samples))
+
+    lengths = [3, 30, 5, 12, 2, 9, 20, 4, 7]
+    sp = lambda n: SamplingParams(max_new_tokens=n, temperature=1.0)  # noqa: E731
+
+    def run(refill_after):
+        chunks.clear()
+        engine = Recording(_model(0), EngineConfig(num_slots=3, max_seq_len=64, decode_chunk=8,
+                                                   refill_after=refill_after))
+        handles = [engine.submit([1 + i], sp(n), seed=i) for i, n in enumerate(lengths)]
+        engine.run_until_idle()
+        return [h.result().completions[0] for h in handles], list(chunks)
+
+    early, early_chunks = run(1)
+    full, full_chunks = run(0)
+    assert [len(c.tokens) for c in early] == lengths
+    for a, b in zip(early, full):  # where a chunk ends does not change what is sampled
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    assert all(steps == 8 for _, _, steps, _, _ in full_chunks[:-1])
+    for busy, waiting, steps, busy_steps, finished in early_chunks:
+        if waiting and busy == 3:
+            assert busy_steps == 3 * steps  # no slot idled while a request waited
+            assert steps == 8 or finished >= 1  # stopped early only because a slot freed
+    assert any(steps < 8 for *_, steps, _, _ in early_chunks[:-1])
+    occupancy = lambda cs: sum(c[3] for c in cs) / sum(c[2] for c in cs)  # noqa: E731
+    assert occupancy(early_chunks) > occupancy(full_chunks)
+
+
+def test_decode_windows_read_only_the_cache_in_use_and_change_nothing():
+    model = _model(1)
+    sp = SamplingParams(max_new_tokens=40, temperature=1.0)
+
+    def run(windows):
+        # One slot: each sequence grows through every window on its own.
+        engine = GenerationEngine(model, EngineConfig(num_slots=1, max_seq_len=64, decode_chunk=4,
+                                                      decode_windows=windows))
+        handles = [engine.submit(p, sp, seed=i) for i, p in enumerate(PROMPTS)]
+        engine.run_until_idle()
+        return [h.result().completions[0] for h in handles], engine.compile_counts["decode"]
+
+    windowed, programs = run((8, 16, 32))
+    full, one = run((64,))
+    assert (programs, one) == (4, 1)  # windows 8, 16, 32 and the whole cache were all used
+    for prompt, a, b in zip(PROMPTS, windowed, full):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+        np.testing.assert_allclose(a.logprobs, _teacher_forced(model, prompt, a.tokens, 1.0), atol=1e-4)
+    assert EngineConfig(max_seq_len=600).decode_windows == (128, 256, 512, 600)
+    with pytest.raises(ValueError, match="decode_windows"):
+        EngineConfig(max_seq_len=64, decode_windows=(32, 100))
+
+
 def _numpy_allowed(logits, temperature, top_p, top_k):
     scaled = logits / temperature
     order = np.argsort(-scaled)
@@ -297,7 +361,7 @@ def test_engine_runs_on_the_generation_mesh_of_its_weights():
         handles = [engine.submit(p, sp) for p in PROMPTS]
         engine.run_until_idle()
         results.append([h.result().completions[0] for h in handles])
-        devices = engine._cache.k.sharding.device_set
+        devices = engine._cache.k[0].sharding.device_set
         assert devices == set(jax.tree.leaves(params)[0].sharding.device_set)
     for other in results[1:]:
         for a, b in zip(results[0], other):

@@ -64,7 +64,7 @@ def test_async_loop_bounds_staleness_and_keeps_versions(tokenizer):
     after = jax.tree.map(np.asarray, result.final_params)
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
     # The generator serves exactly the trainer's weights (bitwise: fp32 both sides).
-    served = loop.engine._params
+    served = loop.engine.params
     for a, b in zip(jax.tree.leaves(served), jax.tree.leaves(after)):
         np.testing.assert_array_equal(np.asarray(a), b)
 

@@ -11,11 +11,14 @@ versions; their KV cache is recomputed from prompt + tokens so far under the new
 later tokens carry the new version. With `interruptible=False` the engine instead stops
 admitting, lets in-flight samples finish on the old weights, then swaps (the ablation).
 
-Device state is the KV cache `[L, B, K, S, H]` (B = slots, S = max_seq_len); per-slot scalars
-live on the host and travel with each chunk call (a few hundred bytes). A decode chunk splits
-the cache and the layer weights per layer once, then runs its steps with the layers unrolled
-over those pieces: each cache layer is then updated in place and each weight is read where it
-lies (in a scan over stacked layers XLA copies every layer's weights and cache on every step).
+Device state is the KV cache, one `[B, K, S, H]` buffer per layer (B = slots, S = max_seq_len),
+and the weights, also held per layer (split once per weight swap); per-slot scalars live on the
+host and travel with each chunk call (a few hundred bytes). Prefill and decode run the layers
+unrolled over those pieces, so each cache layer is updated in place and each weight is read
+where it lies (over stacked layers XLA copies every layer's weights and cache, per step in a
+scan, per call when splitting inside the program). A chunk attends over the smallest cache
+window holding its sequences (`decode_windows`) and ends early when a slot frees up while
+requests wait (`refill_after`).
 """
 
 from __future__ import annotations
@@ -49,7 +52,16 @@ class EngineConfig:
 
     num_slots: int = 8
     max_seq_len: int = 512  # prompt + completion tokens of one sample; the KV cache length S
-    decode_chunk: int = 8  # decode steps per jitted chunk: the granularity of refills and swaps
+    decode_chunk: int = 8  # decode steps per jitted chunk at most: the granularity of refills and swaps
+    # A chunk ends early once this many slots have finished while requests wait in the queue, so
+    # freed slots are refilled without idling to the chunk's end. 0 (default): chunks run in full
+    # unless every slot is done. Early refills mean more, smaller prefill calls: on the 2-core CPU
+    # benchmark (16 slots, chunk 16) 2, 4 or 8 were within noise of 0 (docs/benchmarks.md).
+    refill_after: int = 0
+    # Cache lengths a decode chunk may attend over (one compiled chunk each): a chunk reads only
+    # the smallest window that holds every active slot's sequence, not the whole cache. Default:
+    # powers of two from 128 below max_seq_len, then max_seq_len.
+    decode_windows: tuple[int, ...] = ()
     prefill_buckets: tuple[int, ...] = ()  # default: powers of two from 16, capped by max_seq_len
     max_prefill_batch: int = 8  # prompts prefilled together in one call (1 or this many rows)
     interruptible: bool = True
@@ -61,6 +73,8 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {v!r}")
+        if not isinstance(self.refill_after, int) or self.refill_after < 0:
+            raise ValueError(f"EngineConfig.refill_after must be an int >= 0, got {self.refill_after!r}")
         if self.max_seq_len < 2:
             raise ValueError("EngineConfig.max_seq_len must be >= 2 (one prompt token and one generated)")
         buckets = tuple(sorted(set(self.prefill_buckets))) or _default_buckets(self.max_seq_len)
@@ -69,17 +83,26 @@ class EngineConfig:
                              f"{self.max_seq_len - 1}")
         object.__setattr__(self, "prefill_buckets", tuple(b for b in buckets if b < self.max_seq_len)
                            + ((self.max_seq_len,) if buckets[-1] >= self.max_seq_len else ()))
+        windows = tuple(sorted(set(self.decode_windows))) or _default_buckets(self.max_seq_len, start=128)
+        if any(not isinstance(w, int) or not 0 < w <= self.max_seq_len for w in windows):
+            raise ValueError(f"decode_windows {windows} must be ints in [1, max_seq_len = {self.max_seq_len}]")
+        object.__setattr__(self, "decode_windows", tuple(w for w in windows if w < self.max_seq_len)
+                           + (self.max_seq_len,))
 
     def bucket(self, length: int) -> int:
         return next(b for b in self.prefill_buckets if b >= length)
+
+    def decode_window(self, needed: int) -> int:
+        """Cache positions a decode chunk attends over when its sequences need `needed` of them."""
+        return next((w for w in self.decode_windows if w >= needed), self.max_seq_len)
 
     def batch_bucket(self, n: int) -> int:
         """Rows of a prefill call for n prompts: 1, or max_prefill_batch (two shapes per length bucket)."""
         return 1 if n == 1 else self.max_prefill_batch
 
 
-def _default_buckets(max_seq_len: int) -> tuple[int, ...]:
-    out, b = [], 16
+def _default_buckets(max_seq_len: int, start: int = 16) -> tuple[int, ...]:
+    out, b = [], start
     while b < max_seq_len:
         out.append(b)
         b *= 2
@@ -173,7 +196,6 @@ class GenerationEngine:
                  *, version: int = 0):
         self.model_config, params = (model.config, model.params) if isinstance(model, Transformer) else model
         self.config = config
-        self._params = params
         self._version = version
         cfg, ec = self.model_config, config
         # The engine runs where its weights live: on their generation mesh (slots over "data",
@@ -181,14 +203,19 @@ class GenerationEngine:
         home = params["embed"].sharding
         self._mesh = home.mesh if isinstance(home, NamedSharding) else None
         dtype = jnp.dtype(ec.cache_dtype) if ec.cache_dtype else params["embed"].dtype
-        cache = KVCache.zeros(cfg, ec.num_slots, ec.max_seq_len, dtype)
+        layer_shape = (ec.num_slots, cfg.num_kv_heads, ec.max_seq_len, cfg.head_dim)  # [B, K, S, H]
         if self._mesh is not None:
             self._inputs_sharding = NamedSharding(self._mesh, PartitionSpec())
-            cache_sharding = sharding_for(("layers", "cache_slots", "kv_heads", "cache_seq", "head_dim"),
-                                          GENERATION_RULES, self._mesh, cache.k.shape)
+            cache_sharding = sharding_for(("cache_slots", "kv_heads", "cache_seq", "head_dim"),
+                                          GENERATION_RULES, self._mesh, layer_shape)
         else:
             self._inputs_sharding = cache_sharding = SingleDeviceSharding(next(iter(home.device_set)))
-        self._cache = jax.device_put(cache, cache_sharding)
+        # The cache lives per layer (tuples of L `[B, K, S, H]` buffers), the layout the decode loop
+        # updates in place: a stacked cache would be split and re-stacked (copied) on every chunk.
+        zeros = jax.jit(lambda: jnp.zeros(layer_shape, dtype), out_shardings=cache_sharding)
+        self._cache = KVCache(tuple(zeros() for _ in range(cfg.num_layers)),
+                              tuple(zeros() for _ in range(cfg.num_layers)))
+        self._cache_dtype = dtype
         B = ec.num_slots
         self._slot_sample: list[_Sample | None] = [None] * B
         self._tokens = np.zeros(B, np.int32)  # next input token of each slot
@@ -212,6 +239,7 @@ class GenerationEngine:
         self._stop_event = threading.Event()
         self._paused = False
         self._build_programs()
+        self._params = self._split_fn(params)
 
     # ---- public API ---------------------------------------------------------------------------
 
@@ -285,6 +313,12 @@ class GenerationEngine:
         with self._lock:
             self._paused = False
             self._lock.notify_all()
+
+    @property
+    def params(self) -> Params:
+        """The weights being served, in the usual stacked layout (a copy; for inspection)."""
+        layers = self._params["layers"]
+        return {**self._params, "layers": jax.tree.map(lambda *a: jnp.stack(a), *layers)}
 
     def stats(self) -> EngineStats:
         with self._lock:
@@ -397,7 +431,7 @@ class GenerationEngine:
         params, version, done = pending
         with self._lock:
             self._pending_weights = None
-        self._params, self._version = params, version
+        self._params, self._version = self._split_fn(params), version
         self._stats.weight_swaps += 1
         # Interrupted samples: recompute their KV cache from prompt + tokens so far (all but the
         # last token, which is the next decode input) under the new weights, in batched calls.
@@ -481,14 +515,22 @@ class GenerationEngine:
 
     def _decode_chunk(self) -> None:
         active = np.array([s is not None for s in self._slot_sample])
+        with self._lock:
+            waiting = bool(self._queue)
+        # Exit early once `refill_after` more slots are free, but only if there is work to refill them with.
+        ec = self.config
+        exit_free = (int((~active).sum()) + ec.refill_after if waiting and ec.refill_after
+                     else ec.num_slots + 1)
+        # Positions reached by the end of the chunk: the attention window must hold them.
+        window = ec.decode_window(int(self._positions[active].max()) + ec.decode_chunk)
         t0 = time.perf_counter()
         self._cache, out = self._decode_fn(self._params, self._cache, *self._put(
             self._tokens, self._positions, active, self._remaining, self._temperature, self._top_p, self._top_k,
-            self._stop_ids, self._slot_keys))
-        tokens, logprobs, valid = (np.asarray(x) for x in jax.device_get(out))  # [B, C] each
+            self._stop_ids, self._slot_keys, np.int32(exit_free)), window=window)
+        tokens, logprobs, valid, steps = (np.asarray(x) for x in jax.device_get(out))  # [B, C] each; steps []
         self._stats.decode_s += time.perf_counter() - t0
         self._stats.chunks += 1
-        self._stats.decode_steps += self.config.decode_chunk
+        self._stats.decode_steps += int(steps)
         self._stats.busy_slot_steps += int(valid.sum())
         for slot in np.flatnonzero(active):
             sample = self._slot_sample[slot]
@@ -553,7 +595,7 @@ class GenerationEngine:
             R, P = tokens.shape
             idx = jnp.arange(P)[None, :]
             positions = jnp.where(idx < lengths[:, None], idx, -1)  # padding writes nothing
-            block = KVCache.zeros(cfg, R, P, self._cache.k.dtype)
+            block = KVCache.zeros(cfg, R, P, self._cache_dtype).per_layer()
             hidden, block = forward(params, cfg, tokens, positions, cache=block, return_hidden=True)
             # Only the last prompt position needs logits: the LM head over all P would be ~40% of
             # a small model's prefill FLOPs.
@@ -562,11 +604,12 @@ class GenerationEngine:
 
         def insert(cache, block, row, slot):
             counts["insert"] += 1
-            k = jax.lax.dynamic_slice_in_dim(block.k, row, 1, axis=1)
-            v = jax.lax.dynamic_slice_in_dim(block.v, row, 1, axis=1)
-            k = jax.lax.dynamic_update_slice(cache.k, k, (0, slot, 0, 0, 0))
-            v = jax.lax.dynamic_update_slice(cache.v, v, (0, slot, 0, 0, 0))
-            return KVCache(k, v)
+
+            def put(layers, src):  # row `row` of each block layer `[R, K, P, H]` into slot `slot`
+                return tuple(jax.lax.dynamic_update_slice(dst, jax.lax.dynamic_slice_in_dim(part, row, 1, axis=0),
+                                                          (slot, 0, 0, 0)) for dst, part in zip(layers, src))
+
+            return KVCache(put(cache.k, block.k), put(cache.v, block.v))
 
         def first_tokens(all_logits, rows, key_data, positions, temperature, top_p, top_k):
             counts["first_tokens"] += 1
@@ -574,16 +617,19 @@ class GenerationEngine:
             return sample_tokens(all_logits[rows], keys, temperature, top_p, top_k)
 
         def decode(params, cache, tokens, positions, active, remaining, temperature, top_p, top_k, stop_ids,
-                   key_data):
+                   key_data, exit_free, *, window):
+            """Up to `decode_chunk` steps for all slots; stops after the step that leaves every slot
+            done or at least `exit_free` slots free. Outputs `[B, C]`; steps past the exit are invalid.
+            Attention reads cache positions [0, window) (static; every position reached is below it)."""
             counts["decode"] += 1
-            S = cache.k.shape[3]
+            B, C, S = tokens.shape[0], ec.decode_chunk, cache.k[0].shape[2]
             slot_keys = jax.random.wrap_key_data(key_data)
-            params = split_layers(params)
 
-            def step(carry, c):
-                cache, tokens, positions, active, remaining = carry
+            def step(carry):
+                cache, tokens, positions, active, remaining, i, out = carry
                 pos = jnp.where(active, positions, -1)
-                logits, cache = forward(params, cfg, tokens[:, None], pos[:, None], cache=cache)
+                logits, cache = forward(params, cfg, tokens[:, None], pos[:, None], cache=cache,
+                                        cache_window=window)
                 # The token sampled from the input at position p uses the slot's key folded with p.
                 keys = jax.vmap(jax.random.fold_in)(slot_keys, positions)
                 new, lp = sample_tokens(logits[:, 0], keys, temperature, top_p, top_k)
@@ -593,19 +639,29 @@ class GenerationEngine:
                 hit_stop = jnp.any(new[:, None] == stop_ids, axis=-1)
                 done = hit_stop | (remaining <= 0) | (positions >= S - 1)
                 tokens = jnp.where(valid, new, tokens)
-                return (cache, tokens, positions, active & ~done, remaining), (new, lp, valid)
+                out = tuple(jax.lax.dynamic_update_index_in_dim(buf, x, i, axis=0)
+                            for buf, x in zip(out, (new, lp, valid)))
+                return cache, tokens, positions, active & ~done, remaining, i + 1, out
 
-            carry = (cache.per_layer(), tokens, positions, active, remaining)
-            (cache, *_), (new, lp, valid) = jax.lax.scan(step, carry, jnp.arange(ec.decode_chunk))
-            return cache.stacked(), (new.T, lp.T, valid.T)  # [B, C]
+            def keep_going(carry):
+                active, i = carry[3], carry[5]
+                return (i < C) & jnp.any(active) & (jnp.sum(~active) < exit_free)
 
+            out = (jnp.zeros((C, B), jnp.int32), jnp.zeros((C, B), jnp.float32), jnp.zeros((C, B), bool))
+            carry = (cache, tokens, positions, active, remaining, jnp.int32(0), out)
+            cache, *_, steps, (new, lp, valid) = jax.lax.while_loop(keep_going, step, carry)
+            return cache, (new.T, lp.T, valid.T, steps)  # [B, C] each, []
+
+        # Weights are held per layer (`split_layers`), as the unrolled prefill and decode read
+        # them: split once per weight swap instead of once per call.
+        self._split_fn = jax.jit(split_layers)
         self._prefill_fn = jax.jit(prefill)
         self._insert_fn = jax.jit(insert, donate_argnums=(0,))
         self._first_tokens_fn = jax.jit(first_tokens)
-        self._decode_fn = jax.jit(decode, donate_argnums=(1,))
+        self._decode_fn = jax.jit(decode, donate_argnums=(1,), static_argnames=("window",))
 
     def _prefill(self, seqs: list[np.ndarray]) -> tuple[KVCache, jax.Array]:
-        """KV block `[L, R, K, P, H]` and last-position logits `[R, V]` of `seqs` (row i = seqs[i]).
+        """KV block (per layer `[R, K, P, H]`) and last-position logits `[R, V]` of `seqs` (row i = seqs[i]).
 
         R and P are bucketed (powers of two rows, prefill_buckets lengths): few compiled programs.
         """
