@@ -12,6 +12,7 @@ from areal_jax.trainer.batching import (
     SEQUENCE_KEYS,
     build_sequences,
     make_microbatches,
+    rows_for_bin,
     rows_for_bucket,
 )
 
@@ -88,7 +89,9 @@ def test_microbatches_cover_every_sequence_once_under_the_budget(seed):
         chunk_tokens.append(lengths[indices].sum())
         for micro in mb:
             R, T = micro.shape
-            assert T in buckets and R == rows_for_bucket(T, budget, row_multiple)
+            max_rows = rows_for_bucket(T, budget, row_multiple)
+            assert T in buckets and R % row_multiple == 0 and len(micro.rows) <= R <= max_rows
+            assert R == rows_for_bin(len(micro.rows), max_rows, row_multiple)
             assert micro.num_tokens <= budget
             assert micro.minibatch_valid_tokens == valid
             # Unpacking the rows gives back every sequence's arrays exactly.
@@ -106,14 +109,32 @@ def test_microbatches_cover_every_sequence_once_under_the_budget(seed):
     assert max(abs(t - lengths.sum() / m) for t in chunk_tokens) <= lengths.max()
 
 
-def test_rows_per_bucket_are_fixed_and_fill_the_budget():
+def test_row_counts_per_bucket_are_few_and_within_the_budget():
     rng = np.random.default_rng(7)
     seqs = build_sequences(random_groups(rng, n_groups=10, per_group=4, max_completion=20), AdvantageConfig())
     budget, buckets = 64, (16, 32, 64)
     shapes = {micro.shape for mb in make_microbatches(seqs, max_tokens_per_microbatch=budget, num_minibatches=2,
                                                       buckets=buckets) for micro in mb}
-    assert shapes <= {(4, 16), (2, 32), (1, 64)}
+    assert shapes <= {(1, 16), (2, 16), (3, 16), (4, 16), (1, 32), (2, 32), (1, 64)}
     assert rows_for_bucket(16, 64, row_multiple=2) == 4 and rows_for_bucket(64, 64, row_multiple=2) == 2
+    # Rounded up to a quarter of the budget's rows: at most four row counts per row length.
+    assert [rows_for_bin(n, 64) for n in (0, 1, 16, 17, 35, 64)] == [16, 16, 16, 32, 48, 64]
+    assert {rows_for_bin(n, 16, row_multiple=4) for n in range(17)} == {4, 8, 12, 16}
+    assert {rows_for_bin(n, 6, row_multiple=2) for n in range(7)} == {2, 4, 6}
+
+
+def test_a_small_batch_is_not_padded_to_the_whole_budget():
+    """64 RL sequences of 30-60 tokens under an 8192-token budget fill about 20 rows of 128: the
+    micro-batch holds 32 rows (a quarter-budget step), not the budget's 64."""
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(30, 61, size=64)
+    seqs = [{"input_ids": np.zeros(n, np.int32), "targets": np.zeros(n, np.int32),
+             "loss_mask": np.ones(n, np.float32), "behavior_logprobs": np.zeros(n, np.float32),
+             "versions": np.zeros(n, np.int32), "advantages": np.zeros(n, np.float32)} for n in lengths]
+    ((micro,),) = make_microbatches(seqs, max_tokens_per_microbatch=8192, num_minibatches=1)
+    used = len(micro.rows)
+    assert micro.shape == (rows_for_bin(used, 64), 128) and micro.shape[0] <= 32
+    assert micro.num_tokens == lengths.sum()
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -126,7 +147,7 @@ def test_short_sequences_get_short_rows(seed):
              "loss_mask": np.ones(n, np.float32), "behavior_logprobs": np.zeros(n, np.float32),
              "versions": np.zeros(n, np.int32), "advantages": np.zeros(n, np.float32)} for n in lengths]
     (mb,) = make_microbatches(seqs, max_tokens_per_microbatch=2048, num_minibatches=1)
-    assert {micro.shape for micro in mb} == {(16, 128)}
+    assert {micro.shape[1] for micro in mb} == {128} and all(m.shape[0] == 16 for m in mb[:-1])
     # dense packing: all micro-batches but the last hold at least 70% of their slots
     fills = [micro.num_tokens / 2048 for micro in mb]
     assert min(fills[:-1], default=1.0) >= 0.7

@@ -119,8 +119,14 @@ def test_packed_microbatches_equal_one_sequence_per_row(fresh):
 def test_padding_microbatches_contribute_nothing(fresh):
     seqs = random_seqs(1, proximal=True)
     [plain] = make_microbatches(seqs, max_tokens_per_microbatch=BUDGET, num_minibatches=1, buckets=BUCKETS)
+    calls = []
+
+    def peer_with_more_bins(n):  # the first agreement is the bin count; shapes stay this process's own
+        calls.append(n)
+        return max(n, len(plain) + 2) if len(calls) == 1 else n
+
     [with_pad] = make_microbatches(seqs, max_tokens_per_microbatch=BUDGET, num_minibatches=1, buckets=BUCKETS,
-                                   agree_max=lambda n: max(n, len(plain) + 2))  # a peer with more bins
+                                   agree_max=peer_with_more_bins)
     assert len(with_pad) == len(plain) + 2
     g_plain, s_plain = fresh.minibatch_gradients(plain)
     g_pad, s_pad = fresh.minibatch_gradients(with_pad)

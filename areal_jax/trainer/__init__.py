@@ -5,6 +5,7 @@ from areal_jax.trainer.batching import (
     PackedBatch,
     build_sequences,
     make_microbatches,
+    rows_for_bin,
     rows_for_bucket,
 )
 from areal_jax.trainer.optimizer import OptimizerConfig, build_optimizer, learning_rate_schedule
@@ -20,5 +21,6 @@ __all__ = [
     "build_sequences",
     "learning_rate_schedule",
     "make_microbatches",
+    "rows_for_bin",
     "rows_for_bucket",
 ]

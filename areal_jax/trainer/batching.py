@@ -9,11 +9,12 @@ T = row length (a bucket size).
 2. `make_microbatches`: split the sequences into M contiguous, token-balanced minibatches
    (one optimizer update each); inside each, bins of at most `max_tokens_per_microbatch`
    tokens (one micro-batch each, never splitting a sequence), filled longest first so that
-   each packs into R = `rows_for_bucket(T)` rows of the bucket T of its longest sequence;
-   each bin is then packed at the smallest bucket that holds it in `rows_for_bucket(T)`
-   rows. R depends on T only, so the compiled shapes come from the bucket list: short
-   sequences get many short rows (attention costs T^2 per row), long ones few long rows,
-   and every shape holds about the same number of tokens.
+   each packs into at most `rows_for_bucket(T)` rows of the bucket T of its longest sequence;
+   each bin is then packed at the smallest bucket that holds it in that many rows. Short
+   sequences get many short rows (attention costs T^2 per row), long ones few long rows.
+   R is the rows the bin fills, rounded up to a quarter of `rows_for_bucket(T)`
+   (`rows_for_bin`): a bin smaller than the budget (the last of a minibatch, or a small
+   batch) is not padded to the full budget, and at most four row counts per bucket compile.
 
 Host-side NumPy, run once per training step on the trainer thread.
 """
@@ -127,6 +128,14 @@ def rows_for_bucket(row_len: int, max_tokens_per_microbatch: int, row_multiple: 
     return per * row_multiple
 
 
+def rows_for_bin(rows_used: int, max_rows: int, row_multiple: int = 1) -> int:
+    """R for a micro-batch whose sequences fill `rows_used` rows, out of at most `max_rows`
+    (`rows_for_bucket`): rounded up to a step of a quarter of max_rows (a multiple of
+    row_multiple), so each row length compiles at most four row counts."""
+    step = max(row_multiple, (max_rows // 4) // row_multiple * row_multiple)
+    return min(max_rows, max(step, -(-rows_used // step) * step))
+
+
 def make_microbatches(
     seqs: Sequence[Mapping[str, np.ndarray]],
     *,
@@ -182,8 +191,11 @@ def make_microbatches(
         micro = []
         for b in bins:
             row_len = _agreed_row_len([lengths[i] for i in b], candidates, budget, row_multiple, agree_max)
-            micro.append(_pack_bin(seqs, b, lengths, row_len, rows_for_bucket(row_len, budget, row_multiple),
-                                   valid))
+            rows_used = len(ffd_allocate([lengths[i] for i in b], row_len)) if b else 0
+            num_rows = rows_for_bin(rows_used, rows_for_bucket(row_len, budget, row_multiple), row_multiple)
+            if agree_max is not None:
+                num_rows = agree_max(num_rows)
+            micro.append(_pack_bin(seqs, b, lengths, row_len, num_rows, valid))
         minibatches.append(micro)
     return minibatches
 
