@@ -24,7 +24,7 @@ from areal_jax.models import load_pretrained
 from bench.common import machine, measured_ceilings, qwen2_bench_config, torch_side
 
 
-def run_engine(model, prompts, lengths, *, slots, max_seq_len, chunk, static):
+def run_engine(model, prompts, lengths, *, slots, max_seq_len, chunk, static, repeats=1):
     engine = GenerationEngine(model, EngineConfig(num_slots=slots, max_seq_len=max_seq_len, decode_chunk=chunk))
     # Compile outside the timed region: single and batched prefill, and decode over every cache
     # window (a sample running to the end of the cache passes through all of them).
@@ -37,17 +37,18 @@ def run_engine(model, prompts, lengths, *, slots, max_seq_len, chunk, static):
         h.result()
     before = engine.stats()
     t0 = time.perf_counter()
-    if static:
-        done = []
-        for i in range(0, len(prompts), slots):
-            hs = [engine.submit(p, SamplingParams(max_new_tokens=n, temperature=0.0))
-                  for p, n in zip(prompts[i:i + slots], lengths[i:i + slots])]
+    done = []
+    for _ in range(repeats):  # the whole workload `repeats` times: tokens/s over all of them
+        if static:
+            for i in range(0, len(prompts), slots):
+                hs = [engine.submit(p, SamplingParams(max_new_tokens=n, temperature=0.0))
+                      for p, n in zip(prompts[i:i + slots], lengths[i:i + slots])]
+                engine.run_until_idle()
+                done += [h.result() for h in hs]
+        else:
+            hs = [engine.submit(p, SamplingParams(max_new_tokens=n, temperature=0.0)) for p, n in zip(prompts, lengths)]
             engine.run_until_idle()
             done += [h.result() for h in hs]
-    else:
-        hs = [engine.submit(p, SamplingParams(max_new_tokens=n, temperature=0.0)) for p, n in zip(prompts, lengths)]
-        engine.run_until_idle()
-        done = [h.result() for h in hs]
     wall = time.perf_counter() - t0
     generated = sum(len(r.completions[0].tokens) for r in done)
     after = engine.stats()  # the timed region only (the warm-up's compile time excluded)
@@ -74,6 +75,7 @@ def main():
     ap.add_argument("--chunk", type=int, default=16)
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--tail-slots", type=int, default=16)
+    ap.add_argument("--iters", type=int, default=3, help="timed repetitions of each fixed-length batch, both sides")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -88,8 +90,8 @@ def main():
         for batch in batches:
             prompts = [rng.integers(0, hf["vocab_size"], size=args.prompt).tolist() for _ in range(batch)]
             jax_tps, stats = run_engine(model, prompts, [args.new] * batch, slots=batch, max_seq_len=max_seq_len,
-                                        chunk=args.chunk, static=False)
-            torch_res = torch_side("generate", model=d, prompts=prompts, max_new_tokens=args.new, iters=1,
+                                        chunk=args.chunk, static=False, repeats=args.iters)
+            torch_res = torch_side("generate", model=d, prompts=prompts, max_new_tokens=args.new, iters=args.iters,
                                    threads=args.threads)
             rows.append((batch, jax_tps, torch_res["tokens_per_s"], stats))
 

@@ -87,3 +87,23 @@ def test_per_layer_cache_decode_equals_full_forward_and_stacked_cache(split_weig
         np.testing.assert_allclose(back.k[:, b, :, :n + steps], stacked.k[:, b, :, :n + steps], atol=1e-5)
         np.testing.assert_allclose(back.v[:, b, :, :n + steps], stacked.v[:, b, :, :n + steps], atol=1e-5)
         assert not np.any(back.k[:, b, :, n + steps:])
+
+
+def test_unrolled_layers_equal_the_scan_in_values_and_gradients():
+    params = init_params(CFG, jax.random.key(3), std=0.3)
+    rng = np.random.default_rng(3)
+    ids = jnp.asarray(rng.integers(0, CFG.vocab_size, size=(3, 20)), jnp.int32)
+    seg = jnp.asarray(np.repeat([[1] * 12 + [2] * 8], 3, axis=0), jnp.int32)
+
+    def loss(p, scan):
+        logits, _ = forward(p, CFG, ids, segment_ids=seg, scan_layers=scan)
+        return jnp.mean(jax.nn.log_softmax(logits)[..., 0] * jnp.arange(20)), logits
+
+    (v_scan, l_scan), g_scan = jax.jit(jax.value_and_grad(lambda p: loss(p, True), has_aux=True))(params)
+    (v_unr, l_unr), g_unr = jax.jit(jax.value_and_grad(lambda p: loss(p, False), has_aux=True))(params)
+    np.testing.assert_allclose(l_unr, l_scan, atol=1e-5)
+    np.testing.assert_allclose(v_unr, v_scan, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g_unr), jax.tree.leaves(g_scan)):
+        # fp32 rounding of a different fusion order, relative to the leaf's scale
+        np.testing.assert_allclose(a, b, atol=1e-5 * float(np.abs(b).max()))
+    assert jax.tree.structure(g_unr) == jax.tree.structure(params)  # stacked layers, like the scan

@@ -236,6 +236,7 @@ def forward(
     remat: Remat = "none",
     return_hidden: bool = False,
     cache_window: int | None = None,
+    scan_layers: bool = True,
 ) -> tuple[jax.Array, KVCache | None]:
     """Logits `[B, T, V]` (fp32) and the updated cache.
 
@@ -245,6 +246,9 @@ def forward(
     whose key/value is not written (its logits are meaningless). A stacked cache runs the layers
     as a scan (prefill); a per-layer one (`KVCache.per_layer()`, returned per layer) unrolls them,
     and `params` may then hold per-layer weights (`split_layers`): the decode step's layout.
+    Without a cache the layers run as one `lax.scan` (one compiled layer body), or unrolled with
+    `scan_layers=False`: a longer compile, but under autodiff the scan stacks every layer's
+    saved activations into `[L, ...]` buffers and slices them back, which XLA CPU pays for.
     `cache_window` (static) limits attention to the first cache positions: every position in
     `positions` must lie below it. Decoding short sequences in a long cache then reads only the
     part of the cache they use.
@@ -283,7 +287,11 @@ def forward(
     if remat != "none":
         layer_fn = jax.checkpoint(layer_fn, policy=_REMAT_POLICIES[remat])
 
-    if cache is None:
+    if cache is None and not scan_layers:
+        for p in split_layers(params)["layers"]:
+            x, _ = layer_fn(x, p, None)
+        new_cache = None
+    elif cache is None:
         def body(x, p):
             x, _ = layer_fn(x, p, None)
             return x, None

@@ -42,7 +42,8 @@ class SFTConfig:
     every example must fit in one row. lr: peak AdamW learning rate, reached after `warmup`
     linear steps, then cosine decay to `lr * min_lr_ratio`. compute_dtype: "float32" or
     "bfloat16" for matmuls (weights and optimizer state stay float32). log_every: steps between
-    metric read-backs (reading forces a device sync).
+    metric read-backs (reading forces a device sync). scan_layers: run the layers as a scan (one
+    compiled layer body) or unrolled (faster per step on CPU, longer compile for deep models).
     """
 
     steps: int = 1000
@@ -56,6 +57,7 @@ class SFTConfig:
     grad_clip: float = 1.0
     min_lr_ratio: float = 0.1
     log_every: int = 10
+    scan_layers: bool = True
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "max_len", "log_every"):
@@ -66,6 +68,8 @@ class SFTConfig:
             raise ValueError(f"SFTConfig.warmup must be an int in [0, steps={self.steps}], got {self.warmup!r}")
         if not self.lr > 0:
             raise ValueError(f"SFTConfig.lr must be positive, got {self.lr!r}")
+        if not isinstance(self.scan_layers, bool):
+            raise ValueError(f"SFTConfig.scan_layers must be a bool, got {self.scan_layers!r}")
         if self.compute_dtype not in _DTYPES:
             raise ValueError(f"SFTConfig.compute_dtype must be one of {sorted(_DTYPES)}, got {self.compute_dtype!r}")
         if not self.weight_decay >= 0:
@@ -147,14 +151,14 @@ class PackedBatches:
 
 
 def completion_loss(params: Params, model_cfg: ModelConfig, batch: Mapping[str, jax.Array], *,
-                    compute_dtype=None) -> tuple[jax.Array, jax.Array]:
+                    compute_dtype=None, scan_layers: bool = True) -> tuple[jax.Array, jax.Array]:
     """Token-mean cross-entropy over completion tokens of a packed (or padded) batch.
 
     batch: input_ids, targets, loss_mask `[B, T]`, and optionally segment_ids / positions `[B, T]`
     (without them each row is one sequence starting at position 0). Returns (loss, n_tokens).
     """
     logits, _ = forward(params, model_cfg, batch["input_ids"], batch.get("positions"), batch.get("segment_ids"),
-                        compute_dtype=compute_dtype)
+                        compute_dtype=compute_dtype, scan_layers=scan_layers)
     logp = token_logprobs(logits, batch["targets"])  # [B, T]
     mask = batch["loss_mask"].astype(jnp.float32)
     n = jnp.sum(mask)
@@ -168,13 +172,14 @@ def make_optimizer(cfg: SFTConfig) -> optax.GradientTransformation:
                        optax.adamw(schedule, b1=0.9, b2=0.98, weight_decay=cfg.weight_decay))
 
 
-def make_train_step(model_cfg: ModelConfig, optimizer: optax.GradientTransformation, compute_dtype=None
-                    ) -> Callable[..., tuple[Params, Any, dict[str, jax.Array]]]:
+def make_train_step(model_cfg: ModelConfig, optimizer: optax.GradientTransformation, compute_dtype=None,
+                    scan_layers: bool = True) -> Callable[..., tuple[Params, Any, dict[str, jax.Array]]]:
     """Jitted `(params, opt_state, batch) -> (params, opt_state, metrics)`; params/state donated."""
 
     def step(params, opt_state, batch):
         (loss, n), grads = jax.value_and_grad(
-            lambda p: completion_loss(p, model_cfg, batch, compute_dtype=compute_dtype), has_aux=True)(params)
+            lambda p: completion_loss(p, model_cfg, batch, compute_dtype=compute_dtype, scan_layers=scan_layers),
+            has_aux=True)(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, {"loss": loss, "tokens": n, "grad_norm": optax.tree.norm(grads)}
@@ -194,7 +199,7 @@ def run_sft(model_cfg: ModelConfig, params: Params, examples: Sequence[Example],
     params = jax.tree.map(lambda a: jnp.array(a, jnp.float32), params)  # own copy: the step donates it
     optimizer = make_optimizer(cfg)
     opt_state = optimizer.init(params)
-    step_fn = make_train_step(model_cfg, optimizer, compute_dtype)
+    step_fn = make_train_step(model_cfg, optimizer, compute_dtype, cfg.scan_layers)
     schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, cfg.steps, cfg.lr * cfg.min_lr_ratio)
     batches = PackedBatches(examples, cfg.batch_size, cfg.max_len, cfg.seed)
     metrics: list[dict[str, float]] = []

@@ -64,6 +64,9 @@ class PPOConfig:
         max_tokens_per_microbatch: token budget of one micro-batch (for make_microbatches).
         compute_dtype: "float32", or "bfloat16" compute on fp32 master weights.
         remat: rematerialization of the decoder layers ("none", "full", "save_dots").
+        scan_layers: run the layers as a scan (one compiled layer body, the choice for deep
+            models) or unrolled: on CPU ~15% faster per step for small models, whose compile
+            is then also shorter (the scan's saved activations are stacked and sliced back).
         skip_nonfinite: skip (and count) updates whose gradient has a NaN/inf.
     """
 
@@ -76,6 +79,7 @@ class PPOConfig:
     max_tokens_per_microbatch: int = 4096
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     remat: Literal["none", "full", "save_dots"] = "none"
+    scan_layers: bool = True
     skip_nonfinite: bool = True
 
     def __post_init__(self) -> None:
@@ -95,6 +99,8 @@ class PPOConfig:
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"PPOConfig.compute_dtype must be one of {tuple(COMPUTE_DTYPES)}, "
                              f"got {self.compute_dtype!r}")
+        if not isinstance(self.scan_layers, bool):
+            raise ValueError(f"PPOConfig.scan_layers must be a bool, got {self.scan_layers!r}")
         if self.remat not in REMATS:
             raise ValueError(f"PPOConfig.remat must be one of {REMATS}, got {self.remat!r}")
         for name in ("decoupled", "skip_nonfinite"):
@@ -345,7 +351,7 @@ class PolicyTrainer:
 
         def logits_of(params, batch):
             logits, _ = forward(params, cfg, batch["input_ids"], batch["positions"], batch["segment_ids"],
-                                compute_dtype=self._compute_dtype, remat=ppo.remat)
+                                compute_dtype=self._compute_dtype, remat=ppo.remat, scan_layers=ppo.scan_layers)
             return logits  # [R, T, V] fp32
 
         def logprobs(params, batch):
