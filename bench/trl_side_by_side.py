@@ -146,7 +146,9 @@ def run_areal(mode: str, model_dir: pathlib.Path, rows: list[dict], args) -> dic
         cfg, params, tokenizer=tokenizer, data_iter=itertools.cycle(rows), rl=rl,
         # Sync trains each batch once, on-policy: proximal = behavior (naive PPO) is then the same
         # objective as TRL's and skips the extra forward, as TRL does. Async needs the decoupled one.
-        ppo=PPOConfig(num_minibatches=1, max_tokens_per_microbatch=args.microbatch_tokens, decoupled=not sync),
+        # Unrolled layers, as configs/quickstart.gin runs this size of model on CPU.
+        ppo=PPOConfig(num_minibatches=1, max_tokens_per_microbatch=args.microbatch_tokens, decoupled=not sync,
+                      scan_layers=False),
         optimizer=OptimizerConfig(lr=args.lr, b1=args.b1, b2=args.b2, eps=args.eps, weight_decay=args.weight_decay,
                                   max_grad_norm=args.max_grad_norm),
         advantages=AdvantageConfig(norm="group"),
