@@ -215,7 +215,6 @@ class GenerationEngine:
         zeros = jax.jit(lambda: jnp.zeros(layer_shape, dtype), out_shardings=cache_sharding)
         self._cache = KVCache(tuple(zeros() for _ in range(cfg.num_layers)),
                               tuple(zeros() for _ in range(cfg.num_layers)))
-        self._cache_dtype = dtype
         B = ec.num_slots
         self._slot_sample: list[_Sample | None] = [None] * B
         self._tokens = np.zeros(B, np.int32)  # next input token of each slot
@@ -595,7 +594,7 @@ class GenerationEngine:
             R, P = tokens.shape
             idx = jnp.arange(P)[None, :]
             positions = jnp.where(idx < lengths[:, None], idx, -1)  # padding writes nothing
-            block = KVCache.zeros(cfg, R, P, self._cache_dtype).per_layer()
+            block = KVCache.zeros(cfg, R, P, self._cache.k[0].dtype).per_layer()
             hidden, block = forward(params, cfg, tokens, positions, cache=block, return_hidden=True)
             # Only the last prompt position needs logits: the LM head over all P would be ~40% of
             # a small model's prefill FLOPs.
