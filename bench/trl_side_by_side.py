@@ -13,10 +13,10 @@ step ends, so the overlap of generation and training in asynchronous mode is cre
 first --warmup steps (compilation, allocator warm-up) are not measured.
 
 areal_jax rows: "async" (max_staleness --staleness, interruptible generation) and "sync"
-(max_staleness 0, generation paused while training). The algorithms differ in one place:
-areal_jax's decoupled PPO recomputes proximal log-probs (an extra forward per step) that TRL
-skips when it takes one step per generation; the sync row uses naive PPO (proximal = behavior),
-which is the same on-policy objective as TRL's and skips that forward too.
+(max_staleness 0, generation paused while training). With one update per step neither side
+runs a separate forward for the old/proximal log-probs: TRL skips it when it takes one step
+per generation, areal_jax's decoupled PPO takes pi_prox from the loss forward itself. The sync
+row uses naive PPO (proximal = behavior), the same on-policy objective as TRL's.
 
 TRL is not a dependency of the project: this script installs it into .venv-ref on first use.
 
@@ -145,7 +145,7 @@ def run_areal(mode: str, model_dir: pathlib.Path, rows: list[dict], args) -> dic
     loop = RLLoop(
         cfg, params, tokenizer=tokenizer, data_iter=itertools.cycle(rows), rl=rl,
         # Sync trains each batch once, on-policy: proximal = behavior (naive PPO) is then the same
-        # objective as TRL's and skips the extra forward, as TRL does. Async needs the decoupled one.
+        # objective as TRL's. Async needs the decoupled one (pi_prox from the loss forward).
         # Unrolled layers, as configs/quickstart.gin runs this size of model on CPU.
         ppo=PPOConfig(num_minibatches=1, max_tokens_per_microbatch=args.microbatch_tokens, decoupled=not sync,
                       scan_layers=False),

@@ -15,6 +15,7 @@ from areal_jax.trainer.sft import (
     SFTConfig,
     completion_loss,
     evaluate_accuracy,
+    learning_rate_schedule,
     run_sft,
     sample_rewards,
     sequence_arrays,
@@ -80,6 +81,17 @@ def test_too_long_example_is_rejected():
 def test_config_validation_names_the_culprit(kwargs, culprit):
     with pytest.raises(ValueError, match=culprit):
         SFTConfig(**kwargs)
+
+
+@pytest.mark.parametrize("steps, warmup", [(10, 10), (10, 0), (10, 3), (1, 1)])
+def test_schedule_warms_up_to_the_peak_and_decays_to_the_floor(steps, warmup):
+    cfg = SFTConfig(steps=steps, warmup=warmup, lr=1e-2, min_lr_ratio=0.1)
+    lr = [float(learning_rate_schedule(cfg)(s)) for s in range(steps + 1)]
+    assert lr[warmup] == pytest.approx(1e-2, rel=1e-6)
+    assert all(a <= b + 1e-12 for a, b in zip(lr[:warmup], lr[1:warmup + 1]))  # rising warm-up
+    if warmup < steps:
+        assert lr[steps] == pytest.approx(1e-3, rel=1e-6)
+        assert all(a >= b - 1e-12 for a, b in zip(lr[warmup:], lr[warmup + 1:]))  # then decaying
 
 
 def test_packed_loss_equals_per_sequence_reference():

@@ -169,6 +169,21 @@ def test_proximal_logprobs_stay_fixed_across_minibatches(fresh):
     assert np.max(np.abs(np.asarray(post) - np.asarray(pre[1][0].arrays["proximal_logprobs"]))[mask]) > 1e-3
 
 
+def test_one_update_per_step_takes_the_proximal_from_the_loss_forward(fresh):
+    # With one minibatch the pre-step weights are the differentiated weights: the step skips the
+    # proximal forward and must update exactly as the explicit proximal path does.
+    explicit = PolicyTrainer(CFG, INIT, OPT, PPO)
+    [mb] = make_microbatches(random_seqs(12), max_tokens_per_microbatch=BUDGET, num_minibatches=1,
+                             buckets=BUCKETS)
+    m_self = fresh.train_step([mb])
+    m_explicit = explicit.train_step(explicit.with_proximal_logprobs([mb]))
+    assert explicit.compile_counts["logprobs"] >= 1
+    for key in ("loss", "grad_norm", "imp_weight_mean", "imp_weight_max", "capped_frac", "clip_frac", "ratio_mean"):
+        assert m_self[key] == pytest.approx(m_explicit[key], rel=1e-5, abs=1e-6), key
+    assert m_self["ratio_mean"] == 1.0 and m_self["clip_frac"] == 0.0
+    assert_trees_close(fresh.params, explicit.params, atol=1e-5)  # Adam's sign-like first step
+
+
 # ---- updates ------------------------------------------------------------------------------------------
 
 
@@ -243,8 +258,9 @@ def test_metrics_version_lag_and_compilation_bound(fresh):
     for key in ("loss", "grad_norm", "clip_frac", "imp_weight_mean", "imp_weight_max", "capped_frac",
                 "approx_kl", "time_step_s"):
         assert np.isfinite(metrics[key]), key
-    # One program per bucket shape, one update program, however many steps ran in this module.
-    assert fresh.compile_counts["grad"] <= len(BUCKETS)
+    # One program per bucket shape (and per proximal source: given, or the loss's own for one
+    # update per step), one update program, however many steps ran in this module.
+    assert fresh.compile_counts["grad"] <= 2 * len(BUCKETS)
     assert fresh.compile_counts["logprobs"] <= len(BUCKETS)
     assert fresh.compile_counts["update"] == 1
 
@@ -289,6 +305,9 @@ def test_sharded_step_matches_single_device(fresh):
     assert {m.shape for mb in minibatches for m in mb} == {(2, 32)}
     m_one = fresh.train_step(minibatches)
     m_mesh = sharded.train_step(minibatches)
+    # Every micro-batch has one shape: the first accumulator is placed like later ones, so the
+    # grad program compiles once (an unplaced one compiled it twice).
+    assert sharded.compile_counts["grad"] == 1
     assert m_mesh["loss"] == pytest.approx(m_one["loss"], abs=1e-6)
     assert m_mesh["grad_norm"] == pytest.approx(m_one["grad_norm"], rel=1e-5)
     # Adam divides by sqrt(v): on entries whose gradient is near rounding level the two

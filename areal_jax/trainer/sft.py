@@ -165,9 +165,17 @@ def completion_loss(params: Params, model_cfg: ModelConfig, batch: Mapping[str, 
     return -jnp.sum(logp * mask) / jnp.maximum(n, 1.0), n
 
 
+def learning_rate_schedule(cfg: SFTConfig) -> optax.Schedule:
+    """Linear warm-up from 0 to `lr` over `warmup` steps, then cosine decay to `lr * min_lr_ratio`
+    at `steps`."""
+    # optax needs a decay phase of at least one step; warmup == steps is a valid (warmup-only) config.
+    decay_end = max(cfg.steps, cfg.warmup + 1)
+    return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, decay_end, cfg.lr * cfg.min_lr_ratio)
+
+
 def make_optimizer(cfg: SFTConfig) -> optax.GradientTransformation:
     """AdamW with linear warm-up, cosine decay and global-norm clipping."""
-    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, cfg.steps, cfg.lr * cfg.min_lr_ratio)
+    schedule = learning_rate_schedule(cfg)
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
                        optax.adamw(schedule, b1=0.9, b2=0.98, weight_decay=cfg.weight_decay))
 
@@ -200,7 +208,9 @@ def run_sft(model_cfg: ModelConfig, params: Params, examples: Sequence[Example],
     optimizer = make_optimizer(cfg)
     opt_state = optimizer.init(params)
     step_fn = make_train_step(model_cfg, optimizer, compute_dtype, cfg.scan_layers)
-    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, cfg.steps, cfg.lr * cfg.min_lr_ratio)
+    # optax needs a decay phase of at least one step; warmup == steps is a valid (warmup-only) config.
+    decay_end = max(cfg.steps, cfg.warmup + 1)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, decay_end, cfg.lr * cfg.min_lr_ratio)
     batches = PackedBatches(examples, cfg.batch_size, cfg.max_len, cfg.seed)
     metrics: list[dict[str, float]] = []
     window: list[dict[str, jax.Array]] = []

@@ -3,6 +3,9 @@
 One training step, given M minibatches of packed micro-batches (trainer/batching.py):
 1. Proximal log-probs: one forward per micro-batch with the weights *before* the step; they
    stay fixed for all M minibatches (AReaL semantics). Naive PPO uses the behavior log-probs.
+   With M = 1 the pre-step weights are the weights the loss differentiates, so the loss takes
+   pi_prox as the stop-gradient of its own log-probs and the extra forward is skipped (a quarter
+   of the step's compute; ratio r = 1 exactly, as the separate forward gives up to rounding).
 2. For each minibatch: gradients summed over its micro-batches, each loss divided by the
    minibatch's valid-token count so the sum is the minibatch token mean; then one AdamW
    update, skipped (params and optimizer state untouched) when the gradient is non-finite.
@@ -46,7 +49,7 @@ from areal_jax.trainer.optimizer import OptimizerConfig, build_optimizer, learni
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 REMATS = ("none", "full", "save_dots")
 FORWARD_KEYS = ("input_ids", "targets", "segment_ids", "positions")
-LOSS_KEYS = (*FORWARD_KEYS, "loss_mask", "behavior_logprobs", "advantages", "proximal_logprobs")
+LOSS_KEYS = (*FORWARD_KEYS, "loss_mask", "behavior_logprobs", "advantages")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +151,9 @@ class PolicyTrainer:
         self._opt_state_shardings = self._make_opt_state_shardings()
         self._opt_state = jax.jit(self._optimizer.init, out_shardings=self._opt_state_shardings)(self._params)
         self._step = 0
-        self._zero_stats = _zero_loss_stats()
+        # On the mesh, like the stats the grad program returns: an unplaced first accumulator
+        # would be a different input type and compile every micro-batch shape twice.
+        self._zero_stats = _zero_loss_stats(None if mesh is None else NamedSharding(mesh, PartitionSpec()))
         self._build_programs()
 
     # ---- public API -----------------------------------------------------------------------------
@@ -216,18 +221,26 @@ class PolicyTrainer:
             out.append(row)
         return out
 
-    def minibatch_gradients(self, microbatches: Sequence[PackedBatch]) -> tuple[Params, dict[str, jax.Array]]:
+    def minibatch_gradients(self, microbatches: Sequence[PackedBatch], *, self_proximal: bool = False
+                            ) -> tuple[Params, dict[str, jax.Array]]:
         """Summed gradients of one minibatch's loss and its summed loss stats (incl. "loss",
-        the minibatch token-mean loss, and "entropy_sum"). Needs proximal_logprobs present."""
+        the minibatch token-mean loss, and "entropy_sum").
+
+        Needs proximal_logprobs present, unless `self_proximal`: then pi_prox is the current
+        weights' own log-probs (stop-gradient) from the loss forward, which is what a separate
+        proximal forward would compute when this minibatch is the step's first update."""
         if not microbatches:
             raise ValueError("a minibatch needs at least one micro-batch")
         grads = self._zeros_like_params(self._params)
         stats = dict(self._zero_stats)
         with self._activation_rules():
             for micro in microbatches:
-                if "proximal_logprobs" not in micro.arrays:
-                    raise ValueError("micro-batch has no proximal_logprobs; call with_proximal_logprobs first")
-                batch = self._to_device(micro, LOSS_KEYS)
+                keys = LOSS_KEYS
+                if not self_proximal:
+                    if "proximal_logprobs" not in micro.arrays:
+                        raise ValueError("micro-batch has no proximal_logprobs; call with_proximal_logprobs first")
+                    keys = (*LOSS_KEYS, "proximal_logprobs")
+                batch = self._to_device(micro, keys)
                 denom = np.float32(micro.minibatch_valid_tokens)
                 grads, stats = self._grad_fn(self._params, grads, stats, batch, denom)
         return grads, stats
@@ -248,13 +261,17 @@ class PolicyTrainer:
         if not minibatches or any(len(mb) == 0 for mb in minibatches):
             raise ValueError("train_step needs non-empty minibatches of micro-batches")
         t_start = time.perf_counter()
-        minibatches = self.with_proximal_logprobs(minibatches)
-        jax.block_until_ready([m.arrays["proximal_logprobs"] for mb in minibatches for m in mb])
+        # One update: the proximal policy is the weights being differentiated (module docstring).
+        self_proximal = (self.ppo_config.decoupled and len(minibatches) == 1
+                         and not any("proximal_logprobs" in m.arrays for m in minibatches[0]))
+        if not self_proximal:
+            minibatches = self.with_proximal_logprobs(minibatches)
+            jax.block_until_ready([m.arrays["proximal_logprobs"] for mb in minibatches for m in mb])
         t_prox = time.perf_counter()
 
         total, per_mb, skipped, trained_tokens, norms = None, [], 0, 0.0, []
         for mb in minibatches:
-            grads, stats = self.minibatch_gradients(mb)
+            grads, stats = self.minibatch_gradients(mb, self_proximal=self_proximal)
             self._params, self._opt_state, grad_norm, finite = self._update_fn(self._params, self._opt_state, grads)
             del grads
             finite = bool(finite)
@@ -364,8 +381,10 @@ class PolicyTrainer:
             def loss_fn(p):
                 logits = logits_of(p, batch)
                 logp = token_logprobs(logits, batch["targets"], ppo.temperature)
+                # Without proximal_logprobs in the batch: pi_prox = the weights being differentiated.
+                prox = batch.get("proximal_logprobs", jax.lax.stop_gradient(logp))
                 loss, stats = decoupled_ppo_loss(
-                    logp, batch["proximal_logprobs"], batch["behavior_logprobs"], batch["advantages"],
+                    logp, prox, batch["behavior_logprobs"], batch["advantages"],
                     batch["loss_mask"], eps_clip=ppo.eps_clip, eps_clip_higher=ppo.eps_clip_higher,
                     behav_imp_weight_cap=ppo.behav_imp_weight_cap, denominator=denominator)
                 entropy = token_entropy(jax.lax.stop_gradient(logits), ppo.temperature)
@@ -397,14 +416,14 @@ class PolicyTrainer:
         self._zeros_like_params = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=param_sh)
 
 
-def _zero_loss_stats() -> dict[str, jax.Array]:
+def _zero_loss_stats(sharding: NamedSharding | None) -> dict[str, jax.Array]:
     """Zeros for every stat the grad program accumulates (keys taken from decoupled_ppo_loss)."""
     x = jnp.zeros((1, 1), jnp.float32)
     shapes = jax.eval_shape(lambda: decoupled_ppo_loss(x, x, x, x, x)[1])
     stats = {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
     stats["entropy_sum"] = jnp.zeros((), jnp.float32)
     stats["loss"] = jnp.zeros((), jnp.float32)
-    return stats
+    return stats if sharding is None else jax.device_put(stats, sharding)
 
 
 def _update_count(opt_state) -> int:
