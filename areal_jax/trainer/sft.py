@@ -208,9 +208,7 @@ def run_sft(model_cfg: ModelConfig, params: Params, examples: Sequence[Example],
     optimizer = make_optimizer(cfg)
     opt_state = optimizer.init(params)
     step_fn = make_train_step(model_cfg, optimizer, compute_dtype, cfg.scan_layers)
-    # optax needs a decay phase of at least one step; warmup == steps is a valid (warmup-only) config.
-    decay_end = max(cfg.steps, cfg.warmup + 1)
-    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, decay_end, cfg.lr * cfg.min_lr_ratio)
+    schedule = learning_rate_schedule(cfg)
     batches = PackedBatches(examples, cfg.batch_size, cfg.max_len, cfg.seed)
     metrics: list[dict[str, float]] = []
     window: list[dict[str, jax.Array]] = []
