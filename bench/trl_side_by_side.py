@@ -163,7 +163,7 @@ def run_areal(mode: str, model_dir: pathlib.Path, rows: list[dict], args) -> dic
     figures = step_figures(ends, [m["train/trained_tokens"] for m in history], args.warmup)
     figures["reward"] = float(np.mean([m["reward/mean"] for m in history]))
     measured = history[args.warmup:]
-    # The trainer's time waiting for a batch, and its training step (proximal log-probs + update).
+    # The trainer's time waiting for a batch, and its training step (forward + backward + update).
     figures["generate_s"] = float(np.mean([m["time/wait_batch_s"] for m in measured]))
     figures["train_s"] = float(np.mean([m["time/train_step_s"] for m in measured]))
     figures["staleness_max"] = max(m["staleness/max"] for m in measured)
@@ -225,7 +225,7 @@ def main():
     if "trl" in results:
         print(f"TRL side: {results['trl']['versions']}")
     print("gen s: TRL generation + scoring; areal_jax: the trainer's wait for a batch. train s: the update "
-          "(async: proximal log-probs + update). stale: max version lag of a trained token")
+          "(forward + backward + optimizer step). stale: max version lag of a trained token")
     print(f"{'side':6s} {'median s/step':>14s} {'mean s/step':>12s} {'gen s':>6s} {'train s':>8s} "
           f"{'trained tok/s':>14s} {'tok/step':>9s} {'reward':>7s} {'stale':>6s} {'vs TRL':>7s}")
     for mode, r in results.items():
