@@ -67,19 +67,23 @@ def test_config_errors_are_reported_before_anything_starts(tmp_path, capsys, bin
     assert not (tmp_path / "run" / "config.gin").exists()
 
 
-def test_eval_command_reports_pass_at_k_from_files(tmp_path, capsys):
+def _tiny_model_dir(path: pathlib.Path) -> pathlib.Path:
+    """A random 1-layer model with a chat tokenizer, saved in HF format."""
     import jax
 
     from areal_jax.models import ModelConfig, init_params, save_params
+    from areal_jax.models.tokenizer import Tokenizer
     from tests.tokenizer_fixtures import build_tiny_tokenizer
 
-    model_dir = build_tiny_tokenizer(tmp_path / "model", "chatml")
-    from areal_jax.models.tokenizer import Tokenizer
-
-    vocab = len(Tokenizer.from_pretrained(model_dir))
-    cfg = ModelConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
-                      num_kv_heads=2, head_dim=8)
+    model_dir = build_tiny_tokenizer(path, "chatml")
+    cfg = ModelConfig(vocab_size=len(Tokenizer.from_pretrained(model_dir)), hidden_size=32, intermediate_size=64,
+                      num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8)
     save_params(init_params(cfg, jax.random.key(0), std=0.3), cfg, model_dir)
+    return pathlib.Path(model_dir)
+
+
+def test_eval_command_reports_pass_at_k_from_files(tmp_path, capsys):
+    model_dir = _tiny_model_dir(tmp_path / "model")
     data = tmp_path / "gsm8k.jsonl"
     data.write_text("".join(json.dumps({"question": f"What is {i}+1?", "answer": f"so #### {i + 1}"}) + "\n"
                             for i in range(3)))
@@ -105,3 +109,27 @@ def test_real_model_configs_parse_and_validate(tmp_path, name):
     cfg = load_job_configs([ROOT / "configs" / name], run_dir=str(tmp_path))
     assert cfg.task.kind == "dataset" and cfg.data.paths and cfg.model.path
     assert cfg.rl.max_staleness == 4 and cfg.rollout.reward == "math"
+
+
+def test_compile_cache_flag_stores_the_compiled_programs(tmp_path):
+    # A fresh process: the persistent cache is process-wide jax state, set once before compiling.
+    import os
+    import subprocess
+    import sys
+
+    model_dir = _tiny_model_dir(tmp_path / "model")
+    cache = tmp_path / "xla_cache"
+    env = {**os.environ, "AREAL_JAX_COMPILE_CACHE": str(cache)}
+    cmd = [sys.executable, "-m", "areal_jax.cli", "generate", f"--model={model_dir}", "--prompt=hi",
+           "--max_new_tokens=4"]
+
+    def run():
+        done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return done.stdout, sorted(p.name for p in cache.iterdir())
+
+    first, entries = run()
+    assert entries, "no program was written to the cache"
+    second, entries_after = run()
+    assert second == first  # greedy: the cached programs give the same completion
+    assert entries_after == entries  # the rerun found every program in the cache
