@@ -148,6 +148,7 @@ def run_areal(mode: str, model_dir: pathlib.Path, rows: list[dict], args) -> dic
         # objective as TRL's. Async needs the decoupled one (pi_prox from the loss forward).
         # Unrolled layers, as configs/quickstart.gin runs this size of model on CPU.
         ppo=PPOConfig(num_minibatches=1, max_tokens_per_microbatch=args.microbatch_tokens, decoupled=not sync,
+                      row_buckets=row_buckets(args.row_buckets, args.microbatch_tokens),
                       scan_layers=False),
         optimizer=OptimizerConfig(lr=args.lr, b1=args.b1, b2=args.b2, eps=args.eps, weight_decay=args.weight_decay,
                                   max_grad_norm=args.max_grad_norm),
@@ -170,6 +171,13 @@ def run_areal(mode: str, model_dir: pathlib.Path, rows: list[dict], args) -> dic
     return figures
 
 
+def row_buckets(extra: str, budget: int) -> tuple[int, ...]:
+    """PPOConfig.row_buckets: the default powers of two up to the budget plus `extra` sizes."""
+    from areal_jax.packing import default_buckets
+
+    return tuple(sorted({*default_buckets(budget), *(int(x) for x in extra.split(",") if x.strip())}))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=8, help="measured steps per side")
@@ -189,6 +197,10 @@ def main():
     ap.add_argument("--max-slots", type=int, default=128, help="cap on the engine's decode slots")
     ap.add_argument("--decode-chunk", type=int, default=8)
     ap.add_argument("--microbatch-tokens", type=int, default=8192)
+    ap.add_argument("--row-buckets", default="",
+                    help="row lengths added to the default powers of two from 128 (comma-separated), e.g. 96: "
+                         "~70-token samples that do not pair in 128-token rows waste less one per 96-token row, "
+                         "at the price of more micro-batch shapes to compile")
     # One torch thread: on these shared 2-core VMs, 2 threads made HF generate ~20x slower under load.
     ap.add_argument("--threads", type=int, default=1, help="torch threads on the TRL side")
     ap.add_argument("--seed", type=int, default=0)

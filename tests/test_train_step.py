@@ -361,7 +361,8 @@ def test_optimizer_config_validation(kwargs, match):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(eps_clip=1.5), "eps_clip"), (dict(compute_dtype="float16"), "compute_dtype"), (dict(remat="x"), "remat"),
     (dict(num_minibatches=0), "num_minibatches"), (dict(temperature=0.0), "temperature"),
-    (dict(behav_imp_weight_cap=-1.0), "cap")])
+    (dict(behav_imp_weight_cap=-1.0), "cap"), (dict(row_buckets=(0, 4096)), "row_buckets"),
+    (dict(row_buckets=(96, 128)), "row_buckets.*largest"), (dict(row_buckets=[96, 4096]), "row_buckets")])
 def test_ppo_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         PPOConfig(**kwargs)

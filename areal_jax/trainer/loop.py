@@ -223,11 +223,13 @@ class RLLoop:
         # KL against the frozen reference (off by default) shapes the advantages; with it off this
         # is exactly build_sequences.
         shaped = sequences_with_kl(groups, self.advantages, self.trainer, self.reference,
-                                   row_multiple=self.rows_per_process, agree_max=agree_max if multi else None)
+                                   row_multiple=self.rows_per_process, buckets=ppo.row_buckets or None,
+                                   agree_max=agree_max if multi else None)
         seqs = shaped.sequences
         # Every process must run the same programs in the same order: agree on micro-batch counts
         # and shapes, and on the minibatch token count that divides the loss.
         minibatches = make_microbatches(seqs, max_tokens_per_microbatch=ppo.max_tokens_per_microbatch,
+                                        buckets=ppo.row_buckets or None,
                                         num_minibatches=min(ppo.num_minibatches, len(seqs)),
                                         row_multiple=self.rows_per_process,
                                         agree_max=agree_max if multi else None, agree_sum=agree_sum if multi else None)

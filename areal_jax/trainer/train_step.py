@@ -65,6 +65,9 @@ class PPOConfig:
         temperature: sampling temperature the log-probs are taken at (match the generator).
         num_minibatches: optimizer updates per training step.
         max_tokens_per_microbatch: token budget of one micro-batch (for make_microbatches).
+        row_buckets: row lengths micro-batches may use (for make_microbatches); () = powers of
+            two from 128 up to the budget. Adding a size near the common sequence length (e.g.
+            96 for ~70-token samples that do not pair in 128) cuts padding and attention cost.
         compute_dtype: "float32", or "bfloat16" compute on fp32 master weights.
         remat: rematerialization of the decoder layers ("none", "full", "save_dots").
         scan_layers: run the layers as a scan (one compiled layer body, the choice for deep
@@ -80,6 +83,7 @@ class PPOConfig:
     temperature: float = 1.0
     num_minibatches: int = 4
     max_tokens_per_microbatch: int = 4096
+    row_buckets: tuple[int, ...] = ()
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     remat: Literal["none", "full", "save_dots"] = "none"
     scan_layers: bool = True
@@ -99,6 +103,12 @@ class PPOConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"PPOConfig.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.row_buckets, tuple) or any(
+                isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.row_buckets):
+            raise ValueError(f"PPOConfig.row_buckets must be a tuple of positive ints, got {self.row_buckets!r}")
+        if self.row_buckets and max(self.row_buckets) < self.max_tokens_per_microbatch:
+            raise ValueError(f"PPOConfig.row_buckets: the largest ({max(self.row_buckets)}) must be >= "
+                             f"max_tokens_per_microbatch ({self.max_tokens_per_microbatch})")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"PPOConfig.compute_dtype must be one of {tuple(COMPUTE_DTYPES)}, "
                              f"got {self.compute_dtype!r}")
