@@ -82,6 +82,7 @@ def enable_compile_cache(directory: str) -> None:
     jax.config.update("jax_compilation_cache_dir", os.path.abspath(directory))
     # Keep every program: the many small ones of a CPU run add up to most of its compile time.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
 def _eval(args) -> int:

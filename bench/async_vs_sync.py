@@ -41,6 +41,7 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from areal_jax.cli import enable_compile_cache  # noqa: E402
 from areal_jax.data.formats import PromptRow  # noqa: E402
 from areal_jax.generation import EngineConfig  # noqa: E402
 from areal_jax.models import ModelConfig, init_params  # noqa: E402
@@ -199,9 +200,7 @@ def main():
                          "late first-time compilations (long re-prefill buckets) stay out of the window")
     args = ap.parse_args()
     if args.compile_cache:
-        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+        enable_compile_cache(args.compile_cache)
     if not 1 <= args.warmup < args.steps:
         raise SystemExit("--warmup must be >= 1 and < --steps")
     if not 1 <= args.stop_tokens <= len(STOP_CHARS):

@@ -169,7 +169,7 @@ def make_microbatches(
     budget = _positive_int("max_tokens_per_microbatch", max_tokens_per_microbatch)
     m = _positive_int("num_minibatches", num_minibatches)
     row_multiple = _positive_int("row_multiple", row_multiple)
-    candidates = _candidate_lengths(budget, buckets)
+    candidates = candidate_row_lengths(budget, buckets)
     lengths = [len(s["input_ids"]) for s in seqs]
     for i, n in enumerate(lengths):
         if n > budget:
@@ -222,8 +222,9 @@ def _positive_int(name: str, value: object) -> int:
     return int(value)
 
 
-def _candidate_lengths(budget: int, buckets: Sequence[int] | None) -> list[int]:
-    """Allowed row lengths, ascending, up to the smallest one that holds the whole budget."""
+def candidate_row_lengths(budget: int, buckets: Sequence[int] | None) -> list[int]:
+    """Allowed row lengths, ascending, up to the smallest one that holds the whole budget
+    (`buckets` None: powers of two from 128). A ValueError names a bad or too small bucket."""
     sizes = sorted(set(default_buckets(budget) if buckets is None
                        else (_positive_int(f"buckets[{i}]", b) for i, b in enumerate(buckets))))
     if not sizes:

@@ -43,7 +43,7 @@ from areal_jax.ppo import (
     token_entropy,
     token_logprobs,
 )
-from areal_jax.trainer.batching import PackedBatch
+from areal_jax.trainer.batching import PackedBatch, candidate_row_lengths
 from areal_jax.trainer.optimizer import OptimizerConfig, build_optimizer, learning_rate_schedule
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -103,12 +103,13 @@ class PPOConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"PPOConfig.{name} must be a positive int, got {value!r}")
-        if not isinstance(self.row_buckets, tuple) or any(
-                isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.row_buckets):
-            raise ValueError(f"PPOConfig.row_buckets must be a tuple of positive ints, got {self.row_buckets!r}")
-        if self.row_buckets and max(self.row_buckets) < self.max_tokens_per_microbatch:
-            raise ValueError(f"PPOConfig.row_buckets: the largest ({max(self.row_buckets)}) must be >= "
-                             f"max_tokens_per_microbatch ({self.max_tokens_per_microbatch})")
+        if not isinstance(self.row_buckets, tuple):
+            raise ValueError(f"PPOConfig.row_buckets must be a tuple of ints, got {self.row_buckets!r}")
+        if self.row_buckets:  # the check make_microbatches would run at the first step
+            try:
+                candidate_row_lengths(self.max_tokens_per_microbatch, self.row_buckets)
+            except ValueError as e:
+                raise ValueError(f"PPOConfig.row_buckets {self.row_buckets}: {e}") from None
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"PPOConfig.compute_dtype must be one of {tuple(COMPUTE_DTYPES)}, "
                              f"got {self.compute_dtype!r}")
