@@ -444,7 +444,7 @@ def test_is_too_stale_closed_form():
 
 def test_data_error_stops_admission_loudly_and_drain_settles_in_flight_groups(engine, tokenizer):
     def rows_then_error():
-        yield from make_rows(tokenizer, ["sleep=0.2;text_hash"] * 3)
+        yield from make_rows(tokenizer, ["sleep=1.0;text_hash"] * 3)
         raise ValueError("corrupt shard")
 
     staleness = StalenessManager(4, 2, max_concurrent=4)
