@@ -16,6 +16,7 @@ SHORT = [  # the quickstart, shrunk to seconds
     "RLConfig.batch_size = 2", "RLConfig.max_concurrent = 4", "RLConfig.eval_every = 1",
     "RLVRConfig.n_samples = 2", "RLVRConfig.max_new_tokens = 8", "RLVRConfig.filter_all_equal_rewards = False",
     "RLConfig.eval_max_new_tokens = 8", "EngineConfig.num_slots = 8", "EngineConfig.max_seq_len = 64",
+    "SFTConfig.eval_from = 5", "SFTConfig.eval_every = 5", "TaskSource.validation_size = 6",
 ]
 
 
@@ -38,6 +39,9 @@ def test_quickstart_runs_end_to_end_in_short_form(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     for key in ("sft_accuracy", "final_accuracy", "steps", "wall_time_s", "trained_tokens"):
         assert key in summary, key
+    # Two validation checks (steps 5 and 10); a 10-step policy is far from the 0.5 target.
+    assert summary["sft_steps"] == 10 and summary["sft_stopped_early"] is False
+    assert 0.0 <= summary["sft_val_accuracy"] < 0.5
     assert summary["steps"] == 2 and summary["trained_tokens"] > 0
     assert (tmp_path / "progress.png").stat().st_size > 0
     rollouts = read_jsonl(tmp_path / "rollouts" / "step_1.jsonl")  # step index 1 = the 2nd step
@@ -58,6 +62,8 @@ def test_quickstart_runs_end_to_end_in_short_form(tmp_path):
     ("RLConfig.steps = 'many'", "RLConfig.steps"),
     ("PPOConfig.eps_clip = -1.0", "eps_clip"),
     ("MeshConfig.num_generation_devices_per_host = 8", "MeshConfig"),
+    ("TaskSource.validation_size = 0", "TaskSource.validation_size"),
+    ("SFTConfig.eval_from = 11", "no validation check"),
 ])
 def test_config_errors_are_reported_before_anything_starts(tmp_path, capsys, binding, message):
     assert main(_args(tmp_path / "run", binding)) == 2
@@ -133,3 +139,17 @@ def test_compile_cache_flag_stores_the_compiled_programs(tmp_path):
     second, entries_after = run()
     assert second == first  # greedy: the cached programs give the same completion
     assert entries_after == entries  # the rerun found every program in the cache
+
+
+def test_validation_problems_are_neither_trained_on_nor_held_out(tmp_path):
+    from areal_jax.jobs.configs import load_job_configs
+    from areal_jax.jobs.train import prepare_workload
+
+    cfg = load_job_configs([QUICKSTART], SHORT + ["TaskSource.validation_size = 40"], run_dir=str(tmp_path))
+    work = prepare_workload(cfg, tmp_path)
+    prompts = lambda ids: {tuple(int(t) for t in p) for p in ids}  # noqa: E731
+    validation = prompts(r["prompt_ids"] for r in work.validation_rows)
+    trained = prompts(p for p, _ in work.sft_examples)
+    held_out = prompts(r["prompt_ids"] for r in work.eval_rows)
+    assert len(validation) == 40 and len(trained) == 300 and len(held_out) == 8
+    assert not validation & trained and not validation & held_out

@@ -1,5 +1,6 @@
 """SFT: packed batches, completion-only loss (packed == unpacked), training to 100% on a few examples."""
 
+import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +15,7 @@ from areal_jax.trainer.sft import (
     PackedBatches,
     SFTConfig,
     completion_loss,
+    GreedyAccuracy,
     evaluate_accuracy,
     learning_rate_schedule,
     run_sft,
@@ -76,7 +78,9 @@ def test_too_long_example_is_rejected():
 @pytest.mark.parametrize("kwargs, culprit", [
     ({"steps": 0}, "steps"), ({"warmup": 20, "steps": 10}, "warmup"), ({"lr": 0.0}, "lr"),
     ({"compute_dtype": "float16"}, "compute_dtype"), ({"batch_size": 0}, "batch_size"),
-    ({"min_lr_ratio": 2.0}, "min_lr_ratio"),
+    ({"min_lr_ratio": 2.0}, "min_lr_ratio"), ({"eval_every": -1}, "eval_every"), ({"eval_from": -2}, "eval_from"),
+    ({"stop_accuracy": 1.5, "eval_every": 10}, "stop_accuracy"), ({"stop_accuracy": 0.5}, "eval_every > 0"),
+    ({"steps": 100, "eval_every": 20, "eval_from": 101}, "no validation check"),
 ])
 def test_config_validation_names_the_culprit(kwargs, culprit):
     with pytest.raises(ValueError, match=culprit):
@@ -121,12 +125,17 @@ def test_packed_loss_equals_per_sequence_reference():
     np.testing.assert_allclose(float(packed_loss), total / count, rtol=1e-5)
 
 
-def test_sft_overfits_a_handful_of_problems(tokenizer):
+@pytest.fixture
+def six_problems(tokenizer):
+    """(examples, prompt rows, model config, random params) of 6 arithmetic problems, a tiny model."""
     items = ar.problems(ar.ArithmeticConfig(min_operands=2, max_operands=3), "train", 6, seed=7)
-    examples = ar.sft_examples(tokenizer, items)
-    rows = list(ar.prompt_rows(tokenizer, items))
     cfg = task_model_config(**TINY)
-    params = init_params(cfg, jax.random.key(0))
+    return ar.sft_examples(tokenizer, items), list(ar.prompt_rows(tokenizer, items)), cfg, init_params(
+        cfg, jax.random.key(0))
+
+
+def test_sft_overfits_a_handful_of_problems(tokenizer, six_problems):
+    examples, rows, cfg, params = six_problems
     sft = SFTConfig(steps=120, batch_size=2, max_len=96, lr=1e-2, warmup=10, log_every=20, seed=0)
     trained, metrics = run_sft(cfg, params, examples, sft, progress=False)
     assert [m["step"] for m in metrics] == [20, 40, 60, 80, 100, 120]
@@ -138,3 +147,49 @@ def test_sft_overfits_a_handful_of_problems(tokenizer):
     assert rewards.shape == (6, 2) and rewards.mean() > 0.9
     # The input params were not consumed (the step donates only its own copy).
     np.testing.assert_array_equal(np.asarray(params["embed"]), np.asarray(init_params(cfg, jax.random.key(0))["embed"]))
+
+
+def test_validation_checks_run_where_configured_and_the_first_to_reach_the_target_stops_sft():
+    """Control flow of the accuracy stop with a scripted validation curve (the real probe below)."""
+    rng = np.random.default_rng(0)
+    cfg = task_model_config(**TINY)
+    params = init_params(cfg, jax.random.key(0))
+    examples = _random_examples(rng, 12)
+    curve = iter([0.1, 0.45, 0.5, 0.9])
+    seen = []
+
+    def validate(p):
+        seen.append(p["embed"].shape)
+        return next(curve)
+
+    sft = SFTConfig(steps=20, batch_size=2, max_len=32, warmup=2, log_every=5, eval_every=3, eval_from=4,
+                    stop_accuracy=0.5)
+    _, metrics = run_sft(cfg, params, examples, sft, progress=False, validate=validate)
+    # Checks at steps 6, 9, 12 (multiples of 3 from step 4); 12 reaches 0.5 and ends the run.
+    checks = [(m["step"], m["val_accuracy"]) for m in metrics if "val_accuracy" in m]
+    assert checks == [(6, 0.1), (9, 0.45), (12, 0.5)] and len(seen) == 3
+    assert [m["step"] for m in metrics] == [5, 6, 9, 10, 12] and metrics[-1]["stopped_early"] is True
+    # Without a target every check runs and SFT runs all its steps.
+    curve = iter([0.1, 0.45, 0.5, 0.9, 0.95, 0.97])
+    _, metrics = run_sft(cfg, params, examples, dataclasses.replace(sft, stop_accuracy=0.0), progress=False,
+                         validate=validate)
+    assert [m["step"] for m in metrics if "val_accuracy" in m] == [6, 9, 12, 15, 18]
+    assert metrics[-1]["step"] == 20 and "stopped_early" not in metrics[-1]
+    with pytest.raises(ValueError, match="validate"):
+        run_sft(cfg, params, examples, sft, progress=False)
+
+
+def test_sft_stops_once_greedy_accuracy_on_validation_rows_reaches_the_target(tokenizer, six_problems):
+    """The real probe: one engine across checks; the run ends at the first check with every row right."""
+    examples, rows, cfg, params = six_problems
+    probe = GreedyAccuracy(cfg, rows, tokenizer, max_new_tokens=32, slots=4)
+    sft = SFTConfig(steps=160, batch_size=2, max_len=96, lr=1e-2, warmup=10, log_every=20, seed=0,
+                    eval_every=10, eval_from=30, stop_accuracy=1.0)
+    trained, metrics = run_sft(cfg, params, examples, sft, progress=False, validate=probe)
+    checks = [m["val_accuracy"] for m in metrics if "val_accuracy" in m]
+    assert metrics[-1]["stopped_early"] and metrics[-1]["step"] < 160
+    assert checks[-1] == 1.0 and all(a < 1.0 for a in checks[:-1])
+    assert probe.calls == len(checks) and probe.engine.version == probe.calls  # one engine, weights swapped in
+    # The probe scores as the one-off evaluation does.
+    assert evaluate_accuracy(cfg, trained, rows, tokenizer, max_new_tokens=32, batch=4) == 1.0
+    assert probe(params) == evaluate_accuracy(cfg, params, rows, tokenizer, max_new_tokens=32, batch=4) == 0.0

@@ -44,10 +44,15 @@ class TaskSource:
     eval_size: int = 200  # held-out prompts for accuracy
     seed: int = 0
     eval_paths: tuple[str, ...] = ()  # dataset: held-out files (same formats as DataConfig.paths)
+    # arithmetic: prompts for SFT's validation checks (SFTConfig.eval_every), drawn from the
+    # training split after its `train_size` problems: never trained on, disjoint from held-out.
+    validation_size: int = 0
 
     def __post_init__(self):
         if self.train_size < 1 or self.eval_size < 0:
             raise ValueError("TaskSource.train_size must be >= 1 and eval_size >= 0")
+        if self.validation_size < 0:
+            raise ValueError(f"TaskSource.validation_size must be >= 0, got {self.validation_size!r}")
         if self.kind == "dataset" and self.eval_size and not self.eval_paths:
             raise ValueError("TaskSource.kind = 'dataset' needs eval_paths for held-out accuracy (or eval_size = 0)")
 
@@ -100,8 +105,13 @@ def load_job_configs(gin_files=(), gin_params=(), *, run_dir: str) -> JobConfigs
     if bindings:
         checkpoint = cs.build(CheckpointConfig, **({} if "directory" in bindings else
                                                   {"directory": f"{run_dir}/checkpoints"}))
+    sft, stages = cs.build(SFTConfig), cs.build(Stages)
+    if stages.sft and sft.eval_every and (task.kind != "arithmetic" or task.validation_size == 0):
+        raise cs.ConfigError(
+            "SFTConfig.eval_every > 0 needs validation prompts: TaskSource.kind = 'arithmetic' with "
+            f"TaskSource.validation_size > 0 (got kind {task.kind!r}, validation_size {task.validation_size})")
     return JobConfigs(
-        model=cs.build(ModelSource), task=task, stages=cs.build(Stages), arithmetic=cs.build(ArithmeticConfig),
-        data=data, sft=cs.build(SFTConfig), rl=cs.build(RLConfig), ppo=cs.build(PPOConfig),
+        model=cs.build(ModelSource), task=task, stages=stages, arithmetic=cs.build(ArithmeticConfig),
+        data=data, sft=sft, rl=cs.build(RLConfig), ppo=cs.build(PPOConfig),
         optimizer=cs.build(OptimizerConfig), advantages=cs.build(AdvantageConfig), rollout=cs.build(RLVRConfig),
         engine=cs.build(EngineConfig), mesh=cs.build(MeshConfig), checkpoint=checkpoint)

@@ -41,6 +41,7 @@ class Workload:
     train_rows: Any  # iterator of loader rows
     eval_rows: list
     sft_examples: list
+    validation_rows: list = dataclasses.field(default_factory=list)  # SFT's accuracy checks
 
 
 class ProblemStream:
@@ -94,12 +95,15 @@ def prepare_workload(cfg: JobConfigs, run_dir: pathlib.Path) -> Workload:
     if cfg.task.kind == "arithmetic":
         from areal_jax.tasks import arithmetic as ar
 
-        train = ar.problems(cfg.arithmetic, "train", cfg.task.train_size, seed=cfg.task.seed)
+        # Validation problems continue the training stream: distinct from every training problem.
+        train_and_val = ar.problems(cfg.arithmetic, "train", cfg.task.train_size + cfg.task.validation_size,
+                                    seed=cfg.task.seed)
+        train, validation = train_and_val[:cfg.task.train_size], train_and_val[cfg.task.train_size:]
         held_out = ar.problems(cfg.arithmetic, "test", cfg.task.eval_size, seed=cfg.task.seed)
         shard = slice(jax.process_index(), None, jax.process_count())
         stream = ProblemStream(tokenizer, train[shard], seed=cfg.task.seed + 1 + jax.process_index())
         return Workload(model_cfg, params, tokenizer, tokenizer_dir, stream, list(ar.prompt_rows(tokenizer, held_out[shard])),
-                        ar.sft_examples(tokenizer, train))
+                        ar.sft_examples(tokenizer, train), list(ar.prompt_rows(tokenizer, validation)))
     from areal_jax.data.pipeline import build_prompt_loader
 
     loader = build_prompt_loader(cfg.data, tokenizer, process_index=jax.process_index(),
@@ -121,7 +125,7 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
     With `resume` and a checkpoint under the run's CheckpointConfig directory, SFT is skipped and
     RL continues from the latest checkpoint (weights, optimizer, version, counters, data position).
     """
-    from areal_jax.trainer.sft import evaluate_accuracy, run_sft
+    from areal_jax.trainer.sft import GreedyAccuracy, evaluate_accuracy, run_sft
 
     t0 = time.perf_counter()
     run_dir = pathlib.Path(run_dir)
@@ -158,8 +162,20 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
     else:
         if cfg.stages.sft and work.sft_examples:
             t_sft = time.perf_counter()
-            params, _ = run_sft(work.model_config, params, work.sft_examples, cfg.sft, progress=progress)
-            summary.update(sft_steps=cfg.sft.steps, sft_time_s=time.perf_counter() - t_sft)
+            validate = GreedyAccuracy(work.model_config, work.validation_rows, work.tokenizer,
+                                      max_new_tokens=cfg.rl.eval_max_new_tokens, reward_fn=reward_fn) \
+                if cfg.sft.eval_every else None
+            params, sft_log = run_sft(work.model_config, params, work.sft_examples, cfg.sft, progress=progress,
+                                      validate=validate)
+            summary.update(sft_steps=sft_log[-1]["step"], sft_time_s=time.perf_counter() - t_sft)
+            checks = [m for m in sft_log if "val_accuracy" in m]
+            if checks:
+                summary.update(sft_val_accuracy=checks[-1]["val_accuracy"],
+                               sft_stopped_early=bool(sft_log[-1].get("stopped_early", False)))
+            if sft_log[-1].get("stopped_early"):
+                print(f"[areal-jax] SFT stopped at step {sft_log[-1]['step']} of {cfg.sft.steps}: validation accuracy "
+                      f"{sft_log[-1]['val_accuracy']:.3f} >= SFTConfig.stop_accuracy {cfg.sft.stop_accuracy}",
+                      flush=True)
         summary["sft_accuracy"] = held_out_accuracy(params)
         print(f"[areal-jax] held-out greedy accuracy after SFT: {summary['sft_accuracy']:.3f}", flush=True)
 

@@ -24,7 +24,9 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
+from areal_jax.generation.engine import EngineConfig, GenerationEngine
 from areal_jax.generation.offline import generate
+from areal_jax.generation.sampling import SamplingParams
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.transformer import Params, Transformer, forward
 from areal_jax.packing import ffd_allocate, pack_sequences
@@ -44,6 +46,13 @@ class SFTConfig:
     "bfloat16" for matmuls (weights and optimizer state stay float32). log_every: steps between
     metric read-backs (reading forces a device sync). scan_layers: run the layers as a scan (one
     compiled layer body) or unrolled (faster per step on CPU, longer compile for deep models).
+
+    Validation (needs validation prompts, e.g. TaskSource.validation_size for the built-in task):
+    eval_every: steps between greedy-accuracy checks on them (0 = none), from step `eval_from`
+    on. stop_accuracy: end SFT at the first check whose accuracy reaches it (0 = run all `steps`;
+    the schedule stays the one over `steps`). Stopping on accuracy rather than a step count gives
+    RL the same kind of start on any machine: where a small policy lands after a fixed number of
+    steps moves with the numerics (docs/benchmarks.md, quickstart).
     """
 
     steps: int = 1000
@@ -58,6 +67,9 @@ class SFTConfig:
     min_lr_ratio: float = 0.1
     log_every: int = 10
     scan_layers: bool = True
+    eval_every: int = 0
+    eval_from: int = 0
+    stop_accuracy: float = 0.0
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "max_len", "log_every"):
@@ -78,6 +90,21 @@ class SFTConfig:
             raise ValueError(f"SFTConfig.grad_clip must be positive, got {self.grad_clip!r}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"SFTConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        for name in ("eval_every", "eval_from"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"SFTConfig.{name} must be an int >= 0, got {value!r}")
+        if not 0.0 <= self.stop_accuracy <= 1.0:
+            raise ValueError(f"SFTConfig.stop_accuracy must be in [0, 1] (0 = off), got {self.stop_accuracy!r}")
+        if self.stop_accuracy > 0 and self.eval_every == 0:
+            raise ValueError("SFTConfig.stop_accuracy needs validation checks: set SFTConfig.eval_every > 0")
+        if self.eval_every and not any(self.validates_at(s) for s in range(max(self.eval_from, 1), self.steps + 1)):
+            raise ValueError(f"SFTConfig.eval_every = {self.eval_every} with eval_from = {self.eval_from} runs no "
+                             f"validation check within steps = {self.steps}")
+
+    def validates_at(self, step: int) -> bool:
+        """Whether step `step` (1-based) ends with a validation check."""
+        return self.eval_every > 0 and step >= self.eval_from and step % self.eval_every == 0
 
 
 # ---- data -----------------------------------------------------------------------------------------
@@ -196,13 +223,21 @@ def make_train_step(model_cfg: ModelConfig, optimizer: optax.GradientTransformat
 
 
 def run_sft(model_cfg: ModelConfig, params: Params, examples: Sequence[Example], cfg: SFTConfig, *,
-            progress: bool = True) -> tuple[Params, list[dict[str, float]]]:
+            progress: bool = True, validate: Callable[[Params], float] | None = None
+            ) -> tuple[Params, list[dict[str, float]]]:
     """Fine-tunes `params` on (prompt_ids, completion_ids) pairs; returns new params and metrics.
 
     Metrics: one dict per `log_every` steps (and the last step) with step, loss (mean over the
     steps since the previous entry), tokens (completion tokens trained), grad_norm, lr and
-    elapsed seconds (compilation included).
+    elapsed seconds (compilation included); at validation steps also val_accuracy, and
+    `stopped_early` on the last entry when `cfg.stop_accuracy` ended the run (the last entry's
+    step is then the number of steps run).
+
+    validate: params -> accuracy in [0, 1], called at the steps `cfg.validates_at` names
+    (required when `cfg.eval_every` > 0; e.g. a `GreedyAccuracy`).
     """
+    if cfg.eval_every and validate is None:
+        raise ValueError("SFTConfig.eval_every > 0 needs a `validate` function (validation prompts)")
     compute_dtype = _DTYPES[cfg.compute_dtype]
     params = jax.tree.map(lambda a: jnp.array(a, jnp.float32), params)  # own copy: the step donates it
     optimizer = make_optimizer(cfg)
@@ -217,15 +252,22 @@ def run_sft(model_cfg: ModelConfig, params: Params, examples: Sequence[Example],
     for step in range(1, cfg.steps + 1):
         params, opt_state, m = step_fn(params, opt_state, next(batches))
         window.append(m)
-        if step % cfg.log_every == 0 or step == cfg.steps:
+        accuracy = validate(params) if cfg.validates_at(step) else None
+        stop = accuracy is not None and cfg.stop_accuracy > 0 and accuracy >= cfg.stop_accuracy
+        if step % cfg.log_every == 0 or step == cfg.steps or accuracy is not None:
             host = jax.device_get(window)
             entry = {"step": step, "loss": float(np.mean([w["loss"] for w in host])),
                      "tokens": float(sum(w["tokens"] for w in host)), "grad_norm": float(host[-1]["grad_norm"]),
                      "lr": float(schedule(step - 1)), "seconds": time.perf_counter() - start}
+            if accuracy is not None:
+                entry["val_accuracy"] = float(accuracy)
             metrics.append(entry)
             window = []
-            bar.set_postfix(loss=f"{entry['loss']:.4f}")
+            bar.set_postfix(loss=f"{entry['loss']:.4f}", **({} if accuracy is None else {"val": f"{accuracy:.2f}"}))
         bar.update(1)
+        if stop:
+            metrics[-1]["stopped_early"] = True
+            break
     bar.close()
     return params, metrics
 
@@ -262,10 +304,51 @@ def sample_rewards(model_cfg: ModelConfig, params: Params, rows: Sequence[Mappin
     return out
 
 
+class GreedyAccuracy:
+    """Greedy accuracy of changing weights on fixed prompt rows: `probe(params) -> float`.
+
+    One generation engine serves every call (new weights are swapped in), so its programs are
+    compiled once; a fresh `evaluate_accuracy` per check would compile them again each time.
+    Same scoring as `evaluate_accuracy`: a row counts when its greedy completion earns reward >= 1.
+    """
+
+    def __init__(self, model_cfg: ModelConfig, rows: Sequence[Mapping[str, Any]], tokenizer: Any, *,
+                 max_new_tokens: int, slots: int = 64, reward_fn: Callable[[str, Any], float] | None = None):
+        if not rows:
+            raise ValueError("GreedyAccuracy needs at least one prompt row")
+        if reward_fn is None:
+            from areal_jax.tasks.reward import arithmetic_reward as reward_fn
+        self.model_cfg, self.rows, self.tokenizer, self.reward_fn = model_cfg, list(rows), tokenizer, reward_fn
+        self.prompts = [np.asarray(r["prompt_ids"]).tolist() for r in self.rows]
+        longest = max(len(p) for p in self.prompts)
+        self.engine_config = EngineConfig(num_slots=min(slots, len(self.rows)),
+                                          max_seq_len=-(-(longest + max_new_tokens + 1) // 16) * 16)
+        self.sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
+                                       stop_token_ids=tuple(tokenizer.stop_token_ids))
+        self.engine: GenerationEngine | None = None
+        self.calls = 0
+
+    def __call__(self, params: Params) -> float:
+        self.calls += 1
+        if self.engine is None:
+            self.engine = GenerationEngine((self.model_cfg, params), self.engine_config, version=self.calls)
+        else:
+            self.engine.update_weights(params, self.calls)
+        handles = [self.engine.submit(p, self.sampling, seed=0) for p in self.prompts]
+        self.engine.run_until_idle()  # applies the new weights first, then generates
+        correct = 0
+        for row, handle in zip(self.rows, handles):
+            tokens = handle.result().completions[0].tokens
+            correct += self.reward_fn(self.tokenizer.decode(tokens, skip_special_tokens=True), _row_answer(row)) >= 1.0
+        return correct / len(self.rows)
+
+
 def evaluate_accuracy(model_cfg: ModelConfig, params: Params, rows: Sequence[Mapping[str, Any]], tokenizer: Any,
                       *, max_new_tokens: int, batch: int = 64,
                       reward_fn: Callable[[str, Any], float] | None = None) -> float:
-    """Share of rows whose greedy completion earns reward 1 (see `sample_rewards`)."""
-    rewards = sample_rewards(model_cfg, params, rows, tokenizer, max_new_tokens=max_new_tokens, batch=batch,
-                             reward_fn=reward_fn)
-    return float(np.mean(rewards[:, 0] >= 1.0)) if len(rewards) else 0.0
+    """Share of rows whose greedy completion earns reward >= 1 (0.0 for no rows): a one-off
+    `GreedyAccuracy`, whose engine has `batch` slots at most."""
+    if not rows:
+        return 0.0
+    return GreedyAccuracy(model_cfg, rows, tokenizer, max_new_tokens=max_new_tokens, slots=batch,
+                          reward_fn=reward_fn)(params)
