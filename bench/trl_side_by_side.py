@@ -201,8 +201,9 @@ def main():
                     help="row lengths added to the default powers of two from 128 (comma-separated), e.g. 96: "
                          "~70-token samples that do not pair in 128-token rows waste less one per 96-token row, "
                          "at the price of more micro-batch shapes to compile")
-    # One torch thread: on these shared 2-core VMs, 2 threads made HF generate ~20x slower under load.
-    ap.add_argument("--threads", type=int, default=1, help="torch threads on the TRL side")
+    # As many torch threads as areal_jax's XLA uses (every core): the fair default. Under heavy load
+    # from other jobs 2 threads once made HF generate ~20x slower; --threads 1 is for that case.
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads on the TRL side")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
     ap.add_argument("--trl-version", default=TRL_VERSION)
