@@ -100,7 +100,8 @@ class SFTConfig:
             raise ValueError("SFTConfig.stop_accuracy needs validation checks: set SFTConfig.eval_every > 0")
         if self.eval_every and not any(self.validates_at(s) for s in range(max(self.eval_from, 1), self.steps + 1)):
             raise ValueError(f"SFTConfig.eval_every = {self.eval_every} with eval_from = {self.eval_from} runs no "
-                             f"validation check within steps = {self.steps}")
+                             f"validation check within steps = {self.steps}: lower SFTConfig.eval_from, or set "
+                             f"SFTConfig.eval_every = 0 and SFTConfig.stop_accuracy = 0.0 to train all steps")
 
     def validates_at(self, step: int) -> bool:
         """Whether step `step` (1-based) ends with a validation check."""
