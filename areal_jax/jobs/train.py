@@ -167,15 +167,14 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
                 if cfg.sft.eval_every else None
             params, sft_log = run_sft(work.model_config, params, work.sft_examples, cfg.sft, progress=progress,
                                       validate=validate)
-            summary.update(sft_steps=sft_log[-1]["step"], sft_time_s=time.perf_counter() - t_sft)
-            checks = [m for m in sft_log if "val_accuracy" in m]
+            last = sft_log[-1]  # its step is the number of steps run
+            summary.update(sft_steps=last["step"], sft_time_s=time.perf_counter() - t_sft)
+            checks = [m["val_accuracy"] for m in sft_log if "val_accuracy" in m]
             if checks:
-                summary.update(sft_val_accuracy=checks[-1]["val_accuracy"],
-                               sft_stopped_early=bool(sft_log[-1].get("stopped_early", False)))
-            if sft_log[-1].get("stopped_early"):
-                print(f"[areal-jax] SFT stopped at step {sft_log[-1]['step']} of {cfg.sft.steps}: validation accuracy "
-                      f"{sft_log[-1]['val_accuracy']:.3f} >= SFTConfig.stop_accuracy {cfg.sft.stop_accuracy}",
-                      flush=True)
+                summary.update(sft_val_accuracy=checks[-1], sft_stopped_early=bool(last.get("stopped_early")))
+            if last.get("stopped_early"):
+                print(f"[areal-jax] SFT stopped at step {last['step']} of {cfg.sft.steps}: validation accuracy "
+                      f"{last['val_accuracy']:.3f} >= SFTConfig.stop_accuracy {cfg.sft.stop_accuracy}", flush=True)
         summary["sft_accuracy"] = held_out_accuracy(params)
         print(f"[areal-jax] held-out greedy accuracy after SFT: {summary['sft_accuracy']:.3f}", flush=True)
 

@@ -222,14 +222,15 @@ class RLLoop:
         multi = jax.process_count() > 1
         # KL against the frozen reference (off by default) shapes the advantages; with it off this
         # is exactly build_sequences.
+        buckets = ppo.row_buckets or None  # () = make_microbatches' default lengths
         shaped = sequences_with_kl(groups, self.advantages, self.trainer, self.reference,
-                                   row_multiple=self.rows_per_process, buckets=ppo.row_buckets or None,
+                                   row_multiple=self.rows_per_process, buckets=buckets,
                                    agree_max=agree_max if multi else None)
         seqs = shaped.sequences
         # Every process must run the same programs in the same order: agree on micro-batch counts
         # and shapes, and on the minibatch token count that divides the loss.
         minibatches = make_microbatches(seqs, max_tokens_per_microbatch=ppo.max_tokens_per_microbatch,
-                                        buckets=ppo.row_buckets or None,
+                                        buckets=buckets,
                                         num_minibatches=min(ppo.num_minibatches, len(seqs)),
                                         row_multiple=self.rows_per_process,
                                         agree_max=agree_max if multi else None, agree_sum=agree_sum if multi else None)

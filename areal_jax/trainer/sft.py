@@ -98,7 +98,8 @@ class SFTConfig:
             raise ValueError(f"SFTConfig.stop_accuracy must be in [0, 1] (0 = off), got {self.stop_accuracy!r}")
         if self.stop_accuracy > 0 and self.eval_every == 0:
             raise ValueError("SFTConfig.stop_accuracy needs validation checks: set SFTConfig.eval_every > 0")
-        if self.eval_every and not any(self.validates_at(s) for s in range(max(self.eval_from, 1), self.steps + 1)):
+        # The first check: the first multiple of eval_every at or after eval_from (steps count from 1).
+        if self.eval_every and -(-max(self.eval_from, 1) // self.eval_every) * self.eval_every > self.steps:
             raise ValueError(f"SFTConfig.eval_every = {self.eval_every} with eval_from = {self.eval_from} runs no "
                              f"validation check within steps = {self.steps}: lower SFTConfig.eval_from, or set "
                              f"SFTConfig.eval_every = 0 and SFTConfig.stop_accuracy = 0.0 to train all steps")
@@ -281,6 +282,15 @@ def _row_answer(row: Mapping[str, Any]) -> Any:
     return r["answer"] if isinstance(r, Mapping) else r.answer
 
 
+def _completion_scorer(tokenizer: Any, reward_fn: Callable[[str, Any], float] | None
+                       ) -> Callable[[Mapping[str, Any], Sequence[int]], float]:
+    """`score(row, completion_tokens) -> reward` of the decoded completion against the row's answer
+    (`reward_fn` default: the arithmetic reward)."""
+    if reward_fn is None:
+        from areal_jax.tasks.reward import arithmetic_reward as reward_fn
+    return lambda row, tokens: reward_fn(tokenizer.decode(tokens, skip_special_tokens=True), _row_answer(row))
+
+
 def sample_rewards(model_cfg: ModelConfig, params: Params, rows: Sequence[Mapping[str, Any]], tokenizer: Any, *,
                    max_new_tokens: int, batch: int = 64, n: int = 1, temperature: float = 0.0, seed: int = 0,
                    reward_fn: Callable[[str, Any], float] | None = None) -> np.ndarray:
@@ -290,10 +300,9 @@ def sample_rewards(model_cfg: ModelConfig, params: Params, rows: Sequence[Mappin
     batch: decode slots of the generation engine. reward_fn: (completion_text, answer) -> float,
     default the arithmetic reward.
     """
-    if reward_fn is None:
-        from areal_jax.tasks.reward import arithmetic_reward as reward_fn
     if not rows:
         return np.zeros((0, n), np.float32)
+    score = _completion_scorer(tokenizer, reward_fn)
     model = Transformer(model_cfg, params)
     prompts = [np.asarray(r["prompt_ids"]).tolist() for r in rows]
     results = generate(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, n=n, seed=seed,
@@ -301,7 +310,7 @@ def sample_rewards(model_cfg: ModelConfig, params: Params, rows: Sequence[Mappin
     out = np.zeros((len(rows), n), np.float32)
     for i, (row, completions) in enumerate(zip(rows, results)):
         for j, c in enumerate(completions):
-            out[i, j] = reward_fn(tokenizer.decode(c.tokens, skip_special_tokens=True), _row_answer(row))
+            out[i, j] = score(row, c.tokens)
     return out
 
 
@@ -317,9 +326,8 @@ class GreedyAccuracy:
                  max_new_tokens: int, slots: int = 64, reward_fn: Callable[[str, Any], float] | None = None):
         if not rows:
             raise ValueError("GreedyAccuracy needs at least one prompt row")
-        if reward_fn is None:
-            from areal_jax.tasks.reward import arithmetic_reward as reward_fn
-        self.model_cfg, self.rows, self.tokenizer, self.reward_fn = model_cfg, list(rows), tokenizer, reward_fn
+        self.model_cfg, self.rows = model_cfg, list(rows)
+        self.score = _completion_scorer(tokenizer, reward_fn)
         self.prompts = [np.asarray(r["prompt_ids"]).tolist() for r in self.rows]
         longest = max(len(p) for p in self.prompts)
         self.engine_config = EngineConfig(num_slots=min(slots, len(self.rows)),
@@ -337,10 +345,7 @@ class GreedyAccuracy:
             self.engine.update_weights(params, self.calls)
         handles = [self.engine.submit(p, self.sampling, seed=0) for p in self.prompts]
         self.engine.run_until_idle()  # applies the new weights first, then generates
-        correct = 0
-        for row, handle in zip(self.rows, handles):
-            tokens = handle.result().completions[0].tokens
-            correct += self.reward_fn(self.tokenizer.decode(tokens, skip_special_tokens=True), _row_answer(row)) >= 1.0
+        correct = sum(self.score(row, h.result().completions[0].tokens) >= 1.0 for row, h in zip(self.rows, handles))
         return correct / len(self.rows)
 
 
