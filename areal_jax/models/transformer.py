@@ -101,14 +101,31 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (weight.astype(jnp.float32) * x32).astype(x.dtype)
 
 
-def rotary(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotates pairs (i, i + H/2) of `x [B, T, *, H]` by angle position * inv_freq (HF layout)."""
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
+class Rotary(NamedTuple):
+    """cos and sin of position * inv_freq, `[B, T, 1, H/2]` each (fp32), for every layer's q and k.
+
+    Computed once per forward: XLA CPU's cosine costs ~10x torch's per element, and left inside
+    the layer it is fused into each rotation and re-evaluated for every head (and again in the
+    backward pass), which cost more than the projections it rotates.
+    """
+
+    cos: jax.Array
+    sin: jax.Array
+
+    @classmethod
+    def at(cls, positions: jax.Array, inv_freq: jax.Array) -> "Rotary":
+        angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
+        # The barrier makes XLA materialize the table; otherwise its fusion pass copies the
+        # cosine back into every consumer.
+        cos, sin = jax.lax.optimization_barrier((jnp.cos(angles), jnp.sin(angles)))
+        return cls(cos[:, :, None, :], sin[:, :, None, :])
+
+
+def rotary(x: jax.Array, rope: Rotary) -> jax.Array:
+    """Rotates pairs (i, i + H/2) of `x [B, T, *, H]` by the table's angles (HF layout)."""
     x32 = x.astype(jnp.float32)
     x1, x2 = jnp.split(x32, 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    return jnp.concatenate([x1 * rope.cos - x2 * rope.sin, x2 * rope.cos + x1 * rope.sin], axis=-1).astype(x.dtype)
 
 
 class KVCache(NamedTuple):
@@ -173,7 +190,7 @@ def project(x: jax.Array, w: jax.Array, preferred_element_type=None) -> jax.Arra
     return out.reshape(B, T, *w.shape[1:])
 
 
-def _layer(cfg: ModelConfig, inv_freq, x, p, positions, mask, cache_kv, write_index, compute_dtype):
+def _layer(cfg: ModelConfig, rope: Rotary, x, p, mask, cache_kv, write_index, compute_dtype):
     """One decoder layer. x `[B, T, D]`; cache_kv = (k, v) `[B, K, S, H]` of this layer or None;
     with a cache, attention reads its first `mask.shape[-1]` positions."""
     cast = lambda a: a.astype(compute_dtype)  # noqa: E731
@@ -186,8 +203,8 @@ def _layer(cfg: ModelConfig, inv_freq, x, p, positions, mask, cache_kv, write_in
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    q = rotary(q, positions, inv_freq)
-    k = rotary(k, positions, inv_freq)
+    q = rotary(q, rope)
+    k = rotary(k, rope)
     q = constrain(q, ("batch", "seq", "act_heads", "head_dim"))
     if cache_kv is None:
         attn = causal_attention(q, k, v, mask)
@@ -281,9 +298,10 @@ def forward(
         write_index = jnp.where(valid, positions, S)  # index S is out of bounds: dropped
         positions = jnp.maximum(positions, 0)
 
+    rope = Rotary.at(positions, inv_freq)
     x = params["embed"].astype(compute_dtype)[input_ids]
     x = constrain(x, ("batch", "seq", "act_embed"))
-    layer_fn = lambda x, p, kv: _layer(cfg, inv_freq, x, p, positions, mask, kv, write_index, compute_dtype)  # noqa: E731
+    layer_fn = lambda x, p, kv: _layer(cfg, rope, x, p, mask, kv, write_index, compute_dtype)  # noqa: E731
     if remat != "none":
         layer_fn = jax.checkpoint(layer_fn, policy=_REMAT_POLICIES[remat])
 
