@@ -26,6 +26,9 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gin_file", action="append", default=[], help="a .gin config file (repeatable)")
     p.add_argument("--gin_param", action="append", default=[], help="one binding, e.g. 'RLConfig.steps = 40'")
     p.add_argument("--run_dir", default=None, help="where the run writes (default: runs/<timestamp>)")
+    p.add_argument("--distributed", action="store_true",
+                   help="start jax.distributed with the cluster auto-detected (TPU pod, SLURM, Open MPI); "
+                        "the same as AREAL_DISTRIBUTED=1")
     p.add_argument("--coordinator", default=None, help="host:port for jax.distributed (multi-host)")
     p.add_argument("--num_processes", type=int, default=None)
     p.add_argument("--process_id", type=int, default=None)
@@ -132,7 +135,9 @@ def _train(args) -> int:
 
     from areal_jax.config_system import ConfigError
 
-    if args.coordinator or os.environ.get("AREAL_DISTRIBUTED") == "1":
+    # Opt-in: auto-detection on a machine that merely looks like a cluster (a Kubernetes pod, a
+    # SLURM login shell) would try to join one.
+    if args.distributed or args.coordinator or os.environ.get("AREAL_DISTRIBUTED") == "1":
         from areal_jax.parallel.distributed import initialize_distributed
 
         initialize_distributed(args.coordinator, args.num_processes, args.process_id)

@@ -13,19 +13,13 @@ import portpicker
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def run_processes(worker: str | pathlib.Path, args_for: callable, out_dir: pathlib.Path, *, num_processes: int = 2,
-                  devices_per_process: int = 4, timeout: float = 300) -> list[dict]:
-    """Starts `worker PORT PROCESS_ID *args_for(i)` per process; returns each one's result JSON.
+def run_all(commands: list[list[str]], env: dict[str, str], *, timeout: float = 300) -> list[str]:
+    """Runs the commands as concurrent processes from the repository root; returns each one's output.
 
-    Each worker writes `out_dir/result_<id>.json`; a process that fails has its output tail in
-    the assertion message.
+    A process that fails has its output tail in the assertion message.
     """
-    port = portpicker.pick_unused_port()
-    env = {**os.environ, "JAX_NUM_CPU_DEVICES": str(devices_per_process), "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": str(ROOT)}
-    procs = [subprocess.Popen([sys.executable, str(worker), str(port), str(i), *map(str, args_for(i))], env=env,
-                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(num_processes)]
+    procs = [subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for cmd in commands]
     logs = []
     try:
         for p in procs:
@@ -34,8 +28,20 @@ def run_processes(worker: str | pathlib.Path, args_for: callable, out_dir: pathl
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    results = []
     for i, p in enumerate(procs):
         assert p.returncode == 0, f"process {i} failed:\n{logs[i][-4000:]}"
-        results.append(json.loads((out_dir / f"result_{i}.json").read_text()))
-    return results
+    return logs
+
+
+def run_processes(worker: str | pathlib.Path, args_for: callable, out_dir: pathlib.Path, *, num_processes: int = 2,
+                  devices_per_process: int = 4, timeout: float = 300) -> list[dict]:
+    """Starts `worker PORT PROCESS_ID *args_for(i)` per process; returns each one's result JSON.
+
+    Each worker writes `out_dir/result_<id>.json`.
+    """
+    port = portpicker.pick_unused_port()
+    env = {**os.environ, "JAX_NUM_CPU_DEVICES": str(devices_per_process), "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": str(ROOT)}
+    run_all([[sys.executable, str(worker), str(port), str(i), *map(str, args_for(i))] for i in range(num_processes)],
+            env, timeout=timeout)
+    return [json.loads((out_dir / f"result_{i}.json").read_text()) for i in range(num_processes)]

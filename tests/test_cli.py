@@ -1,12 +1,16 @@
 """`areal-jax train` end to end in a shortened form, and configuration errors caught up front."""
 
 import json
+import os
 import pathlib
+import sys
 
+import portpicker
 import pytest
 
 from areal_jax.cli import main
 from areal_jax.metrics import read_jsonl
+from tests.multiprocess import run_all
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 QUICKSTART = str(ROOT / "configs" / "quickstart.gin")
@@ -42,6 +46,7 @@ def test_quickstart_runs_end_to_end_in_short_form(tmp_path):
     # Two validation checks (steps 5 and 10); a 10-step policy is far from the 0.5 target.
     assert summary["sft_steps"] == 10 and summary["sft_stopped_early"] is False
     assert 0.0 <= summary["sft_val_accuracy"] < 0.5
+    assert summary["held_out_problems"] == 8
     assert summary["steps"] == 2 and summary["trained_tokens"] > 0
     assert (tmp_path / "progress.png").stat().st_size > 0
     rollouts = read_jsonl(tmp_path / "rollouts" / "step_1.jsonl")  # step index 1 = the 2nd step
@@ -54,6 +59,27 @@ def test_quickstart_runs_end_to_end_in_short_form(tmp_path):
 
     load_pretrained(tmp_path / "final_model")
     Tokenizer.from_pretrained(tmp_path / "final_model")
+
+
+def test_train_runs_as_two_processes_over_jax_distributed(tmp_path):
+    """`areal-jax train` on two hosts (two local processes, real jax.distributed, one run directory):
+    SFT, RL over the global train mesh, held-out accuracy over both processes' shards, and one set of
+    records written by process 0."""
+    port = portpicker.pick_unused_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"}
+    run_all([[sys.executable, "-m", "areal_jax.cli", *_args(tmp_path, "TaskSource.eval_size = 9"),
+              f"--coordinator=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"] for i in range(2)],
+            env, timeout=400)
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1]  # once, not once per process
+    assert len(list((tmp_path / "tensorboard").iterdir())) == 1
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["trained_tokens"] > 0
+    # 9 held-out problems split 5 / 4 between the processes: the accuracy is over all 9.
+    assert summary["held_out_problems"] == 9
+    assert 0.0 <= summary["sft_accuracy"] <= 1.0 and 0.0 <= summary["final_accuracy"] <= 1.0
+    from areal_jax.models import load_pretrained
+
+    load_pretrained(tmp_path / "final_model")
 
 
 @pytest.mark.parametrize("binding,message", [

@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from areal_jax.parallel import MeshConfig, WeightSync, agree_max, agree_sum, build_meshes
+from tests.multiprocess import run_all
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -210,28 +211,9 @@ def test_two_processes_transfer_exactly(tmp_path):
     env = {**os.environ, "JAX_NUM_CPU_DEVICES": "4", "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
     worker = ROOT / "tests" / "multiprocess_weight_sync_worker.py"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(worker), str(port), str(i), "2", str(tmp_path)],
-            env=env,
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=240)
-            logs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for i, p in enumerate(procs):
-        assert p.returncode == 0, f"process {i} failed:\n{logs[i][-4000:]}"
+    run_all([[sys.executable, str(worker), str(port), str(i), "2", str(tmp_path)] for i in range(2)], env,
+            timeout=240)
+    for i in range(2):
         result = json.loads((tmp_path / f"result_{i}.json").read_text())
         assert result["ok"], result
         assert result["agree_max"] == 4 and result["agree_sum"] == 7

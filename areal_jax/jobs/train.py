@@ -26,6 +26,7 @@ from areal_jax.metrics import MetricsLogger
 from areal_jax.models.hf_io import load_params, save_params
 from areal_jax.models.tokenizer import Tokenizer
 from areal_jax.models.transformer import init_params
+from areal_jax.parallel.distributed import agree_sum, fully_local
 from areal_jax.parallel.meshes import build_meshes
 from areal_jax.trainer.loop import RLLoop
 
@@ -125,7 +126,7 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
     With `resume` and a checkpoint under the run's CheckpointConfig directory, SFT is skipped and
     RL continues from the latest checkpoint (weights, optimizer, version, counters, data position).
     """
-    from areal_jax.trainer.sft import GreedyAccuracy, evaluate_accuracy, run_sft
+    from areal_jax.trainer.sft import GreedyAccuracy, run_sft
 
     t0 = time.perf_counter()
     run_dir = pathlib.Path(run_dir)
@@ -146,10 +147,15 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
     summary: dict[str, Any] = {"sft_steps": 0, "sft_time_s": 0.0}
 
     def held_out_accuracy(p) -> float:
-        if not work.eval_rows:
-            return float("nan")
-        return evaluate_accuracy(work.model_config, p, work.eval_rows, work.tokenizer,
-                                 max_new_tokens=cfg.rl.eval_max_new_tokens, reward_fn=reward_fn)
+        """Greedy accuracy on the held-out rows of every process (each holds a shard of them)."""
+        correct, total = 0, 0
+        if work.eval_rows:  # a one-off engine: none holds memory during RL
+            correct, total = GreedyAccuracy(work.model_config, work.eval_rows, work.tokenizer,
+                                            max_new_tokens=cfg.rl.eval_max_new_tokens, reward_fn=reward_fn).count(p)
+        if jax.process_count() > 1:
+            correct, total = agree_sum(correct), agree_sum(total)
+        summary["held_out_problems"] = total
+        return correct / total if total else float("nan")
 
     checkpointer = Checkpointer(cfg.checkpoint) if cfg.checkpoint is not None else None
     resuming = bool(resume and checkpointer is not None and checkpointer.latest_step() is not None)
@@ -167,6 +173,7 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
                 if cfg.sft.eval_every else None
             params, sft_log = run_sft(work.model_config, params, work.sft_examples, cfg.sft, progress=progress,
                                       validate=validate)
+            del validate  # its engine (weights, KV cache) is not kept through RL
             last = sft_log[-1]  # its step is the number of steps run
             summary.update(sft_steps=last["step"], sft_time_s=time.perf_counter() - t_sft)
             checks = [m["val_accuracy"] for m in sft_log if "val_accuracy" in m]
@@ -179,7 +186,8 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
         print(f"[areal-jax] held-out greedy accuracy after SFT: {summary['sft_accuracy']:.3f}", flush=True)
 
     if cfg.stages.rl:
-        metrics_log = MetricsLogger(run_dir, console=progress and jax.process_index() == 0)
+        writer = jax.process_index() == 0  # one process writes the run directory's records
+        metrics_log = MetricsLogger(run_dir, tensorboard=writer, jsonl=writer, console=progress and writer)
         bar = _progress_bar(cfg.rl.steps, progress)
         t_rl = time.perf_counter()
 
@@ -204,7 +212,7 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
         if bar is not None:
             bar.close()
         metrics_log.close()
-        params = result.final_params
+        params = fully_local(result.final_params)  # whole weights on every host: evaluation, saving
         summary.update(steps=loop.first_step + result.steps, version=result.version,
                        rl_time_s=time.perf_counter() - t_rl, trained_tokens=loop.trained_tokens)
         report = result.rollout_report

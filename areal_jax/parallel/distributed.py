@@ -8,6 +8,7 @@ only the trainer thread may call them, at the same point on every process.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import jax
 import numpy as np
@@ -79,3 +80,20 @@ def agree_max(x: int) -> int:
 def agree_sum(x: int) -> int:
     """The sum of `x` over all processes (e.g. the global count of valid tokens)."""
     return int(_gather(int(x)).sum())
+
+
+def fully_local(tree: Any) -> Any:
+    """`tree` with every leaf held whole by this process.
+
+    A leaf that spans processes (training state on a multi-host mesh) is all-gathered and put on
+    this process's first device, so every process must call this at the same point; other leaves
+    are returned as they are. Evaluation and saving need whole weights, and `jax.device_get`
+    refuses an array this process does not fully hold.
+    """
+
+    def whole(x: Any) -> Any:
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return jax.device_put(multihost_utils.process_allgather(x, tiled=True), jax.local_devices()[0])
+        return x
+
+    return jax.tree.map(whole, tree)

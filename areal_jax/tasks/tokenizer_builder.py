@@ -14,6 +14,7 @@ one HF checkpoint directory.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 
 import jax
@@ -51,7 +52,11 @@ def vocabulary() -> dict[str, int]:
 
 
 def build_tokenizer(directory: str | pathlib.Path) -> pathlib.Path:
-    """Writes tokenizer.json, tokenizer_config.json and generation_config.json into `directory`."""
+    """Writes tokenizer.json, tokenizer_config.json and generation_config.json into `directory`.
+
+    Each file appears whole (written beside it, then renamed): the processes of a multi-host run
+    all build it into the one run directory, and one must never read another's half-written file.
+    """
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     vocab = vocabulary()
@@ -61,7 +66,7 @@ def build_tokenizer(directory: str | pathlib.Path) -> pathlib.Path:
     backend.decoder = decoders.Fuse()  # concatenate tokens, no spaces in between
     backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in WORD_TOKENS])
     backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in SPECIAL_TOKENS])
-    backend.save(str(directory / "tokenizer.json"))
+    _write_whole(directory / "tokenizer.json", backend.to_str(pretty=True))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": EOS,
@@ -72,10 +77,16 @@ def build_tokenizer(directory: str | pathlib.Path) -> pathlib.Path:
         "clean_up_tokenization_spaces": False,
         "model_max_length": 512,
     }
-    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    (directory / "generation_config.json").write_text(
-        json.dumps({"eos_token_id": vocab[EOS], "pad_token_id": vocab[PAD]}, indent=2))
+    _write_whole(directory / "tokenizer_config.json", json.dumps(config, indent=2))
+    _write_whole(directory / "generation_config.json",
+                 json.dumps({"eos_token_id": vocab[EOS], "pad_token_id": vocab[PAD]}, indent=2))
     return directory
+
+
+def _write_whole(path: pathlib.Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def task_model_config(vocab_size: int | None = None, *, hidden_size: int = 128, num_layers: int = 4,

@@ -338,6 +338,11 @@ class GreedyAccuracy:
         self.calls = 0
 
     def __call__(self, params: Params) -> float:
+        correct, total = self.count(params)
+        return correct / total
+
+    def count(self, params: Params) -> tuple[int, int]:
+        """(rows right, rows) under `params`."""
         self.calls += 1
         if self.engine is None:
             self.engine = GenerationEngine((self.model_cfg, params), self.engine_config, version=self.calls)
@@ -346,7 +351,7 @@ class GreedyAccuracy:
         handles = [self.engine.submit(p, self.sampling, seed=0) for p in self.prompts]
         self.engine.run_until_idle()  # applies the new weights first, then generates
         correct = sum(self.score(row, h.result().completions[0].tokens) >= 1.0 for row, h in zip(self.rows, handles))
-        return correct / len(self.rows)
+        return int(correct), len(self.rows)
 
 
 def evaluate_accuracy(model_cfg: ModelConfig, params: Params, rows: Sequence[Mapping[str, Any]], tokenizer: Any,
