@@ -3,6 +3,7 @@
 #   .venv      Python >= 3.12 with areal_jax installed editable (what users and tests run)
 #   .venv-ref  Python 3.11 with torch (CPU) + transformers: the reference implementation the
 #              parity tests compare against. Built only when asked (AREAL_WITH_REFERENCE=1).
+# AREAL_EXTRAS=cuda (or tpu) installs jax for that accelerator into .venv as well.
 # Source it: `source launch/env.sh` leaves .venv activated.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -35,7 +36,7 @@ _find_python() {  # _find_python MAJOR MINOR EXACT(0|1): prints an interpreter p
   return 1
 }
 
-_stamp() { cat "$ROOT/pyproject.toml" "$ROOT/launch/env.sh" | sha256sum | cut -c1-16; }
+_stamp() { { cat "$ROOT/pyproject.toml" "$ROOT/launch/env.sh"; echo "${AREAL_EXTRAS:-}"; } | sha256sum | cut -c1-16; }
 
 _ensure_main_venv() {
   local venv="$ROOT/.venv" stamp
@@ -46,7 +47,7 @@ _ensure_main_venv() {
   echo "[env] building .venv with $py" >&2
   [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-  "$venv/bin/python" -m pip install -q -e "$ROOT[test]" >&2
+  "$venv/bin/python" -m pip install -q -e "$ROOT[test${AREAL_EXTRAS:+,$AREAL_EXTRAS}]" >&2
   echo "$stamp" > "$venv/.areal_stamp"
 }
 
