@@ -1,5 +1,6 @@
 """Kill a training run with SIGKILL mid-run, resume it, and get exactly the uninterrupted run."""
 
+import json
 import os
 import pathlib
 import signal
@@ -7,8 +8,12 @@ import subprocess
 import sys
 import time
 
+import portpicker
+import pytest
+
 from areal_jax.cli import main
 from areal_jax.metrics import read_jsonl
+from tests.multiprocess import run_all
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ARGS = [
@@ -56,3 +61,22 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path):
         b = {k: v for k, v in got[step].items() if not k.startswith(TIMING)}
         assert a == b, f"step {step} differs after resume"
     assert got[5]["version"] == 6
+
+
+@pytest.mark.slow  # ~70 s: two JAX processes, run then resumed
+def test_two_process_run_resumes_from_its_checkpoint(tmp_path):
+    """A multi-host run (two local processes over jax.distributed, one run directory) stopped after 3
+    RL steps and resumed to 5 continues from the shared checkpoint, each step recorded once."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"}
+
+    def both(steps, *extra):
+        port = portpicker.pick_unused_port()
+        return run_all([[sys.executable, "-m", "areal_jax.cli", "train", *ARGS, f"--gin_param=RLConfig.steps = {steps}",
+                         f"--run_dir={tmp_path}", f"--coordinator=127.0.0.1:{port}", "--num_processes=2",
+                         f"--process_id={i}", *extra] for i in range(2)], env, timeout=400)
+
+    both(3)
+    logs = both(5, "--resume")
+    assert all("resuming from checkpoint step 3" in log for log in logs)
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(5))
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 5
