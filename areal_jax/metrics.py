@@ -160,6 +160,14 @@ class _TensorBoardScalars:
         self._writer.close()
 
 
+def write_whole(path: pathlib.Path, text: str) -> None:
+    """Writes `text` to `path` so that it appears whole (written beside it, then renamed): a reader,
+    or another process writing the same file, never sees it half-written."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 class MetricsLogger:
     """Writes each step's metrics to JSONL and TensorBoard and prints a progress line."""
 
@@ -199,9 +207,7 @@ class MetricsLogger:
         out_dir.mkdir(parents=True, exist_ok=True)
         lines = [json.dumps(to_jsonable(r, f"records[{i}]"), allow_nan=False) for i, r in enumerate(records)]
         path = out_dir / f"step_{step}.jsonl"
-        tmp = out_dir / f".{path.name}.tmp-{os.getpid()}"
-        tmp.write_text("".join(line + "\n" for line in lines))
-        os.replace(tmp, path)
+        write_whole(path, "".join(line + "\n" for line in lines))
         return path
 
     def close(self) -> None:

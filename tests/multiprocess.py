@@ -45,3 +45,13 @@ def run_processes(worker: str | pathlib.Path, args_for: callable, out_dir: pathl
     run_all([[sys.executable, str(worker), str(port), str(i), *map(str, args_for(i))] for i in range(num_processes)],
             env, timeout=timeout)
     return [json.loads((out_dir / f"result_{i}.json").read_text()) for i in range(num_processes)]
+
+
+def run_cli_processes(args: list[str], *, num_processes: int = 2, timeout: float = 400) -> list[str]:
+    """`areal-jax ARGS` as `num_processes` local hosts (one CPU device each) over real jax.distributed;
+    returns each process's output."""
+    port = portpicker.pick_unused_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"}
+    return run_all([[sys.executable, "-m", "areal_jax.cli", *args, f"--coordinator=127.0.0.1:{port}",
+                     f"--num_processes={num_processes}", f"--process_id={i}"] for i in range(num_processes)],
+                   env, timeout=timeout)

@@ -5,12 +5,11 @@ import os
 import pathlib
 import sys
 
-import portpicker
 import pytest
 
 from areal_jax.cli import main
 from areal_jax.metrics import read_jsonl
-from tests.multiprocess import run_all
+from tests.multiprocess import run_cli_processes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 QUICKSTART = str(ROOT / "configs" / "quickstart.gin")
@@ -65,11 +64,7 @@ def test_train_runs_as_two_processes_over_jax_distributed(tmp_path):
     """`areal-jax train` on two hosts (two local processes, real jax.distributed, one run directory):
     SFT, RL over the global train mesh, held-out accuracy over both processes' shards, and one set of
     records written by process 0."""
-    port = portpicker.pick_unused_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"}
-    run_all([[sys.executable, "-m", "areal_jax.cli", *_args(tmp_path, "TaskSource.eval_size = 9"),
-              f"--coordinator=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"] for i in range(2)],
-            env, timeout=400)
+    run_cli_processes(_args(tmp_path, "TaskSource.eval_size = 9"))
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1]  # once, not once per process
     assert len(list((tmp_path / "tensorboard").iterdir())) == 1
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -8,12 +8,11 @@ import subprocess
 import sys
 import time
 
-import portpicker
 import pytest
 
 from areal_jax.cli import main
 from areal_jax.metrics import read_jsonl
-from tests.multiprocess import run_all
+from tests.multiprocess import run_cli_processes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ARGS = [
@@ -67,13 +66,9 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path):
 def test_two_process_run_resumes_from_its_checkpoint(tmp_path):
     """A multi-host run (two local processes over jax.distributed, one run directory) stopped after 3
     RL steps and resumed to 5 continues from the shared checkpoint, each step recorded once."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"}
-
     def both(steps, *extra):
-        port = portpicker.pick_unused_port()
-        return run_all([[sys.executable, "-m", "areal_jax.cli", "train", *ARGS, f"--gin_param=RLConfig.steps = {steps}",
-                         f"--run_dir={tmp_path}", f"--coordinator=127.0.0.1:{port}", "--num_processes=2",
-                         f"--process_id={i}", *extra] for i in range(2)], env, timeout=400)
+        return run_cli_processes(["train", *ARGS, f"--gin_param=RLConfig.steps = {steps}", f"--run_dir={tmp_path}",
+                                  *extra])
 
     both(3)
     logs = both(5, "--resume")

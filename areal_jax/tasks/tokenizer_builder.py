@@ -14,13 +14,13 @@ one HF checkpoint directory.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 
 import jax
 import jax.numpy as jnp
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from areal_jax.metrics import write_whole
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.hf_io import save_params
 from areal_jax.models.transformer import init_params
@@ -66,7 +66,7 @@ def build_tokenizer(directory: str | pathlib.Path) -> pathlib.Path:
     backend.decoder = decoders.Fuse()  # concatenate tokens, no spaces in between
     backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in WORD_TOKENS])
     backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in SPECIAL_TOKENS])
-    _write_whole(directory / "tokenizer.json", backend.to_str(pretty=True))
+    write_whole(directory / "tokenizer.json", backend.to_str(pretty=True))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": EOS,
@@ -77,16 +77,10 @@ def build_tokenizer(directory: str | pathlib.Path) -> pathlib.Path:
         "clean_up_tokenization_spaces": False,
         "model_max_length": 512,
     }
-    _write_whole(directory / "tokenizer_config.json", json.dumps(config, indent=2))
-    _write_whole(directory / "generation_config.json",
+    write_whole(directory / "tokenizer_config.json", json.dumps(config, indent=2))
+    write_whole(directory / "generation_config.json",
                  json.dumps({"eos_token_id": vocab[EOS], "pad_token_id": vocab[PAD]}, indent=2))
     return directory
-
-
-def _write_whole(path: pathlib.Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def task_model_config(vocab_size: int | None = None, *, hidden_size: int = 128, num_layers: int = 4,
