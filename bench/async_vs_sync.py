@@ -35,7 +35,6 @@ import dataclasses  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
 import tempfile  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -52,25 +51,11 @@ from areal_jax.rollout.workflow import RLVRConfig  # noqa: E402
 from areal_jax.tasks.tokenizer_builder import build_tokenizer  # noqa: E402
 from areal_jax.trainer import OptimizerConfig, PPOConfig  # noqa: E402
 from areal_jax.trainer.loop import RLConfig, RLLoop  # noqa: E402
-from bench.common import machine  # noqa: E402
+from bench.common import CompileClock, machine  # noqa: E402
 
 MODES = ("async", "sync", "async-colocated")
 # Characters a random policy stops at (each ~1/vocab per token): more of them, shorter samples.
 STOP_CHARS = "7=#@%&~^"
-
-
-class CompileClock:
-    """Cumulative XLA backend compile seconds (all threads), from jax's monitoring events."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.total_s = 0.0
-        jax.monitoring.register_event_duration_secs_listener(self._on_event)
-
-    def _on_event(self, event: str, duration: float, **_):
-        if event == "/jax/core/compile/backend_compile_duration":
-            with self._lock:
-                self.total_s += duration
 
 
 def rows(tokenizer):

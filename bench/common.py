@@ -7,6 +7,7 @@ import os
 import pathlib
 import platform
 import subprocess
+import threading
 import time
 
 import numpy as np
@@ -24,6 +25,22 @@ def torch_side(op: str, **request) -> dict:
     if proc.returncode:
         raise RuntimeError(proc.stderr[-3000:])
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+class CompileClock:
+    """Cumulative XLA backend compile seconds (all threads), from jax's monitoring events."""
+
+    def __init__(self):
+        import jax
+
+        self._lock = threading.Lock()
+        self.total_s = 0.0
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event: str, duration: float, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            with self._lock:
+                self.total_s += duration
 
 
 def machine() -> str:

@@ -36,7 +36,7 @@ import time
 
 import numpy as np
 
-from bench.common import REF_PYTHON, ROOT, machine, qwen2_bench_config, torch_side
+from bench.common import REF_PYTHON, ROOT, CompileClock, machine, qwen2_bench_config, torch_side
 
 TRL_VERSION = "1.16.0"  # the newest TRL; works with torch 2.13 and transformers 5.24 of .venv-ref
 MODES = ("trl", "async", "sync")
@@ -81,13 +81,37 @@ def prompt_rows(tokenizer, count: int, seed: int) -> list[dict]:
     return list(ar.prompt_rows(tokenizer, ar.problems(ar.ArithmeticConfig(), "train", count, seed=seed)))
 
 
-def step_figures(ends: list[float], tokens: list[float], warmup: int) -> dict:
-    """Per-step wall times (between consecutive step ends) and trained tokens/s after `warmup` steps."""
+def step_figures(ends: list[float], tokens: list[float], warmup: int,
+                 compiled: list[float] | None = None) -> dict:
+    """Per-step wall times (between consecutive step ends) and trained tokens/s after `warmup` steps.
+
+    `compiled`: cumulative XLA compile seconds at each step end (areal_jax side). A micro-batch
+    shape first seen inside the window compiles there (seconds on this CPU, once per shape in a
+    run of any length); the steady figure leaves out the steps that compiled."""
     times = np.diff(np.asarray(ends))[warmup - 1:]
     measured = np.asarray(tokens[warmup:], np.float64)
-    return {"median_s": float(np.median(times)), "mean_s": float(times.mean()), "steps": len(times),
-            "tokens": float(measured.sum()), "tokens_per_s": float(measured.sum() / times.sum()),
-            "tokens_per_step": float(measured.mean())}
+    figures = {"median_s": float(np.median(times)), "mean_s": float(times.mean()), "steps": len(times),
+               "tokens": float(measured.sum()), "tokens_per_s": float(measured.sum() / times.sum()),
+               "tokens_per_step": float(measured.mean()), "compile_s": 0.0,
+               "steady_tokens_per_s": float(measured.sum() / times.sum()), "steady_steps": len(times)}
+    if compiled is not None:
+        per_step = np.diff(np.asarray(compiled))[warmup - 1:]
+        quiet = per_step < 0.1
+        figures.update(compile_s=float(per_step.sum()), steady_steps=int(quiet.sum()),
+                       steady_tokens_per_s=float(measured[quiet].sum() / times[quiet].sum()) if quiet.any()
+                       else float("nan"))
+    return figures
+
+
+_COMPILE_CLOCK: CompileClock | None = None
+
+
+def compile_clock() -> CompileClock:
+    """One listener per process (jax keeps every registered listener)."""
+    global _COMPILE_CLOCK
+    if _COMPILE_CLOCK is None:
+        _COMPILE_CLOCK = CompileClock()
+    return _COMPILE_CLOCK
 
 
 def run_trl(model_dir: pathlib.Path, rows: list[dict], args) -> dict:
@@ -136,10 +160,13 @@ def run_areal(mode: str, model_dir: pathlib.Path, rows: list[dict], args) -> dic
                   max_concurrent=in_flight, mode=mode)
     longest_prompt = max(len(r["prompt_ids"]) for r in rows)
     ends: list[float] = []
+    compiled: list[float] = []
     history: list[dict] = []
+    clock = compile_clock()
 
     def on_step(step: int, metrics: dict) -> None:
         ends.append(time.perf_counter())
+        compiled.append(clock.total_s)
         history.append(metrics)
 
     loop = RLLoop(
@@ -161,7 +188,7 @@ def run_areal(mode: str, model_dir: pathlib.Path, rows: list[dict], args) -> dic
                             seed=args.seed),
         on_step=on_step)
     loop.run()
-    figures = step_figures(ends, [m["train/trained_tokens"] for m in history], args.warmup)
+    figures = step_figures(ends, [m["train/trained_tokens"] for m in history], args.warmup, compiled)
     figures["reward"] = float(np.mean([m["reward/mean"] for m in history]))
     measured = history[args.warmup:]
     # The trainer's time waiting for a batch, and its training step (forward + backward + update).
@@ -240,12 +267,17 @@ def main():
     print("gen s: TRL generation + scoring; areal_jax: the trainer's wait for a batch. train s: the update "
           "(forward + backward + optimizer step). stale: max version lag of a trained token")
     print(f"{'side':6s} {'median s/step':>14s} {'mean s/step':>12s} {'gen s':>6s} {'train s':>8s} "
-          f"{'trained tok/s':>14s} {'tok/step':>9s} {'reward':>7s} {'stale':>6s} {'vs TRL':>7s}")
+          f"{'trained tok/s':>14s} {'tok/step':>9s} {'reward':>7s} {'stale':>6s} {'vs TRL':>7s} "
+          f"{'compile s':>9s} {'steady vs TRL':>13s}")
     for mode, r in results.items():
-        ratio = f"{r['tokens_per_s'] / results['trl']['tokens_per_s']:.2f}x" if "trl" in results else "-"
+        trl = results.get("trl")
+        ratio = f"{r['tokens_per_s'] / trl['tokens_per_s']:.2f}x" if trl else "-"
+        steady = (f"{r['steady_tokens_per_s'] / trl['tokens_per_s']:.2f}x ({r['steady_steps']})" if trl else "-")
         print(f"{mode:6s} {r['median_s']:14.2f} {r['mean_s']:12.2f} {r['generate_s']:6.2f} {r['train_s']:8.2f} "
               f"{r['tokens_per_s']:14.1f} {r['tokens_per_step']:9.0f} {r['reward']:7.3f} "
-              f"{r.get('staleness_max', 0):6d} {ratio:>7s}")
+              f"{r.get('staleness_max', 0):6d} {ratio:>7s} {r['compile_s']:9.1f} {steady:>13s}")
+    print("compile s: XLA compilation inside the measured window (a micro-batch shape first seen there); "
+          "steady: trained tokens/s over the measured steps without compilation (their count in brackets)")
     if "trl" in results:
         for mode in ("async", "sync"):
             if mode in results:
