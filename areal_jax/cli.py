@@ -22,16 +22,33 @@ import os
 import sys
 
 
-def _add_config_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--gin_file", action="append", default=[], help="a .gin config file (repeatable)")
-    p.add_argument("--gin_param", action="append", default=[], help="one binding, e.g. 'RLConfig.steps = 40'")
-    p.add_argument("--run_dir", default=None, help="where the run writes (default: runs/<timestamp>)")
+def _add_distributed_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--distributed", action="store_true",
                    help="start jax.distributed with the cluster auto-detected (TPU pod, SLURM, Open MPI); "
                         "the same as AREAL_DISTRIBUTED=1")
     p.add_argument("--coordinator", default=None, help="host:port for jax.distributed (multi-host)")
     p.add_argument("--num_processes", type=int, default=None)
     p.add_argument("--process_id", type=int, default=None)
+
+
+def _wants_distributed(args) -> bool:
+    # Opt-in: auto-detection on a machine that merely looks like a cluster (a Kubernetes pod, a
+    # SLURM login shell) would try to join one.
+    return bool(args.distributed or args.coordinator or os.environ.get("AREAL_DISTRIBUTED") == "1")
+
+
+def _maybe_initialize_distributed(args) -> None:
+    if _wants_distributed(args):
+        from areal_jax.parallel.distributed import initialize_distributed
+
+        initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+
+
+def _add_config_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gin_file", action="append", default=[], help="a .gin config file (repeatable)")
+    p.add_argument("--gin_param", action="append", default=[], help="one binding, e.g. 'RLConfig.steps = 40'")
+    p.add_argument("--run_dir", default=None, help="where the run writes (default: runs/<timestamp>)")
+    _add_distributed_flags(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in the run's CheckpointConfig directory")
@@ -55,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--gin_file", action="append", default=[])
     ev.add_argument("--gin_param", action="append", default=[])
     ev.add_argument("--run_dir", default=None)
-    ev.add_argument("--reward_workers", type=int, default=2, help="reward worker processes (0: in-process)")
+    ev.add_argument("--reward_workers", type=int, default=2,
+                    help="reward worker processes per host (0: in-process)")
+    _add_distributed_flags(ev)
     gen = sub.add_parser("generate", help="sample completions from a model directory", parents=[common])
     gen.add_argument("--model", required=True)
     gen.add_argument("--prompt", action="append", required=True)
@@ -94,6 +113,8 @@ def _eval(args) -> int:
     import pathlib
     import time
 
+    import jax
+
     from areal_jax import config_system as cs
     from areal_jax.data.pipeline import DataConfig, build_prompt_loader
     from areal_jax.evaluation import EvalConfig, run_evaluation
@@ -101,6 +122,10 @@ def _eval(args) -> int:
     from areal_jax.models.tokenizer import Tokenizer
     from areal_jax.reward import RewardPool, RewardPoolConfig
 
+    if args.run_dir is None and _wants_distributed(args):
+        print("areal-jax: a multi-process eval needs --run_dir (one directory all processes agree on)",
+              file=sys.stderr)
+        return 2
     run_dir = pathlib.Path(args.run_dir or os.path.join("runs", "eval-" + time.strftime("%Y%m%d-%H%M%S")))
     cs.register(EvalConfig)
     cs.register(DataConfig)
@@ -111,8 +136,9 @@ def _eval(args) -> int:
     except cs.ConfigError as e:
         print(f"areal-jax: configuration error: {e}", file=sys.stderr)
         return 2
-    # Every row once, in file order.
+    # Every row once, in file order (every process reads them all; run_evaluation shares them out).
     data = dataclasses.replace(data, shuffle=False, num_epochs=1, even_shards=False)
+    _maybe_initialize_distributed(args)
     tokenizer = Tokenizer.from_pretrained(args.tokenizer or args.model)
     model = load_pretrained(args.model)
     rows = build_prompt_loader(data, tokenizer)
@@ -124,9 +150,10 @@ def _eval(args) -> int:
     finally:
         if pool is not None:
             pool.close()
-    (run_dir / "report.json").write_text(report.to_json())
-    print(json.dumps(report.overall, indent=2))
-    print(f"[areal-jax] per-sample results: {run_dir / 'samples.jsonl'}; report: {run_dir / 'report.json'}")
+    if jax.process_index() == 0:
+        (run_dir / "report.json").write_text(report.to_json())
+        print(json.dumps(report.overall, indent=2))
+        print(f"[areal-jax] per-sample results: {run_dir / 'samples.jsonl'}; report: {run_dir / 'report.json'}")
     return 0
 
 
@@ -135,12 +162,7 @@ def _train(args) -> int:
 
     from areal_jax.config_system import ConfigError
 
-    # Opt-in: auto-detection on a machine that merely looks like a cluster (a Kubernetes pod, a
-    # SLURM login shell) would try to join one.
-    if args.distributed or args.coordinator or os.environ.get("AREAL_DISTRIBUTED") == "1":
-        from areal_jax.parallel.distributed import initialize_distributed
-
-        initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+    _maybe_initialize_distributed(args)
     from areal_jax.jobs.configs import load_job_configs
     from areal_jax.jobs.train import run_train
 

@@ -20,6 +20,11 @@ Decisions worth knowing:
   identical, so n > 1 would only repeat work and make pass@k look like a sampled estimate.
 - Rewards from a pool that time out, crash or raise score 0.0 (the pool's contract) and are
   counted in ``reward_failures``; an in-process reward that raises stops the evaluation.
+- Several processes (``jax.distributed``, e.g. ``areal-jax eval --distributed`` on a TPU pod):
+  process p generates and scores rows p, p + P, p + 2P, ... on its own devices; the samples
+  are then gathered so that every process returns the same report, built from the rows in
+  file order. Generation and scoring times are the slowest process's; only process 0 writes
+  `out_path`.
 - Metrics are reported overall and per dataset file: `row.source` without its trailing
   ``:line`` (JSONL) or ``[row]`` (Parquet, `datasets`). Timings exist only overall, since all
   datasets share one engine.
@@ -38,12 +43,15 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import jax
+
 from areal_jax.data.formats import extract_last_boxed
 from areal_jax.data.pipeline import PromptLoader
 from areal_jax.eval_metrics import PromptSamples, summarize
 from areal_jax.generation import EngineConfig, GenerationEngine, GroupResult, SamplingParams
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.transformer import Params, Transformer
+from areal_jax.parallel.distributed import gather_json
 from areal_jax.reward.registry import load_reward_function, resolve_reward_path
 
 __all__ = ["EvalConfig", "EvalReport", "dataset_of", "run_evaluation"]
@@ -191,7 +199,11 @@ def run_evaluation(model: Transformer | tuple[ModelConfig, Params], tokenizer: A
         keeps every row in file order).
     reward_pool: a `RewardPool` to score in worker processes with deadlines; None scores
         in this process.
-    out_path: where to write one JSON line per sample (rows in order, then sample index).
+    out_path: where to write one JSON line per sample (rows in order, then sample index);
+        process 0 writes it.
+
+    With several JAX processes every process must call this with the same rows; each evaluates
+    its share (module docstring) and all return the whole report.
     """
     if not isinstance(config, EvalConfig):
         raise TypeError(f"config must be an EvalConfig, got {type(config).__name__}")
@@ -209,6 +221,67 @@ def run_evaluation(model: Transformer | tuple[ModelConfig, Params], tokenizer: A
     extract = _load_extractor(config.answer_extractor)
     failures_before = _pool_failures(reward_pool)
 
+    t_start = time.perf_counter()
+    process, processes = jax.process_index(), jax.process_count()
+    mine = list(range(process, len(examples), processes))
+    local, generation_s, engine_tokens = _generate_and_decode(
+        model_cfg, params, tokenizer, {i: examples[i] for i in mine}, config, reward_pool, reward_path)
+
+    t_scoring = time.perf_counter()
+    samples_of: dict[int, list[_Sample]] = {}
+    for i in mine:
+        result, texts, futures = local[i]
+        row = examples[i]["row"]
+        gold = _gold(row)
+        if futures is not None:
+            rewards = [float(f.result()) for f in futures]
+        else:
+            rewards = [float(reward_fn(text, gold)) for text in texts]
+        samples_of[i] = [
+            _Sample(query_id=str(row.query_id), source=row.source, dataset=dataset_of(row.source), sample=j,
+                    completion=text, answer=extract(text), gold=row.answer, reward=reward,
+                    correct=reward >= config.correct_threshold, stop_reason=c.stop_reason,
+                    num_tokens=int(len(c.tokens)))
+            for j, (c, text, reward) in enumerate(zip(result.completions, texts, rewards))]
+    scoring_s = time.perf_counter() - t_scoring
+    failures = _pool_failures(reward_pool) - failures_before
+    if processes > 1:
+        parts = gather_json({"samples": {str(i): [dataclasses.asdict(x) for x in g] for i, g in samples_of.items()},
+                             "generation_s": generation_s, "scoring_s": scoring_s,
+                             "engine_tokens": engine_tokens, "failures": failures})
+        samples_of = {int(i): [_Sample(**x) for x in g] for part in parts for i, g in part["samples"].items()}
+        generation_s = max(part["generation_s"] for part in parts)
+        scoring_s = max(part["scoring_s"] for part in parts)
+        engine_tokens = sum(part["engine_tokens"] for part in parts)
+        failures = sum(part["failures"] for part in parts)
+    samples = [samples_of[i] for i in range(len(examples))]
+    wall_s = time.perf_counter() - t_start
+
+    if out_path is not None and process == 0:
+        _write_jsonl(pathlib.Path(out_path), samples)
+    overall = _metrics(samples, config.ks)
+    if overall["generated_tokens"] != engine_tokens:  # an accounting slip would skew tokens_per_s
+        logger.warning("completions hold %d tokens but the engine counted %d", overall["generated_tokens"],
+                       engine_tokens)
+    overall.update(
+        reward_failures=failures,
+        wall_s=wall_s, generation_s=generation_s, scoring_s=scoring_s,
+        tokens_per_s=overall["generated_tokens"] / generation_s if generation_s > 0 else 0.0)
+    by_dataset: dict[str, list[list[_Sample]]] = {}
+    for group in samples:
+        by_dataset.setdefault(group[0].dataset, []).append(group)
+    per_dataset = {name: _metrics(groups_, config.ks) for name, groups_ in by_dataset.items()}
+    return EvalReport(overall=overall, per_dataset=per_dataset, config=dataclasses.asdict(config))
+
+
+def _generate_and_decode(model_cfg: ModelConfig, params: Params, tokenizer: Any, examples: dict[int, Any],
+                         config: EvalConfig, reward_pool: Any, reward_path: str
+                         ) -> tuple[dict[int, tuple[GroupResult, list[str], list | None]], float, int]:
+    """Generate `config.n_samples` completions for each of `examples` (by row index) on one engine
+    driven to idle here; each finished group is decoded and, with a pool, sent to scoring at once.
+    Returns {index: (result, texts, reward futures or None)}, generation seconds, engine tokens."""
+    if not examples:  # a process with no rows (fewer rows than processes)
+        return {}, 0.0, 0
     t_start = time.perf_counter()
     n = config.n_samples
     engine = GenerationEngine((model_cfg, params), EngineConfig(
@@ -235,7 +308,7 @@ def run_evaluation(model: Transformer | tuple[ModelConfig, Params], tokenizer: A
         except BaseException as exc:  # noqa: BLE001 - re-raised after the engine is idle
             callback_errors.append(exc)
 
-    for i, example in enumerate(examples):
+    for i, example in examples.items():
         handle = engine.submit(example["prompt_ids"], sampling, n, request_id=f"eval-{i}")
         handle.add_done_callback(lambda h, i=i: on_generated(i, h))
     engine.run_until_idle()
@@ -247,41 +320,7 @@ def run_evaluation(model: Transformer | tuple[ModelConfig, Params], tokenizer: A
     if len(groups) != len(examples):
         raise RuntimeError(f"the engine went idle with {len(examples) - len(groups)} of {len(examples)} "
                            "prompts unfinished")
-
-    t_scoring = time.perf_counter()
-    samples: list[list[_Sample]] = []
-    for i, example in enumerate(examples):
-        result, texts, futures = groups[i]
-        row = example["row"]
-        gold = _gold(row)
-        if futures is not None:
-            rewards = [float(f.result()) for f in futures]
-        else:
-            rewards = [float(reward_fn(text, gold)) for text in texts]
-        samples.append([
-            _Sample(query_id=str(row.query_id), source=row.source, dataset=dataset_of(row.source), sample=j,
-                    completion=text, answer=extract(text), gold=row.answer, reward=reward,
-                    correct=reward >= config.correct_threshold, stop_reason=c.stop_reason,
-                    num_tokens=int(len(c.tokens)))
-            for j, (c, text, reward) in enumerate(zip(result.completions, texts, rewards))])
-    scoring_s = time.perf_counter() - t_scoring
-    wall_s = time.perf_counter() - t_start
-
-    if out_path is not None:
-        _write_jsonl(pathlib.Path(out_path), samples)
-    overall = _metrics(samples, config.ks)
-    if overall["generated_tokens"] != engine_tokens:  # an accounting slip would skew tokens_per_s
-        logger.warning("completions hold %d tokens but the engine counted %d", overall["generated_tokens"],
-                       engine_tokens)
-    overall.update(
-        reward_failures=_pool_failures(reward_pool) - failures_before,
-        wall_s=wall_s, generation_s=generation_s, scoring_s=scoring_s,
-        tokens_per_s=overall["generated_tokens"] / generation_s if generation_s > 0 else 0.0)
-    by_dataset: dict[str, list[list[_Sample]]] = {}
-    for group in samples:
-        by_dataset.setdefault(group[0].dataset, []).append(group)
-    per_dataset = {name: _metrics(groups_, config.ks) for name, groups_ in by_dataset.items()}
-    return EvalReport(overall=overall, per_dataset=per_dataset, config=dataclasses.asdict(config))
+    return groups, generation_s, engine_tokens
 
 
 def _check_example(index: int, example: Any, model_cfg: ModelConfig, config: EvalConfig) -> None:

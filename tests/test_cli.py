@@ -71,6 +71,11 @@ def test_train_runs_as_two_processes_over_jax_distributed(tmp_path):
     assert summary["steps"] == 2 and summary["trained_tokens"] > 0
     # 9 held-out problems split 5 / 4 between the processes: the accuracy is over all 9.
     assert summary["held_out_problems"] == 9
+    # Rollout counts summed over both processes' controllers: the trainers took 2 groups per step.
+    rollout = summary["rollout"]
+    assert rollout["accepted"] >= summary["steps"] * 2
+    assert rollout["admitted"] == (rollout["accepted"] + sum(rollout.get("rejected", {}).values())
+                                   + rollout["failed"] + rollout["in_flight_at_shutdown"])
     assert 0.0 <= summary["sft_accuracy"] <= 1.0 and 0.0 <= summary["final_accuracy"] <= 1.0
     from areal_jax.models import load_pretrained
 
@@ -127,6 +132,28 @@ def test_eval_command_reports_pass_at_k_from_files(tmp_path, capsys):
     assert main(["eval", f"--model={model_dir}", "--gin_param=EvalConfig.ks = (8,)",
                  f"--gin_param=DataConfig.paths = ('{data}',)"]) == 2
     assert "configuration error" in capsys.readouterr().err
+
+
+def test_eval_runs_as_two_processes_and_matches_one(tmp_path):
+    """`areal-jax eval` on two hosts (real jax.distributed): rows are shared out 3 / 2, and the one
+    report and samples file (written by process 0) equal a single-process evaluation's."""
+    model_dir = _tiny_model_dir(tmp_path / "model")
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {i}+2?", "answer": f"so #### {i + 2}"}) + "\n"
+                            for i in range(5)))
+    # Greedy, and 2 slots on every process, so both runs decode identical batches.
+    args = [f"--model={model_dir}", "--reward_workers=0", f"--gin_param=DataConfig.paths = ('{data}',)",
+            "--gin_param=EvalConfig.temperature = 0.0", "--gin_param=EvalConfig.max_new_tokens = 8",
+            "--gin_param=EvalConfig.max_seq_len = 64", "--gin_param=EvalConfig.num_slots = 2"]
+    assert main(["eval", *args, f"--run_dir={tmp_path / 'one'}"]) == 0
+    run_cli_processes(["eval", *args, f"--run_dir={tmp_path / 'two'}"])
+    one, two = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("one", "two"))
+    timings = {"wall_s", "generation_s", "scoring_s", "tokens_per_s"}
+    assert two["overall"]["num_prompts"] == 5
+    assert {k: v for k, v in two["overall"].items() if k not in timings} == \
+        {k: v for k, v in one["overall"].items() if k not in timings}
+    assert read_jsonl(tmp_path / "two" / "samples.jsonl") == read_jsonl(tmp_path / "one" / "samples.jsonl")
+    assert main(["eval", *args, "--distributed"]) == 2  # no --run_dir: processes could not agree on one
 
 
 @pytest.mark.parametrize("name", ["qwen2_5_1_5b_gsm8k_tpu.gin", "qwen3_1_7b_gsm8k_gpu.gin"])

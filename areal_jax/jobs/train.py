@@ -26,7 +26,7 @@ from areal_jax.metrics import MetricsLogger
 from areal_jax.models.hf_io import load_params, save_params
 from areal_jax.models.tokenizer import Tokenizer
 from areal_jax.models.transformer import init_params
-from areal_jax.parallel.distributed import agree_sum, fully_local
+from areal_jax.parallel.distributed import agree_sum, fully_local, gather_json
 from areal_jax.parallel.meshes import build_meshes
 from areal_jax.trainer.loop import RLLoop
 
@@ -215,11 +215,9 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
         params = fully_local(result.final_params)  # whole weights on every host: evaluation, saving
         summary.update(steps=loop.first_step + result.steps, version=result.version,
                        rl_time_s=time.perf_counter() - t_rl, trained_tokens=loop.trained_tokens)
-        report = result.rollout_report
-        if report is not None:
-            summary["rollout"] = {"admitted": report.admitted, "accepted": report.accepted,
-                                  "rejected": dict(report.rejected), "failed": report.failed,
-                                  "in_flight_at_shutdown": report.in_flight}
+        totals = _rollout_totals(result.rollout_report)
+        if totals:
+            summary["rollout"] = totals
     summary["final_accuracy"] = held_out_accuracy(params)
     summary.setdefault("steps", 0)
     summary.setdefault("trained_tokens", 0.0)
@@ -240,6 +238,24 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
           f"trained_tokens={summary['trained_tokens']:.0f} wall_time={summary['wall_time_s']:.0f}s -> {run_dir}",
           flush=True)
     return summary
+
+
+def _rollout_totals(report: Any) -> dict[str, Any]:
+    """Where the admitted prompt groups ended, summed over every process's rollout controller
+    (each host generates for its own share of the batch). All processes must call this."""
+    local = {} if report is None else {
+        "admitted": report.admitted, "accepted": report.accepted, "rejected": dict(report.rejected),
+        "failed": report.failed, "in_flight_at_shutdown": report.in_flight}
+    totals: dict[str, Any] = {}
+    for part in gather_json(local):
+        for key, value in part.items():
+            if isinstance(value, dict):
+                merged = totals.setdefault(key, {})
+                for reason, count in value.items():
+                    merged[reason] = merged.get(reason, 0) + count
+            else:
+                totals[key] = totals.get(key, 0) + value
+    return totals
 
 
 def _decode_float(value: Any) -> Any:

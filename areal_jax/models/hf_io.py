@@ -193,7 +193,8 @@ def load_params(path: str | pathlib.Path, *, dtype=jnp.float32, mesh: Mesh | Non
     """Reads config and weights of an HF directory into our params dict.
 
     With `mesh`, each array is laid out by `rules` (default: by the mesh's axis names); without,
-    it lands on the default device. Each device's slice is read straight from the file.
+    it lands on this process's first device (its default device, also on a multi-host run).
+    Each device's slice is read straight from the file.
     """
     path = pathlib.Path(path)
     if not path.is_dir():
@@ -210,7 +211,7 @@ def load_params(path: str | pathlib.Path, *, dtype=jnp.float32, mesh: Mesh | Non
 
     def build(key: str, stacked: bool, leaf_axes, shape):
         sharding = (shd.sharding_for(leaf_axes, rules, mesh, shape) if mesh is not None
-                    else SingleDeviceSharding(jax.devices()[0]))
+                    else SingleDeviceSharding(jax.local_devices()[0]))
         read = _leaf_reader(ckpt, cfg, key, stacked, shape, dtype)
         return jax.make_array_from_callback(shape, sharding, read)
 

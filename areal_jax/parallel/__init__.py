@@ -1,6 +1,6 @@
 """Device partition (train vs generation meshes) and train -> generation weight transfer."""
 
-from areal_jax.parallel.distributed import agree_max, agree_sum, fully_local, initialize_distributed
+from areal_jax.parallel.distributed import agree_max, agree_sum, fully_local, gather_json, initialize_distributed
 from areal_jax.parallel.meshes import (
     GENERATION_AXES,
     TRAIN_AXES,
@@ -24,6 +24,7 @@ __all__ = [
     "agree_sum",
     "build_meshes",
     "fully_local",
+    "gather_json",
     "initialize_distributed",
     "split_local_devices",
 ]

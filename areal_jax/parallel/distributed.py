@@ -7,6 +7,7 @@ only the trainer thread may call them, at the same point on every process.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -80,6 +81,23 @@ def agree_max(x: int) -> int:
 def agree_sum(x: int) -> int:
     """The sum of `x` over all processes (e.g. the global count of valid tokens)."""
     return int(_gather(int(x)).sum())
+
+
+def gather_json(obj: Any) -> list[Any]:
+    """`obj` (anything `json.dumps` takes) from every process, indexed by process.
+
+    For host-side results that differ in size between processes (e.g. evaluated samples):
+    the UTF-8 encodings are padded to the longest and all-gathered as bytes. Every process must
+    call this at the same point."""
+    data = json.dumps(obj, allow_nan=True).encode()
+    if jax.process_count() == 1:
+        return [json.loads(data)]
+    width = agree_max(len(data))
+    buffer = np.zeros(width, np.uint8)
+    buffer[:len(data)] = np.frombuffer(data, np.uint8)
+    gathered = np.asarray(multihost_utils.process_allgather(buffer)).reshape(jax.process_count(), width)
+    # JSON text never holds a NUL byte: the padding is stripped from the end.
+    return [json.loads(bytes(row).rstrip(b"\0")) for row in gathered]
 
 
 def fully_local(tree: Any) -> Any:
