@@ -31,8 +31,10 @@ def run_engine(model, prompts, lengths, *, slots, max_seq_len, chunk, static, re
     warm = [engine.submit(prompts[0], SamplingParams(max_new_tokens=max_seq_len - len(prompts[0]) - 1,
                                                      temperature=0.0))]
     engine.run_until_idle()
-    warm += [engine.submit(p, SamplingParams(max_new_tokens=chunk + 2, temperature=0.0)) for p in prompts[:slots]]
-    engine.run_until_idle()
+    # Every prefill row count a refill may use (a few free slots at a chunk boundary: small calls).
+    for rows in [b for b in engine.config.prefill_batch_buckets if b < slots] + [slots]:
+        warm += [engine.submit(p, SamplingParams(max_new_tokens=chunk + 2, temperature=0.0)) for p in prompts[:rows]]
+        engine.run_until_idle()
     for h in warm:
         h.result()
     before = engine.stats()
