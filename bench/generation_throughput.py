@@ -2,7 +2,9 @@
 
 1. Generated tokens/s, areal_jax engine vs transformers `generate` (torch CPU), for each batch
    size in --batches (every row is printed): same random Qwen2 model, same prompts, greedy, fp32
-   on both sides, a fixed number of new tokens.
+   on both sides, a fixed number of new tokens. The two sides alternate for --rounds rounds (the
+   engine compiled once per batch size, outside the timing); each round's ratio and the median
+   are printed, so that load from other jobs on a shared machine hits both sides.
 2. Continuous vs static batching when response lengths are long-tailed (log-normal, max/mean
    >= 4, enforced per request by max_new_tokens): same engine, same requests; static admits
    the next batch only when the whole previous batch has finished.
@@ -14,6 +16,7 @@ Usage: .venv/bin/python -m bench.generation_throughput [--batches 16,64 --new 64
 
 import argparse
 import os
+import statistics
 import tempfile
 import time
 
@@ -24,10 +27,11 @@ from areal_jax.models import load_pretrained
 from bench.common import machine, measured_ceilings, qwen2_bench_config, torch_side
 
 
-def run_engine(model, prompts, lengths, *, slots, max_seq_len, chunk, static, repeats=1):
+def warm_engine(model, prompts, *, slots, max_seq_len, chunk) -> GenerationEngine:
+    """An engine with every program the timed workloads use compiled: prefill at each row count a
+    refill may use, and decode over every cache window (a sample running to the end of the cache
+    passes through all of them)."""
     engine = GenerationEngine(model, EngineConfig(num_slots=slots, max_seq_len=max_seq_len, decode_chunk=chunk))
-    # Compile outside the timed region: single and batched prefill, and decode over every cache
-    # window (a sample running to the end of the cache passes through all of them).
     warm = [engine.submit(prompts[0], SamplingParams(max_new_tokens=max_seq_len - len(prompts[0]) - 1,
                                                      temperature=0.0))]
     engine.run_until_idle()
@@ -37,10 +41,17 @@ def run_engine(model, prompts, lengths, *, slots, max_seq_len, chunk, static, re
         engine.run_until_idle()
     for h in warm:
         h.result()
+    return engine
+
+
+def time_engine(engine, prompts, lengths, *, static, repeats=1):
+    """Generated tokens/s over the whole workload `repeats` times, and the engine stats of that
+    region alone. `static`: the next batch of num_slots requests only once the last has finished."""
+    slots = engine.config.num_slots
     before = engine.stats()
     t0 = time.perf_counter()
     done = []
-    for _ in range(repeats):  # the whole workload `repeats` times: tokens/s over all of them
+    for _ in range(repeats):
         if static:
             for i in range(0, len(prompts), slots):
                 hs = [engine.submit(p, SamplingParams(max_new_tokens=n, temperature=0.0))
@@ -53,10 +64,16 @@ def run_engine(model, prompts, lengths, *, slots, max_seq_len, chunk, static, re
             done += [h.result() for h in hs]
     wall = time.perf_counter() - t0
     generated = sum(len(r.completions[0].tokens) for r in done)
-    after = engine.stats()  # the timed region only (the warm-up's compile time excluded)
+    after = engine.stats()
     for field in ("decode_s", "prefill_s", "decode_steps", "busy_slot_steps", "generated_tokens"):
         setattr(after, field, getattr(after, field) - getattr(before, field))
     return generated / wall, after
+
+
+def run_engine(model, prompts, lengths, *, slots, max_seq_len, chunk, static, repeats=1):
+    """`time_engine` on a freshly warmed engine."""
+    engine = warm_engine(model, prompts, slots=slots, max_seq_len=max_seq_len, chunk=chunk)
+    return time_engine(engine, prompts, lengths, static=static, repeats=repeats)
 
 
 def decode_step_traffic(cfg, batch: int, max_seq_len: int) -> tuple[float, float]:
@@ -79,7 +96,9 @@ def main():
     ap.add_argument("--tail-slots", type=int, default=16)
     ap.add_argument("--tail-chunk", type=int, default=EngineConfig.decode_chunk,
                     help="decode chunk of the long-tail workload (default: the engine's own default)")
-    ap.add_argument("--iters", type=int, default=3, help="timed repetitions of each fixed-length batch, both sides")
+    ap.add_argument("--iters", type=int, default=2,
+                    help="timed repetitions of each fixed-length batch per round, both sides")
+    ap.add_argument("--rounds", type=int, default=3, help="alternations of the two sides per batch size")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -93,11 +112,15 @@ def main():
         max_seq_len = args.prompt + args.new + 16
         for batch in batches:
             prompts = [rng.integers(0, hf["vocab_size"], size=args.prompt).tolist() for _ in range(batch)]
-            jax_tps, stats = run_engine(model, prompts, [args.new] * batch, slots=batch, max_seq_len=max_seq_len,
-                                        chunk=args.chunk, static=False, repeats=args.iters)
-            torch_res = torch_side("generate", model=d, prompts=prompts, max_new_tokens=args.new, iters=args.iters,
-                                   threads=args.threads)
-            rows.append((batch, jax_tps, torch_res["tokens_per_s"], stats))
+            engine = warm_engine(model, prompts, slots=batch, max_seq_len=max_seq_len, chunk=args.chunk)
+            rounds = []
+            for _ in range(args.rounds):
+                jax_tps, stats = time_engine(engine, prompts, [args.new] * batch, static=False, repeats=args.iters)
+                torch_tps = torch_side("generate", model=d, prompts=prompts, max_new_tokens=args.new,
+                                       iters=args.iters, threads=args.threads)["tokens_per_s"]
+                rounds.append((jax_tps, torch_tps, stats))
+            del engine
+            rows.append((batch, rounds))
 
         # Long-tailed lengths: log-normal, clipped to [4, 512]; their own generator, so the workload
         # does not depend on which batch sizes ran before it.
@@ -114,18 +137,20 @@ def main():
     print(f"model: {info['params'] / 1e6:.1f}M params (Qwen2-shaped, 4 layers, hidden 256), fp32 on both sides; "
           f"load average at end: {os.getloadavg()[0]:.2f}")
     print(f"[1] greedy, prompt {args.prompt}, {args.new} new tokens, decode chunk {args.chunk}; generated tokens/s")
-    for batch, jax_tps, torch_tps, _ in rows:
-        print(f"    batch {batch:3d}: engine {jax_tps:7.0f}   torch generate {torch_tps:7.0f}   "
-              f"ratio {jax_tps / torch_tps:.2f}x")
+    for batch, rounds in rows:
+        ratios = [j / t for j, t, _ in rounds]
+        print(f"    batch {batch:3d}: engine {statistics.median(j for j, _, _ in rounds):7.0f}   torch generate "
+              f"{statistics.median(t for _, t, _ in rounds):7.0f} (medians)   ratio median "
+              f"{statistics.median(ratios):.2f}x over {len(rounds)} rounds ({', '.join(f'{r:.2f}' for r in ratios)})")
     print(f"[2] {args.requests} requests, lengths log-normal: mean {lengths.mean():.1f}, max {lengths.max()}, "
           f"max/mean {lengths.max() / lengths.mean():.1f}; {args.tail_slots} slots, decode chunk {args.tail_chunk}")
     print(f"    continuous batching: {cont_tps:9.0f} tokens/s (slot occupancy {cont_stats.slot_occupancy:.1f})")
     print(f"    static batching    : {stat_tps:9.0f} tokens/s (slot occupancy {stat_stats.slot_occupancy:.1f})")
     print(f"    ratio              : {cont_tps / stat_tps:.2f}x")
-    print(f"[3] decode step (ceilings: matmul {ceil['matmul_flops'] / 1e9:.0f} GFLOP/s, "
+    print(f"[3] decode step, fastest round (ceilings: matmul {ceil['matmul_flops'] / 1e9:.0f} GFLOP/s, "
           f"copy {ceil['copy_bytes'] / 1e9:.1f} GB/s)")
-    for batch, _, _, stats in rows:
-        step_s = stats.decode_s / max(stats.decode_steps, 1)
+    for batch, rounds in rows:
+        step_s = min(stats.decode_s / max(stats.decode_steps, 1) for _, _, stats in rounds)
         flops, nbytes = decode_step_traffic(model.config, batch, max_seq_len)
         print(f"    batch {batch:3d}: {1e3 * step_s:.2f} ms/step, {flops / step_s / 1e9:.1f} GFLOP/s "
               f"({100 * flops / step_s / ceil['matmul_flops']:.0f}% of ceiling), {nbytes / step_s / 1e9:.2f} GB/s "
