@@ -449,13 +449,20 @@ class GenerationEngine:
         self._stats.weight_swaps += 1
         # Interrupted samples: recompute their KV cache from prompt + tokens so far (all but the
         # last token, which is the next decode input) under the new weights, in batched calls.
-        histories = [np.concatenate([self._slot_sample[slot].request.prompt,
-                                     np.asarray(self._slot_sample[slot].tokens[:-1], np.int32)]) for slot in active]
-        for start in range(0, len(active), self.config.max_prefill_batch):
-            part = slice(start, start + self.config.max_prefill_batch)
-            block, _ = self._prefill(histories[part])
-            self._insert(block, list(enumerate(active[part])))
-        self._stats.reprefill_tokens += sum(h.size for h in histories)
+        histories = {slot: np.concatenate([self._slot_sample[slot].request.prompt,
+                                           np.asarray(self._slot_sample[slot].tokens[:-1], np.int32)])
+                     for slot in active}
+        # Each call holds histories of one length bucket: a call pads every row to its longest, and
+        # long-tailed histories mixed in one call would pad the short ones to a straggler's length.
+        by_bucket: dict[int, list[int]] = collections.defaultdict(list)
+        for slot in sorted(active, key=lambda slot: histories[slot].size):
+            by_bucket[self.config.bucket(histories[slot].size)].append(slot)
+        for slots in by_bucket.values():
+            for start in range(0, len(slots), self.config.max_prefill_batch):
+                part = slots[start:start + self.config.max_prefill_batch]
+                block, _ = self._prefill([histories[slot] for slot in part])
+                self._insert(block, list(enumerate(part)))
+        self._stats.reprefill_tokens += sum(h.size for h in histories.values())
         with self._lock:  # queued groups' prefill blocks hold old-weight keys and values
             for req in self._queue:
                 req.prefix = None
@@ -498,13 +505,17 @@ class GenerationEngine:
                 self._start_sample(slot, req, index, int(token), float(logprob))
 
     def _prefill_queue_head(self, free_slots: int) -> None:
-        """Prefills, in one call, the queued requests (from the head) whose samples fit in the free slots."""
+        """Prefills, in one call, the queued requests (from the head) whose samples fit in the free
+        slots, up to the first whose prompt falls in another length bucket (a call pads every row
+        to its longest prompt)."""
         with self._lock:
             batch, room = [], free_slots
             for req in self._queue:
                 if len(batch) == self.config.max_prefill_batch or room <= 0:
                     break
                 if req.prefix is None:
+                    if batch and self.config.bucket(req.prompt.size) != self.config.bucket(batch[0].prompt.size):
+                        break
                     batch.append(req)
                 room -= req.n - req.next_sample
         block, logits = self._prefill([req.prompt for req in batch])
