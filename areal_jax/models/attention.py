@@ -73,65 +73,19 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
 def _block(qt: jax.Array, kt: jax.Array, vt: jax.Array, mask: jax.Array, G: int) -> jax.Array:
     """One query block against its keys. qt `[B, K, G*Tq, H]`, kt/vt `[B, K, Sk, H]`,
     mask `[B, Tq, Sk]` -> `[B, K, G*Tq, H]`; a query with no allowed key gets zeros."""
-    return _block_attend_vjp(qt, kt, vt, mask, G)[0]
-
-
-def _masked_scores(qt, kt, mask, G):
-    """Scaled scores `[B, K, G, Tq, Sk]` in fp32, masked keys at the most negative float."""
     B, K, GT, H = qt.shape
-    s = jnp.einsum("bkqh,bksh->bkqs", qt * jnp.asarray(H ** -0.5, qt.dtype), kt,
-                   preferred_element_type=jnp.float32)
-    return jnp.where(mask[:, None, None], s.reshape(B, K, G, GT // G, -1), _NEG)
-
-
-def _block_attend(qt, kt, vt, mask, G):
-    """Forward of `_block` plus its log-sum-exp `[B, K, G, Tq, 1]` (+inf where no key is allowed)."""
-    B, K, GT, H = qt.shape
-    s = _masked_scores(qt, kt, mask, G)
+    Tq = GT // G
+    s = jnp.einsum("bkqh,bksh->bkqs", qt, kt, preferred_element_type=jnp.float32) * (H ** -0.5)
+    s = jnp.where(mask[:, None, None], s.reshape(B, K, G, Tq, -1), _NEG)
     peak = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.exp(s - peak)
     total = jnp.sum(p, axis=-1, keepdims=True)  # >= 1: the peak itself contributes exp(0)
     # Normalizing the [.., Tq, H] output instead of the [.., Tq, Sk] probabilities saves a pass
     # over the scores.
     out = jnp.einsum("bkqs,bksh->bkqh", p.astype(vt.dtype).reshape(B, K, GT, -1), vt,
-                     preferred_element_type=jnp.float32).reshape(B, K, G, GT // G, H) / total
-    valid = peak > _NEG  # peak == _NEG: every key masked
-    out = jnp.where(valid, out, 0.0).reshape(B, K, GT, H).astype(vt.dtype)
-    lse = jnp.where(valid, peak + jnp.log(total), jnp.inf)
-    return out, lse
-
-
-# Reverse-mode rule of `_block` (the flash-attention backward): the probabilities are recomputed
-# from the saved log-sum-exp and the score gradient is P * (dP - rowsum(dO * O)). Autodiff of the
-# forward formula instead differentiates the max, the division and both masks, each a further
-# pass over the [.., Tq, Sk] scores; this rule made the TRL model's policy gradient ~7-13% faster
-# on the 2-core CPU (probe in docs/benchmarks.md) and keeps only O(Tq) extra residuals.
-_block_attend_vjp = jax.custom_vjp(_block_attend, nondiff_argnums=(4,))
-
-
-def _block_fwd(qt, kt, vt, mask, G):
-    out, lse = _block_attend(qt, kt, vt, mask, G)
-    return (out, lse), (qt, kt, vt, mask, out, lse)
-
-
-def _block_bwd(G, residuals, cotangents):
-    qt, kt, vt, mask, out, lse = residuals
-    d_out = cotangents[0]  # the log-sum-exp output is internal: its cotangent is unused
-    B, K, GT, H = qt.shape
-    p = jnp.exp(_masked_scores(qt, kt, mask, G) - lse).reshape(B, K, GT, -1)  # 0 where masked
-    d_out32 = d_out.astype(jnp.float32)
-    dv = jnp.einsum("bkqs,bkqh->bksh", p.astype(vt.dtype), d_out.astype(vt.dtype),
-                    preferred_element_type=jnp.float32)
-    dp = jnp.einsum("bkqh,bksh->bkqs", d_out.astype(vt.dtype), vt, preferred_element_type=jnp.float32)
-    row = jnp.sum(d_out32 * out.astype(jnp.float32), axis=-1, keepdims=True)
-    ds = (p * (dp - row)).astype(qt.dtype)
-    scale = jnp.asarray(H ** -0.5, jnp.float32)
-    dq = jnp.einsum("bkqs,bksh->bkqh", ds, kt, preferred_element_type=jnp.float32) * scale
-    dk = jnp.einsum("bkqs,bkqh->bksh", ds, qt, preferred_element_type=jnp.float32) * scale
-    return dq.astype(qt.dtype), dk.astype(kt.dtype), dv.astype(vt.dtype), None
-
-
-_block_attend_vjp.defvjp(_block_fwd, _block_bwd)
+                     preferred_element_type=jnp.float32).reshape(B, K, G, Tq, H) / total
+    out = jnp.where(peak > _NEG, out, 0.0)  # peak == _NEG: every key masked
+    return out.reshape(B, K, GT, H).astype(vt.dtype)
 
 
 def block_size_for(T: int, block_size: int = BLOCK_SIZE, max_blocks: int = MAX_BLOCKS) -> int:
