@@ -90,28 +90,13 @@ def step_figures(ends: list[float], tokens: list[float], warmup: int,
     run of any length); the steady figure leaves out the steps that compiled."""
     times = np.diff(np.asarray(ends))[warmup - 1:]
     measured = np.asarray(tokens[warmup:], np.float64)
-    figures = {"median_s": float(np.median(times)), "mean_s": float(times.mean()), "steps": len(times),
-               "tokens": float(measured.sum()), "tokens_per_s": float(measured.sum() / times.sum()),
-               "tokens_per_step": float(measured.mean()), "compile_s": 0.0,
-               "steady_tokens_per_s": float(measured.sum() / times.sum()), "steady_steps": len(times)}
-    if compiled is not None:
-        per_step = np.diff(np.asarray(compiled))[warmup - 1:]
-        quiet = per_step < 0.1
-        figures.update(compile_s=float(per_step.sum()), steady_steps=int(quiet.sum()),
-                       steady_tokens_per_s=float(measured[quiet].sum() / times[quiet].sum()) if quiet.any()
-                       else float("nan"))
-    return figures
-
-
-_COMPILE_CLOCK: CompileClock | None = None
-
-
-def compile_clock() -> CompileClock:
-    """One listener per process (jax keeps every registered listener)."""
-    global _COMPILE_CLOCK
-    if _COMPILE_CLOCK is None:
-        _COMPILE_CLOCK = CompileClock()
-    return _COMPILE_CLOCK
+    per_step = np.zeros(len(times)) if compiled is None else np.diff(np.asarray(compiled))[warmup - 1:]
+    quiet = per_step < 0.1
+    return {"median_s": float(np.median(times)), "mean_s": float(times.mean()), "steps": len(times),
+            "tokens": float(measured.sum()), "tokens_per_s": float(measured.sum() / times.sum()),
+            "tokens_per_step": float(measured.mean()), "compile_s": float(per_step.sum()),
+            "steady_steps": int(quiet.sum()),
+            "steady_tokens_per_s": float(measured[quiet].sum() / times[quiet].sum()) if quiet.any() else float("nan")}
 
 
 def run_trl(model_dir: pathlib.Path, rows: list[dict], args) -> dict:
@@ -142,7 +127,7 @@ def run_trl(model_dir: pathlib.Path, rows: list[dict], args) -> dict:
     return figures
 
 
-def run_areal(mode: str, model_dir: pathlib.Path, rows: list[dict], args) -> dict:
+def run_areal(mode: str, model_dir: pathlib.Path, rows: list[dict], args, clock: CompileClock) -> dict:
     import areal_jax.tasks  # noqa: F401  (registers the "arithmetic" reward)
     from areal_jax.generation import EngineConfig
     from areal_jax.models import load_params
@@ -162,7 +147,6 @@ def run_areal(mode: str, model_dir: pathlib.Path, rows: list[dict], args) -> dic
     ends: list[float] = []
     compiled: list[float] = []
     history: list[dict] = []
-    clock = compile_clock()
 
     def on_step(step: int, metrics: dict) -> None:
         ends.append(time.perf_counter())
@@ -245,6 +229,7 @@ def main():
 
     load_before = os.getloadavg()[0]
     results: dict[str, dict] = {}
+    clock = CompileClock()  # one listener for every areal_jax row (jax keeps each registered one)
     with tempfile.TemporaryDirectory(prefix="trl_side_by_side_") as tmp:
         model_dir = pathlib.Path(tmp) / "model"
         n_params = make_checkpoint(model_dir, args.layers, args.hidden, args.seed)
@@ -253,7 +238,8 @@ def main():
         rows = prompt_rows(tokenizer, (args.warmup + args.steps + args.staleness + 2) * args.batch, args.seed)
         for mode in modes:
             t0 = time.perf_counter()
-            results[mode] = run_trl(model_dir, rows, args) if mode == "trl" else run_areal(mode, model_dir, rows, args)
+            results[mode] = (run_trl(model_dir, rows, args) if mode == "trl"
+                             else run_areal(mode, model_dir, rows, args, clock))
             results[mode]["wall_s"] = time.perf_counter() - t0
             print(f"[{mode}] done in {results[mode]['wall_s']:.0f} s", flush=True)
 
