@@ -123,6 +123,8 @@ def run(mode: str, args, tokenizer, cfg, params, clock: CompileClock) -> dict:
         "gen_tps_wall": gen_tokens / wall,  # generated tokens per second of wall time
         "gen_tps_busy": gen_tokens / engine_busy if engine_busy else 0.0,  # ... per second the engine ran
         "engine_busy_share": engine_busy / wall,
+        "prefill_share_of_busy": (eb["prefill_s"] - ea["prefill_s"]) / engine_busy if engine_busy else 0.0,
+        "decode_s_per_step": (eb["decode_s"] - ea["decode_s"]) / decode_steps if decode_steps else 0.0,
         "slot_occupancy": (eb["busy_slot_steps"] - ea["busy_slot_steps"]) / decode_steps / args.slots
         if decode_steps else 0.0,
         "reprefill_tokens": eb["reprefill_tokens"] - ea["reprefill_tokens"],
@@ -151,7 +153,8 @@ def report(results: dict, args) -> None:
               f"({r['cpu_s'] / r['wall_s']:.2f} cores busy on average)")
         print(f"{'':15s}  generation {r['gen_tps_wall']:.0f} tokens/s of wall ({r['gen_tps_busy']:.0f} per engine-"
               f"busy s; engine busy {r['engine_busy_share']:.0%} of wall), slot occupancy {r['slot_occupancy']:.0%}, "
-              f"re-prefilled {r['reprefill_tokens']} tokens")
+              f"re-prefilled {r['reprefill_tokens']} tokens; prefill {r['prefill_share_of_busy']:.0%} of engine-busy "
+              f"time, {1e3 * r['decode_s_per_step']:.2f} ms per decode step")
         print(f"{'':15s}  trainer: training {r['train_share']:.0%}, waiting for a batch {r['wait_share']:.0%}, "
               f"weight transfer {r['transfer_share']:.0%} of wall; staleness max {r['stale_max']} mean "
               f"{r['stale_mean']:.2f}")

@@ -1,8 +1,9 @@
 """Forward tokens/s: areal_jax vs transformers (torch CPU) on the same random Qwen2 model.
 
 Usage: .venv/bin/python -m bench.forward_throughput [--rows 4 --width 512 --iters 5 --rounds 2]
-Both sides see the same [R, W] token rows; areal_jax packs several sequences per row
-(segment-masked attention), torch runs the rows as plain causal sequences (same FLOPs).
+Both sides compute the same logits for the same [R, W] rows of packed sequences: areal_jax
+from segment ids, transformers from a block-causal 4-D mask and per-sequence position ids
+(bench/torch_side.py); a slice of the logits is compared before any timing counts.
 The two sides alternate for --rounds rounds, so that load from other jobs on a shared machine
 hits both; each round's ratio is printed, then the median. A last line times one layer's
 attention alone, dense vs causal-blocked, on the same packed rows.
@@ -36,6 +37,20 @@ def attention_alone(cfg, seg: np.ndarray, iters: int) -> tuple[float, float]:
                  for fn in (attention, causal_attention))
 
 
+LOGITS_SAMPLE = (37, 64)  # logits [:, ::37, :64] are compared between the sides
+
+
+def check_same_logits(ours: np.ndarray, torch_result: dict) -> None:
+    """Both sides must compute the same function: compare the slice torch_side returns."""
+    theirs = np.asarray(torch_result["logits_sample"], np.float32)
+    mine = ours[:, ::LOGITS_SAMPLE[0], :LOGITS_SAMPLE[1]]
+    diff = float(np.max(np.abs(mine - theirs)))
+    scale = float(np.max(np.abs(theirs)))
+    print(f"logits check: max abs diff {diff:.2e} over {theirs.size} values (logit scale {scale:.2f})")
+    if diff > 1e-3 * max(scale, 1.0):
+        raise SystemExit("areal_jax and transformers disagree on the packed batch's logits")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=4)
@@ -52,10 +67,13 @@ def main():
         model = load_pretrained(d)
         cfg, params = model.config, model.params
         fwd = jax.jit(lambda p, i, s: forward(p, cfg, i, segment_ids=s)[0])
+        check_same_logits(np.asarray(fwd(params, ids, seg)), torch_side(
+            "forward", model=d, rows=ids.tolist(), segments=seg.tolist(), iters=0, threads=args.threads,
+            sample=LOGITS_SAMPLE))
         for r in range(args.rounds):
             jax_runs.append(ids.size / timed(lambda: fwd(params, ids, seg).block_until_ready(), args.iters))
-            torch_runs.append(torch_side("forward", model=d, rows=ids.tolist(), iters=args.iters,
-                                         threads=args.threads)["tokens_per_s"])
+            torch_runs.append(torch_side("forward", model=d, rows=ids.tolist(), segments=seg.tolist(),
+                                         iters=args.iters, threads=args.threads)["tokens_per_s"])
             ratios.append(jax_runs[-1] / torch_runs[-1])
             print(f"round {r}: areal_jax {jax_runs[-1]:.0f} tokens/s, torch {torch_runs[-1]:.0f} tokens/s, "
                   f"ratio {ratios[-1]:.2f}x", flush=True)

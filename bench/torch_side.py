@@ -2,7 +2,11 @@
 
 Reads a JSON request on stdin, prints one JSON line. Ops:
   make_model {out, config, seed}                        random Qwen2 checkpoint saved for both sides
-  forward    {model, rows: [[ids]], iters, threads}     tokens/s of a full forward over the rows
+  forward    {model, rows: [[ids]], iters, threads[, segments: [[seg ids]], sample: [stride, vocab]]}
+                                                        tokens/s of a full forward over the rows; with
+                                                        segments, rows hold packed sequences (causal within
+                                                        a segment, positions restart per segment); logits
+                                                        [:, ::stride, :vocab] come back for cross-checking
   generate   {model, prompts: [[ids]], max_new_tokens, iters, threads}  greedy generate tokens/s
 """
 
@@ -26,17 +30,39 @@ def _load(path):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
+def packed_inputs(segments) -> dict:
+    """position_ids and a 4-D boolean mask `[B, 1, T, T]` for rows of packed sequences.
+
+    transformers does not separate packed sequences of a batch by itself (position_ids that
+    restart per sequence still let every token see the earlier sequences of its row), so the
+    block-causal mask is passed explicitly; sdpa takes it as is.
+    """
+    seg = torch.tensor(segments, dtype=torch.long)
+    B, T = seg.shape
+    idx = torch.arange(T)
+    starts = torch.zeros_like(seg)  # index where each token's segment starts
+    for b in range(B):
+        first = torch.ones(T, dtype=torch.bool)
+        first[1:] = seg[b, 1:] != seg[b, :-1]
+        starts[b] = torch.cummax(torch.where(first, idx, 0), 0).values
+    mask = (idx[:, None] >= idx[None, :])[None] & (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] > 0)
+    return {"position_ids": idx[None] - starts, "attention_mask": mask[:, None]}
+
+
 @torch.no_grad()
-def forward(model, rows, iters, threads):
+def forward(model, rows, iters, threads, segments=None, sample=(37, 64)):
     torch.set_num_threads(threads)
     m = _load(model)
-    ids = torch.tensor(rows, dtype=torch.long)
-    m(input_ids=ids)  # warm-up
+    kw = {"input_ids": torch.tensor(rows, dtype=torch.long)}
+    if segments is not None:
+        kw.update(packed_inputs(segments))
+    logits = m(**kw).logits  # warm-up
     t0 = time.perf_counter()
     for _ in range(iters):
-        m(input_ids=ids)
-    dt = (time.perf_counter() - t0) / iters
-    return {"seconds_per_iter": dt, "tokens_per_s": ids.numel() / dt}
+        m(**kw)
+    dt = (time.perf_counter() - t0) / max(iters, 1)
+    return {"seconds_per_iter": dt, "tokens_per_s": kw["input_ids"].numel() / dt if iters else 0.0,
+            "logits_sample": logits[:, ::sample[0], :sample[1]].tolist()}
 
 
 @torch.no_grad()
