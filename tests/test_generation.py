@@ -61,6 +61,23 @@ def test_group_shares_one_prefill():
     assert engine.stats().prefill_tokens == 5
 
 
+def test_group_larger_than_free_slots_reuses_its_prefill_for_later_samples():
+    """A group of 5 on 2 slots: its prompt is prefilled once; samples started later come from the
+    kept prefill, each exactly the policy's distribution and each its own sample."""
+    model = _model(6)
+    engine = GenerationEngine(model, EngineConfig(num_slots=2, max_seq_len=32, decode_chunk=4))
+    prompt = [3, 1, 4, 1, 5, 9]
+    handle = engine.submit(prompt, SamplingParams(max_new_tokens=6, temperature=1.0), n=5, seed=11)
+    other = engine.submit([2, 7], SamplingParams(max_new_tokens=3, temperature=1.0))
+    engine.run_until_idle()
+    completions = handle.result().completions
+    assert len(completions) == 5 and len(other.result().completions) == 1
+    assert engine.stats().prefill_tokens == len(prompt) + 2  # one prefill per request
+    for c in completions:
+        np.testing.assert_allclose(c.logprobs, _teacher_forced(model, prompt, c.tokens, 1.0), atol=1e-4)
+    assert len({tuple(c.tokens) for c in completions}) > 1
+
+
 def test_interruptible_swap_recomputes_cache_and_switches_versions():
     old, new = _model(2), _model(3)
     engine = GenerationEngine(old, EngineConfig(num_slots=2, max_seq_len=48, decode_chunk=4))
@@ -80,6 +97,30 @@ def test_interruptible_swap_recomputes_cache_and_switches_versions():
         np.testing.assert_allclose(c.logprobs[:9], under_old[:9], atol=1e-4)
         np.testing.assert_allclose(c.logprobs[9:], under_new[9:], atol=1e-4)  # full prefix, new weights
         assert np.abs(under_old[9:] - under_new[9:]).max() > 1e-2  # the two policies do differ
+
+
+@pytest.mark.parametrize("pack_width", [512, 12])
+def test_swap_recomputes_every_slot_from_packed_rows(pack_width):
+    """Six in-flight samples of different lengths are re-prefilled after a swap: packed several to
+    a row (width 512: all of them, in one call) or, past `reprefill_pack_width` (12), by length
+    bucket. Either way each continues exactly as the new weights would from its full history."""
+    old, new = _model(4), _model(5)
+    engine = GenerationEngine(old, EngineConfig(num_slots=6, max_seq_len=64, decode_chunk=4,
+                                                reprefill_pack_width=pack_width))
+    prompts = [[1 + i] * n for i, n in enumerate([1, 3, 7, 11, 16, 21])]
+    sp = SamplingParams(max_new_tokens=16, temperature=1.0)
+    handles = [engine.submit(p, sp) for p in prompts]
+    engine.step()
+    engine.step()
+    engine.update_weights(new.params, version=1)
+    engine.run_until_idle()
+    assert engine.compile_counts["reprefill"] == 1
+    assert engine.stats().reprefill_tokens == sum(len(p) + 8 for p in prompts)  # 9 tokens each, the last re-fed
+    for prompt, h in zip(prompts, handles):
+        (c,) = h.result().completions
+        np.testing.assert_array_equal(c.versions, [0] * 9 + [1] * 7)
+        np.testing.assert_allclose(c.logprobs[:9], _teacher_forced(old, prompt, c.tokens, 1.0)[:9], atol=1e-4)
+        np.testing.assert_allclose(c.logprobs[9:], _teacher_forced(new, prompt, c.tokens, 1.0)[9:], atol=1e-4)
 
 
 def test_non_interruptible_swap_drains_in_flight_samples_first():

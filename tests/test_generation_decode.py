@@ -107,3 +107,36 @@ def test_unrolled_layers_equal_the_scan_in_values_and_gradients():
         # fp32 rounding of a different fusion order, relative to the leaf's scale
         np.testing.assert_allclose(a, b, atol=1e-5 * float(np.abs(b).max()))
     assert jax.tree.structure(g_unr) == jax.tree.structure(params)  # stacked layers, like the scan
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_packed_prefill_into_slots_equals_one_prefill_per_sequence(seed):
+    """Random sequences packed several to a row land in their slots exactly as each one's own
+    prefill puts them; slots not named keep their old contents."""
+    from areal_jax.models.transformer import prefill_into_slots
+
+    rng = np.random.default_rng(seed)
+    params = init_params(CFG, seed, std=0.3)
+    B, S, W = 6, 24, 16
+    lengths = [int(n) for n in rng.integers(1, W // 2 + 1, size=4)]  # at least two to a row
+    slots = rng.permutation(B)[:4]
+    seqs = [rng.integers(0, CFG.vocab_size, size=n) for n in lengths]
+    ids, seg, dest = (np.zeros((4, W), np.int32) for _ in range(3))
+    fill = [0] * 4
+    for i, s in enumerate(seqs):  # first row with room
+        r = next(r for r in range(4) if fill[r] + s.size <= W)
+        ids[r, fill[r]:fill[r] + s.size], seg[r, fill[r]:fill[r] + s.size] = s, i + 1
+        dest[r, fill[r]:fill[r] + s.size] = slots[i]
+        fill[r] += s.size
+    assert len(set(seg[0].tolist()) - {0}) >= 2
+    old = KVCache(*(jnp.asarray(rng.normal(size=(CFG.num_layers, B, CFG.num_kv_heads, S, CFG.head_dim)),
+                                jnp.float32) for _ in range(2)))
+    got = jax.jit(lambda c: prefill_into_slots(params, CFG, ids, seg, dest, c))(old.per_layer()).stacked()
+    want_k, want_v = np.array(old.k), np.array(old.v)
+    for s, slot in zip(seqs, slots):
+        block = KVCache.zeros(CFG, 1, s.size)
+        _, block = forward(params, CFG, jnp.asarray(s[None]), jnp.arange(s.size)[None], cache=block)
+        want_k[:, slot, :, :s.size] = np.asarray(block.k)[:, 0]
+        want_v[:, slot, :, :s.size] = np.asarray(block.v)[:, 0]
+    np.testing.assert_allclose(np.asarray(got.k), want_k, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(got.v), want_v, atol=2e-5)

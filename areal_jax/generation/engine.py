@@ -8,7 +8,8 @@ the queue (continuous batching), applies aborts and swaps weights.
 Interruptible swap (AReaL): `update_weights(params, version)` may be called from any thread and
 takes effect at the next chunk boundary. In-flight samples keep their tokens, logprobs and
 versions; their KV cache is recomputed from prompt + tokens so far under the new weights, and
-later tokens carry the new version. With `interruptible=False` the engine instead stops
+later tokens carry the new version (histories are packed several to a row and written straight
+into their slots, `reprefill_pack_width`). With `interruptible=False` the engine instead stops
 admitting, lets in-flight samples finish on the old weights, then swaps (the ablation).
 
 Device state is the KV cache, one `[B, K, S, H]` buffer per layer (B = slots, S = max_seq_len),
@@ -41,7 +42,9 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from areal_jax.generation.sampling import MAX_STOP_IDS, SamplingParams, sample_tokens
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.sharding import GENERATION_RULES, activation_rules, sharding_for
-from areal_jax.models.transformer import KVCache, Params, Transformer, forward, lm_head, split_layers
+from areal_jax.models.transformer import (KVCache, Params, Transformer, forward, lm_head, prefill_into_slots,
+                                          split_layers)
+from areal_jax.packing import ffd_allocate
 
 StopReason = Literal["stop", "length", "aborted"]
 
@@ -68,12 +71,17 @@ class EngineConfig:
     # many slots free at once (the start, a static batch): 64 prompts in calls of 32 rows instead
     # of 8 took ~30% less prefill time on the 2-core CPU benchmark (bench/generation_throughput.py).
     max_prefill_batch: int = 32
+    # After a weight swap, in-flight histories up to this many tokens are re-prefilled packed
+    # several to a row of this width (at most max_seq_len), written straight into their slots:
+    # one call for a whole swap instead of a prefill and an insert per length bucket. Longer
+    # histories are prefilled by length bucket (a wide packed row would attend over all of it).
+    reprefill_pack_width: int = 512
     interruptible: bool = True
     cache_dtype: str | None = None  # default: the dtype of the weights
     seed: int = 0
 
     def __post_init__(self):
-        for name in ("num_slots", "max_seq_len", "decode_chunk", "max_prefill_batch"):
+        for name in ("num_slots", "max_seq_len", "decode_chunk", "max_prefill_batch", "reprefill_pack_width"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {v!r}")
@@ -109,6 +117,18 @@ class EngineConfig:
         while rows < n:
             rows *= 4
         return min(rows, self.max_prefill_batch)
+
+    @property
+    def pack_width(self) -> int:
+        """Row width of packed re-prefill calls."""
+        return min(self.reprefill_pack_width, self.max_seq_len)
+
+    def pack_rows_bucket(self, n: int) -> int:
+        """Rows of a packed re-prefill call holding n packed rows: the next power of two, at most
+        max_prefill_batch (packed rows are full, so finer steps than prefill's pay)."""
+        if not 1 <= n <= self.max_prefill_batch:
+            raise ValueError(f"a packed call takes 1 to max_prefill_batch = {self.max_prefill_batch} rows, got {n}")
+        return min(1 << (n - 1).bit_length(), self.max_prefill_batch)
 
     @property
     def prefill_batch_buckets(self) -> tuple[int, ...]:
@@ -452,10 +472,13 @@ class GenerationEngine:
         histories = {slot: np.concatenate([self._slot_sample[slot].request.prompt,
                                            np.asarray(self._slot_sample[slot].tokens[:-1], np.int32)])
                      for slot in active}
-        # Each call holds histories of one length bucket: a call pads every row to its longest, and
-        # long-tailed histories mixed in one call would pad the short ones to a straggler's length.
+        # Histories that fit a packed row go several to a row, straight into their slots.
+        width = self.config.pack_width
+        self._reprefill_packed({slot: h for slot, h in histories.items() if h.size <= width})
+        # Longer ones: each call holds histories of one length bucket (a call pads every row to
+        # its longest, so mixed lengths would pad the short ones to a straggler's length).
         by_bucket: dict[int, list[int]] = collections.defaultdict(list)
-        for slot in sorted(active, key=lambda slot: histories[slot].size):
+        for slot in sorted((s for s in active if histories[s].size > width), key=lambda s: histories[s].size):
             by_bucket[self.config.bucket(histories[slot].size)].append(slot)
         for slots in by_bucket.values():
             for start in range(0, len(slots), self.config.max_prefill_batch):
@@ -470,57 +493,101 @@ class GenerationEngine:
         return False
 
     def _admit(self) -> None:
+        """Fills free slots from the queue head: one program per prefill call prefills the prompts,
+        copies each into the slots of its samples and samples their first tokens."""
         free = [i for i, s in enumerate(self._slot_sample) if s is None]
-        started: list[tuple[int, _Request, int, jax.Array, int]] = []  # slot, request, sample, logits, row
-        placements: dict[int, tuple[KVCache, list[tuple[int, int]]]] = {}  # per prefill block: (row, slot)
         while free:
             with self._lock:
                 if not self._queue:
                     break
-                req = self._queue[0]
-            if req.prefix is None:
-                self._prefill_queue_head(len(free))
-            block, row, last_logits = req.prefix
-            take = min(len(free), req.n - req.next_sample)
-            slots, free = free[:take], free[take:]
-            for j, slot in enumerate(slots):
-                placements.setdefault(id(block), (block, []))[1].append((row, slot))
-                self._slot_keys[slot] = self._sample_key(req.seed, req.next_sample + j)
-                started.append((slot, req, req.next_sample + j, last_logits, row))
-            req.next_sample += take
-            if req.next_sample == req.n:
-                req.prefix = None  # the group's prefill block is no longer needed
-                with self._lock:
-                    if self._queue and self._queue[0] is req:
-                        self._queue.popleft()
-        for block, rows_slots in placements.values():  # one copy into the cache per prefill block
-            self._insert(block, rows_slots)
-        # First tokens: one call per prefill call's logits, for every sample started from them.
-        while started:
-            logits = started[0][3]
-            group = [s for s in started if s[3] is logits]
-            started = [s for s in started if s[3] is not logits]
-            tokens, logprobs = self._first_tokens(logits, group)
-            for (slot, req, index, _, _), token, logprob in zip(group, tokens, logprobs):
-                self._start_sample(slot, req, index, int(token), float(logprob))
+                head = self._queue[0]
+            if head.prefix is None:
+                free = self._prefill_and_start(free)
+            else:  # samples left of a group prefilled when too few slots were free
+                free = self._start_from_prefix(head, free)
 
-    def _prefill_queue_head(self, free_slots: int) -> None:
-        """Prefills, in one call, the queued requests (from the head) whose samples fit in the free
-        slots, up to the first whose prompt falls in another length bucket (a call pads every row
-        to its longest prompt)."""
+    def _assign(self, req: _Request, free: list[int]) -> tuple[list[tuple[int, _Request, int]], list[int]]:
+        """Gives the request's next samples free slots: ([(slot, request, sample index)], slots left)."""
+        take = min(len(free), req.n - req.next_sample)
+        slots, free = free[:take], free[take:]
+        started = [(slot, req, req.next_sample + j) for j, slot in enumerate(slots)]
+        for slot, _, index in started:
+            self._slot_keys[slot] = self._sample_key(req.seed, index)
+        req.next_sample += take
+        if req.next_sample == req.n:
+            req.prefix = None  # the group's prefill block is no longer needed
+            with self._lock:
+                if self._queue and self._queue[0] is req:
+                    self._queue.popleft()
+        return started, free
+
+    def _queue_head_batch(self, free_slots: int) -> list[_Request]:
+        """The queued requests, from the head, to prefill in one call: while their samples fit in
+        the free slots, up to the first whose prompt falls in another length bucket (a call pads
+        every row to its longest prompt) or that holds a prefill already."""
         with self._lock:
             batch, room = [], free_slots
             for req in self._queue:
-                if len(batch) == self.config.max_prefill_batch or room <= 0:
+                if len(batch) == self.config.max_prefill_batch or room <= 0 or req.prefix is not None:
                     break
-                if req.prefix is None:
-                    if batch and self.config.bucket(req.prompt.size) != self.config.bucket(batch[0].prompt.size):
-                        break
-                    batch.append(req)
+                if batch and self.config.bucket(req.prompt.size) != self.config.bucket(batch[0].prompt.size):
+                    break
+                batch.append(req)
                 room -= req.n - req.next_sample
-        block, logits = self._prefill([req.prompt for req in batch])
+        return batch
+
+    def _prefill_and_start(self, free: list[int]) -> list[int]:
+        batch = self._queue_head_batch(len(free))
+        plan: list[tuple[int, _Request, int, int]] = []  # slot, request, sample index, prefill row
         for row, req in enumerate(batch):
-            req.prefix = (block, row, logits)
+            started, free = self._assign(req, free)
+            plan += [(slot, r, index, row) for slot, r, index in started]
+        t0 = time.perf_counter()
+        rows = self.config.batch_bucket(len(batch))
+        bucket = self.config.bucket(max(req.prompt.size for req in batch))
+        padded = np.zeros((rows, bucket), np.int32)
+        lengths = np.ones(rows, np.int32)  # unused rows: one dummy token
+        for i, req in enumerate(batch):
+            padded[i, :req.prompt.size] = req.prompt
+            lengths[i] = req.prompt.size
+        self._cache, block, logits, tokens, logprobs = self._prefill_start_fn(
+            self._params, self._cache, *self._put(padded, lengths, *self._start_arrays(plan)))
+        tokens, logprobs = jax.device_get((tokens, logprobs))
+        self._stats.prefill_s += time.perf_counter() - t0
+        self._stats.prefill_tokens += sum(req.prompt.size for req in batch)
+        for row, req in enumerate(batch):
+            if req.next_sample < req.n:
+                req.prefix = (block, row, logits)
+        for (slot, req, index, _), token, logprob in zip(plan, tokens, logprobs):
+            self._start_sample(slot, req, index, int(token), float(logprob))
+        return free
+
+    def _start_from_prefix(self, req: _Request, free: list[int]) -> list[int]:
+        block, row, logits = req.prefix
+        started, free = self._assign(req, free)
+        plan = [(slot, r, index, row) for slot, r, index in started]
+        rows, slots, keys, positions, temperature, top_p, top_k = self._start_arrays(plan)
+        self._cache = self._insert_fn(self._cache, block, *self._put(rows, slots))
+        tokens, logprobs = jax.device_get(self._first_tokens_fn(
+            logits, *self._put(rows, keys, positions, temperature, top_p, top_k)))
+        for (slot, req_, index, _), token, logprob in zip(plan, tokens, logprobs):
+            self._start_sample(slot, req_, index, int(token), float(logprob))
+        return free
+
+    def _start_arrays(self, plan: list[tuple[int, _Request, int, int]]) -> tuple[np.ndarray, ...]:
+        """Per started sample (slot, request, index, prefill row), padded to num_slots: prefill rows,
+        cache slots (padding: num_slots, dropped), key data, prompt's last position, temperature,
+        top_p, top_k (padding: greedy, no filter). One compiled program per prefill row count."""
+        B = self.config.num_slots
+        rows, slots = np.zeros(B, np.int32), np.full(B, B, np.int32)
+        positions, top_k = np.zeros(B, np.int32), np.zeros(B, np.int32)
+        keys = np.zeros((B, 2), np.uint32)
+        temperature, top_p = np.zeros(B, np.float32), np.ones(B, np.float32)
+        for i, (slot, req, _, row) in enumerate(plan):
+            sp = req.sampling
+            rows[i], slots[i], positions[i], keys[i] = row, slot, req.prompt.size - 1, self._slot_keys[slot]
+            temperature[i], top_p[i], top_k[i] = sp.temperature, sp.top_p, sp.top_k
+        return rows, slots, keys, positions, temperature, top_p, top_k
 
     def _start_sample(self, slot: int, req: _Request, index: int, token: int, logprob: float) -> None:
         sp = req.sampling
@@ -618,7 +685,6 @@ class GenerationEngine:
         counts = self.compile_counts
 
         def prefill(params, tokens, lengths):
-            counts["prefill"] += 1  # runs once per trace, i.e. per compilation
             R, P = tokens.shape
             idx = jnp.arange(P)[None, :]
             positions = jnp.where(idx < lengths[:, None], idx, -1)  # padding writes nothing
@@ -632,7 +698,6 @@ class GenerationEngine:
         def insert(cache, block, rows, slots):
             """Block row rows[i] into cache slot slots[i], positions [0, P); `[num_slots]` index
             arrays, padded with slot num_slots (out of range: dropped), so one program per block shape."""
-            counts["insert"] += 1
 
             def put(layers, src):  # each block layer `[R, K, P, H]`, each cache layer `[B, K, S, H]`
                 return tuple(dst.at[slots, :, :part.shape[2]].set(part[rows], mode="drop")
@@ -641,9 +706,23 @@ class GenerationEngine:
             return KVCache(put(cache.k, block.k), put(cache.v, block.v))
 
         def first_tokens(all_logits, rows, key_data, positions, temperature, top_p, top_k):
-            counts["first_tokens"] += 1
             keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(key_data), positions)
             return sample_tokens(all_logits[rows], keys, temperature, top_p, top_k)
+
+        def prefill_start(params, cache, tokens, lengths, rows, slots, key_data, positions, temperature, top_p,
+                          top_k):
+            """Prefill, copy row rows[i] into slot slots[i] and sample that sample's first token:
+            admission in one program (three calls and host round trips otherwise)."""
+            counts["prefill"] += 1  # runs once per trace, i.e. per compilation
+            block, logits = prefill(params, tokens, lengths)
+            first, logprobs = first_tokens(logits, rows, key_data, positions, temperature, top_p, top_k)
+            return insert(cache, block, rows, slots), block, logits, first, logprobs
+
+        def counted(name, fn):
+            def run(*args):
+                counts[name] += 1
+                return fn(*args)
+            return run
 
         def decode(params, cache, tokens, positions, active, remaining, temperature, top_p, top_k, stop_ids,
                    key_data, exit_free, *, window):
@@ -684,10 +763,17 @@ class GenerationEngine:
         # Weights are held per layer (`split_layers`), as the unrolled prefill and decode read
         # them: split once per weight swap instead of once per call.
         self._split_fn = jax.jit(split_layers)
-        self._prefill_fn = jax.jit(prefill)
-        self._insert_fn = jax.jit(insert, donate_argnums=(0,))
-        self._first_tokens_fn = jax.jit(first_tokens)
+        self._prefill_fn = jax.jit(counted("prefill", prefill))  # long histories after a swap
+        self._prefill_start_fn = jax.jit(prefill_start, donate_argnums=(1,))
+        self._insert_fn = jax.jit(counted("insert", insert), donate_argnums=(0,))
+        self._first_tokens_fn = jax.jit(counted("first_tokens", first_tokens))
         self._decode_fn = jax.jit(decode, donate_argnums=(1,), static_argnames=("window",))
+
+        def reprefill(params, cache, tokens, segment_ids, slot_ids):
+            counts["reprefill"] += 1
+            return prefill_into_slots(params, cfg, tokens, segment_ids, slot_ids, cache)
+
+        self._reprefill_fn = jax.jit(reprefill, donate_argnums=(1,))
 
     def _prefill(self, seqs: list[np.ndarray]) -> tuple[KVCache, jax.Array]:
         """KV block (per layer `[R, K, P, H]`) and last-position logits `[R, V]` of `seqs` (row i = seqs[i]).
@@ -708,6 +794,30 @@ class GenerationEngine:
         self._stats.prefill_tokens += sum(s.size for s in seqs)
         return block, logits
 
+    def _reprefill_packed(self, histories: dict[int, np.ndarray]) -> None:
+        """Recomputes the cache of slots from their histories (slot -> tokens), packed first-fit-
+        decreasing into rows of `pack_width` tokens, max_prefill_batch rows per call."""
+        if not histories:
+            return
+        t0 = time.perf_counter()
+        ec = self.config
+        slots = sorted(histories)
+        bins = ffd_allocate([histories[slot].size for slot in slots], ec.pack_width)
+        for start in range(0, len(bins), ec.max_prefill_batch):
+            part = bins[start:start + ec.max_prefill_batch]
+            rows = ec.pack_rows_bucket(len(part))
+            ids, segments, dest = (np.zeros((rows, ec.pack_width), np.int32) for _ in range(3))
+            for r, members in enumerate(part):
+                at = 0
+                for j, i in enumerate(members):
+                    h = histories[slots[i]]
+                    ids[r, at:at + h.size], segments[r, at:at + h.size], dest[r, at:at + h.size] = h, j + 1, slots[i]
+                    at += h.size
+            self._cache = self._reprefill_fn(self._params, self._cache, *self._put(ids, segments, dest))
+        jax.block_until_ready(self._cache.k[0])
+        self._stats.prefill_s += time.perf_counter() - t0
+        self._stats.prefill_tokens += sum(h.size for h in histories.values())
+
     def _insert(self, block: KVCache, placements: list[tuple[int, int]]) -> None:
         """Copies block rows into cache slots, `placements` = [(row, slot)], in one call."""
         B = self.config.num_slots
@@ -719,19 +829,3 @@ class GenerationEngine:
     def _sample_key(self, request_seed: int, index: int) -> np.ndarray:
         return np.random.SeedSequence([self.config.seed, request_seed & 0xFFFFFFFF, request_seed >> 32, index]
                                       ).generate_state(2, np.uint32)
-
-    def _first_tokens(self, logits: jax.Array, started: list[tuple[int, _Request, int, jax.Array, int]]
-                      ) -> tuple[np.ndarray, np.ndarray]:
-        """First token of each started (slot, request, sample, logits, row) from its prompt's last
-        logits `logits[row]`; rows padded to num_slots (one compiled program per prefill row count)."""
-        B = self.config.num_slots
-        rows, positions, top_k = np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
-        keys = np.zeros((B, 2), np.uint32)
-        temperature, top_p = np.zeros(B, np.float32), np.ones(B, np.float32)  # padding: greedy, no filter
-        for i, (slot, req, _, _, row) in enumerate(started):
-            sp = req.sampling
-            rows[i], positions[i], keys[i] = row, req.prompt.size - 1, self._slot_keys[slot]
-            temperature[i], top_p[i], top_k[i] = sp.temperature, sp.top_p, sp.top_k
-        tokens, logprobs = self._first_tokens_fn(logits, *self._put(rows, keys, positions, temperature, top_p, top_k))
-        tokens, logprobs = jax.device_get((tokens, logprobs))
-        return tokens[:len(started)], logprobs[:len(started)]

@@ -178,6 +178,16 @@ def segment_positions(segment_ids: jax.Array) -> jax.Array:
     return jnp.where(segment_ids > 0, idx - start_idx, 0)
 
 
+def self_attention_mask(B: int, T: int, segment_ids: jax.Array | None) -> jax.Array:
+    """`[B, T, T]`: causal by array index, and within one non-zero segment when `segment_ids`."""
+    idx = jnp.arange(T)
+    mask = idx[None, :, None] >= idx[None, None, :]
+    if segment_ids is not None:
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]
+        mask = mask & same & (segment_ids[:, None, :] > 0)
+    return jnp.broadcast_to(mask, (B, T, T))
+
+
 def project(x: jax.Array, w: jax.Array, preferred_element_type=None) -> jax.Array:
     """`x [B, T, I] @ w [I, *O] -> [B, T, *O]` as one 2-D matmul over the B*T tokens.
 
@@ -192,7 +202,8 @@ def project(x: jax.Array, w: jax.Array, preferred_element_type=None) -> jax.Arra
 
 def _layer(cfg: ModelConfig, rope: Rotary, x, p, mask, cache_kv, write_index, compute_dtype):
     """One decoder layer. x `[B, T, D]`; cache_kv = (k, v) `[B, K, S, H]` of this layer or None;
-    with a cache, attention reads its first `mask.shape[-1]` positions."""
+    with a cache, attention reads its first `mask.shape[-1]` positions. Returns the new x and the
+    updated cache layer, or without a cache this layer's keys and values `[B, T, K, H]`."""
     cast = lambda a: a.astype(compute_dtype)  # noqa: E731
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
     q = project(h, cast(p["wq"]))  # [B, T, N, H]
@@ -208,7 +219,7 @@ def _layer(cfg: ModelConfig, rope: Rotary, x, p, mask, cache_kv, write_index, co
     q = constrain(q, ("batch", "seq", "act_heads", "head_dim"))
     if cache_kv is None:
         attn = causal_attention(q, k, v, mask)
-        new_kv = None
+        new_kv = (k, v)
     else:
         ck, cv = cache_kv  # [B, K, S, H]; write_index [B, T] puts token t of row b at [b, :, index]
         rows = jnp.arange(x.shape[0])[:, None]
@@ -281,12 +292,7 @@ def forward(
     inv_freq = jnp.asarray(np.asarray(rope_inverse_frequencies(cfg.rope, cfg.head_dim), np.float32))
 
     if cache is None:
-        idx = jnp.arange(T)
-        mask = idx[None, :, None] >= idx[None, None, :]  # [1, T, S] causal by array index
-        if segment_ids is not None:
-            same = segment_ids[:, :, None] == segment_ids[:, None, :]
-            mask = mask & same & (segment_ids[:, None, :] > 0)
-        mask = jnp.broadcast_to(mask, (B, T, T))
+        mask = self_attention_mask(B, T, segment_ids)
         write_index = None
     else:
         S = cache.k[0].shape[2] if cache.is_per_layer else cache.k.shape[3]
@@ -342,6 +348,35 @@ def forward(
         return x, new_cache
     logits = lm_head(params, cfg, x)
     return logits, new_cache
+
+
+def prefill_into_slots(params: Params, cfg: ModelConfig, input_ids: jax.Array, segment_ids: jax.Array,
+                       slot_ids: jax.Array, cache: KVCache, *, compute_dtype=None) -> KVCache:
+    """Writes the keys and values of packed sequences straight into a per-layer decode cache.
+
+    input_ids, segment_ids, slot_ids `[R, W]`: rows of several sequences each (segment 0 =
+    padding); every token of a segment goes to cache slot `slot_ids` at its position within the
+    segment, so a sequence must start at position 0 of its slot. Attention is causal within each
+    segment, so each slot receives what a prefill of its sequence alone would give. No logits:
+    this recomputes the cache of sequences already being decoded (after a weight swap), whose
+    next input token is known. cache: `KVCache.per_layer()`, L x `[B, K, S, H]`.
+    """
+    R, W = input_ids.shape
+    compute_dtype = compute_dtype or params["embed"].dtype
+    positions = segment_positions(segment_ids)
+    inv_freq = jnp.asarray(np.asarray(rope_inverse_frequencies(cfg.rope, cfg.head_dim), np.float32))
+    rope = Rotary.at(positions, inv_freq)
+    mask = self_attention_mask(R, W, segment_ids)
+    B = cache.k[0].shape[0]
+    dest = jnp.where(segment_ids > 0, slot_ids, B)  # slot B is out of range: padding writes nothing
+    x = constrain(params["embed"].astype(compute_dtype)[input_ids], ("batch", "seq", "act_embed"))
+    new_k, new_v = [], []
+    # The last layer's attention output and MLP feed nothing returned, so XLA drops them.
+    for p, ck, cv in zip(split_layers(params)["layers"], cache.k, cache.v, strict=True):
+        x, (k, v) = _layer(cfg, rope, x, p, mask, None, None, compute_dtype)  # k, v [R, W, K, H]
+        new_k.append(ck.at[dest, :, positions].set(k.astype(ck.dtype), mode="drop"))
+        new_v.append(cv.at[dest, :, positions].set(v.astype(cv.dtype), mode="drop"))
+    return KVCache(tuple(new_k), tuple(new_v))
 
 
 def lm_head(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
