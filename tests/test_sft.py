@@ -193,3 +193,31 @@ def test_sft_stops_once_greedy_accuracy_on_validation_rows_reaches_the_target(to
     # The probe scores as the one-off evaluation does.
     assert evaluate_accuracy(cfg, trained, rows, tokenizer, max_new_tokens=32, batch=4) == 1.0
     assert probe(params) == evaluate_accuracy(cfg, params, rows, tokenizer, max_new_tokens=32, batch=4) == 0.0
+
+
+def test_sft_on_a_sharded_train_mesh_equals_sft_on_one_device(tokenizer, six_problems):
+    """The same SFT on a (fsdp=2, tensor=2) train mesh of fake devices: weights, optimizer state and
+    batch rows sharded, the same losses and weights as on one device, and whole weights returned
+    (what validation and the RL stage take)."""
+    from areal_jax.parallel.meshes import MeshConfig, build_meshes
+
+    examples, _, cfg, params = six_problems
+    sft = SFTConfig(steps=12, batch_size=2, max_len=96, lr=1e-2, warmup=2, log_every=4, seed=0,
+                    eval_every=6, eval_from=6)
+    mesh = build_meshes(MeshConfig(num_generation_devices_per_host=4, train_tensor=2), jax.devices()[:8]).train
+    assert dict(mesh.shape) == {"fsdp": 2, "tensor": 2}
+    seen = []
+
+    def probe(p):  # validation sees whole weights on one device
+        leaf = p["layers"]["wq"]
+        seen.append(len(leaf.sharding.device_set))
+        return 0.0
+
+    one, m_one = run_sft(cfg, params, examples, sft, progress=False, validate=probe)
+    sharded, m_mesh = run_sft(cfg, params, examples, sft, progress=False, validate=probe, mesh=mesh)
+    assert seen == [1, 1, 1, 1]
+    np.testing.assert_allclose([m["loss"] for m in m_mesh], [m["loss"] for m in m_one], rtol=1e-4)
+    assert [m["tokens"] for m in m_mesh] == [m["tokens"] for m in m_one]
+    for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(one)):
+        assert len(a.sharding.device_set) == 1
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)

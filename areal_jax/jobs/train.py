@@ -132,7 +132,7 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
     run_dir = pathlib.Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        build_meshes(cfg.mesh)  # an impossible device split fails here, before any work
+        meshes = build_meshes(cfg.mesh)  # an impossible device split fails here, before any work
     except ValueError as e:
         raise cs.ConfigError(f"MeshConfig: {e}") from None
     if jax.process_index() == 0:
@@ -171,8 +171,10 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
             validate = GreedyAccuracy(work.model_config, work.validation_rows, work.tokenizer,
                                       max_new_tokens=cfg.rl.eval_max_new_tokens, reward_fn=reward_fn) \
                 if cfg.sft.eval_every else None
+            # SFT trains on the RL trainer's mesh (sharded, across hosts); on a single device as is.
+            sft_mesh = meshes.train if meshes.train.devices.size > 1 else None
             params, sft_log = run_sft(work.model_config, params, work.sft_examples, cfg.sft, progress=progress,
-                                      validate=validate)
+                                      validate=validate, mesh=sft_mesh)
             del validate  # its engine (weights, KV cache) is not kept through RL
             last = sft_log[-1]  # its step is the number of steps run
             summary.update(sft_steps=last["step"], sft_time_s=time.perf_counter() - t_sft)

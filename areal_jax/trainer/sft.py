@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from areal_jax.generation.engine import EngineConfig, GenerationEngine
@@ -29,8 +30,11 @@ from areal_jax.generation.offline import generate
 from areal_jax.generation.sampling import SamplingParams
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.transformer import Params, Transformer, forward
+from areal_jax.models.sharding import TRAIN_RULES, activation_rules, sharding_for
 from areal_jax.packing import ffd_allocate, pack_sequences
+from areal_jax.parallel.distributed import fully_local
 from areal_jax.ppo.loss import token_logprobs
+from areal_jax.trainer.train_step import opt_state_shardings, param_shardings
 
 Example = tuple[Sequence[int], Sequence[int]]  # (prompt_ids, completion_ids)
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -210,8 +214,10 @@ def make_optimizer(cfg: SFTConfig) -> optax.GradientTransformation:
 
 
 def make_train_step(model_cfg: ModelConfig, optimizer: optax.GradientTransformation, compute_dtype=None,
-                    scan_layers: bool = True) -> Callable[..., tuple[Params, Any, dict[str, jax.Array]]]:
-    """Jitted `(params, opt_state, batch) -> (params, opt_state, metrics)`; params/state donated."""
+                    scan_layers: bool = True, out_shardings: Any = None
+                    ) -> Callable[..., tuple[Params, Any, dict[str, jax.Array]]]:
+    """Jitted `(params, opt_state, batch) -> (params, opt_state, metrics)`; params/state donated.
+    out_shardings: (params, opt_state, metrics) shardings on a mesh, so every step keeps one layout."""
 
     def step(params, opt_state, batch):
         (loss, n), grads = jax.value_and_grad(
@@ -221,11 +227,44 @@ def make_train_step(model_cfg: ModelConfig, optimizer: optax.GradientTransformat
         params = optax.apply_updates(params, updates)
         return params, opt_state, {"loss": loss, "tokens": n, "grad_norm": optax.tree.norm(grads)}
 
-    return jax.jit(step, donate_argnums=(0, 1))
+    return jax.jit(step, donate_argnums=(0, 1), **({} if out_shardings is None else {"out_shardings": out_shardings}))
+
+
+class _MeshPlacement:
+    """SFT state on a train mesh: weights and optimizer state sharded by the training rule table
+    (FSDP x TP), batch rows over "fsdp". Works across processes: every process builds the same
+    host batch and places the rows its devices hold."""
+
+    def __init__(self, model_cfg: ModelConfig, mesh: Mesh, optimizer: optax.GradientTransformation):
+        self.mesh = mesh
+        self.params = param_shardings(model_cfg, TRAIN_RULES, mesh)
+        self.optimizer = optimizer
+        self.replicated = NamedSharding(mesh, PartitionSpec())
+
+    @staticmethod
+    def _global(host: np.ndarray, sharding) -> jax.Array:
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    def place_params(self, params: Params) -> Params:
+        host = jax.tree.map(lambda a: np.asarray(a, np.float32), jax.device_get(fully_local(params)))
+        return jax.tree.map(self._global, host, self.params)
+
+    def opt_state_shardings(self, params: Params) -> Any:
+        return opt_state_shardings(self.optimizer, params, self.params, self.mesh)
+
+    def batch(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+        return {k: self._global(np.asarray(v), sharding_for(("batch", "seq"), TRAIN_RULES, self.mesh, v.shape))
+                for k, v in batch.items()}
+
+
+def _whole_on_this_host(tree: Any) -> Any:
+    """Every leaf whole (gathered across processes if need be) on the default device, uncommitted
+    like any fresh array, so that a later `device_put` may place it on a mesh spanning hosts."""
+    return jax.tree.map(jnp.asarray, jax.device_get(fully_local(tree)))
 
 
 def run_sft(model_cfg: ModelConfig, params: Params, examples: Sequence[Example], cfg: SFTConfig, *,
-            progress: bool = True, validate: Callable[[Params], float] | None = None
+            progress: bool = True, validate: Callable[[Params], float] | None = None, mesh: Mesh | None = None
             ) -> tuple[Params, list[dict[str, float]]]:
     """Fine-tunes `params` on (prompt_ids, completion_ids) pairs; returns new params and metrics.
 
@@ -236,15 +275,29 @@ def run_sft(model_cfg: ModelConfig, params: Params, examples: Sequence[Example],
     step is then the number of steps run).
 
     validate: params -> accuracy in [0, 1], called at the steps `cfg.validates_at` names
-    (required when `cfg.eval_every` > 0; e.g. a `GreedyAccuracy`).
+    (required when `cfg.eval_every` > 0; e.g. a `GreedyAccuracy`), with whole weights on this
+    process's default device.
+
+    mesh: a train mesh (("fsdp", "tensor"), `parallel.build_meshes(...).train`), possibly spanning
+    processes: weights, optimizer state and batch rows are sharded on it, as the RL trainer's are.
+    On a multi-host run every process calls run_sft alike (same examples and config). Without it,
+    one device. Either way the returned weights are whole, on this process's default device.
     """
     if cfg.eval_every and validate is None:
         raise ValueError("SFTConfig.eval_every > 0 needs a `validate` function (validation prompts)")
     compute_dtype = _DTYPES[cfg.compute_dtype]
-    params = jax.tree.map(lambda a: jnp.array(a, jnp.float32), params)  # own copy: the step donates it
     optimizer = make_optimizer(cfg)
-    opt_state = optimizer.init(params)
-    step_fn = make_train_step(model_cfg, optimizer, compute_dtype, cfg.scan_layers)
+    placement = _MeshPlacement(model_cfg, mesh, optimizer) if mesh is not None else None
+    if placement is None:
+        params = jax.tree.map(lambda a: jnp.array(a, jnp.float32), params)  # own copy: the step donates it
+        opt_state = optimizer.init(params)
+        step_fn = make_train_step(model_cfg, optimizer, compute_dtype, cfg.scan_layers)
+    else:
+        params = placement.place_params(params)
+        opt_shardings = placement.opt_state_shardings(params)
+        opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
+        step_fn = make_train_step(model_cfg, optimizer, compute_dtype, cfg.scan_layers,
+                                  out_shardings=(placement.params, opt_shardings, placement.replicated))
     schedule = learning_rate_schedule(cfg)
     batches = PackedBatches(examples, cfg.batch_size, cfg.max_len, cfg.seed)
     metrics: list[dict[str, float]] = []
@@ -252,12 +305,16 @@ def run_sft(model_cfg: ModelConfig, params: Params, examples: Sequence[Example],
     start = time.perf_counter()
     bar = tqdm(total=cfg.steps, desc="sft", disable=not progress, dynamic_ncols=True)
     for step in range(1, cfg.steps + 1):
-        params, opt_state, m = step_fn(params, opt_state, next(batches))
+        if placement is None:
+            params, opt_state, m = step_fn(params, opt_state, next(batches))
+        else:
+            with activation_rules(TRAIN_RULES, placement.mesh):
+                params, opt_state, m = step_fn(params, opt_state, placement.batch(next(batches)))
         window.append(m)
-        accuracy = validate(params) if cfg.validates_at(step) else None
+        accuracy = validate(_whole_on_this_host(params) if placement else params) if cfg.validates_at(step) else None
         stop = accuracy is not None and cfg.stop_accuracy > 0 and accuracy >= cfg.stop_accuracy
         if step % cfg.log_every == 0 or step == cfg.steps or accuracy is not None:
-            host = jax.device_get(window)
+            host = jax.device_get(fully_local(window))
             entry = {"step": step, "loss": float(np.mean([w["loss"] for w in host])),
                      "tokens": float(sum(w["tokens"] for w in host)), "grad_norm": float(host[-1]["grad_norm"]),
                      "lr": float(schedule(step - 1)), "seconds": time.perf_counter() - start}
@@ -271,7 +328,7 @@ def run_sft(model_cfg: ModelConfig, params: Params, examples: Sequence[Example],
             metrics[-1]["stopped_early"] = True
             break
     bar.close()
-    return params, metrics
+    return (params if placement is None else _whole_on_this_host(params)), metrics
 
 
 # ---- evaluation -----------------------------------------------------------------------------------

@@ -126,6 +126,19 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def param_shardings(cfg: ModelConfig, rules: Rules, mesh: Mesh) -> Any:
+    """NamedSharding of every parameter on `mesh` by the rule table."""
+    return jax.tree.map(lambda axes, shape: sharding_for(axes, rules, mesh, shape), param_axes(cfg),
+                        param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+
+
+def opt_state_shardings(optimizer: optax.GradientTransformation, params: Params, shardings: Any, mesh: Mesh) -> Any:
+    """Optimizer state shardings: each moment like its parameter, counters replicated."""
+    shapes = jax.eval_shape(optimizer.init, params)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return optax.tree_map_params(optimizer, lambda _, s: s, shapes, shardings, transform_non_params=lambda _: replicated)
+
+
 class PolicyTrainer:
     """Holds fp32 params + AdamW state and runs decoupled-PPO training steps.
 
@@ -332,18 +345,12 @@ class PolicyTrainer:
             raise ValueError(f"params layout {got} does not match param_axes(model_cfg) {want}")
 
     def _make_param_shardings(self):
-        if self.mesh is None:
-            return None
-        return jax.tree.map(lambda axes, shape: sharding_for(axes, self.rules, self.mesh, shape), self._axes,
-                            param_shapes(self.model_config), is_leaf=lambda x: isinstance(x, tuple))
+        return None if self.mesh is None else param_shardings(self.model_config, self.rules, self.mesh)
 
     def _make_opt_state_shardings(self):
         if self.mesh is None:
             return None
-        shapes = jax.eval_shape(self._optimizer.init, self._params)
-        replicated = NamedSharding(self.mesh, PartitionSpec())
-        return optax.tree_map_params(self._optimizer, lambda _, s: s, shapes, self._param_shardings,
-                                     transform_non_params=lambda _: replicated)
+        return opt_state_shardings(self._optimizer, self._params, self._param_shardings, self.mesh)
 
     def _place_params(self, params: Params) -> Params:
         if self._param_shardings is not None:
