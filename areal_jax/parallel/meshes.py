@@ -43,7 +43,9 @@ class MeshConfig:
       num_generation_devices_per_host: explicit generation device count per host.
       train_tensor: tensor-parallel size of the train mesh; fsdp takes the rest.
       generation_tensor: tensor-parallel size of the generation mesh; data takes the rest.
-      colocated: generation and training share every local device (generation and training take turns on them; with RLConfig.mode = 'sync' this is the synchronous baseline).
+      colocated: generation and training share every local device. With RLConfig.mode = 'sync'
+        they take turns on them (the synchronous baseline); in 'async' both run at once, each
+        program waiting for the devices as the other's hold them.
         Hosts with fewer than 4 devices colocate automatically unless an explicit
         generation device count is given.
     """
@@ -94,7 +96,7 @@ def split_local_devices(cfg: MeshConfig, num_local: int) -> DeviceSplit:
     if not colocated and cfg.num_generation_devices_per_host is None and num_local < MIN_DEVICES_FOR_SPLIT:
         logger.warning(
             "each host has only %d device(s) (< %d): colocating generation and training "
-            "on all of them (they take turns; RL stays asynchronous unless RLConfig.mode = 'sync')",
+            "on all of them (both run at once on them; RL stays asynchronous unless RLConfig.mode = 'sync')",
             num_local,
             MIN_DEVICES_FOR_SPLIT,
         )

@@ -12,7 +12,7 @@ Modes: "async" (the paper's system; eta = max_staleness bounds how far generatio
 and "sync" (the baseline the paper's speedup is measured against): generation waits while
 the trainer trains (engine paused) and nothing generated under old weights is trained, which
 together with max_staleness = 0 is exactly synchronous RL; with MeshConfig.colocated both
-sides use all devices in turn.
+sides use all devices, in turn in "sync" mode and at once in "async" mode.
 """
 
 from __future__ import annotations
