@@ -543,13 +543,7 @@ class GenerationEngine:
             started, free = self._assign(req, free)
             plan += [(slot, r, index, row) for slot, r, index in started]
         t0 = time.perf_counter()
-        rows = self.config.batch_bucket(len(batch))
-        bucket = self.config.bucket(max(req.prompt.size for req in batch))
-        padded = np.zeros((rows, bucket), np.int32)
-        lengths = np.ones(rows, np.int32)  # unused rows: one dummy token
-        for i, req in enumerate(batch):
-            padded[i, :req.prompt.size] = req.prompt
-            lengths[i] = req.prompt.size
+        padded, lengths = self._padded_rows([req.prompt for req in batch])
         self._cache, block, logits, tokens, logprobs = self._prefill_start_fn(
             self._params, self._cache, *self._put(padded, lengths, *self._start_arrays(plan)))
         tokens, logprobs = jax.device_get((tokens, logprobs))
@@ -570,8 +564,8 @@ class GenerationEngine:
         self._cache = self._insert_fn(self._cache, block, *self._put(rows, slots))
         tokens, logprobs = jax.device_get(self._first_tokens_fn(
             logits, *self._put(rows, keys, positions, temperature, top_p, top_k)))
-        for (slot, req_, index, _), token, logprob in zip(plan, tokens, logprobs):
-            self._start_sample(slot, req_, index, int(token), float(logprob))
+        for (slot, _, index, _), token, logprob in zip(plan, tokens, logprobs):
+            self._start_sample(slot, req, index, int(token), float(logprob))
         return free
 
     def _start_arrays(self, plan: list[tuple[int, _Request, int, int]]) -> tuple[np.ndarray, ...]:
@@ -781,18 +775,22 @@ class GenerationEngine:
         R and P are bucketed (powers of two rows, prefill_buckets lengths): few compiled programs.
         """
         t0 = time.perf_counter()
-        rows = self.config.batch_bucket(len(seqs))
-        bucket = self.config.bucket(max(s.size for s in seqs))
-        padded = np.zeros((rows, bucket), np.int32)
-        lengths = np.ones(rows, np.int32)  # unused rows: one dummy token
-        for i, s in enumerate(seqs):
-            padded[i, :s.size] = s
-            lengths[i] = s.size
-        block, logits = self._prefill_fn(self._params, *self._put(padded, lengths))
+        block, logits = self._prefill_fn(self._params, *self._put(*self._padded_rows(seqs)))
         jax.block_until_ready(logits)
         self._stats.prefill_s += time.perf_counter() - t0
         self._stats.prefill_tokens += sum(s.size for s in seqs)
         return block, logits
+
+    def _padded_rows(self, seqs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """Prefill inputs for `seqs`: tokens `[R, P]` (R a row bucket, P the longest one's length
+        bucket, zero-padded) and lengths `[R]` (unused rows: one dummy token)."""
+        rows, width = self.config.batch_bucket(len(seqs)), self.config.bucket(max(s.size for s in seqs))
+        padded = np.zeros((rows, width), np.int32)
+        lengths = np.ones(rows, np.int32)
+        for i, s in enumerate(seqs):
+            padded[i, :s.size] = s
+            lengths[i] = s.size
+        return padded, lengths
 
     def _reprefill_packed(self, histories: dict[int, np.ndarray]) -> None:
         """Recomputes the cache of slots from their histories (slot -> tokens), packed first-fit-

@@ -113,7 +113,8 @@ class Rotary(NamedTuple):
     sin: jax.Array
 
     @classmethod
-    def at(cls, positions: jax.Array, inv_freq: jax.Array) -> "Rotary":
+    def at(cls, cfg: ModelConfig, positions: jax.Array) -> "Rotary":
+        inv_freq = jnp.asarray(np.asarray(rope_inverse_frequencies(cfg.rope, cfg.head_dim), np.float32))
         angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
         # The barrier makes XLA materialize the table; otherwise its fusion pass copies the
         # cosine back into every consumer.
@@ -186,6 +187,11 @@ def self_attention_mask(B: int, T: int, segment_ids: jax.Array | None) -> jax.Ar
         same = segment_ids[:, :, None] == segment_ids[:, None, :]
         mask = mask & same & (segment_ids[:, None, :] > 0)
     return jnp.broadcast_to(mask, (B, T, T))
+
+
+def _embed(params: Params, input_ids: jax.Array, compute_dtype) -> jax.Array:
+    """Token embeddings `[B, T, D]` in the compute dtype, pinned to the activation layout."""
+    return constrain(params["embed"].astype(compute_dtype)[input_ids], ("batch", "seq", "act_embed"))
 
 
 def project(x: jax.Array, w: jax.Array, preferred_element_type=None) -> jax.Array:
@@ -289,7 +295,6 @@ def forward(
         positions = (jnp.broadcast_to(jnp.arange(T), (B, T)) if segment_ids is None
                      else segment_positions(segment_ids))
     positions = positions.astype(jnp.int32)
-    inv_freq = jnp.asarray(np.asarray(rope_inverse_frequencies(cfg.rope, cfg.head_dim), np.float32))
 
     if cache is None:
         mask = self_attention_mask(B, T, segment_ids)
@@ -304,9 +309,8 @@ def forward(
         write_index = jnp.where(valid, positions, S)  # index S is out of bounds: dropped
         positions = jnp.maximum(positions, 0)
 
-    rope = Rotary.at(positions, inv_freq)
-    x = params["embed"].astype(compute_dtype)[input_ids]
-    x = constrain(x, ("batch", "seq", "act_embed"))
+    rope = Rotary.at(cfg, positions)
+    x = _embed(params, input_ids, compute_dtype)
     layer_fn = lambda x, p, kv: _layer(cfg, rope, x, p, mask, kv, write_index, compute_dtype)  # noqa: E731
     if remat != "none":
         layer_fn = jax.checkpoint(layer_fn, policy=_REMAT_POLICIES[remat])
@@ -364,12 +368,11 @@ def prefill_into_slots(params: Params, cfg: ModelConfig, input_ids: jax.Array, s
     R, W = input_ids.shape
     compute_dtype = compute_dtype or params["embed"].dtype
     positions = segment_positions(segment_ids)
-    inv_freq = jnp.asarray(np.asarray(rope_inverse_frequencies(cfg.rope, cfg.head_dim), np.float32))
-    rope = Rotary.at(positions, inv_freq)
+    rope = Rotary.at(cfg, positions)
     mask = self_attention_mask(R, W, segment_ids)
     B = cache.k[0].shape[0]
     dest = jnp.where(segment_ids > 0, slot_ids, B)  # slot B is out of range: padding writes nothing
-    x = constrain(params["embed"].astype(compute_dtype)[input_ids], ("batch", "seq", "act_embed"))
+    x = _embed(params, input_ids, compute_dtype)
     new_k, new_v = [], []
     # The last layer's attention output and MLP feed nothing returned, so XLA drops them.
     for p, ck, cv in zip(split_layers(params)["layers"], cache.k, cache.v, strict=True):

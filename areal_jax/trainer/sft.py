@@ -235,10 +235,10 @@ class _MeshPlacement:
     (FSDP x TP), batch rows over "fsdp". Works across processes: every process builds the same
     host batch and places the rows its devices hold."""
 
-    def __init__(self, model_cfg: ModelConfig, mesh: Mesh, optimizer: optax.GradientTransformation):
+    def __init__(self, model_cfg: ModelConfig, mesh: Mesh, batch_shape: tuple[int, int]):
         self.mesh = mesh
         self.params = param_shardings(model_cfg, TRAIN_RULES, mesh)
-        self.optimizer = optimizer
+        self.rows = sharding_for(("batch", "seq"), TRAIN_RULES, mesh, batch_shape)  # every batch is [B, T]
         self.replicated = NamedSharding(mesh, PartitionSpec())
 
     @staticmethod
@@ -249,12 +249,8 @@ class _MeshPlacement:
         host = jax.tree.map(lambda a: np.asarray(a, np.float32), jax.device_get(fully_local(params)))
         return jax.tree.map(self._global, host, self.params)
 
-    def opt_state_shardings(self, params: Params) -> Any:
-        return opt_state_shardings(self.optimizer, params, self.params, self.mesh)
-
     def batch(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
-        return {k: self._global(np.asarray(v), sharding_for(("batch", "seq"), TRAIN_RULES, self.mesh, v.shape))
-                for k, v in batch.items()}
+        return {k: self._global(np.asarray(v), self.rows) for k, v in batch.items()}
 
 
 def _whole_on_this_host(tree: Any) -> Any:
@@ -287,14 +283,14 @@ def run_sft(model_cfg: ModelConfig, params: Params, examples: Sequence[Example],
         raise ValueError("SFTConfig.eval_every > 0 needs a `validate` function (validation prompts)")
     compute_dtype = _DTYPES[cfg.compute_dtype]
     optimizer = make_optimizer(cfg)
-    placement = _MeshPlacement(model_cfg, mesh, optimizer) if mesh is not None else None
+    placement = _MeshPlacement(model_cfg, mesh, (cfg.batch_size, cfg.max_len)) if mesh is not None else None
     if placement is None:
         params = jax.tree.map(lambda a: jnp.array(a, jnp.float32), params)  # own copy: the step donates it
         opt_state = optimizer.init(params)
         step_fn = make_train_step(model_cfg, optimizer, compute_dtype, cfg.scan_layers)
     else:
         params = placement.place_params(params)
-        opt_shardings = placement.opt_state_shardings(params)
+        opt_shardings = opt_state_shardings(optimizer, params, placement.params, mesh)
         opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
         step_fn = make_train_step(model_cfg, optimizer, compute_dtype, cfg.scan_layers,
                                   out_shardings=(placement.params, opt_shardings, placement.replicated))
