@@ -42,6 +42,9 @@ def checkpoints(reference, tmp_path_factory):
 
 
 def _tol(ref_logits) -> float:
+    """Absolute tolerance for fp32 logits from two different programs: 1e-4 times the logit scale
+    (about 800 fp32 ulps of it). Two implementations, or two processes of torch's threaded CPU
+    kernels (whose reduction order is not fixed), agree to rounding, not bitwise."""
     scale = max(float(np.abs(r).max()) for r in ref_logits)
     return 1e-4 * max(scale, 1.0)
 
@@ -107,7 +110,8 @@ def test_round_trip_save_load_transformers(checkpoints, reference, tmp_path):
         reference.run("logits", model=str(out_dir), sequences=SEQS, out=str(out_dir / "ref.npz"))
         again = np.load(out_dir / "ref.npz")
         for i in range(len(SEQS)):
-            np.testing.assert_array_equal(again[f"logits_{i}"], refs[i])  # transformers: identical logits
+            # Two transformers processes: torch's CPU reductions may differ in the last bits between runs.
+            np.testing.assert_allclose(again[f"logits_{i}"], refs[i], atol=_tol(refs), rtol=0)
         reloaded = load_pretrained(out_dir)
         assert read_config(out_dir) == model.config
         for a, b in zip(jax.tree.leaves(reloaded.params), jax.tree.leaves(model.params)):
