@@ -19,8 +19,13 @@ def _expected(shape, offset):
     return np.arange(n, dtype=np.float32).reshape(shape) * np.float32(0.25) + np.float32(offset)
 
 
-def _check_case(name, cfg, dtype, checked):
-    """Builds meshes, transfers twice (new values the second time), checks bitwise."""
+GROUP_BYTES = 1152  # 4 layers in bf16, 2 in fp32: several groups, layers in runs
+
+
+def _check_case(name, cfg, dtype, programs, groups, checked):
+    """Builds meshes, transfers twice (new values the second time) in groups, checks bitwise.
+
+    `programs`: distinct reshard programs the `groups` need."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -43,11 +48,16 @@ def _check_case(name, cfg, dtype, checked):
             "w": ((16, 48), P(None, ("fsdp", "tensor")), P("tensor", None)),
             "norm": ((16,), P(), P("data")),
         },
+        # Stacked on 6 layers: they arrive as a tuple of per-layer dicts, in runs of layers.
+        "layers": {
+            "w": ((6, 8, 16), P(None, "fsdp", "tensor"), P(None, None, "tensor")),
+            "b": ((6, 16), P(), P()),
+        },
     }
     is_entry = lambda x: isinstance(x, tuple) and len(x) == 3  # noqa: E731
     train_specs = jax.tree.map(lambda e: e[1], layout, is_leaf=is_entry)
     generation_specs = jax.tree.map(lambda e: e[2], layout, is_leaf=is_entry)
-    sync = WeightSync(meshes, train_specs, generation_specs, generation_dtype=dtype)
+    sync = WeightSync(meshes, train_specs, generation_specs, generation_dtype=dtype, group_bytes=GROUP_BYTES)
 
     for offset in (0.0, 3.0):
         def make(entry):
@@ -65,22 +75,28 @@ def _check_case(name, cfg, dtype, checked):
             jax.monitoring.unregister_event_duration_listener(listener)
         # First transfer compiles; the second must not compile anything.
         assert any(compiles) == (offset == 0.0), (name, offset, sum(compiles))
-        for (shape, _, spec), got in zip(
-            jax.tree.leaves(layout, is_leaf=is_entry), jax.tree.leaves(out)
-        ):
-            want = _expected(shape, offset)
+        pieces = []  # (got, want, generation spec of the piece)
+        for key in ("block", "embed"):
+            pieces += [(got, _expected(shape, offset), spec) for (shape, _, spec), got in zip(
+                jax.tree.leaves(layout[key], is_leaf=is_entry), jax.tree.leaves(out[key]))]
+        assert isinstance(out["layers"], tuple) and len(out["layers"]) == 6
+        for layer, got_layer in enumerate(out["layers"]):
+            pieces += [(got, _expected(shape, offset)[layer], P(*spec[1:])) for (shape, _, spec), got in zip(
+                jax.tree.leaves(layout["layers"], is_leaf=is_entry), jax.tree.leaves(got_layer))]
+        for got, want, spec in pieces:
             if dtype is not None:
                 want = np.asarray(jnp.asarray(want).astype(dtype))
             assert got.is_fully_addressable
             assert got.sharding.is_equivalent_to(NamedSharding(meshes.generation, spec), got.ndim)
             assert set(got.sharding.device_set) == set(meshes.generation_devices_local)
-            assert np.asarray(got).tobytes() == want.tobytes(), (name, shape)
+            assert np.asarray(got).tobytes() == want.tobytes(), (name, want.shape)
             for shard in got.addressable_shards:
                 assert np.asarray(shard.data).tobytes() == want[shard.index].tobytes()
         del train_params
     assert sync.host_staged_leaves == (), sync.host_staged_leaves  # device-to-device puts only
-    assert sync.compiled_programs() == 1, sync.compiled_programs()
+    assert sync.compiled_programs() == programs, sync.compiled_programs()
     assert not sync.last_stats.compiled and sync.last_stats.index == 2
+    assert sync.last_stats.groups == groups, sync.last_stats
     checked.append(name)
 
 
@@ -104,17 +120,23 @@ def main():
         result["agree_sum"] = agree_sum(process_id + 3)
 
         split = dict(num_generation_devices_per_host=2)
-        _check_case("train4x1-gen2x1-bf16", MeshConfig(**split), jnp.bfloat16, result["checked"])
+        # bf16: norm | block.w | embed | layers 0-3 | 4-5 (5 programs, 5 groups);
+        # fp32: norm | block.w | embed | layers 0-1 | 2-3 | 4-5 (4 programs, 6 groups).
+        _check_case("train4x1-gen2x1-bf16", MeshConfig(**split), jnp.bfloat16, 5, 5, result["checked"])
         _check_case(
             "train2x2-gen1x2-fp32",
             MeshConfig(**split, train_tensor=2, generation_tensor=2),
             None,
+            4,
+            6,
             result["checked"],
         )
         _check_case(
             "colocated-fp32",
             MeshConfig(colocated=True, train_tensor=2, generation_tensor=2),
             None,
+            4,
+            6,
             result["checked"],
         )
         result["ok"] = True

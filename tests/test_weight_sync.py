@@ -14,14 +14,20 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from areal_jax.parallel import MeshConfig, WeightSync, agree_max, agree_sum, build_meshes
+from areal_jax.aot import bytes_per_device
+from areal_jax.models import ModelConfig, init_params
+from areal_jax.models.sharding import TRAIN_RULES
+from areal_jax.parallel import MeshConfig, WeightSync, agree_max, agree_sum, build_meshes, transfer_program_specs
+from areal_jax.trainer.train_step import param_shardings
 from tests.multiprocess import run_all
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # name -> (shape, dtype, train spec, generation spec). Layouts differ on purpose: the
 # embedding is fsdp-sharded on rows for training and tensor-sharded on columns for
-# generation; "bias" is sharded over "data" to exercise the view's fallback.
+# generation; "bias" is sharded over "data" to exercise the view's fallback. The "layers"
+# leaves are stacked on a leading axis of 8 layers; "w_in" shards that axis for training and,
+# in the stacked layout only, for generation.
 PARAMS = {
     "embed": ((16, 8), jnp.float32, P("fsdp", None), P(None, "tensor")),
     "layers": {
@@ -31,6 +37,11 @@ PARAMS = {
     "bias": ((60,), jnp.float32, P(), P("data")),
     "step": ((), jnp.int32, P(), P()),
 }
+NUM_LAYERS = 8
+# The split layout keeps one array per layer, so no generation spec may shard the layer axis.
+SPLIT_PARAMS = {**PARAMS, "layers": {
+    **PARAMS["layers"], "mlp": {"w_in": ((8, 32), jnp.float32, P("fsdp", "tensor"), P(None, "tensor"))}}}
+LAYOUT_PARAMS = {"split": SPLIT_PARAMS, "stacked": PARAMS}
 
 class _BackendCompiles:
     """Counts XLA backend compilations (any program, not just ours) inside the block."""
@@ -52,8 +63,8 @@ class _BackendCompiles:
 _is_entry = lambda x: isinstance(x, tuple) and len(x) == 4  # noqa: E731
 
 
-def _specs(which):
-    return jax.tree.map(lambda e: e[which], PARAMS, is_leaf=_is_entry)
+def _specs(which, params=PARAMS):
+    return jax.tree.map(lambda e: e[which], params, is_leaf=_is_entry)
 
 
 def _host_values(offset=0.0):
@@ -75,11 +86,25 @@ def _on_train_mesh(meshes, host_values):
     )
 
 
-def _assert_transferred(meshes, out, host_values, dtype):
+def _pieces(out, host_values, params, layout):
+    """(got, want, generation spec) of every array the generation side receives."""
+    specs = _specs(3, params)
+    if layout == "stacked":
+        return list(zip(jax.tree.leaves(out), jax.tree.leaves(host_values), jax.tree.leaves(specs)))
+    top = [k for k in sorted(host_values) if k != "layers"]
+    pieces = [(out[k], host_values[k], specs[k]) for k in top]
+    assert isinstance(out["layers"], tuple) and len(out["layers"]) == NUM_LAYERS
+    for layer, got in enumerate(out["layers"]):
+        for g, want, spec in zip(jax.tree.leaves(got), jax.tree.leaves(host_values["layers"]),
+                                 jax.tree.leaves(specs["layers"])):
+            pieces.append((g, want[layer], P(*spec[1:])))
+    return pieces
+
+
+def _assert_transferred(meshes, out, host_values, dtype, layout="split", params=None):
+    params = params or LAYOUT_PARAMS[layout]
     generation_devices = set(meshes.generation_devices_local)
-    for got, want, spec in zip(
-        jax.tree.leaves(out), jax.tree.leaves(host_values), jax.tree.leaves(_specs(3))
-    ):
+    for got, want, spec in _pieces(out, host_values, params, layout):
         expected = want if dtype is None or want.dtype == np.int32 else np.asarray(jnp.asarray(want).astype(dtype))
         assert got.dtype == expected.dtype
         got_np = np.asarray(got)
@@ -113,21 +138,71 @@ def host_gathers(monkeypatch):
     return seen
 
 
+@pytest.mark.parametrize("layout", ["split", "stacked"])
 @pytest.mark.parametrize("cfg, staged", SPLITS)
 @pytest.mark.parametrize("dtype", [None, jnp.bfloat16], ids=["fp32", "bf16"])
-def test_transfer_is_exact_and_lands_on_generation_mesh(cfg, staged, dtype, host_gathers):
+def test_transfer_is_exact_and_lands_on_generation_mesh(cfg, staged, dtype, layout, host_gathers):
     meshes = build_meshes(cfg)
     values = _host_values()
     train_params = _on_train_mesh(meshes, values)
-    sync = WeightSync(meshes, _specs(2), _specs(3), generation_dtype=dtype)
+    params = LAYOUT_PARAMS[layout]
+    sync = WeightSync(meshes, _specs(2, params), _specs(3, params), generation_dtype=dtype, layout=layout)
     out = sync.transfer(train_params)
     # Device-to-device copies everywhere except the reported leaves (bias: (60,)).
     assert sync.host_staged_leaves == staged
     assert host_gathers == [(60,)] * len(staged)
-    _assert_transferred(meshes, out, values, dtype)
+    _assert_transferred(meshes, out, values, dtype, layout)
     # The trainer's copy is untouched.
     for got, want in zip(jax.tree.leaves(train_params), jax.tree.leaves(values)):
         assert np.asarray(got).tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("cfg, _staged", [SPLITS[0], SPLITS[1], SPLITS[3]])
+def test_groups_stream_the_same_weights(cfg, _staged):
+    """Small groups: layers in runs of 3 (3 + 3 + 2: two programs), whole leaves one or two at a
+    time; the result is the one-group transfer's, bitwise, and so is `transfer_local`'s."""
+    meshes = build_meshes(cfg)
+    values = _host_values()
+    train_params = _on_train_mesh(meshes, values)
+    layer_bytes = 2 * (24 + 32)  # bf16 wq and w_in of one layer
+    sync = WeightSync(meshes, _specs(2, SPLIT_PARAMS), _specs(3, SPLIT_PARAMS), generation_dtype=jnp.bfloat16,
+                      group_bytes=3 * layer_bytes)
+    seen = []
+    sync.on_group_resharded = seen.append
+    out = sync.transfer(train_params)
+    _assert_transferred(meshes, out, values, jnp.bfloat16)
+    stats = sync.last_stats
+    # Leaves in tree order: bias (120 B), then embed (256 B) + step (4 B); layers 0-2, 3-5, 6-7.
+    assert stats.groups == 5 and seen == [0, 1, 2, 3, 4]
+    assert stats.max_group_bytes == 3 * layer_bytes
+    assert sync.compiled_programs() == 4  # the runs of 3 layers share one program
+    _assert_transferred(meshes, sync.transfer_local(jax.tree.map(jnp.asarray, values)), values, jnp.bfloat16)
+    _assert_transferred(meshes, sync.to_generation(train_params), values, jnp.bfloat16)
+    assert sync.compiled_programs() == 4
+
+
+def _partitioned_collectives(program, args, tmp_path) -> list[str]:
+    """The collectives of `program` as the SPMD partitioner emits them. XLA:CPU later widens bf16
+    collectives to f32 (it has no bf16 ones); TPUs and GPUs move them as they are."""
+    dump = tmp_path / f"dump{len(list(tmp_path.iterdir()))}"
+    program.lower(*args).compile({"xla_dump_to": str(dump), "xla_dump_hlo_pass_re": "spmd-partitioning",
+                                  "xla_dump_hlo_as_text": True})
+    (text,) = [f.read_text() for f in dump.glob("*after_spmd-partitioning*.txt")]
+    return [line for line in text.splitlines()
+            if any(f" {op}(" in line for op in ("all-gather", "all-to-all", "collective-permute", "all-reduce"))]
+
+
+def test_cast_runs_before_the_gather(tmp_path):
+    """The reshard's collectives move bf16, never the fp32 master weights."""
+    meshes = build_meshes(MeshConfig(num_generation_devices_per_host=4, train_tensor=2, generation_tensor=1))
+    sync = WeightSync(meshes, _specs(2, SPLIT_PARAMS), _specs(3, SPLIT_PARAMS), generation_dtype=jnp.bfloat16)
+    leaves = jax.tree.leaves(_on_train_mesh(meshes, _host_values()))
+    plan, starts, _ = sync._plan(leaves)
+    collectives = []
+    for group, start in zip(plan.groups, starts):
+        collectives += _partitioned_collectives(group.program, plan.group_args(group, leaves, start), tmp_path)
+    assert collectives, "expected the reshard to gather over the training devices"
+    assert all(" bf16[" in line and " f32[" not in line for line in collectives), collectives
 
 
 def test_uneven_view_falls_back_to_replication():
@@ -147,11 +222,11 @@ def test_uneven_view_falls_back_to_replication():
 @pytest.mark.parametrize("cfg, _staged", [SPLITS[0], SPLITS[3]])
 def test_second_transfer_reuses_program_and_frees_staging(cfg, _staged):
     meshes = build_meshes(cfg)
-    sync = WeightSync(meshes, _specs(2), _specs(3), generation_dtype=jnp.bfloat16)
+    sync = WeightSync(meshes, _specs(2, SPLIT_PARAMS), _specs(3, SPLIT_PARAMS), generation_dtype=jnp.bfloat16)
     with _BackendCompiles() as compiles:
         first = sync.transfer(_on_train_mesh(meshes, _host_values()))
     assert compiles.count >= 1  # the counter works
-    assert sync.compiled_programs() == 1
+    assert sync.compiled_programs() == 2  # whole leaves, and the layers
     assert sync.last_stats.index == 1 and sync.last_stats.compiled
 
     values = _host_values(offset=5.0)
@@ -162,7 +237,7 @@ def test_second_transfer_reuses_program_and_frees_staging(cfg, _staged):
     assert compiles.count == 0
     # Only the new generation parameters stay alive: the staging arrays were deleted.
     assert len(jax.live_arrays()) == live_before + len(jax.tree.leaves(second))
-    assert sync.compiled_programs() == 1
+    assert sync.compiled_programs() == 2
     stats = sync.last_stats
     assert stats.index == 2 and not stats.compiled
     assert stats.total_s == sync.last_transfer_s > 0
@@ -182,6 +257,11 @@ def test_spec_validation():
         WeightSync(meshes, {"w": P("data")}, {"w": P()})
     with pytest.raises(ValueError, match="spec trees differ"):
         WeightSync(meshes, {"w": P()}, {"v": P()})
+    with pytest.raises(ValueError, match="shards the layer axis"):
+        WeightSync(meshes, {"layers": {"w": P()}}, {"layers": {"w": P("tensor")}})
+    WeightSync(meshes, {"layers": {"w": P()}}, {"layers": {"w": P("tensor")}}, layout="stacked")
+    with pytest.raises(ValueError, match="group_bytes must be an int >= 1"):
+        WeightSync(meshes, {"w": P()}, {"w": P()}, group_bytes=0)
     sync = WeightSync(meshes, {"w": P()}, {"w": P("data")})  # data = 6
     w = jax.device_put(np.zeros(8, np.float32), NamedSharding(meshes.train, P()))
     with pytest.raises(ValueError, match="does not split shape \\(8,\\) evenly"):
@@ -218,3 +298,40 @@ def test_two_processes_transfer_exactly(tmp_path):
         assert result["ok"], result
         assert result["agree_max"] == 4 and result["agree_sum"] == 7
         assert set(result["checked"]) == {"train4x1-gen2x1-bf16", "train2x2-gen1x2-fp32", "colocated-fp32"}
+
+
+# A small decoder: 6 layers of 37,120 weights (74,240 B in bf16), embedding and head 1024 x 64
+# each (128 KiB in bf16).
+MODEL = ModelConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_layers=6, num_heads=4,
+                    num_kv_heads=2, head_dim=16, qkv_bias=True, family="qwen2")
+LAYER_BYTES = 2 * (3 * 64 * 128 + 2 * 64 * 64 + 2 * 64 * 32 + 2 * 64 + 64 + 2 * 32)
+
+
+def test_program_specs_describe_the_runs_transfer():
+    """`transfer_program_specs` (the planner's view, from the mesh alone) gives one spec per group run,
+    lowering to the very programs `WeightSync` runs, sized by the group budget."""
+    meshes = build_meshes(MeshConfig(num_generation_devices_per_host=4, train_tensor=2, generation_tensor=2))
+    budget = 2 * LAYER_BYTES
+    specs = transfer_program_specs(MODEL, meshes.train, num_hosts=1, generation_tensor=2, dtype=jnp.bfloat16,
+                                   group_bytes=budget)
+    sync = WeightSync.for_model(MODEL, meshes, jnp.bfloat16, group_bytes=budget)
+    params = jax.device_put(init_params(MODEL, 0), param_shardings(MODEL, TRAIN_RULES, meshes.train))
+    leaves = jax.tree.leaves(params)
+    plan, starts, _ = sync._plan(leaves)
+    # In the order every process runs them: two layers or up to 145 KiB of other weights per group.
+    assert [s.name for s in specs] == [
+        "transfer/embed+final_norm[bfloat16]", "transfer/lm_head[bfloat16]",
+        "transfer/layers[0:2 of 6][bfloat16]", "transfer/layers[2:4 of 6][bfloat16]",
+        "transfer/layers[4:6 of 6][bfloat16]"]
+    assert len(plan.groups) == len(specs)
+    fp32_bytes = bytes_per_device(params)
+    for spec, group, start in zip(specs, plan.groups, starts):
+        assert spec.role == "transfer" and "RLConfig.transfer_group_bytes" in spec.fields
+        assert spec.lower().as_text() == group.program.lower(*plan.group_args(group, leaves, start)).as_text()
+        # Arguments and resident weights are the fp32 weights once; resident also AdamW's two moments.
+        weights, moments = spec.resident
+        assert bytes_per_device(spec.args) - 4 * (group.layers is not None) + bytes_per_device(weights) == fp32_bytes
+        assert bytes_per_device(moments) == 2 * fp32_bytes
+        memory = spec.lower().compile().memory_analysis()
+        # The output (this group in bf16, laid out like generation on each training device) fits the budget.
+        assert 0 < memory.output_size_in_bytes <= budget

@@ -10,9 +10,17 @@ from areal_jax.parallel.meshes import (
     build_meshes,
     split_local_devices,
 )
-from areal_jax.parallel.weight_sync import TransferStats, WeightSync
+from areal_jax.parallel.weight_sync import (
+    DEFAULT_GROUP_BYTES,
+    TransferStats,
+    WeightSync,
+    model_partition_specs,
+    transfer_program_specs,
+    transfer_view,
+)
 
 __all__ = [
+    "DEFAULT_GROUP_BYTES",
     "GENERATION_AXES",
     "TRAIN_AXES",
     "DeviceSplit",
@@ -26,5 +34,8 @@ __all__ = [
     "fully_local",
     "gather_json",
     "initialize_distributed",
+    "model_partition_specs",
     "split_local_devices",
+    "transfer_program_specs",
+    "transfer_view",
 ]

@@ -1,14 +1,30 @@
-"""Train -> generation weight transfer ("pjit resharding" + host-local device_put).
+"""Train -> generation weight transfer ("pjit resharding" + host-local device_put), in groups.
 
 JAX cannot `device_put` between differently sharded meshes across processes, and one
-jitted program cannot read one mesh and write another. So a transfer is three steps:
+jitted program cannot read one mesh and write another. So moving one group of weights is
+three steps:
 
   (a) reshard: one jitted program on the train devices. Its outputs live on a *view* of
       the train devices with axes ("hosts", "data", "tensor"): replicated over "hosts",
-      laid out like the generation spec within a host. The optional dtype cast is fused.
+      laid out like the generation spec within a host. The dtype cast runs first, on the
+      train layout (pinned there), so the gathers move generation-dtype bytes, not fp32.
   (b) re-wrap: each process wraps its addressable shards of that output as an array on a
       host-local mesh of its own training devices (no copy).
-  (c) place: a host-local `jax.device_put` onto the generation mesh.
+  (c) place: a host-local `jax.device_put` onto the generation mesh, then the staging
+      buffers of (a) are freed before the next group starts.
+
+Streaming: a transfer is a sequence of groups, so the training devices, which already hold
+the fp32 weights and the optimizer state, never hold more than one group of generation
+weights (plus its program's temporaries). Groups are runs of layers of the stacked
+`params["layers"]` leaves (one program per run length, the first layer an argument: 28
+layers in runs of 2 compile one program) and packs of the other leaves (embedding, head,
+final norm), each up to `group_bytes` of generation weights (a single leaf or layer larger
+than that is a group of its own).
+
+Output layout "split" (default): `params["layers"]` becomes a tuple of per-layer dicts, the
+`models.transformer.split_layers` layout the generation engine runs on, so nothing re-stacks
+or re-splits the weights on the generation devices. "stacked" re-stacks them there (a
+transient second copy of the layers on the generation devices).
 
 Step (c) copies whole device buffers when every block of the generation layout exists on
 some training device, i.e. when `generation_tensor` divides the training devices per host
@@ -16,10 +32,12 @@ and generation specs shard over "tensor" (not "data"). Otherwise jax stages thos
 parameters through host memory; `host_staged_leaves` names them and a warning is logged.
 
 In colocated mode the view of each host *is* its generation mesh, so (c) is skipped and
-the transfer is a single reshard (+ cast) on the same devices.
+each group is a single reshard (+ cast) on the same devices.
 
 Only the trainer thread may call `transfer`: step (a) spans every process, so all
-processes must issue it in the same order.
+processes must issue the groups in the same order (the plan is a function of the shapes).
+`transfer_local` moves weights one process holds whole (no collective), and
+`transfer_program_specs` describes the reshard programs for ahead-of-time planning.
 """
 
 from __future__ import annotations
@@ -28,12 +46,13 @@ import dataclasses
 import logging
 import math
 import time
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from areal_jax.parallel.meshes import GENERATION_AXES, TRAIN_AXES, Meshes
 
@@ -41,6 +60,13 @@ logger = logging.getLogger(__name__)
 
 PyTree = Any
 VIEW_AXES = ("hosts",) + GENERATION_AXES
+LAYERS = "layers"  # the params key whose leaves are stacked on a leading layer axis
+DEFAULT_GROUP_BYTES = 256 << 20  # ~2 layers of a 1.5B model in bf16 per group
+Layout = Literal["split", "stacked"]
+# Config fields that size the transfer programs (named by the planner when one does not fit).
+TRANSFER_FIELDS = ("RLConfig.transfer_group_bytes", "RLConfig.generation_dtype", "MeshConfig.train_tensor",
+                   "MeshConfig.generation_tensor", "MeshConfig.generation_fraction",
+                   "MeshConfig.num_generation_devices_per_host")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,10 +75,15 @@ class TransferStats:
 
     index: int  # 1 for the first transfer of this WeightSync
     total_s: float
-    reshard_s: float  # step (a), including compilation when `compiled`
-    place_s: float  # steps (b) + (c)
+    reshard_s: float  # steps (a) of every group, including compilation when `compiled`
+    place_s: float  # steps (b) + (c) of every group (and the re-stacking of the "stacked" layout)
     num_bytes: int  # size of this host's generation parameters
     compiled: bool  # a new reshard program was compiled for this transfer
+    groups: int = 1  # reshard programs run (one per group)
+    max_group_bytes: int = 0  # generation bytes of the largest group (whole arrays)
+
+
+# ---- specs and views ----------------------------------------------------------------------
 
 
 def _spec_axes(spec: PartitionSpec) -> set[str]:
@@ -78,7 +109,7 @@ def _check_specs(specs: PyTree, allowed: tuple[str, ...], what: str) -> None:
             )
 
 
-def _fit_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+def _fit_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh | AbstractMesh) -> PartitionSpec:
     """`spec` with every dimension that `mesh` cannot split evenly left replicated.
 
     The view of the train devices can have a different "data" size than the generation
@@ -110,21 +141,217 @@ def _copies_whole_buffers(src: NamedSharding, dst: NamedSharding, shape: tuple[i
     return blocks(dst) <= blocks(src)
 
 
-def _cast(x: jax.Array, dtype: jnp.dtype | None) -> jax.Array:
+def transfer_view(train_mesh: Mesh, num_hosts: int, generation_tensor: int) -> Mesh:
+    """The ("hosts", "data", "tensor") view of the train devices that step (a) writes to.
+
+    Same devices in the same order as the train mesh (each host a contiguous block of it), so
+    one jitted program may take inputs on the train mesh and produce outputs on the view. Its
+    tensor size divides both sides: any dimension the generation mesh splits over "tensor"
+    then also splits evenly on the view.
+    """
+    devices = np.asarray(train_mesh.devices, dtype=object).reshape(-1)
+    if num_hosts < 1 or devices.size % num_hosts:
+        raise ValueError(f"{devices.size} training devices do not split over {num_hosts} hosts")
+    per_host = devices.size // num_hosts
+    tensor = math.gcd(per_host, generation_tensor)
+    return Mesh(devices.reshape(num_hosts, per_host // tensor, tensor), VIEW_AXES,
+                axis_types=(AxisType.Auto,) * 3)
+
+
+def model_partition_specs(model_cfg: Any, train_mesh: Mesh, generation_tensor: int) -> tuple[PyTree, PyTree]:
+    """(train specs, generation specs) of a model's parameters by the two rule tables.
+
+    Parameters never shard over the generation mesh's "data" axis, so only its tensor size
+    matters here (the planner has no generation mesh of this host to hand).
+    """
+    from areal_jax.models.sharding import GENERATION_RULES, TRAIN_RULES, spec_for
+    from areal_jax.models.transformer import param_axes, param_shapes
+
+    generation = AbstractMesh((1, generation_tensor), GENERATION_AXES)
+    is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x)  # noqa: E731
+
+    def specs(rules, mesh):
+        return jax.tree.map(lambda axes, shape: spec_for(axes, rules, mesh, shape), param_axes(model_cfg),
+                            param_shapes(model_cfg), is_leaf=is_axes)
+
+    return specs(TRAIN_RULES, train_mesh), specs(GENERATION_RULES, generation)
+
+
+# ---- the plan of one parameter signature ------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+    """One parameter as the trainer holds it, and what the generation side gets of it.
+
+    A stacked leaf (`stacked`, shape [L, ...]) travels as L pieces of shape [...]; any other
+    leaf as one piece. `generation_spec` is the layout of one piece.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    out_dtype: np.dtype
+    train_spec: PartitionSpec
+    generation_spec: PartitionSpec
+    stacked: bool
+
+    @property
+    def piece_shape(self) -> tuple[int, ...]:
+        return self.shape[1:] if self.stacked else self.shape
+
+    @property
+    def piece_bytes(self) -> int:
+        return math.prod(self.piece_shape) * self.out_dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    """One reshard program run: whole leaves, or layers [start, stop) of every stacked leaf."""
+
+    leaves: tuple[int, ...]  # indices into the flat leaves it reads
+    layers: tuple[int, int] | None
+    program: Any  # jitted
+    pieces: tuple[tuple[int, int | None], ...]  # (leaf, layer or None) of each output, in order
+
+
+def _cast(x: jax.Array, dtype: np.dtype) -> jax.Array:
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
+def _out_dtype(dtype: np.dtype, generation_dtype: np.dtype | None) -> np.dtype:
     # Integer buffers (e.g. step counters) keep their dtype; only weights are cast.
-    if dtype is None or not jnp.issubdtype(x.dtype, jnp.floating):
-        return x
-    return x.astype(dtype)
+    if generation_dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        return np.dtype(dtype)
+    return np.dtype(generation_dtype)
+
+
+def _cast_where_it_lies(x: jax.Array, dtype: np.dtype, sharding: NamedSharding) -> jax.Array:
+    """`x` (a leaf, or a slice of layers) cast to `dtype` and pinned to its train layout: without
+    the pin XLA may gather first (fp32, or the whole stack of layers) and cast or slice after,
+    moving and holding several times the group's bytes."""
+    return jax.lax.with_sharding_constraint(_cast(x, dtype), sharding)
+
+
+def _group_bounds(leaves: Sequence[_Leaf], group_bytes: int) -> list[tuple[tuple[int, ...], tuple[int, int] | None]]:
+    """(leaf indices, layer range) of each group, in the order every process runs them."""
+    groups: list[tuple[tuple[int, ...], tuple[int, int] | None]] = []
+    pack: list[int] = []
+    size = 0
+    for i, leaf in enumerate(leaves):
+        if leaf.stacked:
+            continue
+        if pack and size + leaf.piece_bytes > group_bytes:
+            groups.append((tuple(pack), None))
+            pack, size = [], 0
+        pack.append(i)
+        size += leaf.piece_bytes
+    if pack:
+        groups.append((tuple(pack), None))
+    stacked = tuple(i for i, leaf in enumerate(leaves) if leaf.stacked)
+    if stacked:
+        num_layers = leaves[stacked[0]].shape[0]
+        layer_bytes = sum(leaves[i].piece_bytes for i in stacked)
+        per_group = max(1, min(num_layers, group_bytes // max(layer_bytes, 1)))
+        groups += [(stacked, (start, min(start + per_group, num_layers)))
+                   for start in range(0, num_layers, per_group)]
+    return groups
+
+
+class _Plan:
+    """The groups and reshard programs of one parameter signature (shapes and dtypes).
+
+    Programs are shared between groups of equal shape (all full runs of layers are one
+    program); nothing compiles before its first call.
+    """
+
+    def __init__(self, leaves: Sequence[_Leaf], train_mesh: Mesh, view: Mesh, group_bytes: int):
+        self.leaves = tuple(leaves)
+        self.train_mesh, self.view = train_mesh, view
+        self.replicated = NamedSharding(train_mesh, PartitionSpec())
+        programs: dict[tuple, Any] = {}
+        self.groups: list[_Group] = []
+        for idx, layers in _group_bounds(self.leaves, group_bytes):
+            count = 1 if layers is None else layers[1] - layers[0]
+            key = (idx, None if layers is None else count)
+            if key not in programs:
+                programs[key] = (self._whole_program(idx) if layers is None else self._layers_program(idx, count))
+            pieces = tuple((i, None) for i in idx) if layers is None else tuple(
+                (i, layer) for layer in range(*layers) for i in idx)
+            self.groups.append(_Group(idx, layers, programs[key], pieces))
+        self.programs = tuple(programs.values())
+
+    def view_sharding(self, leaf: _Leaf) -> NamedSharding:
+        return NamedSharding(self.view, _fit_spec(leaf.generation_spec, leaf.piece_shape, self.view))
+
+    def _train_sharding(self, leaf: _Leaf, shape: tuple[int, ...] | None = None) -> NamedSharding:
+        return NamedSharding(self.train_mesh, _fit_spec(leaf.train_spec, shape or leaf.shape, self.train_mesh))
+
+    def _whole_program(self, idx: tuple[int, ...]):
+        leaves = [self.leaves[i] for i in idx]
+        train_sh = [self._train_sharding(leaf) for leaf in leaves]
+
+        def reshard(xs):
+            return [_cast_where_it_lies(x, leaf.out_dtype, sh) for x, leaf, sh in zip(xs, leaves, train_sh)]
+
+        return jax.jit(reshard, in_shardings=(train_sh,), out_shardings=[self.view_sharding(x) for x in leaves])
+
+    def _layers_program(self, idx: tuple[int, ...], count: int):
+        """Layers [start, start + count) of every stacked leaf, `start` an argument, as `count`
+        per-layer outputs each (layer-major: all leaves of the first layer, then the next)."""
+        leaves = [self.leaves[i] for i in idx]
+        train_sh = [self._train_sharding(leaf) for leaf in leaves]
+        slice_sh = [self._train_sharding(leaf, (count, *leaf.shape[1:])) for leaf in leaves]
+        out_sh = [self.view_sharding(leaf) for _ in range(count) for leaf in leaves]
+
+        def reshard(xs, start):
+            parts = [_cast_where_it_lies(jax.lax.dynamic_slice_in_dim(x, start, count), leaf.out_dtype, sh)
+                     for x, leaf, sh in zip(xs, leaves, slice_sh)]
+            return [part[layer] for layer in range(count) for part in parts]
+
+        return jax.jit(reshard, in_shardings=(train_sh, self.replicated), out_shardings=out_sh)
+
+    def group_args(self, group: _Group, inputs: Sequence[Any], start: Any) -> tuple:
+        """The program's positional arguments for `group` from the flat inputs (arrays or structs)."""
+        xs = [inputs[i] for i in group.leaves]
+        return (xs,) if group.layers is None else (xs, start)
+
+    def group_bytes(self, group: _Group) -> int:
+        return sum(self.leaves[i].piece_bytes for i, _ in group.pieces)
+
+
+def _describe_leaves(paths: Sequence[str], stacked: Sequence[bool], train_specs: Sequence[PartitionSpec],
+                     generation_specs: Sequence[PartitionSpec], leaves: Sequence[Any],
+                     generation_dtype: np.dtype | None) -> list[_Leaf]:
+    out = []
+    for path, is_stacked, t_spec, g_spec, x in zip(paths, stacked, train_specs, generation_specs, leaves):
+        shape = tuple(x.shape)
+        if is_stacked:
+            if not shape or shape[0] != leaves[stacked.index(True)].shape[0]:
+                raise ValueError(f"{path} has shape {shape}: every leaf under params[{LAYERS!r}] must be stacked on "
+                                 f"a leading layer axis of one length")
+            g_spec = PartitionSpec(*tuple(g_spec)[1:])  # a piece is one layer
+        out.append(_Leaf(path, shape, np.dtype(x.dtype), _out_dtype(x.dtype, generation_dtype), t_spec, g_spec,
+                         is_stacked))
+    return out
+
+
+# ---- the transfer -------------------------------------------------------------------------------
 
 
 class WeightSync:
-    """Moves train-mesh parameters onto this host's generation mesh, compiling once.
+    """Moves train-mesh parameters onto this host's generation mesh, in groups, compiling once.
 
     Args:
       meshes: from `build_meshes`.
       train_specs: pytree of PartitionSpecs over ("fsdp", "tensor"), one per parameter.
       generation_specs: same structure, PartitionSpecs over ("data", "tensor").
       generation_dtype: cast floating parameters to this dtype on the way (None: keep).
+      group_bytes: generation-dtype bytes (whole arrays) one reshard group may move; the
+        training devices hold at most one group of staging buffers at a time.
+      layout: "split" gives `params["layers"]` as a tuple of per-layer dicts (a tree with a
+        `"layers"` entry whose leaves are stacked on a leading axis; other trees keep their
+        structure); "stacked" re-stacks the layers on the generation devices.
     """
 
     def __init__(
@@ -133,6 +360,9 @@ class WeightSync:
         train_specs: PyTree,
         generation_specs: PyTree,
         generation_dtype: jnp.dtype | None = None,
+        *,
+        group_bytes: int = DEFAULT_GROUP_BYTES,
+        layout: Layout = "split",
     ):
         _check_specs(train_specs, TRAIN_AXES, "train")
         _check_specs(generation_specs, GENERATION_AXES, "generation")
@@ -143,76 +373,91 @@ class WeightSync:
             raise ValueError(
                 f"train and generation spec trees differ:\n  {train_def}\n  {generation_def}"
             )
+        if not isinstance(group_bytes, int) or isinstance(group_bytes, bool) or group_bytes < 1:
+            raise ValueError(f"group_bytes must be an int >= 1, got {group_bytes!r}")
+        if layout not in ("split", "stacked"):
+            raise ValueError(f"layout must be 'split' or 'stacked', got {layout!r}")
         self._meshes = meshes
         self._treedef = train_def
         self._train_specs = train_def.flatten_up_to(train_specs)
         self._generation_specs = generation_def.flatten_up_to(generation_specs)
-        self._dtype = None if generation_dtype is None else jnp.dtype(generation_dtype)
-        self._view, self._local_view = self._build_views(meshes)
-        self._programs: dict[tuple, tuple[Any, list[NamedSharding]]] = {}
+        self._dtype = None if generation_dtype is None else np.dtype(generation_dtype)
+        self._group_bytes = group_bytes
+        self._layout = layout
+        flat = jax.tree_util.tree_leaves_with_path(train_specs, is_leaf=is_spec)
+        self._paths = [jax.tree_util.keystr(p) for p, _ in flat]
+        has_layers = isinstance(train_specs, Mapping) and LAYERS in train_specs
+        self._stacked = [has_layers and getattr(p[0], "key", None) == LAYERS for p, _ in flat]
+        self._layers_def = (jax.tree.structure(train_specs[LAYERS], is_leaf=is_spec) if any(self._stacked)
+                            else None)
+        if layout == "split":
+            for path, stacked, spec in zip(self._paths, self._stacked, self._generation_specs):
+                if stacked and len(spec) and spec[0] is not None:
+                    raise ValueError(f"generation spec {spec} at {path} shards the layer axis, which the split "
+                                     "layout (one array per layer) cannot keep; use layout='stacked'")
+        self._view = transfer_view(meshes.train, meshes.num_hosts, meshes.generation.shape["tensor"])
+        self._local_view = self._build_local_view(meshes, self._view)
+        self._plans: dict[tuple, tuple[_Plan, list[Any], dict]] = {}
+        self._stack_programs: dict[int, Any] = {}
         self._count = 0
         self.last_transfer_s: float | None = None
         self.last_stats: TransferStats | None = None
         # Parameters whose host-local put is staged through host memory (slow path).
         self.host_staged_leaves: tuple[str, ...] = ()
+        # Called with the group's index after its reshard, while its staging buffers are alive
+        # (tests measure the training devices' memory here).
+        self.on_group_resharded: Callable[[int], None] | None = None
+
+    @classmethod
+    def for_model(cls, model_cfg: Any, meshes: Meshes, generation_dtype: jnp.dtype | None = None, *,
+                  group_bytes: int = DEFAULT_GROUP_BYTES, layout: Layout = "split") -> WeightSync:
+        """The transfer of a decoder's parameters, laid out by the train and generation rule tables."""
+        train_specs, generation_specs = model_partition_specs(model_cfg, meshes.train,
+                                                              meshes.generation.shape["tensor"])
+        return cls(meshes, train_specs, generation_specs, generation_dtype, group_bytes=group_bytes, layout=layout)
+
+    @property
+    def meshes(self) -> Meshes:
+        return self._meshes
 
     @staticmethod
-    def _build_views(meshes: Meshes) -> tuple[Mesh, Mesh]:
-        """The ("hosts", "data", "tensor") view of the train devices, and this host's row of it.
-
-        Same devices in the same order as the train mesh, so one jitted program may take
-        inputs on the train mesh and produce outputs on the view.
-        """
-        num_train = meshes.split.num_train
-        generation_tensor = meshes.generation.shape["tensor"]
-        # A tensor size that divides both sides: any dimension the generation mesh splits
-        # over "tensor" then also splits evenly on the view.
-        view_tensor = math.gcd(num_train, generation_tensor)
-        grid = np.array(meshes.train_devices_by_host, dtype=object)
-        grid = grid.reshape(meshes.num_hosts, num_train // view_tensor, view_tensor)
-        view = Mesh(grid, VIEW_AXES, axis_types=(AxisType.Auto,) * 3)
+    def _build_local_view(meshes: Meshes, view: Mesh) -> Mesh:
+        """This host's row of the view (a host-local mesh of its training devices)."""
+        row = view.devices[meshes.host_index]
         if meshes.colocated:
-            local_view = meshes.generation
-            if not np.array_equal(grid[meshes.host_index], local_view.devices):
+            if not np.array_equal(row, meshes.generation.devices):
                 raise AssertionError("colocated generation mesh must match the train device order")
-        else:
-            local_view = Mesh(grid[meshes.host_index], GENERATION_AXES, axis_types=(AxisType.Auto,) * 2)
-        return view, local_view
+            return meshes.generation
+        return Mesh(row, GENERATION_AXES, axis_types=(AxisType.Auto,) * 2)
 
-    def _program(self, leaves: list[jax.Array]):
-        """The jitted reshard (+ cast) for these shapes/dtypes, built on first use."""
-        signature = tuple((x.shape, x.dtype) for x in leaves)
-        if signature not in self._programs:
-            for path, spec, x in zip(self._paths(), self._generation_specs, leaves):
-                if _fit_spec(spec, x.shape, self._meshes.generation) != spec:
+    def _plan(self, leaves: list[Any]) -> tuple[_Plan, list[Any], dict]:
+        """(plan, the start argument of each group, piece shardings), built on first use per signature."""
+        signature = tuple((tuple(x.shape), np.dtype(x.dtype)) for x in leaves)
+        if signature not in self._plans:
+            described = _describe_leaves(self._paths, self._stacked, self._train_specs, self._generation_specs,
+                                         leaves, self._dtype)
+            generation_mesh = self._meshes.generation
+            for leaf in described:
+                if _fit_spec(leaf.generation_spec, leaf.piece_shape, generation_mesh) != leaf.generation_spec:
                     raise ValueError(
-                        f"generation spec {spec} at {path} does not split shape {x.shape} "
-                        f"evenly on the generation mesh {dict(self._meshes.generation.shape)}"
-                    )
-            train_sh = [NamedSharding(self._meshes.train, s) for s in self._train_specs]
-            view_specs = [
-                _fit_spec(s, x.shape, self._view) for s, x in zip(self._generation_specs, leaves)
-            ]
-            view_sh = [NamedSharding(self._view, s) for s in view_specs]
-            local_sh = [NamedSharding(self._local_view, s) for s in view_specs]
+                        f"generation spec {leaf.generation_spec} at {leaf.path} does not split shape "
+                        f"{leaf.piece_shape} evenly on the generation mesh {dict(generation_mesh.shape)}")
+            plan = _Plan(described, self._meshes.train, self._view, self._group_bytes)
+            # The first layer of a group, as a replicated scalar on the train mesh (made once).
+            starts = [None if g.layers is None else jax.make_array_from_callback(
+                (), plan.replicated, lambda _, s=g.layers[0]: np.asarray(s, np.int32)) for g in plan.groups]
+            shardings = {
+                i: (NamedSharding(self._local_view, plan.view_sharding(leaf).spec),
+                    NamedSharding(generation_mesh, leaf.generation_spec))
+                for i, leaf in enumerate(described)}
             if not self._meshes.colocated:
-                self._warn_host_staging(leaves, local_sh)
-            dtype = self._dtype
-            reshard = jax.jit(
-                lambda xs: [_cast(x, dtype) for x in xs],
-                in_shardings=(train_sh,),
-                out_shardings=view_sh,
-            )
-            self._programs[signature] = (reshard, local_sh)
-        return self._programs[signature]
+                self._warn_host_staging(described, shardings)
+            self._plans[signature] = (plan, starts, shardings)
+        return self._plans[signature]
 
-    def _warn_host_staging(self, leaves: list[jax.Array], local_sh: list[NamedSharding]) -> None:
-        generation_mesh = self._meshes.generation
-        staged = tuple(
-            path
-            for path, x, src, spec in zip(self._paths(), leaves, local_sh, self._generation_specs)
-            if not _copies_whole_buffers(src, NamedSharding(generation_mesh, spec), x.shape)
-        )
+    def _warn_host_staging(self, leaves: Sequence[_Leaf], shardings: dict) -> None:
+        staged = tuple(leaf.path for i, leaf in enumerate(leaves)
+                       if not _copies_whole_buffers(*shardings[i], leaf.piece_shape))
         self.host_staged_leaves = staged
         if staged:
             logger.warning(
@@ -223,56 +468,39 @@ class WeightSync:
                 len(staged),
                 ", ".join(staged[:4]) + (", ..." if len(staged) > 4 else ""),
                 self._meshes.split.num_train,
-                dict(generation_mesh.shape),
+                dict(self._meshes.generation.shape),
             )
 
-    def _paths(self) -> list[str]:
-        dummy = self._treedef.unflatten(range(self._treedef.num_leaves))
-        return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(dummy)]
-
     def compiled_programs(self) -> int:
-        """Number of reshard executables compiled so far (one per parameter signature)."""
-        return sum(p[0]._cache_size() for p in self._programs.values())
+        """Number of reshard executables compiled so far (one per distinct group shape)."""
+        return sum(p._cache_size() for plan, _, _ in self._plans.values() for p in plan.programs)
 
     def transfer(self, train_params: PyTree) -> PyTree:
         """Returns `train_params` laid out on this host's generation mesh with the generation specs.
 
         Every process must call this at the same point of its trainer thread. The input is
-        untouched; all intermediates are freed before returning.
+        untouched; each group's staging buffers are freed before the next group starts.
         """
         start = time.perf_counter()
         leaves = self._treedef.flatten_up_to(train_params)
         compiled_before = self.compiled_programs()
-        reshard, local_shardings = self._program(leaves)
-
-        # (a) one program over the train devices: replicate over hosts, lay out like generation.
-        on_view = reshard(leaves)
-        jax.block_until_ready(on_view)
-        resharded = time.perf_counter()
-
-        # (b) this host's copy as an array on its own training devices (no copy).
-        local = [
-            jax.make_array_from_single_device_arrays(
-                x.shape, sharding, [shard.data for shard in x.addressable_shards]
-            )
-            for x, sharding in zip(on_view, local_shardings)
-        ]
-        if self._meshes.colocated:
-            # The local view is the generation mesh: the buffers are already in place.
-            out = local
-        else:
-            # (c) host-local copy onto the generation devices, then free the staging
-            # buffers explicitly (donation does not free across devices on CPU).
-            generation_sh = [
-                NamedSharding(self._meshes.generation, s) for s in self._generation_specs
-            ]
-            out = jax.device_put(local, generation_sh)
-            jax.block_until_ready(out)
-            for x in local:
-                x.delete()
-            for x in on_view:
-                x.delete()
-        del on_view, local
+        plan, starts, shardings = self._plan(leaves)
+        pieces: dict[tuple[int, int | None], jax.Array] = {}
+        reshard_s = place_s = 0.0
+        for g, (group, first) in enumerate(zip(plan.groups, starts)):
+            t0 = time.perf_counter()
+            # (a) one program over the train devices: cast, replicate over hosts, lay out like generation.
+            on_view = group.program(*plan.group_args(group, leaves, first))
+            jax.block_until_ready(on_view)
+            reshard_s += time.perf_counter() - t0
+            if self.on_group_resharded is not None:
+                self.on_group_resharded(g)
+            t1 = time.perf_counter()
+            pieces.update(zip(group.pieces, self._place(on_view, [shardings[i] for i, _ in group.pieces])))
+            place_s += time.perf_counter() - t1
+        t_stack = time.perf_counter()
+        out = self._assemble(plan, pieces)
+        place_s += time.perf_counter() - t_stack
         end = time.perf_counter()
 
         self._count += 1
@@ -280,9 +508,145 @@ class WeightSync:
         self.last_stats = TransferStats(
             index=self._count,
             total_s=end - start,
-            reshard_s=resharded - start,
-            place_s=end - resharded,
-            num_bytes=sum(x.size * x.dtype.itemsize for x in out),
+            reshard_s=reshard_s,
+            place_s=place_s,
+            num_bytes=sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(out)),
             compiled=self.compiled_programs() > compiled_before,
+            groups=len(plan.groups),
+            max_group_bytes=max(plan.group_bytes(g) for g in plan.groups),
         )
-        return self._treedef.unflatten(out)
+        return out
+
+    def _place(self, on_view: list[jax.Array], shardings: list[tuple[NamedSharding, NamedSharding]]
+               ) -> list[jax.Array]:
+        """Steps (b) and (c) for one group's outputs; frees the group's staging buffers."""
+        # (b) this host's copy as an array on its own training devices (no copy).
+        local = [
+            jax.make_array_from_single_device_arrays(x.shape, local_sh, [shard.data for shard in x.addressable_shards])
+            for x, (local_sh, _) in zip(on_view, shardings)
+        ]
+        if self._meshes.colocated:
+            return local  # the local view is the generation mesh: the buffers are already in place
+        # (c) host-local copy onto the generation devices, then free the staging buffers
+        # explicitly (donation does not free across devices on CPU).
+        out = jax.device_put(local, [generation_sh for _, generation_sh in shardings])
+        jax.block_until_ready(out)
+        for x in local:
+            x.delete()
+        for x in on_view:
+            x.delete()
+        return out
+
+    def _assemble(self, plan: _Plan, pieces: dict[tuple[int, int | None], jax.Array]) -> PyTree:
+        """The output tree from its pieces, in the configured layout."""
+        stacked = [i for i, leaf in enumerate(plan.leaves) if leaf.stacked]
+        flat = [pieces[(i, None)] if not leaf.stacked else None for i, leaf in enumerate(plan.leaves)]
+        if not stacked:
+            return self._treedef.unflatten(flat)
+        num_layers = plan.leaves[stacked[0]].shape[0]
+        if self._layout == "stacked":
+            for i in stacked:
+                parts = [pieces[(i, layer)] for layer in range(num_layers)]
+                flat[i] = self._stack_program(i)(parts)
+                for part in parts:
+                    part.delete()
+            return self._treedef.unflatten(flat)
+        tree = self._treedef.unflatten(flat)
+        layers = tuple(self._layers_def.unflatten([pieces[(i, layer)] for i in stacked])
+                       for layer in range(num_layers))
+        return {**tree, LAYERS: layers}
+
+    def _stack_program(self, i: int):
+        """Stacks leaf i's per-layer pieces into its generation layout (the "stacked" layout)."""
+        if i not in self._stack_programs:
+            sharding = NamedSharding(self._meshes.generation, self._generation_specs[i])
+            self._stack_programs[i] = jax.jit(jnp.stack, out_shardings=sharding)
+        return self._stack_programs[i]
+
+    def transfer_local(self, params: PyTree) -> PyTree:
+        """Weights this process holds whole (e.g. SFT's result on its default device) onto this
+        host's generation mesh, in the same dtype and layout as `transfer`.
+
+        No collective: any process may call it alone. One piece (a leaf, or one layer of a
+        stacked leaf) at a time is put onto the generation devices and cast there, so the
+        source device holds one piece of extra bytes at most.
+        """
+        leaves = self._treedef.flatten_up_to(params)
+        for path, x in zip(self._paths, leaves):
+            if isinstance(x, jax.Array) and not x.is_fully_addressable:
+                raise ValueError(f"{path} spans processes: use transfer() for weights on the train mesh")
+        plan, _, shardings = self._plan(leaves)
+        pieces: dict[tuple[int, int | None], jax.Array] = {}
+        for i, leaf in enumerate(plan.leaves):
+            for layer in (range(leaf.shape[0]) if leaf.stacked else (None,)):
+                put = jax.device_put(leaves[i] if layer is None else leaves[i][layer], shardings[i][1])
+                pieces[(i, layer)] = _cast(put, leaf.out_dtype)
+                jax.block_until_ready(pieces[(i, layer)])
+                del put
+        return self._assemble(plan, pieces)
+
+    def to_generation(self, params: PyTree) -> PyTree:
+        """`transfer` for weights laid out on the train mesh, `transfer_local` for weights this
+        process holds whole. On the train mesh this is a collective: call it on every process."""
+        leaves = self._treedef.flatten_up_to(params)
+        on_train = all(isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding)
+                       and x.sharding.mesh == self._meshes.train
+                       and x.sharding.is_equivalent_to(NamedSharding(self._meshes.train, spec), x.ndim)
+                       for x, spec in zip(leaves, self._train_specs))
+        return self.transfer(params) if on_train else self.transfer_local(params)
+
+
+# ---- ahead-of-time descriptions -----------------------------------------------------------------
+
+
+def transfer_program_specs(model_cfg: Any, train_mesh: Mesh, *, num_hosts: int, generation_tensor: int,
+                           dtype: Any, group_bytes: int = DEFAULT_GROUP_BYTES,
+                           optimizer_state: PyTree | None = None) -> list:
+    """The reshard programs of one transfer of `model_cfg`'s weights, one spec per group run.
+
+    Args:
+      train_mesh: the ("fsdp", "tensor") train mesh, e.g. over a fake topology's devices; its
+        devices in order, `num_hosts` contiguous blocks, one per host.
+      generation_tensor: MeshConfig.generation_tensor.
+      dtype: the generation dtype (RLConfig.generation_dtype, or the weights' own).
+      group_bytes: RLConfig.transfer_group_bytes.
+      optimizer_state: ShapeDtypeStructs (sharded on `train_mesh`) of the optimizer state the
+        training devices hold meanwhile; default: AdamW's two fp32 moments laid out like the
+        weights.
+
+    Every spec runs on the training devices (role "transfer"): arguments are the fp32 weights
+    it reads; resident are the other fp32 weights and the optimizer state. One spec per group
+    run (runs of equal length lower to the same program), so the planner's sum over transfer
+    specs is one whole transfer. In colocated mode the generation weights placed so far also
+    stay on these devices; the planner adds the generation side's state there.
+    """
+    from areal_jax.aot import ProgramSpec, abstract
+    from areal_jax.models.transformer import param_shapes
+
+    train_specs, generation_specs = model_partition_specs(model_cfg, train_mesh, generation_tensor)
+    is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+    flat = jax.tree_util.tree_leaves_with_path(train_specs, is_leaf=is_spec)
+    treedef = jax.tree.structure(train_specs, is_leaf=is_spec)
+    shapes = treedef.flatten_up_to(param_shapes(model_cfg))
+    structs = [jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(train_mesh, spec))
+               for shape, (_, spec) in zip(shapes, flat)]
+    leaves = _describe_leaves([jax.tree_util.keystr(p) for p, _ in flat],
+                              [getattr(p[0], "key", None) == LAYERS for p, _ in flat],
+                              [s for _, s in flat], treedef.flatten_up_to(generation_specs), structs,
+                              np.dtype(dtype))
+    plan = _Plan(leaves, train_mesh, transfer_view(train_mesh, num_hosts, generation_tensor), group_bytes)
+    if optimizer_state is None:
+        optimizer_state = (abstract(structs), abstract(structs))  # AdamW: mu and nu, fp32 like the weights
+    start = jax.ShapeDtypeStruct((), jnp.int32, sharding=plan.replicated)
+    num_layers = model_cfg.num_layers
+    specs = []
+    for group in plan.groups:
+        read = set(group.leaves)
+        name = ("transfer/" + "+".join(leaves[i].path.strip("[]'") for i in group.leaves) if group.layers is None
+                else f"transfer/layers[{group.layers[0]}:{group.layers[1]} of {num_layers}]")
+        specs.append(ProgramSpec(
+            name=f"{name}[{np.dtype(dtype).name}]", role="transfer", fn=group.program,
+            args=plan.group_args(group, structs, start),
+            resident=(tuple(s for i, s in enumerate(structs) if i not in read), optimizer_state),
+            fields=TRANSFER_FIELDS))
+    return specs

@@ -31,11 +31,10 @@ from areal_jax.checkpoint import Checkpointer
 from areal_jax.generation.engine import EngineConfig, GenerationEngine
 from areal_jax.generation.sampling import SamplingParams
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.sharding import GENERATION_RULES, TRAIN_RULES, spec_for
-from areal_jax.models.transformer import Params, param_axes
+from areal_jax.models.transformer import Params
 from areal_jax.parallel.distributed import agree_max, agree_sum
 from areal_jax.parallel.meshes import MeshConfig, Meshes, build_meshes
-from areal_jax.parallel.weight_sync import WeightSync
+from areal_jax.parallel.weight_sync import DEFAULT_GROUP_BYTES, WeightSync
 from areal_jax.ppo.advantages import AdvantageConfig
 from areal_jax.reward.registry import load_reward_function, resolve_reward_path
 from areal_jax.rollout.channel import TrajectoryChannel
@@ -65,6 +64,9 @@ class RLConfig:
     max_head_offpolicyness: int | None = None
     channel_capacity: int = 0  # 0: 4 x batch_size
     generation_dtype: str | None = None  # e.g. "bfloat16": cast on the way to the generator
+    # Generation weights one reshard group moves (whole arrays): the training devices hold at most
+    # one group's staging buffers beside the fp32 weights and optimizer state during a transfer.
+    transfer_group_bytes: int = DEFAULT_GROUP_BYTES
     eval_every: int = 0  # steps between held-out evaluations (0: only at the start and end)
     eval_max_new_tokens: int = 64
     dump_rollouts_every: int = 0  # write the step's trajectories to rollouts/step_N.jsonl every N steps
@@ -83,6 +85,9 @@ class RLConfig:
             raise ValueError("RLConfig.mode = 'sync' needs max_staleness = 0")
         if self.channel_capacity < 0 or self.eval_every < 0 or self.dump_rollouts_every < 0:
             raise ValueError("RLConfig.channel_capacity, eval_every and dump_rollouts_every must be >= 0")
+        if (not isinstance(self.transfer_group_bytes, int) or isinstance(self.transfer_group_bytes, bool)
+                or self.transfer_group_bytes < 1):
+            raise ValueError(f"RLConfig.transfer_group_bytes must be an int >= 1, got {self.transfer_group_bytes!r}")
         if not self.batch_timeout_s > 0:
             raise ValueError(f"RLConfig.batch_timeout_s must be > 0, got {self.batch_timeout_s!r}")
 
@@ -98,14 +103,20 @@ class LoopResult:
     final_params: Params
 
 
-def partition_specs(cfg: ModelConfig, rules, mesh, params_shapes) -> Any:
-    """PartitionSpec of every parameter on `mesh` by the rule table."""
-    return jax.tree.map(lambda axes, shape: spec_for(axes, rules, mesh, shape), param_axes(cfg), params_shapes,
-                        is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x))
+def generation_weight_sync(model_cfg: ModelConfig, meshes: Meshes, rl: RLConfig) -> WeightSync:
+    """The train -> generation transfer of a run: the generation dtype and group size of `rl`,
+    weights delivered per layer (the layout the engine holds)."""
+    return WeightSync.for_model(model_cfg, meshes, rl.generation_dtype, group_bytes=rl.transfer_group_bytes)
 
 
 class RLLoop:
-    """Owns the trainer, the engine, the controller and the weight path between them."""
+    """Owns the trainer, the engine, the controller and the weight path between them.
+
+    `params`: the initial weights (any placement; the trainer keeps its own fp32 copy on the train
+    mesh). With `donate_params` their buffers are deleted once the trainer holds its copy, so no
+    initial copy stays on the devices whatever references the caller keeps (use them no more).
+    `weight_sync`: a `generation_weight_sync` of the same meshes to reuse (its programs compiled).
+    """
 
     def __init__(self, model_cfg: ModelConfig, params: Params, *, tokenizer: Any, data_iter: Iterator[Any],
                  rl: RLConfig, ppo: PPOConfig, optimizer: OptimizerConfig, advantages: AdvantageConfig,
@@ -115,7 +126,8 @@ class RLLoop:
                  devices: Sequence[jax.Device] | None = None, start_version: int = 0,
                  checkpointer: Checkpointer | None = None, resume: bool = False,
                  checkpoint_extra: Callable[[], dict[str, Any]] | None = None,
-                 on_rollouts: Callable[[int, list[dict[str, Any]]], None] | None = None):
+                 on_rollouts: Callable[[int, list[dict[str, Any]]], None] | None = None,
+                 donate_params: bool = False, weight_sync: WeightSync | None = None):
         if isinstance(workflow, RLVRConfig) and workflow.temperature != ppo.temperature:
             # The trainer's log-probs must be of the distribution that sampled the tokens, or the
             # importance weights pi_prox / pi_behav measure the temperature, not the staleness.
@@ -130,13 +142,15 @@ class RLLoop:
         self.on_step = on_step
         self.meshes: Meshes = build_meshes(mesh, devices)
         self.trainer = PolicyTrainer(model_cfg, params, optimizer, ppo, mesh=self.meshes.train)
+        if donate_params:
+            _delete_unless_held(params, self.trainer.params)
+        del params  # the trainer holds its own copy: nothing below may keep the initial one alive
         # A frozen copy of the initial policy, only when the KL penalty needs it (it costs a copy).
         self.reference = ReferencePolicy(self.trainer) if advantages.kl_coef > 0 else None
-        shapes = jax.tree.map(lambda a: a.shape, self.trainer.params)
-        self.weight_sync = WeightSync(
-            self.meshes, partition_specs(model_cfg, TRAIN_RULES, self.meshes.train, shapes),
-            partition_specs(model_cfg, GENERATION_RULES, self.meshes.generation, shapes),
-            generation_dtype=rl.generation_dtype)
+        if weight_sync is not None and (weight_sync.meshes.train, weight_sync.meshes.generation) != (
+                self.meshes.train, self.meshes.generation):
+            raise ValueError("weight_sync was built for other meshes than this loop's")
+        self.weight_sync = weight_sync or generation_weight_sync(model_cfg, self.meshes, rl)
         self.version = start_version
         self.engine = GenerationEngine((model_cfg, self.weight_sync.transfer(self.trainer.params)), engine,
                                        version=start_version)
@@ -166,6 +180,12 @@ class RLLoop:
                                             max_head_offpolicyness=rl.max_head_offpolicyness)
         self._last_applied = None
         self._reward_tally = (0, 0.0)  # (trajectories, reward sum) finished before the last step
+
+    def close(self) -> None:
+        """Drops the engine (its KV cache and served weights) and the rollout side, after `run`:
+        the trainer's weights stay (e.g. `LoopResult.final_params`) while the generation devices
+        are freed for evaluation."""
+        self.controller = self.engine = self.reference = None
 
     # ---- the loop -----------------------------------------------------------------------------
 
@@ -357,3 +377,15 @@ class RLLoop:
         if jax.process_count() > 1:  # each host evaluates its own shard of the held-out rows
             correct, total = agree_sum(int(correct)), agree_sum(total)
         return correct / max(total, 1)
+
+
+def _delete_unless_held(given: Params, held: Params) -> None:
+    """Frees the buffers of `given` that `held` does not use (the trainer may keep an input as is)."""
+
+    def buffers(x: jax.Array) -> set[tuple[Any, int]]:
+        return {(s.device, s.data.unsafe_buffer_pointer()) for s in x.addressable_shards}
+
+    kept = set().union(*(buffers(x) for x in jax.tree.leaves(held) if isinstance(x, jax.Array)))
+    for x in jax.tree.leaves(given):
+        if isinstance(x, jax.Array) and not x.is_deleted() and not buffers(x) & kept:
+            x.delete()
