@@ -135,6 +135,24 @@ def test_padding_microbatches_contribute_nothing(fresh):
     assert float(s_pad["n_valid"]) == float(s_plain["n_valid"])
 
 
+def test_chunked_logits_equal_the_dense_programs(fresh):
+    # 5-token chunks: every micro-batch (up to 32 tokens) takes its log-probs chunk by chunk,
+    # with padding of the last chunk; values and gradients must be the dense programs'.
+    chunked = PolicyTrainer(CFG, INIT, OPT, dataclasses.replace(PPO, logit_chunk_tokens=5))
+    seqs = random_seqs(13, proximal=True)
+    [microbatches] = make_microbatches(seqs, max_tokens_per_microbatch=BUDGET, num_minibatches=1, buckets=BUCKETS)
+    assert all(np.prod(m.shape) > 5 for m in microbatches)
+    grads, stats = chunked.minibatch_gradients(microbatches)
+    ref_loss, ref_grads = reference_loss_and_grads(INIT, seqs, PPO)
+    np.testing.assert_allclose(float(stats["loss"]), float(ref_loss), atol=1e-5)
+    assert_trees_close(grads, ref_grads, atol=1e-5)
+    _, dense_stats = fresh.minibatch_gradients(microbatches)
+    assert float(stats["entropy_sum"]) == pytest.approx(float(dense_stats["entropy_sum"]), rel=1e-5)
+    for micro in microbatches:
+        np.testing.assert_allclose(np.asarray(chunked.compute_logprobs(micro)),
+                                   np.asarray(fresh.compute_logprobs(micro)), atol=1e-5)
+
+
 # ---- proximal log-probs -----------------------------------------------------------------------------
 
 
@@ -362,7 +380,8 @@ def test_optimizer_config_validation(kwargs, match):
     (dict(eps_clip=1.5), "eps_clip"), (dict(compute_dtype="float16"), "compute_dtype"), (dict(remat="x"), "remat"),
     (dict(num_minibatches=0), "num_minibatches"), (dict(temperature=0.0), "temperature"),
     (dict(behav_imp_weight_cap=-1.0), "cap"), (dict(row_buckets=(0, 4096)), "row_buckets"),
-    (dict(row_buckets=(96, 128)), "row_buckets.*largest"), (dict(row_buckets=[96, 4096]), "row_buckets")])
+    (dict(row_buckets=(96, 128)), "row_buckets.*largest"), (dict(row_buckets=[96, 4096]), "row_buckets"),
+    (dict(logit_chunk_tokens=0), "logit_chunk_tokens"), (dict(logit_chunk_tokens=2.0), "logit_chunk_tokens")])
 def test_ppo_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         PPOConfig(**kwargs)

@@ -1,7 +1,8 @@
-"""PPO math: the decoupled objective, advantages, KL estimators (pure functions)."""
+"""PPO math: the decoupled objective, advantages, KL estimators, chunked log-probs (pure functions)."""
 
 from areal_jax.ppo.advantages import AdvantageConfig, compute_advantages
 from areal_jax.ppo.kl import KL_ESTIMATORS, kl_estimate
+from areal_jax.ppo.logprobs import DEFAULT_LOGIT_CHUNK_TOKENS, hidden_logprobs, hidden_logprobs_and_entropy
 from areal_jax.ppo.loss import (
     accumulate_loss_stats,
     decoupled_ppo_loss,
@@ -12,10 +13,13 @@ from areal_jax.ppo.loss import (
 
 __all__ = [
     "AdvantageConfig",
+    "DEFAULT_LOGIT_CHUNK_TOKENS",
     "KL_ESTIMATORS",
     "accumulate_loss_stats",
     "compute_advantages",
     "decoupled_ppo_loss",
+    "hidden_logprobs",
+    "hidden_logprobs_and_entropy",
     "kl_estimate",
     "summarize_loss_stats",
     "token_entropy",

@@ -8,7 +8,8 @@ reference. This module computes both on the train mesh:
 
 1. `ReferencePolicy` keeps a frozen copy of the reference weights (default: the trainer's
    weights at construction) laid out exactly like the trainer's, so the trainer's compiled
-   log-prob program runs on it unchanged (no extra compilation).
+   log-prob program runs on it unchanged (no extra compilation); that program takes log-probs
+   `PPOConfig.logit_chunk_tokens` tokens at a time (a larger micro-batch never holds its whole logits).
 2. `sequences_with_kl` packs the step's sequences with `make_microbatches` (one minibatch),
    runs the log-prob program with both weight sets on every micro-batch, unpacks per sequence
    and hands both to `build_sequences`. The policy log-probs are also attached as
@@ -33,9 +34,8 @@ from areal_jax.packing import unpack
 from areal_jax.ppo import AdvantageConfig, kl_estimate
 from areal_jax.rollout.types import TrajectoryGroup
 from areal_jax.trainer.batching import PackedBatch, build_sequences, make_microbatches
+from areal_jax.trainer.programs import PROXIMAL_KEY
 from areal_jax.trainer.train_step import PolicyTrainer
-
-PROXIMAL_KEY = "proximal_logprobs"
 
 
 class ReferencePolicy:

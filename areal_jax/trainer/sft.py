@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -29,11 +30,11 @@ from areal_jax.generation.engine import EngineConfig, GenerationEngine
 from areal_jax.generation.offline import generate
 from areal_jax.generation.sampling import SamplingParams
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.transformer import Params, Transformer, forward
+from areal_jax.models.transformer import Params, Transformer, forward, lm_head
 from areal_jax.models.sharding import TRAIN_RULES, activation_rules, sharding_for
 from areal_jax.packing import ffd_allocate, pack_sequences
 from areal_jax.parallel.distributed import fully_local
-from areal_jax.ppo.loss import token_logprobs
+from areal_jax.ppo.logprobs import DEFAULT_LOGIT_CHUNK_TOKENS, hidden_logprobs
 from areal_jax.trainer.train_step import opt_state_shardings, param_shardings
 
 Example = tuple[Sequence[int], Sequence[int]]  # (prompt_ids, completion_ids)
@@ -184,15 +185,19 @@ class PackedBatches:
 
 
 def completion_loss(params: Params, model_cfg: ModelConfig, batch: Mapping[str, jax.Array], *,
-                    compute_dtype=None, scan_layers: bool = True) -> tuple[jax.Array, jax.Array]:
+                    compute_dtype=None, scan_layers: bool = True,
+                    logit_chunk_tokens: int = DEFAULT_LOGIT_CHUNK_TOKENS) -> tuple[jax.Array, jax.Array]:
     """Token-mean cross-entropy over completion tokens of a packed (or padded) batch.
 
     batch: input_ids, targets, loss_mask `[B, T]`, and optionally segment_ids / positions `[B, T]`
     (without them each row is one sequence starting at position 0). Returns (loss, n_tokens).
+    A batch of more than `logit_chunk_tokens` tokens takes its log-probs chunk by chunk
+    (ppo/logprobs.py), so its logits `[B, T, V]` never exist whole.
     """
-    logits, _ = forward(params, model_cfg, batch["input_ids"], batch.get("positions"), batch.get("segment_ids"),
-                        compute_dtype=compute_dtype, scan_layers=scan_layers)
-    logp = token_logprobs(logits, batch["targets"])  # [B, T]
+    hidden, _ = forward(params, model_cfg, batch["input_ids"], batch.get("positions"), batch.get("segment_ids"),
+                        compute_dtype=compute_dtype, scan_layers=scan_layers, return_hidden=True)
+    logp = hidden_logprobs(hidden, functools.partial(lm_head, params, model_cfg), batch["targets"],
+                           chunk_tokens=logit_chunk_tokens)  # [B, T]
     mask = batch["loss_mask"].astype(jnp.float32)
     n = jnp.sum(mask)
     return -jnp.sum(logp * mask) / jnp.maximum(n, 1.0), n
@@ -394,11 +399,20 @@ class GreedyAccuracy:
         correct, total = self.count(params)
         return correct / total
 
+    def _engine_config_for(self, params: Params) -> EngineConfig:
+        """The engine config with its slots a multiple of the data size of the (generation) mesh the
+        weights lie on: each data replica holds an equal share of the slots."""
+        sharding = params["embed"].sharding
+        data = sharding.mesh.shape.get("data", 1) if isinstance(sharding, NamedSharding) else 1
+        slots = self.engine_config.num_slots
+        return dataclasses.replace(self.engine_config, num_slots=max(data, slots - slots % data))
+
     def count(self, params: Params) -> tuple[int, int]:
         """(rows right, rows) under `params`."""
         self.calls += 1
         if self.engine is None:
-            self.engine = GenerationEngine((self.model_cfg, params), self.engine_config, version=self.calls)
+            self.engine = GenerationEngine((self.model_cfg, params), self._engine_config_for(params),
+                                           version=self.calls)
         else:
             self.engine.update_weights(params, self.calls)
         handles = [self.engine.submit(p, self.sampling, seed=0) for p in self.prompts]

@@ -10,8 +10,9 @@ One training step, given M minibatches of packed micro-batches (trainer/batching
    minibatch's valid-token count so the sum is the minibatch token mean; then one AdamW
    update, skipped (params and optimizer state untouched) when the gradient is non-finite.
 
-Shapes: R rows, T row length (a bucket size). Compilation is bounded: one logprob and one
-grad program per (R, T) shape plus one update program (`compile_counts` counts traces).
+Shapes: R rows, T row length (a bucket size). The programs are built by trainer/programs.py
+(which also describes them for ahead-of-time planning). Compilation is bounded: one logprob
+and one grad program per (R, T) shape plus one update program (`compile_counts` counts traces).
 Params are fp32 master weights whatever `compute_dtype` (bf16 casts them inside forward,
 so gradients and Adam moments stay fp32). With a train mesh, params and optimizer state
 are sharded by their logical axes (`rules`) and micro-batch rows over "fsdp".
@@ -21,11 +22,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
-import math
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,108 +34,25 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.sharding import TRAIN_RULES, Rules, activation_rules, sharding_for
-from areal_jax.models.transformer import Params, forward, param_axes, param_shapes
-from areal_jax.ppo import (
-    accumulate_loss_stats,
-    decoupled_ppo_loss,
-    summarize_loss_stats,
-    token_entropy,
-    token_logprobs,
-)
-from areal_jax.trainer.batching import PackedBatch, candidate_row_lengths
+from areal_jax.models.transformer import Params, param_axes
+from areal_jax.ppo import accumulate_loss_stats, summarize_loss_stats
+from areal_jax.trainer.batching import PackedBatch
 from areal_jax.trainer.optimizer import OptimizerConfig, build_optimizer, learning_rate_schedule
+# PPOConfig and the layouts live with the programs they size; re-exported for existing importers.
+from areal_jax.trainer.programs import (
+    COMPUTE_DTYPES,
+    FORWARD_KEYS,
+    LOSS_KEYS,
+    REMATS,
+    PPOConfig,
+    build_train_programs,
+    opt_state_shardings,
+    param_shardings,
+    zero_loss_stats,
+)
 
-COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-REMATS = ("none", "full", "save_dots")
-FORWARD_KEYS = ("input_ids", "targets", "segment_ids", "positions")
-LOSS_KEYS = (*FORWARD_KEYS, "loss_mask", "behavior_logprobs", "advantages")
-
-
-@dataclasses.dataclass(frozen=True)
-class PPOConfig:
-    """PPO step hyperparameters.
-
-    Attributes:
-        eps_clip: clip range of r = pi_theta / pi_prox (paper: 0.2).
-        eps_clip_higher: upper clip range (DAPO clip-higher); None = eps_clip.
-        behav_imp_weight_cap: drop tokens whose pi_prox / pi_behav exceeds this; None = off.
-        decoupled: True = decoupled PPO (proximal recomputed with pre-step weights);
-            False = naive PPO (proximal := behavior, the paper's ablation).
-        temperature: sampling temperature the log-probs are taken at (match the generator).
-        num_minibatches: optimizer updates per training step.
-        max_tokens_per_microbatch: token budget of one micro-batch (for make_microbatches).
-        row_buckets: row lengths micro-batches may use (for make_microbatches); () = powers of
-            two from 128 up to the budget. Adding a size near the common sequence length (e.g.
-            96 for ~70-token samples that do not pair in 128) cuts padding and attention cost.
-        compute_dtype: "float32", or "bfloat16" compute on fp32 master weights.
-        remat: rematerialization of the decoder layers ("none", "full", "save_dots").
-        scan_layers: run the layers as a scan (one compiled layer body, the choice for deep
-            models) or unrolled: on CPU ~15% faster per step for small models, whose compile
-            is then also shorter (the scan's saved activations are stacked and sliced back).
-        skip_nonfinite: skip (and count) updates whose gradient has a NaN/inf.
-    """
-
-    eps_clip: float = 0.2
-    eps_clip_higher: float | None = None
-    behav_imp_weight_cap: float | None = None
-    decoupled: bool = True
-    temperature: float = 1.0
-    num_minibatches: int = 4
-    max_tokens_per_microbatch: int = 4096
-    row_buckets: tuple[int, ...] = ()
-    compute_dtype: Literal["float32", "bfloat16"] = "float32"
-    remat: Literal["none", "full", "save_dots"] = "none"
-    scan_layers: bool = True
-    skip_nonfinite: bool = True
-
-    def __post_init__(self) -> None:
-        if not _is_number(self.eps_clip) or not 0.0 < self.eps_clip < 1.0:
-            raise ValueError(f"PPOConfig.eps_clip must be in (0, 1), got {self.eps_clip!r}")
-        if self.eps_clip_higher is not None and not (_is_number(self.eps_clip_higher) and self.eps_clip_higher > 0):
-            raise ValueError(f"PPOConfig.eps_clip_higher must be > 0 or None, got {self.eps_clip_higher!r}")
-        if self.behav_imp_weight_cap is not None and not (
-                _is_number(self.behav_imp_weight_cap) and self.behav_imp_weight_cap > 0):
-            raise ValueError(f"PPOConfig.behav_imp_weight_cap must be > 0 or None, got {self.behav_imp_weight_cap!r}")
-        if not _is_number(self.temperature) or not self.temperature > 0:
-            raise ValueError(f"PPOConfig.temperature must be > 0, got {self.temperature!r}")
-        for name in ("num_minibatches", "max_tokens_per_microbatch"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"PPOConfig.{name} must be a positive int, got {value!r}")
-        if not isinstance(self.row_buckets, tuple):
-            raise ValueError(f"PPOConfig.row_buckets must be a tuple of ints, got {self.row_buckets!r}")
-        if self.row_buckets:  # the check make_microbatches would run at the first step
-            try:
-                candidate_row_lengths(self.max_tokens_per_microbatch, self.row_buckets)
-            except ValueError as e:
-                raise ValueError(f"PPOConfig.row_buckets {self.row_buckets}: {e}") from None
-        if self.compute_dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"PPOConfig.compute_dtype must be one of {tuple(COMPUTE_DTYPES)}, "
-                             f"got {self.compute_dtype!r}")
-        if not isinstance(self.scan_layers, bool):
-            raise ValueError(f"PPOConfig.scan_layers must be a bool, got {self.scan_layers!r}")
-        if self.remat not in REMATS:
-            raise ValueError(f"PPOConfig.remat must be one of {REMATS}, got {self.remat!r}")
-        for name in ("decoupled", "skip_nonfinite"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"PPOConfig.{name} must be a bool, got {getattr(self, name)!r}")
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def param_shardings(cfg: ModelConfig, rules: Rules, mesh: Mesh) -> Any:
-    """NamedSharding of every parameter on `mesh` by the rule table."""
-    return jax.tree.map(lambda axes, shape: sharding_for(axes, rules, mesh, shape), param_axes(cfg),
-                        param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
-
-
-def opt_state_shardings(optimizer: optax.GradientTransformation, params: Params, shardings: Any, mesh: Mesh) -> Any:
-    """Optimizer state shardings: each moment like its parameter, counters replicated."""
-    shapes = jax.eval_shape(optimizer.init, params)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    return optax.tree_map_params(optimizer, lambda _, s: s, shapes, shardings, transform_non_params=lambda _: replicated)
+__all__ = ["COMPUTE_DTYPES", "FORWARD_KEYS", "LOSS_KEYS", "REMATS", "PPOConfig", "PolicyTrainer",
+           "opt_state_shardings", "param_shardings"]
 
 
 class PolicyTrainer:
@@ -167,7 +83,6 @@ class PolicyTrainer:
         self.last_minibatch_metrics: list[dict[str, float]] = []
         self._optimizer = build_optimizer(opt_cfg)
         self._schedule = learning_rate_schedule(opt_cfg)
-        self._compute_dtype = COMPUTE_DTYPES[ppo_cfg.compute_dtype]
         self._axes = param_axes(model_cfg)
         self._check_params(params)
         self._param_shardings = self._make_param_shardings()
@@ -177,7 +92,7 @@ class PolicyTrainer:
         self._step = 0
         # On the mesh, like the stats the grad program returns: an unplaced first accumulator
         # would be a different input type and compile every micro-batch shape twice.
-        self._zero_stats = _zero_loss_stats(None if mesh is None else NamedSharding(mesh, PartitionSpec()))
+        self._zero_stats = zero_loss_stats(None if mesh is None else NamedSharding(mesh, PartitionSpec()))
         self._build_programs()
 
     # ---- public API -----------------------------------------------------------------------------
@@ -381,67 +296,13 @@ class PolicyTrainer:
     # ---- compiled programs ----------------------------------------------------------------------
 
     def _build_programs(self) -> None:
-        cfg, ppo, counts = self.model_config, self.ppo_config, self.compile_counts
-        optimizer = self._optimizer
-
-        def logits_of(params, batch):
-            logits, _ = forward(params, cfg, batch["input_ids"], batch["positions"], batch["segment_ids"],
-                                compute_dtype=self._compute_dtype, remat=ppo.remat, scan_layers=ppo.scan_layers)
-            return logits  # [R, T, V] fp32
-
-        def logprobs(params, batch):
-            counts["logprobs"] += 1  # runs once per trace, i.e. per compilation
-            return token_logprobs(logits_of(params, batch), batch["targets"], ppo.temperature)
-
-        def grad_step(params, grad_acc, stats_acc, batch, denominator):
-            counts["grad"] += 1
-
-            def loss_fn(p):
-                logits = logits_of(p, batch)
-                logp = token_logprobs(logits, batch["targets"], ppo.temperature)
-                # Without proximal_logprobs in the batch: pi_prox = the weights being differentiated.
-                prox = batch.get("proximal_logprobs", jax.lax.stop_gradient(logp))
-                loss, stats = decoupled_ppo_loss(
-                    logp, prox, batch["behavior_logprobs"], batch["advantages"],
-                    batch["loss_mask"], eps_clip=ppo.eps_clip, eps_clip_higher=ppo.eps_clip_higher,
-                    behav_imp_weight_cap=ppo.behav_imp_weight_cap, denominator=denominator)
-                entropy = token_entropy(jax.lax.stop_gradient(logits), ppo.temperature)
-                stats["entropy_sum"] = jnp.sum(jnp.where(batch["loss_mask"] > 0, entropy, 0.0))
-                stats["loss"] = jax.lax.stop_gradient(loss)
-                return loss, stats
-
-            (_, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-            grad_acc = jax.tree.map(jnp.add, grad_acc, grads)
-            return grad_acc, accumulate_loss_stats(stats_acc, stats)
-
-        def update(params, opt_state, grads):
-            counts["update"] += 1
-            grad_norm = optax.tree.norm(grads)
-            finite = jnp.isfinite(grad_norm)
-            updates, new_state = optimizer.update(grads, opt_state, params)
-            new_params = optax.apply_updates(params, updates)
-            if ppo.skip_nonfinite:
-                keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-                new_params = jax.tree.map(keep, new_params, params)
-                new_state = jax.tree.map(keep, new_state, opt_state)
-            return new_params, new_state, grad_norm, finite
-
-        param_sh, state_sh = self._param_shardings, self._opt_state_shardings
-        self._logprobs_fn = jax.jit(logprobs)
-        self._grad_fn = jax.jit(grad_step, donate_argnums=(1,))  # stats are scalars: not worth donating
-        self._update_fn = jax.jit(update, donate_argnums=(0, 1),
-                                  out_shardings=None if param_sh is None else (param_sh, state_sh, None, None))
-        self._zeros_like_params = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=param_sh)
-
-
-def _zero_loss_stats(sharding: NamedSharding | None) -> dict[str, jax.Array]:
-    """Zeros for every stat the grad program accumulates (keys taken from decoupled_ppo_loss)."""
-    x = jnp.zeros((1, 1), jnp.float32)
-    shapes = jax.eval_shape(lambda: decoupled_ppo_loss(x, x, x, x, x)[1])
-    stats = {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
-    stats["entropy_sum"] = jnp.zeros((), jnp.float32)
-    stats["loss"] = jnp.zeros((), jnp.float32)
-    return stats if sharding is None else jax.device_put(stats, sharding)
+        programs = build_train_programs(self.model_config, self.ppo_config, self._optimizer,
+                                        param_shardings=self._param_shardings,
+                                        opt_state_shardings=self._opt_state_shardings, counts=self.compile_counts)
+        self._logprobs_fn = programs.logprobs
+        self._grad_fn = programs.grad
+        self._update_fn = programs.update
+        self._zeros_like_params = programs.zeros_like
 
 
 def _update_count(opt_state) -> int:
