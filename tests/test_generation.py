@@ -148,8 +148,8 @@ def test_compilation_count_stays_bounded_across_prompt_lengths():
     assert all(len(h.result().completions) == 1 + i % 3 for i, h in enumerate(handles, start=1))
     counts = engine.compile_counts
     # A prefill call takes at most one prompt per free slot: 1 or 4 rows here.
-    row_buckets = sum(b <= engine.config.batch_bucket(4) for b in engine.config.prefill_batch_buckets)
-    assert row_buckets == 2
+    row_buckets = len(engine.config.prefill_row_counts(64))
+    assert engine.config.prefill_row_counts(16) == engine.config.prefill_row_counts(64) == (1, 4)
     assert counts["decode"] == 1 and counts["first_tokens"] <= row_buckets
     assert counts["prefill"] <= len(engine.config.prefill_buckets) * row_buckets  # lengths 16, 32, 64
     assert counts["insert"] <= len(engine.config.prefill_buckets) * row_buckets

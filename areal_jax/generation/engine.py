@@ -13,13 +13,17 @@ into their slots, `reprefill_pack_width`). With `interruptible=False` the engine
 admitting, lets in-flight samples finish on the old weights, then swaps (the ablation).
 
 Device state is the KV cache, one `[B, K, S, H]` buffer per layer (B = slots, S = max_seq_len),
-and the weights, also held per layer (split once per weight swap); per-slot scalars live on the
-host and travel with each chunk call (a few hundred bytes). Prefill and decode run the layers
-unrolled over those pieces, so each cache layer is updated in place and each weight is read
-where it lies (over stacked layers XLA copies every layer's weights and cache, per step in a
-scan, per call when splitting inside the program). A chunk attends over the smallest cache
-window holding its sequences (`decode_windows`) and ends early when a slot frees up while
-requests wait (`refill_after`).
+and the weights, also held per layer (given split, or split once per weight swap); per-slot
+scalars live on the host and travel with each chunk call (a few hundred bytes). Prefill and
+decode run the layers unrolled over those pieces, so each cache layer is updated in place and
+each weight is read where it lies (over stacked layers XLA copies every layer's weights and
+cache, per step in a scan, per call when splitting inside the program). A chunk attends over the
+smallest cache window holding its sequences (`decode_windows`) and ends early when a slot frees
+up while requests wait (`refill_after`).
+
+The compiled programs are built in generation/programs.py (which also describes them for
+ahead-of-time planning); this module is the host-side scheduler around them. On a generation
+mesh every batch dimension is a multiple of its "data" size (EngineConfig's row counts).
 """
 
 from __future__ import annotations
@@ -39,109 +43,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from areal_jax.generation.sampling import MAX_STOP_IDS, SamplingParams, sample_tokens
+from areal_jax.generation.config import EngineConfig
+from areal_jax.generation.programs import (EnginePrograms, build_programs, cache_sharding, check_mesh, mesh_sizes,
+                                           param_shardings, placed_like)
+from areal_jax.generation.sampling import MAX_STOP_IDS, SamplingParams
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.sharding import GENERATION_RULES, activation_rules, sharding_for
-from areal_jax.models.transformer import (KVCache, Params, Transformer, forward, lm_head, prefill_into_slots,
-                                          split_layers)
+from areal_jax.models.sharding import GENERATION_RULES, activation_rules
+from areal_jax.models.transformer import KVCache, Params, Transformer, split_layers
 from areal_jax.packing import ffd_allocate
 
+__all__ = ["Completion", "EngineConfig", "EngineStats", "GenerationEngine", "GroupResult", "RequestHandle"]
+
 StopReason = Literal["stop", "length", "aborted"]
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Engine shape. Compiled programs: one decode chunk, one prefill and one insert per bucket."""
-
-    num_slots: int = 8
-    max_seq_len: int = 512  # prompt + completion tokens of one sample; the KV cache length S
-    decode_chunk: int = 8  # decode steps per jitted chunk at most: the granularity of refills and swaps
-    # A chunk ends early once this many slots have finished while requests wait in the queue, so
-    # freed slots are refilled without idling to the chunk's end. 0 (default): chunks run in full
-    # unless every slot is done. Early refills mean more, smaller prefill calls: on the 2-core CPU
-    # benchmark (16 slots, chunk 16) 2, 4 or 8 were within noise of 0 (docs/benchmarks.md).
-    refill_after: int = 0
-    # Cache lengths a decode chunk may attend over (one compiled chunk each): a chunk reads only
-    # the smallest window that holds every active slot's sequence, not the whole cache. Default:
-    # powers of two from 128 below max_seq_len, then max_seq_len.
-    decode_windows: tuple[int, ...] = ()
-    prefill_buckets: tuple[int, ...] = ()  # default: powers of two from 16, capped by max_seq_len
-    # Most prompts prefilled together in one call. A call's rows are the next power of four (at
-    # most this), so each prompt length bucket compiles a few row counts. Large calls matter when
-    # many slots free at once (the start, a static batch): 64 prompts in calls of 32 rows instead
-    # of 8 took ~30% less prefill time on the 2-core CPU benchmark (bench/generation_throughput.py).
-    max_prefill_batch: int = 32
-    # After a weight swap, in-flight histories up to this many tokens are re-prefilled packed
-    # several to a row of this width (at most max_seq_len), written straight into their slots:
-    # one call for a whole swap instead of a prefill and an insert per length bucket. Longer
-    # histories are prefilled by length bucket (a wide packed row would attend over all of it).
-    reprefill_pack_width: int = 512
-    interruptible: bool = True
-    cache_dtype: str | None = None  # default: the dtype of the weights
-    seed: int = 0
-
-    def __post_init__(self):
-        for name in ("num_slots", "max_seq_len", "decode_chunk", "max_prefill_batch", "reprefill_pack_width"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {v!r}")
-        if not isinstance(self.refill_after, int) or self.refill_after < 0:
-            raise ValueError(f"EngineConfig.refill_after must be an int >= 0, got {self.refill_after!r}")
-        if self.max_seq_len < 2:
-            raise ValueError("EngineConfig.max_seq_len must be >= 2 (one prompt token and one generated)")
-        buckets = tuple(sorted(set(self.prefill_buckets))) or _default_buckets(self.max_seq_len)
-        if buckets[-1] < self.max_seq_len - 1 or any(b < 1 for b in buckets):
-            raise ValueError(f"prefill_buckets {buckets} must be >= 1 and cover max_seq_len - 1 = "
-                             f"{self.max_seq_len - 1}")
-        object.__setattr__(self, "prefill_buckets", tuple(b for b in buckets if b < self.max_seq_len)
-                           + ((self.max_seq_len,) if buckets[-1] >= self.max_seq_len else ()))
-        windows = tuple(sorted(set(self.decode_windows))) or _default_buckets(self.max_seq_len, start=128)
-        if any(not isinstance(w, int) or not 0 < w <= self.max_seq_len for w in windows):
-            raise ValueError(f"decode_windows {windows} must be ints in [1, max_seq_len = {self.max_seq_len}]")
-        object.__setattr__(self, "decode_windows", tuple(w for w in windows if w < self.max_seq_len)
-                           + (self.max_seq_len,))
-
-    def bucket(self, length: int) -> int:
-        return next(b for b in self.prefill_buckets if b >= length)
-
-    def decode_window(self, needed: int) -> int:
-        """Cache positions a decode chunk attends over when its sequences need `needed` of them."""
-        return next((w for w in self.decode_windows if w >= needed), self.max_seq_len)
-
-    def batch_bucket(self, n: int) -> int:
-        """Rows of a prefill call for n prompts: the next power of four (1, 4, 16, ...), at most
-        max_prefill_batch. Padding rows cost little next to the programs finer steps would compile."""
-        if not 1 <= n <= self.max_prefill_batch:
-            raise ValueError(f"a prefill call takes 1 to max_prefill_batch = {self.max_prefill_batch} prompts, got {n}")
-        rows = 1
-        while rows < n:
-            rows *= 4
-        return min(rows, self.max_prefill_batch)
-
-    @property
-    def pack_width(self) -> int:
-        """Row width of packed re-prefill calls."""
-        return min(self.reprefill_pack_width, self.max_seq_len)
-
-    def pack_rows_bucket(self, n: int) -> int:
-        """Rows of a packed re-prefill call holding n packed rows: the next power of two, at most
-        max_prefill_batch (packed rows are full, so finer steps than prefill's pay)."""
-        if not 1 <= n <= self.max_prefill_batch:
-            raise ValueError(f"a packed call takes 1 to max_prefill_batch = {self.max_prefill_batch} rows, got {n}")
-        return min(1 << (n - 1).bit_length(), self.max_prefill_batch)
-
-    @property
-    def prefill_batch_buckets(self) -> tuple[int, ...]:
-        """Every row count `batch_bucket` can return."""
-        return tuple(sorted({self.batch_bucket(n) for n in range(1, self.max_prefill_batch + 1)}))
-
-
-def _default_buckets(max_seq_len: int, start: int = 16) -> tuple[int, ...]:
-    out, b = [], start
-    while b < max_seq_len:
-        out.append(b)
-        b *= 2
-    return tuple(out) + (max_seq_len,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,6 +142,9 @@ class GenerationEngine:
 
     def __init__(self, model: Transformer | tuple[ModelConfig, Params], config: EngineConfig = EngineConfig(),
                  *, version: int = 0):
+        """`model`: a Transformer, or (config, params) with params stacked (`params["layers"]` a
+        dict of `[L, ...]` arrays) or split (a tuple of L per-layer dicts, `split_layers`'s
+        layout: installed as given when already laid out as the engine holds them, no copy)."""
         self.model_config, params = (model.config, model.params) if isinstance(model, Transformer) else model
         self.config = config
         self._version = version
@@ -237,17 +153,20 @@ class GenerationEngine:
         # kv heads over "tensor") or on their single device. Host inputs are put there too.
         home = params["embed"].sharding
         self._mesh = home.mesh if isinstance(home, NamedSharding) else None
+        check_mesh(cfg, ec, self._mesh)
+        self._data = mesh_sizes(self._mesh)[0]  # prefill and re-prefill rows are multiples of it
         dtype = jnp.dtype(ec.cache_dtype) if ec.cache_dtype else params["embed"].dtype
         layer_shape = (ec.num_slots, cfg.num_kv_heads, ec.max_seq_len, cfg.head_dim)  # [B, K, S, H]
         if self._mesh is not None:
             self._inputs_sharding = NamedSharding(self._mesh, PartitionSpec())
-            cache_sharding = sharding_for(("cache_slots", "kv_heads", "cache_seq", "head_dim"),
-                                          GENERATION_RULES, self._mesh, layer_shape)
+            layer_sharding = cache_sharding(cfg, ec, self._mesh)
+            self._param_shardings = param_shardings(cfg, self._mesh, split=True)
         else:
-            self._inputs_sharding = cache_sharding = SingleDeviceSharding(next(iter(home.device_set)))
+            self._inputs_sharding = layer_sharding = SingleDeviceSharding(next(iter(home.device_set)))
+            self._param_shardings = None
         # The cache lives per layer (tuples of L `[B, K, S, H]` buffers), the layout the decode loop
         # updates in place: a stacked cache would be split and re-stacked (copied) on every chunk.
-        zeros = jax.jit(lambda: jnp.zeros(layer_shape, dtype), out_shardings=cache_sharding)
+        zeros = jax.jit(lambda: jnp.zeros(layer_shape, dtype), out_shardings=layer_sharding)
         self._cache = KVCache(tuple(zeros() for _ in range(cfg.num_layers)),
                               tuple(zeros() for _ in range(cfg.num_layers)))
         B = ec.num_slots
@@ -272,8 +191,13 @@ class GenerationEngine:
         self._thread: threading.Thread | None = None
         self._stop_event = threading.Event()
         self._paused = False
-        self._build_programs()
-        self._params = self._split_fn(params)
+        self._programs: EnginePrograms = build_programs(cfg, ec, dtype, mesh=self._mesh, counts=self.compile_counts)
+        # Shapes and dtypes of the per-layer weights: every later swap must match them (a mismatch
+        # would silently compile every program again, at other sizes).
+        self._param_avals = _shapes(params)
+        self._params: Params | None = None
+        with self._placement():
+            self._install_weights(params)
 
     # ---- public API ---------------------------------------------------------------------------
 
@@ -325,7 +249,13 @@ class GenerationEngine:
                 self._lock.notify_all()
 
     def update_weights(self, params: Params, version: int) -> concurrent.futures.Future:
-        """Hands new weights to the engine; the returned future resolves once they are in use."""
+        """Hands new weights to the engine; the returned future resolves once they are in use.
+
+        `params` stacked or split (see the constructor), of the served weights' shapes and dtypes.
+        At the swap the old weights are dropped before the new ones are installed: split weights
+        laid out as the engine holds them are used as they are, so a swap holds the old copy and the
+        incoming one, never more; stacked weights are split after the old copy is gone (the engine
+        then holds the split copy while the caller may still hold the stacked one)."""
         done: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if self._pending_weights is not None:  # a newer push supersedes one not yet applied
@@ -465,7 +395,12 @@ class GenerationEngine:
         params, version, done = pending
         with self._lock:
             self._pending_weights = None
-        self._params, self._version = self._split_fn(params), version
+            for req in self._queue:  # queued groups' prefill blocks hold old-weight keys and values
+                req.prefix = None
+        del pending
+        self._install_weights(params)
+        del params  # the caller's reference, if any, is the only one left
+        self._version = version
         self._stats.weight_swaps += 1
         # Interrupted samples: recompute their KV cache from prompt + tokens so far (all but the
         # last token, which is the next decode input) under the new weights, in batched calls.
@@ -480,17 +415,29 @@ class GenerationEngine:
         by_bucket: dict[int, list[int]] = collections.defaultdict(list)
         for slot in sorted((s for s in active if histories[s].size > width), key=lambda s: histories[s].size):
             by_bucket[self.config.bucket(histories[slot].size)].append(slot)
-        for slots in by_bucket.values():
-            for start in range(0, len(slots), self.config.max_prefill_batch):
-                part = slots[start:start + self.config.max_prefill_batch]
-                block, _ = self._prefill([histories[slot] for slot in part])
-                self._insert(block, list(enumerate(part)))
+        for bucket, slots in by_bucket.items():
+            most = self.config.max_prefill_prompts(bucket, self._data)
+            for start in range(0, len(slots), most):
+                part = slots[start:start + most]
+                self._insert(self._prefill([histories[slot] for slot in part]), list(enumerate(part)))
         self._stats.reprefill_tokens += sum(h.size for h in histories.values())
-        with self._lock:  # queued groups' prefill blocks hold old-weight keys and values
-            for req in self._queue:
-                req.prefix = None
         done.set_result(True)
         return False
+
+    def _install_weights(self, params: Params) -> None:
+        """Makes `params` (stacked or split) the served weights, holding at most two copies: the
+        old weights are released first (a running program keeps its own reference until it ends)."""
+        got = _shapes(params)
+        if got != self._param_avals:
+            raise ValueError("new weights do not match the served ones in layout, shapes or dtypes (stacked or "
+                             f"split weights of the same model): got {got}, serving {self._param_avals}")
+        if self._mesh is None:  # on the engine's device (a put only if they are elsewhere)
+            params = placed_like(params, jax.tree.map(lambda _: self._inputs_sharding, params))
+        self._params = None
+        if isinstance(params["layers"], tuple):  # already per layer: used as they lie when laid out so
+            self._params = params if self._mesh is None else placed_like(params, self._param_shardings)
+        else:
+            self._params = self._programs.split(params)
 
     def _admit(self) -> None:
         """Fills free slots from the queue head: one program per prefill call prefills the prompts,
@@ -527,8 +474,9 @@ class GenerationEngine:
         every row to its longest prompt) or that holds a prefill already."""
         with self._lock:
             batch, room = [], free_slots
+            most = self.config.max_prefill_prompts(self._queue[0].prompt.size, self._data) if self._queue else 0
             for req in self._queue:
-                if len(batch) == self.config.max_prefill_batch or room <= 0 or req.prefix is not None:
+                if len(batch) == most or room <= 0 or req.prefix is not None:
                     break
                 if batch and self.config.bucket(req.prompt.size) != self.config.bucket(batch[0].prompt.size):
                     break
@@ -544,7 +492,7 @@ class GenerationEngine:
             plan += [(slot, r, index, row) for slot, r, index in started]
         t0 = time.perf_counter()
         padded, lengths = self._padded_rows([req.prompt for req in batch])
-        self._cache, block, logits, tokens, logprobs = self._prefill_start_fn(
+        self._cache, block, logits, tokens, logprobs = self._programs.prefill_start(
             self._params, self._cache, *self._put(padded, lengths, *self._start_arrays(plan)))
         tokens, logprobs = jax.device_get((tokens, logprobs))
         self._stats.prefill_s += time.perf_counter() - t0
@@ -561,8 +509,8 @@ class GenerationEngine:
         started, free = self._assign(req, free)
         plan = [(slot, r, index, row) for slot, r, index in started]
         rows, slots, keys, positions, temperature, top_p, top_k = self._start_arrays(plan)
-        self._cache = self._insert_fn(self._cache, block, *self._put(rows, slots))
-        tokens, logprobs = jax.device_get(self._first_tokens_fn(
+        self._cache = self._programs.insert(self._cache, block, *self._put(rows, slots))
+        tokens, logprobs = jax.device_get(self._programs.first_tokens(
             logits, *self._put(rows, keys, positions, temperature, top_p, top_k)))
         for (slot, _, index, _), token, logprob in zip(plan, tokens, logprobs):
             self._start_sample(slot, req, index, int(token), float(logprob))
@@ -612,7 +560,7 @@ class GenerationEngine:
         # Positions reached by the end of the chunk: the attention window must hold them.
         window = ec.decode_window(int(self._positions[active].max()) + ec.decode_chunk)
         t0 = time.perf_counter()
-        self._cache, out = self._decode_fn(self._params, self._cache, *self._put(
+        self._cache, out = self._programs.decode(self._params, self._cache, *self._put(
             self._tokens, self._positions, active, self._remaining, self._temperature, self._top_p, self._top_k,
             self._stop_ids, self._slot_keys, np.int32(exit_free)), window=window)
         tokens, logprobs, valid, steps = (np.asarray(x) for x in jax.device_get(out))  # [B, C] each; steps []
@@ -672,119 +620,21 @@ class GenerationEngine:
             except concurrent.futures.InvalidStateError:
                 pass
 
-    # ---- compiled programs --------------------------------------------------------------------
-
-    def _build_programs(self) -> None:
-        cfg, ec = self.model_config, self.config
-        counts = self.compile_counts
-
-        def prefill(params, tokens, lengths):
-            R, P = tokens.shape
-            idx = jnp.arange(P)[None, :]
-            positions = jnp.where(idx < lengths[:, None], idx, -1)  # padding writes nothing
-            block = KVCache.zeros(cfg, R, P, self._cache.k[0].dtype).per_layer()
-            hidden, block = forward(params, cfg, tokens, positions, cache=block, return_hidden=True)
-            # Only the last prompt position needs logits: the LM head over all P would be ~40% of
-            # a small model's prefill FLOPs.
-            last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)  # [R, 1, D]
-            return block, lm_head(params, cfg, last)[:, 0]  # [R, V]
-
-        def insert(cache, block, rows, slots):
-            """Block row rows[i] into cache slot slots[i], positions [0, P); `[num_slots]` index
-            arrays, padded with slot num_slots (out of range: dropped), so one program per block shape."""
-
-            def put(layers, src):  # each block layer `[R, K, P, H]`, each cache layer `[B, K, S, H]`
-                return tuple(dst.at[slots, :, :part.shape[2]].set(part[rows], mode="drop")
-                             for dst, part in zip(layers, src))
-
-            return KVCache(put(cache.k, block.k), put(cache.v, block.v))
-
-        def first_tokens(all_logits, rows, key_data, positions, temperature, top_p, top_k):
-            keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(key_data), positions)
-            return sample_tokens(all_logits[rows], keys, temperature, top_p, top_k)
-
-        def prefill_start(params, cache, tokens, lengths, rows, slots, key_data, positions, temperature, top_p,
-                          top_k):
-            """Prefill, copy row rows[i] into slot slots[i] and sample that sample's first token:
-            admission in one program (three calls and host round trips otherwise)."""
-            counts["prefill"] += 1  # runs once per trace, i.e. per compilation
-            block, logits = prefill(params, tokens, lengths)
-            first, logprobs = first_tokens(logits, rows, key_data, positions, temperature, top_p, top_k)
-            return insert(cache, block, rows, slots), block, logits, first, logprobs
-
-        def counted(name, fn):
-            def run(*args):
-                counts[name] += 1
-                return fn(*args)
-            return run
-
-        def decode(params, cache, tokens, positions, active, remaining, temperature, top_p, top_k, stop_ids,
-                   key_data, exit_free, *, window):
-            """Up to `decode_chunk` steps for all slots; stops after the step that leaves every slot
-            done or at least `exit_free` slots free. Outputs `[B, C]`; steps past the exit are invalid.
-            Attention reads cache positions [0, window) (static; every position reached is below it)."""
-            counts["decode"] += 1
-            B, C, S = tokens.shape[0], ec.decode_chunk, cache.k[0].shape[2]
-            slot_keys = jax.random.wrap_key_data(key_data)
-
-            def step(carry):
-                cache, tokens, positions, active, remaining, i, out = carry
-                pos = jnp.where(active, positions, -1)
-                logits, cache = forward(params, cfg, tokens[:, None], pos[:, None], cache=cache,
-                                        cache_window=window)
-                # The token sampled from the input at position p uses the slot's key folded with p.
-                keys = jax.vmap(jax.random.fold_in)(slot_keys, positions)
-                new, lp = sample_tokens(logits[:, 0], keys, temperature, top_p, top_k)
-                valid = active
-                positions = positions + valid
-                remaining = remaining - valid
-                hit_stop = jnp.any(new[:, None] == stop_ids, axis=-1)
-                done = hit_stop | (remaining <= 0) | (positions >= S - 1)
-                tokens = jnp.where(valid, new, tokens)
-                out = tuple(jax.lax.dynamic_update_index_in_dim(buf, x, i, axis=0)
-                            for buf, x in zip(out, (new, lp, valid)))
-                return cache, tokens, positions, active & ~done, remaining, i + 1, out
-
-            def keep_going(carry):
-                active, i = carry[3], carry[5]
-                return (i < C) & jnp.any(active) & (jnp.sum(~active) < exit_free)
-
-            out = (jnp.zeros((C, B), jnp.int32), jnp.zeros((C, B), jnp.float32), jnp.zeros((C, B), bool))
-            carry = (cache, tokens, positions, active, remaining, jnp.int32(0), out)
-            cache, *_, steps, (new, lp, valid) = jax.lax.while_loop(keep_going, step, carry)
-            return cache, (new.T, lp.T, valid.T, steps)  # [B, C] each, []
-
-        # Weights are held per layer (`split_layers`), as the unrolled prefill and decode read
-        # them: split once per weight swap instead of once per call.
-        self._split_fn = jax.jit(split_layers)
-        self._prefill_fn = jax.jit(counted("prefill", prefill))  # long histories after a swap
-        self._prefill_start_fn = jax.jit(prefill_start, donate_argnums=(1,))
-        self._insert_fn = jax.jit(counted("insert", insert), donate_argnums=(0,))
-        self._first_tokens_fn = jax.jit(counted("first_tokens", first_tokens))
-        self._decode_fn = jax.jit(decode, donate_argnums=(1,), static_argnames=("window",))
-
-        def reprefill(params, cache, tokens, segment_ids, slot_ids):
-            counts["reprefill"] += 1
-            return prefill_into_slots(params, cfg, tokens, segment_ids, slot_ids, cache)
-
-        self._reprefill_fn = jax.jit(reprefill, donate_argnums=(1,))
-
-    def _prefill(self, seqs: list[np.ndarray]) -> tuple[KVCache, jax.Array]:
-        """KV block (per layer `[R, K, P, H]`) and last-position logits `[R, V]` of `seqs` (row i = seqs[i]).
-
-        R and P are bucketed (powers of two rows, prefill_buckets lengths): few compiled programs.
-        """
+    def _prefill(self, seqs: list[np.ndarray]) -> KVCache:
+        """KV block (per layer `[R, K, P, H]`) of `seqs` (row i = seqs[i]); R and P bucketed."""
         t0 = time.perf_counter()
-        block, logits = self._prefill_fn(self._params, *self._put(*self._padded_rows(seqs)))
-        jax.block_until_ready(logits)
+        block = self._programs.prefill(self._params, *self._put(*self._padded_rows(seqs)))
+        jax.block_until_ready(block)
         self._stats.prefill_s += time.perf_counter() - t0
         self._stats.prefill_tokens += sum(s.size for s in seqs)
-        return block, logits
+        return block
 
     def _padded_rows(self, seqs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """Prefill inputs for `seqs`: tokens `[R, P]` (R a row bucket, P the longest one's length
-        bucket, zero-padded) and lengths `[R]` (unused rows: one dummy token)."""
-        rows, width = self.config.batch_bucket(len(seqs)), self.config.bucket(max(s.size for s in seqs))
+        """Prefill inputs for `seqs`: tokens `[R, P]` (P the longest one's length bucket, zero-padded;
+        R a row count for that bucket, a multiple of the data size) and lengths `[R]` (unused rows:
+        one dummy token)."""
+        width = self.config.bucket(max(s.size for s in seqs))
+        rows = self.config.prefill_rows(len(seqs), width, self._data)
         padded = np.zeros((rows, width), np.int32)
         lengths = np.ones(rows, np.int32)
         for i, s in enumerate(seqs):
@@ -794,16 +644,17 @@ class GenerationEngine:
 
     def _reprefill_packed(self, histories: dict[int, np.ndarray]) -> None:
         """Recomputes the cache of slots from their histories (slot -> tokens), packed first-fit-
-        decreasing into rows of `pack_width` tokens, max_prefill_batch rows per call."""
+        decreasing into rows of `pack_width` tokens, `max_pack_rows` rows per call."""
         if not histories:
             return
         t0 = time.perf_counter()
         ec = self.config
         slots = sorted(histories)
         bins = ffd_allocate([histories[slot].size for slot in slots], ec.pack_width)
-        for start in range(0, len(bins), ec.max_prefill_batch):
-            part = bins[start:start + ec.max_prefill_batch]
-            rows = ec.pack_rows_bucket(len(part))
+        most = ec.max_pack_rows(self._data)
+        for start in range(0, len(bins), most):
+            part = bins[start:start + most]
+            rows = ec.pack_rows(len(part), self._data)
             ids, segments, dest = (np.zeros((rows, ec.pack_width), np.int32) for _ in range(3))
             for r, members in enumerate(part):
                 at = 0
@@ -811,7 +662,7 @@ class GenerationEngine:
                     h = histories[slots[i]]
                     ids[r, at:at + h.size], segments[r, at:at + h.size], dest[r, at:at + h.size] = h, j + 1, slots[i]
                     at += h.size
-            self._cache = self._reprefill_fn(self._params, self._cache, *self._put(ids, segments, dest))
+            self._cache = self._programs.reprefill(self._params, self._cache, *self._put(ids, segments, dest))
         jax.block_until_ready(self._cache.k[0])
         self._stats.prefill_s += time.perf_counter() - t0
         self._stats.prefill_tokens += sum(h.size for h in histories.values())
@@ -822,8 +673,13 @@ class GenerationEngine:
         rows, slots = np.zeros(B, np.int32), np.full(B, B, np.int32)
         for i, (row, slot) in enumerate(placements):
             rows[i], slots[i] = row, slot
-        self._cache = self._insert_fn(self._cache, block, *self._put(rows, slots))
+        self._cache = self._programs.insert(self._cache, block, *self._put(rows, slots))
 
     def _sample_key(self, request_seed: int, index: int) -> np.ndarray:
         return np.random.SeedSequence([self.config.seed, request_seed & 0xFFFFFFFF, request_seed >> 32, index]
                                       ).generate_state(2, np.uint32)
+
+
+def _shapes(params: Params) -> Any:
+    """(shape, dtype) of every weight in the per-layer layout, whichever layout `params` has."""
+    return jax.tree.map(lambda a: (tuple(a.shape), jnp.dtype(a.dtype)), jax.eval_shape(split_layers, params))

@@ -6,7 +6,11 @@ Shapes: q `[B, T, N, H]`, k/v `[B, S, K, H]`, mask `[B, T, S]` (True = may atten
 heads-first `[B, K, S, H]` as in the KV cache; it serves decoding, where T is a few tokens and S
 the cache length. `attention` is the same formula for `[B, S, K, H]` keys.
 
-`causal_attention` serves training and prefill (T == S, causal mask). On CPU the dense score
+`chunk_attention` serves the engine's prefill, which runs a prompt in query chunks: a chunk
+attends to its own keys (causal) and to the earlier keys already in its KV block, read in blocks
+with an online softmax, so no score tensor is larger than `[B, K, G*T, block]`.
+
+`causal_attention` serves training and packed prefill (T == S, causal mask). On CPU the dense score
 tensor of a 512-token row is tens of MB per layer and every softmax pass over it is memory-bound,
 while half of it lies above the diagonal. Here query block [i, e) only meets keys [0, e): about
 half the work of the dense product for 16 blocks, and each block's scores are small enough to
@@ -123,3 +127,48 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, 
         qb = _fold_heads(q[:, start:end], K)
         outs.append(_unfold_heads(_block(qb, kt[:, :, :end], vt[:, :, :end], mask[:, start:end, :end], G), N))
     return jnp.concatenate(outs, axis=1)
+
+
+def chunk_attention(q: jax.Array, k: jax.Array, v: jax.Array, ck: jax.Array, cv: jax.Array, start: jax.Array | int,
+                    block: int) -> jax.Array:
+    """Causal attention of a query chunk over its own keys and every earlier key of its rows.
+
+    q `[B, T, N, H]` at positions [start, start + T); k/v `[B, T, K, H]` the chunk's own keys;
+    ck/cv `[B, K, S, H]` (heads-first, the KV cache layout) hold the keys of positions [0, start),
+    read in `block`-long slices (`start` a multiple of `block`, traced or static) with an online
+    softmax in fp32. -> `[B, T, N, H]`. Equals dense attention over positions [0, start + t] for
+    query t, within fp32 rounding. Every query sees at least itself, so no row is empty.
+    """
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    G = N // K
+    qf = _fold_heads(q, K)  # [B, K, G*T, H]
+    scale = H ** -0.5
+
+    def scores(keys):  # keys [B, K, Sk, H] -> [B, K, G, T, Sk] fp32
+        s = jnp.einsum("bkqh,bksh->bkqs", qf, keys.astype(q.dtype), preferred_element_type=jnp.float32) * scale
+        return s.reshape(B, K, G, T, -1)
+
+    def accumulate(s, values):  # (unnormalized probabilities, their row max) and p @ values
+        peak = jnp.max(s, axis=-1, keepdims=True)
+        p = jnp.exp(s - peak)
+        out = jnp.einsum("bkqs,bksh->bkqh", p.astype(v.dtype).reshape(B, K, G * T, -1), values.astype(v.dtype),
+                         preferred_element_type=jnp.float32).reshape(B, K, G, T, H)
+        return peak, jnp.sum(p, axis=-1, keepdims=True), out
+
+    causal = jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]  # [T, T]: key j <= query i
+    s = jnp.where(causal, scores(k.transpose(0, 2, 1, 3)), _NEG)
+    peak, total, out = accumulate(s, v.transpose(0, 2, 1, 3))
+
+    def earlier(i, carry):  # merge key block i (positions [i*block, (i+1)*block), all before the chunk)
+        peak, total, out = carry
+        kb = jax.lax.dynamic_slice_in_dim(ck, i * block, block, axis=2)
+        vb = jax.lax.dynamic_slice_in_dim(cv, i * block, block, axis=2)
+        b_peak, b_total, b_out = accumulate(scores(kb), vb)
+        new_peak = jnp.maximum(peak, b_peak)
+        old, new = jnp.exp(peak - new_peak), jnp.exp(b_peak - new_peak)
+        return new_peak, total * old + b_total * new, out * old + b_out * new
+
+    if not (isinstance(start, int) and start == 0):
+        peak, total, out = jax.lax.fori_loop(0, start // block, earlier, (peak, total, out))
+    return _unfold_heads((out / total).reshape(B, K, G * T, H).astype(v.dtype), N)

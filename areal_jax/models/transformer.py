@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from areal_jax.models.attention import cached_attention, causal_attention
+from areal_jax.models.attention import cached_attention, causal_attention, chunk_attention
 from areal_jax.models.config import ModelConfig, rope_inverse_frequencies
 from areal_jax.models.sharding import constrain
 
@@ -206,10 +206,8 @@ def project(x: jax.Array, w: jax.Array, preferred_element_type=None) -> jax.Arra
     return out.reshape(B, T, *w.shape[1:])
 
 
-def _layer(cfg: ModelConfig, rope: Rotary, x, p, mask, cache_kv, write_index, compute_dtype):
-    """One decoder layer. x `[B, T, D]`; cache_kv = (k, v) `[B, K, S, H]` of this layer or None;
-    with a cache, attention reads its first `mask.shape[-1]` positions. Returns the new x and the
-    updated cache layer, or without a cache this layer's keys and values `[B, T, K, H]`."""
+def _attention_inputs(cfg: ModelConfig, rope: Rotary, x, p, compute_dtype):
+    """Queries `[B, T, N, H]`, keys and values `[B, T, K, H]` of one layer (normed, biased, rotated)."""
     cast = lambda a: a.astype(compute_dtype)  # noqa: E731
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
     q = project(h, cast(p["wq"]))  # [B, T, N, H]
@@ -222,18 +220,12 @@ def _layer(cfg: ModelConfig, rope: Rotary, x, p, mask, cache_kv, write_index, co
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
     q = rotary(q, rope)
     k = rotary(k, rope)
-    q = constrain(q, ("batch", "seq", "act_heads", "head_dim"))
-    if cache_kv is None:
-        attn = causal_attention(q, k, v, mask)
-        new_kv = (k, v)
-    else:
-        ck, cv = cache_kv  # [B, K, S, H]; write_index [B, T] puts token t of row b at [b, :, index]
-        rows = jnp.arange(x.shape[0])[:, None]
-        ck = ck.at[rows, :, write_index].set(k.astype(ck.dtype), mode="drop")
-        cv = cv.at[rows, :, write_index].set(v.astype(cv.dtype), mode="drop")
-        W = mask.shape[-1]  # keys past the window are never attended to: not read at all
-        attn = cached_attention(q, ck[:, :, :W].astype(compute_dtype), cv[:, :, :W].astype(compute_dtype), mask)
-        new_kv = (ck, cv)
+    return constrain(q, ("batch", "seq", "act_heads", "head_dim")), k, v
+
+
+def _layer_output(cfg: ModelConfig, x, attn, p, compute_dtype):
+    """The rest of a layer after attention (`attn [B, T, N, H]`): output projection, residual, MLP."""
+    cast = lambda a: a.astype(compute_dtype)  # noqa: E731
     # One contraction axis (N*H): with two, XLA CPU transposes wo and the activations per call.
     out = project(attn.reshape(*attn.shape[:2], -1), cast(p["wo"]).reshape(-1, x.shape[-1]))
     if cfg.o_bias:
@@ -249,7 +241,26 @@ def _layer(cfg: ModelConfig, rope: Rotary, x, p, mask, cache_kv, write_index, co
     down = project(act, cast(p["w_down"]))
     if cfg.mlp_bias:
         down = down + cast(p["b_down"])
-    return constrain(x + down, ("batch", "seq", "act_embed")), new_kv
+    return constrain(x + down, ("batch", "seq", "act_embed"))
+
+
+def _layer(cfg: ModelConfig, rope: Rotary, x, p, mask, cache_kv, write_index, compute_dtype):
+    """One decoder layer. x `[B, T, D]`; cache_kv = (k, v) `[B, K, S, H]` of this layer or None;
+    with a cache, attention reads its first `mask.shape[-1]` positions. Returns the new x and the
+    updated cache layer, or without a cache this layer's keys and values `[B, T, K, H]`."""
+    q, k, v = _attention_inputs(cfg, rope, x, p, compute_dtype)
+    if cache_kv is None:
+        attn = causal_attention(q, k, v, mask)
+        new_kv = (k, v)
+    else:
+        ck, cv = cache_kv  # [B, K, S, H]; write_index [B, T] puts token t of row b at [b, :, index]
+        rows = jnp.arange(x.shape[0])[:, None]
+        ck = ck.at[rows, :, write_index].set(k.astype(ck.dtype), mode="drop")
+        cv = cv.at[rows, :, write_index].set(v.astype(cv.dtype), mode="drop")
+        W = mask.shape[-1]  # keys past the window are never attended to: not read at all
+        attn = cached_attention(q, ck[:, :, :W].astype(compute_dtype), cv[:, :, :W].astype(compute_dtype), mask)
+        new_kv = (ck, cv)
+    return _layer_output(cfg, x, attn, p, compute_dtype), new_kv
 
 
 _REMAT_POLICIES = {
@@ -380,6 +391,67 @@ def prefill_into_slots(params: Params, cfg: ModelConfig, input_ids: jax.Array, s
         new_k.append(ck.at[dest, :, positions].set(k.astype(ck.dtype), mode="drop"))
         new_v.append(cv.at[dest, :, positions].set(v.astype(cv.dtype), mode="drop"))
     return KVCache(tuple(new_k), tuple(new_v))
+
+
+def prefill_block(params: Params, cfg: ModelConfig, input_ids: jax.Array, lengths: jax.Array, *, chunk: int,
+                  cache_dtype, compute_dtype=None) -> tuple[KVCache, jax.Array]:
+    """Prefills rows into a fresh per-layer KV block, `chunk` query tokens at a time.
+
+    input_ids `[R, P]` (row r holds `lengths[r]` tokens at positions 0.. and padding after) ->
+    (KVCache of L `[R, K, P, H]` blocks holding each row's keys and values, zeros past its length;
+    final-norm hidden state of each row's last token `[R, D]`). Chunk c (a `lax.scan` step; a
+    shorter last chunk runs after the scan) writes its keys into the block and attends to itself
+    and to the earlier positions already there (`chunk_attention`), so no intermediate is larger
+    than `[R, chunk, ...]` activations and `[R, K, G*chunk, chunk]` scores: a dense prefill's
+    `[R, K, G*P, P]` fp32 scores are tens of GB for a 16k-token history. Equals the cached
+    `forward` over the whole row (cache and last-token hidden state) within fp32 rounding.
+    """
+    R, P = input_ids.shape
+    compute_dtype = compute_dtype or params["embed"].dtype
+    layers = split_layers(params)["layers"]
+    C = min(chunk, P)
+    full, tail = divmod(P, C)
+    shape = (R, cfg.num_kv_heads, P, cfg.head_dim)
+    zeros = lambda: constrain(jnp.zeros(shape, cache_dtype), ("batch", "kv_heads", None, "head_dim"))  # noqa: E731
+
+    def run(carry, ids, start):
+        """One chunk `ids [R, Cq]` at positions [start, start + Cq) (start: int or traced)."""
+        block_k, block_v, last = carry
+        Cq = ids.shape[1]
+        positions = jnp.broadcast_to(start + jnp.arange(Cq, dtype=jnp.int32), (R, Cq))
+        valid = (positions < lengths[:, None])[:, :, None, None]
+        rope = Rotary.at(cfg, positions)
+        x = _embed(params, ids, compute_dtype)
+        new_k, new_v = [], []
+        for p, ck, cv in zip(layers, block_k, block_v, strict=True):
+            q, k, v = _attention_inputs(cfg, rope, x, p, compute_dtype)
+            # Rounded to the cache dtype first: the chunk attends to its keys as they will be stored.
+            k, v = (jnp.where(valid, a, 0).astype(cache_dtype) for a in (k, v))  # padding stores zeros
+            attn = chunk_attention(q, k.astype(compute_dtype), v.astype(compute_dtype), ck, cv, start, C)
+            new_k.append(jax.lax.dynamic_update_slice_in_dim(ck, k.transpose(0, 2, 1, 3), start, axis=2))
+            new_v.append(jax.lax.dynamic_update_slice_in_dim(cv, v.transpose(0, 2, 1, 3), start, axis=2))
+            x = _layer_output(cfg, x, attn, p, compute_dtype)
+        at = lengths - 1 - start  # the row's last token, if this chunk holds it
+        here = (at >= 0) & (at < Cq)
+        picked = jnp.take_along_axis(x, jnp.clip(at, 0, Cq - 1)[:, None, None], axis=1)[:, 0]
+        return tuple(new_k), tuple(new_v), jnp.where(here[:, None], picked, last)
+
+    carry = (tuple(zeros() for _ in layers), tuple(zeros() for _ in layers),
+             jnp.zeros((R, cfg.hidden_size), compute_dtype))
+    if full == 1:
+        carry = run(carry, input_ids[:, :C], 0)
+    else:  # one compiled chunk, whatever the length
+        chunks = input_ids[:, :full * C].reshape(R, full, C).transpose(1, 0, 2)  # [chunks, R, C]
+
+        def body(carry, xs):
+            ids, c = xs
+            return run(carry, ids, c * C), None
+
+        carry, _ = jax.lax.scan(body, carry, (chunks, jnp.arange(full, dtype=jnp.int32)))
+    if tail:
+        carry = run(carry, input_ids[:, full * C:], full * C)
+    block_k, block_v, last = carry
+    return KVCache(block_k, block_v), rms_norm(last, params["final_norm"], cfg.rms_norm_eps)
 
 
 def lm_head(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:

@@ -1,0 +1,154 @@
+"""EngineConfig: the engine's shapes, and the row counts of its batched calls on a data-parallel mesh.
+
+Every compiled program of the engine is sized from here (generation/programs.py lists them): the
+decode slots B and cache length S, the prompt length buckets P, the decode windows W and the row
+counts R of prefill and re-prefill calls. On a generation mesh with `data` replicas every batch
+dimension is a multiple of `data`, so each replica holds its share of slots and prefills its share
+of rows (a dimension the mesh does not divide would be replicated, models/sharding.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Engine shape. Compiled programs: one decode chunk per window, a prefill per (bucket, rows)."""
+
+    num_slots: int = 8  # B; on a generation mesh a multiple of its "data" size
+    max_seq_len: int = 512  # prompt + completion tokens of one sample; the KV cache length S
+    decode_chunk: int = 8  # decode steps per jitted chunk at most: the granularity of refills and swaps
+    # A chunk ends early once this many slots have finished while requests wait in the queue, so
+    # freed slots are refilled without idling to the chunk's end. 0 (default): chunks run in full
+    # unless every slot is done. Early refills mean more, smaller prefill calls: on the 2-core CPU
+    # benchmark (16 slots, chunk 16) 2, 4 or 8 were within noise of 0 (docs/benchmarks.md).
+    refill_after: int = 0
+    # Cache lengths a decode chunk may attend over (one compiled chunk each): a chunk reads only
+    # the smallest window that holds every active slot's sequence, not the whole cache. Default:
+    # powers of two from 128 below max_seq_len, then max_seq_len.
+    decode_windows: tuple[int, ...] = ()
+    prefill_buckets: tuple[int, ...] = ()  # default: powers of two from 16, capped by max_seq_len
+    # Most prompts prefilled together in one call (rounded up to a multiple of the data size). A
+    # call's rows per data replica are the next power of four, so each prompt length bucket compiles
+    # a few row counts. Large calls matter when many slots free at once (the start, a static batch):
+    # 64 prompts in calls of 32 rows instead of 8 took ~30% less prefill time on the 2-core CPU
+    # benchmark (bench/generation_throughput.py).
+    max_prefill_batch: int = 32
+    # Most tokens (rows x bucket length) one data replica prefills in one call, at least one row:
+    # bounds a prefill's activations and the KV block it returns, so long prompts and long
+    # re-prefilled histories go a few rows per call instead of max_prefill_batch.
+    max_prefill_tokens: int = 16384
+    # A prefill runs its rows in chunks of this many query tokens (a scan; attention reads the
+    # earlier keys in blocks of this length with an online softmax): memory O(chunk x chunk) per
+    # row and head instead of a dense [P, P] score tensor.
+    prefill_chunk: int = 512
+    # After a weight swap, in-flight histories up to this many tokens are re-prefilled packed
+    # several to a row of this width (at most max_seq_len), written straight into their slots:
+    # one call for a whole swap instead of a prefill and an insert per length bucket. Longer
+    # histories are prefilled by length bucket (a wide packed row would attend over all of it).
+    reprefill_pack_width: int = 512
+    interruptible: bool = True
+    cache_dtype: str | None = None  # default: the dtype of the weights
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("num_slots", "max_seq_len", "decode_chunk", "max_prefill_batch", "reprefill_pack_width",
+                     "max_prefill_tokens", "prefill_chunk"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {v!r}")
+        if not isinstance(self.refill_after, int) or self.refill_after < 0:
+            raise ValueError(f"EngineConfig.refill_after must be an int >= 0, got {self.refill_after!r}")
+        if self.max_seq_len < 2:
+            raise ValueError("EngineConfig.max_seq_len must be >= 2 (one prompt token and one generated)")
+        buckets = tuple(sorted(set(self.prefill_buckets))) or _default_buckets(self.max_seq_len)
+        if buckets[-1] < self.max_seq_len - 1 or any(b < 1 for b in buckets):
+            raise ValueError(f"prefill_buckets {buckets} must be >= 1 and cover max_seq_len - 1 = "
+                             f"{self.max_seq_len - 1}")
+        object.__setattr__(self, "prefill_buckets", tuple(b for b in buckets if b < self.max_seq_len)
+                           + ((self.max_seq_len,) if buckets[-1] >= self.max_seq_len else ()))
+        windows = tuple(sorted(set(self.decode_windows))) or _default_buckets(self.max_seq_len, start=128)
+        if any(not isinstance(w, int) or not 0 < w <= self.max_seq_len for w in windows):
+            raise ValueError(f"decode_windows {windows} must be ints in [1, max_seq_len = {self.max_seq_len}]")
+        object.__setattr__(self, "decode_windows", tuple(w for w in windows if w < self.max_seq_len)
+                           + (self.max_seq_len,))
+
+    def bucket(self, length: int) -> int:
+        return next(b for b in self.prefill_buckets if b >= length)
+
+    def decode_window(self, needed: int) -> int:
+        """Cache positions a decode chunk attends over when its sequences need `needed` of them."""
+        return next((w for w in self.decode_windows if w >= needed), self.max_seq_len)
+
+    @property
+    def pack_width(self) -> int:
+        """Row width of packed re-prefill calls."""
+        return min(self.reprefill_pack_width, self.max_seq_len)
+
+    # ---- row counts: R = data x (rows per replica) ----------------------------------------------
+
+    def _rows_per_replica_max(self, length: int, data: int) -> int:
+        return max(1, min(-(-self.max_prefill_batch // data), self.max_prefill_tokens // length))
+
+    def max_prefill_prompts(self, length: int, data: int = 1) -> int:
+        """Most prompts (or histories) of length bucket `bucket(length)` in one prefill call."""
+        return data * self._rows_per_replica_max(self.bucket(length), data)
+
+    def prefill_rows(self, n: int, length: int, data: int = 1) -> int:
+        """Rows R of a prefill call for n prompts of bucket `bucket(length)`: per data replica the
+        next power of four (1, 4, 16, ...) of its share, at most the call's maximum. Padding rows
+        cost little next to the programs finer steps would compile."""
+        if not 1 <= n <= self.max_prefill_prompts(length, data):
+            raise ValueError(f"a prefill call of length {length} takes 1 to "
+                             f"{self.max_prefill_prompts(length, data)} prompts, got {n}")
+        return data * _round_up_pow(-(-n // data), 4, self._rows_per_replica_max(self.bucket(length), data))
+
+    def prefill_row_counts(self, length: int, data: int = 1) -> tuple[int, ...]:
+        """Every row count `prefill_rows` gives at bucket `bucket(length)` for at most num_slots prompts."""
+        most = min(self.max_prefill_prompts(length, data), self.num_slots)
+        return tuple(sorted({self.prefill_rows(n, length, data) for n in range(1, most + 1)}))
+
+    @property
+    def prefill_batch_buckets(self) -> tuple[int, ...]:
+        """Row counts of calls of the shortest bucket on one device (what a benchmark warms up)."""
+        return self.prefill_row_counts(self.prefill_buckets[0])
+
+    def max_pack_rows(self, data: int = 1) -> int:
+        """Most packed rows in one re-prefill call."""
+        return data * self._rows_per_replica_max(self.pack_width, data)
+
+    def pack_rows(self, n: int, data: int = 1) -> int:
+        """Rows of a packed re-prefill call holding n packed rows: per data replica the next power of
+        two of its share (packed rows are full, so finer steps than prefill's pay)."""
+        if not 1 <= n <= self.max_pack_rows(data):
+            raise ValueError(f"a packed call takes 1 to {self.max_pack_rows(data)} rows, got {n}")
+        return data * _round_up_pow(-(-n // data), 2, self._rows_per_replica_max(self.pack_width, data))
+
+    def pack_row_counts(self, data: int = 1) -> tuple[int, ...]:
+        """Every row count `pack_rows` gives for at most num_slots histories (one row each at most)."""
+        most = min(self.max_pack_rows(data), self.num_slots)
+        return tuple(sorted({self.pack_rows(n, data) for n in range(1, most + 1)}))
+
+    def long_history_buckets(self) -> tuple[int, ...]:
+        """Buckets of re-prefilled histories too long for a packed row: (pack_width, max_seq_len - 1]."""
+        if self.pack_width >= self.max_seq_len - 1:
+            return ()
+        first = self.bucket(self.pack_width + 1)
+        return tuple(b for b in self.prefill_buckets if b >= first)
+
+
+def _round_up_pow(n: int, base: int, cap: int) -> int:
+    """The smallest power of `base` >= n, at most `cap`."""
+    out = 1
+    while out < n:
+        out *= base
+    return min(out, cap)
+
+
+def _default_buckets(max_seq_len: int, start: int = 16) -> tuple[int, ...]:
+    out, b = [], start
+    while b < max_seq_len:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (max_seq_len,)

@@ -1,0 +1,335 @@
+"""The generation engine's compiled programs, and their ahead-of-time descriptions.
+
+`build_programs` jits every program `GenerationEngine` runs, from (model config, engine config,
+cache dtype) alone: admission (`prefill_start`: prefill, copy into slots, first tokens), the kept
+block's later samples (`insert`, `first_tokens`), the decode chunk, the re-prefill after a weight
+swap (`reprefill`: packed histories straight into their slots; `prefill` + `insert` for histories
+longer than a packed row) and the weight split. `engine_program_specs` describes the same
+programs at a config's shapes as `aot.ProgramSpec`s (abstract, sharded arguments; nothing
+allocated) for the planner to compile and measure without hardware.
+
+Engine state on the generation mesh ("data", "tensor"): the KV cache as L per-layer buffers
+`[B, K, S, H]` (slots over "data", kv heads over "tensor") and the weights split per layer
+(`split_layers`), each laid out by GENERATION_RULES. `check_mesh` refuses shapes the mesh would
+silently replicate: slots not divisible by "data", kv heads not divisible by "tensor".
+
+Shapes: B slots, S cache length, R prefill rows, P prompt bucket, W decode window, V vocab.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
+
+from areal_jax.aot import ProgramSpec, Role
+from areal_jax.generation.config import EngineConfig
+from areal_jax.generation.sampling import MAX_STOP_IDS, sample_tokens
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.sharding import GENERATION_RULES, activation_rules, sharding_for
+from areal_jax.models.transformer import (KVCache, Params, forward, lm_head, param_axes, param_shapes,
+                                          prefill_block, prefill_into_slots, split_layers)
+
+CACHE_AXES = ("cache_slots", "kv_heads", "cache_seq", "head_dim")  # one cache layer [B, K, S, H]
+
+
+# ---- layouts on the generation mesh ----------------------------------------------------------------
+
+
+def mesh_sizes(mesh: Mesh | None) -> tuple[int, int]:
+    """(data, tensor) sizes of a generation mesh; (1, 1) for a single device."""
+    if mesh is None:
+        return 1, 1
+    return mesh.shape.get("data", 1), mesh.shape.get("tensor", 1)
+
+
+def check_mesh(model_cfg: ModelConfig, engine_cfg: EngineConfig, mesh: Mesh | None) -> None:
+    """Raises ValueError where the engine's state would be replicated instead of sharded."""
+    data, tensor = mesh_sizes(mesh)
+    if engine_cfg.num_slots % data:
+        raise ValueError(f"EngineConfig.num_slots = {engine_cfg.num_slots} must be a multiple of the generation "
+                         f"mesh's data size {data}: each data replica holds num_slots / {data} slots (otherwise "
+                         "the whole KV cache is replicated on every device)")
+    if model_cfg.num_kv_heads % tensor:
+        raise ValueError(f"MeshConfig.generation_tensor = {tensor} does not divide the model's "
+                         f"{model_cfg.num_kv_heads} kv heads: the KV cache would be replicated over \"tensor\" "
+                         f"(choose a generation_tensor that divides {model_cfg.num_kv_heads})")
+
+
+def cache_sharding(model_cfg: ModelConfig, engine_cfg: EngineConfig, mesh: Mesh) -> NamedSharding:
+    """Sharding of one cache layer `[B, K, S, H]`."""
+    shape = (engine_cfg.num_slots, model_cfg.num_kv_heads, engine_cfg.max_seq_len, model_cfg.head_dim)
+    return sharding_for(CACHE_AXES, GENERATION_RULES, mesh, shape)
+
+
+def param_shardings(model_cfg: ModelConfig, mesh: Mesh, *, split: bool) -> Any:
+    """Sharding of every weight on the generation mesh: stacked (`params["layers"]` a dict of
+    `[L, ...]` arrays) or split (a tuple of L per-layer dicts, the layout the engine holds)."""
+    is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x)  # noqa: E731
+    axes, shapes = param_axes(model_cfg), param_shapes(model_cfg)
+    out = jax.tree.map(lambda a, s: sharding_for(a, GENERATION_RULES, mesh, s), axes, shapes, is_leaf=is_axes)
+    if split:
+        layer = jax.tree.map(lambda a, s: sharding_for(a[1:], GENERATION_RULES, mesh, s[1:]), axes["layers"],
+                             shapes["layers"], is_leaf=is_axes)
+        out["layers"] = (layer,) * model_cfg.num_layers
+    return out
+
+
+def param_structs(model_cfg: ModelConfig, mesh: Mesh, dtype, *, split: bool) -> Any:
+    """ShapeDtypeStructs of the weights, laid out as `param_shardings` says."""
+    is_shape = lambda x: isinstance(x, tuple) and all(isinstance(a, int) for a in x)  # noqa: E731
+    shapes = param_shapes(model_cfg)
+    if split:
+        shapes = {**shapes, "layers": (jax.tree.map(lambda s: s[1:], shapes["layers"], is_leaf=is_shape),)
+                  * model_cfg.num_layers}
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s, dtype, sharding=sh), shapes,
+                        param_shardings(model_cfg, mesh, split=split), is_leaf=is_shape)
+
+
+# ---- the programs ------------------------------------------------------------------------------------
+
+
+def program_name(kind: str, **dims: int) -> str:
+    """"prefill_start[rows=4,len=64]": a program and the shape it was compiled for."""
+    return kind + ("[" + ",".join(f"{k}={v}" for k, v in dims.items()) + "]" if dims else "")
+
+
+def insert_rows(cache: KVCache, block: KVCache, rows: jax.Array, slots: jax.Array) -> KVCache:
+    """Block row rows[i] into cache slot slots[i], positions [0, P): block layers `[R, K, P, H]`,
+    cache layers `[B, K, S, H]`, index arrays `[B]` padded with slot B (out of range: dropped), so
+    one program per block shape."""
+    def put(layers, src):
+        return tuple(dst.at[slots, :, :part.shape[2]].set(part[rows], mode="drop") for dst, part in zip(layers, src))
+
+    return KVCache(put(cache.k, block.k), put(cache.v, block.v))
+
+
+def sample_rows(logits: jax.Array, rows: jax.Array, key_data: jax.Array, positions: jax.Array,
+                temperature: jax.Array, top_p: jax.Array, top_k: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """First token of each started sample from its prompt row's logits `[R, V]`; per-sample `[B]`
+    inputs. The key is the sample's folded with its prompt's last position, as in decoding."""
+    keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(key_data), positions)
+    return sample_tokens(logits[rows], keys, temperature, top_p, top_k)
+
+
+@dataclasses.dataclass(frozen=True)
+class EnginePrograms:
+    """The jitted programs of one engine. `counts` counts traces per kind (one per compilation),
+    `traced` per `program_name` (the shapes the engine actually compiled)."""
+
+    split: Any  # stacked weights -> per-layer weights (once per swap of stacked weights)
+    prefill_start: Any  # (params, cache*, tokens, lengths, rows, slots, keys, positions, T, top_p, top_k)
+    insert: Any  # (cache*, block, rows, slots) -> cache
+    first_tokens: Any  # (logits, rows, keys, positions, T, top_p, top_k) -> (tokens, logprobs)
+    prefill: Any  # (params, tokens, lengths) -> block: histories longer than a packed row
+    reprefill: Any  # (params, cache*, tokens, segment_ids, slot_ids) -> cache
+    decode: Any  # (params, cache*, per-slot state..., exit_free, *, window) -> (cache, outputs)
+    counts: collections.Counter
+    traced: collections.Counter
+
+
+def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype, *, mesh: Mesh | None = None,
+                   counts: collections.Counter | None = None) -> EnginePrograms:
+    """Jits the engine's programs (`*`: donated cache). With `mesh`, the weight split lays its
+    output out by the generation rules; trace them under `activation_rules(GENERATION_RULES, mesh)`."""
+    cfg, ec = model_cfg, engine_cfg
+    cache_dtype = jnp.dtype(cache_dtype)
+    counts = collections.Counter() if counts is None else counts
+    traced: collections.Counter = collections.Counter()
+
+    def prefill_logits(params, tokens, lengths):
+        """KV block (L x `[R, K, P, H]`) and last-prompt-position logits `[R, V]`: only the last
+        position needs logits (the LM head over all P would be ~40% of a small model's prefill)."""
+        block, last = prefill_block(params, cfg, tokens, lengths, chunk=ec.prefill_chunk, cache_dtype=cache_dtype)
+        return block, lm_head(params, cfg, last[:, None])[:, 0]
+
+    def insert(cache, block, rows, slots):
+        traced[program_name("insert", rows=block.k[0].shape[0], len=block.k[0].shape[2])] += 1
+        return insert_rows(cache, block, rows, slots)
+
+    def first_tokens(all_logits, rows, key_data, positions, temperature, top_p, top_k):
+        traced[program_name("first_tokens", rows=all_logits.shape[0])] += 1
+        return sample_rows(all_logits, rows, key_data, positions, temperature, top_p, top_k)
+
+    def prefill_start(params, cache, tokens, lengths, rows, slots, key_data, positions, temperature, top_p, top_k):
+        """Prefill, copy row rows[i] into slot slots[i] and sample that sample's first token:
+        admission in one program (three calls and host round trips otherwise)."""
+        counts["prefill"] += 1
+        traced[program_name("prefill_start", rows=tokens.shape[0], len=tokens.shape[1])] += 1
+        block, logits = prefill_logits(params, tokens, lengths)
+        first, logprobs = sample_rows(logits, rows, key_data, positions, temperature, top_p, top_k)
+        return insert_rows(cache, block, rows, slots), block, logits, first, logprobs
+
+    def prefill(params, tokens, lengths):
+        traced[program_name("prefill", rows=tokens.shape[0], len=tokens.shape[1])] += 1
+        block, _ = prefill_block(params, cfg, tokens, lengths, chunk=ec.prefill_chunk, cache_dtype=cache_dtype)
+        return block
+
+    def reprefill(params, cache, tokens, segment_ids, slot_ids):
+        counts["reprefill"] += 1
+        traced[program_name("reprefill_packed", rows=tokens.shape[0])] += 1
+        return prefill_into_slots(params, cfg, tokens, segment_ids, slot_ids, cache)
+
+    def decode(params, cache, tokens, positions, active, remaining, temperature, top_p, top_k, stop_ids,
+               key_data, exit_free, *, window):
+        """Up to `decode_chunk` steps for all slots; stops after the step that leaves every slot
+        done or at least `exit_free` slots free. Outputs `[B, C]`; steps past the exit are invalid.
+        Attention reads cache positions [0, window) (static; every position reached is below it)."""
+        counts["decode"] += 1
+        traced[program_name("decode", window=window)] += 1
+        B, C, S = tokens.shape[0], ec.decode_chunk, cache.k[0].shape[2]
+        slot_keys = jax.random.wrap_key_data(key_data)
+
+        def step(carry):
+            cache, tokens, positions, active, remaining, i, out = carry
+            pos = jnp.where(active, positions, -1)
+            logits, cache = forward(params, cfg, tokens[:, None], pos[:, None], cache=cache, cache_window=window)
+            # The token sampled from the input at position p uses the slot's key folded with p.
+            keys = jax.vmap(jax.random.fold_in)(slot_keys, positions)
+            new, lp = sample_tokens(logits[:, 0], keys, temperature, top_p, top_k)
+            valid = active
+            positions = positions + valid
+            remaining = remaining - valid
+            hit_stop = jnp.any(new[:, None] == stop_ids, axis=-1)
+            done = hit_stop | (remaining <= 0) | (positions >= S - 1)
+            tokens = jnp.where(valid, new, tokens)
+            out = tuple(jax.lax.dynamic_update_index_in_dim(buf, x, i, axis=0) for buf, x in zip(out, (new, lp, valid)))
+            return cache, tokens, positions, active & ~done, remaining, i + 1, out
+
+        def keep_going(carry):
+            active, i = carry[3], carry[5]
+            return (i < C) & jnp.any(active) & (jnp.sum(~active) < exit_free)
+
+        out = (jnp.zeros((C, B), jnp.int32), jnp.zeros((C, B), jnp.float32), jnp.zeros((C, B), bool))
+        carry = (cache, tokens, positions, active, remaining, jnp.int32(0), out)
+        cache, *_, steps, (new, lp, valid) = jax.lax.while_loop(keep_going, step, carry)
+        return cache, (new.T, lp.T, valid.T, steps)  # [B, C] each, []
+
+    def counted(kind, fn):
+        def run(*args):
+            counts[kind] += 1
+            return fn(*args)
+        return run
+
+    def split(params):
+        traced[program_name("split_weights")] += 1
+        return split_layers(params)
+
+    # Weights are held per layer, as the unrolled prefill and decode read them: split once per swap
+    # of stacked weights instead of once per call.
+    split_out = param_shardings(cfg, mesh, split=True) if mesh is not None else None
+    return EnginePrograms(
+        split=jax.jit(split, out_shardings=split_out),
+        prefill_start=jax.jit(prefill_start, donate_argnums=(1,)),
+        insert=jax.jit(counted("insert", insert), donate_argnums=(0,)),
+        first_tokens=jax.jit(counted("first_tokens", first_tokens)),
+        prefill=jax.jit(counted("prefill", prefill)),
+        reprefill=jax.jit(reprefill, donate_argnums=(1,)),
+        decode=jax.jit(decode, donate_argnums=(1,), static_argnames=("window",)),
+        counts=counts, traced=traced)
+
+
+# ---- ahead-of-time descriptions ----------------------------------------------------------------------
+
+_CACHE_FIELDS = ("EngineConfig.num_slots", "EngineConfig.max_seq_len", "EngineConfig.cache_dtype",
+                 "MeshConfig.generation_tensor")
+_PREFILL_FIELDS = ("EngineConfig.prefill_buckets", "EngineConfig.max_prefill_batch",
+                   "EngineConfig.max_prefill_tokens", "EngineConfig.prefill_chunk")
+
+
+def engine_program_specs(model_cfg: ModelConfig, engine_cfg: EngineConfig, *, mesh: Mesh, param_dtype,
+                         cache_dtype=None, role: Role = "generation") -> list[ProgramSpec]:
+    """Every program the engine can run at the config's shapes on the ("data", "tensor") `mesh`.
+
+    Names (prefixed with `role`): prefill_start[rows=R,len=P] for every prompt bucket and row
+    count; first_tokens[rows=R] and insert[rows=R,len=P] for a kept block's later samples;
+    reprefill_packed[rows=R] for every packed row count; prefill[rows=R,len=P] + insert for
+    histories longer than a packed row; decode[window=W] for every window; split_weights (a swap of
+    stacked weights; split weights install without a program). Resident: the cache where it is
+    not an argument; with role "generation" one incoming weight copy (a transfer can land while
+    any program runs); during decode the block a partly started group keeps (the largest).
+    """
+    check_mesh(model_cfg, engine_cfg, mesh)
+    ec, cfg = engine_cfg, model_cfg
+    data, _ = mesh_sizes(mesh)
+    cache_dtype = jnp.dtype(cache_dtype or ec.cache_dtype or param_dtype)
+    programs = build_programs(cfg, ec, cache_dtype, mesh=mesh)
+    B, S, K, H, V = ec.num_slots, ec.max_seq_len, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
+    layer = jax.ShapeDtypeStruct((B, K, S, H), cache_dtype, sharding=cache_sharding(cfg, ec, mesh))
+    cache = KVCache((layer,) * cfg.num_layers, (layer,) * cfg.num_layers)
+    params = param_structs(cfg, mesh, param_dtype, split=True)
+    incoming = (params,) if role == "generation" else ()
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def host(shape, dtype):  # per-call inputs from the host, replicated as the engine puts them
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+
+    def block(R, P):  # a prefill's KV block, rows over "data" as its activations
+        shard = sharding_for(CACHE_AXES, GENERATION_RULES, mesh, (R, K, P, H))
+        one = jax.ShapeDtypeStruct((R, K, P, H), cache_dtype, sharding=shard)
+        return KVCache((one,) * cfg.num_layers, (one,) * cfg.num_layers)
+
+    def logits(R):
+        return host((R, V), jnp.float32)
+
+    starts = (host((B,), jnp.int32), host((B,), jnp.int32), host((B, 2), jnp.uint32), host((B,), jnp.int32),
+              host((B,), jnp.float32), host((B,), jnp.float32), host((B,), jnp.int32))  # rows .. top_k
+    sampling = starts[:1] + starts[2:]  # first_tokens: rows, keys, positions, temperature, top_p, top_k
+    context = lambda: activation_rules(GENERATION_RULES, mesh)  # noqa: E731
+    specs: list[ProgramSpec] = []
+    seen: set[str] = set()
+
+    def add(kind, dims, fn, args, resident, fields, kwargs=None):
+        name = f"{role}/{program_name(kind, **dims)}"
+        if name not in seen:
+            seen.add(name)
+            specs.append(ProgramSpec(name, role, fn, args=args, kwargs=kwargs or {}, resident=resident,
+                                     context=context, fields=fields))
+
+    admission = [(R, P) for P in ec.prefill_buckets for R in ec.prefill_row_counts(P, data)]
+    for R, P in admission:
+        tokens = (host((R, P), jnp.int32), host((R,), jnp.int32))
+        add("prefill_start", dict(rows=R, len=P), programs.prefill_start, (params, cache, *tokens, *starts),
+            incoming, _PREFILL_FIELDS + _CACHE_FIELDS)
+        add("insert", dict(rows=R, len=P), programs.insert, (cache, block(R, P), *starts[:2]),
+            (params, logits(R)) + incoming, _PREFILL_FIELDS + _CACHE_FIELDS)
+        add("first_tokens", dict(rows=R), programs.first_tokens, (logits(R), *sampling),
+            (params, cache, block(R, P)) + incoming, _PREFILL_FIELDS)
+    for P in ec.long_history_buckets():
+        for R in ec.prefill_row_counts(P, data):
+            tokens = (host((R, P), jnp.int32), host((R,), jnp.int32))
+            fields = _PREFILL_FIELDS + _CACHE_FIELDS + ("EngineConfig.reprefill_pack_width",)
+            add("prefill", dict(rows=R, len=P), programs.prefill, (params, *tokens), (cache,) + incoming, fields)
+            add("insert", dict(rows=R, len=P), programs.insert, (cache, block(R, P), *starts[:2]),
+                (params,) + incoming, fields)
+    W = ec.pack_width
+    for R in ec.pack_row_counts(data):
+        packed = tuple(host((R, W), jnp.int32) for _ in range(3))
+        add("reprefill_packed", dict(rows=R), programs.reprefill, (params, cache, *packed), incoming,
+            _CACHE_FIELDS + ("EngineConfig.reprefill_pack_width", "EngineConfig.max_prefill_batch",
+                             "EngineConfig.max_prefill_tokens"))
+    # A group that found too few free slots keeps its prefill block (and logits) while it waits.
+    R, P = max(admission, key=lambda rp: rp[0] * rp[1])
+    kept = (block(R, P), logits(R))
+    slot_state = (host((B,), jnp.int32), host((B,), jnp.int32), host((B,), bool), host((B,), jnp.int32),
+                  host((B,), jnp.float32), host((B,), jnp.float32), host((B,), jnp.int32),
+                  host((B, MAX_STOP_IDS), jnp.int32), host((B, 2), jnp.uint32), host((), jnp.int32))
+    for window in ec.decode_windows:
+        add("decode", dict(window=window), programs.decode, (params, cache, *slot_state), kept + incoming,
+            _CACHE_FIELDS + ("EngineConfig.decode_windows", "EngineConfig.decode_chunk") + _PREFILL_FIELDS,
+            kwargs=dict(window=window))
+    add("split_weights", {}, programs.split, (param_structs(cfg, mesh, param_dtype, split=False),),
+        (cache,) + incoming, _CACHE_FIELDS)
+    return specs
+
+
+def placed_like(params: Params, shardings: Any) -> Params:
+    """`params` on `shardings` (a pytree of the same structure): leaves already laid out so are kept
+    as they are (no copy), others are put there."""
+    def place(x: jax.Array, s: Sharding) -> jax.Array:
+        return x if x.sharding.is_equivalent_to(s, x.ndim) else jax.device_put(x, s)
+    return jax.tree.map(place, params, shardings)
