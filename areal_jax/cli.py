@@ -5,6 +5,8 @@
     areal-jax eval --model=DIR --gin_param="DataConfig.paths = ('test.jsonl',)" \
                    --gin_param='EvalConfig.n_samples = 8' --gin_param='EvalConfig.ks = (1, 8)' --run_dir=runs/e
     areal-jax generate --model=DIR --prompt='...' [--max_new_tokens=64]
+    areal-jax plan --gin_file=configs/qwen2_5_1_5b_gsm8k_tpu.gin [--target=v5e-16] [--json]
+                   (compiles every program of the run for the target, without it; exit 1 if one does not fit)
 
 Every flag of the config dataclasses is bound gin-style; an unknown name, a wrong type or an
 impossible device split is reported before any work starts.
@@ -75,6 +77,17 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--reward_workers", type=int, default=2,
                     help="reward worker processes per host (0: in-process)")
     _add_distributed_flags(ev)
+    pl = sub.add_parser("plan", help="compile every program of a run for its target and check that it fits",
+                        parents=[common])
+    pl.add_argument("--gin_file", action="append", default=[])
+    pl.add_argument("--gin_param", action="append", default=[])
+    pl.add_argument("--target", default=None, help="e.g. v5e-16, v5p-128, 8xh100, 4x8xh100 (default: PlanConfig.target)")
+    pl.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    pl.add_argument("--only", default=None, help="plan only the programs whose name contains this")
+    pl.add_argument("--all", action="store_true",
+                    help="every program of every shape (default: the largest of each family, which bound the "
+                         "peak, and those the throughput prediction reads)")
+    pl.add_argument("--no_cache", action="store_true", help="recompile instead of reading the plan cache")
     gen = sub.add_parser("generate", help="sample completions from a model directory", parents=[common])
     gen.add_argument("--model", required=True)
     gen.add_argument("--prompt", action="append", required=True)
@@ -87,12 +100,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "plan":  # before jax starts: compile for fake devices, touch no real ones
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     if args.compile_cache:
         enable_compile_cache(args.compile_cache)
     if args.command in ("train", "sft"):
         return _train(args)
     if args.command == "eval":
         return _eval(args)
+    if args.command == "plan":
+        return _plan(args)
     return _generate(args)
 
 
@@ -177,6 +195,39 @@ def _train(args) -> int:
         print(f"areal-jax: configuration error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _plan(args) -> int:
+    import json
+
+    from areal_jax import config_system as cs
+    from areal_jax.jobs.configs import load_job_configs
+    from areal_jax.plan.config import PlanConfig
+    from areal_jax.plan.job import PlanError, plan_job
+    from areal_jax.plan.report import HEADER, format_plan, program_row
+    from areal_jax.plan.targets import parse_target
+
+    try:
+        job = load_job_configs(args.gin_file, args.gin_param, run_dir="plan")
+        plan_cfg = cs.build(PlanConfig)
+        name = args.target or plan_cfg.target
+        if not name:
+            raise PlanError("no target: pass --target=NAME or bind PlanConfig.target")
+        target = parse_target(name)
+    except (cs.ConfigError, PlanError, ValueError) as e:
+        print(f"areal-jax: configuration error: {e}", file=sys.stderr)
+        return 2
+    if not args.json:
+        print(HEADER, flush=True)
+    try:
+        plan = plan_job(job, plan_cfg, target, gin_files=args.gin_file, use_cache=not args.no_cache, only=args.only,
+                        every_program=args.all,
+                        on_program=None if args.json else lambda p: print(program_row(p), flush=True))
+    except (PlanError, ValueError) as e:
+        print(f"areal-jax: configuration error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.as_json(), indent=2) if args.json else "\n" + format_plan(plan))
+    return 0 if plan.fits else 1
 
 
 def _generate(args) -> int:

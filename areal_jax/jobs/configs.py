@@ -14,6 +14,7 @@ from areal_jax.checkpoint import CheckpointConfig
 from areal_jax.data.pipeline import DataConfig
 from areal_jax.generation.engine import EngineConfig
 from areal_jax.parallel.meshes import MeshConfig
+from areal_jax.plan.config import PlanConfig
 from areal_jax.ppo.advantages import AdvantageConfig
 from areal_jax.rollout.workflow import RLVRConfig
 from areal_jax.tasks.arithmetic import ArithmeticConfig
@@ -68,7 +69,8 @@ class Stages:
 
 
 JOB_CONFIG_CLASSES = (ModelSource, TaskSource, Stages, ArithmeticConfig, DataConfig, SFTConfig, RLConfig, PPOConfig,
-                      OptimizerConfig, AdvantageConfig, RLVRConfig, EngineConfig, MeshConfig, CheckpointConfig)
+                      OptimizerConfig, AdvantageConfig, RLVRConfig, EngineConfig, MeshConfig, CheckpointConfig,
+                      PlanConfig)  # PlanConfig: read by `areal-jax plan`, accepted (and ignored) by the run
 for _cls in JOB_CONFIG_CLASSES:
     cs.register(_cls)
 

@@ -1,0 +1,186 @@
+"""The plan of one `areal-jax train` config: its programs on its target, and a verdict.
+
+Reads the same gin bindings the run reads (JobConfigs) plus PlanConfig, and asks each module that
+owns programs for their specs at the config's shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+
+from areal_jax.aot import ProgramSpec, bytes_per_device
+from areal_jax.jobs.configs import JobConfigs
+from areal_jax.models.config import ModelConfig
+from areal_jax.parallel.meshes import split_local_devices
+from areal_jax.plan.config import PlanConfig
+from areal_jax.plan.planner import Plan, ProgramPlan, measure_programs, predict, read_model_config, role_meshes
+from areal_jax.plan.targets import Target
+
+EVAL_SLOTS = 64  # what trainer/sft.py GreedyAccuracy uses for held-out evaluation
+
+
+class PlanError(ValueError):
+    """The config cannot be planned as written; the message names the field."""
+
+
+def model_config_for(job: JobConfigs, plan_cfg: PlanConfig, gin_files: Sequence[str]) -> ModelConfig:
+    path = plan_cfg.model_config or job.model.path
+    if path is None:
+        from areal_jax.tasks.tokenizer_builder import task_model_config
+
+        return task_model_config(hidden_size=job.model.hidden_size, num_layers=job.model.num_layers)
+    search = [pathlib.Path(f).resolve().parent for f in gin_files]
+    try:
+        return read_model_config(path, search=search)
+    except FileNotFoundError as e:
+        raise PlanError(f"PlanConfig.model_config / ModelSource.path: {e}") from None
+
+
+def generation_lengths(job: JobConfigs, plan_cfg: PlanConfig) -> tuple[float, float, int]:
+    """(mean prompt, mean completion, longest prompt) in tokens, as the prediction assumes them."""
+    longest_prompt = (job.data.max_prompt_tokens if job.data is not None and job.data.max_prompt_tokens
+                      else max(1, job.engine.max_seq_len - job.rollout.max_new_tokens))
+    return (plan_cfg.mean_prompt_fraction * longest_prompt,
+            plan_cfg.mean_completion_fraction * job.rollout.max_new_tokens, longest_prompt)
+
+
+def replica_engine_config(engine, data: int, *, field: str = "EngineConfig.num_slots"):
+    """The engine config one data replica of the generation mesh runs: its share of the slots."""
+    if engine.num_slots % data:
+        raise PlanError(f"{field} = {engine.num_slots} is not a multiple of the generation mesh's data size "
+                        f"{data}: the KV cache would be replicated on every generation device")
+    return dataclasses.replace(engine, num_slots=engine.num_slots // data,
+                               max_prefill_batch=max(1, engine.max_prefill_batch))
+
+
+def eval_engine_config(job: JobConfigs, longest_prompt: int, data: int):
+    from areal_jax.generation.engine import EngineConfig
+
+    rows = max(1, job.task.eval_size)
+    slots = min(EVAL_SLOTS, rows)
+    slots = max(data, slots - slots % data)
+    max_seq_len = -(-(longest_prompt + job.rl.eval_max_new_tokens + 1) // 16) * 16
+    return EngineConfig(num_slots=slots, max_seq_len=max_seq_len)
+
+
+def collect_specs(job: JobConfigs, model_cfg: ModelConfig, target: Target, meshes, *, longest_prompt: int
+                  ) -> list[ProgramSpec]:
+    from areal_jax.generation.programs import engine_program_specs
+    from areal_jax.parallel.weight_sync import transfer_program_specs
+    from areal_jax.trainer.programs import train_program_specs
+
+    gen_dtype = jnp.dtype(job.rl.generation_dtype or job.model.dtype)
+    data = meshes.generation_replicas_per_host
+    longest_row = trained_row_length(job)
+    specs = [s for s in train_program_specs(model_cfg, job.ppo, job.optimizer, meshes.train, num_processes=target.hosts)
+             if _dims(s.name).get("len", 0) <= longest_row]
+    specs += transfer_program_specs(model_cfg, meshes.train, num_hosts=target.hosts,
+                                    generation_tensor=job.mesh.generation_tensor, dtype=gen_dtype,
+                                    group_bytes=job.rl.transfer_group_bytes)
+    specs += engine_program_specs(model_cfg, replica_engine_config(job.engine, data), mesh=meshes.generation,
+                                  param_dtype=gen_dtype)
+    if job.task.eval_size and (job.task.kind == "arithmetic" or job.task.eval_paths):
+        specs += engine_program_specs(model_cfg, eval_engine_config(job, longest_prompt, 1), mesh=meshes.generation,
+                                      param_dtype=gen_dtype, role="eval")
+    return specs
+
+
+def trained_row_length(job: JobConfigs) -> int:
+    """Longest micro-batch row an RL step can use: a trained sequence is at most the engine's
+    max_seq_len tokens, so row lengths past its bucket are never built (whatever the budget)."""
+    from areal_jax.trainer.batching import candidate_row_lengths
+
+    rows = candidate_row_lengths(job.ppo.max_tokens_per_microbatch, job.ppo.row_buckets or None)
+    return next((r for r in rows if r >= job.engine.max_seq_len), rows[-1])
+
+
+def _dims(name: str) -> dict[str, int]:
+    """"train/grad[rows=8,len=2048]" -> {"rows": 8, "len": 2048}."""
+    inside = name[name.index("[") + 1:-1] if "[" in name else ""
+    return {k: int(v) for k, v in (part.split("=") for part in inside.split(",") if "=" in part)}
+
+
+def bounding_specs(specs: Sequence[ProgramSpec], keep: Callable[[ProgramSpec], bool] = lambda s: False
+                   ) -> list[ProgramSpec]:
+    """The member of each program family (same role and kind, shapes differing) with the largest
+    shapes: memory grows with rows, lengths and windows within a family, so these bound the
+    run's peak. `keep` adds others (the programs the throughput prediction reads)."""
+    families: dict[tuple[str, str], ProgramSpec] = {}
+    for s in specs:
+        family = (s.role, s.name.split("[")[0])
+        best = families.get(family)
+        if best is None or _bigger(_dims(s.name), _dims(best.name)):
+            families[family] = s
+    chosen = set(id(s) for s in families.values())
+    return [s for s in specs if id(s) in chosen or keep(s)]
+
+
+def _bigger(a: dict[str, int], b: dict[str, int]) -> bool:
+    """Compare shapes by their product of tokens first (rows x len, windows), then lexically."""
+    def key(d):
+        return (d.get("rows", 1) * d.get("len", 1) * d.get("window", 1), tuple(sorted(d.values())))
+    return key(a) > key(b)
+
+
+def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files: Sequence[str] = (),
+             use_cache: bool = True, only: str | None = None, every_program: bool = False,
+             on_program: Callable[[ProgramPlan], None] | None = None) -> Plan:
+    model_cfg = model_config_for(job, plan_cfg, gin_files)
+    try:
+        split = split_local_devices(job.mesh, target.devices_per_host)
+    except ValueError as e:
+        raise PlanError(f"MeshConfig on {target.name} ({target.devices_per_host} devices per host): {e}") from None
+    meshes = role_meshes(target, split, job.mesh.train_tensor, job.mesh.generation_tensor)
+    mean_prompt, mean_completion, longest_prompt = generation_lengths(job, plan_cfg)
+    specs = collect_specs(job, model_cfg, target, meshes, longest_prompt=longest_prompt)
+    typical_window = job.engine.decode_window(int(mean_prompt + mean_completion))
+    typical_row = _row_for(job, int(mean_prompt + mean_completion))
+    if not every_program:
+        specs = bounding_specs(specs, keep=lambda s: s.name.endswith(f"decode[window={typical_window}]")
+                               or (s.role == "train" and _dims(s.name).get("len") == typical_row))
+    if only:
+        specs = [s for s in specs if only in s.name]
+
+    persistent = {role: max((bytes_per_device(_persistent(s)) for s in specs if s.role == role), default=0)
+                  for role in ("train", "generation")}
+
+    def extra_resident(spec: ProgramSpec) -> int:
+        # Colocated: each side's state stays on the devices while the other side's programs run.
+        if split.colocated and spec.role in ("generation", "eval"):
+            return persistent["train"]
+        if split.colocated and spec.role in ("train", "transfer"):
+            return persistent["generation"]
+        return 0
+
+    programs = measure_programs(specs, target, extra_resident=extra_resident, headroom=plan_cfg.headroom,
+                                use_cache=use_cache, on_program=on_program)
+    replica_engine = replica_engine_config(job.engine, meshes.generation_replicas_per_host)
+    prediction = predict(
+        programs, target=target, meshes=meshes, model_cfg=model_cfg, slots_per_replica=replica_engine.num_slots,
+        batch_groups=job.rl.batch_size, samples_per_group=job.rollout.n_samples, mean_prompt=mean_prompt,
+        mean_completion=mean_completion, decode_chunk=job.engine.decode_chunk,
+        decode_window=job.engine.decode_window, tokens_per_microbatch=job.ppo.max_tokens_per_microbatch,
+        row_length=lambda n: _row_for(job, n), num_minibatches=job.ppo.num_minibatches,
+        separate_proximal=job.ppo.decoupled and job.ppo.num_minibatches > 1, colocated=split.colocated)
+    prediction["model_params"] = model_cfg.num_params()
+    return Plan(target=target, split=split, train_devices=split.num_train * target.hosts,
+                generation_devices=split.num_generation * target.hosts, programs=tuple(programs),
+                prediction=prediction, headroom=plan_cfg.headroom)
+
+
+def _row_for(job: JobConfigs, tokens: int) -> int:
+    from areal_jax.trainer.batching import candidate_row_lengths
+
+    rows = candidate_row_lengths(job.ppo.max_tokens_per_microbatch, job.ppo.row_buckets or None)
+    return next((r for r in rows if r >= tokens), rows[-1])
+
+
+def _persistent(spec: ProgramSpec) -> Any:
+    """What a role keeps between its programs: the arguments that are state (weights, optimizer
+    state, KV cache) rather than per-call inputs, approximated by its largest arguments."""
+    return (spec.args, spec.resident)

@@ -1,0 +1,214 @@
+"""`plan(...)`: every program a run executes, compiled at its real shapes for a target, measured.
+
+The meshes are built as the run builds them (MeshConfig's per-host split of the target's devices),
+on fake devices of the target's kind:
+- train: one topology of every host's training devices, ("fsdp", "tensor") as parallel/meshes.py
+  lays them out (tensor parallelism within a host).
+- generation: the generation mesh is host-local and its "data" replicas are independent (each
+  decodes its own slots; no collective crosses replicas), so one replica is compiled, on a
+  topology of `generation_tensor` devices, with its share of the slots. Its per-device memory is
+  the real one's.
+Program specs come from the modules that own the programs (trainer/programs.py,
+generation/programs.py, parallel/weight_sync.py); this module adds what the run keeps on the same
+devices meanwhile, measures, and predicts throughput from the roofline of each program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from areal_jax.aot import ProgramSpec, bytes_per_device
+from areal_jax.models.config import ModelConfig
+from areal_jax.parallel.meshes import GENERATION_AXES, TRAIN_AXES, DeviceSplit, split_local_devices
+from areal_jax.plan.config import PlanConfig
+from areal_jax.plan.measure import Measured, measure
+from areal_jax.plan.targets import Target
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramPlan:
+    """One program's figures on one device of its role."""
+
+    name: str
+    role: str
+    peak_bytes_per_device: int
+    capacity_bytes_per_device: int
+    fits: bool
+    flops: float
+    bytes_accessed: float
+    roofline_s: float
+    source: str
+    program_bytes: int  # the compiler's own peak: arguments + outputs - aliases + temporaries
+    resident_bytes: int  # held on the device meanwhile, not an argument
+    temp_bytes: int
+    compile_s: float
+    fields: tuple[str, ...]
+
+    def as_json(self) -> dict[str, Any]:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    target: Target
+    split: DeviceSplit
+    train_devices: int
+    generation_devices: int
+    programs: tuple[ProgramPlan, ...]
+    prediction: dict[str, Any]
+    headroom: float
+
+    @property
+    def fits(self) -> bool:
+        return all(p.fits for p in self.programs)
+
+    def failures(self) -> list[ProgramPlan]:
+        return [p for p in self.programs if not p.fits]
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "target": self.target.name,
+            "fits": self.fits,
+            "headroom": self.headroom,
+            "train_devices": self.train_devices,
+            "generation_devices": self.generation_devices,
+            "hosts": self.target.hosts,
+            "programs": [p.as_json() for p in self.programs],
+            "prediction": self.prediction,
+        }
+
+
+def read_model_config(path: str | pathlib.Path, *, search: Sequence[pathlib.Path] = ()) -> ModelConfig:
+    """ModelConfig from an HF config.json or a directory holding one (no weights needed)."""
+    candidates = [pathlib.Path(path)] + [base / path for base in search if not pathlib.Path(path).is_absolute()]
+    for p in candidates:
+        f = p / "config.json" if p.is_dir() else p
+        if f.is_file():
+            try:
+                return ModelConfig.from_hf(json.loads(f.read_text()), source=str(f))
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{f}: {e}") from None
+    raise FileNotFoundError(f"model config {str(path)!r} not found (looked for config.json at "
+                            f"{', '.join(str(c) for c in candidates)})")
+
+
+def roofline_s(flops: float, accessed: float, target: Target) -> float:
+    """Time bound of a program on one device: compute or memory traffic, whichever is longer."""
+    return max(flops / target.peak_flops_per_device, accessed / target.bandwidth_per_device)
+
+
+def _mesh(devices: Sequence[Any], shape: tuple[int, int], axes: tuple[str, str]) -> Mesh:
+    return Mesh(np.array(devices, dtype=object).reshape(shape), axes, axis_types=(AxisType.Auto,) * 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleMeshes:
+    """The meshes the planner compiles on, and how they relate to the real run's."""
+
+    split: DeviceSplit
+    train: Mesh
+    generation: Mesh  # one data replica
+    generation_replicas_per_host: int
+
+
+def role_meshes(target: Target, split: DeviceSplit, train_tensor: int, generation_tensor: int) -> RoleMeshes:
+    from areal_jax.plan.targets import topology_devices
+
+    train_devices = topology_devices(target, split.num_train * target.hosts, hosts=target.hosts)
+    train = _mesh(train_devices, (len(train_devices) // train_tensor, train_tensor), TRAIN_AXES)
+    generation = _mesh(topology_devices(target, generation_tensor), (1, generation_tensor), GENERATION_AXES)
+    return RoleMeshes(split, train, generation, split.num_generation // generation_tensor)
+
+
+SpecSource = Callable[..., list[ProgramSpec]]
+
+
+def measure_programs(specs: Sequence[ProgramSpec], target: Target, *, extra_resident: Callable[[ProgramSpec], int],
+                     headroom: float, use_cache: bool = True,
+                     on_program: Callable[[ProgramPlan], None] | None = None) -> list[ProgramPlan]:
+    """Compiles and measures every spec; `extra_resident(spec)` adds bytes the run holds beside it."""
+    source = "libtpu" if target.platform == "tpu" else "xla-gpu"
+    capacity = target.capacity_bytes_per_device
+    out = []
+    for spec in specs:
+        m: Measured = measure(spec, target.name, use_cache=use_cache)
+        resident = bytes_per_device(spec.resident) + extra_resident(spec)
+        peak = m.program_peak_bytes + resident
+        plan = ProgramPlan(
+            name=spec.name, role=spec.role, peak_bytes_per_device=peak, capacity_bytes_per_device=capacity,
+            fits=peak <= (1.0 - headroom) * capacity, flops=m.flops, bytes_accessed=m.bytes_accessed,
+            roofline_s=roofline_s(m.flops, m.bytes_accessed, target), source=source,
+            program_bytes=m.program_peak_bytes, resident_bytes=resident, temp_bytes=m.temp_bytes,
+            compile_s=m.compile_s, fields=tuple(spec.fields))
+        out.append(plan)
+        if on_program is not None:
+            on_program(plan)
+    return out
+
+
+def predict(programs: Sequence[ProgramPlan], *, target: Target, meshes: RoleMeshes, model_cfg: ModelConfig,
+            slots_per_replica: int, batch_groups: int, samples_per_group: int, mean_prompt: float,
+            mean_completion: float, decode_chunk: int, decode_window: Callable[[int], int],
+            tokens_per_microbatch: int, row_length: Callable[[int], int], num_minibatches: int,
+            separate_proximal: bool, colocated: bool) -> dict[str, Any]:
+    """Throughput from the programs' rooflines at the mean lengths, with the slots full.
+
+    A decode chunk's cost analysis counts its loop body once: one decode step of every slot."""
+    by_name = {p.name: p for p in programs}
+
+    def find(prefix: str, **want: int) -> ProgramPlan | None:
+        tag = ",".join(f"{k}={v}" for k, v in want.items())
+        hit = by_name.get(f"{prefix}[{tag}]")
+        if hit is not None:
+            return hit
+        cands = [p for p in programs if p.name.startswith(prefix + "[") and all(f"{k}={v}" in p.name for k, v in want.items())]
+        return max(cands, key=lambda p: p.roofline_s, default=None)
+
+    mean_seq = mean_prompt + mean_completion
+    window = decode_window(int(mean_seq))
+    decode = find("generation/decode", window=window)
+    replicas = meshes.generation_replicas_per_host * target.hosts
+    out: dict[str, Any] = {"assumptions": {
+        "mean_prompt_tokens": mean_prompt, "mean_completion_tokens": mean_completion,
+        "decode_window": window, "slots_full": True,
+        "roofline": "max(FLOPs / peak bf16 FLOP/s, bytes accessed / HBM bandwidth) per program, per device",
+    }}
+    gen_tps = None
+    if decode is not None and decode.roofline_s > 0:
+        step_s = decode.roofline_s
+        gen_tps = replicas * slots_per_replica / step_s
+        out["decode_step_s"] = step_s
+        out["generation_tokens_per_s"] = gen_tps
+    T = row_length(int(math.ceil(mean_seq)))
+    grad = find("train/grad", len=T)
+    prox = find("train/logprobs", len=T) if separate_proximal else None
+    update = by_name.get("train/update")
+    train_tps = None
+    hosts_on_train = target.hosts
+    if grad is not None and grad.roofline_s > 0:
+        per_micro = grad.roofline_s + (prox.roofline_s if prox is not None else 0.0)
+        train_tps = tokens_per_microbatch * hosts_on_train / per_micro
+        out["train_microbatch_s"] = per_micro
+        out["trained_tokens_per_s_compute"] = train_tps
+    step_tokens = batch_groups * samples_per_group * mean_seq
+    gen_tokens = batch_groups * samples_per_group * mean_completion
+    if gen_tps and train_tps:
+        transfer = sum(p.roofline_s for p in programs if p.role == "transfer")
+        t_train = step_tokens / train_tps + num_minibatches * (update.roofline_s if update else 0.0) + transfer
+        t_gen = gen_tokens / gen_tps
+        t_step = t_gen + t_train if colocated else max(t_gen, t_train)
+        out.update(
+            step_generation_s=t_gen, step_train_s=t_train, step_s=t_step,
+            trained_tokens_per_s=step_tokens / t_step,
+            bound="generation" if t_gen >= t_train else "training",
+        )
+    return out

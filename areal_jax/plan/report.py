@@ -1,0 +1,57 @@
+"""The plan as a table for people, and the verdict's message."""
+
+from __future__ import annotations
+
+from areal_jax.plan.planner import Plan, ProgramPlan
+
+GiB = float(1 << 30)
+
+
+def program_row(p: ProgramPlan) -> str:
+    mark = "ok " if p.fits else "NO "
+    return (f"{mark} {p.role:<10} {p.name:<46} {p.peak_bytes_per_device / GiB:8.2f} / {p.capacity_bytes_per_device / GiB:6.2f}"
+            f"  {p.flops / 1e12:9.3f} {p.bytes_accessed / GiB:8.2f} {p.roofline_s * 1e3:9.2f}  {p.source}")
+
+
+HEADER = (f"{'fit':<3} {'role':<10} {'program':<46} {'peak/capacity GiB':>17}  {'TFLOP':>9} {'GiB moved':>8} "
+          f"{'roofline ms':>9}  source")
+
+
+def format_plan(plan: Plan) -> str:
+    t = plan.target
+    lines = [
+        f"target {t.name}: {t.hosts} host(s) x {t.devices_per_host} {t.accelerator.name} devices, "
+        f"{t.capacity_bytes_per_device / GiB:.1f} GiB each ({t.accelerator.source})",
+        f"split per host: {plan.split.num_train} train, {plan.split.num_generation} generation"
+        + (" (colocated)" if plan.split.colocated else "")
+        + f"; a program fits when its peak leaves {plan.headroom:.0%} of the device free",
+        "", HEADER,
+    ]
+    lines += [program_row(p) for p in plan.programs]
+    pred = plan.prediction
+    lines.append("")
+    if "generation_tokens_per_s" in pred:
+        lines.append(f"generation: {pred['generation_tokens_per_s']:,.0f} tokens/s over all replicas "
+                     f"(decode step {pred['decode_step_s'] * 1e3:.2f} ms at window {pred['assumptions']['decode_window']})")
+    if "trained_tokens_per_s_compute" in pred:
+        lines.append(f"training: {pred['trained_tokens_per_s_compute']:,.0f} tokens/s of gradient micro-batches")
+    if "step_s" in pred:
+        lines.append(f"one step: generation {pred['step_generation_s']:.1f} s, training {pred['step_train_s']:.1f} s "
+                     f"-> {pred['step_s']:.1f} s, {pred['trained_tokens_per_s']:,.0f} trained tokens/s; "
+                     f"bound by {pred['bound']}")
+    lines.append(verdict(plan))
+    return "\n".join(lines)
+
+
+def verdict(plan: Plan) -> str:
+    if plan.fits:
+        worst = max(plan.programs, key=lambda p: p.peak_bytes_per_device / p.capacity_bytes_per_device)
+        return (f"FITS: every program leaves >= {plan.headroom:.0%} free; tightest {worst.name} at "
+                f"{worst.peak_bytes_per_device / worst.capacity_bytes_per_device:.0%} of its device")
+    lines = ["DOES NOT FIT:"]
+    for p in plan.failures():
+        lines.append(f"  {p.name} needs {p.peak_bytes_per_device / GiB:.2f} GiB of "
+                     f"{p.capacity_bytes_per_device / GiB:.2f} GiB (with {plan.headroom:.0%} headroom: "
+                     f"{(1 - plan.headroom) * p.capacity_bytes_per_device / GiB:.2f}); change "
+                     + (", ".join(p.fields) or "the mesh split"))
+    return "\n".join(lines)
