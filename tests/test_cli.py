@@ -21,6 +21,8 @@ SHORT = [  # the quickstart, shrunk to seconds
     "RLConfig.eval_max_new_tokens = 8", "EngineConfig.num_slots = 8", "EngineConfig.max_seq_len = 64",
     "SFTConfig.eval_from = 5", "SFTConfig.eval_every = 5", "TaskSource.validation_size = 6",
 ]
+# In this process's 8 fake devices: 4 train, 4 generate (the engine's 8 slots split evenly over "data").
+SPLIT_8 = "MeshConfig.num_generation_devices_per_host = 4"
 
 
 def _args(run_dir, *extra):
@@ -29,7 +31,7 @@ def _args(run_dir, *extra):
 
 
 def test_quickstart_runs_end_to_end_in_short_form(tmp_path):
-    assert main(_args(tmp_path, "RLConfig.dump_rollouts_every = 2")) == 0
+    assert main(_args(tmp_path, "RLConfig.dump_rollouts_every = 2", SPLIT_8)) == 0
     records = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1]
     for r in records:
@@ -63,8 +65,9 @@ def test_quickstart_runs_end_to_end_in_short_form(tmp_path):
 def test_train_runs_as_two_processes_over_jax_distributed(tmp_path):
     """`areal-jax train` on two hosts (two local processes, real jax.distributed, one run directory):
     SFT, RL over the global train mesh, held-out accuracy over both processes' shards, and one set of
-    records written by process 0."""
-    run_cli_processes(_args(tmp_path, "TaskSource.eval_size = 9"))
+    records written by process 0. Generation in bf16, the weights moved in small groups."""
+    run_cli_processes(_args(tmp_path, "TaskSource.eval_size = 9", "RLConfig.generation_dtype = 'bfloat16'",
+                            "RLConfig.transfer_group_bytes = 4096"))
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1]  # once, not once per process
     assert len(list((tmp_path / "tensorboard").iterdir())) == 1
     summary = json.loads((tmp_path / "summary.json").read_text())

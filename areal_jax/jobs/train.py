@@ -4,11 +4,19 @@ The run directory receives: config.gin (operative bindings), config.json (every 
 config), metrics.jsonl (one object per RL step) and TensorBoard events, summary.json,
 progress.png (reward and held-out accuracy against steps and wall time) and final_model/
 (HF format).
+
+Where the weights live: the initial weights are loaded straight onto the train mesh (each
+device reads its slice) and handed to the RL trainer, which keeps its own fp32 copy; the
+initial buffers are then deleted. Held-out evaluation (before and after RL, and SFT's checks)
+runs on this host's generation devices in RLConfig.generation_dtype, the weights moved there
+by the run's WeightSync. The final weights are never gathered onto one device: saving fetches
+them to host memory one tensor at a time.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import pathlib
@@ -18,6 +26,8 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
 
 from areal_jax import config_system as cs
 from areal_jax.jobs.configs import JobConfigs
@@ -26,9 +36,10 @@ from areal_jax.metrics import MetricsLogger
 from areal_jax.models.hf_io import load_params, save_params
 from areal_jax.models.tokenizer import Tokenizer
 from areal_jax.models.transformer import init_params
-from areal_jax.parallel.distributed import agree_sum, fully_local, gather_json
+from areal_jax.parallel.distributed import agree_max, agree_sum, gather_json
 from areal_jax.parallel.meshes import build_meshes
-from areal_jax.trainer.loop import RLLoop
+from areal_jax.parallel.weight_sync import model_partition_specs
+from areal_jax.trainer.loop import RLLoop, generation_weight_sync
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +90,12 @@ class ProblemStream:
         self._order = self._permutation()
 
 
-def prepare_workload(cfg: JobConfigs, run_dir: pathlib.Path) -> Workload:
-    """Tokenizer, initial weights, prompts and held-out rows for the job."""
+def prepare_workload(cfg: JobConfigs, run_dir: pathlib.Path, *, mesh: Mesh | None = None) -> Workload:
+    """Tokenizer, initial weights, prompts and held-out rows for the job.
+
+    mesh: the train mesh: the initial weights are laid out on it by the training rule table, each
+    device reading only its slice. Without, they land on this process's first device.
+    """
     if cfg.model.path is None:
         from areal_jax.tasks import arithmetic as ar
         from areal_jax.tasks.tokenizer_builder import build_tokenizer, task_model_config
@@ -89,10 +104,12 @@ def prepare_workload(cfg: JobConfigs, run_dir: pathlib.Path) -> Workload:
         tokenizer = Tokenizer.from_pretrained(tokenizer_dir)
         model_cfg = task_model_config(hidden_size=cfg.model.hidden_size, num_layers=cfg.model.num_layers)
         params = init_params(model_cfg, cfg.model.init_seed, dtype=cfg.model.dtype)
+        if mesh is not None:  # a small built-in model: drawn whole, then placed
+            params = _place_on_train_mesh(model_cfg, mesh, jax.device_get(params))
     else:
         tokenizer_dir = pathlib.Path(cfg.model.tokenizer_path or cfg.model.path)
         tokenizer = Tokenizer.from_pretrained(tokenizer_dir)
-        model_cfg, params = load_params(cfg.model.path, dtype=cfg.model.dtype)
+        model_cfg, params = load_params(cfg.model.path, dtype=cfg.model.dtype, mesh=mesh)
     if cfg.task.kind == "arithmetic":
         from areal_jax.tasks import arithmetic as ar
 
@@ -138,20 +155,31 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
     if jax.process_index() == 0:
         (run_dir / "config.gin").write_text(cs.operative_config())
         (run_dir / "config.json").write_text(json.dumps(cfg.as_dict(), indent=2, default=str))
-    work = prepare_workload(cfg, run_dir)
+    # One device: the weights stay unplaced, as SFT then runs without a mesh.
+    work = prepare_workload(cfg, run_dir, mesh=meshes.train if meshes.train.devices.size > 1 else None)
     reward_name = cfg.rollout.reward
     stop_ids = tuple(cfg.rollout.stop_token_ids) or tuple(work.tokenizer.stop_token_ids)
     rollout_cfg = dataclasses.replace(cfg.rollout, stop_token_ids=stop_ids)
     reward_fn = _reward_function(reward_name)
-    params = work.params
+    params, work.params = work.params, None  # from here on `params` is the only reference
     summary: dict[str, Any] = {"sft_steps": 0, "sft_time_s": 0.0}
+    # Moves weights to this host's generation devices in the generation dtype, per layer; the RL
+    # loop reuses it (and its compiled programs).
+    sync = generation_weight_sync(work.model_config, meshes, cfg.rl)
 
     def held_out_accuracy(p) -> float:
-        """Greedy accuracy on the held-out rows of every process (each holds a shard of them)."""
+        """Greedy accuracy on the held-out rows of every process (each holds a shard of them), on
+        this host's generation devices with the weights in the generation dtype. All processes
+        call it: moving weights from the train mesh is a collective."""
+        if not _on_any_process(bool(work.eval_rows)):
+            summary["held_out_problems"] = 0
+            return float("nan")
+        weights = sync.to_generation(p)
         correct, total = 0, 0
         if work.eval_rows:  # a one-off engine: none holds memory during RL
             correct, total = GreedyAccuracy(work.model_config, work.eval_rows, work.tokenizer,
-                                            max_new_tokens=cfg.rl.eval_max_new_tokens, reward_fn=reward_fn).count(p)
+                                            max_new_tokens=cfg.rl.eval_max_new_tokens, reward_fn=reward_fn).count(weights)
+        del weights
         if jax.process_count() > 1:
             correct, total = agree_sum(correct), agree_sum(total)
         summary["held_out_problems"] = total
@@ -168,14 +196,16 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
     else:
         if cfg.stages.sft and work.sft_examples:
             t_sft = time.perf_counter()
-            validate = GreedyAccuracy(work.model_config, work.validation_rows, work.tokenizer,
-                                      max_new_tokens=cfg.rl.eval_max_new_tokens, reward_fn=reward_fn) \
-                if cfg.sft.eval_every else None
+            validate = probe = None
+            if cfg.sft.eval_every:  # on the generation devices too (SFT hands it whole weights: no collective)
+                probe = GreedyAccuracy(work.model_config, work.validation_rows, work.tokenizer,
+                                       max_new_tokens=cfg.rl.eval_max_new_tokens, reward_fn=reward_fn)
+                validate = lambda p: probe(sync.transfer_local(p))  # noqa: E731
             # SFT trains on the RL trainer's mesh (sharded, across hosts); on a single device as is.
             sft_mesh = meshes.train if meshes.train.devices.size > 1 else None
             params, sft_log = run_sft(work.model_config, params, work.sft_examples, cfg.sft, progress=progress,
                                       validate=validate, mesh=sft_mesh)
-            del validate  # its engine (weights, KV cache) is not kept through RL
+            del validate, probe  # its engine (weights, KV cache) is not kept through RL
             last = sft_log[-1]  # its step is the number of steps run
             summary.update(sft_steps=last["step"], sft_time_s=time.perf_counter() - t_sft)
             checks = [m["val_accuracy"] for m in sft_log if "val_accuracy" in m]
@@ -202,33 +232,42 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
                 bar.set_postfix(reward=f"{m.get('rollout/reward_mean', m['reward/mean']):.2f}", stale=m["staleness/max"],
                                 acc=f"{m.get('eval/accuracy', float('nan')):.2f}")
 
+        # The trainer keeps its own fp32 copy; the initial buffers are deleted once it has it.
         loop = RLLoop(work.model_config, params, tokenizer=work.tokenizer, data_iter=work.train_rows, rl=cfg.rl,
                       ppo=cfg.ppo, optimizer=cfg.optimizer, advantages=cfg.advantages, workflow=rollout_cfg,
                       engine=cfg.engine, mesh=cfg.mesh, eval_rows=work.eval_rows, on_step=on_step,
                       checkpointer=checkpointer, resume=resuming,
                       checkpoint_extra=lambda: {"summary": _jsonable(summary), "history": _jsonable(history)},
-                      on_rollouts=metrics_log.dump_rollouts if jax.process_index() == 0 else None)
+                      on_rollouts=metrics_log.dump_rollouts if jax.process_index() == 0 else None,
+                      donate_params=True, weight_sync=sync)
+        params = None
         if bar is not None and loop.first_step:
             bar.update(loop.first_step)
         result = loop.run()
         if bar is not None:
             bar.close()
         metrics_log.close()
-        params = fully_local(result.final_params)  # whole weights on every host: evaluation, saving
+        # The final weights stay sharded on the train mesh; the engine and optimizer state go.
+        params = result.final_params
         summary.update(steps=loop.first_step + result.steps, version=result.version,
                        rl_time_s=time.perf_counter() - t_rl, trained_tokens=loop.trained_tokens)
+        loop.close()
+        gc.collect()
         totals = _rollout_totals(result.rollout_report)
         if totals:
             summary["rollout"] = totals
+        del result
     summary["final_accuracy"] = held_out_accuracy(params)
     summary.setdefault("steps", 0)
     summary.setdefault("trained_tokens", 0.0)
     summary["wall_time_s"] = time.perf_counter() - t0 + summary.get("wall_time_s_before_resume", 0.0)
     if checkpointer is not None:
         checkpointer.close()
+    host_params = _host_copy(params) if cfg.stages.save_final_model else None  # every process takes part
+    del params
     if jax.process_index() == 0:
         if cfg.stages.save_final_model:
-            save_params(jax.device_get(params), work.model_config, run_dir / "final_model")
+            save_params(host_params, work.model_config, run_dir / "final_model")
             for f in work.tokenizer_dir.iterdir():  # the tokenizer travels with the model
                 if f.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
                     shutil.copy(f, run_dir / "final_model" / f.name)
@@ -240,6 +279,30 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
           f"trained_tokens={summary['trained_tokens']:.0f} wall_time={summary['wall_time_s']:.0f}s -> {run_dir}",
           flush=True)
     return summary
+
+
+def _place_on_train_mesh(model_cfg: Any, mesh: Mesh, host: Any) -> Any:
+    """Host arrays laid out on the train mesh by the training rules (each device takes its slice)."""
+    specs, _ = model_partition_specs(model_cfg, mesh, 1)
+    return jax.tree.map(lambda a, spec: jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec),
+                                                                   lambda index: a[index]), host, specs)
+
+
+def _host_copy(params: Any) -> Any:
+    """The weights in host memory, one tensor at a time: shards fetched as they lie, and a tensor
+    spanning processes all-gathered alone (so all processes must call this). No device ever holds
+    more than one whole tensor for it."""
+
+    def fetch(x: Any) -> np.ndarray:
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(jax.device_get(x))
+
+    return jax.tree.map(fetch, params)
+
+
+def _on_any_process(flag: bool) -> bool:
+    return bool(agree_max(int(flag))) if jax.process_count() > 1 else flag
 
 
 def _rollout_totals(report: Any) -> dict[str, Any]:

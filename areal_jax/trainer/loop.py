@@ -182,10 +182,10 @@ class RLLoop:
         self._reward_tally = (0, 0.0)  # (trajectories, reward sum) finished before the last step
 
     def close(self) -> None:
-        """Drops the engine (its KV cache and served weights) and the rollout side, after `run`:
-        the trainer's weights stay (e.g. `LoopResult.final_params`) while the generation devices
-        are freed for evaluation."""
-        self.controller = self.engine = self.reference = None
+        """After `run`: drops the engine (KV cache, served weights), the rollout side and the
+        trainer (optimizer state), freeing both sides' devices for evaluation and saving; the
+        final weights live on in `LoopResult.final_params`."""
+        self.controller = self.engine = self.reference = self.trainer = None
 
     # ---- the loop -----------------------------------------------------------------------------
 
