@@ -130,7 +130,7 @@ def test_specs_cover_every_shape_and_compile_on_a_data_tensor_mesh():
         for R in ec.prefill_row_counts(P, 2):
             want |= {f"generation/prefill_start[rows={R},len={P}]", f"generation/insert[rows={R},len={P}]",
                      f"generation/first_tokens[rows={R}]"}
-    assert ec.prefill_row_counts(16, 2) == (2, 8)  # 1 or 4 rows per replica; at most 4 prompts per call
+    assert ec.prefill_row_counts(16, 2) == (2, 4)  # 1 or 2 rows per replica: at most 4 prompts (slots)
     for P in ec.long_history_buckets():  # histories of 17..62 tokens
         for R in ec.prefill_row_counts(P, 2):
             want |= {f"generation/prefill[rows={R},len={P}]", f"generation/insert[rows={R},len={P}]"}
@@ -240,3 +240,29 @@ def test_a_swap_holds_the_old_weights_and_the_incoming_ones_never_more(layout):
         assert engine._params["layers"][0]["wq"] is leaf  # installed without a copy
     engine.run_until_idle()
     assert list(handle.result().completions[0].versions).count(1) > 0
+
+
+def test_max_prompt_len_bounds_admission_programs_and_prompts():
+    ec = EngineConfig(num_slots=2, max_seq_len=64, max_prompt_len=20, reprefill_pack_width=16, decode_windows=(64,))
+    assert ec.admission_buckets() == (16, 32) and ec.long_history_buckets() == (32, 64)
+    names = {s.name for s in engine_program_specs(CFG, ec, mesh=_mesh(1, 1), param_dtype=jnp.float32)}
+    assert {n for n in names if n.startswith("generation/prefill_start")} == {
+        f"generation/prefill_start[rows={R},len={P}]" for P in (16, 32) for R in (1, 2)}  # rows <= slots
+    assert "generation/prefill[rows=1,len=64]" in names  # a long history after a swap
+    engine = GenerationEngine((CFG, init_params(CFG, 0)), ec)
+    with pytest.raises(ValueError, match="EngineConfig.max_prompt_len = 20"):
+        engine.submit([1] * 21, SamplingParams(max_new_tokens=2))
+    engine.submit([1] * 20, SamplingParams(max_new_tokens=2))
+    with pytest.raises(ValueError, match="max_prompt_len"):
+        EngineConfig(max_seq_len=64, max_prompt_len=64)
+
+
+def test_weights_of_another_shape_or_dtype_are_refused_by_update_weights():
+    engine = GenerationEngine((CFG, init_params(CFG, 0)), EngineConfig(num_slots=2, max_seq_len=32))
+    with pytest.raises(ValueError, match=r"params\['embed'\] is bfloat16\[64, 32\] instead of float32\[64, 32\]"):
+        engine.update_weights(init_params(CFG, 1, dtype=jnp.bfloat16), version=1)
+    other = ModelConfig(**{**CFG.__dict__, "intermediate_size": 48})
+    wrong = r"params\['layers'\]\[0\]\['w_down'\] is float32\[48, 32\] instead of float32\[64, 32\]"
+    with pytest.raises(ValueError, match=wrong):
+        engine.update_weights(split_layers(init_params(other, 1)), version=1)
+    assert engine.update_weights(split_layers(init_params(CFG, 1)), version=1) is not None

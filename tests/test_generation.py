@@ -99,14 +99,15 @@ def test_interruptible_swap_recomputes_cache_and_switches_versions():
         assert np.abs(under_old[9:] - under_new[9:]).max() > 1e-2  # the two policies do differ
 
 
-@pytest.mark.parametrize("pack_width", [512, 12])
-def test_swap_recomputes_every_slot_from_packed_rows(pack_width):
+@pytest.mark.parametrize(("pack_width", "prefill_chunk"), [(512, 512), (12, 512), (12, 8)])
+def test_swap_recomputes_every_slot_from_packed_rows(pack_width, prefill_chunk):
     """Six in-flight samples of different lengths are re-prefilled after a swap: packed several to
     a row (width 512: all of them, in one call) or, past `reprefill_pack_width` (12), by length
-    bucket. Either way each continues exactly as the new weights would from its full history."""
+    bucket (prefilled whole, or 8 tokens at a time). Either way each continues exactly as the new
+    weights would from its full history."""
     old, new = _model(4), _model(5)
     engine = GenerationEngine(old, EngineConfig(num_slots=6, max_seq_len=64, decode_chunk=4,
-                                                reprefill_pack_width=pack_width))
+                                                reprefill_pack_width=pack_width, prefill_chunk=prefill_chunk))
     prompts = [[1 + i] * n for i, n in enumerate([1, 3, 7, 11, 16, 21])]
     sp = SamplingParams(max_new_tokens=16, temperature=1.0)
     handles = [engine.submit(p, sp) for p in prompts]

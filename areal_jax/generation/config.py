@@ -18,6 +18,9 @@ class EngineConfig:
 
     num_slots: int = 8  # B; on a generation mesh a multiple of its "data" size
     max_seq_len: int = 512  # prompt + completion tokens of one sample; the KV cache length S
+    # Longest prompt accepted (0: max_seq_len - 1). Admission compiles prefills only for the
+    # buckets up to it; longer histories (after a swap) take the long-history path.
+    max_prompt_len: int = 0
     decode_chunk: int = 8  # decode steps per jitted chunk at most: the granularity of refills and swaps
     # A chunk ends early once this many slots have finished while requests wait in the queue, so
     # freed slots are refilled without idling to the chunk's end. 0 (default): chunks run in full
@@ -62,6 +65,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.refill_after must be an int >= 0, got {self.refill_after!r}")
         if self.max_seq_len < 2:
             raise ValueError("EngineConfig.max_seq_len must be >= 2 (one prompt token and one generated)")
+        if not isinstance(self.max_prompt_len, int) or not 0 <= self.max_prompt_len < self.max_seq_len:
+            raise ValueError(f"EngineConfig.max_prompt_len must be an int in [0, max_seq_len = {self.max_seq_len}) "
+                             f"(0: max_seq_len - 1), got {self.max_prompt_len!r}")
         buckets = tuple(sorted(set(self.prefill_buckets))) or _default_buckets(self.max_seq_len)
         if buckets[-1] < self.max_seq_len - 1 or any(b < 1 for b in buckets):
             raise ValueError(f"prefill_buckets {buckets} must be >= 1 and cover max_seq_len - 1 = "
@@ -82,6 +88,16 @@ class EngineConfig:
         return next((w for w in self.decode_windows if w >= needed), self.max_seq_len)
 
     @property
+    def prompt_limit(self) -> int:
+        """Longest prompt `submit` accepts."""
+        return self.max_prompt_len or self.max_seq_len - 1
+
+    def admission_buckets(self) -> tuple[int, ...]:
+        """Buckets of prompts (what admission prefills)."""
+        last = self.bucket(self.prompt_limit)
+        return tuple(b for b in self.prefill_buckets if b <= last)
+
+    @property
     def pack_width(self) -> int:
         """Row width of packed re-prefill calls."""
         return min(self.reprefill_pack_width, self.max_seq_len)
@@ -89,7 +105,9 @@ class EngineConfig:
     # ---- row counts: R = data x (rows per replica) ----------------------------------------------
 
     def _rows_per_replica_max(self, length: int, data: int) -> int:
-        return max(1, min(-(-self.max_prefill_batch // data), self.max_prefill_tokens // length))
+        # No call holds more prompts than there are slots (num_slots is a multiple of data).
+        return max(1, min(-(-self.max_prefill_batch // data), -(-self.num_slots // data),
+                          self.max_prefill_tokens // length))
 
     def max_prefill_prompts(self, length: int, data: int = 1) -> int:
         """Most prompts (or histories) of length bucket `bucket(length)` in one prefill call."""

@@ -221,6 +221,9 @@ class GenerationEngine:
         if prompt.size >= self.config.max_seq_len:
             raise ValueError(f"prompt of {prompt.size} tokens does not fit: max_seq_len is "
                              f"{self.config.max_seq_len} (prompt + at least one generated token)")
+        if prompt.size > self.config.prompt_limit:
+            raise ValueError(f"prompt of {prompt.size} tokens is longer than EngineConfig.max_prompt_len = "
+                             f"{self.config.max_prompt_len}")
         if prompt.min() < 0 or prompt.max() >= self.model_config.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size}), "
                              f"got range [{prompt.min()}, {prompt.max()}]")
@@ -256,6 +259,10 @@ class GenerationEngine:
         laid out as the engine holds them are used as they are, so a swap holds the old copy and the
         incoming one, never more; stacked weights are split after the old copy is gone (the engine
         then holds the split copy while the caller may still hold the stacked one)."""
+        problem = _mismatch(_shapes(params), self._param_avals)
+        if problem:  # here, on the caller's thread: the engine thread would fail every request
+            raise ValueError(f"new weights do not match the served ones ({problem}); stacked or split weights "
+                             "of the same model and dtype are expected")
         done: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if self._pending_weights is not None:  # a newer push supersedes one not yet applied
@@ -427,10 +434,6 @@ class GenerationEngine:
     def _install_weights(self, params: Params) -> None:
         """Makes `params` (stacked or split) the served weights, holding at most two copies: the
         old weights are released first (a running program keeps its own reference until it ends)."""
-        got = _shapes(params)
-        if got != self._param_avals:
-            raise ValueError("new weights do not match the served ones in layout, shapes or dtypes (stacked or "
-                             f"split weights of the same model): got {got}, serving {self._param_avals}")
         if self._mesh is None:  # on the engine's device (a put only if they are elsewhere)
             params = placed_like(params, jax.tree.map(lambda _: self._inputs_sharding, params))
         self._params = None
@@ -681,5 +684,17 @@ class GenerationEngine:
 
 
 def _shapes(params: Params) -> Any:
-    """(shape, dtype) of every weight in the per-layer layout, whichever layout `params` has."""
-    return jax.tree.map(lambda a: (tuple(a.shape), jnp.dtype(a.dtype)), jax.eval_shape(split_layers, params))
+    """"dtype[shape]" of every weight in the per-layer layout, whichever layout `params` has."""
+    return jax.tree.map(lambda a: f"{jnp.dtype(a.dtype)}{list(a.shape)}", jax.eval_shape(split_layers, params))
+
+
+def _mismatch(got: Any, want: Any) -> str:
+    """The first difference between two `_shapes` trees, or "" when they are equal."""
+    got_leaves, got_def = jax.tree_util.tree_flatten_with_path(got)
+    want_leaves, want_def = jax.tree_util.tree_flatten_with_path(want)
+    if got_def != want_def:
+        return f"layout {got_def} instead of {want_def}"
+    for (path, g), (_, w) in zip(got_leaves, want_leaves):
+        if g != w:
+            return f"params{jax.tree_util.keystr(path)} is {g} instead of {w}"
+    return ""

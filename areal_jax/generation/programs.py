@@ -30,11 +30,12 @@ from areal_jax.aot import ProgramSpec, Role
 from areal_jax.generation.config import EngineConfig
 from areal_jax.generation.sampling import MAX_STOP_IDS, sample_tokens
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.sharding import GENERATION_RULES, activation_rules, sharding_for
+from areal_jax.models.sharding import GENERATION_RULES, activation_rules, constrain, sharding_for
 from areal_jax.models.transformer import (KVCache, Params, forward, lm_head, param_axes, param_shapes,
                                           prefill_block, prefill_into_slots, split_layers)
 
 CACHE_AXES = ("cache_slots", "kv_heads", "cache_seq", "head_dim")  # one cache layer [B, K, S, H]
+LOGITS_AXES = ("batch", "act_vocab")  # a prefill's last-position logits [R, V]
 
 
 # ---- layouts on the generation mesh ----------------------------------------------------------------
@@ -145,7 +146,7 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
         """KV block (L x `[R, K, P, H]`) and last-prompt-position logits `[R, V]`: only the last
         position needs logits (the LM head over all P would be ~40% of a small model's prefill)."""
         block, last = prefill_block(params, cfg, tokens, lengths, chunk=ec.prefill_chunk, cache_dtype=cache_dtype)
-        return block, lm_head(params, cfg, last[:, None])[:, 0]
+        return block, constrain(lm_head(params, cfg, last[:, None])[:, 0], LOGITS_AXES)
 
     def insert(cache, block, rows, slots):
         traced[program_name("insert", rows=block.k[0].shape[0], len=block.k[0].shape[2])] += 1
@@ -237,7 +238,7 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
 
 _CACHE_FIELDS = ("EngineConfig.num_slots", "EngineConfig.max_seq_len", "EngineConfig.cache_dtype",
                  "MeshConfig.generation_tensor")
-_PREFILL_FIELDS = ("EngineConfig.prefill_buckets", "EngineConfig.max_prefill_batch",
+_PREFILL_FIELDS = ("EngineConfig.prefill_buckets", "EngineConfig.max_prompt_len", "EngineConfig.max_prefill_batch",
                    "EngineConfig.max_prefill_tokens", "EngineConfig.prefill_chunk")
 
 
@@ -245,13 +246,14 @@ def engine_program_specs(model_cfg: ModelConfig, engine_cfg: EngineConfig, *, me
                          cache_dtype=None, role: Role = "generation") -> list[ProgramSpec]:
     """Every program the engine can run at the config's shapes on the ("data", "tensor") `mesh`.
 
-    Names (prefixed with `role`): prefill_start[rows=R,len=P] for every prompt bucket and row
-    count; first_tokens[rows=R] and insert[rows=R,len=P] for a kept block's later samples;
-    reprefill_packed[rows=R] for every packed row count; prefill[rows=R,len=P] + insert for
-    histories longer than a packed row; decode[window=W] for every window; split_weights (a swap of
-    stacked weights; split weights install without a program). Resident: the cache where it is
-    not an argument; with role "generation" one incoming weight copy (a transfer can land while
-    any program runs); during decode the block a partly started group keeps (the largest).
+    Names (prefixed with `role`): prefill_start[rows=R,len=P] for every prompt bucket (up to
+    max_prompt_len) and row count; first_tokens[rows=R] and insert[rows=R,len=P] for the later
+    samples of a group from its kept block; reprefill_packed[rows=R] for every packed row count;
+    prefill[rows=R,len=P] + insert for histories longer than a packed row; decode[window=W] for
+    every window; split_weights (a swap of stacked weights; split weights install without a
+    program). Resident: the weights and cache where they are not arguments; with role
+    "generation" one incoming weight copy (a transfer can land while any program runs); during
+    decode the block a partly started group keeps (the largest admission block).
     """
     check_mesh(model_cfg, engine_cfg, mesh)
     ec, cfg = engine_cfg, model_cfg
@@ -273,8 +275,9 @@ def engine_program_specs(model_cfg: ModelConfig, engine_cfg: EngineConfig, *, me
         one = jax.ShapeDtypeStruct((R, K, P, H), cache_dtype, sharding=shard)
         return KVCache((one,) * cfg.num_layers, (one,) * cfg.num_layers)
 
-    def logits(R):
-        return host((R, V), jnp.float32)
+    def logits(R):  # a prefill's last-position logits, laid out as prefill_start returns them
+        return jax.ShapeDtypeStruct((R, V), jnp.float32, sharding=sharding_for(LOGITS_AXES, GENERATION_RULES, mesh,
+                                                                               (R, V)))
 
     starts = (host((B,), jnp.int32), host((B,), jnp.int32), host((B, 2), jnp.uint32), host((B,), jnp.int32),
               host((B,), jnp.float32), host((B,), jnp.float32), host((B,), jnp.int32))  # rows .. top_k
@@ -290,13 +293,15 @@ def engine_program_specs(model_cfg: ModelConfig, engine_cfg: EngineConfig, *, me
             specs.append(ProgramSpec(name, role, fn, args=args, kwargs=kwargs or {}, resident=resident,
                                      context=context, fields=fields))
 
-    admission = [(R, P) for P in ec.prefill_buckets for R in ec.prefill_row_counts(P, data)]
+    admission = [(R, P) for P in ec.admission_buckets() for R in ec.prefill_row_counts(P, data)]
     for R, P in admission:
         tokens = (host((R, P), jnp.int32), host((R,), jnp.int32))
         add("prefill_start", dict(rows=R, len=P), programs.prefill_start, (params, cache, *tokens, *starts),
             incoming, _PREFILL_FIELDS + _CACHE_FIELDS)
         add("insert", dict(rows=R, len=P), programs.insert, (cache, block(R, P), *starts[:2]),
             (params, logits(R)) + incoming, _PREFILL_FIELDS + _CACHE_FIELDS)
+    for R in sorted({R for R, _ in admission}):  # the kept block of the longest bucket stays meanwhile
+        P = max(P for r, P in admission if r == R)
         add("first_tokens", dict(rows=R), programs.first_tokens, (logits(R), *sampling),
             (params, cache, block(R, P)) + incoming, _PREFILL_FIELDS)
     for P in ec.long_history_buckets():
