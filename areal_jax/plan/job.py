@@ -18,6 +18,7 @@ from areal_jax.jobs.configs import JobConfigs
 from areal_jax.models.config import ModelConfig
 from areal_jax.parallel.meshes import split_local_devices
 from areal_jax.plan.config import PlanConfig
+from areal_jax.plan.estimate import EstimateContext, estimate_peak
 from areal_jax.plan.planner import Plan, ProgramPlan, measure_programs, predict, read_model_config, role_meshes
 from areal_jax.plan.targets import Target
 
@@ -54,18 +55,26 @@ def replica_engine_config(engine, data: int, *, field: str = "EngineConfig.num_s
     if engine.num_slots % data:
         raise PlanError(f"{field} = {engine.num_slots} is not a multiple of the generation mesh's data size "
                         f"{data}: the KV cache would be replicated on every generation device")
+    # The engine's calls hold data x (rows per replica) rows, at most ceil(max_prefill_batch / data)
+    # per replica: one replica's share is an engine of its slots with that many rows.
     return dataclasses.replace(engine, num_slots=engine.num_slots // data,
-                               max_prefill_batch=max(1, engine.max_prefill_batch))
+                               max_prefill_batch=-(-engine.max_prefill_batch // data))
 
 
-def eval_engine_config(job: JobConfigs, longest_prompt: int, data: int):
+def eval_engine_config(job: JobConfigs, longest_prompt: int, data: int, hosts: int):
+    """One data replica's share of the held-out evaluation engine (trainer/sft.py GreedyAccuracy:
+    at most 64 slots per host, a multiple of the generation mesh's data size)."""
     from areal_jax.generation.engine import EngineConfig
 
-    rows = max(1, job.task.eval_size)
+    rows = max(1, -(-job.task.eval_size // hosts))  # each host evaluates its shard of the rows
     slots = min(EVAL_SLOTS, rows)
     slots = max(data, slots - slots % data)
     max_seq_len = -(-(longest_prompt + job.rl.eval_max_new_tokens + 1) // 16) * 16
-    return EngineConfig(num_slots=slots, max_seq_len=max_seq_len)
+    return EngineConfig(num_slots=slots // data, max_seq_len=max_seq_len)
+
+
+def gen_dtype(job: JobConfigs):
+    return jnp.dtype(job.rl.generation_dtype or job.model.dtype)
 
 
 def collect_specs(job: JobConfigs, model_cfg: ModelConfig, target: Target, meshes, *, longest_prompt: int
@@ -74,19 +83,18 @@ def collect_specs(job: JobConfigs, model_cfg: ModelConfig, target: Target, meshe
     from areal_jax.parallel.weight_sync import transfer_program_specs
     from areal_jax.trainer.programs import train_program_specs
 
-    gen_dtype = jnp.dtype(job.rl.generation_dtype or job.model.dtype)
     data = meshes.generation_replicas_per_host
     longest_row = trained_row_length(job)
     specs = [s for s in train_program_specs(model_cfg, job.ppo, job.optimizer, meshes.train, num_processes=target.hosts)
              if _dims(s.name).get("len", 0) <= longest_row]
     specs += transfer_program_specs(model_cfg, meshes.train, num_hosts=target.hosts,
-                                    generation_tensor=job.mesh.generation_tensor, dtype=gen_dtype,
+                                    generation_tensor=job.mesh.generation_tensor, dtype=gen_dtype(job),
                                     group_bytes=job.rl.transfer_group_bytes)
     specs += engine_program_specs(model_cfg, replica_engine_config(job.engine, data), mesh=meshes.generation,
-                                  param_dtype=gen_dtype)
+                                  param_dtype=gen_dtype(job))
     if job.task.eval_size and (job.task.kind == "arithmetic" or job.task.eval_paths):
-        specs += engine_program_specs(model_cfg, eval_engine_config(job, longest_prompt, 1), mesh=meshes.generation,
-                                      param_dtype=gen_dtype, role="eval")
+        specs += engine_program_specs(model_cfg, eval_engine_config(job, longest_prompt, data, target.hosts), mesh=meshes.generation,
+                                      param_dtype=gen_dtype(job), role="eval")
     return specs
 
 
@@ -121,9 +129,10 @@ def bounding_specs(specs: Sequence[ProgramSpec], keep: Callable[[ProgramSpec], b
 
 
 def _bigger(a: dict[str, int], b: dict[str, int]) -> bool:
-    """Compare shapes by their product of tokens first (rows x len, windows), then lexically."""
-    def key(d):
-        return (d.get("rows", 1) * d.get("len", 1) * d.get("window", 1), tuple(sorted(d.values())))
+    """Compare shapes by their tokens (rows x len, windows), then by length."""
+    def key(d):  # attention grows with the length (quadratically in training): longer rows first
+        return (d.get("rows", 1) * d.get("len", 1) * d.get("window", 1), d.get("len", 0), d.get("window", 0),
+                d.get("rows", 0))
     return key(a) > key(b)
 
 
@@ -149,16 +158,29 @@ def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files
     persistent = {role: max((bytes_per_device(_persistent(s)) for s in specs if s.role == role), default=0)
                   for role in ("train", "generation")}
 
+    from areal_jax.generation.programs import param_structs
+
+    eval_weights = bytes_per_device(param_structs(model_cfg, meshes.generation, gen_dtype(job), split=True))
+
     def extra_resident(spec: ProgramSpec) -> int:
+        # Held-out evaluation (trainer/sft.py GreedyAccuracy) keeps the stacked weights it was
+        # given while its engine holds them split: one more copy.
+        extra = eval_weights if spec.role == "eval" else 0
         # Colocated: each side's state stays on the devices while the other side's programs run.
         if split.colocated and spec.role in ("generation", "eval"):
-            return persistent["train"]
+            return extra + persistent["train"]
         if split.colocated and spec.role in ("train", "transfer"):
             return persistent["generation"]
-        return 0
+        return extra
 
+    ctx = EstimateContext(
+        model=model_cfg, fsdp=meshes.train.shape["fsdp"], train_tensor=job.mesh.train_tensor,
+        generation_tensor=job.mesh.generation_tensor, compute_bytes=2 if job.ppo.compute_dtype == "bfloat16" else 4,
+        cache_bytes=jnp.dtype(job.engine.cache_dtype or gen_dtype(job)).itemsize, remat=job.ppo.remat,
+        logit_chunk_tokens=job.ppo.logit_chunk_tokens, decode_chunk=job.engine.decode_chunk,
+        prefill_chunk=job.engine.prefill_chunk)
     programs = measure_programs(specs, target, extra_resident=extra_resident, headroom=plan_cfg.headroom,
-                                use_cache=use_cache, on_program=on_program)
+                                use_cache=use_cache, estimator=lambda s: estimate_peak(s, ctx), on_program=on_program)
     replica_engine = replica_engine_config(job.engine, meshes.generation_replicas_per_host)
     prediction = predict(
         programs, target=target, meshes=meshes, model_cfg=model_cfg, slots_per_replica=replica_engine.num_slots,

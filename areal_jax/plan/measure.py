@@ -3,8 +3,9 @@
 Peak bytes per device = arguments + outputs - aliased (donated) buffers + temporaries, from the
 compiler's own memory analysis, plus what stays resident on the device meanwhile without being
 an argument (`ProgramSpec.resident`). FLOPs and bytes accessed come from XLA's cost analysis:
-libtpu's per device after partitioning; XLA:GPU has none, so the unpartitioned program's counts
-(HLO cost analysis on the CPU client) are divided by its device count.
+libtpu's per device after partitioning. XLA:GPU has none, so XLA's HLO cost analysis runs on the
+CPU client: FLOPs of the unpartitioned program before optimisation divided by its device count,
+bytes accessed of the optimised program of one device.
 
 Results are cached on disk by target and the lowered program's text: compiling a real model's
 programs takes minutes on a small host, and a rerun or a sweep over a config field recompiles
@@ -24,6 +25,9 @@ from typing import Any
 import jax
 
 from areal_jax.aot import ProgramSpec, bytes_per_device
+
+
+_CACHE_VERSION = 2  # bump when what is measured changes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +60,7 @@ def _spec_devices(spec: ProgramSpec) -> int:
 
 
 def _cost(lowered: jax.stages.Lowered, compiled: jax.stages.Compiled, num_devices: int) -> tuple[float, float]:
+    """(FLOPs, bytes accessed) per device."""
     cost = None
     try:
         cost = compiled.cost_analysis()
@@ -65,17 +70,28 @@ def _cost(lowered: jax.stages.Lowered, compiled: jax.stages.Compiled, num_device
         cost = cost[0] if cost else None
     if cost and cost.get("flops") is not None:
         return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
-    from jax._src.lib import _jax  # the CPU client's HLO cost analysis of the unpartitioned program
+    from jax._src.lib import _jax  # XLA's HLO cost analysis, run by the CPU client
 
     cpu = jax.devices("cpu")[0].client
-    cost = _jax.hlo_module_cost_analysis(cpu, lowered._lowering.hlo().as_hlo_module())
-    return float(cost.get("flops", 0.0)) / num_devices, float(cost.get("bytes accessed", 0.0)) / num_devices
+    # FLOPs: the program before optimisation (after it, matmuls are library calls that count 0),
+    # over every device. Bytes: the optimised, partitioned program of one device, whose fusions
+    # are what the memory system sees (before fusion every elementwise op would count its
+    # operands again).
+    before = _jax.hlo_module_cost_analysis(cpu, lowered._lowering.hlo().as_hlo_module())
+    flops = float(before.get("flops", 0.0)) / num_devices
+    accessed = float(before.get("bytes accessed", 0.0)) / num_devices
+    try:
+        after = _jax.hlo_module_cost_analysis(cpu, compiled.runtime_executable().hlo_modules()[0])
+        accessed = float(after.get("bytes accessed", accessed))
+    except Exception:  # noqa: BLE001  (no optimised module exposed: keep the unfused count)
+        pass
+    return flops, accessed
 
 
 def measure(spec: ProgramSpec, target_name: str, *, use_cache: bool = True) -> Measured:
     """Lowers and compiles `spec` (its arguments already sit on the target's fake devices)."""
     lowered = spec.lower()
-    key = hashlib.sha256(f"{target_name}\n{lowered.as_text()}".encode()).hexdigest()[:32]
+    key = hashlib.sha256(f"{_CACHE_VERSION}\n{target_name}\n{lowered.as_text()}".encode()).hexdigest()[:32]
     path = cache_dir() / f"{key}.json"
     if use_cache and path.exists():
         try:

@@ -52,6 +52,7 @@ class ProgramPlan:
     temp_bytes: int
     compile_s: float
     fields: tuple[str, ...]
+    estimate_bytes: int = 0  # plan/estimate.py's hand estimate of the peak (0: none)
 
     def as_json(self) -> dict[str, Any]:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
@@ -133,7 +134,7 @@ SpecSource = Callable[..., list[ProgramSpec]]
 
 
 def measure_programs(specs: Sequence[ProgramSpec], target: Target, *, extra_resident: Callable[[ProgramSpec], int],
-                     headroom: float, use_cache: bool = True,
+                     headroom: float, use_cache: bool = True, estimator: Callable[[ProgramSpec], int] | None = None,
                      on_program: Callable[[ProgramPlan], None] | None = None) -> list[ProgramPlan]:
     """Compiles and measures every spec; `extra_resident(spec)` adds bytes the run holds beside it."""
     source = "libtpu" if target.platform == "tpu" else "xla-gpu"
@@ -148,7 +149,8 @@ def measure_programs(specs: Sequence[ProgramSpec], target: Target, *, extra_resi
             fits=peak <= (1.0 - headroom) * capacity, flops=m.flops, bytes_accessed=m.bytes_accessed,
             roofline_s=roofline_s(m.flops, m.bytes_accessed, target), source=source,
             program_bytes=m.program_peak_bytes, resident_bytes=resident, temp_bytes=m.temp_bytes,
-            compile_s=m.compile_s, fields=tuple(spec.fields))
+            compile_s=m.compile_s, fields=tuple(spec.fields),
+            estimate_bytes=(estimator(spec) + extra_resident(spec)) if estimator is not None else 0)
         out.append(plan)
         if on_program is not None:
             on_program(plan)

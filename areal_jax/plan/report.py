@@ -10,10 +10,10 @@ GiB = float(1 << 30)
 def program_row(p: ProgramPlan) -> str:
     mark = "ok " if p.fits else "NO "
     return (f"{mark} {p.role:<10} {p.name:<46} {p.peak_bytes_per_device / GiB:8.2f} / {p.capacity_bytes_per_device / GiB:6.2f}"
-            f"  {p.flops / 1e12:9.3f} {p.bytes_accessed / GiB:8.2f} {p.roofline_s * 1e3:9.2f}  {p.source}")
+            f" {p.estimate_bytes / GiB:8.2f}  {p.flops / 1e12:9.3f} {p.bytes_accessed / GiB:8.2f} {p.roofline_s * 1e3:9.2f}  {p.source}")
 
 
-HEADER = (f"{'fit':<3} {'role':<10} {'program':<46} {'peak/capacity GiB':>17}  {'TFLOP':>9} {'GiB moved':>8} "
+HEADER = (f"{'fit':<3} {'role':<10} {'program':<46} {'peak/capacity GiB':>17} {'est. GiB':>8}  {'TFLOP':>9} {'GiB moved':>8} "
           f"{'roofline ms':>9}  source")
 
 

@@ -1,0 +1,128 @@
+"""A hand estimate of each program's peak bytes per device, printed beside the compiler's figure.
+
+Arguments and residents are counted exactly from the spec's shapes and shardings; what the
+estimate adds is a model of the temporaries each kind of program needs, from the model's
+dimensions (letters of models/config.py):
+
+- decode: per step, fp32 logits `[B, V]` and sampling's copies of them, one layer's attention
+  scores `[B, N, W]` (fp32, twice: scores and probabilities) and MLP activations `[B, F]`.
+- prefill: the new KV block `[R, K, P, H]` x L (an output), one query chunk's activations
+  `[R, C, 2D + 3F]` (weights' dtype) and scores `[R, N, C, C]` (fp32). Packed re-prefill: one
+  packed row's activations and one causal query block's scores.
+- grad: with remat "full" every layer's input `[R, T, D]` is saved (compute dtype), the
+  recomputed layer's activations `[R, T, 4D + 3F]` in fp32, its attention probabilities (the
+  causal half of `[R, N, T, T]`, fp32), a chunk of fp32 logits twice (forward, its gradient), the gradient of the weights (fp32, like the weights) and one layer of weights
+  gathered in the compute dtype. Without remat, every layer's activations are saved.
+- logprobs: one chunk of logits and a quarter of a layer's activations: nothing is kept for a
+  backward.
+- update: nothing beyond its arguments (weights and moments are donated and updated in place).
+- transfer: the group being moved, in the generation dtype, twice (cast and gathered).
+Everything per device: sharded dimensions divided by their mesh axis.
+
+The test suite holds the estimate within 25% of XLA's figure on small shapes; at real shapes the
+difference says how much the compiler's scheduling and fusion save or cost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from areal_jax.aot import ProgramSpec, bytes_per_device
+from areal_jax.models.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class EstimateContext:
+    """Sizes the estimate needs beyond the spec: the model, mesh axis sizes, dtypes and knobs."""
+
+    model: ModelConfig
+    fsdp: int = 1  # train mesh
+    train_tensor: int = 1
+    generation_tensor: int = 1
+    compute_bytes: int = 2  # bf16 compute (4: fp32)
+    cache_bytes: int = 2
+    remat: str = "full"
+    logit_chunk_tokens: int = 4096
+    decode_chunk: int = 1
+    prefill_chunk: int = 512  # EngineConfig.prefill_chunk: queries per step of a chunked prefill
+
+
+def _dims(name: str) -> dict[str, int]:
+    inside = name[name.index("[") + 1:-1] if "[" in name else ""
+    return {k: int(v) for k, v in (p.split("=") for p in inside.split(",") if "=" in p)}
+
+
+def _kind(name: str) -> str:
+    return name.split("/", 1)[-1].split("[")[0]
+
+
+def temporaries(spec: ProgramSpec, ctx: EstimateContext) -> int:
+    """Modelled temporaries (and new outputs) of one program on one device, in bytes."""
+    m, d = ctx.model, _dims(spec.name)
+    kind = _kind(spec.name)
+    D, F, N, K, H, V, L = (m.hidden_size, m.intermediate_size, m.num_heads, m.num_kv_heads, m.head_dim,
+                           m.vocab_size, m.num_layers)
+    if spec.role in ("generation", "eval"):
+        t = ctx.generation_tensor
+        if kind == "decode":
+            B = _first_dim(spec.args[1])  # the cache's slots on this device
+            W = d.get("window", 1)
+            return 4 * B * (3 * V // t + 2 * (N // t) * W + 3 * F // t + 4 * D)
+        if kind in ("prefill_start", "prefill"):  # chunked: `prefill_chunk` queries at a time
+            R, P = d.get("rows", 1), d.get("len", 1)
+            C = min(ctx.prefill_chunk, P)
+            block = 2 * L * R * max(K // t, 1) * P * H * ctx.cache_bytes  # the new KV block (an output)
+            acts = ctx.cache_bytes * R * C * (2 * D + 3 * F // t)  # in the weights' dtype
+            scores = 4 * R * (N // t) * C * C
+            return block + acts + scores + 4 * R * V
+        if kind == "reprefill_packed":  # causal blocks over packed rows, written straight into slots
+            R, W = d.get("rows", 1), _last_dim(spec.args[-1])
+            bq = max(32, -(-W // 32))
+            return ctx.cache_bytes * R * W * (2 * D + 3 * F // t) + 4 * R * (N // t) * bq * W
+        if kind == "split_weights":
+            return bytes_per_device(spec.args)  # the per-layer copy of the stacked weights
+        return 0  # insert, first_tokens: in place or small
+    if spec.role == "transfer":
+        return 2 * bytes_per_device(spec.args) * ctx.compute_bytes // 4
+    f, t = ctx.fsdp, ctx.train_tensor
+    params = bytes_per_device(spec.args[0]) if spec.args else 0
+    if kind == "update":
+        return 0  # AdamW updates weights and moments in place (all donated)
+    if kind in ("grad", "logprobs"):
+        R, T = d.get("rows", 1), d.get("len", 1)
+        Rl = max(1, R // f)
+        tokens = Rl * T
+        layer_weights = ctx.compute_bytes * (params // 4) * f // max(L, 1)  # one layer gathered
+        recompute = 4 * tokens * (4 * D + 3 * F // t)
+        attention = 4 * Rl * (N // t) * T * T // 2
+        chunk = min(ctx.logit_chunk_tokens // max(1, R // Rl), Rl * T) if Rl * T > ctx.logit_chunk_tokens else Rl * T
+        logits = 4 * chunk * V // t * 2  # the chunk's logits and, in the backward, their gradient
+        if kind == "logprobs":
+            return logits // 2 + recompute // 4 + 4 * tokens  # nothing kept for a backward
+        saved = (L * tokens * D * ctx.compute_bytes if ctx.remat == "full"
+                 else L * (recompute + attention) // 2)
+        return saved + recompute + attention + logits + params + layer_weights
+    return 0
+
+
+def estimate_peak(spec: ProgramSpec, ctx: EstimateContext) -> int:
+    """Arguments + residents (exact) + modelled temporaries, bytes per device."""
+    return bytes_per_device(spec.args) + bytes_per_device(spec.resident) + temporaries(spec, ctx)
+
+
+def _first_dim(tree) -> int:
+    import jax
+
+    leaf = jax.tree.leaves(tree)[0]
+    sharding = getattr(leaf, "sharding", None)
+    shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
+    return int(shape[0])
+
+
+def _last_dim(x) -> int:
+    return int(x.shape[-1]) if hasattr(x, "shape") and x.shape else 0
+
+
+def relative_error(estimate: float, measured: float) -> float:
+    return abs(estimate - measured) / max(measured, 1.0) if math.isfinite(measured) else math.inf

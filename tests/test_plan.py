@@ -1,0 +1,159 @@
+"""`areal-jax plan`: programs compiled for a target without it, verdicts, errors that name the field.
+
+Compiles for XLA:GPU (deviceless, jax-cuda12-plugin) and libtpu where installed ([plan] extra);
+each test is skipped, with the reason, where its compiler is missing. Small models keep compiles
+to seconds; the plan cache is pointed at a temporary directory so every test compiles afresh.
+"""
+
+import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+needs_gpu_compiler = pytest.mark.skipif(not HAS_CUDA_PLUGIN, reason="jax-cuda12-plugin not installed ([plan] extra)")
+needs_libtpu = pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed ([plan] extra)")
+
+SMALL_MODEL = {  # Qwen2-shaped, small enough to compile in seconds
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 4096, "hidden_size": 256,
+    "intermediate_size": 704, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 2048, "tie_word_embeddings": False,
+}
+
+BASE = """
+TaskSource.kind = "dataset"
+TaskSource.eval_size = 0
+DataConfig.paths = ("unused.jsonl",)
+DataConfig.max_prompt_tokens = 128
+Stages.sft = False
+MeshConfig.num_generation_devices_per_host = 6
+RLConfig.batch_size = 4
+RLConfig.generation_dtype = "bfloat16"
+RLVRConfig.n_samples = 4
+RLVRConfig.max_new_tokens = 384
+PPOConfig.num_minibatches = 2
+PPOConfig.max_tokens_per_microbatch = 4096
+PPOConfig.compute_dtype = "bfloat16"
+PPOConfig.remat = "full"
+EngineConfig.num_slots = 48
+EngineConfig.max_seq_len = 512
+"""
+
+
+def _config(tmp_path: pathlib.Path, extra: str = "", model: dict | None = None) -> pathlib.Path:
+    (tmp_path / "model").mkdir(exist_ok=True)
+    (tmp_path / "model" / "config.json").write_text(json.dumps(model or SMALL_MODEL))
+    gin = tmp_path / "run.gin"
+    gin.write_text(BASE + f'ModelSource.path = "{tmp_path / "model"}"\n' + extra)
+    return gin
+
+
+def _plan(tmp_path, gin, *args, check=True):
+    env = {"AREAL_JAX_PLAN_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu",
+           "TPU_SKIP_MDS_QUERY": "1", "HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-m", "areal_jax.cli", "plan", f"--gin_file={gin}", *args],
+                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
+    if check:
+        assert out.returncode in (0, 1), out.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def small_plan(tmp_path_factory):
+    """One plan of the small model on one 8xH100 node, shared by the tests that read it."""
+    tmp_path = tmp_path_factory.mktemp("small_plan")
+    out = _plan(tmp_path, _config(tmp_path), "--target=8xh100", "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
+@needs_gpu_compiler
+def test_plan_json_names_every_role_and_fits_a_small_model(small_plan):
+    plan = small_plan
+    assert plan["target"] == "8xh100" and plan["fits"] is True
+    assert (plan["train_devices"], plan["generation_devices"]) == (2, 6)
+    roles = {p["role"] for p in plan["programs"]}
+    assert {"train", "generation", "transfer"} <= roles
+    names = [p["name"] for p in plan["programs"]]
+    assert any(n.startswith("train/grad[") for n in names) and "train/update" in names
+    assert any(n.startswith("generation/decode[window=512]") for n in names)
+    for p in plan["programs"]:
+        assert set(p) >= {"name", "role", "peak_bytes_per_device", "capacity_bytes_per_device", "fits", "flops",
+                          "bytes_accessed", "roofline_s", "source"}
+        assert p["source"] == "xla-gpu" and p["capacity_bytes_per_device"] == 80 * 2**30
+        assert 0 < p["peak_bytes_per_device"] < p["capacity_bytes_per_device"]
+        # The peak counts the program's own buffers and what stays resident beside it.
+        assert p["peak_bytes_per_device"] == p["program_bytes"] + p["resident_bytes"]
+    decode = next(p for p in plan["programs"] if p["name"].startswith("generation/decode"))
+    assert decode["flops"] > 0 and decode["roofline_s"] > 0
+    assert plan["prediction"]["generation_tokens_per_s"] > 0 and plan["prediction"]["bound"] in ("generation", "training")
+
+
+@needs_gpu_compiler
+def test_hand_estimate_agrees_with_xla_within_25_percent_on_small_shapes(small_plan):
+    checked = 0
+    for p in small_plan["programs"]:
+        if p["name"].split("[")[0] in ("generation/decode", "generation/prefill_start", "train/grad", "train/update",
+                                       "train/logprobs"):
+            rel = abs(p["estimate_bytes"] - p["peak_bytes_per_device"]) / p["peak_bytes_per_device"]
+            assert rel <= 0.25, f"{p['name']}: estimate {p['estimate_bytes']} vs XLA {p['peak_bytes_per_device']}"
+            checked += 1
+    assert checked >= 4
+
+
+@needs_gpu_compiler
+def test_slots_that_the_data_axis_does_not_divide_are_an_error_naming_the_field(tmp_path):
+    out = _plan(tmp_path, _config(tmp_path, "EngineConfig.num_slots = 50\n"), "--target=8xh100", check=False)
+    assert out.returncode == 2
+    assert "EngineConfig.num_slots" in out.stderr and "Traceback" not in out.stderr
+
+
+@needs_gpu_compiler
+def test_a_micro_batch_that_cannot_fit_fails_naming_the_program_and_fields(tmp_path):
+    big_vocab = {**SMALL_MODEL, "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 4096,
+                 "num_attention_heads": 16}
+    gin = _config(tmp_path, "PPOConfig.max_tokens_per_microbatch = 1048576\nPPOConfig.logit_chunk_tokens = 1048576\n",
+                  model=big_vocab)
+    out = _plan(tmp_path, gin, "--target=8xh100", "--only=train/grad", check=False)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "DOES NOT FIT" in out.stdout and "train/grad" in out.stdout
+    assert "PPOConfig.max_tokens_per_microbatch" in out.stdout
+
+
+def test_no_target_is_a_configuration_error(tmp_path):
+    out = _plan(tmp_path, _config(tmp_path), check=False)
+    assert out.returncode == 2 and "PlanConfig.target" in out.stderr
+
+
+def test_a_missing_model_config_names_the_field(tmp_path):
+    gin = _config(tmp_path, 'PlanConfig.model_config = "nowhere/config.json"\n')
+    out = _plan(tmp_path, gin, "--target=8xh100", check=False)
+    assert out.returncode == 2 and "PlanConfig.model_config" in out.stderr
+
+
+@needs_libtpu
+def test_libtpu_plans_a_small_model_on_a_v5e_slice(tmp_path):
+    gin = _config(tmp_path, "MeshConfig.num_generation_devices_per_host = 2\nEngineConfig.num_slots = 16\n")
+    out = _plan(tmp_path, gin, "--target=v5e-16", "--json", "--only=decode")
+    assert out.returncode == 0, out.stderr[-2000:]
+    plan = json.loads(out.stdout)
+    assert plan["programs"] and all(p["source"] == "libtpu" for p in plan["programs"])
+    assert plan["programs"][0]["capacity_bytes_per_device"] == 16 * 2**30
+
+
+@pytest.mark.slow
+@needs_gpu_compiler
+def test_a_1_5b_gradient_and_decode_compile_on_16_devices(tmp_path):
+    gin = tmp_path / "q.gin"
+    gin.write_text((ROOT / "configs" / "qwen2_5_1_5b_gsm8k_tpu.gin").read_text().replace(
+        'PlanConfig.model_config = "models/', f'PlanConfig.model_config = "{ROOT}/configs/models/'))
+    for only in ("train/grad", "generation/decode"):
+        out = _plan(tmp_path, gin, "--target=2x8xh100", "--json", f"--only={only}")
+        plan = json.loads(out.stdout)
+        assert plan["programs"], out.stderr[-2000:]
+        assert all(p["peak_bytes_per_device"] > 1e9 for p in plan["programs"])
