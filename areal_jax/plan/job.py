@@ -182,13 +182,17 @@ def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files
     programs = measure_programs(specs, target, extra_resident=extra_resident, headroom=plan_cfg.headroom,
                                 use_cache=use_cache, estimator=lambda s: estimate_peak(s, ctx), on_program=on_program)
     replica_engine = replica_engine_config(job.engine, meshes.generation_replicas_per_host)
+    cache_itemsize = jnp.dtype(job.engine.cache_dtype or gen_dtype(job)).itemsize
+    kv_bytes_per_token = (2 * model_cfg.num_layers * (model_cfg.num_kv_heads // job.mesh.generation_tensor)
+                          * model_cfg.head_dim * cache_itemsize)  # k and v, every layer, on one device
     prediction = predict(
         programs, target=target, meshes=meshes, model_cfg=model_cfg, slots_per_replica=replica_engine.num_slots,
         batch_groups=job.rl.batch_size, samples_per_group=job.rollout.n_samples, mean_prompt=mean_prompt,
         mean_completion=mean_completion, decode_chunk=job.engine.decode_chunk,
         decode_window=job.engine.decode_window, tokens_per_microbatch=job.ppo.max_tokens_per_microbatch,
         row_length=lambda n: _row_for(job, n), num_minibatches=job.ppo.num_minibatches,
-        separate_proximal=job.ppo.decoupled and job.ppo.num_minibatches > 1, colocated=split.colocated)
+        separate_proximal=job.ppo.decoupled and job.ppo.num_minibatches > 1, colocated=split.colocated,
+        decode_bytes=lambda window: eval_weights + replica_engine.num_slots * window * kv_bytes_per_token)
     prediction["model_params"] = model_cfg.num_params()
     return Plan(target=target, split=split, train_devices=split.num_train * target.hosts,
                 generation_devices=split.num_generation * target.hosts, programs=tuple(programs),

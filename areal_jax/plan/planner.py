@@ -161,10 +161,15 @@ def predict(programs: Sequence[ProgramPlan], *, target: Target, meshes: RoleMesh
             slots_per_replica: int, batch_groups: int, samples_per_group: int, mean_prompt: float,
             mean_completion: float, decode_chunk: int, decode_window: Callable[[int], int],
             tokens_per_microbatch: int, row_length: Callable[[int], int], num_minibatches: int,
-            separate_proximal: bool, colocated: bool) -> dict[str, Any]:
+            separate_proximal: bool, colocated: bool, decode_bytes: Callable[[int], float] | None = None
+            ) -> dict[str, Any]:
     """Throughput from the programs' rooflines at the mean lengths, with the slots full.
 
-    A decode chunk's cost analysis counts its loop body once: one decode step of every slot."""
+    A decode chunk's cost analysis counts its loop body once: one decode step of every slot.
+    `decode_bytes(window)`: the bytes one decode step must read per device (weights and the KV
+    cache up to the window). XLA's cost analysis counts each in-place cache write (a scatter into
+    the donated cache) as a read and a write of the whole cache, several times the real traffic,
+    so the step time is taken from this count and the compiler's FLOPs."""
     by_name = {p.name: p for p in programs}
 
     def find(prefix: str, **want: int) -> ProgramPlan | None:
@@ -183,10 +188,14 @@ def predict(programs: Sequence[ProgramPlan], *, target: Target, meshes: RoleMesh
         "mean_prompt_tokens": mean_prompt, "mean_completion_tokens": mean_completion,
         "decode_window": window, "slots_full": True,
         "roofline": "max(FLOPs / peak bf16 FLOP/s, bytes accessed / HBM bandwidth) per program, per device",
+        "decode_bytes": "weights + KV cache up to the window, read once per decode step",
     }}
     gen_tps = None
     if decode is not None and decode.roofline_s > 0:
         step_s = decode.roofline_s
+        if decode_bytes is not None:
+            step_s = roofline_s(decode.flops, decode_bytes(window), target)
+            out["decode_bytes_per_step"] = decode_bytes(window)
         gen_tps = replicas * slots_per_replica / step_s
         out["decode_step_s"] = step_s
         out["generation_tokens_per_s"] = gen_tps
