@@ -43,6 +43,8 @@ from areal_jax.trainer.loop import RLLoop, generation_weight_sync
 
 logger = logging.getLogger(__name__)
 
+EVAL_SLOTS = 64  # most slots of a held-out evaluation engine (areal-jax plan sizes it the same way)
+
 
 @dataclasses.dataclass
 class Workload:
@@ -166,6 +168,9 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
     # Moves weights to this host's generation devices in the generation dtype, per layer; the RL
     # loop reuses it (and its compiled programs).
     sync = generation_weight_sync(work.model_config, meshes, cfg.rl)
+    # Evaluation engines take at most the RL engine's slots: its KV cache is what the config sized
+    # to fit the generation devices (64 slots of a 17k-token reasoning budget would not).
+    eval_slots = min(EVAL_SLOTS, cfg.engine.num_slots)
 
     def held_out_accuracy(p) -> float:
         """Greedy accuracy on the held-out rows of every process (each holds a shard of them), on
@@ -178,7 +183,8 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
         correct, total = 0, 0
         if work.eval_rows:  # a one-off engine: none holds memory during RL
             correct, total = GreedyAccuracy(work.model_config, work.eval_rows, work.tokenizer,
-                                            max_new_tokens=cfg.rl.eval_max_new_tokens, reward_fn=reward_fn).count(weights)
+                                            max_new_tokens=cfg.rl.eval_max_new_tokens, reward_fn=reward_fn,
+                                            slots=eval_slots).count(weights)
         del weights
         if jax.process_count() > 1:
             correct, total = agree_sum(correct), agree_sum(total)
@@ -199,7 +205,8 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
             validate = probe = None
             if cfg.sft.eval_every:  # on the generation devices too (SFT hands it whole weights: no collective)
                 probe = GreedyAccuracy(work.model_config, work.validation_rows, work.tokenizer,
-                                       max_new_tokens=cfg.rl.eval_max_new_tokens, reward_fn=reward_fn)
+                                       max_new_tokens=cfg.rl.eval_max_new_tokens, reward_fn=reward_fn,
+                                       slots=eval_slots)
                 validate = lambda p: probe(sync.transfer_local(p))  # noqa: E731
             # SFT trains on the RL trainer's mesh (sharded, across hosts); on a single device as is.
             sft_mesh = meshes.train if meshes.train.devices.size > 1 else None

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from areal_jax.aot import ProgramSpec, bytes_per_device
 from areal_jax.jobs.configs import JobConfigs
+from areal_jax.jobs.train import EVAL_SLOTS
 from areal_jax.models.config import ModelConfig
 from areal_jax.parallel.meshes import split_local_devices
 from areal_jax.plan.config import PlanConfig
@@ -22,7 +23,6 @@ from areal_jax.plan.estimate import EstimateContext, estimate_peak
 from areal_jax.plan.planner import Plan, ProgramPlan, measure_programs, predict, read_model_config, role_meshes
 from areal_jax.plan.targets import Target
 
-EVAL_SLOTS = 64  # what trainer/sft.py GreedyAccuracy uses for held-out evaluation
 
 
 class PlanError(ValueError):
@@ -62,12 +62,12 @@ def replica_engine_config(engine, data: int, *, field: str = "EngineConfig.num_s
 
 
 def eval_engine_config(job: JobConfigs, longest_prompt: int, data: int, hosts: int):
-    """One data replica's share of the held-out evaluation engine (trainer/sft.py GreedyAccuracy:
-    at most 64 slots per host, a multiple of the generation mesh's data size)."""
+    """One data replica's share of the held-out evaluation engine (jobs/train.py's GreedyAccuracy:
+    at most EVAL_SLOTS and the RL engine's slots per host, a multiple of the mesh's data size)."""
     from areal_jax.generation.engine import EngineConfig
 
     rows = max(1, -(-job.task.eval_size // hosts))  # each host evaluates its shard of the rows
-    slots = min(EVAL_SLOTS, rows)
+    slots = min(EVAL_SLOTS, job.engine.num_slots, rows)  # as jobs/train.py sizes it
     slots = max(data, slots - slots % data)
     max_seq_len = -(-(longest_prompt + job.rl.eval_max_new_tokens + 1) // 16) * 16
     return EngineConfig(num_slots=slots // data, max_seq_len=max_seq_len)
@@ -93,9 +93,11 @@ def collect_specs(job: JobConfigs, model_cfg: ModelConfig, target: Target, meshe
     specs += engine_program_specs(model_cfg, replica_engine_config(job.engine, data), mesh=meshes.generation,
                                   param_dtype=gen_dtype(job))
     if job.task.eval_size and (job.task.kind == "arithmetic" or job.task.eval_paths):
-        specs += engine_program_specs(model_cfg, eval_engine_config(job, longest_prompt, data, target.hosts), mesh=meshes.generation,
-                                      param_dtype=gen_dtype(job), role="eval")
-    return specs
+        specs += engine_program_specs(model_cfg, eval_engine_config(job, longest_prompt, data, target.hosts),
+                                      mesh=meshes.generation, param_dtype=gen_dtype(job), role="eval")
+    # The run hands both engines their weights per layer (the transfer's split layout), which they
+    # install as given: the split program of stacked weights never runs in `train`.
+    return [s for s in specs if not s.name.endswith("/split_weights")]
 
 
 def trained_row_length(job: JobConfigs) -> int:
@@ -160,12 +162,10 @@ def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files
 
     from areal_jax.generation.programs import param_structs
 
-    eval_weights = bytes_per_device(param_structs(model_cfg, meshes.generation, gen_dtype(job), split=True))
+    gen_weights = bytes_per_device(param_structs(model_cfg, meshes.generation, gen_dtype(job), split=True))
 
     def extra_resident(spec: ProgramSpec) -> int:
-        # Held-out evaluation (trainer/sft.py GreedyAccuracy) keeps the stacked weights it was
-        # given while its engine holds them split: one more copy.
-        extra = eval_weights if spec.role == "eval" else 0
+        extra = 0
         # Colocated: each side's state stays on the devices while the other side's programs run.
         if split.colocated and spec.role in ("generation", "eval"):
             return extra + persistent["train"]
@@ -192,7 +192,7 @@ def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files
         decode_window=job.engine.decode_window, tokens_per_microbatch=job.ppo.max_tokens_per_microbatch,
         row_length=lambda n: _row_for(job, n), num_minibatches=job.ppo.num_minibatches,
         separate_proximal=job.ppo.decoupled and job.ppo.num_minibatches > 1, colocated=split.colocated,
-        decode_bytes=lambda window: eval_weights + replica_engine.num_slots * window * kv_bytes_per_token)
+        decode_bytes=lambda window: gen_weights + replica_engine.num_slots * window * kv_bytes_per_token)
     prediction["model_params"] = model_cfg.num_params()
     return Plan(target=target, split=split, train_devices=split.num_train * target.hosts,
                 generation_devices=split.num_generation * target.hosts, programs=tuple(programs),
