@@ -146,6 +146,28 @@ def test_bfloat16_loading_casts_weights(checkpoints):
         np.testing.assert_array_equal(np.asarray(a.astype(jnp.bfloat16)), np.asarray(b))
 
 
+def test_every_sharded_slice_reads_what_the_full_tensor_holds(tmp_path):
+    """Each device reads only its slice straight from the file (here in bfloat16, with layers, heads
+    and head_dim all split): the pieces must equal the full tensors."""
+    from areal_jax.models import ModelConfig, init_params, load_params, save_params
+
+    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, family="qwen2", qkv_bias=True)
+    params = init_params(cfg, 0, dtype=jnp.bfloat16, std=0.5)
+    save_params(params, cfg, tmp_path)
+    mesh = jax.make_mesh((2, 2, 2), ("fsdp", "tensor", "extra"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=jax.devices()[:8])
+    rules = dict(shd.TRAIN_RULES, layers="extra", embed=None, head_dim="fsdp", norm="tensor")
+    loaded_cfg, loaded = load_params(tmp_path, dtype=jnp.bfloat16, mesh=mesh, rules=rules)
+    assert loaded_cfg == cfg
+    assert loaded["layers"]["wq"].sharding.spec == jax.sharding.PartitionSpec("extra", None, "tensor", "fsdp")
+    assert loaded["layers"]["wo"].sharding.spec == jax.sharding.PartitionSpec("extra", "tensor", "fsdp")
+    assert loaded["layers"]["bq"].sharding.spec == jax.sharding.PartitionSpec("extra", "tensor", "fsdp")
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
+        assert a.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 # ---- bad input --------------------------------------------------------------------------------
 
 
@@ -180,20 +202,19 @@ def test_unsupported_architecture_is_named(checkpoints, tmp_path):
 
 
 def test_wrong_tensor_shape_and_missing_tensor_are_named(checkpoints, tmp_path):
-    from areal_jax.models.safetensors_io import SafetensorsFile, write_safetensors
+    from safetensors.numpy import load_file, save_file
 
     src = checkpoints["llama3"][0]
-    original = SafetensorsFile(src / "model.safetensors")
-    tensors = {k: np.array(original.view(k)) for k in original.keys()}
+    tensors = load_file(src / "model.safetensors")
     d = _copy(src, tmp_path / "shape")
     bad = dict(tensors)
     bad["model.layers.1.mlp.up_proj.weight"] = np.zeros((7, 32), np.float32)
-    write_safetensors(d / "model.safetensors", bad)
+    save_file(bad, d / "model.safetensors")
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*\(7, 32\)"):
         load_pretrained(d)
     missing = dict(tensors)
     del missing["model.layers.0.self_attn.k_proj.weight"]
-    write_safetensors(d / "model.safetensors", missing)
+    save_file(missing, d / "model.safetensors")
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight"):
         load_pretrained(d)
 
@@ -203,17 +224,17 @@ def test_unusable_dtypes_are_named(checkpoints, tmp_path):
     with pytest.raises(ValueError, match="int32"):
         load_pretrained(path, dtype=jnp.int32)
     # A checkpoint tensor stored as int8 (e.g. a quantized export) cannot be used as is.
+    from safetensors.numpy import load_file, save_file
+
     d = _copy(path, tmp_path / "int8")
-    raw = (d / "model.safetensors").read_bytes()
-    n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
-    header["model.norm.weight"]["dtype"] = "I8"
-    start, _ = header["model.norm.weight"]["data_offsets"]
-    header["model.norm.weight"]["data_offsets"] = [start, start + 32]
-    blob = json.dumps(header).encode()
-    blob += b" " * (-len(blob) % 8)
-    (d / "model.safetensors").write_bytes(len(blob).to_bytes(8, "little") + blob + raw[8 + n:])
+    tensors = load_file(d / "model.safetensors")
+    tensors["model.norm.weight"] = np.ones(tensors["model.norm.weight"].shape, np.int8)
+    save_file(tensors, d / "model.safetensors")
     with pytest.raises(ValueError, match=r"model\.norm\.weight.*I8"):
+        load_pretrained(d)
+    # A file that is not safetensors at all is named.
+    (d / "model.safetensors").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a readable safetensors file"):
         load_pretrained(d)
 
 

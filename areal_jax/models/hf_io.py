@@ -1,9 +1,13 @@
 """Hugging Face checkpoints <-> our params dict.
 
 Loading builds each array with `jax.make_array_from_callback`, so every device reads only the
-slice of the checkpoint it holds (through lazy memory-mapped views), never a full copy per
-device. Saving writes config.json + safetensors (sharded with an index past `max_shard_bytes`)
-that transformers loads.
+slice of the checkpoint it holds, never a full copy per device. Files are read through the
+`safetensors` package: `safe_open(path, framework="numpy").get_slice(name)[...]` reads just the
+requested ranges from a memory map and returns bfloat16 tensors as `ml_dtypes.bfloat16` arrays
+(measured for safetensors 0.4.5, 0.5.3 and 0.8.0; 0.4.0 fails with "numpy has no attribute
+bfloat16"; ml_dtypes must be imported first, else "data type 'bfloat16' not understood"). Saving
+writes config.json + safetensors (sharded with an index past `max_shard_bytes`) that
+transformers loads.
 """
 
 from __future__ import annotations
@@ -15,15 +19,18 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes  # noqa: F401  registers numpy's "bfloat16", which safetensors' numpy reader needs
 import numpy as np
 from jax.sharding import Mesh, SingleDeviceSharding
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
 
 from areal_jax.models import sharding as shd
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.safetensors_io import SafetensorsFile, write_safetensors
 from areal_jax.models.transformer import Params, Transformer, param_axes, param_shapes
 
 _USABLE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+_FLOAT_TENSORS = ("F64", "F32", "F16", "BF16")  # checkpoint dtypes we read (and cast)
 # Tensors some checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -32,36 +39,75 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 class _TensorMap:
     """How one of our tensors relates to an HF tensor (per layer for stacked weights).
 
-    `to_ours` turns the HF array into a *view* in our axis order (reshape/transpose of a memmap
-    stay lazy); `to_hf` is its inverse, used when saving.
+    The HF array's axis `split` (if any) is split into (`heads` attribute of the config,
+    head_dim), giving an intermediate array whose axes `perm` orders into ours:
+    ours = intermediate.transpose(perm).
     """
 
-    hf_name: str  # may contain {i} for the layer index
-    to_ours: Callable[[np.ndarray, ModelConfig], np.ndarray]
-    to_hf: Callable[[np.ndarray, ModelConfig], np.ndarray]
+    split: int | None = None
+    heads: str = ""
+    perm: tuple[int, ...] | None = None
+
+    def inter_shape(self, hf_shape: tuple[int, ...], cfg: ModelConfig) -> tuple[int, ...] | None:
+        """The intermediate shape, or None when the split axis does not hold whole heads."""
+        if self.split is None:
+            return tuple(hf_shape)
+        n, h = getattr(cfg, self.heads), cfg.head_dim
+        if self.split >= len(hf_shape) or hf_shape[self.split] != n * h:
+            return None
+        return (*hf_shape[:self.split], n, h, *hf_shape[self.split + 1:])
+
+    def our_shape(self, hf_shape: tuple[int, ...], cfg: ModelConfig) -> tuple[int, ...] | None:
+        inter = self.inter_shape(hf_shape, cfg)
+        if inter is None or (self.perm is not None and len(inter) != len(self.perm)):
+            return None
+        return inter if self.perm is None else tuple(inter[p] for p in self.perm)
+
+    def hf_shape(self, our_shape: tuple[int, ...]) -> tuple[int, ...]:
+        inter = list(our_shape) if self.perm is None else [0] * len(our_shape)
+        if self.perm is not None:
+            for i, p in enumerate(self.perm):
+                inter[p] = our_shape[i]
+        if self.split is not None:
+            inter[self.split:self.split + 2] = [inter[self.split] * inter[self.split + 1]]
+        return tuple(inter)
+
+    def to_hf(self, ours: np.ndarray) -> np.ndarray:
+        inter = ours if self.perm is None else ours.transpose(np.argsort(self.perm))
+        return inter.reshape(self.hf_shape(ours.shape))
+
+    def read(self, tensor, index: tuple[slice, ...], our_shape: tuple[int, ...], cfg: ModelConfig) -> np.ndarray:
+        """Our slice `index` read from the lazy HF `tensor` (reads only whole heads it touches)."""
+        ranges = [s.indices(d)[:2] for s, d in zip(index, our_shape)]
+        inter = list(ranges) if self.perm is None else [None] * len(ranges)
+        if self.perm is not None:
+            for i, p in enumerate(self.perm):
+                inter[p] = ranges[i]
+        hf_index = [slice(a, b) for a, b in inter]
+        if self.split is not None:
+            (a, b), (c, d) = inter[self.split], inter[self.split + 1]
+            hf_index[self.split:self.split + 2] = [slice(a * cfg.head_dim, b * cfg.head_dim)]
+        arr = tensor[tuple(hf_index)]
+        if self.split is not None:
+            arr = arr.reshape(*arr.shape[:self.split], b - a, cfg.head_dim, *arr.shape[self.split + 1:])
+            arr = arr[(slice(None),) * (self.split + 1) + (slice(c, d),)]
+        return arr if self.perm is None else arr.transpose(self.perm)
 
 
-_same = _TensorMap("", lambda a, c: a, lambda a, c: a)
-_transpose = _TensorMap("", lambda a, c: a.T, lambda a, c: a.T)
+_same = _TensorMap()
+_transpose = _TensorMap(perm=(1, 0))
 
 
-def _heads_in(n_attr: str) -> _TensorMap:  # HF [n*H, D] <-> ours [D, n, H]
-    return _TensorMap(
-        "",
-        lambda a, c: a.reshape(getattr(c, n_attr), c.head_dim, c.hidden_size).transpose(2, 0, 1),
-        lambda a, c: a.transpose(1, 2, 0).reshape(-1, c.hidden_size),
-    )
+def _heads_in(n_attr: str) -> _TensorMap:  # HF [n*H, D] -> [n, H, D] -> ours [D, n, H]
+    return _TensorMap(split=0, heads=n_attr, perm=(2, 0, 1))
 
 
 def _heads_bias(n_attr: str) -> _TensorMap:  # HF [n*H] <-> ours [n, H]
-    return _TensorMap("", lambda a, c: a.reshape(getattr(c, n_attr), c.head_dim), lambda a, c: a.reshape(-1))
+    return _TensorMap(split=0, heads=n_attr)
 
 
-_heads_out = _TensorMap(  # HF o_proj [D, N*H] <-> ours [N, H, D]
-    "",
-    lambda a, c: a.reshape(c.hidden_size, c.num_heads, c.head_dim).transpose(1, 2, 0),
-    lambda a, c: a.transpose(2, 0, 1).reshape(c.hidden_size, -1),
-)
+_heads_out = _TensorMap(split=1, heads="num_heads", perm=(1, 2, 0))  # HF [D, N*H] -> [D, N, H] -> ours [N, H, D]
+
 
 _LAYER_MAPS: dict[str, tuple[str, _TensorMap]] = {
     "attn_norm": ("input_layernorm.weight", _same),
@@ -100,68 +146,82 @@ def hf_name(ours: str, layer: int | None = None) -> str:
 # ---- reading ----------------------------------------------------------------------------------
 
 
+def _open(path: pathlib.Path):
+    try:
+        return safe_open(path, framework="numpy")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+
+
 class _Checkpoint:
-    """All tensors of an HF directory (single file or sharded with an index)."""
+    """All tensors of an HF directory (single file or sharded with an index), opened lazily."""
 
     def __init__(self, path: pathlib.Path):
         index = path / "model.safetensors.index.json"
         single = path / "model.safetensors"
         if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise ValueError(f"{index}: malformed index ({e})") from None
-            files = {}
-            for name, fname in weight_map.items():
-                fpath = path / fname
-                if not fpath.exists():
-                    raise FileNotFoundError(f"{index} names {fname} (for {name!r}), which does not exist")
-                files.setdefault(fname, None)
-            self.files = {fname: SafetensorsFile(path / fname) for fname in files}
-            self.where = {name: self.files[fname] for name, fname in weight_map.items()}
+            weight_map = self._weight_map(index)
+            self.files = {fname: _open(path / fname) for fname in sorted(set(weight_map.values()))}
+            self.where = {name: (path / fname, self.files[fname]) for name, fname in weight_map.items()}
         elif single.exists():
-            f = SafetensorsFile(single)
+            f = _open(single)
             self.files = {single.name: f}
-            self.where = {name: f for name in f.keys()}
+            self.where = {name: (single, f) for name in f.keys()}
         else:
             others = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".safetensors"))
             raise FileNotFoundError(
                 f"{path}: no model.safetensors or model.safetensors.index.json"
                 + (f" (found {others}; only safetensors checkpoints are supported)" if others else ""))
 
-    def view(self, name: str) -> np.ndarray:
+    @staticmethod
+    def _weight_map(index: pathlib.Path) -> dict[str, str]:
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index}: malformed index ({e})") from None
+        for name, fname in weight_map.items():
+            if not (index.parent / fname).exists():
+                raise FileNotFoundError(f"{index} names {fname} (for {name!r}), which does not exist")
+        return weight_map
+
+    def file_of(self, name: str) -> pathlib.Path:
+        return self.where[name][0]
+
+    def tensor(self, name: str):
+        """A lazy slice handle of tensor `name` (indexing it reads only those ranges)."""
         if name not in self.where:
             raise ValueError(f"checkpoint is missing tensor {name!r}")
-        f = self.where[name]
-        if name not in f.entries:
-            raise ValueError(f"{f.path}: tensor {name!r} listed in the index is not in the file")
-        return f.view(name)
+        fpath, f = self.where[name]
+        if name not in f.keys():
+            raise ValueError(f"{fpath}: tensor {name!r} listed in the index is not in the file")
+        handle = f.get_slice(name)
+        if handle.get_dtype() not in _FLOAT_TENSORS:
+            raise ValueError(f"{fpath}: tensor {name!r} has dtype {handle.get_dtype()} "
+                             f"(supported: {', '.join(_FLOAT_TENSORS)})")
+        return handle
 
 
 def _leaf_reader(ckpt: _Checkpoint, cfg: ModelConfig, key: str, stacked: bool, shape: tuple[int, ...],
                  dtype) -> Callable[[tuple[slice, ...]], np.ndarray]:
     """Returns a callback giving the slice `index` of our (possibly stacked) tensor `key`."""
-    suffix, tmap = (_LAYER_MAPS if stacked else _TOP_MAPS)[key]
+    _, tmap = (_LAYER_MAPS if stacked else _TOP_MAPS)[key]
     per_layer_shape = shape[1:] if stacked else shape
-    names = [hf_name(key, i) for i in range(cfg.num_layers)] if stacked else [_TOP_MAPS[key][0]]
-    views = []
+    names = [hf_name(key, i) for i in range(cfg.num_layers)] if stacked else [hf_name(key)]
+    tensors = []
     for name in names:
-        raw = ckpt.view(name)
-        try:
-            view = tmap.to_ours(raw, cfg)
-        except ValueError:
-            view = None
-        if view is None or view.shape != per_layer_shape:
-            expected = tmap.to_hf(np.empty(per_layer_shape, np.int8), cfg).shape
-            raise ValueError(f"{ckpt.where[name].path.name}: tensor {name!r} has shape {tuple(raw.shape)}, "
-                             f"expected {tuple(expected)} for this config")
-        views.append(view)
+        tensor = ckpt.tensor(name)
+        hf_shape = tuple(tensor.get_shape())
+        if tmap.our_shape(hf_shape, cfg) != per_layer_shape:
+            raise ValueError(f"{ckpt.file_of(name).name}: tensor {name!r} has shape {hf_shape}, "
+                             f"expected {tmap.hf_shape(per_layer_shape)} for this config")
+        tensors.append(tensor)
 
     def read(index: tuple[slice, ...]) -> np.ndarray:
         if not stacked:
-            return np.asarray(views[0][index], dtype=dtype)
+            return np.asarray(tmap.read(tensors[0], index, shape, cfg), dtype=dtype)
         layers = range(cfg.num_layers)[index[0]]
-        return np.stack([np.asarray(views[i][index[1:]], dtype=dtype) for i in layers])
+        return np.stack([np.asarray(tmap.read(tensors[i], index[1:], per_layer_shape, cfg), dtype=dtype)
+                         for i in layers])
 
     return read
 
@@ -241,9 +301,9 @@ def hf_state_dict(params: Params, cfg: ModelConfig) -> dict[str, np.ndarray]:
             for lk, stacked in value.items():
                 host = np.asarray(jax.device_get(stacked))
                 for i in range(cfg.num_layers):
-                    out[hf_name(lk, i)] = np.ascontiguousarray(_LAYER_MAPS[lk][1].to_hf(host[i], cfg))
+                    out[hf_name(lk, i)] = np.ascontiguousarray(_LAYER_MAPS[lk][1].to_hf(host[i]))
         else:
-            out[hf_name(key)] = np.ascontiguousarray(_TOP_MAPS[key][1].to_hf(np.asarray(jax.device_get(value)), cfg))
+            out[hf_name(key)] = np.ascontiguousarray(_TOP_MAPS[key][1].to_hf(np.asarray(jax.device_get(value))))
     return out
 
 
@@ -272,14 +332,21 @@ def save_params(params: Params, cfg: ModelConfig, path: str | pathlib.Path, *, m
     for stale in list(path.glob("model*.safetensors")) + list(path.glob("model.safetensors.index.json")):
         stale.unlink()
     if len(shards) == 1:
-        write_safetensors(path / "model.safetensors", shards[0])
+        _write_file(path / "model.safetensors", shards[0])
     else:
         weight_map = {}
         for i, shard in enumerate(shards):
             fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            write_safetensors(path / fname, shard)
+            _write_file(path / fname, shard)
             weight_map.update({name: fname for name in shard})
         total = sum(a.nbytes for a in tensors.values())
         (path / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     (path / "config.json").write_text(json.dumps(hf, indent=2))
+
+
+def _write_file(path: pathlib.Path, tensors: dict[str, np.ndarray]) -> None:
+    """Writes one safetensors file atomically (a temporary file renamed into place)."""
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, tmp, metadata={"format": "pt"})
+    tmp.replace(path)
