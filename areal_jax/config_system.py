@@ -39,6 +39,16 @@ def register(cls: type[T]) -> type[T]:
     return cls
 
 
+def registered() -> dict[str, type]:
+    """Every registered config class by name, in registration order."""
+    return dict(_REGISTERED)
+
+
+def bindings(cls: type) -> dict[str, Any]:
+    """The values the current bindings give fields of `cls` (unbound fields absent)."""
+    return dict(gin.get_bindings(cls.__name__))
+
+
 def parse(gin_files: Sequence[str | pathlib.Path] = (), gin_params: Sequence[str] = ()) -> None:
     """Loads .gin files then single bindings (later ones win); errors name the file or binding."""
     gin.clear_config()

@@ -1,6 +1,8 @@
 """Gin bindings over typed config dataclasses: values land, mistakes fail early and by name."""
 
 import dataclasses
+import pathlib
+import re
 from typing import Literal
 
 import pytest
@@ -64,3 +66,54 @@ def test_bad_line_in_file_names_the_file(tmp_path):
     f.write_text("DemoConfig.steps = 3\nDemoConfig.oops = 1\n")
     with pytest.raises(cs.ConfigError, match=r"bad\.gin.*oops"):
         cs.parse([f])
+
+
+# ---- checks between configs run in load_job_configs, before any stage ----------------------------
+
+
+QUICKSTART = pathlib.Path(__file__).resolve().parents[1] / "configs" / "quickstart.gin"
+
+
+def _load(*params, num_processes=None):
+    from areal_jax.jobs.configs import load_job_configs
+
+    return load_job_configs([QUICKSTART], list(params), run_dir="unused", num_processes=num_processes)
+
+
+def test_the_quickstart_passes_every_cross_field_check():
+    cfg = _load(num_processes=1)
+    assert cfg.rollout.temperature == cfg.ppo.temperature
+
+
+@pytest.mark.parametrize("params,fields", [
+    (["RLVRConfig.temperature = 1.0"], [r"RLVRConfig\.temperature \(1\.0\)", r"PPOConfig\.temperature \(0\.7\)"]),
+    (["PPOConfig.max_tokens_per_microbatch = 64"],
+     [r"PPOConfig\.max_tokens_per_microbatch \(64\)", r"EngineConfig\.max_seq_len 96", "RLVRConfig.max_new_tokens"]),
+    (["RLConfig.batch_size = 1", "RLVRConfig.n_samples = 2", "PPOConfig.num_minibatches = 3"],
+     [r"PPOConfig\.num_minibatches \(3\)", r"RLConfig\.batch_size \(1\)", r"RLVRConfig\.n_samples \(2\)"]),
+])
+def test_cross_field_mistakes_name_both_fields(params, fields):
+    with pytest.raises(cs.ConfigError) as err:
+        _load(*params)
+    for field in fields:
+        assert re.search(field, str(err.value)), (field, str(err.value))
+
+
+def test_rl_checks_are_skipped_without_the_rl_stage():
+    cfg = _load("Stages.rl = False", "RLVRConfig.temperature = 1.0")
+    assert cfg.rollout.temperature != cfg.ppo.temperature
+
+
+def test_the_longest_sample_is_bounded_by_prompt_limit_plus_new_tokens():
+    # max_seq_len 96 exceeds the budget, but a 40-token prompt plus 48 new tokens fits in 90.
+    cfg = _load("PPOConfig.max_tokens_per_microbatch = 90", "EngineConfig.max_prompt_len = 40")
+    assert cfg.ppo.max_tokens_per_microbatch == 90
+
+
+def test_process_dependent_checks_run_when_the_process_count_is_known():
+    with pytest.raises(cs.ConfigError, match=r"RLConfig\.batch_size \(32\) must divide over the 3 processes"):
+        _load(num_processes=3)
+    with pytest.raises(cs.ConfigError, match=r"RLConfig\.channel_capacity \(10\).*RLConfig\.batch_size \(16\)"):
+        _load("RLConfig.channel_capacity = 10", num_processes=2)
+    _load("RLConfig.channel_capacity = 16", num_processes=2)
+    _load("RLConfig.channel_capacity = 10")  # unknown process count: not checked

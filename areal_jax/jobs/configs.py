@@ -97,8 +97,12 @@ class JobConfigs:
                 for f in dataclasses.fields(self)}
 
 
-def load_job_configs(gin_files=(), gin_params=(), *, run_dir: str) -> JobConfigs:
-    """Parses the bindings and builds every config; any mistake raises ConfigError here."""
+def load_job_configs(gin_files=(), gin_params=(), *, run_dir: str, num_processes: int | None = None) -> JobConfigs:
+    """Parses the bindings and builds every config; any mistake raises ConfigError here.
+
+    Checks between fields of different configs run here too (`check_cross_fields`), so nothing
+    is trained before they pass; with `num_processes` also those that depend on the host count.
+    """
     cs.parse(gin_files, gin_params)
     task = cs.build(TaskSource)
     data = cs.build(DataConfig) if task.kind == "dataset" else None
@@ -107,13 +111,65 @@ def load_job_configs(gin_files=(), gin_params=(), *, run_dir: str) -> JobConfigs
     if bindings:
         checkpoint = cs.build(CheckpointConfig, **({} if "directory" in bindings else
                                                   {"directory": f"{run_dir}/checkpoints"}))
-    sft, stages = cs.build(SFTConfig), cs.build(Stages)
-    if stages.sft and sft.eval_every and (task.kind != "arithmetic" or task.validation_size == 0):
+    cfg = JobConfigs(
+        model=cs.build(ModelSource), task=task, stages=cs.build(Stages), arithmetic=cs.build(ArithmeticConfig),
+        data=data, sft=cs.build(SFTConfig), rl=cs.build(RLConfig), ppo=cs.build(PPOConfig),
+        optimizer=cs.build(OptimizerConfig), advantages=cs.build(AdvantageConfig), rollout=cs.build(RLVRConfig),
+        engine=cs.build(EngineConfig), mesh=cs.build(MeshConfig), checkpoint=checkpoint)
+    check_cross_fields(cfg, num_processes)
+    return cfg
+
+
+def check_cross_fields(cfg: JobConfigs, num_processes: int | None = None) -> None:
+    """Raises ConfigError naming both fields when two configs disagree in a way the run would
+    otherwise find only when it reaches the stage (the RL loop runs after SFT)."""
+    if cfg.stages.sft:
+        _check_sft(cfg)
+    if cfg.stages.rl:
+        _check_rl(cfg)
+        if num_processes is not None:
+            _check_rl_processes(cfg, num_processes)
+
+
+def _check_sft(cfg: JobConfigs) -> None:
+    task = cfg.task
+    if cfg.sft.eval_every and (task.kind != "arithmetic" or task.validation_size == 0):
         raise cs.ConfigError(
             "SFTConfig.eval_every > 0 needs validation prompts: TaskSource.kind = 'arithmetic' with "
             f"TaskSource.validation_size > 0 (got kind {task.kind!r}, validation_size {task.validation_size})")
-    return JobConfigs(
-        model=cs.build(ModelSource), task=task, stages=stages, arithmetic=cs.build(ArithmeticConfig),
-        data=data, sft=sft, rl=cs.build(RLConfig), ppo=cs.build(PPOConfig),
-        optimizer=cs.build(OptimizerConfig), advantages=cs.build(AdvantageConfig), rollout=cs.build(RLVRConfig),
-        engine=cs.build(EngineConfig), mesh=cs.build(MeshConfig), checkpoint=checkpoint)
+
+
+def _check_rl(cfg: JobConfigs) -> None:
+    rollout, ppo, engine = cfg.rollout, cfg.ppo, cfg.engine
+    if rollout.temperature != ppo.temperature:
+        # Behavior log-probs are taken at the sampling temperature; the trainer's at its own.
+        raise cs.ConfigError(
+            f"RLVRConfig.temperature ({rollout.temperature}) and PPOConfig.temperature ({ppo.temperature}) "
+            "must be equal: the importance weights would otherwise measure the temperature, not the staleness")
+    longest = min(engine.max_seq_len, engine.prompt_limit + rollout.max_new_tokens)
+    if longest > ppo.max_tokens_per_microbatch:
+        raise cs.ConfigError(
+            f"PPOConfig.max_tokens_per_microbatch ({ppo.max_tokens_per_microbatch}) is below the longest sample "
+            f"({longest} tokens: EngineConfig.max_seq_len {engine.max_seq_len}, or EngineConfig.max_prompt_len + "
+            f"RLVRConfig.max_new_tokens); such a sample could not be trained")
+    sequences = cfg.rl.batch_size * rollout.n_samples
+    if sequences < ppo.num_minibatches:
+        raise cs.ConfigError(
+            f"PPOConfig.num_minibatches ({ppo.num_minibatches}) exceeds the sequences of a step: RLConfig.batch_size "
+            f"({cfg.rl.batch_size}) x RLVRConfig.n_samples ({rollout.n_samples}) = {sequences}")
+
+
+def _check_rl_processes(cfg: JobConfigs, num_processes: int) -> None:
+    rl = cfg.rl
+    if rl.batch_size % num_processes:
+        raise cs.ConfigError(f"RLConfig.batch_size ({rl.batch_size}) must divide over the {num_processes} processes")
+    local_batch = rl.batch_size // num_processes
+    if rl.channel_capacity and rl.channel_capacity < local_batch:
+        raise cs.ConfigError(
+            f"RLConfig.channel_capacity ({rl.channel_capacity}) is below a process's share of RLConfig.batch_size "
+            f"({local_batch}): the batch could never fill")
+    if local_batch * cfg.rollout.n_samples < cfg.ppo.num_minibatches:
+        raise cs.ConfigError(
+            f"PPOConfig.num_minibatches ({cfg.ppo.num_minibatches}) exceeds a process's sequences per step: "
+            f"RLConfig.batch_size / {num_processes} processes x RLVRConfig.n_samples = "
+            f"{local_batch * cfg.rollout.n_samples}")
