@@ -137,6 +137,29 @@ def _json_checked(meta: dict) -> dict:
         raise TypeError(f"meta must be JSON-serializable (lists of ints for RNG state): {err}") from err
 
 
+def finalized_steps(directory: str | os.PathLike) -> list[int]:
+    """Finalized steps under `directory`, ascending; reads only names (creates nothing)."""
+    directory = pathlib.Path(directory)
+    if not directory.is_dir():
+        return []
+    # Unfinished saves live under `<step>.orbax-checkpoint-tmp-<ts>`: not all digits.
+    return sorted(int(e.name) for e in directory.iterdir()
+                  if e.name.isdigit() and (e / _FINALIZED_MARKER).is_file())
+
+
+def clear_checkpoints(directory: str | os.PathLike) -> None:
+    """Removes every step under `directory` (finished or not) and the directory if it is then
+    empty; other files are left alone. For a run that starts over (`--overwrite`)."""
+    directory = pathlib.Path(directory)
+    if not directory.is_dir():
+        return
+    for entry in directory.iterdir():
+        if entry.is_dir() and entry.name.split(".", 1)[0].isdigit():
+            shutil.rmtree(entry)
+    if not any(directory.iterdir()):
+        directory.rmdir()
+
+
 class Checkpointer:
     """Saves and restores training state, metadata and data position; exports HF weights."""
 
@@ -208,14 +231,7 @@ class Checkpointer:
 
     def all_steps(self) -> list[int]:
         """Finalized steps on disk, ascending (in-flight and crashed saves excluded)."""
-        if not self.directory.is_dir():
-            return []
-        steps = []
-        for entry in self.directory.iterdir():
-            # Unfinished saves live under `<step>.orbax-checkpoint-tmp-<ts>`: not all digits.
-            if entry.name.isdigit() and (entry / _FINALIZED_MARKER).is_file():
-                steps.append(int(entry.name))
-        return sorted(steps)
+        return finalized_steps(self.directory)
 
     def latest_step(self) -> int | None:
         """The newest finalized step, or None."""

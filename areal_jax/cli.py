@@ -9,7 +9,9 @@
                    (compiles every program of the run for the target, without it; exit 1 if one does not fit)
 
 Every flag of the config dataclasses is bound gin-style; an unknown name, a wrong type or an
-impossible device split is reported before any work starts.
+impossible device split is reported before any work starts. So are problems with the model, the data
+or the run directory (`train` refuses a directory that holds a run unless `--overwrite` or
+`--resume`): one line naming the file or field, exit code 2 (`--debug` shows the traceback).
 
 Every command takes `--compile_cache=DIR` (default: $AREAL_JAX_COMPILE_CACHE, else off): XLA's
 persistent compilation cache, so a rerun loads the programs a previous run compiled instead of
@@ -53,7 +55,10 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
     _add_distributed_flags(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--resume", action="store_true",
-                   help="continue from the latest checkpoint in the run's CheckpointConfig directory")
+                   help="continue from the latest checkpoint in the run's CheckpointConfig directory "
+                        "(an error if there is none)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over in a --run_dir that holds a run: its records and checkpoints are removed")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--compile_cache", default=os.environ.get("AREAL_JAX_COMPILE_CACHE") or None,
                         help="directory of XLA's persistent compilation cache (default: "
                              "$AREAL_JAX_COMPILE_CACHE, else no cache)")
+    common.add_argument("--debug", action="store_true",
+                        help="show the traceback of a configuration, model or data error")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("train", "SFT warm start (optional) then asynchronous RL"),
                             ("sft", "the supervised warm start alone")):
@@ -105,13 +112,26 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     if args.compile_cache:
         enable_compile_cache(args.compile_cache)
-    if args.command in ("train", "sft"):
-        return _train(args)
-    if args.command == "eval":
-        return _eval(args)
     if args.command == "plan":
         return _plan(args)
-    return _generate(args)
+    try:
+        return _train(args) if args.command in ("train", "sft") else \
+            _eval(args) if args.command == "eval" else _generate(args)
+    except Exception as e:
+        kind = _user_error_kind(e)
+        if args.debug or kind is None:
+            raise  # a bug, or --debug: the traceback
+        print(f"areal-jax: {kind}: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+
+
+def _user_error_kind(e: Exception) -> str | None:
+    """How to label a configuration, model, data or run-directory problem (reported in one line,
+    exit code 2); None for anything else."""
+    from areal_jax.config_system import ConfigError
+    from areal_jax.jobs.train import InputError
+
+    return "error" if isinstance(e, InputError) else "configuration error" if isinstance(e, ConfigError) else None
 
 
 def enable_compile_cache(directory: str) -> None:
@@ -136,8 +156,7 @@ def _eval(args) -> int:
     from areal_jax import config_system as cs
     from areal_jax.data.pipeline import DataConfig, build_prompt_loader
     from areal_jax.evaluation import EvalConfig, run_evaluation
-    from areal_jax.models import load_pretrained
-    from areal_jax.models.tokenizer import Tokenizer
+    from areal_jax.jobs.train import check_data_paths, input_errors
     from areal_jax.reward import RewardPool, RewardPoolConfig
 
     if args.run_dir is None and _wants_distributed(args):
@@ -147,19 +166,16 @@ def _eval(args) -> int:
     run_dir = pathlib.Path(args.run_dir or os.path.join("runs", "eval-" + time.strftime("%Y%m%d-%H%M%S")))
     cs.register(EvalConfig)
     cs.register(DataConfig)
-    try:
-        cs.parse(args.gin_file, args.gin_param)
-        cfg = cs.build(EvalConfig)
-        data = cs.build(DataConfig)
-    except cs.ConfigError as e:
-        print(f"areal-jax: configuration error: {e}", file=sys.stderr)
-        return 2
+    cs.parse(args.gin_file, args.gin_param)
+    cfg = cs.build(EvalConfig)
+    data = cs.build(DataConfig)
     # Every row once, in file order (every process reads them all; run_evaluation shares them out).
     data = dataclasses.replace(data, shuffle=False, num_epochs=1, even_shards=False)
+    check_data_paths(data.paths, "DataConfig.paths")
     _maybe_initialize_distributed(args)
-    tokenizer = Tokenizer.from_pretrained(args.tokenizer or args.model)
-    model = load_pretrained(args.model)
-    rows = build_prompt_loader(data, tokenizer)
+    tokenizer, model = _load_model(args.model, args.tokenizer)
+    with input_errors("DataConfig.paths"):
+        rows = build_prompt_loader(data, tokenizer)
     run_dir.mkdir(parents=True, exist_ok=True)
     pool = RewardPool(RewardPoolConfig(num_workers=args.reward_workers, timeout_s=cfg.reward_timeout_s)) \
         if args.reward_workers > 0 else None
@@ -175,10 +191,23 @@ def _eval(args) -> int:
     return 0
 
 
+def _load_model(model_dir: str, tokenizer_dir: str | None = None):
+    """(tokenizer, model) of an HF directory; its problems are InputErrors naming the flag and file."""
+    from areal_jax.jobs.train import check_model_dir, check_tokenizer_dir, input_errors
+    from areal_jax.models import load_pretrained
+    from areal_jax.models.tokenizer import Tokenizer
+
+    tokenizer_flag = "--tokenizer" if tokenizer_dir else "--model"
+    check_model_dir(model_dir, "--model")
+    check_tokenizer_dir(tokenizer_dir or model_dir, tokenizer_flag)
+    with input_errors(tokenizer_flag):
+        tokenizer = Tokenizer.from_pretrained(tokenizer_dir or model_dir)
+    with input_errors("--model"):
+        return tokenizer, load_pretrained(model_dir)
+
+
 def _train(args) -> int:
     import time
-
-    from areal_jax.config_system import ConfigError
 
     _maybe_initialize_distributed(args)
     from areal_jax.jobs.configs import load_job_configs
@@ -188,12 +217,8 @@ def _train(args) -> int:
     params = list(args.gin_param)
     if args.command == "sft":
         params.append("Stages.rl = False")
-    try:
-        cfg = load_job_configs(args.gin_file, params, run_dir=run_dir)
-        run_train(cfg, run_dir, progress=not args.quiet, resume=args.resume)
-    except ConfigError as e:
-        print(f"areal-jax: configuration error: {e}", file=sys.stderr)
-        return 2
+    cfg = load_job_configs(args.gin_file, params, run_dir=run_dir)
+    run_train(cfg, run_dir, progress=not args.quiet, resume=args.resume, overwrite=args.overwrite)
     return 0
 
 
@@ -232,11 +257,8 @@ def _plan(args) -> int:
 
 def _generate(args) -> int:
     from areal_jax.generation import generate
-    from areal_jax.models import load_pretrained
-    from areal_jax.models.tokenizer import Tokenizer
 
-    tok = Tokenizer.from_pretrained(args.model)
-    model = load_pretrained(args.model)
+    tok, model = _load_model(args.model)
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
                for p in args.prompt]
     out = generate(model, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature, n=args.n,

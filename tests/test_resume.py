@@ -31,6 +31,8 @@ ARGS = [
     "--quiet",
 ]
 TIMING = ("time/", "throughput/")
+# This process's 8 fake devices: 4 train, 4 generate (the engine's 8 slots split evenly over "data").
+SPLIT_8 = "--gin_param=MeshConfig.num_generation_devices_per_host = 4"
 
 
 def _by_step(run_dir):
@@ -60,10 +62,10 @@ def _assert_same_metrics(want: dict, got: dict, step: int) -> None:
 
 def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    assert main(["train", *ARGS, f"--run_dir={straight}"]) == 0
+    assert main(["train", *ARGS, SPLIT_8, f"--run_dir={straight}"]) == 0
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "areal_jax.cli", "train", *ARGS, f"--run_dir={killed}"],
+    proc = subprocess.Popen([sys.executable, "-m", "areal_jax.cli", "train", *ARGS, SPLIT_8, f"--run_dir={killed}"],
                             env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     marker = killed / "checkpoints" / "2" / "_CHECKPOINT_METADATA"
     deadline = time.monotonic() + 300
@@ -73,7 +75,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path):
     assert proc.wait(timeout=30) == -signal.SIGKILL, "the run finished before it could be killed"
     assert not (killed / "summary.json").exists()
 
-    assert main(["train", *ARGS, f"--run_dir={killed}", "--resume"]) == 0
+    assert main(["train", *ARGS, SPLIT_8, f"--run_dir={killed}", "--resume"]) == 0
     want, got = _by_step(straight), _by_step(killed)
     assert sorted(got) == sorted(want) == list(range(6))
     for step in range(6):
