@@ -5,6 +5,7 @@
     areal-jax eval --model=DIR --gin_param="DataConfig.paths = ('test.jsonl',)" \
                    --gin_param='EvalConfig.n_samples = 8' --gin_param='EvalConfig.ks = (1, 8)' --run_dir=runs/e
     areal-jax generate --model=DIR --prompt='...' [--max_new_tokens=64]
+    areal-jax config [--gin_file=...]   (every configurable field: value, type, one line of doc)
     areal-jax plan --gin_file=configs/qwen2_5_1_5b_gsm8k_tpu.gin [--target=v5e-16] [--json]
                    (compiles every program of the run for the target, without it; exit 1 if one does not fit)
 
@@ -95,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="every program of every shape (default: the largest of each family, which bound the "
                          "peak, and those the throughput prediction reads)")
     pl.add_argument("--no_cache", action="store_true", help="recompile instead of reading the plan cache")
+    co = sub.add_parser("config", help="every configurable field with its value, type and meaning", parents=[common])
+    co.add_argument("--gin_file", action="append", default=[])
+    co.add_argument("--gin_param", action="append", default=[])
     gen = sub.add_parser("generate", help="sample completions from a model directory", parents=[common])
     gen.add_argument("--model", required=True)
     gen.add_argument("--prompt", action="append", required=True)
@@ -114,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         enable_compile_cache(args.compile_cache)
     if args.command == "plan":
         return _plan(args)
+    if args.command == "config":
+        return _config(args)
     try:
         return _train(args) if args.command in ("train", "sft") else \
             _eval(args) if args.command == "eval" else _generate(args)
@@ -217,8 +223,23 @@ def _train(args) -> int:
     params = list(args.gin_param)
     if args.command == "sft":
         params.append("Stages.rl = False")
-    cfg = load_job_configs(args.gin_file, params, run_dir=run_dir)
+    import jax
+
+    # Every cross-field check, the per-process shares included, before any work starts.
+    cfg = load_job_configs(args.gin_file, params, run_dir=run_dir, num_processes=jax.process_count())
     run_train(cfg, run_dir, progress=not args.quiet, resume=args.resume, overwrite=args.overwrite)
+    return 0
+
+
+def _config(args) -> int:
+    from areal_jax.config_system import ConfigError
+    from areal_jax.jobs.describe import describe_configs
+
+    try:
+        print(describe_configs(args.gin_file, args.gin_param))
+    except ConfigError as e:
+        print(f"areal-jax: configuration error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -88,3 +88,18 @@ def test_bad_bindings_are_named(tmp_path):
         describe_configs([], ["RLConfig.stepz = 3"])
     with pytest.raises(cs.ConfigError, match="nope.gin"):
         describe_configs([str(tmp_path / "nope.gin")], [])
+
+
+def test_config_command_prints_the_bound_values_of_a_gin_file():
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "areal_jax.cli", "config", "--gin_file=configs/quickstart.gin"],
+                         capture_output=True, text=True, cwd=root, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "RLConfig.steps = 120" in out.stdout and "PPOConfig.eps_clip = 0.2" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "areal_jax.cli", "config", "--gin_param=RLConfig.nope = 1"],
+                         capture_output=True, text=True, cwd=root, timeout=300)
+    assert bad.returncode == 2 and "RLConfig.nope" in bad.stderr
