@@ -115,12 +115,18 @@ def test_rl_loop_keeps_no_initial_copy_of_the_weights(tokenizer, donate):
     cfg = ModelConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=8)
     meshes = build_meshes(MeshConfig(num_generation_devices_per_host=2), jax.devices()[:4])
-    params = _on_train_mesh(cfg, meshes, init_params(cfg, 0))  # as jobs/train loads them
     train_devices = set(meshes.train_devices_local)
+    # Only buffers this test makes count: earlier tests of the process may leave arrays alive.
+    # Holding the earlier arrays keeps their buffer addresses from being reused meanwhile.
+    gc.collect()
+    earlier = jax.live_arrays()
+    earlier_buffers = set(_buffers(earlier, train_devices))
+    params = _on_train_mesh(cfg, meshes, init_params(cfg, 0))  # as jobs/train loads them
     param_bytes = sum(_buffers(jax.tree.leaves(params), train_devices).values())
     loop = _loop(tokenizer, params, donate_params=donate)
     trainer = loop.trainer
-    held = sum(_bytes_on(train_devices).values())
+    gc.collect()
+    held = sum(n for key, n in _buffers(jax.live_arrays(), train_devices).items() if key not in earlier_buffers)
     state = sum(_buffers([x for x in jax.tree.leaves((trainer.params, trainer.opt_state)) if isinstance(x, jax.Array)],
                          train_devices).values())
     assert all(x.is_deleted() for x in jax.tree.leaves(params)) == donate
