@@ -157,3 +157,13 @@ def test_a_1_5b_gradient_and_decode_compile_on_16_devices(tmp_path):
         plan = json.loads(out.stdout)
         assert plan["programs"], out.stderr[-2000:]
         assert all(p["peak_bytes_per_device"] > 1e9 for p in plan["programs"])
+
+
+@needs_gpu_compiler
+def test_a_weight_the_tensor_axis_does_not_divide_is_an_error_naming_the_field(tmp_path):
+    # 2 kv heads cannot be split over a 4-way tensor axis: the training weights would be replicated.
+    gin = _config(tmp_path, "MeshConfig.num_generation_devices_per_host = 4\nMeshConfig.train_tensor = 4\n"
+                            "EngineConfig.num_slots = 16\n")
+    out = _plan(tmp_path, gin, "--target=8xh100", check=False)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "MeshConfig.train_tensor" in out.stderr and "kv_heads" in out.stderr

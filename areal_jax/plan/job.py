@@ -138,6 +138,35 @@ def _bigger(a: dict[str, int], b: dict[str, int]) -> bool:
     return key(a) > key(b)
 
 
+def check_weight_layouts(model_cfg: ModelConfig, meshes) -> None:
+    """A weight dimension that its mesh axis does not divide is replicated on that axis
+    (models/sharding.py): at real sizes that is memory the config meant to shard. Refuse it,
+    naming the field that sets the axis."""
+    import jax
+
+    from areal_jax.models.sharding import GENERATION_RULES, TRAIN_RULES, spec_for
+    from areal_jax.models.transformer import param_axes, param_shapes
+
+    is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x)  # noqa: E731
+    axes, shapes = param_axes(model_cfg), param_shapes(model_cfg)
+    for rules, mesh, role in ((TRAIN_RULES, meshes.train, "train"), (GENERATION_RULES, meshes.generation, "generation")):
+        flat_axes = jax.tree_util.tree_leaves_with_path(axes, is_leaf=is_axes)
+        flat_shapes = jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple))
+        for (path, names), shape in zip(flat_axes, flat_shapes):
+            want, got = spec_for(names, rules, mesh), spec_for(names, rules, mesh, shape)
+            if want == got:
+                continue
+            for i, (w, g) in enumerate(zip(tuple(want) + (None,) * len(shape), tuple(got) + (None,) * len(shape))):
+                if w != g and i < len(shape):
+                    axis = w if isinstance(w, str) else "/".join(w)
+                    field = {"tensor": f"MeshConfig.{role}_tensor", "fsdp": "MeshConfig (the training devices)",
+                             "data": "MeshConfig (the generation devices)"}.get(axis, "MeshConfig")
+                    raise PlanError(
+                        f"{field}: the {role} mesh's {axis!r} axis ({mesh.shape[axis] if axis in mesh.shape else '?'}) "
+                        f"does not divide dimension {names[i]!r} = {shape[i]} of weight "
+                        f"{jax.tree_util.keystr(path)}: it would be replicated instead of sharded")
+
+
 def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files: Sequence[str] = (),
              use_cache: bool = True, only: str | None = None, every_program: bool = False,
              on_program: Callable[[ProgramPlan], None] | None = None) -> Plan:
@@ -147,6 +176,7 @@ def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files
     except ValueError as e:
         raise PlanError(f"MeshConfig on {target.name} ({target.devices_per_host} devices per host): {e}") from None
     meshes = role_meshes(target, split, job.mesh.train_tensor, job.mesh.generation_tensor)
+    check_weight_layouts(model_cfg, meshes)
     mean_prompt, mean_completion, longest_prompt = generation_lengths(job, plan_cfg)
     specs = collect_specs(job, model_cfg, target, meshes, longest_prompt=longest_prompt)
     typical_window = job.engine.decode_window(int(mean_prompt + mean_completion))
