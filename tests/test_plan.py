@@ -167,3 +167,15 @@ def test_a_weight_the_tensor_axis_does_not_divide_is_an_error_naming_the_field(t
     out = _plan(tmp_path, gin, "--target=8xh100", check=False)
     assert out.returncode == 2, out.stderr[-2000:]
     assert "MeshConfig.train_tensor" in out.stderr and "kv_heads" in out.stderr
+
+
+@needs_gpu_compiler
+def test_analytic_flops_match_xla_where_xla_sees_every_layer(tmp_path):
+    # Unrolled layers: XLA's cost analysis counts each one, so its FLOPs and the analytic count of
+    # the same gradient program agree; with the scanned layers it counts the loop body once.
+    gin = _config(tmp_path, "PPOConfig.scan_layers = False\n")
+    plan = json.loads(_plan(tmp_path, gin, "--target=8xh100", "--json", "--only=train/grad").stdout)
+    grads = [p for p in plan["programs"] if p["name"].startswith("train/grad")]
+    assert grads
+    for p in grads:
+        assert p["flops_xla"] == pytest.approx(p["flops"], rel=0.15), p

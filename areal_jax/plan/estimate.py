@@ -126,3 +126,35 @@ def _last_dim(x) -> int:
 
 def relative_error(estimate: float, measured: float) -> float:
     return abs(estimate - measured) / max(measured, 1.0) if math.isfinite(measured) else math.inf
+
+
+def analytic_flops(spec: ProgramSpec, ctx: EstimateContext, num_devices: int) -> float:
+    """Matmul and attention FLOPs of one program per device, counted from the model's dimensions.
+
+    XLA's cost analysis counts the body of a loop once: the layers of a scanned forward (training)
+    and the query chunks of a chunked prefill are then undercounted by their trip count, so the
+    planner takes the larger of XLA's figure and this one. Decode chunks count one step either way
+    (XLA's figure is used: their layers are unrolled)."""
+    m, d, kind = ctx.model, _dims(spec.name), _kind(spec.name)
+    D, F, N, K, H, V, L = (m.hidden_size, m.intermediate_size, m.num_heads, m.num_kv_heads, m.head_dim,
+                           m.vocab_size, m.num_layers)
+    layers = 2 * L * (D * (N + 2 * K) * H + N * H * D + 3 * D * F)  # per token
+    head = 2 * D * V
+
+    def attention(queries: float, keys: float) -> float:  # QK^T and PV over every layer
+        return 4.0 * L * N * H * queries * keys
+
+    if kind in ("grad", "logprobs"):
+        tokens = d.get("rows", 1) * d.get("len", 1)
+        body = tokens * layers + attention(tokens, d.get("len", 1) / 2)
+        forward = body + tokens * head
+        total = forward if kind == "logprobs" else 3 * forward + (body if ctx.remat == "full" else 0)
+    elif kind in ("prefill_start", "prefill"):
+        R, P = d.get("rows", 1), d.get("len", 1)
+        total = R * P * layers + attention(R * P, P / 2) + R * head
+    elif kind == "reprefill_packed":
+        R, W = d.get("rows", 1), _last_dim(spec.args[-1])
+        total = R * W * layers + attention(R * W, W / 4)  # several sequences share a row
+    else:
+        return 0.0
+    return total / max(num_devices, 1)

@@ -53,6 +53,7 @@ class ProgramPlan:
     compile_s: float
     fields: tuple[str, ...]
     estimate_bytes: int = 0  # plan/estimate.py's hand estimate of the peak (0: none)
+    flops_xla: float = 0.0  # XLA's own count (loop bodies once); `flops` is the larger of it and the analytic count
 
     def as_json(self) -> dict[str, Any]:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
@@ -135,6 +136,7 @@ SpecSource = Callable[..., list[ProgramSpec]]
 
 def measure_programs(specs: Sequence[ProgramSpec], target: Target, *, extra_resident: Callable[[ProgramSpec], int],
                      headroom: float, use_cache: bool = True, estimator: Callable[[ProgramSpec], int] | None = None,
+                     flop_counter: Callable[[ProgramSpec, int], float] | None = None,
                      on_program: Callable[[ProgramPlan], None] | None = None) -> list[ProgramPlan]:
     """Compiles and measures every spec; `extra_resident(spec)` adds bytes the run holds beside it."""
     source = "libtpu" if target.platform == "tpu" else "xla-gpu"
@@ -144,10 +146,11 @@ def measure_programs(specs: Sequence[ProgramSpec], target: Target, *, extra_resi
         m: Measured = measure(spec, target.name, use_cache=use_cache)
         resident = bytes_per_device(spec.resident) + extra_resident(spec)
         peak = m.program_peak_bytes + resident
+        flops = max(m.flops, flop_counter(spec, m.num_devices) if flop_counter is not None else 0.0)
         plan = ProgramPlan(
             name=spec.name, role=spec.role, peak_bytes_per_device=peak, capacity_bytes_per_device=capacity,
-            fits=peak <= (1.0 - headroom) * capacity, flops=m.flops, bytes_accessed=m.bytes_accessed,
-            roofline_s=roofline_s(m.flops, m.bytes_accessed, target), source=source,
+            fits=peak <= (1.0 - headroom) * capacity, flops=flops, bytes_accessed=m.bytes_accessed,
+            roofline_s=roofline_s(flops, m.bytes_accessed, target), source=source, flops_xla=m.flops,
             program_bytes=m.program_peak_bytes, resident_bytes=resident, temp_bytes=m.temp_bytes,
             compile_s=m.compile_s, fields=tuple(spec.fields),
             estimate_bytes=(estimator(spec) + extra_resident(spec)) if estimator is not None else 0)
