@@ -251,7 +251,7 @@ def _plan(args) -> int:
     from areal_jax.plan.config import PlanConfig
     from areal_jax.plan.job import PlanError, plan_job
     from areal_jax.plan.report import HEADER, format_plan, program_row
-    from areal_jax.plan.targets import parse_target
+    from areal_jax.plan.targets import LibtpuBusy, parse_target
 
     try:
         job = load_job_configs(args.gin_file, args.gin_param, run_dir="plan")
@@ -272,6 +272,9 @@ def _plan(args) -> int:
     except (PlanError, ValueError) as e:
         print(f"areal-jax: configuration error: {e}", file=sys.stderr)
         return 2
+    except LibtpuBusy as e:
+        print(f"areal-jax: error: {e}", file=sys.stderr)
+        return 3
     print(json.dumps(plan.as_json(), indent=2) if args.json else "\n" + format_plan(plan))
     return 0 if plan.fits else 1
 

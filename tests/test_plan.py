@@ -139,7 +139,9 @@ def test_a_missing_model_config_names_the_field(tmp_path):
 @needs_libtpu
 def test_libtpu_plans_a_small_model_on_a_v5e_slice(tmp_path):
     gin = _config(tmp_path, "MeshConfig.num_generation_devices_per_host = 2\nEngineConfig.num_slots = 16\n")
-    out = _plan(tmp_path, gin, "--target=v5e-16", "--json", "--only=decode")
+    out = _plan(tmp_path, gin, "--target=v5e-16", "--json", "--only=decode", check=False)
+    if out.returncode == 3 and "in use by another process" in out.stderr:
+        pytest.skip("another process holds libtpu (one at a time)")
     assert out.returncode == 0, out.stderr[-2000:]
     plan = json.loads(out.stdout)
     assert plan["programs"] and all(p["source"] == "libtpu" for p in plan["programs"])
@@ -179,3 +181,12 @@ def test_analytic_flops_match_xla_where_xla_sees_every_layer(tmp_path):
     assert grads
     for p in grads:
         assert p["flops_xla"] == pytest.approx(p["flops"], rel=0.15), p
+
+
+def test_a_compiler_that_refuses_a_program_for_memory_is_a_verdict_not_a_crash():
+    from areal_jax.plan.measure import compile_time_oom_bytes
+
+    said = RuntimeError("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total memory "
+                        "required for HLO temporaries (104.31G) exceeds available HBM (95.73G). HLO module: jit_decode.")
+    assert compile_time_oom_bytes(said) == int(104.31 * 2**30)
+    assert compile_time_oom_bytes(RuntimeError("INTERNAL: something else")) is None

@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import time
 from typing import Any
 
@@ -99,7 +100,17 @@ def measure(spec: ProgramSpec, target_name: str, *, use_cache: bool = True) -> M
         except (ValueError, TypeError):
             pass  # an unreadable entry is recompiled
     t0 = time.perf_counter()
-    compiled = lowered.compile()
+    try:
+        compiled = lowered.compile()
+    except Exception as e:  # noqa: BLE001
+        needed = compile_time_oom_bytes(e)
+        if needed is None:
+            raise
+        # libtpu refuses to compile a program whose temporaries exceed the chip: that is the
+        # verdict, with the bytes it asked for (arguments counted on top, as for any program).
+        args = bytes_per_device((spec.args, dict(spec.kwargs)))
+        return Measured(argument_bytes=args, output_bytes=0, alias_bytes=0, temp_bytes=needed, flops=0.0,
+                        bytes_accessed=0.0, num_devices=_spec_devices(spec), compile_s=time.perf_counter() - t0)
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     num_devices = _spec_devices(spec)
@@ -116,6 +127,22 @@ def measure(spec: ProgramSpec, target_name: str, *, use_cache: bool = True) -> M
         except OSError:
             pass  # a read-only home only costs the next run its compile time
     return out
+
+
+_OOM = re.compile(r"HLO temporaries \(([0-9.]+)([KMGT])\)")
+
+
+def compile_time_oom_bytes(error: Exception) -> int | None:
+    """Temporaries a compiler said it needed when it refused a program for lack of memory
+    (libtpu: "CompileTimeHbmOom ... HLO temporaries (104.31G) exceeds available HBM"); None for any
+    other error."""
+    text = str(error)
+    if "RESOURCE_EXHAUSTED" not in text and "HbmOom" not in text:
+        return None
+    m = _OOM.search(text)
+    if m is None:
+        return None
+    return int(float(m.group(1)) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2)])
 
 
 def resident_bytes(spec: ProgramSpec) -> int:

@@ -159,12 +159,22 @@ def tpu_topology_name(accelerator: Accelerator, num_devices: int) -> str:
     return f"{accelerator.name}:{dims[0]}x{dims[1]}x{dims[2]}"
 
 
+class LibtpuBusy(RuntimeError):
+    """Another process holds libtpu (its lock file), so no TPU program can be compiled now."""
+
+
 def topology_devices(target: Target, num_devices: int, hosts: int = 1) -> list:
     """Fake devices of `target`'s kind, exactly `num_devices` of them, for compiling."""
     from jax.experimental import topologies
 
     if target.platform == "tpu":
-        topo = topologies.get_topology_desc(tpu_topology_name(target.accelerator, num_devices), "tpu")
+        try:
+            topo = topologies.get_topology_desc(tpu_topology_name(target.accelerator, num_devices), "tpu")
+        except RuntimeError as e:
+            if "lockfile" in str(e):
+                raise LibtpuBusy("libtpu is in use by another process (it allows one at a time): wait for that "
+                                 "process, e.g. another `areal-jax plan` for a TPU target") from None
+            raise
     else:
         if num_devices % hosts:
             raise ValueError(f"{num_devices} GPUs do not split over {hosts} hosts")
