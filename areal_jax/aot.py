@@ -69,9 +69,11 @@ def abstract(tree: Any, shardings: Any = None) -> Any:
 def bytes_per_device(tree: Any) -> int:
     """Bytes the largest shard of each array takes on one device, summed over the pytree.
 
-    An array without a sharding counts whole (it lives on one device)."""
+    An array without a sharding counts whole (it lives on one device); other leaves count 0."""
     total = 0
     for x in jax.tree.leaves(tree):
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            continue  # static arguments (ints, strings) occupy no device memory
         shape = tuple(x.shape)
         sharding = getattr(x, "sharding", None)
         if sharding is not None:
