@@ -159,13 +159,20 @@ def test_eval_runs_as_two_processes_and_matches_one(tmp_path):
     assert main(["eval", *args, "--distributed"]) == 2  # no --run_dir: processes could not agree on one
 
 
-@pytest.mark.parametrize("name", ["qwen2_5_1_5b_gsm8k_tpu.gin", "qwen3_1_7b_gsm8k_gpu.gin"])
+@pytest.mark.parametrize("name", ["qwen2_5_1_5b_gsm8k_tpu.gin", "qwen3_1_7b_gsm8k_gpu.gin", "qwen2_5_7b_math_gpu.gin",
+                                  "qwen2_5_7b_math_tpu.gin", "qwen2_5_32b_math_gpu.gin"])
 def test_real_model_configs_parse_and_validate(tmp_path, name):
+    from areal_jax import config_system as cs
     from areal_jax.jobs.configs import load_job_configs
+    from areal_jax.plan.config import PlanConfig
+    from areal_jax.plan.targets import parse_target
 
     cfg = load_job_configs([ROOT / "configs" / name], run_dir=str(tmp_path))
     assert cfg.task.kind == "dataset" and cfg.data.paths and cfg.model.path
     assert cfg.rl.max_staleness == 4 and cfg.rollout.reward == "math"
+    plan = cs.build(PlanConfig)  # every real config names its hardware and ships its model's shapes
+    parse_target(plan.target)
+    assert (ROOT / "configs" / plan.model_config).is_file()
 
 
 def test_compile_cache_flag_stores_the_compiled_programs(tmp_path):
