@@ -70,7 +70,10 @@ def iter_jsonl(path: str) -> Iterator[RawRecord]:
 
 def iter_parquet(path: str, batch_size: int = 1024) -> Iterator[RawRecord]:
     """Records of a Parquet file, read batch by batch; row numbers start at 0."""
-    import pyarrow.parquet as pq  # optional dependency ("data" extra)
+    try:
+        import pyarrow.parquet as pq  # lazy: only this reader needs it
+    except ImportError as err:
+        raise ImportError(f"reading {path} needs the `pyarrow` package (pip install 'areal-jax[data]')") from err
 
     row = 0
     for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_size):
@@ -89,7 +92,7 @@ def iter_datasets_dir(path: str) -> Iterator[RawRecord]:
     try:
         import datasets  # lazy: only this reader needs it
     except ImportError as err:
-        raise ImportError(f"reading {path} needs the `datasets` package (pip install datasets)") from err
+        raise ImportError(f"reading {path} needs the `datasets` package (pip install 'areal-jax[data]')") from err
     dataset = datasets.load_from_disk(path)
     for row, value in enumerate(dataset):
         yield RawRecord(f"{path}[{row}]", record=value)

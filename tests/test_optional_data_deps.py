@@ -1,0 +1,33 @@
+"""pyarrow and datasets are optional (the [data] extra): the job imports without them, and a file
+that needs one names the package and the extra."""
+
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+BLOCK = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("pyarrow", "datasets"):
+            raise ImportError(f"blocked {name}")
+sys.meta_path.insert(0, Block())
+"""
+
+
+def test_the_job_imports_without_pyarrow_or_datasets_and_parquet_names_the_extra(tmp_path):
+    (tmp_path / "d.parquet").write_bytes(b"PAR1")
+    code = BLOCK + f"""
+import areal_jax.cli, areal_jax.jobs.train, areal_jax.data.pipeline
+from areal_jax.data.sources import iter_parquet
+try:
+    list(iter_parquet({str(tmp_path / 'd.parquet')!r}))
+except ImportError as e:
+    print("MESSAGE", e)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                         env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "MESSAGE" in out.stdout and "pyarrow" in out.stdout and "areal-jax[data]" in out.stdout
