@@ -195,13 +195,12 @@ def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files
     gen_weights = bytes_per_device(param_structs(model_cfg, meshes.generation, gen_dtype(job), split=True))
 
     def extra_resident(spec: ProgramSpec) -> int:
-        extra = 0
         # Colocated: each side's state stays on the devices while the other side's programs run.
         if split.colocated and spec.role in ("generation", "eval"):
-            return extra + persistent["train"]
+            return persistent["train"]
         if split.colocated and spec.role in ("train", "transfer"):
             return persistent["generation"]
-        return extra
+        return 0
 
     ctx = EstimateContext(
         model=model_cfg, fsdp=meshes.train.shape["fsdp"], train_tensor=job.mesh.train_tensor,

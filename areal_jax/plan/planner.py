@@ -22,14 +22,12 @@ import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from areal_jax.aot import ProgramSpec, bytes_per_device
 from areal_jax.models.config import ModelConfig
-from areal_jax.parallel.meshes import GENERATION_AXES, TRAIN_AXES, DeviceSplit, split_local_devices
-from areal_jax.plan.config import PlanConfig
+from areal_jax.parallel.meshes import GENERATION_AXES, TRAIN_AXES, DeviceSplit
 from areal_jax.plan.measure import Measured, measure
 from areal_jax.plan.targets import Target
 
