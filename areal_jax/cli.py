@@ -135,7 +135,7 @@ def _user_error_kind(e: Exception) -> str | None:
     """How to label a configuration, model, data or run-directory problem (reported in one line,
     exit code 2); None for anything else."""
     from areal_jax.config_system import ConfigError
-    from areal_jax.jobs.train import InputError
+    from areal_jax.jobs.inputs import InputError
 
     return "error" if isinstance(e, InputError) else "configuration error" if isinstance(e, ConfigError) else None
 
@@ -162,7 +162,7 @@ def _eval(args) -> int:
     from areal_jax import config_system as cs
     from areal_jax.data.pipeline import DataConfig, build_prompt_loader
     from areal_jax.evaluation import EvalConfig, run_evaluation
-    from areal_jax.jobs.train import check_data_paths, input_errors
+    from areal_jax.jobs.inputs import check_data_paths, input_errors
     from areal_jax.reward import RewardPool, RewardPoolConfig
 
     if args.run_dir is None and _wants_distributed(args):
@@ -199,7 +199,7 @@ def _eval(args) -> int:
 
 def _load_model(model_dir: str, tokenizer_dir: str | None = None):
     """(tokenizer, model) of an HF directory; its problems are InputErrors naming the flag and file."""
-    from areal_jax.jobs.train import check_model_dir, check_tokenizer_dir, input_errors
+    from areal_jax.jobs.inputs import check_model_dir, check_tokenizer_dir, input_errors
     from areal_jax.models import load_pretrained
     from areal_jax.models.tokenizer import Tokenizer
 

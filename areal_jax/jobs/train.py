@@ -15,16 +15,14 @@ them to host memory one tensor at a time.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import json
 import logging
 import pathlib
 import shutil
-import struct
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -33,9 +31,11 @@ from jax.sharding import Mesh, NamedSharding
 
 from areal_jax import config_system as cs
 from areal_jax.jobs.configs import JobConfigs
-from areal_jax.checkpoint import Checkpointer, clear_checkpoints, finalized_steps
+from areal_jax.jobs.inputs import on_every_process, check_sources, input_errors
+from areal_jax.jobs.run_dir import check_run_dir, remove_previous_run
+from areal_jax.checkpoint import Checkpointer
 from areal_jax.metrics import MetricsLogger
-from areal_jax.models.hf_io import load_params, read_config, save_params
+from areal_jax.models.hf_io import load_params, save_params
 from areal_jax.models.tokenizer import Tokenizer
 from areal_jax.models.transformer import init_params
 from areal_jax.parallel.distributed import agree_max, agree_sum, gather_json
@@ -46,11 +46,6 @@ from areal_jax.trainer.loop import RLLoop, generation_weight_sync
 logger = logging.getLogger(__name__)
 
 EVAL_SLOTS = 64  # most slots of a held-out evaluation engine (areal-jax plan sizes it the same way)
-
-
-class InputError(Exception):
-    """A problem with what the run was given (model, data, run directory), reported as one line
-    naming the file or field: `areal-jax` prints it without a traceback and exits 2."""
 
 
 @dataclasses.dataclass
@@ -168,8 +163,8 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
         meshes = build_meshes(cfg.mesh)  # an impossible device split fails here, before any work
     except ValueError as e:
         raise cs.ConfigError(f"MeshConfig: {e}") from None
-    _on_every_process(lambda: check_run_dir(cfg, run_dir, resume=resume, overwrite=overwrite))
-    _on_every_process(lambda: check_sources(cfg))
+    on_every_process(lambda: check_run_dir(cfg, run_dir, resume=resume, overwrite=overwrite))
+    on_every_process(lambda: check_sources(cfg))
     # One device: the weights stay unplaced, as SFT then runs without a mesh.
     work = prepare_workload(cfg, run_dir, mesh=meshes.train if meshes.train.devices.size > 1 else None)
     if overwrite:
@@ -305,193 +300,6 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
           f"trained_tokens={summary['trained_tokens']:.0f} wall_time={summary['wall_time_s']:.0f}s -> {run_dir}",
           flush=True)
     return summary
-
-
-# ---- run directory and input checks -------------------------------------------------------------
-
-# Any of these in a run directory means a run was started there.
-RUN_RECORDS = ("config.gin", "config.json", "summary.json", "metrics.jsonl", "final_model")
-# What --overwrite removes besides checkpoint steps: every record a run writes (nothing else).
-OLD_RUN_FILES = RUN_RECORDS + ("progress.png", "tensorboard", "rollouts")
-
-# Fields a resumed run must share with the run it continues, per JobConfigs attribute (None: every
-# field). The checkpoint holds weights and Adam state shaped by the model (ModelSource) and laid
-# out on the train mesh, and a data position per process (MeshConfig decides the processes' shares);
-# its staleness counters count prompt groups of batch_size x n_samples trajectories; the number of
-# optimizer updates per step and the micro-batch split (PPOConfig) define what a step computes, so a
-# "sync" resume reproduces the uninterrupted run only with them unchanged. No engine state is saved
-# (slots, KV cache and programs are rebuilt on every start), so EngineConfig's sizes may change,
-# e.g. to fit memory; only its seed is kept: every sampled token's randomness derives from it.
-RESUME_FIELDS: dict[str, tuple[str, ...] | None] = {
-    "model": None, "mesh": None, "rl": ("batch_size",), "rollout": ("n_samples",),
-    "ppo": ("num_minibatches", "max_tokens_per_microbatch"), "engine": ("seed",)}
-
-
-@contextlib.contextmanager
-def input_errors(field: str) -> Iterator[None]:
-    """Turns the file and format errors of loading a model or data into an InputError naming `field`
-    (the loaders' own messages name the file, tensor or row)."""
-    try:
-        yield
-    except (OSError, ValueError) as e:  # FileNotFoundError is an OSError; ConfigError a ValueError
-        raise InputError(f"{field}: {' '.join(str(e).split())}") from e
-
-
-def _on_every_process(check) -> None:
-    """Runs `check` on every process: if it fails on one, it fails on all (none goes on alone)."""
-    error = None
-    try:
-        check()
-    except InputError as e:
-        error = e
-    if jax.process_count() > 1 and agree_max(int(error is not None)) and error is None:
-        raise InputError("another process refused to start the run (its error names the reason)")
-    if error is not None:
-        raise error
-
-
-def _checkpoint_dirs(cfg: JobConfigs, run_dir: pathlib.Path) -> list[pathlib.Path]:
-    """The run directory's checkpoints/ and the CheckpointConfig directory, if elsewhere."""
-    dirs = [run_dir / "checkpoints"]
-    if cfg.checkpoint is not None and pathlib.Path(cfg.checkpoint.directory).absolute() != dirs[0].absolute():
-        dirs.append(pathlib.Path(cfg.checkpoint.directory))
-    return dirs
-
-
-def previous_run(cfg: JobConfigs, run_dir: pathlib.Path) -> list[str]:
-    """What shows an earlier run in `run_dir` (records, checkpoint steps); [] for a fresh directory."""
-    held = [name + ("/" if (run_dir / name).is_dir() else "") for name in RUN_RECORDS if (run_dir / name).exists()]
-    for directory in _checkpoint_dirs(cfg, run_dir):
-        steps = finalized_steps(directory)
-        if steps:
-            name = "checkpoints" if directory == run_dir / "checkpoints" else str(directory)
-            held.append(f"{name}/ (step {steps[-1]})")
-    return held
-
-
-def check_run_dir(cfg: JobConfigs, run_dir: pathlib.Path, *, resume: bool, overwrite: bool) -> None:
-    """Raises InputError unless the run may start in `run_dir` as asked; writes nothing."""
-    if resume and overwrite:
-        raise InputError("--resume continues the run in the directory and --overwrite removes it: pass one")
-    if run_dir.exists() and not run_dir.is_dir():
-        raise InputError(f"--run_dir {run_dir} is not a directory")
-    if resume:
-        _check_resumable(cfg, run_dir)
-        return
-    held = previous_run(cfg, run_dir)
-    if held and not overwrite:
-        raise InputError(f"{run_dir} already holds a run ({', '.join(held)}): pass --overwrite to replace it, "
-                         "--resume to continue it, or choose another --run_dir")
-
-
-def _check_resumable(cfg: JobConfigs, run_dir: pathlib.Path) -> None:
-    if cfg.checkpoint is None:
-        raise InputError(f"--resume: nothing to resume in {run_dir}: no CheckpointConfig is bound, so no "
-                         "checkpoint is saved or read (bind e.g. CheckpointConfig.save_interval_steps = 10)")
-    directory = pathlib.Path(cfg.checkpoint.directory)
-    if not finalized_steps(directory):
-        raise InputError(f"--resume: nothing to resume: no finished checkpoint under {directory}")
-    saved = run_dir / "config.json"
-    if not saved.is_file():  # checkpoints kept elsewhere, the run directory new: nothing to compare
-        logger.warning("%s not found: the resumed run's config is not compared with the saved one", saved)
-        return
-    changed = resume_changes(_read_json(saved), cfg)
-    if changed:
-        raise InputError(f"--resume: fields a resumed run must keep differ from {saved}: {'; '.join(changed)}")
-
-
-def _read_json(path: pathlib.Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise InputError(f"{path}: unreadable ({e})") from None
-
-
-def resume_changes(saved: dict, cfg: JobConfigs) -> list[str]:
-    """'Class.field: old -> new' for each RESUME_FIELDS field whose value differs from `saved` (a
-    config.json dict); fields the saved file lacks (an older version wrote it) are not compared."""
-    new = json.loads(json.dumps(cfg.as_dict(), default=str))  # as config.json spells values
-    changes = []
-    for key, fields in RESUME_FIELDS.items():
-        old_part, new_part = saved.get(key) or {}, new.get(key) or {}
-        for field in fields or sorted(new_part):
-            if field in old_part and old_part[field] != new_part.get(field):
-                changes.append(f"{type(getattr(cfg, key)).__name__}.{field}: "
-                               f"{old_part[field]!r} -> {new_part.get(field)!r}")
-    return changes
-
-
-def remove_previous_run(cfg: JobConfigs, run_dir: pathlib.Path) -> None:
-    """--overwrite: the earlier run's records and checkpoint steps go (process 0 removes, all wait),
-    so metrics.jsonl starts empty and checkpoints from step 0."""
-    if jax.process_index() == 0:
-        for name in OLD_RUN_FILES:
-            path = run_dir / name
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
-        for directory in _checkpoint_dirs(cfg, run_dir):
-            clear_checkpoints(directory)
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices("areal-jax: previous run removed")
-
-
-def check_sources(cfg: JobConfigs) -> None:
-    """The model and data checks that load nothing: directories and files exist, config.json reads
-    as a model config, weight files are whole. Raises InputError naming the field and file."""
-    if cfg.model.path is not None:
-        check_model_dir(cfg.model.path, "ModelSource.path")
-        tokenizer_field = "ModelSource.tokenizer_path" if cfg.model.tokenizer_path else "ModelSource.path"
-        check_tokenizer_dir(cfg.model.tokenizer_path or cfg.model.path, tokenizer_field)
-    if cfg.task.kind == "dataset":
-        check_data_paths(cfg.data.paths, "DataConfig.paths")
-        if cfg.task.eval_size:
-            check_data_paths(cfg.task.eval_paths, "TaskSource.eval_paths")
-
-
-def check_model_dir(path: str | pathlib.Path, field: str) -> None:
-    """`path` is an HF model directory whose config.json reads and whose safetensors are whole."""
-    path = pathlib.Path(path)
-    if not path.is_dir():
-        raise InputError(f"{field}: model directory {path} does not exist")
-    with input_errors(field):
-        read_config(path)
-    for weights in sorted(path.glob("*.safetensors")):
-        check_safetensors_file(weights)
-
-
-def check_tokenizer_dir(path: str | pathlib.Path, field: str) -> None:
-    tokenizer_file = pathlib.Path(path) / "tokenizer.json"
-    if not tokenizer_file.is_file():
-        raise InputError(f"{field}: {tokenizer_file} not found (a fast tokenizer.json is required)")
-
-
-def check_safetensors_file(path: pathlib.Path) -> None:
-    """Reads only the header: raises InputError naming the file (and the first tensor cut off) when
-    the header is unreadable or the file ends before a tensor's bytes do."""
-    size = path.stat().st_size
-    try:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > size - 8:
-                raise ValueError(f"header of {n} bytes, the file holds {size} bytes")
-            header = json.loads(f.read(n))
-        header.pop("__metadata__", None)
-        ends = sorted((int(entry["data_offsets"][1]), name) for name, entry in header.items())
-    except (OSError, ValueError, struct.error, KeyError, TypeError, IndexError, AttributeError) as e:
-        raise InputError(f"{path}: not a readable safetensors file ({e})") from None
-    data_bytes = size - 8 - n
-    for end, name in ends:
-        if end > data_bytes:
-            raise InputError(f"{path}: truncated: tensor {name!r} ends at byte {end} of the data, "
-                             f"the file holds {data_bytes}")
-
-
-def check_data_paths(paths: Any, field: str) -> None:
-    for path in paths:
-        if not pathlib.Path(path).exists():
-            raise InputError(f"{field}: data file {path} does not exist")
 
 
 def _place_on_train_mesh(model_cfg: Any, mesh: Mesh, host: Any) -> Any:

@@ -1,0 +1,124 @@
+"""The run directory: whether a run may start, resume or overwrite there, and what --overwrite
+removes. Nothing here writes unless the checks have passed."""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import shutil
+
+import jax
+from jax.experimental import multihost_utils
+
+from areal_jax.checkpoint import clear_checkpoints, finalized_steps
+from areal_jax.jobs.configs import JobConfigs
+from areal_jax.jobs.inputs import InputError
+
+logger = logging.getLogger(__name__)
+
+# Any of these in a run directory means a run was started there.
+RUN_RECORDS = ("config.gin", "config.json", "summary.json", "metrics.jsonl", "final_model")
+# What --overwrite removes besides checkpoint steps: every record a run writes (nothing else).
+OLD_RUN_FILES = RUN_RECORDS + ("progress.png", "tensorboard", "rollouts")
+
+# Fields a resumed run must share with the run it continues, per JobConfigs attribute (None: every
+# field). The checkpoint holds weights and Adam state shaped by the model (ModelSource) and laid
+# out on the train mesh, and a data position per process (MeshConfig decides the processes' shares);
+# its staleness counters count prompt groups of batch_size x n_samples trajectories; the number of
+# optimizer updates per step and the micro-batch split (PPOConfig) define what a step computes, so a
+# "sync" resume reproduces the uninterrupted run only with them unchanged. No engine state is saved
+# (slots, KV cache and programs are rebuilt on every start), so EngineConfig's sizes may change,
+# e.g. to fit memory; only its seed is kept: every sampled token's randomness derives from it.
+RESUME_FIELDS: dict[str, tuple[str, ...] | None] = {
+    "model": None, "mesh": None, "rl": ("batch_size",), "rollout": ("n_samples",),
+    "ppo": ("num_minibatches", "max_tokens_per_microbatch"), "engine": ("seed",)}
+
+
+
+
+def _checkpoint_dirs(cfg: JobConfigs, run_dir: pathlib.Path) -> list[pathlib.Path]:
+    """The run directory's checkpoints/ and the CheckpointConfig directory, if elsewhere."""
+    dirs = [run_dir / "checkpoints"]
+    if cfg.checkpoint is not None and pathlib.Path(cfg.checkpoint.directory).absolute() != dirs[0].absolute():
+        dirs.append(pathlib.Path(cfg.checkpoint.directory))
+    return dirs
+
+
+def previous_run(cfg: JobConfigs, run_dir: pathlib.Path) -> list[str]:
+    """What shows an earlier run in `run_dir` (records, checkpoint steps); [] for a fresh directory."""
+    held = [name + ("/" if (run_dir / name).is_dir() else "") for name in RUN_RECORDS if (run_dir / name).exists()]
+    for directory in _checkpoint_dirs(cfg, run_dir):
+        steps = finalized_steps(directory)
+        if steps:
+            name = "checkpoints" if directory == run_dir / "checkpoints" else str(directory)
+            held.append(f"{name}/ (step {steps[-1]})")
+    return held
+
+
+def check_run_dir(cfg: JobConfigs, run_dir: pathlib.Path, *, resume: bool, overwrite: bool) -> None:
+    """Raises InputError unless the run may start in `run_dir` as asked; writes nothing."""
+    if resume and overwrite:
+        raise InputError("--resume continues the run in the directory and --overwrite removes it: pass one")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise InputError(f"--run_dir {run_dir} is not a directory")
+    if resume:
+        _check_resumable(cfg, run_dir)
+        return
+    held = previous_run(cfg, run_dir)
+    if held and not overwrite:
+        raise InputError(f"{run_dir} already holds a run ({', '.join(held)}): pass --overwrite to replace it, "
+                         "--resume to continue it, or choose another --run_dir")
+
+
+def _check_resumable(cfg: JobConfigs, run_dir: pathlib.Path) -> None:
+    if cfg.checkpoint is None:
+        raise InputError(f"--resume: nothing to resume in {run_dir}: no CheckpointConfig is bound, so no "
+                         "checkpoint is saved or read (bind e.g. CheckpointConfig.save_interval_steps = 10)")
+    directory = pathlib.Path(cfg.checkpoint.directory)
+    if not finalized_steps(directory):
+        raise InputError(f"--resume: nothing to resume: no finished checkpoint under {directory}")
+    saved = run_dir / "config.json"
+    if not saved.is_file():  # checkpoints kept elsewhere, the run directory new: nothing to compare
+        logger.warning("%s not found: the resumed run's config is not compared with the saved one", saved)
+        return
+    changed = resume_changes(_read_json(saved), cfg)
+    if changed:
+        raise InputError(f"--resume: fields a resumed run must keep differ from {saved}: {'; '.join(changed)}")
+
+
+def _read_json(path: pathlib.Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise InputError(f"{path}: unreadable ({e})") from None
+
+
+def resume_changes(saved: dict, cfg: JobConfigs) -> list[str]:
+    """'Class.field: old -> new' for each RESUME_FIELDS field whose value differs from `saved` (a
+    config.json dict); fields the saved file lacks (an older version wrote it) are not compared."""
+    new = json.loads(json.dumps(cfg.as_dict(), default=str))  # as config.json spells values
+    changes = []
+    for key, fields in RESUME_FIELDS.items():
+        old_part, new_part = saved.get(key) or {}, new.get(key) or {}
+        for field in fields or sorted(new_part):
+            if field in old_part and old_part[field] != new_part.get(field):
+                changes.append(f"{type(getattr(cfg, key)).__name__}.{field}: "
+                               f"{old_part[field]!r} -> {new_part.get(field)!r}")
+    return changes
+
+
+def remove_previous_run(cfg: JobConfigs, run_dir: pathlib.Path) -> None:
+    """--overwrite: the earlier run's records and checkpoint steps go (process 0 removes, all wait),
+    so metrics.jsonl starts empty and checkpoints from step 0."""
+    if jax.process_index() == 0:
+        for name in OLD_RUN_FILES:
+            path = run_dir / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+        for directory in _checkpoint_dirs(cfg, run_dir):
+            clear_checkpoints(directory)
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("areal-jax: previous run removed")
