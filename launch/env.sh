@@ -20,7 +20,9 @@ _find_python() {  # _find_python MAJOR MINOR EXACT(0|1): prints an interpreter p
   [ "$exact" = 0 ] && cands+=(python3.13 python3.14 python3)
   local pyroot="${PYENV_ROOT:-$HOME/.pyenv}"
   command -v pyenv >/dev/null 2>&1 && pyroot="$(pyenv root)"
+  # pyenv's, uv's (`uv python install 3.12`: TPU VM images ship Python 3.10) and the system's.
   for cand in "$pyroot"/versions/"${major}.${minor}".*/bin/python"${major}.${minor}" \
+              "${UV_PYTHON_INSTALL_DIR:-$HOME/.local/share/uv/python}"/cpython-"${major}.${minor}".*/bin/python"${major}.${minor}" \
               /usr/bin/python"${major}.${minor}" /usr/local/bin/python"${major}.${minor}"; do
     cands+=("$cand")
   done
@@ -43,7 +45,7 @@ _ensure_main_venv() {
   stamp="$(_stamp)"
   if [ -f "$venv/.areal_stamp" ] && [ "$(cat "$venv/.areal_stamp")" = "$stamp" ]; then return 0; fi
   local py
-  py="$(_find_python 3 12 0)" || { echo "error: no Python >= 3.12 found (set AREAL_PYTHON=/path/to/python3.12)" >&2; return 1; }
+  py="$(_find_python 3 12 0)" || { echo "error: no Python >= 3.12 found (TPU VM images ship 3.10): run \`pip install uv && uv python install 3.12\` (found automatically), or set AREAL_PYTHON=/path/to/python3.12" >&2; return 1; }
   echo "[env] building .venv with $py" >&2
   [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true

@@ -51,3 +51,39 @@ def test_tpu_pod_launcher_runs_one_command_on_every_worker_with_flags_intact(tmp
     start = words.index("areal-jax")
     assert words[start:start + 3] == ["areal-jax", "train", "--distributed"]
     assert words[start + 3:] == flags
+
+
+
+def _env_functions(tmp_path, home: pathlib.Path, call: str) -> subprocess.CompletedProcess:
+    """env.sh's interpreter search and venv build functions alone, with a bare PATH and a fake root."""
+    functions = subprocess.run(["sed", "-n", "/^_runs_at_least()/,/^_ensure_reference_venv()/p",
+                                str(ROOT / "launch" / "env.sh")], capture_output=True, text=True, check=True).stdout
+    root = tmp_path / "repo"
+    (root / "launch").mkdir(parents=True, exist_ok=True)
+    for name in ("pyproject.toml", "launch/env.sh"):
+        (root / name).write_text((ROOT / name).read_text())
+    env = {"HOME": str(home), "PATH": "/nonexistent", "PYENV_ROOT": str(tmp_path / "no-pyenv")}
+    script = f"ROOT={shlex.quote(str(root))}\n" + functions.rsplit("_ensure_reference_venv()", 1)[0] + "\n" + call
+    return subprocess.run(["/bin/bash", "-c", script], capture_output=True, text=True, env=env)
+
+
+def test_env_finds_a_python_installed_by_uv(tmp_path):
+    """TPU VM images ship Python 3.10: a 3.12 from `uv python install` is found without AREAL_PYTHON."""
+    import sys
+
+    if sys.version_info[:2] < (3, 12):
+        pytest.skip("needs a Python >= 3.12 to stand in for uv's")
+    home = tmp_path / "home"
+    bindir = home / ".local/share/uv/python/cpython-3.12.9-linux-x86_64-gnu/bin"
+    bindir.mkdir(parents=True)
+    (bindir / "python3.12").symlink_to(sys.executable)
+    proc = _env_functions(tmp_path, home, "_find_python 3 12 0")
+    assert proc.returncode == 0 and proc.stdout.strip() == str(bindir / "python3.12"), proc
+
+
+def test_env_without_a_new_enough_python_says_how_to_get_one(tmp_path):
+    if any(pathlib.Path(d, "python3.12").exists() for d in ("/usr/bin", "/usr/local/bin")):
+        pytest.skip("this machine has a system Python 3.12")
+    proc = _env_functions(tmp_path, tmp_path / "home", "_ensure_main_venv")
+    assert proc.returncode == 1 and "uv python install 3.12" in proc.stderr, proc
+    assert not (tmp_path / "repo" / ".venv").exists()
