@@ -40,7 +40,7 @@ from areal_jax.models.tokenizer import Tokenizer
 from areal_jax.models.transformer import init_params
 from areal_jax.parallel.distributed import agree_max, agree_sum, gather_json
 from areal_jax.parallel.meshes import build_meshes
-from areal_jax.parallel.weight_sync import model_partition_specs
+from areal_jax.parallel.transfer_plan import model_partition_specs
 from areal_jax.trainer.loop import RLLoop, generation_weight_sync
 
 logger = logging.getLogger(__name__)

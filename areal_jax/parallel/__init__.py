@@ -10,14 +10,8 @@ from areal_jax.parallel.meshes import (
     build_meshes,
     split_local_devices,
 )
-from areal_jax.parallel.weight_sync import (
-    DEFAULT_GROUP_BYTES,
-    TransferStats,
-    WeightSync,
-    model_partition_specs,
-    transfer_program_specs,
-    transfer_view,
-)
+from areal_jax.parallel.transfer_plan import model_partition_specs, transfer_view
+from areal_jax.parallel.weight_sync import DEFAULT_GROUP_BYTES, TransferStats, WeightSync, transfer_program_specs
 
 __all__ = [
     "DEFAULT_GROUP_BYTES",
