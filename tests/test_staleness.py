@@ -169,6 +169,41 @@ def test_load_state_dict_rejects_bad_state():
     assert m.stats() == StalenessStats(0, 0, 0, 0)  # untouched after failures
 
 
+def test_resume_at_version_frees_the_capacity_of_lost_groups():
+    """At an async save, groups queued for the trainer and groups still generating are counted; a
+    restart loses them. Restored at the version, capacity is that of a run that trained exactly
+    version * B groups with nothing in flight, not (eta + 1) * B - queued."""
+    eta, b, mc, version = 2, 4, 16, 2
+    m = StalenessManager(eta, b, mc)
+    for _ in range(17):
+        m.on_submit()
+    for _ in range(11):  # 8 trained by version 2, 3 queued in the channel
+        m.on_accept()
+    m.on_reject()  # 5 still generating
+    saved = m.state_dict()
+    restored = StalenessManager(eta, b, mc)
+    assert restored.resume_at(version, saved) == 3 + 5
+    assert restored.stats() == StalenessStats(submitted=9, running=0, accepted=8, rejected=1)
+    clean = StalenessManager(eta, b, mc)  # trained 8 groups, nothing lost
+    for _ in range(8):
+        clean.on_submit()
+        clean.on_accept()
+    assert restored.capacity(version) == clean.capacity(version) == min(mc, (eta + 1) * b) == 12
+    verbatim = StalenessManager(eta, b, mc)
+    verbatim.load_state_dict(saved)
+    assert verbatim.capacity(version) == 12 - 3  # what counting the lost groups would leave
+
+
+def test_resume_at_a_version_its_counters_cannot_reach_is_an_error():
+    m = StalenessManager(1, 4, 8)
+    with pytest.raises(ValueError, match="fewer than the 12 trained"):
+        m.resume_at(3, {"submitted": 10, "running": 0, "accepted": 10, "rejected": 0})
+    with pytest.raises(ValueError, match="missing"):
+        m.resume_at(3, {"accepted": 12})
+    assert m.stats() == StalenessStats(0, 0, 0, 0)
+    assert m.resume_at(3) == 0 and m.capacity(3) == 8
+
+
 # --------------------------------------------------------------------------- threads
 
 

@@ -179,6 +179,35 @@ class StalenessManager:
             self._accepted = values["accepted"]
             self._rejected = values["rejected"]
 
+    def resume_at(self, version: int, state: Mapping[str, int] | None = None) -> int:
+        """Counters of a run resumed at `version` (updates completed) from a checkpoint's state_dict().
+
+        A restart keeps only what was trained: `version * batch_size` groups. Groups queued for the
+        trainer or still generating at the save are gone with the old process, so `accepted` is set
+        to the groups trained (as AReaL does), not to the saved count: counting the lost ones would
+        cut capacity to `(eta + 1) * B - lost` for the rest of the run (synchronous at worst). The
+        saved rejections stay for the record. Returns the number of groups lost (0 without `state`).
+        """
+        _check_non_negative_int("version", version)
+        trained = version * self.batch_size
+        rejected, lost = 0, 0
+        if state is not None:
+            missing = [k for k in _COUNTER_KEYS if k not in state]
+            if missing:
+                raise ValueError(f"staleness state is missing keys {missing}")
+            values = {k: _check_non_negative_int(f"state[{k!r}]", state[k]) for k in _COUNTER_KEYS}
+            if values["accepted"] < trained:
+                raise ValueError(f"staleness state accepted {values['accepted']} groups, fewer than the "
+                                 f"{trained} trained by version {version} at batch_size {self.batch_size}")
+            rejected = values["rejected"]
+            lost = values["accepted"] - trained + values["running"]
+        with self._lock:
+            self._submitted = trained + rejected
+            self._running = 0
+            self._accepted = trained
+            self._rejected = rejected
+        return lost
+
     def __repr__(self) -> str:
         s = self.stats()
         return (
