@@ -146,7 +146,9 @@ class RLVRConfig:
 
     reward: a registered name ("math", "code") or "package.module:function"; called as
         reward(completion_text, gold) where gold is the row's answer (math) or test cases (code).
-    filter_all_equal_rewards: reject groups whose n rewards are all equal (no learning signal).
+    filter_all_equal_rewards: reject groups whose n rewards are all equal (no learning signal
+        under group normalisation). Off by default, as in AReaL: under batch normalisation an
+        all-equal group still carries a REINFORCE signal, which the filter would discard.
     """
 
     n_samples: int = 4
@@ -156,7 +158,7 @@ class RLVRConfig:
     top_k: int = 0
     reward: str = "math"
     reward_timeout_s: float = 10.0
-    filter_all_equal_rewards: bool = True
+    filter_all_equal_rewards: bool = False
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
