@@ -179,8 +179,7 @@ def make_microbatches(
         raise ValueError(f"num_minibatches={m} needs at least {m} sequences, got {len(seqs)}")
 
     minibatches = []
-    for lo, hi in _balanced_chunks(lengths, m):
-        index = list(range(lo, hi))
+    for index in minibatch_indices(lengths, m):
         bins = [[index[j] for j in b]
                 for b in _row_aware_bins([lengths[i] for i in index], candidates, budget, row_multiple)]
         n_micro = len(bins) if agree_max is None else agree_max(len(bins))
@@ -198,6 +197,32 @@ def make_microbatches(
             micro.append(_pack_bin(seqs, b, lengths, row_len, num_rows, valid))
         minibatches.append(micro)
     return minibatches
+
+
+def minibatch_indices(lengths: Sequence[int], num_minibatches: int) -> list[list[int]]:
+    """The sequences (indices into `lengths`) of each minibatch `make_microbatches` forms."""
+    return [list(range(lo, hi)) for lo, hi in _balanced_chunks(lengths, num_minibatches)]
+
+
+def microbatch_shapes(lengths: Sequence[int], *, max_tokens_per_microbatch: int, num_minibatches: int,
+                      buckets: Sequence[int] | None = None, row_multiple: int = 1) -> list[list[tuple[int, int]]]:
+    """(rows R, row length T) of each micro-batch of each minibatch that `make_microbatches` builds
+    on one process from sequences of these lengths, without building any array (the simulator
+    costs a training step from them)."""
+    budget = _positive_int("max_tokens_per_microbatch", max_tokens_per_microbatch)
+    row_multiple = _positive_int("row_multiple", row_multiple)
+    candidates = candidate_row_lengths(budget, buckets)
+    out = []
+    for index in minibatch_indices(lengths, _positive_int("num_minibatches", num_minibatches)):
+        shapes = []
+        for b in _row_aware_bins([lengths[i] for i in index], candidates, budget, row_multiple):
+            members = [lengths[index[j]] for j in b]
+            row_len = _agreed_row_len(members, candidates, budget, row_multiple, None)
+            rows = rows_for_bin(len(ffd_allocate(members, row_len)), rows_for_bucket(row_len, budget, row_multiple),
+                                row_multiple)
+            shapes.append((rows, row_len))
+        out.append(shapes)
+    return out
 
 
 # ---- helpers ---------------------------------------------------------------------------------------
