@@ -24,17 +24,16 @@ import dataclasses
 import json
 import logging
 import os
-import pathlib
-import shutil
 import time
 from typing import Any, Protocol
 
 import grain
 import jax
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 
-from areal_jax.models import ModelConfig, save_params
+from areal_jax import paths
+from areal_jax.models import ModelConfig
+from areal_jax.models.hf_io import leaf_keys, to_host, write_params
 from areal_jax.parallel import agree_max
 
 logger = logging.getLogger(__name__)
@@ -138,8 +137,8 @@ def _json_checked(meta: dict) -> dict:
 
 
 def finalized_steps(directory: str | os.PathLike) -> list[int]:
-    """Finalized steps under `directory`, ascending; reads only names (creates nothing)."""
-    directory = pathlib.Path(directory)
+    """Finalized steps under `directory` (local or remote), ascending; reads only names (creates nothing)."""
+    directory = paths.as_path(directory)
     if not directory.is_dir():
         return []
     # Unfinished saves live under `<step>.orbax-checkpoint-tmp-<ts>`: not all digits.
@@ -150,13 +149,14 @@ def finalized_steps(directory: str | os.PathLike) -> list[int]:
 def clear_checkpoints(directory: str | os.PathLike) -> None:
     """Removes every step under `directory` (finished or not) and the directory if it is then
     empty; other files are left alone. For a run that starts over (`--overwrite`)."""
-    directory = pathlib.Path(directory)
+    directory = paths.as_path(directory)
     if not directory.is_dir():
         return
     for entry in directory.iterdir():
         if entry.is_dir() and entry.name.split(".", 1)[0].isdigit():
-            shutil.rmtree(entry)
-    if not any(directory.iterdir()):
+            entry.rmtree()
+    # An object store has no empty directories: the last object removed, it is gone.
+    if directory.is_dir() and not any(directory.iterdir()):
         directory.rmdir()
 
 
@@ -165,7 +165,7 @@ class Checkpointer:
 
     def __init__(self, config: CheckpointConfig):
         self.config = config
-        self.directory = pathlib.Path(config.directory).absolute()
+        self.directory = paths.absolute(config.directory)  # gs://... as is
         options = ocp.CheckpointManagerOptions(
             max_to_keep=config.max_to_keep,
             enable_async_checkpointing=config.async_save,
@@ -281,38 +281,25 @@ class Checkpointer:
         return interval is not None and step % interval == 0
 
     def export_hf(self, params: Any, model_cfg: ModelConfig, step: int, *, force: bool = False
-                  ) -> pathlib.Path | None:
+                  ) -> paths.Path | None:
         """Writes `params` as an HF directory `export_dir/step_<step>` when due (or `force`d).
 
-        The directory appears complete or not at all (written to a temporary sibling, then
-        renamed); an existing export of the same step is replaced. Call on every process:
-        sharded params are gathered, process 0 writes. Returns the path, or None if not due.
+        Locally the directory appears complete or not at all (`paths.staged_dir`); an existing
+        export of the same step is replaced. Call on every process: one tensor at a time is
+        gathered (`to_host`), process 0 writes. Returns the path, or None if not due.
         """
         if self.config.export_dir is None:
             raise ValueError("CheckpointConfig.export_dir is not set")
         if not force and not self.should_export_hf(step):
             return None
-        if jax.process_count() > 1:
-            # Collective: every process must reach this line for the same step.
-            params = multihost_utils.process_allgather(params, tiled=True)
-        target = pathlib.Path(self.config.export_dir).absolute() / f"step_{step}"
+        target = paths.absolute(self.config.export_dir) / f"step_{step}"
+        fetch = lambda leaf: to_host(params["layers"][leaf[1]] if leaf[0] == "layers" else params[leaf[0]])  # noqa: E731
         if jax.process_index() != 0:
+            for leaf in leaf_keys(model_cfg):  # the collectives process 0's writer runs
+                fetch(leaf)
             return target
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
-        try:
-            save_params(params, model_cfg, tmp)
-            if target.exists():
-                # rename() cannot replace a non-empty directory: move the old one aside first.
-                old = target.parent / f".{target.name}.old-{os.getpid()}-{time.monotonic_ns()}"
-                target.rename(old)
-                tmp.rename(target)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                tmp.rename(target)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
+        with paths.staged_dir(target) as out:
+            write_params(fetch, model_cfg, out, dtype=params["final_norm"].dtype)
         return target
 
     # ---- lifecycle --------------------------------------------------------------------------

@@ -9,7 +9,9 @@ Layout under `run_dir`:
 JSON has no NaN or infinity; non-finite floats are written as the strings "NaN", "Infinity"
 and "-Infinity" everywhere in these files (`read_jsonl` turns them back into floats).
 TensorBoard events are written with tensorboard's own writer and protos: no TensorFlow.
-Create the logger on one process only (process 0) in multi-host runs.
+Create the logger on one process only (process 0) in multi-host runs. `run_dir` may be remote
+(gs://, see areal_jax/paths.py): an object cannot be appended to, so there metrics.jsonl is
+rewritten whole at each step, and TensorBoard writes through fsspec as well.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import pathlib
 import sys
 import time
 from typing import Any, Mapping
+
+from areal_jax import paths
 
 Number = int | float
 Metrics = Mapping[str, Any]  # values: numbers (incl. NumPy/JAX scalars) or nested Metrics
@@ -117,7 +120,7 @@ def _decode(obj: Any) -> Any:
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
     """Reads a metrics or rollouts JSONL file written here, non-finite strings back to floats."""
-    with open(path) as f:
+    with paths.as_path(path).open() as f:
         return [_decode(json.loads(line)) for line in f if line.strip()]
 
 
@@ -138,7 +141,7 @@ def format_progress(step: int, metrics: Metrics) -> str:
 class _TensorBoardScalars:
     """Scalar summaries through tensorboard's event writer and protos (no TensorFlow needed)."""
 
-    def __init__(self, logdir: pathlib.Path):
+    def __init__(self, logdir: paths.Path):
         try:
             from tensorboard.compat.proto import event_pb2, summary_pb2
             from tensorboard.summary.writer.event_file_writer import EventFileWriter
@@ -160,12 +163,29 @@ class _TensorBoardScalars:
         self._writer.close()
 
 
-def write_whole(path: pathlib.Path, text: str) -> None:
-    """Writes `text` to `path` so that it appears whole (written beside it, then renamed): a reader,
-    or another process writing the same file, never sees it half-written."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+class _JsonlAppender:
+    """Appends lines to a file, each flushed at once. An object store cannot append, so a remote
+    file is rewritten whole from the lines so far (those of a resumed run's file included)."""
+
+    def __init__(self, path: paths.Path):
+        self._path = path
+        if paths.is_remote(path):
+            self._file = None
+            self._text = path.read_text() if path.exists() else ""
+        else:
+            self._file = open(path, "a")
+
+    def append(self, line: str) -> None:
+        if self._file is None:
+            self._text += line
+            self._path.write_text(self._text)
+        else:
+            self._file.write(line)
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
 
 
 class MetricsLogger:
@@ -173,11 +193,11 @@ class MetricsLogger:
 
     def __init__(self, run_dir: str | os.PathLike, *, tensorboard: bool = True, jsonl: bool = True,
                  console: bool = True):
-        self.run_dir = pathlib.Path(run_dir)
+        self.run_dir = paths.as_path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.console = console
         # Append: a resumed run continues the same file.
-        self._jsonl = open(self.run_dir / "metrics.jsonl", "a") if jsonl else None
+        self._jsonl = _JsonlAppender(self.run_dir / "metrics.jsonl") if jsonl else None
         self._tensorboard = _TensorBoardScalars(self.run_dir / "tensorboard") if tensorboard else None
         self._closed = False
 
@@ -191,14 +211,13 @@ class MetricsLogger:
         nested = _normalize(metrics)
         if self._jsonl is not None:
             record = {"step": step, "wall_time": wall_time, "metrics": to_jsonable(nested)}
-            self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
-            self._jsonl.flush()
+            self._jsonl.append(json.dumps(record, allow_nan=False) + "\n")
         if self._tensorboard is not None:
             self._tensorboard.write(step, wall_time, flatten_metrics(nested))
         if self.console:
             print(format_progress(step, nested), file=sys.stdout, flush=True)
 
-    def dump_rollouts(self, step: int, records: list[Mapping[str, Any]]) -> pathlib.Path:
+    def dump_rollouts(self, step: int, records: list[Mapping[str, Any]]) -> paths.Path:
         """Writes `records` (prompt, completion, reward, per-token versions, ...) to rollouts/step_<step>.jsonl.
 
         The file appears whole (written beside it, then renamed); a second dump of a step replaces it.
@@ -207,7 +226,7 @@ class MetricsLogger:
         out_dir.mkdir(parents=True, exist_ok=True)
         lines = [json.dumps(to_jsonable(r, f"records[{i}]"), allow_nan=False) for i, r in enumerate(records)]
         path = out_dir / f"step_{step}.jsonl"
-        write_whole(path, "".join(line + "\n" for line in lines))
+        paths.write_whole(path, "".join(line + "\n" for line in lines))
         return path
 
     def close(self) -> None:

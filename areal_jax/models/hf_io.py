@@ -23,7 +23,7 @@ import ml_dtypes  # noqa: F401  registers numpy's "bfloat16", which safetensors'
 import numpy as np
 from jax.sharding import Mesh, SingleDeviceSharding
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
+from safetensors.numpy import save, save_file
 
 from areal_jax.models import sharding as shd
 from areal_jax.models.config import ModelConfig
@@ -292,19 +292,57 @@ def load_pretrained(path: str | pathlib.Path, *, dtype=jnp.float32, mesh: Mesh |
 
 # ---- writing ----------------------------------------------------------------------------------
 
+# Our params dict leaf -> its position: (key,) for a top-level tensor, ("layers", key) for a stacked one.
+LeafKey = tuple[str, ...]
+_DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
+                np.dtype(ml_dtypes.bfloat16): "bfloat16"}
+
+
+def leaf_keys(cfg: ModelConfig) -> list[LeafKey]:
+    """Every leaf of the params dict, in the order the writer stores them."""
+    axes = param_axes(cfg)
+    return [(k,) for k in axes if k != "layers"] + [("layers", k) for k in axes["layers"]]
+
+
+def _leaf_hf(cfg: ModelConfig, leaf: LeafKey) -> list[tuple[str, tuple[int, ...]]]:
+    """(HF name, HF shape) of the tensors one leaf becomes (one per layer for a stacked leaf)."""
+    shapes = param_shapes(cfg)
+    if leaf[0] == "layers":
+        tmap = _LAYER_MAPS[leaf[1]][1]
+        per_layer = tmap.hf_shape(shapes["layers"][leaf[1]][1:])
+        return [(hf_name(leaf[1], i), per_layer) for i in range(cfg.num_layers)]
+    return [(hf_name(leaf[0]), _TOP_MAPS[leaf[0]][1].hf_shape(shapes[leaf[0]]))]
+
+
+def _leaf_to_hf(cfg: ModelConfig, leaf: LeafKey, host: np.ndarray, dtype) -> list[tuple[str, np.ndarray]]:
+    if leaf[0] == "layers":
+        tmap = _LAYER_MAPS[leaf[1]][1]
+        return [(hf_name(leaf[1], i), np.ascontiguousarray(tmap.to_hf(host[i]).astype(dtype, copy=False)))
+                for i in range(cfg.num_layers)]
+    return [(hf_name(leaf[0]), np.ascontiguousarray(_TOP_MAPS[leaf[0]][1].to_hf(host).astype(dtype, copy=False)))]
+
+
+def to_host(x) -> np.ndarray:
+    """One tensor in host memory: its shards fetched as they lie, and a tensor spanning processes
+    all-gathered alone (a collective: every process calls it for the same tensors, in order)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
 
 def hf_state_dict(params: Params, cfg: ModelConfig) -> dict[str, np.ndarray]:
     """Our params as HF-named host arrays (gathers sharded arrays)."""
     out: dict[str, np.ndarray] = {}
-    for key, value in params.items():
-        if key == "layers":
-            for lk, stacked in value.items():
-                host = np.asarray(jax.device_get(stacked))
-                for i in range(cfg.num_layers):
-                    out[hf_name(lk, i)] = np.ascontiguousarray(_LAYER_MAPS[lk][1].to_hf(host[i]))
-        else:
-            out[hf_name(key)] = np.ascontiguousarray(_TOP_MAPS[key][1].to_hf(np.asarray(jax.device_get(value))))
+    for leaf in leaf_keys(cfg):
+        host = np.asarray(jax.device_get(_get(params, leaf)))
+        out.update(_leaf_to_hf(cfg, leaf, host, host.dtype))
     return out
+
+
+def _get(params: Params, leaf: LeafKey):
+    return params["layers"][leaf[1]] if leaf[0] == "layers" else params[leaf[0]]
 
 
 def save_pretrained(model: Transformer, path: str | pathlib.Path, *, max_shard_bytes: int = 4 << 30) -> None:
@@ -313,40 +351,68 @@ def save_pretrained(model: Transformer, path: str | pathlib.Path, *, max_shard_b
 
 
 def save_params(params: Params, cfg: ModelConfig, path: str | pathlib.Path, *, max_shard_bytes: int = 4 << 30,
-                ) -> None:
-    """Writes config.json and safetensors (sharded with an index past `max_shard_bytes`)."""
-    path = pathlib.Path(path)
+                dtype=None) -> None:
+    """Writes config.json and safetensors (sharded with an index past `max_shard_bytes`), fetching
+    one tensor at a time to host memory (`to_host`). dtype: of the stored tensors (default: the params')."""
+    dtype = np.dtype(dtype) if dtype is not None else np.dtype(params["final_norm"].dtype)
+    write_params(lambda leaf: to_host(_get(params, leaf)), cfg, path,
+                 max_shard_bytes=max_shard_bytes, dtype=dtype)
+
+
+def write_params(fetch: Callable[[LeafKey], np.ndarray], cfg: ModelConfig, path, *, dtype,
+                 max_shard_bytes: int = 4 << 30) -> None:
+    """Writes config.json and safetensors to `path` (local or remote: areal_jax.paths), asking
+    `fetch(leaf)` for one leaf of the params dict at a time (`leaf_keys` order) as a host array.
+
+    The shards are planned from the shapes before anything is read, and each is written as soon as
+    it is complete: host memory holds one leaf and one shard, never the whole model.
+    """
+    from areal_jax import paths
+
+    path = paths.as_path(path)
+    dtype = np.dtype(dtype)
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"dtype {dtype} cannot be stored (use float32, bfloat16 or float16)")
     path.mkdir(parents=True, exist_ok=True)
-    tensors = hf_state_dict(params, cfg)
-    dtype_name = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}.get(
-        next(iter(tensors.values())).dtype, "bfloat16")
-    hf = cfg.to_hf() | {"dtype": dtype_name}
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    for name, arr in tensors.items():
-        if shards[-1] and size + arr.nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = arr
-        size += arr.nbytes
+    leaves = leaf_keys(cfg)
+    shard_of: dict[str, int] = {}
+    sizes = [0]
+    for leaf in leaves:
+        for name, shape in _leaf_hf(cfg, leaf):
+            nbytes = int(np.prod(shape)) * dtype.itemsize
+            if sizes[-1] and sizes[-1] + nbytes > max_shard_bytes:
+                sizes.append(0)
+            shard_of[name] = len(sizes) - 1
+            sizes[-1] += nbytes
+    n = len(sizes)
+    fnames = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     for stale in list(path.glob("model*.safetensors")) + list(path.glob("model.safetensors.index.json")):
         stale.unlink()
-    if len(shards) == 1:
-        _write_file(path / "model.safetensors", shards[0])
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            _write_file(path / fname, shard)
-            weight_map.update({name: fname for name in shard})
-        total = sum(a.nbytes for a in tensors.values())
+    pending: dict[str, np.ndarray] = {}
+    current = 0
+    for j, leaf in enumerate(leaves):
+        tensors = _leaf_to_hf(cfg, leaf, np.asarray(fetch(leaf)), dtype)
+        pending.update(tensors)
+        # Shards are filled in order: those before the one this leaf ends in are complete.
+        complete = n if j == len(leaves) - 1 else shard_of[tensors[-1][0]]
+        for i in range(current, complete):
+            _write_file(path / fnames[i], {k: pending.pop(k) for k in [k for k in pending if shard_of[k] == i]})
+        current = max(current, complete)
+    if n > 1:
+        weight_map = {name: fnames[i] for name, i in shard_of.items()}
         (path / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    (path / "config.json").write_text(json.dumps(hf, indent=2))
+            json.dumps({"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, indent=2))
+    (path / "config.json").write_text(json.dumps(cfg.to_hf() | {"dtype": _DTYPE_NAMES[dtype]}, indent=2))
 
 
-def _write_file(path: pathlib.Path, tensors: dict[str, np.ndarray]) -> None:
-    """Writes one safetensors file atomically (a temporary file renamed into place)."""
+def _write_file(path, tensors: dict[str, np.ndarray]) -> None:
+    """Writes one safetensors file whole: locally a temporary file renamed into place; an object
+    store's upload is all-or-nothing already."""
+    from areal_jax import paths
+
+    if paths.is_remote(path):
+        paths.as_path(path).write_bytes(save(tensors, metadata={"format": "pt"}))
+        return
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, tmp, metadata={"format": "pt"})
     tmp.replace(path)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from areal_jax.metrics import write_whole
+from areal_jax.paths import write_whole
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.hf_io import save_params
 from areal_jax.models.transformer import init_params
