@@ -28,7 +28,7 @@ def main():
         from tests.test_rl_loop import make_loop
 
         tokenizer = Tokenizer.from_pretrained(tokenizer_dir)
-        rl = RLConfig(steps=3, batch_size=4, max_staleness=1, max_concurrent=4, max_head_offpolicyness=1)
+        rl = RLConfig(steps=3, batch_size=4, max_staleness=1, max_concurrent=4, max_group_age=1)
         loop = make_loop(tokenizer, rl=rl, mesh=MeshConfig(num_generation_devices_per_host=2), devices=None,
                          row_offset=1000 * process_id)
         assert loop.meshes.train.devices.size == 4 and loop.meshes.generation.devices.size == 2

@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from areal_jax import config_system as cs
 from areal_jax.data.formats import PromptRow
 from areal_jax.generation import EngineConfig
 from areal_jax.models import ModelConfig, init_params
@@ -49,7 +50,7 @@ def make_loop(tokenizer, *, rl: RLConfig, mesh: MeshConfig, devices, reward_scri
 
 
 def test_async_loop_bounds_staleness_and_keeps_versions(tokenizer):
-    rl = RLConfig(steps=4, batch_size=2, max_staleness=1, max_concurrent=4, max_head_offpolicyness=1)
+    rl = RLConfig(steps=4, batch_size=2, max_staleness=1, max_concurrent=4, max_group_age=1)
     loop = make_loop(tokenizer, rl=rl, mesh=MeshConfig(num_generation_devices_per_host=2),
                      devices=jax.devices()[:4])
     assert loop.meshes.train.devices.size == 2 and loop.meshes.generation.devices.size == 2
@@ -57,7 +58,7 @@ def test_async_loop_bounds_staleness_and_keeps_versions(tokenizer):
     result = loop.run()
     assert result.steps == 4 and result.version == 4 and loop.engine.version == 4
     for m in result.history:
-        assert m["staleness/max"] <= rl.max_staleness + rl.max_head_offpolicyness
+        assert m["staleness/max"] <= rl.max_staleness + rl.max_group_age
         assert np.isfinite(m["train/loss"]) and m["train/trained_tokens"] > 0
     report = result.rollout_report
     assert report.balanced
@@ -93,6 +94,22 @@ def test_bad_batch_split_is_reported_before_work_starts(tokenizer):
         RLConfig(mode="sync", max_staleness=2)
     with pytest.raises(ValueError, match="batch_size"):
         RLConfig(batch_size=0)
+
+
+def test_areal_eta_name_is_refused_with_a_pointer():
+    # AReaL's max_head_offpolicyness is eta (our max_staleness), not the per-group age filter.
+    with pytest.raises(ValueError, match="AReaL's name for eta: set RLConfig.max_staleness"):
+        RLConfig(max_head_offpolicyness=4)
+    cs.register(RLConfig)
+    cs.parse(gin_params=["RLConfig.max_head_offpolicyness = 4"])
+    try:
+        with pytest.raises(cs.ConfigError, match="RLConfig.max_head_offpolicyness is AReaL's name for eta"):
+            cs.build(RLConfig)
+    finally:
+        cs.parse()  # clear the bindings for later tests
+    assert RLConfig(max_group_age=2).max_group_age == 2
+    with pytest.raises(ValueError, match="RLConfig.max_group_age"):
+        RLConfig(max_group_age=-1)
 
 
 def test_sampling_and_training_temperatures_must_agree(tokenizer):

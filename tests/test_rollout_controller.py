@@ -264,7 +264,7 @@ def test_random_timings_keep_accounting_exact_and_the_staleness_bound(engine, to
                            "sleep_rand=0.05;const=0"]) for _ in range(200)]
     ctl = RolloutController(engine, rlvr(filter_all_equal_rewards=True), staleness, channel,
                             make_rows(tokenizer, answers), version_fn=version, tokenizer=tokenizer,
-                            max_head_offpolicyness=K)
+                            max_group_age=K)
     trainer = SyncTrainer(channel, version, engine, model, B, steps, bump_first=bool(seed % 2), delay=0.1,
                           drop_stale=K, seed=seed)
     ctl.start()

@@ -33,7 +33,7 @@ batch of B. Let G be accepted when `version_fn()` read v_a, and taken at trainer
   before G (accepted before G: the pump keeps acceptance order) or sorted before G when
   taken, i.e. was admitted before G and so was running when G was accepted. Hence
   v_t * B <= (eta + v_a + 1) * B - 1.
-* With `max_head_offpolicyness = K`, a group is accepted only if its oldest token has
+* With `max_group_age = K`, a group is accepted only if its oldest token has
   version >= v_a - K (`is_too_stale(group, v_a, K)` is False). Then every trained token
   lags at most v_t - oldest <= eta + K versions. Without K, a straggler (admitted long ago,
   finished late) has no per-group bound: admission limits the volume of stale data only.
@@ -135,7 +135,7 @@ class RolloutController:
         reward_pool: a RewardPool, or None for in-process rewards.
         max_concurrent: most groups in flight (default: staleness.max_concurrent).
         filters: extra group filters, `group -> reason | None`, applied after the workflow's.
-        max_head_offpolicyness: K; reject at acceptance groups whose oldest token is more than
+        max_group_age: K; reject at acceptance groups whose oldest token is more than
             K versions behind `version_fn()` (reason "stale"). None: no such check.
         poll_interval_s: how often the loop re-reads version_fn when nothing else wakes it
             (`notify()` wakes it at once).
@@ -144,7 +144,7 @@ class RolloutController:
     def __init__(self, engine: GenerationEngine, workflow: Any, staleness: StalenessManager,
                  channel: TrajectoryChannel, data_iter: Iterator[Any], *, version_fn: Callable[[], int],
                  tokenizer: Detokenizer | None = None, reward_pool: Any = None, max_concurrent: int | None = None,
-                 filters: Sequence[GroupFilter] = (), max_head_offpolicyness: int | None = None,
+                 filters: Sequence[GroupFilter] = (), max_group_age: int | None = None,
                  poll_interval_s: float = 0.02, reward_threads: int = 4) -> None:
         if not inspect.iscoroutinefunction(getattr(workflow, "arun", None)):
             raise TypeError(f"workflow {type(workflow).__name__} has no `async def arun(client, row, *, version)`")
@@ -152,9 +152,9 @@ class RolloutController:
             max_concurrent = staleness.max_concurrent
         if isinstance(max_concurrent, bool) or not isinstance(max_concurrent, int) or max_concurrent < 1:
             raise ValueError(f"max_concurrent must be an int >= 1, got {max_concurrent!r}")
-        if max_head_offpolicyness is not None and (not isinstance(max_head_offpolicyness, int)
-                                                   or max_head_offpolicyness < 0):
-            raise ValueError(f"max_head_offpolicyness must be None or an int >= 0, got {max_head_offpolicyness!r}")
+        if max_group_age is not None and (isinstance(max_group_age, bool) or not isinstance(max_group_age, int)
+                                          or max_group_age < 0):
+            raise ValueError(f"max_group_age must be None or an int >= 0, got {max_group_age!r}")
         if not poll_interval_s > 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s!r}")
         self.engine = engine
@@ -162,7 +162,7 @@ class RolloutController:
         self.staleness = staleness
         self.channel = channel
         self.max_concurrent = max_concurrent
-        self.max_head_offpolicyness = max_head_offpolicyness
+        self.max_group_age = max_group_age
         self.poll_interval_s = float(poll_interval_s)
         self._data_iter = iter(data_iter)
         self._version_fn = version_fn
@@ -411,8 +411,7 @@ class RolloutController:
             reason = check(group)
             if reason is not None:
                 return str(reason)
-        if self.max_head_offpolicyness is not None and is_too_stale(group, trainer_version,
-                                                                     self.max_head_offpolicyness):
+        if self.max_group_age is not None and is_too_stale(group, trainer_version, self.max_group_age):
             return "stale"
         return None
 

@@ -56,12 +56,12 @@ class RLConfig:
 
     steps: int = 20
     batch_size: int = 8
-    max_staleness: int = 4  # eta; 0 = synchronous
+    max_staleness: int = 4  # eta (AReaL's max_head_offpolicyness); 0 = synchronous
     max_concurrent: int = 32  # prompt groups in flight on the generator
     mode: Literal["async", "sync"] = "async"
     # Reject groups whose oldest token lags more than this behind the trainer when they finish;
-    # then no trained token lags more than max_staleness + max_head_offpolicyness versions.
-    max_head_offpolicyness: int | None = None
+    # then no trained token lags more than max_staleness + max_group_age versions. No AReaL twin.
+    max_group_age: int | None = None
     channel_capacity: int = 0  # 0: 4 x batch_size
     generation_dtype: str | None = None  # e.g. "bfloat16": cast on the way to the generator
     # Generation weights one reshard group moves (whole arrays): the training devices hold at most
@@ -71,14 +71,22 @@ class RLConfig:
     eval_max_new_tokens: int = 64
     dump_rollouts_every: int = 0  # write the step's trajectories to rollouts/step_N.jsonl every N steps
     batch_timeout_s: float = 600.0  # waiting longer than this for a batch is an error
+    # AReaL's name for eta, kept only to refuse it: a ported config must not set the age filter by mistake.
+    max_head_offpolicyness: int | None = None
 
     def __post_init__(self):
+        if self.max_head_offpolicyness is not None:
+            raise ValueError("RLConfig.max_head_offpolicyness is AReaL's name for eta: set RLConfig.max_staleness "
+                             "instead (the per-group age filter here is RLConfig.max_group_age)")
         for name in ("steps", "batch_size", "max_concurrent"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"RLConfig.{name} must be an int >= 1, got {value!r}")
         if not isinstance(self.max_staleness, int) or self.max_staleness < 0:
             raise ValueError(f"RLConfig.max_staleness must be an int >= 0, got {self.max_staleness!r}")
+        if self.max_group_age is not None and (isinstance(self.max_group_age, bool)
+                                               or not isinstance(self.max_group_age, int) or self.max_group_age < 0):
+            raise ValueError(f"RLConfig.max_group_age must be None or an int >= 0, got {self.max_group_age!r}")
         if self.mode not in ("async", "sync"):
             raise ValueError(f"RLConfig.mode must be 'async' or 'sync', got {self.mode!r}")
         if self.mode == "sync" and self.max_staleness != 0:
@@ -177,7 +185,7 @@ class RLLoop:
         self.controller = RolloutController(self.engine, wf, self.staleness, self.channel, data_iter,
                                             version_fn=lambda: self.version, tokenizer=tokenizer,
                                             reward_pool=reward_pool,
-                                            max_head_offpolicyness=rl.max_head_offpolicyness)
+                                            max_group_age=rl.max_group_age)
         self._last_applied = None
         self._reward_tally = (0, 0.0)  # (trajectories, reward sum) finished before the last step
 
