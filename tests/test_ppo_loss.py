@@ -16,34 +16,56 @@ from areal_jax.ppo import (
 )
 
 
-def reference_loss(logp, prox, behav, adv, mask, eps, eps_high=None, cap=None, denom=None):
-    """Straight-line NumPy float64 version of the decoupled objective, token by token."""
+def reference_loss(logp, prox, behav, adv, mask, eps, eps_high=None, cap=None, denom=None, *, c_clip=None,
+                   mode="mask", level="token", segment_ids=None):
+    """Straight-line NumPy float64 version of the decoupled objective with AReaL's options.
+
+    Order as in AReaL's ppo_actor_loss_fn: the cap first (mask mode narrows the mask the ratio
+    and the sum use; clamp mode bounds w), then the (sequence) ratio, clip, dual clip, weight.
+    """
     eps_high = eps if eps_high is None else eps_high
-    total, n_valid, n_clip, n_cap = 0.0, 0, 0, 0
-    w_sum, w_max, r_sum, kl_sum = 0.0, 0.0, 0.0, 0.0
-    for idx in np.ndindex(logp.shape):
-        if not mask[idx]:
-            continue
-        n_valid += 1
-        r = np.exp(logp[idx] - prox[idx])
-        w = np.exp(prox[idx] - behav[idx])
-        a = adv[idx]
+    w_raw = {idx: np.exp(prox[idx] - behav[idx]) for idx in np.ndindex(logp.shape) if mask[idx]}
+    kept = {idx for idx, w in w_raw.items() if cap is None or mode == "clamp" or w <= cap}
+    weight = {idx: (min(w, cap) if cap is not None and mode == "clamp" else w) for idx, w in w_raw.items()}
+    ratio, a_of = {}, {}
+    if level == "token":
+        for idx in w_raw:
+            ratio[idx], a_of[idx] = np.exp(logp[idx] - prox[idx]), adv[idx]
+    else:
+        def seq_of(idx):
+            return idx[0] if segment_ids is None else (idx[0], segment_ids[idx])
+        members = {}
+        for idx in w_raw:
+            members.setdefault(seq_of(idx), []).append(idx)
+        for toks in members.values():
+            k = [i for i in toks if i in kept]
+            lr = np.mean([logp[i] - prox[i] for i in k]) if k else 0.0
+            a = np.mean([adv[i] for i in k]) if k else 0.0
+            for i in toks:
+                ratio[i], a_of[i] = np.exp(lr), a
+    total, n_clip, n_dual, n_cap, r_sum, kl_sum = 0.0, 0, 0, 0, 0.0, 0.0
+    for idx in w_raw:
+        r, a = ratio[idx], a_of[idx]
         unclipped = -a * r
         clipped = -a * min(max(r, 1 - eps), 1 + eps_high)
         n_clip += clipped > unclipped
-        w_sum += w
-        w_max = max(w_max, w)
+        pg = max(unclipped, clipped)
+        if c_clip is not None:
+            n_dual += c_clip * abs(a) < pg
+            pg = min(pg, c_clip * abs(a))
         r_sum += r
-        kl_sum += r - 1 - np.log(r)
-        if cap is not None and w > cap:
-            n_cap += 1
-            continue
-        total += w * max(unclipped, clipped)
+        r_tok = np.exp(logp[idx] - prox[idx])
+        kl_sum += r_tok - 1 - np.log(r_tok)
+        n_cap += cap is not None and w_raw[idx] > cap
+        if idx in kept:
+            total += weight[idx] * pg
+    n_valid = len(w_raw)
     d = n_valid if denom is None else denom
     loss = total / d if d > 0 else 0.0
     stats = dict(
-        n_valid=n_valid, n_clipped=n_clip, n_capped=n_cap, imp_weight_sum=w_sum,
-        imp_weight_max=w_max, ratio_sum=r_sum, approx_kl_sum=kl_sum, loss_sum=total,
+        n_valid=n_valid, n_clipped=n_clip, n_dual_clipped=n_dual, n_capped=n_cap,
+        imp_weight_sum=sum(w_raw.values()), imp_weight_max=max(w_raw.values(), default=0.0), ratio_sum=r_sum,
+        approx_kl_sum=kl_sum, loss_sum=total,
     )
     return loss, stats
 
@@ -60,11 +82,13 @@ def random_batch(seed, shape=(4, 9), spread=0.4, mask_p=0.7):
 
 # Jitted once per hyperparameter set: eager dispatch of every op is slow on shared CPUs.
 jit_loss = jax.jit(
-    decoupled_ppo_loss, static_argnames=("eps_clip", "eps_clip_higher", "behav_imp_weight_cap")
-)
+    decoupled_ppo_loss, static_argnames=("eps_clip", "eps_clip_higher", "behav_imp_weight_cap", "c_clip",
+                                         "behav_imp_weight_mode", "importance_sampling_level"))
 
 
 def run(logp, prox, behav, adv, mask, **kw):
+    if kw.get("segment_ids") is not None:
+        kw["segment_ids"] = jnp.asarray(kw["segment_ids"])
     loss, stats = jit_loss(
         jnp.asarray(logp), jnp.asarray(prox), jnp.asarray(behav), jnp.asarray(adv),
         jnp.asarray(mask), **kw,
@@ -203,6 +227,169 @@ def test_zero_denominator_gives_zero_loss():
     mask[:] = False
     loss, _ = run(logp, prox, behav, adv, mask, denominator=0.0)
     assert loss == 0.0
+
+
+# --------------------------------------------------------------------------- AReaL's loss options
+
+
+def random_segments(seed, shape, mask):
+    """Packed-row segment ids [B, T]: contiguous runs 1..k per row, then padding (0, masked out)."""
+    rng = np.random.default_rng(seed + 100)
+    seg = np.zeros(shape, np.int32)
+    for r in range(shape[0]):
+        used = int(rng.integers(shape[1] // 2, shape[1] + 1))
+        cuts = np.sort(rng.choice(np.arange(1, used), size=min(2, used - 1), replace=False))
+        seg[r, :used] = 1 + np.searchsorted(cuts, np.arange(used), side="right")
+    mask = mask & (seg > 0)
+    return seg, mask
+
+
+OPTION_SETS = [
+    dict(eps_clip=0.2, c_clip=1.5),
+    dict(eps_clip=0.2, behav_imp_weight_cap=1.3, behav_imp_weight_mode="clamp"),
+    dict(eps_clip=0.2, eps_clip_higher=0.3, behav_imp_weight_cap=1.3, behav_imp_weight_mode="clamp", c_clip=1.3),
+    dict(eps_clip=0.2, importance_sampling_level="sequence"),
+    dict(eps_clip=0.1, importance_sampling_level="sequence", behav_imp_weight_cap=1.3, c_clip=1.2),
+    dict(eps_clip=0.1, importance_sampling_level="sequence", behav_imp_weight_cap=1.3,
+         behav_imp_weight_mode="clamp", packed=True),
+    dict(eps_clip=0.2, importance_sampling_level="sequence", behav_imp_weight_cap=1.3, packed=True),
+]
+
+
+def option_case(seed, opts, shape=(4, 9), spread=0.4):
+    opts = dict(opts)
+    logp, prox, behav, adv, mask = random_batch(seed, shape=shape, spread=spread)
+    seg = None
+    if opts.pop("packed", False):
+        seg, mask = random_segments(seed, shape, mask)
+    ref_kw = dict(c_clip=opts.get("c_clip"), mode=opts.get("behav_imp_weight_mode", "mask"),
+                  level=opts.get("importance_sampling_level", "token"), segment_ids=seg)
+    return (logp, prox, behav, adv, mask), seg, opts, ref_kw
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("opts", OPTION_SETS)
+def test_loss_options_match_numpy_reference(seed, opts):
+    batch, seg, kw, ref_kw = option_case(seed, opts)
+    loss, stats = run(*batch, segment_ids=seg, **kw)
+    ref_loss, ref_stats = reference_loss(*batch, kw["eps_clip"], kw.get("eps_clip_higher"),
+                                         kw.get("behav_imp_weight_cap"), **ref_kw)
+    np.testing.assert_allclose(loss, ref_loss, rtol=2e-5, atol=1e-6)
+    assert_stats_close(stats, ref_stats)
+    if "c_clip" in kw and kw.get("importance_sampling_level", "token") == "token":
+        assert stats["n_dual_clipped"] > 0  # the dual clip binds on some tokens
+    if "behav_imp_weight_cap" in kw:
+        assert stats["n_capped"] > 0
+
+
+@pytest.mark.parametrize("opts", OPTION_SETS)
+def test_loss_options_gradient_matches_numpy_reference(opts):
+    # Central differences of the NumPy reference itself, against jax.grad in float64.
+    with jax.enable_x64(True):
+        batch, seg, kw, ref_kw = option_case(21, opts, shape=(3, 7), spread=0.3)
+        logp, prox, behav, adv, mask = batch
+
+        @jax.jit
+        def loss_fn(lp):
+            return decoupled_ppo_loss(lp, prox, behav, adv, mask, segment_ids=None if seg is None
+                                      else jnp.asarray(seg), **kw)[0]
+
+        grad = np.asarray(jax.grad(loss_fn)(jnp.asarray(logp, jnp.float64)))
+        h = 1e-6
+        fd = np.zeros_like(logp)
+        for idx in np.ndindex(logp.shape):
+            e = np.zeros_like(logp)
+            e[idx] = h
+            hi = reference_loss(logp + e, prox, behav, adv, mask, kw["eps_clip"], kw.get("eps_clip_higher"),
+                                kw.get("behav_imp_weight_cap"), **ref_kw)[0]
+            lo = reference_loss(logp - e, prox, behav, adv, mask, kw["eps_clip"], kw.get("eps_clip_higher"),
+                                kw.get("behav_imp_weight_cap"), **ref_kw)[0]
+            fd[idx] = (hi - lo) / (2 * h)
+        np.testing.assert_allclose(grad, fd, rtol=1e-6, atol=1e-9)
+        assert np.any(grad != 0)
+
+
+def test_dual_clip_hand_case():
+    # A = -1, r = 4: PPO's loss max(4, 0.8 -> clip(4) = 1.2) = 4, dual clip bounds it at c = 3.
+    # A = +1, r = 4: loss max(-4, -1.2) = -1.2 < 0, the dual clip never binds a positive advantage.
+    logp = np.log(np.array([[4.0, 4.0]]))
+    zeros = np.zeros((1, 2))
+    adv = np.array([[-1.0, 1.0]])
+    mask = np.ones((1, 2), bool)
+    loss, stats = run(logp, zeros, zeros, adv, mask, c_clip=3.0)
+    assert loss == pytest.approx((3.0 - 1.2) / 2, rel=1e-6)
+    assert stats["n_dual_clipped"] == 1
+    grad = jax.grad(lambda x: decoupled_ppo_loss(x, zeros, zeros, adv, mask, c_clip=3.0)[0])(jnp.asarray(logp))
+    np.testing.assert_array_equal(np.asarray(grad), 0.0)  # both tokens sit on a constant branch
+
+
+def test_clamp_mode_bounds_the_weight_hand_case():
+    # r = 1, A = 1, w = (1, e): mask mode drops token 1, clamp mode weighs it by the cap 2.
+    logp = np.array([[-1.0, -2.0]])
+    behav = np.array([[-1.0, -3.0]])
+    adv = np.ones((1, 2))
+    mask = np.ones((1, 2), bool)
+    masked, _ = run(logp, logp, behav, adv, mask, behav_imp_weight_cap=2.0)
+    clamped, stats = run(logp, logp, behav, adv, mask, behav_imp_weight_cap=2.0, behav_imp_weight_mode="clamp")
+    assert masked == pytest.approx(-1.0 / 2)
+    assert clamped == pytest.approx(-(1.0 + 2.0) / 2)
+    assert stats["n_capped"] == 1 and stats["imp_weight_max"] == pytest.approx(np.e, rel=1e-6)
+
+
+def test_sequence_level_hand_case_and_mask_narrowing():
+    # One row, three tokens, log-ratios (0.1, 0.3, 2.0), A = (1, 3, 5). Sequence level: every token
+    # takes r = exp(mean log-ratio) and the mean advantage. Capping token 2 (w = e > 2) in mask
+    # mode removes it from both means; clamp mode keeps it in them and weighs it by 2.
+    logp = np.array([[0.1, 0.3, 2.0]])
+    prox = np.zeros((1, 3))
+    behav = np.array([[0.0, 0.0, -1.0]])
+    adv = np.array([[1.0, 3.0, 5.0]])
+    mask = np.ones((1, 3), bool)
+    kw = dict(eps_clip=0.5, eps_clip_higher=10.0, importance_sampling_level="sequence")
+    loss, _ = run(logp, prox, behav, adv, mask, **kw)
+    r, a = np.exp(0.8), 3.0
+    assert loss == pytest.approx(-(a * r) * (1 + 1 + np.e) / 3, rel=1e-6)
+    loss, _ = run(logp, prox, behav, adv, mask, behav_imp_weight_cap=2.0, **kw)
+    r, a = np.exp(0.2), 2.0
+    assert loss == pytest.approx(-(a * r) * 2 / 3, rel=1e-6)  # 2 kept tokens over 3 valid
+    loss, _ = run(logp, prox, behav, adv, mask, behav_imp_weight_cap=2.0, behav_imp_weight_mode="clamp", **kw)
+    r, a = np.exp(0.8), 3.0
+    assert loss == pytest.approx(-(a * r) * (1 + 1 + 2) / 3, rel=1e-6)
+
+
+def test_sequence_level_packed_segments_equal_one_sequence_per_row():
+    # Two sequences packed in one row give the loss and gradients of the same two as rows.
+    batch = random_batch(13, shape=(2, 5))
+    logp, prox, behav, adv, mask = batch
+    packed = [np.concatenate([x[0], x[1]])[None] for x in batch]
+    seg = np.array([[1] * 5 + [2] * 5])
+    kw = dict(eps_clip=0.2, importance_sampling_level="sequence", behav_imp_weight_cap=1.3)
+
+    def grads(args, segment_ids):
+        f = lambda lp: decoupled_ppo_loss(lp, *args[1:], segment_ids=segment_ids, **kw)[0]  # noqa: E731
+        return jax.value_and_grad(f)(jnp.asarray(args[0], jnp.float32))
+
+    rows_loss, rows_grad = grads(batch, None)
+    packed_loss, packed_grad = grads(packed, jnp.asarray(seg))
+    np.testing.assert_allclose(packed_loss, rows_loss, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(packed_grad).reshape(2, 5), rows_grad, rtol=1e-5, atol=1e-8)
+    # Without segment ids the packed row would be one sequence: a different loss.
+    one_seq, _ = grads(packed, None)
+    assert abs(float(one_seq) - float(rows_loss)) > 1e-4
+
+
+def test_loss_option_errors():
+    batch = [jnp.asarray(x) for x in random_batch(0)]
+    with pytest.raises(ValueError, match="c_clip"):
+        decoupled_ppo_loss(*batch, c_clip=1.0)
+    with pytest.raises(ValueError, match="behav_imp_weight_mode"):
+        decoupled_ppo_loss(*batch, behav_imp_weight_mode="truncate")
+    with pytest.raises(ValueError, match="importance_sampling_level"):
+        decoupled_ppo_loss(*batch, importance_sampling_level="group")
+    with pytest.raises(ValueError, match="needs \\[B, T\\]"):
+        decoupled_ppo_loss(*(x.reshape(-1) for x in batch), importance_sampling_level="sequence")
+    with pytest.raises(ValueError, match="segment_ids"):
+        decoupled_ppo_loss(*batch, segment_ids=jnp.zeros((4, 8), jnp.int32))
 
 
 # --------------------------------------------------------------------------- gradients

@@ -12,6 +12,14 @@ Three policies meet in the decoupled objective:
 Per token, with r = pi_theta / pi_prox and w = stop_grad(pi_prox / pi_behav):
     loss_t = w * max(-A * r, -A * clip(r, 1 - eps, 1 + eps_high))
 Naive PPO (the paper's ablation) is the same call with proximal = behavior, so w = 1.
+
+AReaL's loss options (areal/utils/functional/functional.py, `ppo_actor_loss_fn` with its
+token-level rejection sampling on the ratio pi_prox / pi_behav) are keyword arguments whose
+defaults reproduce the plain objective above: the dual clip `c_clip`, what the cap does to a
+token (`behav_imp_weight_mode`) and GSPO's sequence-level ratio (`importance_sampling_level`).
+The order is AReaL's: the behaviour-weight filter first (in "mask" mode it narrows the mask the
+ratio and the sum use), then the ratio, the clip, the dual clip, the weight, and the sum over the
+original valid-token count.
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ from areal_jax.ppo.kl import kl_estimate
 
 # Stats whose cross-micro-batch combination is a max; every other stat is a sum.
 _MAX_STATS = ("imp_weight_max",)
+BEHAV_IMP_WEIGHT_MODES = ("mask", "clamp")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 
 def token_logprobs(logits: jax.Array, targets: jax.Array, temperature: float = 1.0) -> jax.Array:
@@ -68,8 +78,15 @@ def decoupled_ppo_loss(
     eps_clip_higher: float | None = None,
     behav_imp_weight_cap: float | None = None,
     denominator: jax.Array | float | None = None,
+    c_clip: float | None = None,
+    behav_imp_weight_mode: str = "mask",
+    importance_sampling_level: str = "token",
+    segment_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Token-mean decoupled PPO loss and summable statistics.
+
+    Mirrors AReaL's `ppo_actor_loss_fn` (areal/utils/functional/functional.py) with a
+    token-level ratio filter (`metric="ratio"`, `upper=behav_imp_weight_cap`).
 
     Args:
         logprobs: [B, T] log pi_theta of the sampled tokens (differentiated).
@@ -79,21 +96,32 @@ def decoupled_ppo_loss(
         loss_mask: [B, T] bool/0-1, True on tokens that are trained (generated tokens).
         eps_clip: lower clip range, r >= 1 - eps_clip; in (0, 1).
         eps_clip_higher: upper clip range (DAPO's clip-higher); defaults to eps_clip.
-        behav_imp_weight_cap: tokens with w > cap are dropped from the numerator (not
-            clipped) but still count in the denominator. None disables.
+        behav_imp_weight_cap: bound on w = pi_prox / pi_behav; None: w is used as is.
         denominator: valid-token count to divide by. Pass the count of the whole
             minibatch when it is split into micro-batches, so that the micro-batch losses
-            (and gradients) sum to the minibatch token-mean. Default: loss_mask.sum().
-            A zero denominator yields loss 0.
+            (and gradients) sum to the minibatch token-mean. Default: loss_mask.sum() (the
+            mask before any capping). A zero denominator yields loss 0.
+        c_clip: dual clip (> 1): a token's loss is at most c_clip * |A|, which bounds the
+            loss of negative-advantage tokens whose ratio grew large. None disables.
+        behav_imp_weight_mode: what the cap does to a token with w > cap. "mask": the token
+            leaves the mask the ratio and the sum use (it still counts in the denominator);
+            "clamp": its weight becomes the cap.
+        importance_sampling_level: "token" (PPO) or "sequence" (GSPO): every token of a
+            sequence takes the ratio exp(mean log(pi_theta / pi_prox)) and the advantage
+            mean over the sequence's (filtered) valid tokens.
+        segment_ids: [B, T] ints of packed rows (0 = padding, 1..k = the row's sequences);
+            with "sequence", a sequence is a (row, segment) pair. None: a sequence is a row.
     Returns:
         loss: scalar in the promoted dtype of logprobs and float32 (float32 for bf16).
         stats: scalars of the same dtype, sums over this call's valid tokens so they add up across
             micro-batches (combine with accumulate_loss_stats, read with
-            summarize_loss_stats): n_valid, n_clipped (clipped branch active), n_capped,
-            imp_weight_sum / imp_weight_max (w over valid tokens), ratio_sum,
-            approx_kl_sum (k3 estimate of KL(pi_prox || pi_theta)), loss_sum.
+            summarize_loss_stats): n_valid, n_clipped (clipped branch active), n_dual_clipped,
+            n_capped (w > cap: masked or clamped), imp_weight_sum / imp_weight_max (w before
+            the cap, over valid tokens), ratio_sum, approx_kl_sum (k3 estimate of
+            KL(pi_prox || pi_theta) per token), loss_sum.
     """
     _check_clip_args(eps_clip, eps_clip_higher, behav_imp_weight_cap)
+    _check_loss_options(c_clip, behav_imp_weight_mode, importance_sampling_level)
     shapes = {
         "logprobs": logprobs.shape,
         "proximal_logprobs": proximal_logprobs.shape,
@@ -101,9 +129,13 @@ def decoupled_ppo_loss(
         "advantages": advantages.shape,
         "loss_mask": loss_mask.shape,
     }
+    if segment_ids is not None:
+        shapes["segment_ids"] = segment_ids.shape
     for name, shape in shapes.items():
         if shape != logprobs.shape:
             raise ValueError(f"{name} has shape {shape}, expected {logprobs.shape} like logprobs")
+    if importance_sampling_level == "sequence" and logprobs.ndim != 2:
+        raise ValueError(f"importance_sampling_level='sequence' needs [B, T] inputs, got shape {logprobs.shape}")
     eps_high = eps_clip if eps_clip_higher is None else eps_clip_higher
 
     # At least float32 (bf16 log-probs are too coarse for exp of differences); float64
@@ -116,22 +148,34 @@ def decoupled_ppo_loss(
     behav = jax.lax.stop_gradient(behavior_logprobs.astype(dtype))
     adv = jax.lax.stop_gradient(advantages.astype(dtype))
 
-    # Padding may hold -inf or garbage log-probs: neutralize before exp so that neither
-    # values nor gradients see them.
-    log_ratio = jnp.where(mask, logp - prox, 0.0)
+    # The behaviour-weight filter comes first. Padding may hold -inf or garbage log-probs:
+    # neutralize before exp so that neither values nor gradients see them.
+    raw_weight = jnp.exp(jnp.where(mask, prox - behav, 0.0))  # [B, T], constant
+    if behav_imp_weight_cap is None:
+        kept, imp_weight = mask, raw_weight
+    elif behav_imp_weight_mode == "mask":
+        kept, imp_weight = mask & (raw_weight <= behav_imp_weight_cap), raw_weight
+    else:  # clamp
+        kept, imp_weight = mask, jnp.minimum(raw_weight, behav_imp_weight_cap)
+    capped = mask & (raw_weight > behav_imp_weight_cap) if behav_imp_weight_cap is not None else mask & False
+
+    if importance_sampling_level == "sequence":  # means over the filtered mask
+        log_ratio = _sequence_mean(jnp.where(kept, logp - prox, 0.0), kept, segment_ids)  # [B, T]
+        adv = _sequence_mean(jnp.where(kept, adv, 0.0), kept, segment_ids)
+    else:  # a masked-out token's own ratio never reaches the sum; the stats still see it
+        log_ratio = jnp.where(mask, logp - prox, 0.0)  # [B, T]
     ratio = jnp.exp(log_ratio)  # [B, T]
-    imp_weight = jnp.exp(jnp.where(mask, prox - behav, 0.0))  # [B, T], constant
 
     surrogate = -adv * ratio
     clipped_surrogate = -adv * jnp.clip(ratio, 1.0 - eps_clip, 1.0 + eps_high)
     pg_loss = jnp.maximum(surrogate, clipped_surrogate)  # [B, T]
     clipped = mask & (clipped_surrogate > surrogate)
-
-    if behav_imp_weight_cap is None:
-        kept = mask
+    if c_clip is None:
+        dual_clipped = mask & False
     else:
-        kept = mask & (imp_weight <= behav_imp_weight_cap)
-    capped = mask & ~kept
+        bound = c_clip * jnp.abs(adv)  # only binds where A < 0: otherwise pg_loss <= 0 < bound
+        dual_clipped = mask & (bound < pg_loss)
+        pg_loss = jnp.minimum(pg_loss, bound)
 
     per_token = jnp.where(kept, imp_weight * pg_loss, 0.0)
     loss_sum = jnp.sum(per_token)
@@ -144,14 +188,34 @@ def decoupled_ppo_loss(
     stats = {
         "n_valid": n_valid,
         "n_clipped": jnp.sum(clipped.astype(dtype)),
+        "n_dual_clipped": jnp.sum(dual_clipped.astype(dtype)),
         "n_capped": jnp.sum(capped.astype(dtype)),
-        "imp_weight_sum": jnp.sum(imp_weight * valid),
-        "imp_weight_max": jnp.max(jnp.where(mask, imp_weight, 0.0), initial=0.0),
+        "imp_weight_sum": jnp.sum(raw_weight * valid),
+        "imp_weight_max": jnp.max(jnp.where(mask, raw_weight, 0.0), initial=0.0),
         "ratio_sum": sg(jnp.sum(ratio * valid)),
         "approx_kl_sum": jnp.sum(jnp.where(mask, approx_kl, 0.0)),
         "loss_sum": sg(loss_sum),
     }
     return loss, stats
+
+
+def _sequence_mean(x: jax.Array, mask: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+    """[B, T] -> [B, T]: each token gets the mean of x over its sequence's masked tokens.
+
+    x must already be zero off the mask. A sequence is a row (segment_ids None) or a
+    (row, segment) pair of a packed row; a sequence with no masked token gets 0.
+    """
+    count = mask.astype(x.dtype)
+    if segment_ids is None:
+        total = jnp.sum(x, axis=-1, keepdims=True)  # [B, 1]
+        n = jnp.sum(count, axis=-1, keepdims=True)
+        return jnp.broadcast_to(total / jnp.maximum(n, 1.0), x.shape)
+    b, t = x.shape
+    # One id per (row, segment): a row holds at most T segments (ids 0..T).
+    ids = (jnp.arange(b, dtype=jnp.int32)[:, None] * (t + 1) + segment_ids.astype(jnp.int32)).reshape(-1)
+    total = jax.ops.segment_sum(x.reshape(-1), ids, num_segments=b * (t + 1))
+    n = jax.ops.segment_sum(count.reshape(-1), ids, num_segments=b * (t + 1))
+    return (total / jnp.maximum(n, 1.0))[ids].reshape(b, t)
 
 
 def accumulate_loss_stats(
@@ -175,6 +239,7 @@ def summarize_loss_stats(stats: dict[str, jax.Array]) -> dict[str, float]:
     return {
         "n_valid_tokens": n,
         "clip_frac": float(stats["n_clipped"]) / per_token,
+        "dual_clip_frac": float(stats["n_dual_clipped"]) / per_token,
         "capped_frac": float(stats["n_capped"]) / per_token,
         "imp_weight_mean": float(stats["imp_weight_sum"]) / per_token,
         "imp_weight_max": float(stats["imp_weight_max"]),
@@ -198,3 +263,12 @@ def _check_clip_args(eps_clip, eps_clip_higher, cap) -> None:
         raise ValueError(f"eps_clip_higher must be > 0, got {eps_clip_higher}")
     if isinstance(cap, (int, float)) and not cap > 0.0:
         raise ValueError(f"behav_imp_weight_cap must be > 0, got {cap}")
+
+
+def _check_loss_options(c_clip, mode, level) -> None:
+    if isinstance(c_clip, (int, float)) and not c_clip > 1.0:
+        raise ValueError(f"c_clip must be > 1 or None, got {c_clip}")
+    if mode not in BEHAV_IMP_WEIGHT_MODES:
+        raise ValueError(f"behav_imp_weight_mode must be one of {BEHAV_IMP_WEIGHT_MODES}, got {mode!r}")
+    if level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, got {level!r}")
