@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
@@ -172,7 +173,9 @@ class RLLoop:
         self.channel = TrajectoryChannel(rl.channel_capacity or 4 * local_batch)
         self.workflow_config = workflow if isinstance(workflow, RLVRConfig) else None
         wf = RLVRWorkflow(workflow) if isinstance(workflow, RLVRConfig) else workflow
-        self.data_iter = data_iter
+        # The controller thread reads rows while the trainer thread snapshots the position for a
+        # checkpoint: a lock keeps a snapshot from landing halfway through a read.
+        self.data_iter = _LockedIterator(data_iter) if hasattr(data_iter, "get_state") else data_iter
         self.checkpointer = checkpointer
         self.checkpoint_extra = checkpoint_extra
         self.on_rollouts = on_rollouts
@@ -180,9 +183,11 @@ class RLLoop:
         self.trained_tokens = 0.0  # over the whole run, resumes included
         self._run_tokens = 0.0  # by this process since it started
         self.resumed_meta: dict[str, Any] | None = None
+        self.resume_report: dict[str, int] | None = None  # after a resume: step, lost groups, capacity
+        self._pending_save: dict[str, Any] | None = None  # a due checkpoint, saved once the step is logged
         if resume and checkpointer is not None and checkpointer.latest_step() is not None:
             self._restore()
-        self.controller = RolloutController(self.engine, wf, self.staleness, self.channel, data_iter,
+        self.controller = RolloutController(self.engine, wf, self.staleness, self.channel, self.data_iter,
                                             version_fn=lambda: self.version, tokenizer=tokenizer,
                                             reward_pool=reward_pool,
                                             max_group_age=rl.max_group_age)
@@ -215,6 +220,9 @@ class RLLoop:
                 history.append(metrics)
                 if self.on_step is not None:
                     self.on_step(step, metrics)
+                # After the step's records, so a checkpoint never holds a step its records lack (a
+                # resumed run drops records past its checkpoint: each step is recorded once).
+                self._save_pending()
             if self._last_applied is not None:  # leave the generator serving the final weights
                 self._last_applied.result(timeout=self.rl.batch_timeout_s)
         finally:
@@ -266,9 +274,10 @@ class RLLoop:
         self.version += 1
         self.trained_tokens += float(train.get("trained_tokens", 0.0))
         self._run_tokens += float(train.get("trained_tokens", 0.0))
-        # Saved before the new weights reach the generator: in "sync" mode nothing is in flight
-        # or queued here, so the data position is exactly what the trained steps consumed.
-        self._maybe_checkpoint(step)
+        # The resume point is taken before the new weights reach the generator: in "sync" mode
+        # nothing is in flight or queued here, so the data position is exactly what the trained
+        # steps consumed. It is written once the step is recorded (run).
+        self._pending_save = self._resume_point(step)
         t0 = time.perf_counter()
         generation_params = self.weight_sync.transfer(self.trainer.params)
         applied = self._last_applied = self.engine.update_weights(generation_params, self.version)
@@ -333,20 +342,28 @@ class RLLoop:
 
     # ---- checkpoints --------------------------------------------------------------------------
 
-    def _maybe_checkpoint(self, step: int) -> None:
+    def _resume_point(self, step: int) -> dict[str, Any] | None:
+        """What a checkpoint after `step` records of the loop, taken now if one is due (else None)."""
         ckpt = self.checkpointer
         if ckpt is None:
-            return
+            return None
         last = step == self.rl.steps - 1
-        if not (last or ckpt.should_save(step + 1)):
-            return
+        if not (last or ckpt.should_save(step + 1)):  # a collective with a time trigger: decided here
+            return None
         meta = {"step": step, "version": self.version, "staleness": self.staleness.state_dict(),
-                "engine_seed": self.engine.config.seed,
-                "trained_tokens": self.trained_tokens}
+                "engine_seed": self.engine.config.seed, "trained_tokens": self.trained_tokens}
+        data = _FrozenPosition(self.data_iter.get_state()) if hasattr(self.data_iter, "get_state") else None
+        return {"step": step, "meta": meta, "data": data}
+
+    def _save_pending(self) -> None:
+        """Writes the checkpoint `_resume_point` prepared (the trainer's state has not moved since)."""
+        point, self._pending_save = self._pending_save, None
+        if point is None:
+            return
+        ckpt, step, meta = self.checkpointer, point["step"], point["meta"]
         if self.checkpoint_extra is not None:
             meta["extra"] = self.checkpoint_extra()
-        ckpt.save(step + 1, state=self.trainer.state_dict(), meta=meta,
-                  data_iterator=self.data_iter if hasattr(self.data_iter, "get_state") else None, force=True)
+        ckpt.save(step + 1, state=self.trainer.state_dict(), meta=meta, data_iterator=point["data"], force=True)
         if ckpt.should_export_hf(step + 1):
             ckpt.export_hf(self.trainer.params, self.model_config, step + 1)
 
@@ -359,13 +376,17 @@ class RLLoop:
                                    data_iterator=self.data_iter if hasattr(self.data_iter, "get_state") else None)
         self.trainer.load_state_dict(state)
         self.version = int(meta["version"])
-        self.staleness.load_state_dict(meta["staleness"])
+        # Only the trained groups count: those queued or generating at the save died with it.
+        lost = self.staleness.resume_at(self.version, meta["staleness"])
         self.first_step = int(meta["step"]) + 1
         self.resumed_meta = meta
         self.trained_tokens = float(meta.get("trained_tokens", 0.0))
+        self.resume_report = {"step": self.first_step, "version": self.version, "lost_groups": lost,
+                              "capacity": self.staleness.capacity(self.version)}
         # The generator starts on the restored weights, as the restored version.
         self.engine.update_weights(self.weight_sync.transfer(self.trainer.params), self.version)
-        logger.info("resumed at step %d, version %d", self.first_step, self.version)
+        logger.info("resumed at step %d, version %d: %d groups queued or in flight at the save were lost, "
+                    "admission capacity %d", self.first_step, self.version, lost, self.resume_report["capacity"])
 
     # ---- evaluation ---------------------------------------------------------------------------
 
@@ -385,6 +406,41 @@ class RLLoop:
         if jax.process_count() > 1:  # each host evaluates its own shard of the held-out rows
             correct, total = agree_sum(int(correct)), agree_sum(total)
         return correct / max(total, 1)
+
+
+class _LockedIterator:
+    """A checkpointable iterator whose reads and position snapshots exclude each other."""
+
+    def __init__(self, inner: Any):
+        self._inner, self._lock = inner, threading.Lock()
+
+    def __iter__(self) -> _LockedIterator:
+        return self
+
+    def __next__(self) -> Any:
+        with self._lock:
+            return next(self._inner)
+
+    def get_state(self) -> Any:
+        with self._lock:
+            return self._inner.get_state()
+
+    def set_state(self, state: Any) -> None:
+        with self._lock:
+            self._inner.set_state(state)
+
+    def __getattr__(self, name: str) -> Any:  # e.g. start_prefetch, which a restore calls
+        return getattr(self._inner, name)
+
+
+class _FrozenPosition:
+    """A data position read earlier, handed to the checkpointer in place of the live iterator."""
+
+    def __init__(self, state: Any):
+        self._state = state
+
+    def get_state(self) -> Any:
+        return self._state
 
 
 def _delete_unless_held(given: Params, held: Params) -> None:
