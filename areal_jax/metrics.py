@@ -1,10 +1,16 @@
-"""Training observability: JSONL metrics, TensorBoard scalars, a console progress line, rollout dumps.
+"""Training observability: JSONL metrics, TensorBoard scalars, Weights & Biases (optional), a console
+progress line, rollout dumps.
 
 Layout under `run_dir`:
 
     metrics.jsonl           one object per `log` call: {"step", "wall_time", "metrics": {...nested}}
     tensorboard/            event files (scalars tagged by the "/"-joined nested key)
+    wandb/, wandb_run_id    W&B's local run files and the run's id (a resumed run continues it),
+                            when MetricsConfig.wandb_mode is not "disabled"
     rollouts/step_<N>.jsonl one object per record, written by `dump_rollouts`
+
+Every sink records a `log` call under the same step index: the JSONL "step", TensorBoard's step
+and W&B's "step" field (W&B charts are drawn against it; its own `_step` only counts calls).
 
 JSON has no NaN or infinity; non-finite floats are written as the strings "NaN", "Infinity"
 and "-Infinity" everywhere in these files (`read_jsonl` turns them back into floats).
@@ -16,14 +22,18 @@ rewritten whole at each step, and TensorBoard writes through fsspec as well.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+import secrets
 import sys
 import time
-from typing import Any, Mapping
+from collections.abc import Iterable
+from typing import Any, Literal, Mapping
 
 from areal_jax import paths
+
 
 Number = int | float
 Metrics = Mapping[str, Any]  # values: numbers (incl. NumPy/JAX scalars) or nested Metrics
@@ -36,6 +46,71 @@ PROGRESS_FIELDS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("staleness", ("staleness/mean", "staleness"), "{:.2f}"),
     ("tok/s", ("throughput/tokens_per_s", "tokens_per_s"), "{:,.0f}"),
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsConfig:
+    """Where a run's metrics go besides metrics.jsonl (always written).
+
+    tensorboard: event files under run_dir/tensorboard.
+    wandb_mode: "disabled" (default), "offline" (W&B's run files under run_dir/wandb, no network;
+        `wandb sync` uploads them later) or "online". Needs the `wandb` package: the `[wandb]` extra.
+    wandb_project / wandb_entity / wandb_run_name / wandb_tags: the W&B run's project, team or user
+        (None: W&B's default), name (None: the run directory's name) and tags.
+    """
+
+    tensorboard: bool = True
+    wandb_mode: Literal["disabled", "offline", "online"] = "disabled"
+    wandb_project: str = "areal-jax"
+    wandb_entity: str | None = None
+    wandb_run_name: str | None = None
+    wandb_tags: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.wandb_mode not in ("disabled", "offline", "online"):
+            raise ValueError(f"MetricsConfig.wandb_mode must be 'disabled', 'offline' or 'online', "
+                             f"got {self.wandb_mode!r}")
+        for name in ("wandb_project", "wandb_entity", "wandb_run_name"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"MetricsConfig.{name} must be a non-empty string, got {value!r}")
+        if self.wandb_project is None:
+            raise ValueError("MetricsConfig.wandb_project must be a non-empty string, got None")
+        object.__setattr__(self, "wandb_tags", tuple(self.wandb_tags))
+        for tag in self.wandb_tags:
+            # W&B refuses tags outside 1..64 characters when the run starts; say so before any work.
+            if not isinstance(tag, str) or not 0 < len(tag) <= 64:
+                raise ValueError(f"MetricsConfig.wandb_tags: each tag must be a string of 1 to 64 characters, "
+                                 f"got {tag!r}")
+
+    @property
+    def wandb(self) -> bool:
+        return self.wandb_mode != "disabled"
+
+
+def batch_metrics(trajectories: Iterable[Any]) -> dict[str, float]:
+    """Per-step statistics of the trajectories a step trains on.
+
+    reward/mean, reward/std (population std over trajectories), reward/accuracy (reward >= 1);
+    completion/mean_length and max_length count the tokens the model generated (a multi-turn
+    trajectory's feedback tokens excluded: `generated_tokens`); completion/truncated_frac is the
+    fraction that ended without a stop token (stop_reason "length": cut at the token budget).
+    """
+    trajs = list(trajectories)
+    if not trajs:
+        raise ValueError("batch_metrics needs at least one trajectory")
+    rewards = [float(t.reward) for t in trajs]
+    lengths = [int(t.generated_tokens) for t in trajs]
+    n = len(trajs)
+    mean = math.fsum(rewards) / n
+    return {
+        "reward/mean": mean,
+        "reward/std": math.sqrt(math.fsum((r - mean) ** 2 for r in rewards) / n),
+        "reward/accuracy": sum(r >= 1.0 for r in rewards) / n,
+        "completion/mean_length": sum(lengths) / n,
+        "completion/max_length": max(lengths),
+        "completion/truncated_frac": sum(t.stop_reason == "length" for t in trajs) / n,
+    }
 
 
 def _encode_float(x: float) -> float | str:
@@ -138,6 +213,17 @@ def format_progress(step: int, metrics: Metrics) -> str:
     return " | ".join(parts)
 
 
+def console_line(text: str) -> None:
+    """Prints `text` as one whole line on stdout. Any tqdm bar on the terminal (stdout or stderr) is
+    cleared first and redrawn after, and stdout is flushed inside that window: printed plainly, the
+    line would land after a bar's partial redraw, in the middle of the bar's line."""
+    from tqdm import tqdm
+
+    with tqdm.external_write_mode(file=sys.stdout):
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+
+
 class _TensorBoardScalars:
     """Scalar summaries through tensorboard's event writer and protos (no TensorFlow needed)."""
 
@@ -188,11 +274,48 @@ class _JsonlAppender:
             self._file.close()
 
 
+class _WandbRun:
+    """One W&B run per run directory: its id is kept in run_dir/wandb_run_id, so a resumed run (or a
+    later stage of the same job) continues the same W&B run instead of starting another."""
+
+    def __init__(self, cfg: MetricsConfig, run_dir: Any, config: Mapping[str, Any] | None):
+        try:
+            import wandb
+        except ImportError:
+            raise ImportError(f"MetricsConfig.wandb_mode = {cfg.wandb_mode!r} needs the `wandb` package: "
+                              "pip install 'areal-jax[wandb]' (or set MetricsConfig.wandb_mode = 'disabled')") from None
+        id_file = run_dir / "wandb_run_id"
+        run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(6)
+        id_file.write_text(run_id + "\n")
+        local = "://" not in str(run_dir)  # W&B writes its files locally: a remote run directory's go to ./wandb
+        self._run = wandb.init(
+            project=cfg.wandb_project, entity=cfg.wandb_entity, name=cfg.wandb_run_name or run_dir.name,
+            tags=list(cfg.wandb_tags), mode=cfg.wandb_mode, dir=str(run_dir) if local else None, id=run_id, resume="allow",
+            config=to_jsonable(dict(config or {})),
+            # W&B's console capture would copy every line the job prints into its files.
+            settings=wandb.Settings(console="off"))
+        # Charts use the "step" field (the JSONL/TensorBoard step) as the x axis.
+        self._run.define_metric("step")
+        self._run.define_metric("*", step_metric="step")
+
+    def write(self, step: int, flat: Mapping[str, Number]) -> None:
+        self._run.log({**flat, "step": step})
+
+    def close(self) -> None:
+        self._run.finish()
+
+
 class MetricsLogger:
-    """Writes each step's metrics to JSONL and TensorBoard and prints a progress line."""
+    """Writes each step's metrics to JSONL, TensorBoard and W&B and prints a progress line.
+
+    `wandb`: a MetricsConfig whose wandb_mode is not "disabled" starts (or continues) the run
+    directory's W&B run; `wandb_config` is recorded as that run's config. The progress line is
+    printed through tqdm, so it never lands inside a progress bar being drawn on the terminal.
+    """
 
     def __init__(self, run_dir: str | os.PathLike, *, tensorboard: bool = True, jsonl: bool = True,
-                 console: bool = True):
+                 console: bool = True, wandb: MetricsConfig | None = None,
+                 wandb_config: Mapping[str, Any] | None = None):
         self.run_dir = paths.as_path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.console = console
@@ -200,6 +323,12 @@ class MetricsLogger:
         self._jsonl = _JsonlAppender(self.run_dir / "metrics.jsonl") if jsonl else None
         self._tensorboard = _TensorBoardScalars(self.run_dir / "tensorboard") if tensorboard else None
         self._closed = False
+        self._wandb = None
+        try:
+            self._wandb = _WandbRun(wandb, self.run_dir, wandb_config) if wandb is not None and wandb.wandb else None
+        except BaseException:
+            self.close()
+            raise
 
     def log(self, step: int, metrics: Metrics, wall_time: float | None = None) -> None:
         """Records `metrics` (numbers or nested dicts of numbers) for `step`."""
@@ -212,10 +341,14 @@ class MetricsLogger:
         if self._jsonl is not None:
             record = {"step": step, "wall_time": wall_time, "metrics": to_jsonable(nested)}
             self._jsonl.append(json.dumps(record, allow_nan=False) + "\n")
-        if self._tensorboard is not None:
-            self._tensorboard.write(step, wall_time, flatten_metrics(nested))
+        if self._tensorboard is not None or self._wandb is not None:
+            flat = flatten_metrics(nested)
+            if self._tensorboard is not None:
+                self._tensorboard.write(step, wall_time, flat)
+            if self._wandb is not None:
+                self._wandb.write(step, flat)
         if self.console:
-            print(format_progress(step, nested), file=sys.stdout, flush=True)
+            console_line(format_progress(step, nested))
 
     def dump_rollouts(self, step: int, records: list[Mapping[str, Any]]) -> paths.Path:
         """Writes `records` (prompt, completion, reward, per-token versions, ...) to rollouts/step_<step>.jsonl.
@@ -238,6 +371,8 @@ class MetricsLogger:
             self._jsonl.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
+        if self._wandb is not None:
+            self._wandb.close()
 
     def __enter__(self) -> MetricsLogger:
         return self

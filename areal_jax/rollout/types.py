@@ -3,7 +3,8 @@
 Token alignment used by the trainer (one row per trajectory, length L = P + G):
   input_ids[i]         = sequence token i              (prompt then completion)
   target i             = sequence token i + 1          (the last position has no target)
-  loss_mask[i]         = 1 where target i is a completion token
+  loss_mask[i]         = 1 where target i is a completion token the model generated (a
+                         multi-turn workflow's inserted tokens, e.g. feedback turns, are 0)
   behavior_logprobs[i] = log-prob the generator assigned to target i (0 elsewhere)
   versions[i]          = policy version that sampled target i (-1 for prompt targets / padding)
 """
@@ -18,7 +19,13 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class Trajectory:
-    """One sampled completion. completion arrays are `[G]`, prompt `[P]`."""
+    """One sampled completion. completion arrays are `[G]`, prompt `[P]`.
+
+    loss_mask `[G]` (None: every completion token was generated): 1 on the tokens the policy
+    sampled, 0 on tokens a workflow put into the context itself (a multi-turn episode's feedback
+    turns, tool output). Only the 1s are trained and count as generated; the 0s need no
+    behaviour log-prob or version (by convention 0.0 and -1).
+    """
 
     prompt_ids: np.ndarray
     completion_ids: np.ndarray
@@ -26,6 +33,7 @@ class Trajectory:
     versions: np.ndarray
     reward: float
     stop_reason: str = "stop"
+    loss_mask: np.ndarray | None = None
 
     def __post_init__(self):
         g = len(self.completion_ids)
@@ -34,6 +42,22 @@ class Trajectory:
         if len(self.behavior_logprobs) != g or len(self.versions) != g:
             raise ValueError(f"Trajectory arrays disagree: {g} completion ids, {len(self.behavior_logprobs)} "
                              f"logprobs, {len(self.versions)} versions")
+        if self.loss_mask is not None:
+            mask = np.asarray(self.loss_mask)
+            if mask.shape != (g,) or not np.isin(mask, (0, 1)).all():
+                raise ValueError(f"Trajectory.loss_mask must be [{g}] zeros and ones (one per completion token), "
+                                 f"got shape {mask.shape}")
+            object.__setattr__(self, "loss_mask", mask.astype(np.float32))
+
+    @property
+    def generated_tokens(self) -> int:
+        """Completion tokens the policy sampled (the loss mask's 1s)."""
+        return len(self.completion_ids) if self.loss_mask is None else int(self.loss_mask.sum())
+
+    @property
+    def generated_versions(self) -> np.ndarray:
+        """The policy versions of the sampled tokens (inserted tokens left out)."""
+        return self.versions if self.loss_mask is None else np.asarray(self.versions)[self.loss_mask > 0]
 
     @property
     def length(self) -> int:
@@ -45,11 +69,12 @@ class Trajectory:
         L = P + G
         ids = np.concatenate([self.prompt_ids, self.completion_ids]).astype(np.int32)
         loss_mask = np.zeros(L, np.float32)
-        loss_mask[P - 1:L - 1] = 1.0
+        generated = 1.0 if self.loss_mask is None else self.loss_mask
+        loss_mask[P - 1:L - 1] = generated
         behav = np.zeros(L, np.float32)
-        behav[P - 1:L - 1] = self.behavior_logprobs
+        behav[P - 1:L - 1] = self.behavior_logprobs * generated
         versions = np.full(L, -1, np.int32)
-        versions[P - 1:L - 1] = self.versions
+        versions[P - 1:L - 1] = np.where(generated > 0, self.versions, -1)
         targets = np.zeros(L, np.int32)
         targets[:-1] = ids[1:]
         return {"input_ids": ids, "targets": targets, "loss_mask": loss_mask, "behavior_logprobs": behav,
@@ -72,5 +97,5 @@ class TrajectoryGroup:
     @property
     def oldest_version(self) -> int:
         """Oldest policy version among generated tokens (admitted_version if none were generated)."""
-        versions = [int(t.versions.min()) for t in self.trajectories if len(t.versions)]
+        versions = [int(v.min()) for v in (t.generated_versions for t in self.trajectories) if len(v)]
         return min(versions, default=self.admitted_version)

@@ -8,7 +8,25 @@ reward pool, or an in-process call) and `decode` (the tokenizer). Returning None
 row; raising fails it; both are counted by the controller, nothing is dropped silently.
 
 `RLVRWorkflow` is the default (single-turn reasoning with a verifiable reward). Any other
-workflow is loaded by import path with `load_workflow("package.module:Class", **kwargs)`.
+workflow is named on the command line by import path, `RLConfig.workflow = "package.module:Class"`
+(AReaL users' agentic and multi-turn workflows; `areal_jax/workflows/multi_turn_math.py` is a
+documented example). The contract such a class meets:
+
+- Construction: `Class(rollout, tokenizer)`, or `Class(rollout, tokenizer, config)` when the class
+  sets `config_class` to a dataclass: `rollout` is the job's RLVRConfig (n_samples, `sampling`,
+  reward, reward_timeout_s; its temperature is the trainer's), `tokenizer` the policy's
+  (`areal_jax.models.tokenizer.Tokenizer`: encode, decode, apply_chat_template), `config` an
+  instance of `config_class` built from the gin bindings (`<ConfigClass>.field = ...`), checked
+  with every other config before any work starts.
+- `async def arun(client, row, *, version) -> TrajectoryGroup | None`: `client` is a
+  RolloutClient (`generate`: the engine, per-token behaviour log-probs and policy versions in each
+  Completion; `reward`; `decode`), `row` a loader row {"prompt_ids": int32 [P], "row": PromptRow
+  (query_id, task, answer or test_cases, source)}, `version` the admission version.
+- Each returned Trajectory carries, per completion token, the behaviour log-prob and the version
+  the engine reported, and a `loss_mask` with 0 on every token the workflow put into the context
+  itself (feedback turns, tool output): those are context, never trained.
+
+`resolve_workflow_class` checks a path against this contract when the configs load.
 """
 
 from __future__ import annotations
@@ -34,7 +52,7 @@ from areal_jax.rollout.types import Trajectory, TrajectoryGroup
 
 __all__ = [
     "Detokenizer", "GenerationAborted", "RLVRConfig", "RLVRWorkflow", "RewardTimeout", "RolloutClient",
-    "RolloutWorkflow", "load_workflow", "row_source",
+    "RolloutWorkflow", "load_workflow", "make_workflow", "resolve_workflow_class", "row_source",
 ]
 
 
@@ -184,7 +202,7 @@ def stable_seed(*parts: object) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def _gold(row: Any) -> Any:
+def gold_answer(row: Any) -> Any:
     """The reward's reference for a loader row: the answer (math) or the test cases (code)."""
     prompt_row = row["row"]
     return prompt_row.answer if prompt_row.task == "math" else prompt_row.test_cases
@@ -209,7 +227,7 @@ class RLVRWorkflow(RolloutWorkflow):
         gen_s = time.perf_counter() - t0
         if any(c.stop_reason == "aborted" for c in result.completions):
             raise GenerationAborted(f"generation for {row_source(row)} was aborted")
-        gold = _gold(row)
+        gold = gold_answer(row)
         # return_exceptions: wait for every call, so no failed call is left unobserved
         rewards = await asyncio.gather(*(
             engine_client.reward(cfg.reward, engine_client.decode(c.tokens), gold, timeout_s=cfg.reward_timeout_s)
@@ -230,24 +248,52 @@ class RLVRWorkflow(RolloutWorkflow):
         return equal_rewards_filter(group) if self.config.filter_all_equal_rewards else None
 
 
-def load_workflow(path: str, **kwargs: Any) -> Any:
-    """Instantiate the workflow class at `path` ("package.module:Class") with `kwargs`.
-
-    The class must define `async def arun(self, engine_client, row, *, version)`.
-    """
-    if not isinstance(path, str) or path.count(":") != 1:
-        raise ValueError(f"workflow path {path!r} is not of the form 'package.module:Class'")
+def resolve_workflow_class(path: str, field: str = "RLConfig.workflow") -> type:
+    """The workflow class at `path` ("package.module:Class"), checked against the contract in this
+    module's docstring. Any problem is a ValueError of one line naming `field`, the path and what is
+    wrong (no such module, no such class, not a workflow)."""
+    where = f"{field} = {path!r}"
+    if not isinstance(path, str) or path.count(":") != 1 or not all(path.split(":")):
+        raise ValueError(f"{where}: is not of the form 'package.module:Class'")
     module_name, attr_path = path.split(":")
     try:
         obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"workflow {path!r}: cannot import {module_name!r}: {exc}") from exc
+    except ModuleNotFoundError as exc:
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise ValueError(f"{where}: cannot import module {module_name!r}: no module named {exc.name!r} "
+                             "(is its package installed, or on PYTHONPATH?)") from None
+        raise ValueError(f"{where}: importing {module_name!r} failed: {type(exc).__name__}: {exc}") from exc
+    except Exception as exc:  # the user's module itself is broken: say so, keep the cause
+        raise ValueError(f"{where}: importing {module_name!r} failed: {type(exc).__name__}: {exc}") from exc
     for attr in attr_path.split("."):
         if not hasattr(obj, attr):
-            raise ValueError(f"workflow {path!r}: {module_name!r} has no attribute {attr_path!r}")
+            raise ValueError(f"{where}: module {module_name!r} has no attribute {attr_path!r}")
         obj = getattr(obj, attr)
     if not inspect.isclass(obj):
-        raise TypeError(f"workflow {path!r} is not a class (got {type(obj).__name__})")
+        raise ValueError(f"{where}: is not a class (a {type(obj).__name__})")
     if not inspect.iscoroutinefunction(getattr(obj, "arun", None)):
-        raise TypeError(f"workflow {path!r} has no `async def arun(self, engine_client, row, *, version)`")
-    return obj(**kwargs)
+        raise ValueError(f"{where}: not a workflow: the class has no `async def arun(self, client, row, *, version)`")
+    config_class = getattr(obj, "config_class", None)
+    if config_class is not None and not (inspect.isclass(config_class) and dataclasses.is_dataclass(config_class)):
+        raise ValueError(f"{where}: the class's config_class must be a dataclass, got {config_class!r}")
+    return obj
+
+
+def make_workflow(cls: type, rollout: RLVRConfig, tokenizer: Any, config: Any = None) -> Any:
+    """An instance of a workflow class that `resolve_workflow_class` accepted, constructed as the
+    contract says (`config` only when the class has a config_class)."""
+    if getattr(cls, "config_class", None) is None:
+        return cls(rollout, tokenizer)
+    if not isinstance(config, cls.config_class):
+        raise TypeError(f"{cls.__name__} takes a {cls.config_class.__name__}, got {type(config).__name__}")
+    return cls(rollout, tokenizer, config)
+
+
+def load_workflow(path: str, **kwargs: Any) -> Any:
+    """Instantiate the workflow class at `path` ("package.module:Class") with `kwargs`."""
+    try:
+        cls = resolve_workflow_class(path, field="workflow")
+    except ValueError as e:  # the wrong kind of object is a TypeError here, as before
+        kind = TypeError if ": is not a class" in str(e) or ": not a workflow" in str(e) else ValueError
+        raise kind(str(e)) from e.__cause__
+    return cls(**kwargs)

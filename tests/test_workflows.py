@@ -1,0 +1,200 @@
+"""Custom workflows: the contract checked on load, and the multi-turn math example's episodes
+(feedback tokens masked out of the loss, reward discounted per turn) against hand-built ones."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+import numpy as np
+import pytest
+
+import areal_jax.tasks  # noqa: F401  (registers the "arithmetic" reward)
+from areal_jax.generation.engine import Completion, GroupResult
+from areal_jax.metrics import batch_metrics
+from areal_jax.models.tokenizer import Tokenizer
+from areal_jax.rollout.types import Trajectory, TrajectoryGroup
+from areal_jax.rollout.workflow import (RLVRConfig, RolloutClient, make_workflow, resolve_workflow_class)
+from areal_jax.tasks import arithmetic as ar
+from areal_jax.tasks.tokenizer_builder import build_tokenizer
+from areal_jax.workflows.multi_turn_math import MultiTurnMathConfig, MultiTurnMathWorkflow, turn_tokens
+from tests.tokenizer_fixtures import build_tiny_tokenizer
+
+PATH = "areal_jax.workflows.multi_turn_math:MultiTurnMathWorkflow"
+FEEDBACK = "Wrong, retry."
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> Tokenizer:
+    return Tokenizer.from_pretrained(build_tokenizer(tmp_path_factory.mktemp("tok")))
+
+
+class ScriptedClient(RolloutClient):
+    """The real client (in-process arithmetic reward, the tokenizer's decode) whose generations are
+    scripted answers, so a test decides which tries are right. Records every prompt it is given."""
+
+    def __init__(self, tokenizer: Tokenizer, answers: list[tuple[str, str]], prompt_limit: int = 500):
+        engine = types.SimpleNamespace(config=types.SimpleNamespace(prompt_limit=prompt_limit))
+        super().__init__(engine, tokenizer)
+        self.answers, self.prompts = list(answers), []
+
+    async def generate(self, prompt_ids, sampling, n=1, *, seed=None) -> GroupResult:
+        assert n == 1
+        self.prompts.append(np.asarray(prompt_ids).tolist())
+        text, stop_reason = self.answers.pop(0)
+        tokens = np.asarray(self.tokenizer.encode(text, add_special_tokens=False), np.int32)
+        turn = len(self.prompts)  # distinct log-probs and versions per turn, to follow them
+        return GroupResult("r", np.asarray(prompt_ids), [Completion(
+            tokens, np.full(tokens.size, -0.1 * turn, np.float32), np.full(tokens.size, turn, np.int32),
+            stop_reason)])
+
+
+def _episode(tokenizer, answers, *, max_turns=3, discount=0.5, prompt_limit=500):
+    workflow = MultiTurnMathWorkflow(RLVRConfig(n_samples=1, reward="arithmetic"), tokenizer,
+                                     MultiTurnMathConfig(max_turns=max_turns, turn_discount=discount,
+                                                         feedback=FEEDBACK))
+    row = next(ar.prompt_rows(tokenizer, [ar.make_problem("2+3")]))  # gold answer 5
+    client = ScriptedClient(tokenizer, answers, prompt_limit)
+    try:
+        group = asyncio.run(workflow.arun(client, row, version=7))
+    finally:
+        client.close()
+    (trajectory,) = group.trajectories
+    return row, client, group, trajectory
+
+
+def _ids(tokenizer, text):
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_wrong_answers_get_feedback_masked_out_and_the_reward_discounted(tokenizer):
+    a0, a1 = "2+3=6\n\\boxed{6}<|end|>", "2+3=5\n\\boxed{5}<|end|>"
+    row, client, group, t = _episode(tokenizer, [(a0, "stop"), (a1, "stop")])
+    prompt = row["prompt_ids"].tolist()
+    # The built-in template ends a turn with <|end|> (the answer's own eos): only the user turn and
+    # the next assistant opening are inserted.
+    inserted = _ids(tokenizer, f"<|user|>{FEEDBACK}<|end|><|assistant|>")
+    n0, n1 = len(_ids(tokenizer, a0)), len(_ids(tokenizer, a1))
+    assert t.completion_ids.tolist() == _ids(tokenizer, a0) + inserted + _ids(tokenizer, a1)
+    assert t.loss_mask.tolist() == [1] * n0 + [0] * len(inserted) + [1] * n1
+    assert t.versions.tolist() == [1] * n0 + [-1] * len(inserted) + [2] * n1
+    np.testing.assert_allclose(t.behavior_logprobs, [-0.1] * n0 + [0.0] * len(inserted) + [-0.2] * n1)
+    # The second try saw the whole first exchange as its prompt.
+    assert client.prompts == [prompt, prompt + _ids(tokenizer, a0) + inserted]
+    assert t.reward == 1.0 * 0.5 ** 1 and t.stop_reason == "stop"
+    assert t.generated_tokens == n0 + n1 and group.info["turns"] == [2] and group.admitted_version == 7
+    # In the trainer's row the inserted tokens are neither trained nor carry a version.
+    row_arrays = t.training_row()
+    P = len(prompt)
+    assert row_arrays["loss_mask"][P - 1:].tolist() == t.loss_mask.tolist() + [0.0]
+    assert row_arrays["versions"][P - 1:-1].tolist() == t.versions.tolist()
+    assert group.oldest_version == 1
+
+
+def test_every_try_wrong_uses_all_turns_and_a_truncated_answer_is_closed(tokenizer):
+    cut, wrong = "2+3=", "\\boxed{4}<|end|>"
+    _, client, group, t = _episode(tokenizer, [(cut, "length"), (wrong, "stop"), (wrong, "stop")], discount=0.8)
+    # A truncated answer has no <|end|> of its own: the inserted tokens close its turn first.
+    closed = _ids(tokenizer, f"<|end|><|user|>{FEEDBACK}<|end|><|assistant|>")
+    inserted = _ids(tokenizer, f"<|user|>{FEEDBACK}<|end|><|assistant|>")
+    assert t.completion_ids.tolist() == _ids(tokenizer, cut) + closed + _ids(tokenizer, wrong) + inserted + \
+        _ids(tokenizer, wrong)
+    assert t.loss_mask.tolist() == ([1] * len(_ids(tokenizer, cut)) + [0] * len(closed) + [1] * len(
+        _ids(tokenizer, wrong)) + [0] * len(inserted) + [1] * len(_ids(tokenizer, wrong)))
+    assert len(client.prompts) == 3 and group.info["turns"] == [3]
+    assert t.reward == 0.0
+
+
+def test_right_first_try_is_single_turn_and_undiscounted(tokenizer):
+    answer = "\\boxed{5}<|end|>"
+    _, client, group, t = _episode(tokenizer, [(answer, "stop")])
+    assert t.completion_ids.tolist() == _ids(tokenizer, answer) and t.loss_mask.tolist() == [1] * len(t.loss_mask)
+    assert t.reward == 1.0 and len(client.prompts) == 1
+
+
+def test_no_retry_when_the_next_context_would_not_fit(tokenizer):
+    a0 = "\\boxed{6}<|end|>"
+    row = next(ar.prompt_rows(tokenizer, [ar.make_problem("2+3")]))
+    inserted = _ids(tokenizer, f"<|user|>{FEEDBACK}<|end|><|assistant|>")
+    fits = len(row["prompt_ids"]) + len(_ids(tokenizer, a0)) + len(inserted)
+    _, client, _, t = _episode(tokenizer, [(a0, "stop")], prompt_limit=fits - 1)
+    assert len(client.prompts) == 1 and t.reward == 0.0 and t.loss_mask.tolist() == [1] * len(_ids(tokenizer, a0))
+    _, client, _, _ = _episode(tokenizer, [(a0, "stop"), (a0, "stop"), (a0, "stop")], prompt_limit=fits)
+    assert len(client.prompts) == 2  # the second context is exactly `fits` long; a third would not fit
+
+
+def test_turn_tokens_follow_the_chat_template(tmp_path):
+    chatml = Tokenizer.from_pretrained(build_tiny_tokenizer(tmp_path / "chatml", "chatml"))
+    end, feedback = turn_tokens(chatml, FEEDBACK)
+    assert chatml.decode(end) == "<|im_end|>\n"
+    assert chatml.decode(feedback) == f"<|im_start|>user\n{FEEDBACK}<|im_end|>\n<|im_start|>assistant\n"
+    plain = Tokenizer.from_pretrained(build_tiny_tokenizer(tmp_path / "plain", "chatml", template_storage="none"))
+    end, feedback = turn_tokens(plain, FEEDBACK)
+    assert end == [] and plain.decode(feedback) == f"\n\n{FEEDBACK}\n\n"
+
+
+def test_batch_metrics_against_hand_computed_values():
+    def traj(reward, n_generated, n_inserted, stop):
+        g = n_generated + n_inserted
+        mask = np.array([1] * n_generated + [0] * n_inserted, np.float32)
+        return Trajectory(np.array([1, 2]), np.arange(g), np.zeros(g), np.where(mask > 0, 0, -1), reward, stop, mask)
+
+    groups = [TrajectoryGroup("a", (traj(1.0, 4, 3, "stop"), traj(0.0, 6, 0, "length")), 0),
+              TrajectoryGroup("b", (traj(0.45, 2, 5, "stop"), traj(0.0, 8, 0, "length")), 0)]
+    m = batch_metrics(t for g in groups for t in g.trajectories)
+    rewards = [1.0, 0.0, 0.45, 0.0]
+    mean = sum(rewards) / 4  # 0.3625
+    assert m["reward/mean"] == pytest.approx(0.3625) == pytest.approx(mean)
+    assert m["reward/std"] == pytest.approx((sum((r - mean) ** 2 for r in rewards) / 4) ** 0.5)
+    assert m["reward/accuracy"] == 0.25
+    assert m["completion/mean_length"] == (4 + 6 + 2 + 8) / 4 and m["completion/max_length"] == 8
+    assert m["completion/truncated_frac"] == 0.5
+
+
+def test_trajectory_loss_mask_is_checked():
+    with pytest.raises(ValueError, match="loss_mask"):
+        Trajectory(np.array([1]), np.arange(3), np.zeros(3), np.zeros(3), 0.0, loss_mask=np.ones(2))
+    with pytest.raises(ValueError, match="loss_mask"):
+        Trajectory(np.array([1]), np.arange(2), np.zeros(2), np.zeros(2), 0.0, loss_mask=np.array([1, 2]))
+
+
+class NoArun:
+    def run(self):
+        pass
+
+
+class SyncArun:
+    def arun(self, client, row, *, version):
+        return None
+
+
+class BadConfigClass(MultiTurnMathWorkflow):
+    config_class = dict
+
+
+@pytest.mark.parametrize("path, message", [
+    ("areal_jax.workflows.multi_turn_math.MultiTurnMathWorkflow", "not of the form 'package.module:Class'"),
+    ("areal_jax.no_such_module:Flow", "cannot import module 'areal_jax.no_such_module'"),
+    ("areal_jax.workflows.multi_turn_math:Missing", "has no attribute 'Missing'"),
+    ("areal_jax.workflows.multi_turn_math:discounted", "is not a class"),
+    ("tests.test_workflows:NoArun", "not a workflow: the class has no `async def arun"),
+    ("tests.test_workflows:SyncArun", "not a workflow"),
+    ("tests.test_workflows:BadConfigClass", "config_class must be a dataclass"),
+])
+def test_resolve_workflow_class_names_the_field_and_the_problem(path, message):
+    with pytest.raises(ValueError) as info:
+        resolve_workflow_class(path)
+    text = str(info.value)
+    assert text.startswith(f"RLConfig.workflow = {path!r}: ") and message in text and "\n" not in text
+
+
+def test_make_workflow_passes_the_config(tokenizer):
+    cls = resolve_workflow_class(PATH)
+    workflow = make_workflow(cls, RLVRConfig(reward="arithmetic"), tokenizer, MultiTurnMathConfig(max_turns=4))
+    assert isinstance(workflow, MultiTurnMathWorkflow) and workflow.config.max_turns == 4
+    with pytest.raises(TypeError, match="MultiTurnMathConfig"):
+        make_workflow(cls, RLVRConfig(), tokenizer, None)
+    with pytest.raises(ValueError, match="max_turns"):
+        MultiTurnMathConfig(max_turns=0)
+    with pytest.raises(ValueError, match="turn_discount"):
+        MultiTurnMathConfig(turn_discount=1.5)
