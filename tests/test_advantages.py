@@ -92,12 +92,27 @@ def test_all_masked_batch_and_rows_are_zero():
 # --------------------------------------------------------------------------- references
 
 
-def reference(rewards, groups, mask, cfg, logprobs=None, ref_logprobs=None):
+def reference(rewards, groups, mask, cfg, logprobs=None, ref_logprobs=None, no_eos=None):
     """Loop-based NumPy reference, written independently of the library's vectorization."""
     n, t = mask.shape
-    r = (rewards + cfg.reward_bias) * cfg.reward_scale
+    r = np.array(rewards, np.float64)
+    if cfg.overlong_tokens is not None:
+        for i in range(n):
+            length = sum(bool(mask[i, j]) for j in range(t))
+            over = length - (cfg.max_response_tokens - cfg.overlong_tokens)
+            r[i] += min(-over / cfg.overlong_tokens * cfg.overlong_penalty_factor, 0.0)
+    r = (r + cfg.reward_bias) * cfg.reward_scale
     if cfg.reward_clip is not None:
         r = np.clip(r, -cfg.reward_clip, cfg.reward_clip)
+    if cfg.norm == "group_then_batch":  # sequence rewards within each group, std with n - 1
+        g = r.copy()
+        for i in range(n):
+            vals = [r[k] for k in range(n) if groups[k] == groups[i]]
+            std = np.std(vals, ddof=1) if len(vals) > 1 else 1.0
+            g[i] = (r[i] - np.mean(vals)) / (std + cfg.eps)
+        r = g
+    if cfg.mask_no_eos_with_zero:
+        r = np.where(no_eos, 0.0, r)
     ret = np.zeros((n, t))
     for i in range(n):
         running = r[i]
@@ -120,6 +135,10 @@ def reference(rewards, groups, mask, cfg, logprobs=None, ref_logprobs=None):
                 continue
             if cfg.norm == "none":
                 out[i, j] = ret[i, j]
+            elif cfg.norm == "group_then_batch":
+                v = np.array(vals(range(n)))
+                std = v.std(ddof=1) if v.size > 1 else 1.0
+                out[i, j] = (ret[i, j] - v.mean()) / (std + cfg.eps)
             elif cfg.norm in ("batch", "group"):
                 out[i, j] = (ret[i, j] - v.mean()) / (v.std() + cfg.eps)
             elif cfg.norm == "group_mean":
@@ -145,7 +164,7 @@ def random_case(seed, n_groups=4, group_size=3, t=10):
 
 
 @pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("norm", ["batch", "group", "group_mean", "rloo", "none"])
+@pytest.mark.parametrize("norm", ["batch", "group", "group_mean", "rloo", "group_then_batch", "none"])
 @pytest.mark.parametrize("kl", [(0.0, "k1"), (0.1, "k1"), (0.05, "k2"), (0.2, "k3")])
 def test_matches_reference(seed, norm, kl):
     rewards, groups, mask, logprobs, ref = random_case(seed)
@@ -154,6 +173,52 @@ def test_matches_reference(seed, norm, kl):
     got = compute_advantages(rewards, groups, mask, cfg, logprobs=logprobs, ref_logprobs=ref)
     want = reference(rewards, groups, mask, cfg, logprobs, ref)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("norm", ["batch", "group_then_batch"])
+@pytest.mark.parametrize("shaping", [dict(overlong_tokens=4, max_response_tokens=10, overlong_penalty_factor=2.0),
+                                     dict(mask_no_eos_with_zero=True),
+                                     dict(overlong_tokens=10, max_response_tokens=10, mask_no_eos_with_zero=True)])
+def test_reward_shaping_options_match_reference(seed, norm, shaping):
+    rewards, groups, mask, logprobs, ref = random_case(seed)
+    no_eos = np.random.default_rng(seed + 7).random(len(rewards)) < 0.4
+    cfg = AdvantageConfig(norm=norm, reward_bias=0.5, reward_scale=0.5, kl_coef=0.1, **shaping)
+    got = compute_advantages(rewards, groups, mask, cfg, logprobs=logprobs, ref_logprobs=ref, no_eos=no_eos)
+    want = reference(rewards, groups, mask, cfg, logprobs, ref, no_eos)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    plain = compute_advantages(rewards, groups, mask, dataclasses.replace(
+        cfg, overlong_tokens=None, mask_no_eos_with_zero=False), logprobs=logprobs, ref_logprobs=ref)
+    assert np.abs(got - plain).max() > 1e-3  # the option changed something
+
+
+def test_overlong_penalty_and_no_eos_hand_case():
+    # max 10 tokens, penalty over the last 4: lengths 5, 8, 10 lose 0, 2/4 * 2 = 1, 4/4 * 2 = 2.
+    mask = mask_from_lengths([5, 8, 10], 10)
+    cfg = AdvantageConfig(norm="none", overlong_tokens=4, max_response_tokens=10, overlong_penalty_factor=2.0)
+    adv = compute_advantages(np.array([1.0, 1.0, 1.0]), np.zeros(3, int), mask, cfg)
+    np.testing.assert_allclose(adv[:, 0], [1.0, 0.0, -1.0])
+    cfg = AdvantageConfig(norm="none", mask_no_eos_with_zero=True, reward_bias=1.0)
+    adv = compute_advantages(np.array([5.0, -5.0, 5.0]), np.zeros(3, int), mask, cfg,
+                             no_eos=np.array([False, True, False]))
+    np.testing.assert_allclose(adv[:, 0], [6.0, 0.0, 6.0])  # bias applies first, then the zero
+
+
+def test_group_then_batch_hand_case():
+    # Groups (5, -5) and (5, 5, -5): each reward normalized within its group (std n - 1), then the
+    # token-weighted batch normalization (std n - 1) over the sequences' tokens.
+    eps = 1e-5
+    rewards = np.array([5.0, -5.0, 5.0, 5.0, -5.0])
+    groups = np.array([0, 0, 1, 1, 1])
+    mask = mask_from_lengths([1, 2, 1, 1, 3], 3)
+    g0 = np.array([5.0, -5.0])
+    g1 = np.array([5.0, 5.0, -5.0])
+    seq = np.concatenate([(g0 - g0.mean()) / (g0.std(ddof=1) + eps), (g1 - g1.mean()) / (g1.std(ddof=1) + eps)])
+    tokens = np.repeat(seq, [1, 2, 1, 1, 3])
+    want = (seq - tokens.mean()) / (tokens.std(ddof=1) + eps)
+    adv = compute_advantages(rewards, groups, mask, AdvantageConfig(norm="group_then_batch", eps=eps))
+    np.testing.assert_allclose(adv[:, 0], want, rtol=1e-6)
+    np.testing.assert_allclose(adv[mask].mean(), 0.0, atol=1e-6)
 
 
 def test_invariants_of_normalizations():
@@ -232,6 +297,11 @@ def test_kl_estimate_pointwise_and_jax():
         (dict(reward_clip=0.0), ValueError, "reward_clip"),
         (dict(kl_coef=-0.1), ValueError, "kl_coef"),
         (dict(reward_bias="1"), TypeError, "reward_bias"),
+        (dict(overlong_tokens=4), ValueError, "max_response_tokens"),
+        (dict(overlong_tokens=0, max_response_tokens=8), ValueError, "overlong_tokens"),
+        (dict(overlong_tokens=9, max_response_tokens=8), ValueError, "overlong_tokens"),
+        (dict(overlong_penalty_factor=0.0), ValueError, "overlong_penalty_factor"),
+        (dict(mask_no_eos_with_zero=1), ValueError, "mask_no_eos_with_zero"),
     ],
 )
 def test_bad_config(kwargs, err, match):
@@ -265,6 +335,11 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="logprobs"):
         compute_advantages(np.ones(2), np.zeros(2, int), mask, AdvantageConfig(kl_coef=0.1),
                            logprobs=np.zeros((2, 4)), ref_logprobs=np.zeros((2, 3)))
+    with pytest.raises(ValueError, match="no_eos"):
+        compute_advantages(np.ones(2), np.zeros(2, int), mask, AdvantageConfig(mask_no_eos_with_zero=True))
+    with pytest.raises(ValueError, match="no_eos"):
+        compute_advantages(np.ones(2), np.zeros(2, int), mask, AdvantageConfig(mask_no_eos_with_zero=True),
+                           no_eos=np.zeros(3, bool))
     with pytest.raises(ValueError, match=r"groups \[5\]"):
         compute_advantages(np.ones(3), np.array([1, 1, 5]), np.ones((3, 2), bool), AdvantageConfig(norm="rloo"))
     with pytest.raises(ValueError, match="estimator"):

@@ -1,5 +1,6 @@
 """trainer/batching.py: trajectory groups -> per-token sequences -> packed micro-batches."""
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -61,6 +62,22 @@ def test_group_normalized_advantages_match_numpy():
             np.testing.assert_allclose(seqs[i]["advantages"][mask], (traj.reward - mean) / (std + 1e-5), rtol=1e-5)
             assert np.all(seqs[i]["advantages"][~mask] == 0)
             i += 1
+
+
+def test_truncated_trajectories_get_zero_reward_with_mask_no_eos():
+    rng = np.random.default_rng(3)
+    groups = random_groups(rng, n_groups=2, per_group=2, max_completion=6)
+    g = groups[0]
+    cut = dataclasses.replace(g.trajectories[1], stop_reason="length", completion_ids=np.arange(4),
+                              behavior_logprobs=np.zeros(4, np.float32), versions=np.zeros(4, np.int64))
+    groups[0] = dataclasses.replace(g, trajectories=(g.trajectories[0], cut))
+    cfg = AdvantageConfig(norm="none", reward_bias=1.0)
+    on = build_sequences(groups, dataclasses.replace(cfg, mask_no_eos_with_zero=True))
+    off = build_sequences(groups, cfg)
+    np.testing.assert_array_equal(on[1]["advantages"], 0.0)
+    assert np.all(off[1]["advantages"][off[1]["loss_mask"] > 0] == cut.reward + 1.0)
+    for i in (0, 2, 3):
+        np.testing.assert_array_equal(on[i]["advantages"], off[i]["advantages"])
 
 
 def test_build_sequences_rejects_kl_penalty_and_empty_input():

@@ -16,7 +16,18 @@ counts once, so a long answer weighs more than a short one -- like AReaL's AdvNo
     "group_mean"  G - group mean (Dr. GRPO: no std division)
     "rloo"        G - mean of the other sequences' rewards in the group (leave-one-out;
                   sequence-level, unweighted: the RLOO baseline is per sample)
+    "group_then_batch"  AReaL HEAD's GRPO recipe (examples/math/gsm8k_grpo.yaml: reward_norm
+                  at group level, then adv_norm at batch level; areal/utils/data.py
+                  `Normalization`): each sequence reward is normalized within its group over
+                  sequences, (R - mean) / (std + eps), then the returns get the token-weighted
+                  batch normalization; both stds unbiased (n - 1), AReaL's default
     "none"        G unchanged
+
+Reward shaping before any of this, in AReaL's order (areal/trainer/ppo/actor.py,
+`_compute_advantages`): the overlong penalty (DAPO, areal/utils/functional/functional.py
+`reward_overlong_penalty`) on the raw reward, then bias, scale and clip, then (with
+"group_then_batch") the group normalization, then `mask_no_eos_with_zero` sets the reward of
+truncated sequences (no EOS) to 0. The sequence still trains, with the advantage a 0 reward gets.
 
 Implemented in NumPy (float64 inside): it runs once per step on the trainer host, before
 packing, on a few thousand sequences; arbitrary group ids need np.unique, and host
@@ -33,8 +44,8 @@ import numpy as np
 
 from areal_jax.ppo.kl import KL_ESTIMATORS, kl_estimate
 
-AdvantageNorm = Literal["batch", "group", "group_mean", "rloo", "none"]
-ADVANTAGE_NORMS: tuple[str, ...] = ("batch", "group", "group_mean", "rloo", "none")
+AdvantageNorm = Literal["batch", "group", "group_mean", "rloo", "group_then_batch", "none"]
+ADVANTAGE_NORMS: tuple[str, ...] = ("batch", "group", "group_mean", "rloo", "group_then_batch", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +59,13 @@ class AdvantageConfig:
         eps: added to the std before dividing ("batch", "group").
         kl_coef: weight of the per-token KL penalty against a reference policy; 0 = off.
         kl_estimator: "k1", "k2" or "k3" (see areal_jax.ppo.kl).
+        overlong_tokens: DAPO's overlong penalty: a completion longer than
+            max_response_tokens - overlong_tokens loses overlong_penalty_factor * (excess /
+            overlong_tokens) of reward (a full factor at max_response_tokens). None = off.
+        overlong_penalty_factor: the penalty at the length limit (> 0).
+        max_response_tokens: the generation limit the penalty counts from (set it to the
+            sampler's max_new_tokens); required with overlong_tokens.
+        mask_no_eos_with_zero: reward 0 for sequences that ended without EOS (truncated).
     """
 
     norm: AdvantageNorm = "batch"
@@ -57,6 +75,10 @@ class AdvantageConfig:
     eps: float = 1e-5
     kl_coef: float = 0.0
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    overlong_tokens: int | None = None
+    overlong_penalty_factor: float = 1.0
+    max_response_tokens: int | None = None
+    mask_no_eos_with_zero: bool = False
 
     def __post_init__(self) -> None:
         if self.norm not in ADVANTAGE_NORMS:
@@ -79,6 +101,22 @@ class AdvantageConfig:
             raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
         if self.reward_clip is not None and not self.reward_clip > 0:
             raise ValueError(f"reward_clip must be > 0 or None, got {self.reward_clip}")
+        for name in ("overlong_tokens", "max_response_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if self.overlong_tokens is not None:
+            if self.max_response_tokens is None:
+                raise ValueError("overlong_tokens needs max_response_tokens (the sampler's max_new_tokens)")
+            if self.overlong_tokens > self.max_response_tokens:
+                raise ValueError(f"overlong_tokens ({self.overlong_tokens}) must be <= max_response_tokens "
+                                 f"({self.max_response_tokens})")
+        factor = self.overlong_penalty_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (math.isfinite(factor)
+                                                                                     and factor > 0):
+            raise ValueError(f"overlong_penalty_factor must be a finite number > 0, got {factor!r}")
+        if not isinstance(self.mask_no_eos_with_zero, bool):
+            raise ValueError(f"mask_no_eos_with_zero must be a bool, got {self.mask_no_eos_with_zero!r}")
 
 
 def compute_advantages(
@@ -89,6 +127,7 @@ def compute_advantages(
     *,
     logprobs: np.ndarray | None = None,
     ref_logprobs: np.ndarray | None = None,
+    no_eos: np.ndarray | None = None,
 ) -> np.ndarray:
     """Per-token advantages [N, T] (float32, zero off the loss mask).
 
@@ -102,6 +141,8 @@ def compute_advantages(
             required when cfg.kl_coef > 0.
         ref_logprobs: [N, T] the same tokens under the frozen reference policy; required
             when cfg.kl_coef > 0.
+        no_eos: [N] bool, True for sequences that ended without EOS (truncated at the
+            length limit); required when cfg.mask_no_eos_with_zero.
     """
     if not isinstance(cfg, AdvantageConfig):
         raise TypeError(f"cfg must be an AdvantageConfig, got {type(cfg).__name__}")
@@ -121,9 +162,22 @@ def compute_advantages(
         bad = np.flatnonzero(~np.isfinite(rewards)).tolist()
         raise ValueError(f"rewards must be finite; bad at indices {bad}")
 
+    if cfg.overlong_tokens is not None:
+        # Completion length = the sequence's trained tokens.
+        excess = mask.sum(axis=1) - (cfg.max_response_tokens - cfg.overlong_tokens)  # [N]
+        rewards = rewards + np.minimum(-excess / cfg.overlong_tokens * cfg.overlong_penalty_factor, 0.0)
     shaped = (rewards + cfg.reward_bias) * cfg.reward_scale  # [N]
     if cfg.reward_clip is not None:
         shaped = np.clip(shaped, -cfg.reward_clip, cfg.reward_clip)
+    if cfg.norm == "group_then_batch":
+        shaped = _group_standardize_rewards(shaped, group_ids, cfg.eps)
+    if cfg.mask_no_eos_with_zero:
+        if no_eos is None:
+            raise ValueError("mask_no_eos_with_zero needs no_eos, one bool per sequence")
+        no_eos = np.asarray(no_eos)
+        if no_eos.shape != (n,) or no_eos.dtype != bool:
+            raise ValueError(f"no_eos must be a bool array of shape ({n},), got {no_eos.dtype} {no_eos.shape}")
+        shaped = np.where(no_eos, 0.0, shaped)
     returns = np.broadcast_to(shaped[:, None], mask.shape).copy()  # [N, T]
     if cfg.kl_coef > 0:
         returns += _kl_penalty_to_go(mask, cfg, logprobs, ref_logprobs)
@@ -133,6 +187,8 @@ def compute_advantages(
         adv = returns
     elif cfg.norm == "batch":
         adv = _standardize(returns, mask, cfg.eps)
+    elif cfg.norm == "group_then_batch":
+        adv = _standardize(returns, mask, cfg.eps, unbiased=True)
     elif cfg.norm == "rloo":
         adv = returns - _leave_one_out_baseline(shaped, group_ids)[:, None]
     else:
@@ -170,14 +226,28 @@ def _masked_mean(x: np.ndarray, mask: np.ndarray) -> float:
     return float((x * mask).sum() / count) if count else 0.0
 
 
-def _standardize(x: np.ndarray, mask: np.ndarray, eps: float) -> np.ndarray:
-    """(x - mean) / (std + eps) with token-weighted mean and biased std over mask."""
+def _standardize(x: np.ndarray, mask: np.ndarray, eps: float, unbiased: bool = False) -> np.ndarray:
+    """(x - mean) / (std + eps) with token-weighted mean and std over mask (biased, or n - 1 with
+    `unbiased`, where one token has std 1 as in AReaL's Normalization)."""
     count = mask.sum()
     if count == 0:
         return np.zeros_like(x)
     mean = (x * mask).sum() / count
-    var = (((x - mean) * mask) ** 2).sum() / count
-    return (x - mean) / (np.sqrt(var) + eps)
+    sq = (((x - mean) * mask) ** 2).sum()
+    if unbiased:
+        std = np.sqrt(sq / (count - 1)) if count > 1 else 1.0
+    else:
+        std = np.sqrt(sq / count)
+    return (x - mean) / (std + eps)
+
+
+def _group_standardize_rewards(rewards: np.ndarray, group_ids: np.ndarray, eps: float) -> np.ndarray:
+    """[N] rewards normalized within each group over its sequences (unweighted, std n - 1)."""
+    out = np.zeros_like(rewards)
+    for gid in np.unique(group_ids):
+        rows = group_ids == gid
+        out[rows] = _standardize(rewards[rows], np.ones(int(rows.sum()), bool), eps, unbiased=True)
+    return out
 
 
 def _leave_one_out_baseline(rewards: np.ndarray, group_ids: np.ndarray) -> np.ndarray:

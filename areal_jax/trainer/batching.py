@@ -98,12 +98,13 @@ def build_sequences(groups: Sequence[TrajectoryGroup], adv_cfg: AdvantageConfig,
     if adv_cfg.kl_coef > 0 and (logprobs is None or ref_logprobs is None):
         raise ValueError("AdvantageConfig.kl_coef > 0 needs per-sequence logprobs and ref_logprobs; use "
                          "areal_jax.trainer.reference.sequences_with_kl (or kl_coef=0)")
-    rows, rewards, group_ids = [], [], []
+    rows, rewards, group_ids, no_eos = [], [], [], []
     for g_index, group in enumerate(groups):
         for traj in group.trajectories:
             rows.append(traj.training_row())
             rewards.append(traj.reward)
             group_ids.append(g_index)
+            no_eos.append(traj.stop_reason == "length")  # truncated at the length limit
     if not rows:
         raise ValueError("the trajectory groups hold no trajectories")
     lengths = [len(r["input_ids"]) for r in rows]
@@ -115,7 +116,7 @@ def build_sequences(groups: Sequence[TrajectoryGroup], adv_cfg: AdvantageConfig,
         kl_inputs = {name: _padded_per_token(name, values, lengths)
                      for name, values in (("logprobs", logprobs), ("ref_logprobs", ref_logprobs))}
     adv = compute_advantages(np.asarray(rewards, np.float64), np.asarray(group_ids, np.int64), mask, adv_cfg,
-                             **kl_inputs)
+                             no_eos=np.asarray(no_eos, bool), **kl_inputs)
     for i, row in enumerate(rows):
         row["advantages"] = adv[i, :lengths[i]].astype(np.float32)
     return rows
