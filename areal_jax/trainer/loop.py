@@ -26,11 +26,11 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import jax
-import numpy as np
 
 from areal_jax.checkpoint import Checkpointer
 from areal_jax.generation.engine import EngineConfig, GenerationEngine
 from areal_jax.generation.sampling import SamplingParams
+from areal_jax.metrics import batch_metrics
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.transformer import Params
 from areal_jax.parallel.distributed import agree_max, agree_sum
@@ -42,7 +42,7 @@ from areal_jax.rollout.channel import TrajectoryChannel
 from areal_jax.rollout.controller import RolloutController, ShutdownReport
 from areal_jax.rollout.staleness import StalenessManager
 from areal_jax.rollout.types import TrajectoryGroup
-from areal_jax.rollout.workflow import RLVRConfig, RLVRWorkflow
+from areal_jax.rollout.workflow import RLVRConfig, RLVRWorkflow, resolve_workflow_class
 from areal_jax.trainer.batching import make_microbatches
 from areal_jax.trainer.reference import ReferencePolicy, sequences_with_kl
 from areal_jax.trainer.optimizer import OptimizerConfig
@@ -72,6 +72,9 @@ class RLConfig:
     eval_max_new_tokens: int = 64
     dump_rollouts_every: int = 0  # write the step's trajectories to rollouts/step_N.jsonl every N steps
     batch_timeout_s: float = 600.0  # waiting longer than this for a batch is an error
+    # A custom rollout workflow, "package.module:Class" (the contract: areal_jax/rollout/workflow.py;
+    # an example: areal_jax.workflows.multi_turn_math:MultiTurnMathWorkflow). None: RLVRWorkflow.
+    workflow: str | None = None
     # AReaL's name for eta, kept only to refuse it: a ported config must not set the age filter by mistake.
     max_head_offpolicyness: int | None = None
 
@@ -99,6 +102,8 @@ class RLConfig:
             raise ValueError(f"RLConfig.transfer_group_bytes must be an int >= 1, got {self.transfer_group_bytes!r}")
         if not self.batch_timeout_s > 0:
             raise ValueError(f"RLConfig.batch_timeout_s must be > 0, got {self.batch_timeout_s!r}")
+        if self.workflow is not None:
+            resolve_workflow_class(self.workflow)  # imports it: a wrong path fails here, before any work
 
 
 @dataclasses.dataclass
@@ -137,10 +142,13 @@ class RLLoop:
                  checkpoint_extra: Callable[[], dict[str, Any]] | None = None,
                  on_rollouts: Callable[[int, list[dict[str, Any]]], None] | None = None,
                  donate_params: bool = False, weight_sync: WeightSync | None = None):
-        if isinstance(workflow, RLVRConfig) and workflow.temperature != ppo.temperature:
+        # A custom workflow samples with the RLVRConfig it was built with (its `rollout`).
+        rollout = workflow if isinstance(workflow, RLVRConfig) else getattr(workflow, "rollout", None)
+        rollout = rollout if isinstance(rollout, RLVRConfig) else None
+        if rollout is not None and rollout.temperature != ppo.temperature:
             # The trainer's log-probs must be of the distribution that sampled the tokens, or the
             # importance weights pi_prox / pi_behav measure the temperature, not the staleness.
-            raise ValueError(f"RLVRConfig.temperature ({workflow.temperature}) and PPOConfig.temperature "
+            raise ValueError(f"RLVRConfig.temperature ({rollout.temperature}) and PPOConfig.temperature "
                              f"({ppo.temperature}) must be equal: behavior log-probs are taken at the sampling "
                              "temperature and the trainer recomputes them at PPOConfig.temperature")
         self.model_config = model_cfg
@@ -171,7 +179,7 @@ class RLLoop:
         self.rows_per_process = max(self.meshes.train.shape["fsdp"] // jax.process_count(), 1)
         self.staleness = StalenessManager(rl.max_staleness, local_batch, rl.max_concurrent)
         self.channel = TrajectoryChannel(rl.channel_capacity or 4 * local_batch)
-        self.workflow_config = workflow if isinstance(workflow, RLVRConfig) else None
+        self.workflow_config = rollout  # held-out evaluation scores with its reward and stop tokens
         wf = RLVRWorkflow(workflow) if isinstance(workflow, RLVRConfig) else workflow
         # The controller thread reads rows while the trainer thread snapshots the position for a
         # checkpoint: a lock keeps a snapshot from landing halfway through a read.
@@ -295,8 +303,6 @@ class RLLoop:
         return metrics
 
     def _metrics(self, step, groups, train, wait_s, transfer_s) -> dict[str, Any]:
-        rewards = np.array([t.reward for g in groups for t in g.trajectories], np.float64)
-        lengths = np.array([len(t.completion_ids) for g in groups for t in g.trajectories])
         counters = self.staleness.stats()  # restored on resume, unlike the controller's own
         ctl = self.controller.stats()
         n_prev, sum_prev = self._reward_tally
@@ -306,13 +312,11 @@ class RLLoop:
         out = {
             "step": step,
             "version": self.version,
-            "reward/mean": float(rewards.mean()),
-            "reward/accuracy": float((rewards >= 1.0).mean()),
+            # reward mean/std/accuracy, generated length mean/max, truncated fraction
+            **batch_metrics(t for g in groups for t in g.trajectories),
             # Every group finished since the previous step, filtered ones included (unbiased,
             # unlike reward/mean over the trained groups when the all-equal filter is on).
             "rollout/reward_mean": (ctl.finished_reward_sum - sum_prev) / n_new if n_new else math.nan,
-            "completion/mean_length": float(lengths.mean()),
-            "completion/max_length": int(lengths.max()),
             "staleness/mean": float(sum(int(k) * v for k, v in lag.items()) / max(sum(lag.values()), 1)),
             "staleness/max": int(max((int(k) for k, v in lag.items() if v), default=0)),
             "staleness/hist": {str(k): float(v) for k, v in lag.items()},
@@ -337,6 +341,7 @@ class RLLoop:
         return [{"query_id": g.query_id, "admitted_version": g.admitted_version, "sample": i,
                  "prompt": decode(t.prompt_ids), "completion": decode(t.completion_ids), "reward": t.reward,
                  "stop_reason": t.stop_reason, "versions": t.versions.tolist(),
+                 **({} if t.loss_mask is None else {"loss_mask": t.loss_mask.astype(int).tolist()}),
                  "behavior_logprobs": t.behavior_logprobs.tolist()}
                 for g in groups for i, t in enumerate(g.trajectories)]
 
