@@ -47,6 +47,7 @@ from areal_jax.generation.config import EngineConfig
 from areal_jax.generation.programs import (EnginePrograms, build_programs, cache_sharding, check_mesh, mesh_sizes,
                                            param_shardings, placed_like)
 from areal_jax.generation.sampling import MAX_STOP_IDS, SamplingParams
+from areal_jax.generation.timings import CallTimings, decode_key, shape_key
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.sharding import GENERATION_RULES, activation_rules
 from areal_jax.models.transformer import KVCache, Params, Transformer, split_layers
@@ -187,6 +188,7 @@ class GenerationEngine:
         self._ids = itertools.count()
         self._seeds = itertools.count()
         self._stats = EngineStats()
+        self._timings = CallTimings()  # seconds per program and shape, for the simulator's cost fit
         self.compile_counts: collections.Counter[str] = collections.Counter()
         self._thread: threading.Thread | None = None
         self._stop_event = threading.Event()
@@ -297,6 +299,10 @@ class GenerationEngine:
             s.queued_requests = len(self._queue)
         s.active_slots = sum(x is not None for x in self._slot_sample)
         return s
+
+    def timings(self) -> dict:
+        """Wall time of every call so far by program and shape (generation/timings.py)."""
+        return self._timings.snapshot()
 
     def has_work(self) -> bool:
         with self._lock:
@@ -498,8 +504,11 @@ class GenerationEngine:
         self._cache, block, logits, tokens, logprobs = self._programs.prefill_start(
             self._params, self._cache, *self._put(padded, lengths, *self._start_arrays(plan)))
         tokens, logprobs = jax.device_get((tokens, logprobs))
-        self._stats.prefill_s += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self._stats.prefill_s += elapsed
         self._stats.prefill_tokens += sum(req.prompt.size for req in batch)
+        self._timings.add("prefill", shape_key(padded.shape[0], padded.shape[1]), calls=1,
+                          tokens=sum(req.prompt.size for req in batch), s=elapsed)
         for row, req in enumerate(batch):
             if req.next_sample < req.n:
                 req.prefix = (block, row, logits)
@@ -512,9 +521,11 @@ class GenerationEngine:
         started, free = self._assign(req, free)
         plan = [(slot, r, index, row) for slot, r, index in started]
         rows, slots, keys, positions, temperature, top_p, top_k = self._start_arrays(plan)
+        t0 = time.perf_counter()
         self._cache = self._programs.insert(self._cache, block, *self._put(rows, slots))
         tokens, logprobs = jax.device_get(self._programs.first_tokens(
             logits, *self._put(rows, keys, positions, temperature, top_p, top_k)))
+        self._timings.add("insert", shape_key(len(plan)), calls=1, s=time.perf_counter() - t0)
         for (slot, _, index, _), token, logprob in zip(plan, tokens, logprobs):
             self._start_sample(slot, req, index, int(token), float(logprob))
         return free
@@ -567,10 +578,13 @@ class GenerationEngine:
             self._tokens, self._positions, active, self._remaining, self._temperature, self._top_p, self._top_k,
             self._stop_ids, self._slot_keys, np.int32(exit_free)), window=window)
         tokens, logprobs, valid, steps = (np.asarray(x) for x in jax.device_get(out))  # [B, C] each; steps []
-        self._stats.decode_s += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self._stats.decode_s += elapsed
         self._stats.chunks += 1
         self._stats.decode_steps += int(steps)
         self._stats.busy_slot_steps += int(valid.sum())
+        self._timings.add("decode", decode_key(window, int(active.sum()), ec.num_slots), steps=int(steps),
+                          slot_steps=int(valid.sum()), s=elapsed)
         for slot in np.flatnonzero(active):
             sample = self._slot_sample[slot]
             got = int(valid[slot].sum())  # valid steps form a prefix of the chunk
@@ -626,10 +640,14 @@ class GenerationEngine:
     def _prefill(self, seqs: list[np.ndarray]) -> KVCache:
         """KV block (per layer `[R, K, P, H]`) of `seqs` (row i = seqs[i]); R and P bucketed."""
         t0 = time.perf_counter()
-        block = self._programs.prefill(self._params, *self._put(*self._padded_rows(seqs)))
+        padded, lengths = self._padded_rows(seqs)
+        block = self._programs.prefill(self._params, *self._put(padded, lengths))
         jax.block_until_ready(block)
-        self._stats.prefill_s += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self._stats.prefill_s += elapsed
         self._stats.prefill_tokens += sum(s.size for s in seqs)
+        self._timings.add("reprefill_long", shape_key(padded.shape[0], padded.shape[1]), calls=1,
+                          tokens=sum(s.size for s in seqs), s=elapsed)
         return block
 
     def _padded_rows(self, seqs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -667,8 +685,11 @@ class GenerationEngine:
                     at += h.size
             self._cache = self._programs.reprefill(self._params, self._cache, *self._put(ids, segments, dest))
         jax.block_until_ready(self._cache.k[0])
-        self._stats.prefill_s += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self._stats.prefill_s += elapsed
         self._stats.prefill_tokens += sum(h.size for h in histories.values())
+        self._timings.add("reprefill", shape_key(len(bins)), calls=-(-len(bins) // most),
+                          tokens=sum(h.size for h in histories.values()), s=elapsed)
 
     def _insert(self, block: KVCache, placements: list[tuple[int, int]]) -> None:
         """Copies block rows into cache slots, `placements` = [(row, slot)], in one call."""

@@ -1,0 +1,43 @@
+"""The engine's per-program timings, which the simulator's calibration fits, agree with its stats."""
+
+import jax
+import pytest
+
+from areal_jax.generation import EngineConfig, GenerationEngine, SamplingParams
+from areal_jax.generation.timings import CallTimings, decode_key, timings_delta
+from areal_jax.models import ModelConfig, Transformer, init_params
+
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=8)
+
+
+def test_engine_timings_account_for_every_call():
+    model = Transformer(CFG, init_params(CFG, jax.random.key(0), std=0.3))
+    engine = GenerationEngine(model, EngineConfig(num_slots=4, max_seq_len=64, decode_chunk=4))
+    handles = [engine.submit([1, 2, 3, 4 + i], SamplingParams(max_new_tokens=20), n=3, seed=i) for i in range(3)]
+    for _ in range(3):  # a few chunks, then a swap with samples in flight (re-prefilled)
+        engine.step()
+    engine.update_weights(model.params, version=1)
+    engine.run_until_idle()
+    assert all(len(h.result().completions) == 3 for h in handles)
+    stats, t = engine.stats(), engine.timings()
+    assert sum(v["steps"] for v in t["decode"].values()) == stats.decode_steps
+    assert sum(v["slot_steps"] for v in t["decode"].values()) == stats.busy_slot_steps
+    assert sum(v["tokens"] for v in t["reprefill"].values()) == stats.reprefill_tokens > 0
+    timed = sum(v["s"] for kind in ("prefill", "reprefill", "reprefill_long") for v in t[kind].values())
+    assert timed == pytest.approx(stats.prefill_s)
+    assert all(k.startswith("len") for k in t["prefill"]) and t["insert"]  # 9 samples on 4 slots: a group split over a kept block
+
+
+def test_delta_and_keys():
+    timings = CallTimings()
+    timings.add("decode", decode_key(128, 3, 12), steps=8, slot_steps=20, s=0.5)
+    before = timings.snapshot()
+    timings.add("decode", decode_key(128, 12, 12), steps=4, slot_steps=48, s=0.25)
+    timings.add("decode", decode_key(128, 3, 12), steps=8, slot_steps=16, s=0.5)
+    assert decode_key(128, 3, 12) == "w128_q1" and decode_key(128, 12, 12) == "w128_q4"
+    assert timings_delta(timings.snapshot(), before) == {
+        "decode": {"w128_q1": {"steps": 8, "slot_steps": 16, "s": 0.5}, "w128_q4": {"steps": 4, "slot_steps": 48,
+                                                                                   "s": 0.25}}}
+    with pytest.raises(ValueError, match="unknown call kind"):
+        timings.add("train", "x", s=1.0)
