@@ -60,5 +60,20 @@ def sleep_then_pid(seconds):
     return float(os.getpid())
 
 
+def sandboxed_sleep(seconds):
+    """Runs a program that sleeps in the code sandbox (its wall clock well past `seconds`)."""
+    from areal_jax.reward.sandbox import SandboxLimits, run_program
+
+    run_program(f"import time\ntime.sleep({seconds})", "", SandboxLimits(wall_s=seconds + 30.0))
+    return 1.0
+
+
+def catastrophic_regex(text, gold=None):
+    """A backtracking regular expression: holds the GIL in C for minutes."""
+    import re
+
+    return float(re.match(r"(a+)+$", "a" * 40 + "b") is not None)
+
+
 # Importing this module kills the importing process: a preload that crashes every worker.
 CRASH_ON_IMPORT = "tests.reward_fixtures_crash_on_import"

@@ -1,8 +1,9 @@
-"""code_reward and its sandbox: verdicts, limits, isolation, and cleanup."""
+"""code_reward and its sandbox: verdicts, limits, isolation (processes, files, network), and cleanup."""
 
 import json
 import os
 import pathlib
+import socket
 import subprocess
 import time
 import uuid
@@ -10,16 +11,18 @@ import uuid
 import pytest
 
 from areal_jax.reward.code import (
-    SandboxLimits,
-    _processes_of_uid,
     code_reward,
     extract_last_code_block,
     normalize_test_cases,
     outputs_match,
     run_test_cases,
 )
+from areal_jax.reward import sandbox
+from areal_jax.reward.sandbox import SandboxLimits, SandboxUnavailable, processes_of_uid
 
-LIMITS = SandboxLimits(wall_s=1.5, cpu_s=1, memory_mb=256, max_processes=8, file_size_mb=1)
+ISOLATED = sandbox.network_isolation_available()
+# Where no network namespace can be made, the other tests opt in to the host's network.
+LIMITS = SandboxLimits(wall_s=1.5, cpu_s=1, memory_mb=256, max_processes=8, file_size_mb=1, allow_network=not ISOLATED)
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOUBLE = {"inputs": ["3\n", "5\n", "-4\n"], "outputs": ["6\n", "10\n", "-8\n"]}
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="private-uid sandbox needs root")
@@ -32,7 +35,7 @@ def fenced(code: str, tag: str = "python") -> str:
 def assert_no_leftovers(results):
     for r in results:
         if os.geteuid() == 0:
-            assert _processes_of_uid(r.uid) == [], f"processes of sandbox uid {r.uid} survived"
+            assert processes_of_uid(r.uid) == [], f"processes of sandbox uid {r.uid} survived"
 
 
 @pytest.mark.parametrize(
@@ -208,6 +211,55 @@ def test_code_reward_through_pool():
         assert [f.result(60) for f in futures] == [1.0, 0.0, 0.0]
 
 
+CONNECT = (
+    "import socket\n"
+    "try:\n    socket.create_connection(('127.0.0.1', int(input())), timeout=2).close()\n    print('connected')\n"
+    "except OSError:\n    print('unreachable')\n"
+)
+
+
+@pytest.fixture
+def listening_port():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(4)
+    server.settimeout(0.0)
+    yield server
+    server.close()
+
+
+def _accepted(server) -> bool:
+    try:
+        server.accept()[0].close()
+        return True
+    except BlockingIOError:
+        return False
+
+
+@pytest.mark.skipif(not ISOLATED, reason="this host cannot make a network namespace")
+def test_sandboxed_code_cannot_reach_loopback(listening_port):
+    port = str(listening_port.getsockname()[1])
+    isolated = SandboxLimits(wall_s=5.0, cpu_s=2, memory_mb=256)
+    [result] = run_test_cases(CONNECT, {"inputs": [port], "outputs": ["unreachable"]}, limits=isolated)
+    assert result.passed, result
+    assert not _accepted(listening_port)
+    # The same program with the host's network (the opt-in) does reach the listening socket.
+    opted_in = SandboxLimits(wall_s=5.0, cpu_s=2, memory_mb=256, allow_network=True)
+    [result] = run_test_cases(CONNECT, {"inputs": [port], "outputs": ["connected"]}, limits=opted_in)
+    assert result.passed, result
+    assert _accepted(listening_port)
+
+
+def test_no_network_namespace_refuses_untrusted_code_unless_opted_in(monkeypatch, listening_port):
+    monkeypatch.setattr(sandbox, "network_isolation_available", lambda: False)
+    port = str(listening_port.getsockname()[1])
+    with pytest.raises(SandboxUnavailable, match=r"^SandboxLimits.allow_network: .*127.0.0.1") as refused:
+        run_test_cases(CONNECT, {"inputs": [port], "outputs": ["unreachable"]}, limits=SandboxLimits())
+    assert "\n" not in str(refused.value)
+    assert code_reward(fenced("print(1)"), {"inputs": [""], "outputs": ["1"]},
+                       limits=SandboxLimits(allow_network=True)) == 1.0
+
+
 @pytest.mark.parametrize(
     ("kwargs", "culprit"),
     [
@@ -219,6 +271,7 @@ def test_code_reward_through_pool():
         ({"open_files": 2}, "open_files"),
         ({"python": "python3"}, "python"),
         ({"run_as_uid": 0}, "run_as_uid"),
+        ({"allow_network": 1}, "allow_network"),
     ],
 )
 def test_limits_validation(kwargs, culprit):

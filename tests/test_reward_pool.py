@@ -187,13 +187,13 @@ def test_workers_that_cannot_start_fail_the_pool_instead_of_respawning_forever(c
 
 
 def test_registered_short_name(pool):
-    from areal_jax.reward.registry import BUILTIN_REWARDS, register_reward
+    from areal_jax.reward.registry import REWARDS, register_reward
 
     register_reward("fixture_add", f"{FIX}:add")
     try:
         assert pool.submit("fixture_add", 4, 5).result(10) == 9.0
     finally:
-        del BUILTIN_REWARDS["fixture_add"]
+        del REWARDS["fixture_add"]
     with pytest.raises(ValueError, match="function"):
         register_reward("bad", "not a path")
 
@@ -206,3 +206,42 @@ def test_importing_the_pool_does_not_import_sympy():
             "assert 'sympy' not in sys.modules and 'math_verify' not in sys.modules\n"
             "from areal_jax.reward import math_reward\nassert 'math_verify' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def _sandbox_leftovers(worker_pid, run_dirs):
+    """Processes of a worker's sandboxes: the private uids its runs draw from (root), or a working
+    directory inside one of its run directories."""
+    import psutil
+
+    from areal_jax.reward.sandbox import _uid_range
+
+    uids, found = _uid_range(worker_pid), []
+    for proc in psutil.process_iter(["uids", "cwd", "status"]):
+        info = proc.info
+        if info["status"] == psutil.STATUS_ZOMBIE or info["uids"] is None:
+            continue
+        if info["uids"].real in uids or (info["cwd"] or "").startswith(tuple(run_dirs) or ("\0",)):
+            found.append(proc.pid)
+    return found
+
+
+def test_deadline_kill_sweeps_the_sandboxes_of_the_killed_worker():
+    """A worker killed at its deadline mid-sandbox cannot clean up: the supervisor removes the
+    sandboxed program and its private directory before the call's 0.0 arrives."""
+    import glob
+    import tempfile
+
+    with RewardPool(RewardPoolConfig(num_workers=1, timeout_s=60.0, preload=())) as pool:
+        worker = int(pool.submit(f"{FIX}:worker_pid").result(60))
+        pattern = f"{tempfile.gettempdir()}/areal-sandbox-{worker}-*"
+        future = pool.submit_call(f"{FIX}:sandboxed_sleep", (600,), timeout_s=4.0)
+        deadline = time.monotonic() + 4.0
+        while time.monotonic() < deadline and not (glob.glob(pattern) and _sandbox_leftovers(worker, glob.glob(pattern))):
+            time.sleep(0.05)
+        run_dirs = glob.glob(pattern)
+        running = _sandbox_leftovers(worker, run_dirs)
+        assert run_dirs and running, "the sandboxed program never started"
+        assert future.result(60) == 0.0
+        assert pool.stats().timeouts == 1
+        assert _sandbox_leftovers(worker, run_dirs) == []
+        assert glob.glob(pattern) == []

@@ -7,16 +7,19 @@ A .gin file binds fields of these classes by class name (see configs/quickstart.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 
 from areal_jax import config_system as cs
 from areal_jax.checkpoint import CheckpointConfig
 from areal_jax.data.pipeline import DataConfig
 from areal_jax.generation.engine import EngineConfig
+from areal_jax.metrics import MetricsConfig
 from areal_jax.parallel.meshes import MeshConfig
 from areal_jax.plan.config import PlanConfig
 from areal_jax.ppo.advantages import AdvantageConfig
-from areal_jax.rollout.workflow import RLVRConfig
+from areal_jax.reward.pool import RewardPoolConfig
+from areal_jax.reward.sandbox import SandboxLimits
+from areal_jax.rollout.workflow import RLVRConfig, resolve_workflow_class
 from areal_jax.tasks.arithmetic import ArithmeticConfig
 from areal_jax.trainer.loop import RLConfig
 from areal_jax.trainer.optimizer import OptimizerConfig
@@ -70,6 +73,8 @@ class Stages:
 
 JOB_CONFIG_CLASSES = (ModelSource, TaskSource, Stages, ArithmeticConfig, DataConfig, SFTConfig, RLConfig, PPOConfig,
                       OptimizerConfig, AdvantageConfig, RLVRConfig, EngineConfig, MeshConfig, CheckpointConfig,
+                      RewardPoolConfig, SandboxLimits,
+                      MetricsConfig,
                       PlanConfig)  # PlanConfig: read by `areal-jax plan`, accepted (and ignored) by the run
 for _cls in JOB_CONFIG_CLASSES:
     cs.register(_cls)
@@ -91,6 +96,10 @@ class JobConfigs:
     engine: EngineConfig
     mesh: MeshConfig
     checkpoint: CheckpointConfig | None
+    metrics: MetricsConfig = MetricsConfig()  # TensorBoard and W&B besides metrics.jsonl
+    workflow: Any = None  # the config_class instance of RLConfig.workflow's class (None: it has none)
+    reward_pool: RewardPoolConfig = RewardPoolConfig()  # the workers of every reward not declared in-process
+    sandbox: SandboxLimits = SandboxLimits()  # the code reward's sandbox in those workers
 
     def as_dict(self) -> dict:
         return {f.name: (None if getattr(self, f.name) is None else dataclasses.asdict(getattr(self, f.name)))
@@ -103,6 +112,10 @@ def load_job_configs(gin_files=(), gin_params=(), *, run_dir: str, num_processes
     Checks between fields of different configs run here too (`check_cross_fields`), so nothing
     is trained before they pass; with `num_processes` also those that depend on the host count.
     """
+    # A custom workflow's own config class is registered by importing its module, which only
+    # RLConfig.workflow names: a first pass finds it, the second parses strictly with it known.
+    cs.parse(gin_files, gin_params, skip_unknown=True)
+    workflow_class = _workflow_class(cs.build(RLConfig))
     cs.parse(gin_files, gin_params)
     task = cs.build(TaskSource)
     data = cs.build(DataConfig) if task.kind == "dataset" else None
@@ -115,9 +128,26 @@ def load_job_configs(gin_files=(), gin_params=(), *, run_dir: str, num_processes
         model=cs.build(ModelSource), task=task, stages=cs.build(Stages), arithmetic=cs.build(ArithmeticConfig),
         data=data, sft=cs.build(SFTConfig), rl=cs.build(RLConfig), ppo=cs.build(PPOConfig),
         optimizer=cs.build(OptimizerConfig), advantages=cs.build(AdvantageConfig), rollout=cs.build(RLVRConfig),
-        engine=cs.build(EngineConfig), mesh=cs.build(MeshConfig), checkpoint=checkpoint)
+        engine=cs.build(EngineConfig), mesh=cs.build(MeshConfig), checkpoint=checkpoint,
+        metrics=cs.build(MetricsConfig), workflow=_workflow_config(workflow_class),
+        reward_pool=cs.build(RewardPoolConfig), sandbox=cs.build(SandboxLimits))
     check_cross_fields(cfg, num_processes)
     return cfg
+
+
+def _workflow_class(rl: RLConfig) -> type | None:
+    """RLConfig.workflow's class (already checked by RLConfig), its config class registered with gin."""
+    if rl.workflow is None:
+        return None
+    cls = resolve_workflow_class(rl.workflow)
+    if getattr(cls, "config_class", None) is not None:
+        cs.register(cls.config_class)
+    return cls
+
+
+def _workflow_config(cls: type | None) -> Any:
+    config_class = getattr(cls, "config_class", None)
+    return None if config_class is None else cs.build(config_class)
 
 
 def check_cross_fields(cfg: JobConfigs, num_processes: int | None = None) -> None:
@@ -147,6 +177,12 @@ def _check_rl(cfg: JobConfigs) -> None:
             f"RLVRConfig.temperature ({rollout.temperature}) and PPOConfig.temperature ({ppo.temperature}) "
             "must be equal: the importance weights would otherwise measure the temperature, not the staleness")
     longest = min(engine.max_seq_len, engine.prompt_limit + rollout.max_new_tokens)
+    if cfg.rl.workflow is not None and engine.max_seq_len > ppo.max_tokens_per_microbatch:
+        # A custom workflow may grow an episode turn by turn, up to the engine's limit.
+        raise cs.ConfigError(
+            f"PPOConfig.max_tokens_per_microbatch ({ppo.max_tokens_per_microbatch}) is below EngineConfig.max_seq_len "
+            f"({engine.max_seq_len}), the longest sequence RLConfig.workflow ({cfg.rl.workflow!r}) may build; such "
+            "a sequence could not be trained")
     if longest > ppo.max_tokens_per_microbatch:
         raise cs.ConfigError(
             f"PPOConfig.max_tokens_per_microbatch ({ppo.max_tokens_per_microbatch}) is below the longest sample "

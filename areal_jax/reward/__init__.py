@@ -1,5 +1,5 @@
-"""Rewards computed off the generation path: math (math-verify), code (sandbox), and a
-supervised process pool that runs them with deadlines.
+"""Rewards computed off the generation path: math (math-verify), code (sandbox), a supervised
+process pool that runs them with deadlines, and the registry that says which may run in-process.
 
 Names are re-exported lazily (PEP 562) so that importing the pool in the controller does not
 import sympy / math-verify into the JAX process; workers import what they run.
@@ -15,13 +15,16 @@ _EXPORTS = {
     "code_reward": "areal_jax.reward.code",
     "extract_last_code_block": "areal_jax.reward.code",
     "run_test_cases": "areal_jax.reward.code",
-    "SandboxLimits": "areal_jax.reward.code",
+    "SandboxLimits": "areal_jax.reward.sandbox",
+    "SandboxUnavailable": "areal_jax.reward.sandbox",
     "RewardPool": "areal_jax.reward.pool",
     "RewardPoolConfig": "areal_jax.reward.pool",
     "RewardPoolStats": "areal_jax.reward.pool",
     "RewardFunctionNotFound": "areal_jax.reward.pool",
-    "BUILTIN_REWARDS": "areal_jax.reward.registry",
+    "REWARDS": "areal_jax.reward.registry",
+    "RewardSpec": "areal_jax.reward.registry",
     "register_reward": "areal_jax.reward.registry",
+    "runs_in_process": "areal_jax.reward.registry",
 }
 
 __all__ = sorted(_EXPORTS)

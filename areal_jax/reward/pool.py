@@ -10,6 +10,8 @@ when one worker dies and cannot kill one hung call, so this is a small superviso
   with a timeout equal to the nearest task deadline;
 - a call past its deadline: the worker is SIGKILLed and replaced, the call yields 0.0;
 - a worker that dies mid-call: the call yields 0.0 and the worker is replaced;
+- a worker killed or dead: the supervisor sweeps the code sandboxes it had running (their
+  processes and private directories), before the call's future resolves;
 - a function that raises or returns a non-number: 0.0, counted as an error, traceback logged;
 - a function path that cannot be resolved: the future raises ``RewardFunctionNotFound``
   (a configuration bug should be loud, not a silent zero).
@@ -26,23 +28,21 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import ctypes
 import dataclasses
 import itertools
 import logging
 import math
 import multiprocessing
 import multiprocessing.connection
-import numbers
 import os
-import signal
 import threading
 import time
-import traceback
 from concurrent.futures import CancelledError, Future
 from typing import Any, Iterable
 
-from areal_jax.reward.registry import load_reward_function, resolve_reward_path
+from areal_jax.reward.registry import resolve_reward_path
+from areal_jax.reward.sandbox import SandboxLimits, sweep_sandboxes_of
+from areal_jax.reward.worker import worker_main
 
 __all__ = ["RewardFunctionNotFound", "RewardPool", "RewardPoolConfig", "RewardPoolStats"]
 
@@ -65,7 +65,8 @@ class RewardPoolConfig:
     """Configuration of a ``RewardPool``.
 
     num_workers: worker processes (calls run concurrently up to this many).
-    timeout_s: default wall-clock limit of one call, measured from dispatch to a ready worker.
+    timeout_s: wall-clock limit of a call whose caller names none, measured from dispatch to a
+        ready worker (rollouts use RLVRConfig.reward_timeout_s, eval EvalConfig.reward_timeout_s).
     max_tasks_per_worker: recycle a worker after this many calls (bounds leaks); None = never.
     start_method: "forkserver" or "spawn" (see module docstring for why not "fork").
     preload: modules every worker imports before it reports ready, so import time is not
@@ -120,62 +121,6 @@ class RewardPoolStats:
         return self.succeeded + self.timeouts + self.crashes + self.errors + self.cancelled
 
 
-# ----------------------------------------------------------------------------- worker side
-
-
-def _die_with_parent() -> None:
-    # A forkserver child's parent is the fork server, which exits when the pool's process
-    # dies; PR_SET_PDEATHSIG then takes a worker stuck in a hung call down with it.
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def _coerce_reward(value: object) -> float:
-    # Rewards are real numbers; bool and numpy scalars register as numbers.Real.
-    if not isinstance(value, numbers.Real):
-        raise TypeError(f"reward function returned {type(value).__name__}, expected a real number")
-    result = float(value)
-    if not math.isfinite(result):
-        raise ValueError(f"reward function returned a non-finite value {result!r}")
-    return result
-
-
-def _worker_main(conn: multiprocessing.connection.Connection, preload: tuple[str, ...]) -> None:
-    """Worker loop: receive (task_id, path, args, kwargs), reply (task_id, status, payload)."""
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # shutdown is the parent's job
-    for module in preload:
-        try:
-            __import__(module)
-        except Exception:  # a broken preload must not stop the pool; calls will report it
-            logging.getLogger(__name__).warning("reward worker failed to preload %s", module, exc_info=True)
-    conn.send(("ready", os.getpid(), None))
-    functions: dict[str, Any] = {}
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            return
-        if message is None:
-            return
-        task_id, path, args, kwargs = message
-        if path not in functions:
-            try:
-                functions[path] = load_reward_function(path)
-            except Exception:
-                conn.send((task_id, "not_found", traceback.format_exc()))
-                continue
-        fn = functions[path]
-        try:
-            reply = (task_id, "ok", _coerce_reward(fn(*args, **kwargs)))
-        except Exception:
-            reply = (task_id, "error", traceback.format_exc())
-        conn.send(reply)
-
-
 # ----------------------------------------------------------------------------- parent side
 
 
@@ -209,8 +154,10 @@ class RewardPool:
     ``close(wait=False)``, or with ``RewardFunctionNotFound``.
     """
 
-    def __init__(self, config: RewardPoolConfig | None = None) -> None:
+    def __init__(self, config: RewardPoolConfig | None = None, *, sandbox: SandboxLimits | None = None) -> None:
+        """sandbox: the code sandbox's limits in the workers (for code rewards that name none)."""
         self.config = config or RewardPoolConfig()
+        self._sandbox = sandbox
         self._ctx = multiprocessing.get_context(self.config.start_method)
         if self.config.start_method == "forkserver":
             # Ignored if this process's fork server already runs; workers then import themselves.
@@ -345,11 +292,11 @@ class RewardPool:
         now = time.monotonic()
         for i, worker in enumerate(list(self._workers)):
             if worker.task is not None and now >= worker.deadline:
+                task, worker.task = worker.task, None
                 logger.warning("reward call %s timed out after %.1fs; killing worker %d",
-                               worker.task.path, worker.task.timeout_s, worker.process.pid)
-                self._finish(worker.task, 0.0, "timeouts")
-                worker.task = None
-                self._replace(i)
+                               task.path, task.timeout_s, worker.process.pid)
+                self._replace(i)  # killed and its sandboxes swept before the caller sees the 0.0
+                self._finish(task, 0.0, "timeouts")
             elif not worker.ready and now >= worker.started_at + self.config.startup_timeout_s:
                 logger.warning("reward worker %d not ready after %.0fs; replacing it",
                                worker.process.pid, self.config.startup_timeout_s)
@@ -379,13 +326,14 @@ class RewardPool:
             if self._startup_failures > _MAX_STARTUP_FAILURES:  # e.g. a preload that segfaults
                 raise _PoolBroken(f"reward workers died during start-up {self._startup_failures} times in a row "
                                    f"(last exit code {worker.process.exitcode}); giving up")
-        if worker.task is not None:
+        task, worker.task = worker.task, None
+        if task is not None:
             worker.process.join(1.0)
             logger.warning("reward worker %d died (exit code %s) during %s; replacing it",
-                           worker.process.pid, worker.process.exitcode, worker.task.path)
-            self._finish(worker.task, 0.0, "crashes")
-            worker.task = None
+                           worker.process.pid, worker.process.exitcode, task.path)
         self._replace(index)
+        if task is not None:
+            self._finish(task, 0.0, "crashes")
 
     def _complete(self, worker: _Worker, task_id: int, status: str, payload: Any) -> None:
         task = worker.task
@@ -433,7 +381,7 @@ class RewardPool:
 
     def _start_worker(self) -> _Worker:
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
-        process = self._ctx.Process(target=_worker_main, args=(child_conn, self.config.preload),
+        process = self._ctx.Process(target=worker_main, args=(child_conn, self.config.preload, self._sandbox),
                                     name="reward-worker", daemon=True)
         process.start()
         child_conn.close()
@@ -457,6 +405,8 @@ class RewardPool:
             worker.process.kill()
         worker.process.join(5.0)
         worker.conn.close()
+        if worker.process.exitcode != 0:  # killed or died: its sandboxes had no chance to clean up
+            sweep_sandboxes_of(worker.process.pid)
 
     def _shutdown(self) -> None:
         """Resolve every remaining future (cancelled) and stop all workers."""

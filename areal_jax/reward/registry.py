@@ -1,41 +1,73 @@
-"""Names of reward functions: built-in short names and validated ``module:function`` paths.
+"""Names of reward functions: built-in short names and validated ``module:function`` paths, and
+where each may run.
 
 Reward functions cross a process boundary by name, not by pickled object, so a worker can
 import them fresh. This module resolves and checks those names; it imports nothing heavy.
+
+Where a reward runs is a declared property of its registration (`RewardSpec.in_process`), not a
+judgement each caller makes: only rewards registered as cheap and safe (bounded time, no sympy,
+no user code, no backtracking regex on model text) may run in the trainer's process. Everything
+else - math, code, any "package.module:function" path - runs in `RewardPool` worker processes,
+where a deadline can kill it: a call stuck in C code holds the GIL, and no thread of the process
+that called it would run until it returned.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import re
 from typing import Callable
 
-__all__ = ["BUILTIN_REWARDS", "register_reward", "resolve_reward_path", "load_reward_function"]
-
-BUILTIN_REWARDS: dict[str, str] = {
-    "math": "areal_jax.reward.math:math_reward",
-    "code": "areal_jax.reward.code:code_reward",
-}
+__all__ = ["REWARDS", "RewardSpec", "register_reward", "resolve_reward_path", "reward_spec", "load_reward_function",
+           "runs_in_process"]
 
 _PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 
-def register_reward(name: str, path: str) -> None:
+@dataclasses.dataclass(frozen=True)
+class RewardSpec:
+    """A registered reward.
+
+    path: "package.module:function".
+    in_process: declared cheap and safe: may run in the calling process (no worker, no deadline).
+    runs_code: executes model-written code (in the sandbox): jobs check the sandbox's network
+        isolation before they start.
+    """
+
+    path: str
+    in_process: bool = False
+    runs_code: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str) or not _PATH.match(self.path):
+            raise ValueError(f"reward path {self.path!r} is not of the form 'package.module:function'")
+
+
+REWARDS: dict[str, RewardSpec] = {
+    "math": RewardSpec("areal_jax.reward.math:math_reward"),
+    "code": RewardSpec("areal_jax.reward.code:code_reward", runs_code=True),
+    # A regular expression without nested quantifiers over the text, then an int compare.
+    "arithmetic": RewardSpec("areal_jax.tasks.reward:arithmetic_reward", in_process=True),
+}
+
+
+def register_reward(name: str, path: str, *, in_process: bool = False, runs_code: bool = False) -> None:
     """Register ``name`` as a short name for the reward function at ``path`` ("module:function").
 
+    in_process=True declares the function cheap and safe to call in the trainer's process; say it
+    only of code whose running time is bounded whatever the completion holds.
     Registration is per process; pools resolve names in the parent, so registering before
     submitting is enough (workers only ever see full paths).
     """
-    if not name or ":" in name:
+    if not name or not isinstance(name, str) or ":" in name:
         raise ValueError(f"reward name {name!r} must be non-empty and contain no ':'")
-    if not _PATH.match(path):
-        raise ValueError(f"reward path {path!r} is not of the form 'package.module:function'")
-    BUILTIN_REWARDS[name] = path
+    REWARDS[name] = RewardSpec(path, in_process=in_process, runs_code=runs_code)
 
 
-def resolve_reward_path(name_or_path: str) -> str:
-    """Map a short name or a ``module:function`` path to a checked ``module:function`` path.
+def reward_spec(name_or_path: str) -> RewardSpec:
+    """The registration of a short name or a path; an unregistered path is a pool-only reward.
 
     Checks the syntax and that the module exists (``importlib.util.find_spec``, which imports
     parent packages but not the module itself). A missing attribute is only found when a
@@ -43,21 +75,32 @@ def resolve_reward_path(name_or_path: str) -> str:
     """
     if not isinstance(name_or_path, str):
         raise TypeError(f"reward function must be named by a str, got {type(name_or_path).__name__}")
-    path = BUILTIN_REWARDS.get(name_or_path, name_or_path)
-    if not _PATH.match(path):
-        known = ", ".join(sorted(BUILTIN_REWARDS))
-        raise ValueError(
-            f"reward function {name_or_path!r} is neither a registered name ({known}) "
-            "nor a 'package.module:function' path"
-        )
-    module = path.split(":", 1)[0]
+    # A registered path keeps the properties declared for it under its name.
+    spec = REWARDS.get(name_or_path) or next((s for s in REWARDS.values() if s.path == name_or_path), None)
+    if spec is None:
+        if not _PATH.match(name_or_path):
+            known = ", ".join(sorted(REWARDS))
+            raise ValueError(f"reward function {name_or_path!r} is neither a registered name ({known}) "
+                             "nor a 'package.module:function' path")
+        spec = RewardSpec(name_or_path)
+    module = spec.path.split(":", 1)[0]
     try:
-        spec = importlib.util.find_spec(module)
+        found = importlib.util.find_spec(module)
     except ImportError as exc:  # a parent package is missing
         raise ValueError(f"reward function {name_or_path!r}: cannot find module {module!r}: {exc}") from exc
-    if spec is None:
+    if found is None:
         raise ValueError(f"reward function {name_or_path!r}: no module named {module!r}")
-    return path
+    return spec
+
+
+def resolve_reward_path(name_or_path: str) -> str:
+    """Map a short name or a ``module:function`` path to a checked ``module:function`` path."""
+    return reward_spec(name_or_path).path
+
+
+def runs_in_process(name_or_path: str) -> bool:
+    """Whether the reward is registered as cheap and safe to run in the calling process."""
+    return reward_spec(name_or_path).in_process
 
 
 def load_reward_function(path: str) -> Callable[..., object]:

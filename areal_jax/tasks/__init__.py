@@ -1,18 +1,16 @@
 """Built-in tasks. `arithmetic`: synthetic multi-step arithmetic with verifiable answers, its
 character-level tokenizer and small model (`tokenizer_builder`) and its reward (`reward`).
 
-Importing this package registers the reward name "arithmetic" with areal_jax.reward. Names are
-re-exported lazily (PEP 562) so that a reward worker importing `areal_jax.tasks.reward` does not
-pull in JAX.
+Its reward is registered as "arithmetic" in areal_jax.reward.registry (declared cheap and safe to
+run in-process). Names are re-exported lazily (PEP 562) so that a reward worker importing
+`areal_jax.tasks.reward` does not pull in JAX.
 """
 
 from __future__ import annotations
 
 from areal_jax.lazy_exports import lazy_exports
-from areal_jax.reward.registry import register_reward
 
 REWARD_NAME = "arithmetic"
-register_reward(REWARD_NAME, "areal_jax.tasks.reward:arithmetic_reward")
 
 _EXPORTS = {
     **{name: "areal_jax.tasks.arithmetic" for name in (

@@ -1,0 +1,76 @@
+"""A job's reward, run where its registration allows: the pool a job opens for it, and a scorer
+that the job's evaluations share with its rollouts.
+
+`open_reward_pool` is the one place that decides: a reward declared in-process
+(`registry.RewardSpec.in_process`) gets no pool; every other reward gets worker processes with
+deadlines, and a reward that runs model-written code is refused up front when the sandbox could
+not cut it off the network.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from areal_jax.reward.pool import RewardPool, RewardPoolConfig, RewardPoolStats
+from areal_jax.reward.registry import load_reward_function, resolve_reward_path, reward_spec
+from areal_jax.reward.sandbox import SandboxLimits, check_network_isolation
+
+__all__ = ["RewardScorer", "open_reward_pool", "pool_totals", "score_all"]
+
+
+def open_reward_pool(reward: str, config: RewardPoolConfig, sandbox: SandboxLimits) -> RewardPool | None:
+    """The worker pool `reward` runs in, or None for a reward declared in-process.
+
+    Raises SandboxUnavailable (one line) for a code-running reward on a host where the sandbox
+    cannot make a network namespace and `sandbox.allow_network` is off; ValueError for a name
+    that resolves to nothing. The caller closes the pool.
+    """
+    spec = reward_spec(reward)
+    if spec.in_process:
+        return None
+    if spec.runs_code:
+        check_network_isolation(sandbox)
+    return RewardPool(config, sandbox=sandbox)
+
+
+class RewardScorer:
+    """`scorer(text, gold) -> float` for one reward: in `pool` under `timeout_s` (a call past it
+    scores 0.0 and is counted by the pool), or in this process when `pool` is None (what
+    `open_reward_pool` gives only rewards declared in-process)."""
+
+    def __init__(self, reward: str, pool: RewardPool | None, *, timeout_s: float) -> None:
+        self.path = resolve_reward_path(reward)
+        self.pool = pool
+        self.timeout_s = timeout_s
+        self._fn = load_reward_function(self.path) if pool is None else None
+
+    def submit(self, *args: Any) -> Future:
+        if self.pool is not None:
+            return self.pool.submit_call(self.path, args, timeout_s=self.timeout_s)
+        future: Future = Future()
+        future.set_result(float(self._fn(*args)))
+        return future
+
+    def __call__(self, *args: Any) -> float:
+        return float(self.submit(*args).result())
+
+    def map(self, calls: Sequence[tuple]) -> list[float]:
+        """Every call submitted before any is awaited, so the pool's workers share them."""
+        futures = [self.submit(*args) for args in calls]
+        return [float(f.result()) for f in futures]
+
+
+def score_all(reward_fn: Callable[..., float], calls: Sequence[tuple]) -> list[float]:
+    """`reward_fn` over `calls`: concurrently for a `RewardScorer`, one by one for a plain function."""
+    if isinstance(reward_fn, RewardScorer):
+        return reward_fn.map(calls)
+    return [float(reward_fn(*args)) for args in calls]
+
+
+def pool_totals(pool: RewardPool | None) -> dict[str, int]:
+    """The pool's outcome counters (all zero without a pool), for a run's summary."""
+    stats = pool.stats() if pool is not None else RewardPoolStats()
+    return {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats) if f.name != "workers_started"}

@@ -1,0 +1,78 @@
+"""The worker side of `RewardPool`: a loop that imports reward functions by path and runs them.
+
+Kept apart from the supervisor so a worker imports only this, the registry and the sandbox
+before its preload modules.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+import multiprocessing.connection
+import numbers
+import os
+import signal
+import traceback
+from typing import Any
+
+from areal_jax.reward.registry import load_reward_function
+from areal_jax.reward.sandbox import SandboxLimits, set_default_limits
+
+__all__ = ["worker_main"]
+
+
+def _die_with_parent() -> None:
+    # A forkserver child's parent is the fork server, which exits when the pool's process
+    # dies; PR_SET_PDEATHSIG then takes a worker stuck in a hung call down with it.
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _coerce_reward(value: object) -> float:
+    # Rewards are real numbers; bool and numpy scalars register as numbers.Real.
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"reward function returned {type(value).__name__}, expected a real number")
+    result = float(value)
+    if not math.isfinite(result):
+        raise ValueError(f"reward function returned a non-finite value {result!r}")
+    return result
+
+
+def worker_main(conn: multiprocessing.connection.Connection, preload: tuple[str, ...],
+                sandbox: SandboxLimits | None = None) -> None:
+    """Worker loop: receive (task_id, path, args, kwargs), reply (task_id, status, payload)."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # shutdown is the parent's job
+    if sandbox is not None:
+        set_default_limits(sandbox)
+    for module in preload:
+        try:
+            __import__(module)
+        except Exception:  # a broken preload must not stop the pool; calls will report it
+            logging.getLogger(__name__).warning("reward worker failed to preload %s", module, exc_info=True)
+    conn.send(("ready", os.getpid(), None))
+    functions: dict[str, Any] = {}
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        task_id, path, args, kwargs = message
+        if path not in functions:
+            try:
+                functions[path] = load_reward_function(path)
+            except Exception:
+                conn.send((task_id, "not_found", traceback.format_exc()))
+                continue
+        fn = functions[path]
+        try:
+            reply = (task_id, "ok", _coerce_reward(fn(*args, **kwargs)))
+        except Exception:
+            reply = (task_id, "error", traceback.format_exc())
+        conn.send(reply)
