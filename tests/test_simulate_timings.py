@@ -1,11 +1,14 @@
 """The engine's per-program timings, which the simulator's calibration fits, agree with its stats."""
 
+import dataclasses
+
 import jax
 import pytest
 
 from areal_jax.generation import EngineConfig, GenerationEngine, SamplingParams
 from areal_jax.generation.timings import CallTimings, decode_key, timings_delta
 from areal_jax.models import ModelConfig, Transformer, init_params
+from tests.test_rl_loop import make_loop, tokenizer  # noqa: F401 - tokenizer is a fixture
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=8)
@@ -41,3 +44,21 @@ def test_delta_and_keys():
                                                                                    "s": 0.25}}}
     with pytest.raises(ValueError, match="unknown call kind"):
         timings.add("train", "x", s=1.0)
+
+
+def test_rl_loop_records_what_the_calibration_fits(tokenizer):
+    from areal_jax.parallel import MeshConfig
+    from areal_jax.trainer.loop import RLConfig
+
+    rl = RLConfig(steps=2, batch_size=2, max_staleness=0, max_concurrent=4, mode="sync")
+    loop = make_loop(tokenizer, rl=rl, mesh=MeshConfig(colocated=True), devices=jax.devices()[:2])
+    records = []
+    loop.on_rollouts = lambda step, recs: records.extend(recs)
+    loop.rl = dataclasses.replace(rl, dump_rollouts_every=1)
+    history = loop.run().history
+    for m in history:
+        t = m["timings"]
+        assert t["train"]["s"] == m["time/train_step_s"] and t["train"]["minibatches"] == 2
+        assert t["train"]["microbatches"] >= 2 and t["train"]["padded_tokens"] >= m["train/trained_tokens"]
+        assert sum(v["steps"] for v in t["decode"].values()) > 0 and t["prefill"]
+    assert records and all(r["prompt_tokens"] > 0 for r in records)

@@ -30,6 +30,7 @@ import jax
 from areal_jax.checkpoint import Checkpointer
 from areal_jax.generation.engine import EngineConfig, GenerationEngine
 from areal_jax.generation.sampling import SamplingParams
+from areal_jax.generation.timings import timings_delta
 from areal_jax.metrics import batch_metrics
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.transformer import Params
@@ -201,6 +202,7 @@ class RLLoop:
                                             max_group_age=rl.max_group_age)
         self._last_applied = None
         self._reward_tally = (0, 0.0)  # (trajectories, reward sum) finished before the last step
+        self._timings_seen: dict | None = None  # engine timings at the previous step's record
 
     def close(self) -> None:
         """After `run`: drops the engine (KV cache, served weights), the rollout side and the
@@ -295,6 +297,7 @@ class RLLoop:
             applied.result()  # nothing generates on stale weights in the synchronous baseline
         self.controller.notify()
         metrics = self._metrics(step, groups, train, wait_s, transfer_s)
+        metrics["timings"] = self._step_timings(train, minibatches)
         every = self.rl.dump_rollouts_every
         if self.on_rollouts is not None and every and (step + 1) % every == 0:
             self.on_rollouts(step, self.rollout_records(groups))
@@ -335,11 +338,24 @@ class RLLoop:
                 out[f"train/{k}"] = train[k]
         return out
 
+    def _step_timings(self, train: dict[str, Any], minibatches) -> dict[str, Any]:
+        """The step's program timings, which `areal-jax simulate --calibrate` fits: the engine's calls
+        since the previous record (generation/timings.py) and the training step with the shapes it ran."""
+        now = self.engine.timings()
+        out = timings_delta(now, self._timings_seen)
+        self._timings_seen = now
+        shapes = [mb.shape for minibatch in minibatches for mb in minibatch]
+        out["train"] = {"s": train.get("time_step_s", math.nan), "minibatches": len(minibatches),
+                        "microbatches": len(shapes), "padded_tokens": sum(r * t for r, t in shapes),
+                        "attention": float(sum(r * t * t for r, t in shapes))}
+        return out
+
     def rollout_records(self, groups: Sequence[TrajectoryGroup]) -> list[dict[str, Any]]:
         """Human-readable trajectories of a batch: prompt, completion, reward, per-token versions."""
         decode = self.tokenizer.decode
         return [{"query_id": g.query_id, "admitted_version": g.admitted_version, "sample": i,
-                 "prompt": decode(t.prompt_ids), "completion": decode(t.completion_ids), "reward": t.reward,
+                 "prompt": decode(t.prompt_ids), "prompt_tokens": len(t.prompt_ids),
+                 "completion": decode(t.completion_ids), "reward": t.reward,
                  "stop_reason": t.stop_reason, "versions": t.versions.tolist(),
                  **({} if t.loss_mask is None else {"loss_mask": t.loss_mask.astype(int).tolist()}),
                  "behavior_logprobs": t.behavior_logprobs.tolist()}
