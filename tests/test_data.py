@@ -9,6 +9,7 @@ import pytest
 
 from areal_jax.data import (
     DataConfig,
+    TemplateFieldError,
     PromptTemplate,
     RowFormatError,
     build_prompt_loader,
@@ -18,33 +19,20 @@ from areal_jax.data import (
     iter_records,
     parse_record,
 )
-
-
-class CharChatTokenizer:
-    """Test fixture: a deterministic chat template over a char-level encoding.
-
-    Used when the project's real tokenizer (areal_jax.models.tokenizer) is not there;
-    the loader only needs `apply_chat_template(..., tokenize=True) -> list[int]`.
-    """
-
-    def apply_chat_template(self, messages, *, add_generation_prompt, tokenize):
-        assert tokenize, "the loader asks for token ids"
-        text = "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages)
-        if add_generation_prompt:
-            text += "<assistant>"
-        return [ord(ch) % 1000 for ch in text]
+from areal_jax.models.tokenizer import Tokenizer
+from tests.tokenizer_fixtures import build_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    try:
-        from areal_jax.models.tokenizer import Tokenizer
-    except ImportError:
-        return CharChatTokenizer()
-    from tests.tokenizer_fixtures import build_tiny_tokenizer
+    return Tokenizer.from_pretrained(build_tiny_tokenizer(tmp_path_factory.mktemp("tok"), "chatml"))
 
-    directory = build_tiny_tokenizer(tmp_path_factory.mktemp("tok"), "chatml")
-    return Tokenizer.from_pretrained(str(directory))
+
+@pytest.fixture(scope="module")
+def base_tokenizer(tmp_path_factory):
+    """Llama-3-like, with no chat template: a base model's tokenizer (its post-processor adds bos)."""
+    return Tokenizer.from_pretrained(build_tiny_tokenizer(tmp_path_factory.mktemp("base"), "llama3",
+                                                          template_storage="none"))
 
 
 SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -264,6 +252,15 @@ def test_no_usable_rows_is_an_error(tmp_path, tokenizer):
         ({"paths": ("a.jsonl",), "seed": -1}, "seed"),
         ({"paths": ("a.jsonl",), "num_epochs": 0}, "num_epochs"),
         ({"paths": ("a.jsonl",), "system_prompt": 3}, "system_prompt"),
+        ({"paths": ("a.jsonl",), "prompt_template": "Q: {}"}, r"DataConfig.prompt_template field \{\}"),
+        ({"paths": ("a.jsonl",), "prompt_template": "Q: {question.upper}"}, "field name"),
+        ({"paths": ("a.jsonl",), "prompt_template": "Q: {question"}, "not a format string"),
+        ({"paths": ("a.jsonl",), "prompt_template": "Answer:"}, "names no field"),
+        ({"paths": ("a.jsonl",), "prompt_template": "{question}", "prompt_suffix": "!"}, "whole prompt"),
+        ({"paths": ("a.jsonl",), "prompt_template": "{question}", "chat_template_kwargs": {"enable_thinking": False}},
+         "chat_template_kwargs apply to a chat template"),
+        ({"paths": ("a.jsonl",), "chat_template_kwargs": {"not a name": 1}}, "chat_template_kwargs keys"),
+        ({"paths": ("a.jsonl",), "chat_template_kwargs": {"x": object()}}, "JSON-like"),
     ],
 )
 def test_data_config_validation(kwargs, match):
@@ -370,3 +367,49 @@ def test_resume_through_grain_checkpoint_handler(tmp_path, tokenizer):
     fresh = build_prompt_loader(config, tokenizer)
     handler.restore(tmp_path / "ckpt", item=fresh.iterator)
     assert answers(fresh, count=6) == expected
+
+
+# ---------------------------------------------------------------- templates
+
+
+def test_prompt_template_replaces_the_chat_template_for_a_base_model(tmp_path, base_tokenizer):
+    path = write_jsonl(tmp_path / "mixed.jsonl", [GSM8K, {"problem": "1+1?", "solution": "\\boxed{2}"}])
+    config = DataConfig(paths=(path,), prompt_template="Question: {question}\nAnswer:", format="gsm8k",
+                        shuffle=False, num_epochs=1)
+    loader = build_prompt_loader(config, base_tokenizer)
+    (example,) = list(loader)  # format="gsm8k": the MATH row is malformed (no question), skipped
+    text = f"Question: {GSM8K['question']}\nAnswer:"
+    assert example["row"].messages == [{"role": "user", "content": text}] and example["row"].answer == "1234"
+    expected = base_tokenizer.encode(text, add_special_tokens=True)
+    assert expected[0] == base_tokenizer.bos_token_id  # a base model's prompt starts with bos
+    np.testing.assert_array_equal(example["prompt_ids"], expected)
+    assert loader.stats.num_malformed == 1
+
+
+def test_a_template_field_the_rows_lack_is_an_error_naming_field_and_file(tmp_path, base_tokenizer):
+    path = write_jsonl(tmp_path / "gsm8k.jsonl", [GSM8K])
+    config = DataConfig(paths=(path,), prompt_template="Problem: {problem}\nSolution:")
+    with pytest.raises(TemplateFieldError, match=rf"\{{problem\}}, which {path}:1 lacks .*answer, question"):
+        build_prompt_loader(config, base_tokenizer)
+
+
+def test_a_model_without_a_chat_template_needs_a_prompt_template(tmp_path, base_tokenizer):
+    path = write_jsonl(tmp_path / "gsm8k.jsonl", [GSM8K])
+    with pytest.raises(ValueError) as err:
+        build_prompt_loader(DataConfig(paths=(path,)), base_tokenizer)
+    message = str(err.value)
+    assert base_tokenizer.name in message and "\n" not in message
+    assert "DataConfig.prompt_template" in message and "DataConfig.chat_template_kwargs" in message
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path):
+    qwen3 = Tokenizer.from_pretrained(build_tiny_tokenizer(tmp_path / "qwen3", "qwen3"))
+    path = write_jsonl(tmp_path / "gsm8k.jsonl", [GSM8K])
+    messages = [{"role": "user", "content": GSM8K["question"]}]
+    for kwargs, think in (({}, False), ({"enable_thinking": False}, True)):
+        example = next(build_prompt_loader(DataConfig(paths=(path,), chat_template_kwargs=kwargs), qwen3))
+        text = qwen3.decode(example["prompt_ids"])
+        # Thinking off: the template writes an empty think block after the generation prompt.
+        assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") == think
+        expected = qwen3.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+        np.testing.assert_array_equal(example["prompt_ids"], expected)

@@ -11,6 +11,7 @@ from areal_jax.models.transformer import forward, init_params
 from areal_jax.packing import unpack
 from areal_jax.tasks import arithmetic as ar
 from areal_jax.tasks.tokenizer_builder import build_tokenizer, task_model_config
+from areal_jax.data import SFTExample
 from areal_jax.trainer.sft import (
     PackedBatches,
     SFTConfig,
@@ -18,6 +19,7 @@ from areal_jax.trainer.sft import (
     GreedyAccuracy,
     evaluate_accuracy,
     learning_rate_schedule,
+    packed_eval_batches,
     run_sft,
     sample_rewards,
     sequence_arrays,
@@ -125,6 +127,61 @@ def test_packed_loss_equals_per_sequence_reference():
     np.testing.assert_allclose(float(packed_loss), total / count, rtol=1e-5)
 
 
+def test_packing_and_completion_mask_match_a_hand_computed_layout():
+    a = SFTExample(ids=[10, 11, 12, 13, 14], trained=[0, 0, 1, 0, 1])  # two trained spans (a chat's turns)
+    b = ([20, 21], [22, 23])  # a (prompt, completion) pair
+    c = SFTExample(ids=[30, 31, 32], trained=[0, 1, 1])
+    (batch,) = packed_eval_batches([a, b, c], batch_size=2, max_len=8)
+    # First-fit-decreasing over the input lengths 4, 3, 2 in rows of 8: a and b share row 0, c opens row 1.
+    expected = {
+        "input_ids": [[10, 11, 12, 13, 20, 21, 22, 0], [30, 31, 0, 0, 0, 0, 0, 0]],
+        "targets": [[11, 12, 13, 14, 21, 22, 23, 0], [31, 32, 0, 0, 0, 0, 0, 0]],
+        "loss_mask": [[0, 1, 0, 1, 0, 1, 1, 0], [1, 1, 0, 0, 0, 0, 0, 0]],
+        "segment_ids": [[1, 1, 1, 1, 2, 2, 2, 0], [1, 1, 0, 0, 0, 0, 0, 0]],
+        "positions": [[0, 1, 2, 3, 0, 1, 2, 0], [0, 1, 0, 0, 0, 0, 0, 0]],
+    }
+    assert set(batch) == set(expected)
+    for key, value in expected.items():
+        np.testing.assert_array_equal(batch[key], value, err_msg=key)
+    with pytest.raises(ValueError, match="at least one trained token"):
+        SFTExample(ids=[1, 2], trained=[1, 1])  # token 0 has nothing before it to predict it
+
+
+def _reference_loss(params, cfg, examples) -> float:
+    """Token-mean loss over the trained targets of every example, each run alone, NumPy log-softmax."""
+    total, count = 0.0, 0.0
+    for e in examples:
+        logits, _ = forward(params, cfg, jnp.asarray(e.ids[:-1])[None])
+        logits = np.asarray(logits[0], np.float64)
+        logp = logits - logits.max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        picked = logp[np.arange(e.ids.size - 1), e.ids[1:]]
+        total -= np.sum(picked * e.trained[1:])
+        count += np.sum(e.trained[1:])
+    return total / count
+
+
+def test_per_step_records_and_validation_loss():
+    cfg = task_model_config(vocab_size=50, **TINY)
+    params = init_params(cfg, jax.random.key(0), std=0.2)
+    rng = np.random.default_rng(5)
+    examples = [SFTExample(ids, np.arange(ids.size) % 3 == 2) for ids in (rng.integers(1, 50, n) for n in
+                                                                            rng.integers(4, 12, 16))]
+    held_out = [SFTExample.from_pair(p, c) for p, c in _random_examples(rng, 7)]
+    sft = SFTConfig(steps=5, batch_size=2, max_len=24, warmup=1, log_every=2, val_every=2)
+    records = []
+    trained, metrics = run_sft(cfg, params, examples, sft, progress=False, val_examples=held_out,
+                               on_step=lambda step, m: records.append((step, m)))
+    assert [step for step, _ in records] == [1, 2, 3, 4, 5]  # one record per step, in order
+    assert [step for step, m in records if "val_loss" in m] == [2, 4, 5]  # every val_every steps, and the last
+    assert all(set(m) >= {"loss", "tokens", "grad_norm", "lr"} for _, m in records)
+    # A logged entry's loss is the mean of its steps' losses.
+    assert [m["step"] for m in metrics] == [2, 4, 5]
+    np.testing.assert_allclose(metrics[0]["loss"], np.mean([m["loss"] for _, m in records[:2]]), rtol=1e-6)
+    np.testing.assert_allclose(records[-1][1]["val_loss"], _reference_loss(trained, cfg, held_out), rtol=1e-5)
+    assert metrics[-1]["val_loss"] == records[-1][1]["val_loss"]
+
+
 @pytest.fixture
 def six_problems(tokenizer):
     """(examples, prompt rows, model config, random params) of 6 arithmetic problems, a tiny model."""
@@ -213,10 +270,12 @@ def test_sft_on_a_sharded_train_mesh_equals_sft_on_one_device(tokenizer, six_pro
         seen.append(len(leaf.sharding.device_set))
         return 0.0
 
-    one, m_one = run_sft(cfg, params, examples, sft, progress=False, validate=probe)
-    sharded, m_mesh = run_sft(cfg, params, examples, sft, progress=False, validate=probe, mesh=mesh)
+    one, m_one = run_sft(cfg, params, examples, sft, progress=False, validate=probe, val_examples=examples[:3])
+    sharded, m_mesh = run_sft(cfg, params, examples, sft, progress=False, validate=probe, mesh=mesh,
+                              val_examples=examples[:3])
     assert seen == [1, 1, 1, 1]
     np.testing.assert_allclose([m["loss"] for m in m_mesh], [m["loss"] for m in m_one], rtol=1e-4)
+    np.testing.assert_allclose(m_mesh[-1]["val_loss"], m_one[-1]["val_loss"], rtol=1e-4)
     assert [m["tokens"] for m in m_mesh] == [m["tokens"] for m in m_one]
     for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(one)):
         assert len(a.sharding.device_set) == 1

@@ -285,7 +285,9 @@ def test_raise_exception_in_template(tmp_path):
 
 def test_no_chat_template(tmp_path):
     tok = Tokenizer.from_pretrained(build_tiny_tokenizer(tmp_path, "chatml", template_storage="none"))
-    assert tok.chat_template is None
+    assert tok.chat_template is None and not tok.has_chat_template
+    assert Tokenizer.from_pretrained(build_tiny_tokenizer(tmp_path / "named", "chatml",
+                                                          template_storage="named")).has_chat_template
     with pytest.raises(ChatTemplateError, match="no chat template configured"):
         tok.apply_chat_template(CONVERSATIONS["single"])
 

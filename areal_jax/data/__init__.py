@@ -5,10 +5,12 @@ from areal_jax.data.formats import (
     PromptRow,
     PromptTemplate,
     RowFormatError,
+    TemplateFieldError,
     detect_format,
     extract_gsm8k_answer,
     extract_last_boxed,
     parse_record,
+    solution_pair,
 )
 from areal_jax.data.pipeline import (
     ChatTokenizer,
@@ -20,7 +22,9 @@ from areal_jax.data.pipeline import (
     TokenizedPrompt,
     build_prompt_loader,
 )
+from areal_jax.data.sft_data import SFTEncoder, SFTExample, load_sft_examples
 from areal_jax.data.sources import RawRecord, iter_records
+from areal_jax.data.templating import PromptEncoder
 
 __all__ = [
     "RECORD_FORMATS",
@@ -28,17 +32,23 @@ __all__ = [
     "DataConfig",
     "LoadStats",
     "PromptDataset",
+    "PromptEncoder",
     "PromptLoader",
     "PromptRow",
     "PromptTemplate",
     "RawRecord",
     "RowFormatError",
     "RowIssue",
+    "SFTEncoder",
+    "SFTExample",
+    "TemplateFieldError",
     "TokenizedPrompt",
     "build_prompt_loader",
     "detect_format",
     "extract_gsm8k_answer",
     "extract_last_boxed",
     "iter_records",
+    "load_sft_examples",
     "parse_record",
+    "solution_pair",
 ]

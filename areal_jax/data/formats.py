@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import string
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -57,18 +58,58 @@ class PromptRow:
             raise ValueError(f"PromptRow {self.source}: code rows need test_cases, math rows none")
 
 
+class TemplateFieldError(ValueError):
+    """`prompt_template` names a field a record lacks: a configuration mistake, so it stops the load
+    (naming the field and the file) instead of skipping the row."""
+
+
+def template_fields(template: str) -> tuple[str, ...]:
+    """The field names a `str.format` template reads; ValueError unless each is a plain name."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as err:
+        raise ValueError(f"prompt_template {template!r} is not a format string: {err}") from None
+    names = []
+    for _, name, _, _ in parsed:
+        if name is None:
+            continue
+        # Plain names only: positional "{}" has nothing to fill it, and "{a.b}" / "{a[0]}" would
+        # reach into the row's values.
+        if not name.isidentifier():
+            raise ValueError(f"prompt_template field {{{name}}} must be a row's field name, e.g. {{question}} "
+                             "(write {{ and }} for literal braces)")
+        names.append(name)
+    if not names:
+        raise ValueError(f"prompt_template {template!r} names no field of the row, e.g. {{question}}")
+    return tuple(dict.fromkeys(names))
+
+
 @dataclasses.dataclass(frozen=True)
 class PromptTemplate:
-    """How a question becomes chat messages: optional system prompt, suffix on the user turn."""
+    """How a row becomes the prompt.
+
+    With a chat template (the default): chat messages with an optional system prompt and a suffix
+    on the user turn. With `prompt_template` (base models, which ship no chat template): the whole
+    prompt text, a format string over the row's fields such as "Question: {question}\nAnswer:";
+    the row's `messages` are then one user message holding that text.
+    """
 
     prompt_suffix: str = ""
     system_prompt: str | None = None
+    prompt_template: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt_suffix, str):
             raise TypeError(f"prompt_suffix must be a str, got {type(self.prompt_suffix).__name__}")
         if self.system_prompt is not None and not isinstance(self.system_prompt, str):
             raise TypeError(f"system_prompt must be a str or None, got {type(self.system_prompt).__name__}")
+        if self.prompt_template is not None:
+            if not isinstance(self.prompt_template, str):
+                raise TypeError(f"prompt_template must be a str or None, got {type(self.prompt_template).__name__}")
+            template_fields(self.prompt_template)
+            if self.prompt_suffix or self.system_prompt is not None:
+                raise ValueError("prompt_template is the whole prompt: write the suffix into it; prompt_suffix and "
+                                 "system_prompt apply to a chat template only")
 
     def messages(self, question: str) -> list[dict[str, str]]:
         """Chat messages for one question."""
@@ -77,6 +118,22 @@ class PromptTemplate:
             out.append({"role": "system", "content": self.system_prompt})
         out.append({"role": "user", "content": question + self.prompt_suffix})
         return out
+
+    def fill(self, record: Mapping[str, Any], source: str) -> str:
+        """`prompt_template` filled from `record`; TemplateFieldError naming the field and `source`
+        (which names the file) when the record lacks one."""
+        for name in template_fields(self.prompt_template):
+            if record.get(name) is None:
+                fields = sorted(k for k, v in record.items() if v is not None)
+                raise TemplateFieldError(f"DataConfig.prompt_template names the field {{{name}}}, which {source} "
+                                         f"lacks (its fields: {', '.join(fields[:12]) or 'none'})")
+        return self.prompt_template.format_map(record)
+
+    def row_messages(self, record: Mapping[str, Any], question: str, source: str) -> list[dict[str, str]]:
+        """The prompt of one record as messages (see the class docstring)."""
+        if self.prompt_template is None:
+            return self.messages(question)
+        return [{"role": "user", "content": self.fill(record, source)}]
 
 
 def extract_last_boxed(text: str) -> str | None:
@@ -163,7 +220,8 @@ def parse_record(
     query_id = _query_id(record, source)
     if fmt == "code":
         question = _text_field(record, "question" if record.get("question") is not None else "prompt")
-        return PromptRow(query_id, template.messages(question), None, _test_cases(record), "code", source)
+        return PromptRow(query_id, template.row_messages(record, question, source), None, _test_cases(record), "code",
+                         source)
     if fmt == "gsm8k":
         question = _text_field(record, "question")
         answer = extract_gsm8k_answer(_text_field(record, "answer"))
@@ -182,7 +240,28 @@ def parse_record(
         answer = extract_last_boxed(solutions[0])
         if answer is None:
             raise RowFormatError("first entry of 'solutions' has no \\boxed{...} answer")
-    return PromptRow(query_id, template.messages(question), answer, None, "math", source)
+    return PromptRow(query_id, template.row_messages(record, question, source), answer, None, "math", source)
+
+
+def solution_pair(record: Mapping[str, Any], fmt: str = "auto") -> tuple[str, str]:
+    """(question, whole solution text) of a GSM8K, MATH or AReaL record, for supervised training;
+    RowFormatError for code records (no reference solution) and bad records."""
+    if fmt not in RECORD_FORMATS:
+        raise ValueError(f"unknown record format {fmt!r}; expected one of {RECORD_FORMATS}")
+    if fmt == "auto":
+        fmt = detect_format(record)
+    if fmt == "gsm8k":
+        return _text_field(record, "question"), _text_field(record, "answer")
+    if fmt == "math":
+        return _text_field(record, "problem"), _text_field(record, "solution")
+    if fmt == "areal":
+        solutions = record.get("solutions")
+        if not isinstance(solutions, (list, tuple)) or not solutions or not isinstance(solutions[0], str):
+            raise RowFormatError("field 'solutions' must be a non-empty list of strings")
+        if not solutions[0].strip():
+            raise RowFormatError("first entry of 'solutions' is empty")
+        return _text_field(record, "prompt"), solutions[0]
+    raise RowFormatError(f"{fmt} rows have no reference solution to train on")
 
 
 def _query_id(record: Mapping[str, Any], source: str) -> str:

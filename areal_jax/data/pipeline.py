@@ -22,27 +22,25 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import grain
 import numpy as np
 
 from areal_jax.data.formats import RECORD_FORMATS, PromptRow, PromptTemplate, RowFormatError, parse_record
 from areal_jax.data.sources import iter_records
+from areal_jax.data.templating import PromptEncoder, TemplateTokenizer, check_chat_template_kwargs
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # Issues logged one by one before the rest are only counted (all are kept in LoadStats).
 _MAX_LOGGED_ISSUES = 20
 
 
-class ChatTokenizer(Protocol):
-    """What the loader needs from a tokenizer (areal_jax.models.tokenizer.Tokenizer fits)."""
-
-    def apply_chat_template(
-        self, messages: list[dict[str, str]], *, add_generation_prompt: bool, tokenize: bool
-    ) -> list[int]: ...
+ChatTokenizer = TemplateTokenizer  # what the loader needs from a tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +49,12 @@ class DataConfig:
 
     paths: JSONL / Parquet files or `datasets` directories, read in this order.
     format: "auto" (per row, from its keys) or one of "gsm8k", "math", "areal", "code".
+    prompt_suffix / system_prompt: appended to the user turn / a system turn of the chat template.
+    prompt_template: for base models without a chat template: the whole prompt, a format string over
+        the row's fields, e.g. "Question: {question}\nAnswer:" (GSM8K) or "Problem: {problem}\n
+        Solution:" (MATH); encoded with the tokenizer's bos. Exclusive with the two fields above.
+    chat_template_kwargs: variables passed to the chat template, e.g. {"enable_thinking": False}
+        for Qwen3.
     max_prompt_tokens: rows whose templated prompt is longer are skipped (None: no cap).
     seed: shuffle seed, in [0, 2**32); all processes must use the same one.
     num_epochs: passes over the data; None repeats forever.
@@ -62,6 +66,8 @@ class DataConfig:
     format: str = "auto"
     prompt_suffix: str = ""
     system_prompt: str | None = None
+    prompt_template: str | None = None
+    chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     max_prompt_tokens: int | None = None
     seed: int = 0
     shuffle: bool = True
@@ -82,12 +88,26 @@ class DataConfig:
             raise ValueError(f"DataConfig.seed must be in [0, 2**32), got {self.seed}")
         if self.num_epochs is not None and self.num_epochs <= 0:
             raise ValueError(f"DataConfig.num_epochs must be positive or None, got {self.num_epochs}")
-        PromptTemplate(self.prompt_suffix, self.system_prompt)  # validates both
+        try:
+            self.template  # validates the three template fields together
+            check_chat_template_kwargs(self.chat_template_kwargs)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"DataConfig.{err}") from None
+        if self.prompt_template is not None and self.chat_template_kwargs:
+            raise ValueError("DataConfig.chat_template_kwargs apply to a chat template; DataConfig.prompt_template "
+                             "replaces it")
+        object.__setattr__(self, "chat_template_kwargs", dict(self.chat_template_kwargs))  # own copy
 
     @property
     def template(self) -> PromptTemplate:
-        """The chat template settings of this config."""
-        return PromptTemplate(self.prompt_suffix, self.system_prompt)
+        """How rows become prompts under this config."""
+        return PromptTemplate(self.prompt_suffix, self.system_prompt, self.prompt_template)
+
+    def prompt_encoder(self, tokenizer: TemplateTokenizer) -> PromptEncoder:
+        """Prompt -> token ids for `tokenizer`; ValueError naming its directory when it has no chat template and
+        prompt_template is unset."""
+        return PromptEncoder(tokenizer, prompt_template=self.prompt_template,
+                             chat_template_kwargs=self.chat_template_kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +126,8 @@ class LoadStats:
     rows_read: int
     rows_kept: int
     issues: tuple[RowIssue, ...]
+    noun: str = "prompt rows"  # what was kept
+    limit: str = "max_prompt_tokens"  # the length limit "too_long" rows exceeded
 
     @property
     def num_malformed(self) -> int:
@@ -114,15 +136,24 @@ class LoadStats:
 
     @property
     def num_too_long(self) -> int:
-        """Rows whose prompt exceeded max_prompt_tokens."""
+        """Rows longer than the length limit."""
         return sum(i.kind == "too_long" for i in self.issues)
 
     def summary(self) -> str:
         """One line for logs."""
         return (
-            f"{self.rows_kept}/{self.rows_read} prompt rows kept; "
-            f"{self.num_malformed} malformed, {self.num_too_long} over max_prompt_tokens"
+            f"{self.rows_kept}/{self.rows_read} {self.noun} kept; "
+            f"{self.num_malformed} malformed, {self.num_too_long} over {self.limit}"
         )
+
+    def why_unusable(self) -> str:
+        """The summary with the first reason of each kind, for the error when nothing is usable."""
+        examples = []
+        for kind in ("malformed", "too_long"):
+            first = next((i for i in self.issues if i.kind == kind), None)
+            if first is not None:
+                examples.append(f"{first.source}: {first.reason}")
+        return self.summary() + (f" (e.g. {'; '.join(examples)})" if examples else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +172,7 @@ class PromptDataset:
         self.prompts, self.stats = _load_prompts(config, tokenizer)
         logger.info("prompt data %s: %s", ", ".join(config.paths), self.stats.summary())
         if not self.prompts:
-            raise ValueError(f"no usable prompt rows in {config.paths}: {self.stats.summary()}")
+            raise ValueError(f"no usable prompt rows in {', '.join(config.paths)}: {self.stats.why_unusable()}")
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -216,8 +247,11 @@ def _to_example(prompt: TokenizedPrompt) -> dict[str, Any]:
     return {"prompt_ids": prompt.prompt_ids, "row": row}
 
 
-def _load_prompts(config: DataConfig, tokenizer: ChatTokenizer) -> tuple[list[TokenizedPrompt], LoadStats]:
-    prompts: list[TokenizedPrompt] = []
+def scan_rows(paths: Sequence[str], make: Callable[[Mapping[str, Any], str], T],
+              too_long: Callable[[T], str | None], *, noun: str, limit: str) -> tuple[list[T], LoadStats]:
+    """Every row of `paths` through `make(record, source)` (RowFormatError: the row is malformed),
+    kept unless `too_long(item)` gives a reason; returns the kept items in file order and the counts."""
+    items: list[T] = []
     issues: list[RowIssue] = []
     rows_read = 0
 
@@ -228,31 +262,46 @@ def _load_prompts(config: DataConfig, tokenizer: ChatTokenizer) -> tuple[list[To
         elif len(issues) == _MAX_LOGGED_ISSUES + 1:
             logger.warning("further skipped rows are counted, not logged")
 
-    template = config.template
-    for path in config.paths:
+    for path in paths:
         for raw in iter_records(path):
             rows_read += 1
             if raw.error is not None:
                 skip(raw.source, "malformed", raw.error)
                 continue
             try:
-                row = parse_record(raw.record, source=raw.source, fmt=config.format, template=template)
+                item = make(raw.record, raw.source)
             except RowFormatError as err:
                 skip(raw.source, "malformed", str(err))
                 continue
-            ids = _tokenize(tokenizer, row)
-            if config.max_prompt_tokens is not None and len(ids) > config.max_prompt_tokens:
-                skip(raw.source, "too_long", f"{len(ids)} prompt tokens > max_prompt_tokens={config.max_prompt_tokens}")
+            reason = too_long(item)
+            if reason is not None:
+                skip(raw.source, "too_long", reason)
                 continue
-            prompts.append(TokenizedPrompt(row, ids))
-    return prompts, LoadStats(rows_read, len(prompts), tuple(issues))
+            items.append(item)
+    return items, LoadStats(rows_read, len(items), tuple(issues), noun=noun, limit=limit)
 
 
-def _tokenize(tokenizer: ChatTokenizer, row: PromptRow) -> np.ndarray:
-    ids = tokenizer.apply_chat_template(row.messages, add_generation_prompt=True, tokenize=True)
+def _load_prompts(config: DataConfig, tokenizer: ChatTokenizer) -> tuple[list[TokenizedPrompt], LoadStats]:
+    template = config.template
+    encoder = config.prompt_encoder(tokenizer)
+    cap = config.max_prompt_tokens
+
+    def make(record: Mapping[str, Any], source: str) -> TokenizedPrompt:
+        row = parse_record(record, source=source, fmt=config.format, template=template)
+        return TokenizedPrompt(row, _tokenize(encoder, row))
+
+    def too_long(prompt: TokenizedPrompt) -> str | None:
+        n = len(prompt.prompt_ids)
+        return f"{n} prompt tokens > max_prompt_tokens={cap}" if cap is not None and n > cap else None
+
+    return scan_rows(config.paths, make, too_long, noun="prompt rows", limit="max_prompt_tokens")
+
+
+def _tokenize(encoder: PromptEncoder, row: PromptRow) -> np.ndarray:
+    ids = encoder.prompt_ids(row.messages)
     if not isinstance(ids, (list, tuple, np.ndarray)) or not all(isinstance(t, (int, np.integer)) for t in ids):
         raise TypeError(
-            f"{type(tokenizer).__name__}.apply_chat_template(tokenize=True) must return a list of ints, "
+            f"{type(encoder.tokenizer).__name__} must return a list of ints for a prompt, "
             f"got {type(ids).__name__} for row {row.source}"
         )
     array = np.asarray(ids, dtype=np.int32)

@@ -452,6 +452,11 @@ class Tokenizer:
         """Source of the default chat template, or None when none is configured."""
         return self.config.chat_templates.get(DEFAULT_TEMPLATE)
 
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether any chat template is configured (base models usually ship none)."""
+        return bool(self.config.chat_templates)
+
     def _template_source(self, chat_template: str | None, tools) -> str:
         templates = self.config.chat_templates
         if chat_template is not None:  # a template name, or a template source

@@ -1,13 +1,15 @@
-"""Supervised fine-tuning on (prompt, completion) pairs: the warm start before RL.
+"""Supervised fine-tuning on completions: the warm start before RL (`areal-jax sft` alone).
 
-Works for the built-in arithmetic task and for user data alike: examples are token-id pairs.
+Works for the built-in arithmetic task and for user data alike: an example is a (prompt_ids,
+completion_ids) pair, or an `SFTExample` (token ids and the mask of trained tokens: a chat's
+assistant turns, areal_jax/data/sft_data.py, which reads JSONL, Parquet and `datasets` files).
 The loss is the token-mean cross-entropy over completion tokens only (prompt tokens are
 context, not targets). Sequences are packed into fixed-shape rows `[B, T]` (areal_jax.packing,
 first-fit-decreasing, never splitting a sequence) with segment ids masking attention across
 sequence boundaries, so every step runs one compiled program.
 
-Per sequence of prompt p (P tokens) and completion c, the model reads `x = (p + c)[:-1]` and
-predicts `y = (p + c)[1:]`; target j is trained iff it is a completion token (j >= P - 1).
+Per sequence s of N tokens, the model reads `x = s[:-1]` and predicts `y = s[1:]`; target j is
+trained iff token j + 1 is a completion token (for a pair of prompt length P: j >= P - 1).
 """
 
 from __future__ import annotations
@@ -26,18 +28,17 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
-from areal_jax.generation.engine import EngineConfig, GenerationEngine
-from areal_jax.generation.offline import generate
-from areal_jax.generation.sampling import SamplingParams
+from areal_jax.data.sft_data import SFTExample
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.transformer import Params, Transformer, forward, lm_head
+from areal_jax.models.transformer import Params, forward, lm_head
 from areal_jax.models.sharding import TRAIN_RULES, activation_rules, sharding_for
 from areal_jax.packing import ffd_allocate, pack_sequences
 from areal_jax.parallel.distributed import fully_local
 from areal_jax.ppo.logprobs import DEFAULT_LOGIT_CHUNK_TOKENS, hidden_logprobs
+from areal_jax.trainer.accuracy import GreedyAccuracy, evaluate_accuracy, sample_rewards  # noqa: F401  (their home was here)
 from areal_jax.trainer.train_step import opt_state_shardings, param_shardings
 
-Example = tuple[Sequence[int], Sequence[int]]  # (prompt_ids, completion_ids)
+Example = tuple[Sequence[int], Sequence[int]] | SFTExample  # (prompt_ids, completion_ids), or ids + trained mask
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -58,6 +59,11 @@ class SFTConfig:
     the schedule stays the one over `steps`). Stopping on accuracy rather than a step count gives
     RL the same kind of start on any machine: where a small policy lands after a fixed number of
     steps moves with the numerics (docs/benchmarks.md, quickstart).
+
+    Files (TaskSource.kind = "dataset"; read with DataConfig's format and templates):
+    paths: SFT rows (GSM8K, MATH, AReaL, or chat `messages`); default DataConfig.paths.
+    eval_paths: held-out rows of the same kinds: their completion loss is `val_loss`, every
+    `val_every` steps (0: once, after the last step).
     """
 
     steps: int = 1000
@@ -75,6 +81,9 @@ class SFTConfig:
     eval_every: int = 0
     eval_from: int = 0
     stop_accuracy: float = 0.0
+    paths: tuple[str, ...] = ()
+    eval_paths: tuple[str, ...] = ()
+    val_every: int = 0
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "max_len", "log_every"):
@@ -95,7 +104,12 @@ class SFTConfig:
             raise ValueError(f"SFTConfig.grad_clip must be positive, got {self.grad_clip!r}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"SFTConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
-        for name in ("eval_every", "eval_from"):
+        for name in ("paths", "eval_paths"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not all(isinstance(p, str) and p for p in value):
+                raise ValueError(f"SFTConfig.{name} must be a tuple of paths, got {value!r}")
+            object.__setattr__(self, name, tuple(value))  # lists from gin become tuples
+        for name in ("eval_every", "eval_from", "val_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"SFTConfig.{name} must be an int >= 0, got {value!r}")
@@ -118,18 +132,35 @@ class SFTConfig:
 
 
 def sequence_arrays(prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> dict[str, np.ndarray]:
-    """Per-token arrays `[L]` (L = P + C - 1) of one example: input_ids, targets, loss_mask."""
-    prompt = np.asarray(prompt_ids, np.int32).reshape(-1)
-    completion = np.asarray(completion_ids, np.int32).reshape(-1)
-    if prompt.size == 0 or completion.size == 0:
-        raise ValueError(f"examples need a non-empty prompt and completion, got {prompt.size} and "
-                         f"{completion.size} tokens")
-    tokens = np.concatenate([prompt, completion])
-    return {
-        "input_ids": tokens[:-1],
-        "targets": tokens[1:],
-        "loss_mask": (np.arange(tokens.size - 1) >= prompt.size - 1).astype(np.float32),
-    }
+    """Per-token arrays `[L]` (L = P + C - 1) of one (prompt, completion) pair: input_ids, targets, loss_mask."""
+    return example_arrays(SFTExample.from_pair(prompt_ids, completion_ids))
+
+
+def example_arrays(example: Example) -> dict[str, np.ndarray]:
+    """Per-token arrays `[N - 1]` of one example of N tokens: input_ids, targets, loss_mask (1.0 where
+    the target is a trained token)."""
+    if not isinstance(example, SFTExample):
+        example = SFTExample.from_pair(*example)
+    return {"input_ids": example.ids[:-1], "targets": example.ids[1:],
+            "loss_mask": example.trained[1:].astype(np.float32)}
+
+
+def _pack_bins(seqs: Sequence[Mapping[str, np.ndarray]], bins: Sequence[Sequence[int]], max_len: int,
+               rows: int) -> dict[str, np.ndarray]:
+    """One packed batch `[rows, max_len]`: bin r (indices into `seqs`) becomes row r, the rest padding."""
+    order = [i for b in bins for i in b]
+    groups, start = [], 0
+    for b in bins:
+        groups.append(list(range(start, start + len(b))))
+        start += len(b)
+    return pack_sequences([seqs[i] for i in order], groups, max_len, num_rows=rows)
+
+
+def packed_eval_batches(examples: Sequence[Example], batch_size: int, max_len: int) -> list[dict[str, np.ndarray]]:
+    """Every example once, packed first-fit-decreasing into batches `[B, T]` (the last one padded)."""
+    seqs = [example_arrays(e) for e in examples]
+    bins = ffd_allocate([len(s["input_ids"]) for s in seqs], max_len)
+    return [_pack_bins(seqs, bins[i:i + batch_size], max_len, batch_size) for i in range(0, len(bins), batch_size)]
 
 
 class PackedBatches:
@@ -140,12 +171,12 @@ class PackedBatches:
     def __init__(self, examples: Sequence[Example], batch_size: int, max_len: int, seed: int = 0):
         if not examples:
             raise ValueError("SFT needs at least one example")
-        self.seqs = [sequence_arrays(p, c) for p, c in examples]
+        self.seqs = [example_arrays(e) for e in examples]
         self.lengths = [len(s["input_ids"]) for s in self.seqs]
         for i, n in enumerate(self.lengths):
             if n > max_len:
-                raise ValueError(f"example {i} has {n + 1} tokens (prompt + completion), more than "
-                                 f"max_len + 1 = {max_len + 1}; raise SFTConfig.max_len")
+                raise ValueError(f"example {i} has {n + 1} tokens, more than max_len + 1 = {max_len + 1}; raise "
+                                 "SFTConfig.max_len")
         self.batch_size, self.max_len = batch_size, max_len
         self._rng = np.random.default_rng(seed)
         self._pending: collections.deque[int] = collections.deque()
@@ -173,12 +204,7 @@ class PackedBatches:
         # Sequences that did not fit go back to the front, in their original order.
         leftover = [chosen[j] for j in sorted(j for b in extra for j in b)]
         self._pending.extendleft(reversed(leftover))
-        order = [chosen[j] for b in kept for j in b]
-        groups, start = [], 0
-        for b in kept:
-            groups.append(list(range(start, start + len(b))))
-            start += len(b)
-        return pack_sequences([self.seqs[i] for i in order], groups, self.max_len, num_rows=self.batch_size)
+        return _pack_bins(self.seqs, [[chosen[j] for j in b] for b in kept], self.max_len, self.batch_size)
 
 
 # ---- loss and step --------------------------------------------------------------------------------
@@ -265,15 +291,22 @@ def _whole_on_this_host(tree: Any) -> Any:
 
 
 def run_sft(model_cfg: ModelConfig, params: Params, examples: Sequence[Example], cfg: SFTConfig, *,
-            progress: bool = True, validate: Callable[[Params], float] | None = None, mesh: Mesh | None = None
+            progress: bool = True, validate: Callable[[Params], float] | None = None, mesh: Mesh | None = None,
+            val_examples: Sequence[Example] = (), on_step: Callable[[int, dict[str, float]], None] | None = None
             ) -> tuple[Params, list[dict[str, float]]]:
-    """Fine-tunes `params` on (prompt_ids, completion_ids) pairs; returns new params and metrics.
+    """Fine-tunes `params` on examples (pairs or `SFTExample`s); returns new params and metrics.
 
     Metrics: one dict per `log_every` steps (and the last step) with step, loss (mean over the
     steps since the previous entry), tokens (completion tokens trained), grad_norm, lr and
-    elapsed seconds (compilation included); at validation steps also val_accuracy, and
-    `stopped_early` on the last entry when `cfg.stop_accuracy` ended the run (the last entry's
+    elapsed seconds (compilation included); at validation steps also val_accuracy and/or val_loss,
+    and `stopped_early` on the last entry when `cfg.stop_accuracy` ended the run (the last entry's
     step is then the number of steps run).
+
+    val_examples: held-out examples; `val_loss` (their token-mean completion loss, every example
+    once) at every `cfg.val_every`-th step and the last one.
+    on_step: called once per step, in order, with (step, {loss, tokens, grad_norm, lr}, plus val_loss /
+    val_accuracy where computed); the calls come in bursts when metrics are read back (every
+    `log_every` steps), so the device is not synchronised every step for them.
 
     validate: params -> accuracy in [0, 1], called at the steps `cfg.validates_at` names
     (required when `cfg.eval_every` > 0; e.g. a `GreedyAccuracy`), with whole weights on this
@@ -301,6 +334,22 @@ def run_sft(model_cfg: ModelConfig, params: Params, examples: Sequence[Example],
                                   out_shardings=(placement.params, opt_shardings, placement.replicated))
     schedule = learning_rate_schedule(cfg)
     batches = PackedBatches(examples, cfg.batch_size, cfg.max_len, cfg.seed)
+    val_batches = packed_eval_batches(val_examples, cfg.batch_size, cfg.max_len) if val_examples else []
+    loss_fn = jax.jit(functools.partial(completion_loss, model_cfg=model_cfg, compute_dtype=compute_dtype,
+                                        scan_layers=cfg.scan_layers))
+
+    def val_loss() -> float:
+        sums = []  # (loss * tokens, tokens) per batch: the mean over every held-out token
+        for b in val_batches:
+            if placement is None:
+                loss, n = loss_fn(params, batch=b)
+            else:
+                with activation_rules(TRAIN_RULES, placement.mesh):
+                    loss, n = loss_fn(params, batch=placement.batch(b))
+            sums.append((loss * n, n))
+        host = jax.device_get(fully_local(sums))
+        return float(sum(s for s, _ in host) / max(sum(n for _, n in host), 1.0))
+
     metrics: list[dict[str, float]] = []
     window: list[dict[str, jax.Array]] = []
     start = time.perf_counter()
@@ -314,14 +363,21 @@ def run_sft(model_cfg: ModelConfig, params: Params, examples: Sequence[Example],
         window.append(m)
         accuracy = validate(_whole_on_this_host(params) if placement else params) if cfg.validates_at(step) else None
         stop = accuracy is not None and cfg.stop_accuracy > 0 and accuracy >= cfg.stop_accuracy
-        if step % cfg.log_every == 0 or step == cfg.steps or accuracy is not None:
+        last = step == cfg.steps or stop
+        loss_val = val_loss() if val_batches and (last or (cfg.val_every and step % cfg.val_every == 0)) else None
+        if step % cfg.log_every == 0 or last or accuracy is not None or loss_val is not None:
             host = jax.device_get(fully_local(window))
             entry = {"step": step, "loss": float(np.mean([w["loss"] for w in host])),
                      "tokens": float(sum(w["tokens"] for w in host)), "grad_norm": float(host[-1]["grad_norm"]),
                      "lr": float(schedule(step - 1)), "seconds": time.perf_counter() - start}
-            if accuracy is not None:
-                entry["val_accuracy"] = float(accuracy)
+            checks = {"val_accuracy": accuracy, "val_loss": loss_val}
+            entry.update({k: float(v) for k, v in checks.items() if v is not None})
             metrics.append(entry)
+            if on_step is not None:
+                for k, w in enumerate(host, start=step - len(host) + 1):
+                    record = {"loss": float(w["loss"]), "tokens": float(w["tokens"]),
+                              "grad_norm": float(w["grad_norm"]), "lr": float(schedule(k - 1))}
+                    on_step(k, record if k < step else {**record, **{n: entry[n] for n in checks if n in entry}})
             window = []
             bar.set_postfix(loss=f"{entry['loss']:.4f}", **({} if accuracy is None else {"val": f"{accuracy:.2f}"}))
         bar.update(1)
@@ -331,102 +387,3 @@ def run_sft(model_cfg: ModelConfig, params: Params, examples: Sequence[Example],
     bar.close()
     return (params if placement is None else _whole_on_this_host(params)), metrics
 
-
-# ---- evaluation -----------------------------------------------------------------------------------
-
-
-def _row_answer(row: Mapping[str, Any]) -> Any:
-    r = row["row"]
-    return r["answer"] if isinstance(r, Mapping) else r.answer
-
-
-def _completion_scorer(tokenizer: Any, reward_fn: Callable[[str, Any], float] | None
-                       ) -> Callable[[Mapping[str, Any], Sequence[int]], float]:
-    """`score(row, completion_tokens) -> reward` of the decoded completion against the row's answer
-    (`reward_fn` default: the arithmetic reward)."""
-    if reward_fn is None:
-        from areal_jax.tasks.reward import arithmetic_reward as reward_fn
-    return lambda row, tokens: reward_fn(tokenizer.decode(tokens, skip_special_tokens=True), _row_answer(row))
-
-
-def sample_rewards(model_cfg: ModelConfig, params: Params, rows: Sequence[Mapping[str, Any]], tokenizer: Any, *,
-                   max_new_tokens: int, batch: int = 64, n: int = 1, temperature: float = 0.0, seed: int = 0,
-                   reward_fn: Callable[[str, Any], float] | None = None) -> np.ndarray:
-    """Rewards `[R, n]` of `n` completions per row (`temperature=0`: greedy).
-
-    rows: loader-style examples with `prompt_ids` and `row` (a PromptRow, or a dict, with `answer`).
-    batch: decode slots of the generation engine. reward_fn: (completion_text, answer) -> float,
-    default the arithmetic reward.
-    """
-    if not rows:
-        return np.zeros((0, n), np.float32)
-    score = _completion_scorer(tokenizer, reward_fn)
-    model = Transformer(model_cfg, params)
-    prompts = [np.asarray(r["prompt_ids"]).tolist() for r in rows]
-    results = generate(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, n=n, seed=seed,
-                       stop_token_ids=tokenizer.stop_token_ids, num_slots=batch)
-    out = np.zeros((len(rows), n), np.float32)
-    for i, (row, completions) in enumerate(zip(rows, results)):
-        for j, c in enumerate(completions):
-            out[i, j] = score(row, c.tokens)
-    return out
-
-
-class GreedyAccuracy:
-    """Greedy accuracy of changing weights on fixed prompt rows: `probe(params) -> float`.
-
-    One generation engine serves every call (new weights are swapped in), so its programs are
-    compiled once; a fresh `evaluate_accuracy` per check would compile them again each time.
-    Same scoring as `evaluate_accuracy`: a row counts when its greedy completion earns reward >= 1.
-    """
-
-    def __init__(self, model_cfg: ModelConfig, rows: Sequence[Mapping[str, Any]], tokenizer: Any, *,
-                 max_new_tokens: int, slots: int = 64, reward_fn: Callable[[str, Any], float] | None = None):
-        if not rows:
-            raise ValueError("GreedyAccuracy needs at least one prompt row")
-        self.model_cfg, self.rows = model_cfg, list(rows)
-        self.score = _completion_scorer(tokenizer, reward_fn)
-        self.prompts = [np.asarray(r["prompt_ids"]).tolist() for r in self.rows]
-        longest = max(len(p) for p in self.prompts)
-        self.engine_config = EngineConfig(num_slots=min(slots, len(self.rows)),
-                                          max_seq_len=-(-(longest + max_new_tokens + 1) // 16) * 16)
-        self.sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
-                                       stop_token_ids=tuple(tokenizer.stop_token_ids))
-        self.engine: GenerationEngine | None = None
-        self.calls = 0
-
-    def __call__(self, params: Params) -> float:
-        correct, total = self.count(params)
-        return correct / total
-
-    def _engine_config_for(self, params: Params) -> EngineConfig:
-        """The engine config with its slots a multiple of the data size of the (generation) mesh the
-        weights lie on: each data replica holds an equal share of the slots."""
-        sharding = params["embed"].sharding
-        data = sharding.mesh.shape.get("data", 1) if isinstance(sharding, NamedSharding) else 1
-        slots = self.engine_config.num_slots
-        return dataclasses.replace(self.engine_config, num_slots=max(data, slots - slots % data))
-
-    def count(self, params: Params) -> tuple[int, int]:
-        """(rows right, rows) under `params`."""
-        self.calls += 1
-        if self.engine is None:
-            self.engine = GenerationEngine((self.model_cfg, params), self._engine_config_for(params),
-                                           version=self.calls)
-        else:
-            self.engine.update_weights(params, self.calls)
-        handles = [self.engine.submit(p, self.sampling, seed=0) for p in self.prompts]
-        self.engine.run_until_idle()  # applies the new weights first, then generates
-        correct = sum(self.score(row, h.result().completions[0].tokens) >= 1.0 for row, h in zip(self.rows, handles))
-        return int(correct), len(self.rows)
-
-
-def evaluate_accuracy(model_cfg: ModelConfig, params: Params, rows: Sequence[Mapping[str, Any]], tokenizer: Any,
-                      *, max_new_tokens: int, batch: int = 64,
-                      reward_fn: Callable[[str, Any], float] | None = None) -> float:
-    """Share of rows whose greedy completion earns reward >= 1 (0.0 for no rows): a one-off
-    `GreedyAccuracy`, whose engine has `batch` slots at most."""
-    if not rows:
-        return 0.0
-    return GreedyAccuracy(model_cfg, rows, tokenizer, max_new_tokens=max_new_tokens, slots=batch,
-                          reward_fn=reward_fn)(params)
