@@ -21,6 +21,11 @@ cores, so the device split buys no parallel compute: what asynchrony can buy the
 generation slots (no barrier, no long-tail idling) and overlap of generation with training.
 
 Usage: .venv/bin/python -m bench.async_vs_sync [--steps 14 --warmup 6 --batch 12 --n 4 --max-new 384]
+           [--run-dir DIR]
+
+With --run-dir each row writes DIR/<mode>/: metrics.jsonl (with the per-program timings),
+rollouts/step_N.jsonl and config.gin (the row's configs), which `areal-jax simulate
+--gin_file=DIR/<mode>/config.gin --calibrate DIR/<mode>` reads; and DIR/bench.json the figures.
 
 Slots = batch x n must divide over the generation devices of every row (else the engine's
 slots are replicated and each device decodes all of them).
@@ -32,6 +37,7 @@ os.environ.setdefault("JAX_NUM_CPU_DEVICES", "4")
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import pathlib  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
 import tempfile  # noqa: E402
@@ -43,6 +49,7 @@ import numpy as np  # noqa: E402
 from areal_jax.cli import enable_compile_cache  # noqa: E402
 from areal_jax.data.formats import PromptRow  # noqa: E402
 from areal_jax.generation import EngineConfig  # noqa: E402
+from areal_jax.metrics import MetricsLogger  # noqa: E402
 from areal_jax.models import ModelConfig, init_params  # noqa: E402
 from areal_jax.models.tokenizer import Tokenizer  # noqa: E402
 from areal_jax.parallel import MeshConfig  # noqa: E402
@@ -67,13 +74,17 @@ def rows(tokenizer):
                                         np.int32), "row": row}
 
 
+def mesh_for(mode: str, args) -> MeshConfig:
+    return MeshConfig(num_generation_devices_per_host=args.gen_devices) if mode == "async" \
+        else MeshConfig(colocated=True)
+
+
 def build_loop(mode: str, args, tokenizer, cfg, params) -> RLLoop:
     sync = mode == "sync"
     rl = RLConfig(steps=args.steps, batch_size=args.batch, max_staleness=0 if sync else args.eta,
                   max_concurrent=4 * args.batch, mode="sync" if sync else "async", dump_rollouts_every=1)
     stops = tuple(tokenizer.token_to_id(c) for c in STOP_CHARS[:args.stop_tokens])
-    mesh = MeshConfig(num_generation_devices_per_host=args.gen_devices) if mode == "async" \
-        else MeshConfig(colocated=True)
+    mesh = mesh_for(mode, args)
     # One slot per sample of a synchronous batch (B x n): the baseline's full concurrency, and
     # the same engine shape for every row.
     return RLLoop(cfg, params, tokenizer=tokenizer, data_iter=rows(tokenizer), rl=rl,
@@ -86,13 +97,32 @@ def build_loop(mode: str, args, tokenizer, cfg, params) -> RLLoop:
                   mesh=mesh)
 
 
+def gin_bindings(*configs) -> str:
+    """The fields of `configs` that differ from their defaults, as gin bindings."""
+    lines = []
+    for c in configs:
+        default = type(c)()
+        lines += [f"{type(c).__name__}.{f.name} = {getattr(c, f.name)!r}" for f in dataclasses.fields(c)
+                  if getattr(c, f.name) != getattr(default, f.name)]
+    return "\n".join(lines) + "\n"
+
+
 def run(mode: str, args, tokenizer, cfg, params, clock: CompileClock) -> dict:
     """Runs one row; returns its steady-state figures (window: end of step `warmup` -> end)."""
     loop = build_loop(mode, args, tokenizer, cfg, params)
+    log = None
+    if args.run_dir:
+        out = pathlib.Path(args.run_dir) / mode
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.gin").write_text(gin_bindings(loop.rl, loop.trainer.ppo_config, loop.workflow_config,
+                                                     loop.engine.config, mesh_for(mode, args)))
+        log = MetricsLogger(out, tensorboard=False, console=False)
     snaps: list[dict] = []
     lengths: dict[int, list[int]] = {}
 
     def on_step(step, m):
+        if log is not None:
+            log.log(step, m)
         snaps.append({"wall": m["time/wall_s"], "cpu": time.process_time(), "tokens": m["train/trained_tokens_total"],
                       "compile_s": clock.total_s, "engine": dataclasses.asdict(loop.engine.stats()),
                       "train_s": m["time/train_step_s"], "wait_s": m["time/wait_batch_s"],
@@ -101,10 +131,14 @@ def run(mode: str, args, tokenizer, cfg, params, clock: CompileClock) -> dict:
 
     def on_rollouts(step, records):
         lengths[step] = [len(r["versions"]) for r in records]
+        if log is not None:
+            log.dump_rollouts(step, records)
 
     loop.on_step, loop.on_rollouts = on_step, on_rollouts
     compile_before = clock.total_s
     loop.run()
+    if log is not None:
+        log.close()
     a, b = snaps[args.warmup - 1], snaps[-1]
     window = snaps[args.warmup:]
     wall = b["wall"] - a["wall"]
@@ -183,6 +217,8 @@ def main():
     ap.add_argument("--eta", type=int, default=4, help="max_staleness of the asynchronous rows")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument("--run-dir", default=None, help="write each row's metrics, rollouts and config.gin under "
+                    "DIR/<mode> (for areal-jax simulate --calibrate) and the figures to DIR/bench.json")
     ap.add_argument("--compile-cache", default="/tmp/areal_jax_bench_cache",
                     help="persistent XLA cache ('' = off): a second run loads what the first compiled, so "
                          "late first-time compilations (long re-prefill buckets) stay out of the window")
@@ -211,8 +247,8 @@ def main():
         results[mode] = run(mode, args, tokenizer, cfg, params, clock)
         print(f"[{mode} done in {time.perf_counter() - t0:.0f} s]", flush=True)
     report(results, args)
-    if args.json:
-        with open(args.json, "w") as f:
+    for path in filter(None, (args.json, args.run_dir and f"{args.run_dir}/bench.json")):
+        with open(path, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=2)
 
 
