@@ -33,6 +33,7 @@ from areal_jax import config_system as cs
 from areal_jax.jobs.configs import JobConfigs
 from areal_jax.jobs.inputs import on_every_process, check_sources, input_errors
 from areal_jax.jobs.run_dir import check_run_dir, remove_previous_run
+from areal_jax.jobs.run_records import drop_steps_from, last_wall_time
 from areal_jax.checkpoint import Checkpointer
 from areal_jax.metrics import MetricsLogger
 from areal_jax.models.hf_io import load_params, save_params
@@ -208,10 +209,17 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
     checkpointer = Checkpointer(cfg.checkpoint) if cfg.checkpoint is not None else None
     resuming = bool(resume and checkpointer is not None and checkpointer.latest_step() is not None)
     history: list[dict[str, Any]] = []
+    wall_before = 0.0  # wall time of the earlier segments of a resumed run
+
+    def elapsed() -> float:
+        """Wall time of the run so far, every segment of a resumed run included."""
+        return wall_before + time.perf_counter() - t0
+
     if resuming:  # the SFT stage is already in the checkpoint's weights
         meta = checkpointer.read_meta()
         summary.update({k: _decode_float(v) for k, v in meta.get("extra", {}).get("summary", {}).items()})
         history = list(meta.get("extra", {}).get("history", []))
+        wall_before = float(meta.get("extra", {}).get("wall_time_s", 0.0))
         print(f"[areal-jax] resuming from checkpoint step {checkpointer.latest_step()}", flush=True)
     else:
         if cfg.stages.sft and work.sft_examples:
@@ -240,12 +248,15 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
 
     if cfg.stages.rl:
         writer = jax.process_index() == 0  # one process writes the run directory's records
+        if resuming and writer:  # steps logged after the checkpoint are trained again: recorded once
+            dropped = drop_steps_from(run_dir, int(meta["step"]) + 1)
+            wall_before = max(wall_before, last_wall_time(dropped))  # the killed segment ran that long
         metrics_log = MetricsLogger(run_dir, tensorboard=writer, jsonl=writer, console=progress and writer)
         bar = _progress_bar(cfg.rl.steps, progress)
         t_rl = time.perf_counter()
 
         def on_step(step: int, m: dict[str, Any]) -> None:
-            m = {**m, "time/since_start_s": time.perf_counter() - t0}
+            m = {**m, "time/since_start_s": elapsed()}
             history.append(m)
             metrics_log.log(step, m)
             if bar is not None:
@@ -258,10 +269,13 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
                       ppo=cfg.ppo, optimizer=cfg.optimizer, advantages=cfg.advantages, workflow=rollout_cfg,
                       engine=cfg.engine, mesh=cfg.mesh, eval_rows=work.eval_rows, on_step=on_step,
                       checkpointer=checkpointer, resume=resuming,
-                      checkpoint_extra=lambda: {"summary": _jsonable(summary), "history": _jsonable(history)},
+                      checkpoint_extra=lambda: {"summary": _jsonable(summary), "history": _jsonable(history),
+                                                "wall_time_s": elapsed()},
                       on_rollouts=metrics_log.dump_rollouts if jax.process_index() == 0 else None,
                       donate_params=True, weight_sync=sync)
         params = None
+        if loop.resume_report is not None:  # carried into later checkpoints by their summary
+            summary.setdefault("resumed", []).append(loop.resume_report)
         if bar is not None and loop.first_step:
             bar.update(loop.first_step)
         result = loop.run()
@@ -281,7 +295,7 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
     summary["final_accuracy"] = held_out_accuracy(params)
     summary.setdefault("steps", 0)
     summary.setdefault("trained_tokens", 0.0)
-    summary["wall_time_s"] = time.perf_counter() - t0 + summary.get("wall_time_s_before_resume", 0.0)
+    summary["wall_time_s"] = elapsed()
     if checkpointer is not None:
         checkpointer.close()
     host_params = _host_copy(params) if cfg.stages.save_final_model else None  # every process takes part
