@@ -49,20 +49,25 @@ def bindings(cls: type) -> dict[str, Any]:
     return dict(gin.get_bindings(cls.__name__))
 
 
-def parse(gin_files: Sequence[str | pathlib.Path] = (), gin_params: Sequence[str] = ()) -> None:
-    """Loads .gin files then single bindings (later ones win); errors name the file or binding."""
+def parse(gin_files: Sequence[str | pathlib.Path] = (), gin_params: Sequence[str] = (), *,
+          skip_unknown: bool = False) -> None:
+    """Loads .gin files then single bindings (later ones win); errors name the file or binding.
+
+    skip_unknown: bindings of classes not registered (yet) are ignored instead of refused; for a
+    first pass that finds which modules register them (a custom workflow's config class).
+    """
     gin.clear_config()
     for f in gin_files:
         path = pathlib.Path(f)
         if not path.exists():
             raise ConfigError(f"gin file not found: {path}")
         try:
-            gin.parse_config_file(str(path))
+            gin.parse_config_file(str(path), skip_unknown=skip_unknown)
         except Exception as e:  # gin raises several exception types; all mean a bad file
             raise ConfigError(f"{path}: {_first_line(e)}") from None
     for binding in gin_params:
         try:
-            gin.parse_config(binding)
+            gin.parse_config(binding, skip_unknown=skip_unknown)
         except Exception as e:
             raise ConfigError(f"--gin_param {binding!r}: {_first_line(e)}") from None
 

@@ -173,3 +173,94 @@ def test_dump_rollouts(tmp_path):
         with pytest.raises(TypeError, match=r"records\[0\]\.bad"):
             logger.dump_rollouts(11, [{"bad": object()}])
     assert sorted(p.name for p in (tmp_path / "rollouts").iterdir()) == ["step_10.jsonl"]
+
+
+# ---- Weights & Biases (offline: no network) ----------------------------------------------------------
+
+
+def test_wandb_offline_run_gets_every_step_under_the_jsonl_step_and_a_resume_continues_it(tmp_path):
+    from areal_jax.metrics import MetricsConfig
+    from tests.wandb_records import finished_runs
+
+    cfg = MetricsConfig(wandb_mode="offline", wandb_project="areal-test", wandb_run_name="tiny",
+                        wandb_tags=("rl", "cpu"))
+    with MetricsLogger(tmp_path, tensorboard=False, console=False, wandb=cfg,
+                       wandb_config={"rl": {"steps": 3}, "mode": "sync"}) as logger:
+        logger.log(0, {"reward": {"mean": 0.25, "std": 0.5}, "completion": {"truncated_frac": 0.0}})
+        logger.log(1, {"reward": {"mean": 0.75, "std": 0.25}, "completion": {"truncated_frac": 0.5}})
+    run_id = (tmp_path / "wandb_run_id").read_text().strip()
+    # A resumed run (a new logger on the same directory) continues the same W&B run.
+    with MetricsLogger(tmp_path, tensorboard=False, console=False, wandb=cfg) as logger:
+        logger.log(2, {"reward": {"mean": 1.0, "std": 0.0}, "sft": {"loss": 1.5}})
+    runs = finished_runs(tmp_path, 2)
+    assert len(runs) == 2 and all(r["finished"] and r["run"]["id"] == run_id for r in runs)
+    first, second = runs
+    assert first["run"] == {"project": "areal-test", "name": "tiny", "tags": ["rl", "cpu"], "id": run_id}
+    assert first["config"]["rl"] == {"steps": 3} and first["config"]["mode"] == "sync"
+    history = [{k: v for k, v in h.items() if not k.startswith("_")} for h in first["history"] + second["history"]]
+    jsonl = read_jsonl(tmp_path / "metrics.jsonl")
+    assert history == [{"step": r["step"], **flatten_metrics(r["metrics"])} for r in jsonl]
+    assert [h["step"] for h in history] == [0, 1, 2]
+
+
+def test_wandb_missing_is_one_line_naming_the_package_and_the_extra(tmp_path, monkeypatch):
+    from areal_jax.metrics import MetricsConfig
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # what `import wandb` meets without the package
+    with pytest.raises(ImportError) as info:
+        MetricsLogger(tmp_path, console=False, wandb=MetricsConfig(wandb_mode="offline"))
+    message = str(info.value)
+    assert "`wandb` package" in message and "areal-jax[wandb]" in message and "MetricsConfig.wandb_mode" in message
+    assert "\n" not in message
+    # Disabled (the default), nothing needs the package.
+    with MetricsLogger(tmp_path, tensorboard=False, console=False, wandb=MetricsConfig()) as logger:
+        logger.log(0, {"x": 1})
+    assert not (tmp_path / "wandb").exists()
+
+
+def test_metrics_config_is_validated_and_registered():
+    from areal_jax import config_system as cs
+    from areal_jax.jobs.configs import JOB_CONFIG_CLASSES
+    from areal_jax.metrics import MetricsConfig
+
+    assert MetricsConfig in JOB_CONFIG_CLASSES
+    cs.parse(gin_params=["MetricsConfig.wandb_mode = 'offline'", "MetricsConfig.wandb_tags = ['a', 'b']"])
+    assert cs.build(MetricsConfig) == MetricsConfig(wandb_mode="offline", wandb_tags=("a", "b"))
+    cs.parse(gin_params=["MetricsConfig.wandb_mode = 'cloud'"])
+    with pytest.raises(cs.ConfigError, match="MetricsConfig.wandb_mode"):
+        cs.build(MetricsConfig)
+    cs.parse()
+    with pytest.raises(ValueError, match="wandb_tags"):
+        MetricsConfig(wandb_tags=("x" * 65,))
+    with pytest.raises(ValueError, match="wandb_project"):
+        MetricsConfig(wandb_project="")
+
+
+# ---- the progress bar and the per-step lines share the terminal -------------------------------------
+
+BAR_AND_LINES = """
+import sys
+from areal_jax.jobs.train import _progress_bar
+from areal_jax.metrics import MetricsLogger
+
+bar = _progress_bar(3, True)
+with MetricsLogger(sys.argv[1], tensorboard=False, jsonl=False, console=True) as log:
+    for step in range(3):
+        bar.refresh()  # the bar is on screen, as between steps of a run
+        log.log(step, {"reward": {"mean": 0.5 * step}})
+        bar.update(1)
+bar.close()
+"""
+
+
+def test_progress_bar_and_step_lines_do_not_interleave(tmp_path):
+    import subprocess
+
+    # stdout and stderr into one pipe, as on a terminal: the bar draws on stderr, lines go to stdout.
+    proc = subprocess.run([sys.executable, "-c", BAR_AND_LINES, str(tmp_path)], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout
+    pieces = [p for p in proc.stdout.replace("\r", "\n").split("\n") if "step " in p]
+    # Each per-step line stands alone: nothing of the bar before or after it on its line.
+    assert pieces == ["step 0 | reward 0.000", "step 1 | reward 0.500", "step 2 | reward 1.000"], proc.stdout
+    assert "RL steps" in proc.stdout  # the bar was drawn too

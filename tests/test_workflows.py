@@ -198,3 +198,60 @@ def test_make_workflow_passes_the_config(tokenizer):
         MultiTurnMathConfig(max_turns=0)
     with pytest.raises(ValueError, match="turn_discount"):
         MultiTurnMathConfig(turn_discount=1.5)
+
+
+# ---- end to end: `areal-jax train` with the workflow named on the command line ---------------------
+
+
+def test_multi_turn_workflow_trains_from_the_command_line_with_wandb_offline(tmp_path):
+    """A short quickstart run whose rollouts are multi-turn episodes, logged to an offline W&B run."""
+    from areal_jax.cli import main
+    from areal_jax.jobs.train import progress_series
+    from areal_jax.metrics import flatten_metrics, read_jsonl
+    from tests.test_cli import QUICKSTART, SHORT, SPLIT_8
+    from tests.wandb_records import finished_runs
+
+    extra = [f'RLConfig.workflow = "{PATH}"', "MultiTurnMathConfig.max_turns = 2",
+             "MultiTurnMathConfig.turn_discount = 0.5", f'MultiTurnMathConfig.feedback = "{FEEDBACK}"',
+             "RLConfig.dump_rollouts_every = 1", "MetricsConfig.wandb_mode = 'offline'",
+             "MetricsConfig.wandb_run_name = 'multi-turn'", "MetricsConfig.wandb_tags = ['test']", SPLIT_8]
+    args = ["train", f"--gin_file={QUICKSTART}", *[f"--gin_param={p}" for p in SHORT + extra],
+            f"--run_dir={tmp_path}", "--quiet"]
+    assert main(args) == 0
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    rl = [r for r in records if "reward/mean" in flatten_metrics(r["metrics"])]
+    assert [r["step"] for r in rl] == [0, 1]
+    tokenizer = Tokenizer.from_pretrained(tmp_path / "final_model")
+    inserted = _ids(tokenizer, f"<|user|>{FEEDBACK}<|end|><|assistant|>")
+    retried = 0
+    for r in rl:
+        m = flatten_metrics(r["metrics"])
+        dumped = read_jsonl(tmp_path / "rollouts" / f"step_{r['step']}.jsonl")
+        assert len(dumped) == 2 * 2  # RLConfig.batch_size x RLVRConfig.n_samples episodes
+        for d in dumped:
+            unmasked = d["loss_mask"].count(0)
+            # At most one feedback turn (+1: the <|end|> closing a truncated first answer).
+            assert unmasked in (0, len(inserted), len(inserted) + 1)
+            assert d["completion"].count(f"<|end|><|user|>{FEEDBACK}<|end|><|assistant|>") == (unmasked > 0)
+            # Discounted: right at the first try 1, at the second 0.5, never right 0.
+            assert d["reward"] in ((1.0, 0.0) if not unmasked else (0.5, 0.0))
+            retried += unmasked > 0
+        # The step's metrics are those of its trajectories (lengths count generated tokens only).
+        rewards = [d["reward"] for d in dumped]
+        generated = [d["loss_mask"].count(1) for d in dumped]
+        assert m["reward/mean"] == pytest.approx(np.mean(rewards))
+        assert m["reward/std"] == pytest.approx(np.std(rewards))
+        assert m["completion/mean_length"] == pytest.approx(np.mean(generated))
+        assert m["completion/max_length"] == max(generated)
+        assert m["completion/truncated_frac"] == pytest.approx(np.mean([d["stop_reason"] == "length" for d in dumped]))
+    assert retried > 0  # a 10-step SFT policy gets most problems wrong: feedback turns happened
+    # progress.png draws the steps of metrics.jsonl (and so of TensorBoard and W&B).
+    assert progress_series([r["metrics"] for r in rl])[0] == [r["step"] for r in rl]
+    (run,) = finished_runs(tmp_path, 1)
+    assert run["run"]["name"] == "multi-turn" and run["run"]["tags"] == ["test"]
+    assert run["config"]["rl"]["workflow"] == PATH and run["config"]["workflow"]["max_turns"] == 2
+    logged = [h for h in run["history"] if "reward/mean" in h]
+    assert [h["step"] for h in logged] == [r["step"] for r in rl]
+    for h, r in zip(logged, rl):
+        m = flatten_metrics(r["metrics"])
+        assert all(h[k] == pytest.approx(m[k]) for k in ("reward/mean", "reward/std", "completion/truncated_frac"))

@@ -42,6 +42,7 @@ from areal_jax.models.transformer import init_params
 from areal_jax.parallel.distributed import agree_max, agree_sum, gather_json
 from areal_jax.parallel.meshes import build_meshes
 from areal_jax.parallel.transfer_plan import model_partition_specs
+from areal_jax.rollout.workflow import make_workflow, resolve_workflow_class
 from areal_jax.trainer.loop import RLLoop, generation_weight_sync
 
 logger = logging.getLogger(__name__)
@@ -251,7 +252,7 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
         if resuming and writer:  # steps logged after the checkpoint are trained again: recorded once
             dropped = drop_steps_from(run_dir, int(meta["step"]) + 1)
             wall_before = max(wall_before, last_wall_time(dropped))  # the killed segment ran that long
-        metrics_log = MetricsLogger(run_dir, tensorboard=writer, jsonl=writer, console=progress and writer)
+        metrics_log = metrics_logger(cfg, run_dir, progress=progress)
         bar = _progress_bar(cfg.rl.steps, progress)
         t_rl = time.perf_counter()
 
@@ -266,7 +267,8 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
 
         # The trainer keeps its own fp32 copy; the initial buffers are deleted once it has it.
         loop = RLLoop(work.model_config, params, tokenizer=work.tokenizer, data_iter=work.train_rows, rl=cfg.rl,
-                      ppo=cfg.ppo, optimizer=cfg.optimizer, advantages=cfg.advantages, workflow=rollout_cfg,
+                      ppo=cfg.ppo, optimizer=cfg.optimizer, advantages=cfg.advantages,
+                      workflow=_rollout_workflow(cfg, rollout_cfg, work.tokenizer),
                       engine=cfg.engine, mesh=cfg.mesh, eval_rows=work.eval_rows, on_step=on_step,
                       checkpointer=checkpointer, resume=resuming,
                       checkpoint_extra=lambda: {"summary": _jsonable(summary), "history": _jsonable(history),
@@ -314,6 +316,24 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
           f"trained_tokens={summary['trained_tokens']:.0f} wall_time={summary['wall_time_s']:.0f}s -> {run_dir}",
           flush=True)
     return summary
+
+
+def metrics_logger(cfg: JobConfigs, run_dir: Any, *, progress: bool) -> MetricsLogger:
+    """The run directory's metrics sinks as MetricsConfig asks (JSONL always, TensorBoard, W&B), on
+    process 0; on the other processes a logger that records nothing. Every stage logs through one of
+    these: they share the run's metrics.jsonl and its one W&B run."""
+    writer = jax.process_index() == 0
+    return MetricsLogger(run_dir, tensorboard=writer and cfg.metrics.tensorboard, jsonl=writer,
+                         console=progress and writer, wandb=cfg.metrics if writer else None,
+                         wandb_config=cfg.as_dict())
+
+
+def _rollout_workflow(cfg: JobConfigs, rollout: Any, tokenizer: Any) -> Any:
+    """RLConfig.workflow's class built as areal_jax/rollout/workflow.py's contract says, or (unset)
+    the RLVR config the loop builds its default workflow from."""
+    if cfg.rl.workflow is None:
+        return rollout
+    return make_workflow(resolve_workflow_class(cfg.rl.workflow), rollout, tokenizer, cfg.workflow)
 
 
 def _place_on_train_mesh(model_cfg: Any, mesh: Mesh, host: Any) -> Any:
@@ -387,16 +407,23 @@ def _progress_bar(total: int, enabled: bool):
     return tqdm(total=total, desc="RL steps", unit="step")
 
 
+def progress_series(history: list[dict[str, Any]]) -> tuple[list, list, list, list]:
+    """What progress.png draws: RL steps (the step index of metrics.jsonl, TensorBoard and W&B), wall
+    times, sampled rewards, and (step, wall time, accuracy) of the held-out checks."""
+    steps = [m["step"] for m in history]
+    wall = [m["time/since_start_s"] for m in history]
+    reward = [m.get("rollout/reward_mean", m["reward/mean"]) for m in history]
+    evals = [(m["step"], m["time/since_start_s"], m["eval/accuracy"]) for m in history if "eval/accuracy" in m]
+    return steps, wall, reward, evals
+
+
 def _plot(history: list[dict[str, Any]], summary: dict[str, Any], path: pathlib.Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [m["step"] + 1 for m in history]
-    wall = [m["time/since_start_s"] for m in history]
-    reward = [m.get("rollout/reward_mean", m["reward/mean"]) for m in history]
-    evals = [(m["step"] + 1, m["time/since_start_s"], m["eval/accuracy"]) for m in history if "eval/accuracy" in m]
+    steps, wall, reward, evals = progress_series(history)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, xs, xlabel, col in ((axes[0], steps, "RL step", 0), (axes[1], wall, "wall time (s)", 1)):
         ax.plot(xs, reward, label="sampled reward (all finished groups)", color="tab:blue")
