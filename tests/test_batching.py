@@ -1,6 +1,7 @@
 """trainer/batching.py: trajectory groups -> per-token sequences -> packed micro-batches."""
 
 import dataclasses
+import itertools
 import threading
 
 import numpy as np
@@ -13,8 +14,10 @@ from areal_jax.trainer.batching import (
     SEQUENCE_KEYS,
     build_sequences,
     make_microbatches,
+    minibatch_indices,
     rows_for_bin,
     rows_for_bucket,
+    sequence_group_ids,
 )
 
 
@@ -90,18 +93,21 @@ def test_build_sequences_rejects_kl_penalty_and_empty_input():
 @pytest.mark.parametrize("seed", range(4))
 def test_microbatches_cover_every_sequence_once_under_the_budget(seed):
     rng = np.random.default_rng(seed)
-    seqs = build_sequences(random_groups(rng, n_groups=8, per_group=4), AdvantageConfig())
+    groups = random_groups(rng, n_groups=8, per_group=4)
+    seqs = build_sequences(groups, AdvantageConfig())
+    gids = sequence_group_ids(groups)
     budget, buckets, m = 40, (8, 16, 32, 64), int(rng.integers(1, 5))
     row_multiple = int(rng.integers(1, 3))
     minibatches = make_microbatches(seqs, max_tokens_per_microbatch=budget, num_minibatches=m, buckets=buckets,
-                                    row_multiple=row_multiple)
+                                    row_multiple=row_multiple, group_ids=gids, shuffle_seed=(seed, 3))
     assert len(minibatches) == m
     lengths = np.array([len(s["input_ids"]) for s in seqs])
+    expected = minibatch_indices(lengths, m, gids, (seed, 3))
     seen, chunk_tokens = [], []
-    for mb in minibatches:
+    for mb, want in zip(minibatches, expected):
         indices = sorted(i for micro in mb for i in micro.sequence_indices)
-        # Contiguous chunk of the sequence list; denominator = its loss-mask tokens.
-        assert indices == list(range(indices[0], indices[-1] + 1))
+        # The split minibatch_indices chose; denominator = the minibatch's loss-mask tokens.
+        assert indices == sorted(want)
         valid = sum(seqs[i]["loss_mask"].sum() for i in indices)
         chunk_tokens.append(lengths[indices].sum())
         for micro in mb:
@@ -122,8 +128,66 @@ def test_microbatches_cover_every_sequence_once_under_the_budget(seed):
             assert np.all(micro.arrays["loss_mask"][pad] == 0) and np.all(micro.arrays["versions"][pad] == -1)
         seen.extend(indices)
     assert sorted(seen) == list(range(len(seqs)))
-    # Token balance: a chunk is off the mean by less than one sequence.
-    assert max(abs(t - lengths.sum() / m) for t in chunk_tokens) <= lengths.max()
+    # Token balance: a minibatch is off the mean by at most one group.
+    group_tokens = np.bincount(gids, weights=lengths)
+    assert max(abs(t - lengths.sum() / m) for t in chunk_tokens) <= group_tokens.max()
+
+
+def best_contiguous_split(tokens, m):
+    """Reference: the least max |run - total / m| over every cut of `tokens` into m non-empty runs."""
+    target, n = sum(tokens) / m, len(tokens)
+    best = np.inf
+    for cuts in itertools.combinations(range(1, n), m - 1):
+        bounds = (0, *cuts, n)
+        best = min(best, max(abs(sum(tokens[a:b]) - target) for a, b in zip(bounds[:-1], bounds[1:])))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_minibatch_split_is_seeded_group_whole_and_token_balanced(seed):
+    rng = np.random.default_rng(seed)
+    n_groups, m = int(rng.integers(4, 9)), int(rng.integers(2, 5))
+    sizes = rng.integers(1, 5, n_groups)
+    gids = np.repeat(np.arange(n_groups) * 10 + 3, sizes)  # arbitrary ids, groups contiguous
+    lengths = rng.integers(5, 200, len(gids))
+    split = minibatch_indices(lengths, m, gids, shuffle_seed=(7, seed))
+    # Deterministic for a seed; every sequence once; every group whole in one minibatch.
+    assert split == minibatch_indices(lengths, m, gids, shuffle_seed=(7, seed))
+    assert sorted(i for mb in split for i in mb) == list(range(len(gids)))
+    owner = {}
+    for k, mb in enumerate(split):
+        assert mb
+        for i in mb:
+            assert owner.setdefault(int(gids[i]), k) == k
+    assert len(owner) == n_groups
+    # Balance against the best split of the same group order: worse by at most one group.
+    order, seen = [], set()
+    for mb in split:
+        for i in mb:
+            if gids[i] not in seen:
+                seen.add(gids[i])
+                order.append(gids[i])
+    group_tokens = {g: lengths[gids == g].sum() for g in order}
+    tokens = [group_tokens[g] for g in order]
+    ours = max(abs(lengths[mb].sum() - lengths.sum() / m) for mb in split)
+    assert ours <= best_contiguous_split(tokens, m) + max(tokens)
+    assert ours <= max(tokens)
+
+
+def test_minibatch_split_shuffles_groups_and_falls_back_to_sequences():
+    lengths = np.full(24, 10)
+    gids = np.repeat(np.arange(8), 3)  # groups in admission order: group 0 is the stalest
+    unshuffled = minibatch_indices(lengths, 4, gids)
+    assert unshuffled == [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17],
+                          [18, 19, 20, 21, 22, 23]]
+    firsts = {tuple(minibatch_indices(lengths, 4, gids, shuffle_seed=(0, step))[0]) for step in range(20)}
+    assert len(firsts) > 5  # the first update sees different groups from step to step
+    assert all(len(mb) == 6 for mb in minibatch_indices(lengths, 4, gids, shuffle_seed=1))  # 2 groups each
+    # Fewer groups than minibatches: sequences are the units, so M updates still happen.
+    few = minibatch_indices(np.full(6, 10), 4, np.array([0, 0, 0, 1, 1, 1]), shuffle_seed=2)
+    assert len(few) == 4 and sorted(i for mb in few for i in mb) == list(range(6))
+    with pytest.raises(ValueError, match="group_ids"):
+        minibatch_indices(lengths, 4, gids[:-1])
 
 
 def test_row_counts_per_bucket_are_few_and_within_the_budget():

@@ -10,6 +10,8 @@ import pytest
 from areal_jax.ppo import (
     accumulate_loss_stats,
     decoupled_ppo_loss,
+    loglinear_alpha,
+    loglinear_proximal_logprobs,
     summarize_loss_stats,
     token_entropy,
     token_logprobs,
@@ -390,6 +392,60 @@ def test_loss_option_errors():
         decoupled_ppo_loss(*(x.reshape(-1) for x in batch), importance_sampling_level="sequence")
     with pytest.raises(ValueError, match="segment_ids"):
         decoupled_ppo_loss(*batch, segment_ids=jnp.zeros((4, 8), jnp.int32))
+
+
+# --------------------------------------------------------------------------- A-3PO
+
+
+def reference_alpha(version, current):
+    """AReaL's rule token by token: proximal = version current - 1, trained = current."""
+    if version < 0 or current - version <= 0:
+        return 0.0
+    return min(max((current - 1 - version) / (current - version), 0.0), 1.0)
+
+
+@pytest.mark.parametrize("current", [0, 1, 4, 9])
+def test_loglinear_alpha_matches_reference(current):
+    versions = np.random.default_rng(current).integers(-1, 11, (3, 8))
+    want = np.vectorize(reference_alpha)(versions, current)
+    np.testing.assert_allclose(loglinear_alpha(versions, current), want, rtol=1e-6)
+    np.testing.assert_allclose(loglinear_alpha(jnp.asarray(versions), current), want, rtol=1e-6)
+    assert loglinear_alpha(versions, current).dtype == np.float32
+
+
+def test_loglinear_proximal_values_and_gradient_match_reference():
+    # pi_prox = behav + alpha * (theta - behav) with theta constant: the loss gradient is the one of
+    # the reference objective at a fixed pi_prox (central differences with prox held).
+    with jax.enable_x64(True):
+        logp, _, behav, adv, mask = random_batch(17, shape=(3, 7), spread=0.3)
+        versions = np.random.default_rng(17).integers(-1, 6, logp.shape)
+        alpha = loglinear_alpha(versions, 5).astype(np.float64)
+        prox_ref = np.array([[behav[i, j] + reference_alpha(versions[i, j], 5) * (logp[i, j] - behav[i, j])
+                              for j in range(logp.shape[1])] for i in range(logp.shape[0])])
+        got = loglinear_proximal_logprobs(jnp.asarray(behav), jnp.asarray(logp), jnp.asarray(alpha))
+        np.testing.assert_allclose(got, prox_ref, rtol=1e-7)  # alpha is float32
+        assert 0 < np.sum((alpha > 0) & (alpha < 1) & mask)
+
+        kw = dict(eps_clip=0.2, behav_imp_weight_cap=1.3)
+
+        @jax.jit
+        def loss_fn(lp):
+            prox = loglinear_proximal_logprobs(behav, lp, alpha)
+            return decoupled_ppo_loss(lp, prox, behav, adv, mask, **kw)[0]
+
+        lp = jnp.asarray(logp, jnp.float64)
+        value, grad = jax.value_and_grad(loss_fn)(lp)
+        assert float(value) == pytest.approx(reference_loss(logp, prox_ref, behav, adv, mask, 0.2, cap=1.3)[0],
+                                             rel=1e-7)
+        h = 1e-6
+        fd = np.zeros_like(logp)
+        for idx in np.ndindex(logp.shape):
+            e = np.zeros_like(logp)
+            e[idx] = h
+            fd[idx] = (reference_loss(logp + e, prox_ref, behav, adv, mask, 0.2, cap=1.3)[0]
+                       - reference_loss(logp - e, prox_ref, behav, adv, mask, 0.2, cap=1.3)[0]) / (2 * h)
+        np.testing.assert_allclose(np.asarray(grad), fd, rtol=1e-5, atol=1e-9)
+        assert np.any(np.asarray(grad) != 0)
 
 
 # --------------------------------------------------------------------------- gradients

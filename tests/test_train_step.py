@@ -67,7 +67,9 @@ def reference_loss_and_grads(params, seqs, ppo):
         logp = token_logprobs(logits, batch["targets"], ppo.temperature)
         loss, _ = decoupled_ppo_loss(logp, batch["proximal_logprobs"], batch["behavior_logprobs"],
                                      batch["advantages"], batch["loss_mask"], eps_clip=ppo.eps_clip,
-                                     behav_imp_weight_cap=ppo.behav_imp_weight_cap)
+                                     behav_imp_weight_cap=ppo.behav_imp_weight_cap, c_clip=ppo.c_clip,
+                                     behav_imp_weight_mode=ppo.behav_imp_weight_mode,
+                                     importance_sampling_level=ppo.importance_sampling_level)
         return loss
 
     return jax.value_and_grad(loss_fn)(params)
@@ -200,6 +202,51 @@ def test_one_update_per_step_takes_the_proximal_from_the_loss_forward(fresh):
         assert m_self[key] == pytest.approx(m_explicit[key], rel=1e-5, abs=1e-6), key
     assert m_self["ratio_mean"] == 1.0 and m_self["clip_frac"] == 0.0
     assert_trees_close(fresh.params, explicit.params, atol=1e-5)  # Adam's sign-like first step
+
+
+@pytest.mark.parametrize("options", [
+    dict(c_clip=1.5, behav_imp_weight_mode="clamp"),
+    dict(importance_sampling_level="sequence", c_clip=2.0),
+])
+def test_loss_options_on_packed_rows_equal_one_sequence_per_row(options):
+    # GSPO's sequences are the packed segments: the packed step equals one sequence per row.
+    ppo = dataclasses.replace(PPO, **options)
+    trainer = PolicyTrainer(CFG, INIT, OPT, ppo)
+    seqs = random_seqs(8, proximal=True)
+    [mb] = make_microbatches(seqs, max_tokens_per_microbatch=BUDGET, num_minibatches=1, buckets=BUCKETS)
+    assert any(len(row) > 1 for m in mb for row in m.rows)  # some rows hold several sequences
+    grads, stats = trainer.minibatch_gradients(mb)
+    ref_loss, ref_grads = reference_loss_and_grads(INIT, seqs, ppo)
+    assert float(stats["loss"]) == pytest.approx(float(ref_loss), rel=1e-5, abs=1e-7)
+    assert_trees_close(grads, ref_grads, atol=1e-6)
+
+
+def test_loglinear_proximal_skips_the_forward_and_matches_its_reference():
+    # A-3PO: pi_prox = pi_behav + alpha(version) * (pi_theta - pi_behav) with pi_theta the current
+    # weights' (constant) log-probs; versions 3..5 at current version 6 give alpha 2/3, 1/2, 0.
+    ppo = dataclasses.replace(PPO, num_minibatches=2, prox_logp_method="loglinear")
+    trainer = PolicyTrainer(CFG, INIT, OPT, ppo)
+    seqs = random_seqs(9)
+    minibatches = make_microbatches(seqs, max_tokens_per_microbatch=BUDGET, num_minibatches=2, buckets=BUCKETS)
+    with_alpha = trainer.with_proximal_alpha(minibatches, current_version=6)
+    first = [i for m in minibatches[0] for i in m.sequence_indices]
+    current = teacher_forced_logprobs(INIT, [seqs[i] for i in first])
+    ref_seqs = []
+    for i, logp in zip(first, current):
+        s = dict(seqs[i])
+        alpha = np.where(s["versions"] >= 0, np.clip((6 - 1 - s["versions"]) / np.maximum(6 - s["versions"], 1), 0, 1),
+                         0.0)
+        assert set(np.round(alpha[s["loss_mask"] > 0], 6)) <= {0.0, 0.5, round(2 / 3, 6)}
+        s["proximal_logprobs"] = (s["behavior_logprobs"] + alpha * (logp - s["behavior_logprobs"])).astype(np.float32)
+        ref_seqs.append(s)
+    grads, stats = trainer.minibatch_gradients(with_alpha[0])
+    ref_loss, ref_grads = reference_loss_and_grads(INIT, ref_seqs, ppo)
+    assert float(stats["loss"]) == pytest.approx(float(ref_loss), rel=1e-5, abs=1e-7)
+    assert_trees_close(grads, ref_grads, atol=1e-6)
+    metrics = trainer.train_step(minibatches, current_version=6)
+    assert trainer.compile_counts["logprobs"] == 0 and metrics["skipped_updates"] == 0
+    with pytest.raises(ValueError, match="current_version"):
+        trainer.train_step(minibatches)
 
 
 # ---- updates ------------------------------------------------------------------------------------------
@@ -381,7 +428,12 @@ def test_optimizer_config_validation(kwargs, match):
     (dict(num_minibatches=0), "num_minibatches"), (dict(temperature=0.0), "temperature"),
     (dict(behav_imp_weight_cap=-1.0), "cap"), (dict(row_buckets=(0, 4096)), "row_buckets"),
     (dict(row_buckets=(96, 128)), "row_buckets.*largest"), (dict(row_buckets=[96, 4096]), "row_buckets"),
-    (dict(logit_chunk_tokens=0), "logit_chunk_tokens"), (dict(logit_chunk_tokens=2.0), "logit_chunk_tokens")])
+    (dict(logit_chunk_tokens=0), "logit_chunk_tokens"), (dict(logit_chunk_tokens=2.0), "logit_chunk_tokens"),
+    (dict(c_clip=1.0), "c_clip"), (dict(behav_imp_weight_mode="truncate"), "behav_imp_weight_mode"),
+    (dict(importance_sampling_level="group"), "importance_sampling_level"),
+    (dict(prox_logp_method="linear"), "prox_logp_method"),
+    (dict(prox_logp_method="loglinear", decoupled=False), "needs decoupled = True"),
+    (dict(minibatch_seed=-1), "minibatch_seed")])
 def test_ppo_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         PPOConfig(**kwargs)

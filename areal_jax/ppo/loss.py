@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from areal_jax.ppo.kl import kl_estimate
 
@@ -216,6 +217,36 @@ def _sequence_mean(x: jax.Array, mask: jax.Array, segment_ids: jax.Array | None)
     total = jax.ops.segment_sum(x.reshape(-1), ids, num_segments=b * (t + 1))
     n = jax.ops.segment_sum(count.reshape(-1), ids, num_segments=b * (t + 1))
     return (total / jnp.maximum(n, 1.0))[ids].reshape(b, t)
+
+
+def loglinear_alpha(versions, current_version: int):
+    """A-3PO's interpolation weight per token (NumPy or JAX arrays alike): [...] -> [...] float32.
+
+    AReaL HEAD's log-linear proximal approximation (areal/trainer/ppo/actor.py,
+    `compute_prox_logp_approximations`): the proximal policy is taken to be version
+    v_prox = current_version - 1 and the policy being trained version current_version, so a token
+    sampled at version v gets alpha = (v_prox - v) / (current_version - v), clipped to [0, 1];
+    tokens with v < 0 (prompt, padding) or v >= current_version get 0 (pi_prox := pi_behav).
+    `current_version` is the trainer's version when the step starts (AReaL's get_version(): the
+    version of the weights the freshest tokens were sampled with).
+    """
+    xp = jnp if isinstance(versions, jax.Array) else np
+    v = xp.asarray(versions).astype(xp.float32)
+    gap = float(current_version) - v  # > 0 for tokens older than the trained policy
+    usable = (gap > 0) & (v >= 0)
+    alpha = xp.where(usable, (gap - 1.0) / xp.where(usable, gap, 1.0), 0.0)
+    return xp.clip(alpha, 0.0, 1.0).astype(xp.float32)
+
+
+def loglinear_proximal_logprobs(behavior_logprobs: jax.Array, logprobs: jax.Array, alpha: jax.Array) -> jax.Array:
+    """log pi_prox ~= log pi_behav + alpha * (log pi_theta - log pi_behav), all [B, T] (A-3PO).
+
+    Interpolates in log space between the behaviour policy and the current one (whose log-probs
+    enter as a constant, as in AReaL: the approximation carries no gradient), so the decoupled loss
+    needs no proximal forward pass. alpha from `loglinear_alpha`.
+    """
+    behav = behavior_logprobs.astype(jnp.promote_types(logprobs.dtype, jnp.float32))
+    return behav + alpha * (jax.lax.stop_gradient(logprobs).astype(behav.dtype) - behav)
 
 
 def accumulate_loss_stats(

@@ -6,8 +6,10 @@ T = row length (a bucket size).
 1. `build_sequences`: one dict of per-token arrays `[L_i]` per trajectory (the alignment of
    `Trajectory.training_row`) plus `advantages [L_i]` from `compute_advantages` (nonzero only
    on loss-mask tokens, i.e. generated tokens).
-2. `make_microbatches`: split the sequences into M contiguous, token-balanced minibatches
-   (one optimizer update each); inside each, bins of at most `max_tokens_per_microbatch`
+2. `make_microbatches`: split the sequences into M token-balanced minibatches (one optimizer
+   update each) as AReaL does: the step's prompt groups in a seeded random order
+   (`minibatch_indices`), cut where the running token count crosses each k/M of the total, so
+   the stalest groups do not always share the first update; inside each, bins of at most `max_tokens_per_microbatch`
    tokens (one micro-batch each, never splitting a sequence), filled longest first so that
    each packs into at most `rows_for_bucket(T)` rows of the bucket T of its longest sequence;
    each bin is then packed at the smallest bucket that holds it in that many rows. Short
@@ -146,14 +148,16 @@ def make_microbatches(
     row_multiple: int = 1,
     agree_max: Callable[[int], int] | None = None,
     agree_sum: Callable[[int], int] | None = None,
+    group_ids: Sequence[int] | None = None,
+    shuffle_seed: int | Sequence[int] | None = None,
 ) -> list[list[PackedBatch]]:
     """Minibatches of packed micro-batches.
 
     Args:
         seqs: N per-token dicts (from `build_sequences`), in group order.
         max_tokens_per_microbatch: token budget of one micro-batch; a longer sequence is an error.
-        num_minibatches: M optimizer updates per step; needs N >= M (contiguous chunks of
-            sequences, token-balanced, so a prompt group's samples stay together).
+        num_minibatches: M optimizer updates per step; needs N >= M. Which sequences share a
+            minibatch: `minibatch_indices(lengths, M, group_ids, shuffle_seed)`.
         buckets: allowed row lengths; default powers of two from 128 up to the budget. The
             largest must be >= the budget.
         row_multiple: R is always a multiple of this (see `rows_for_bucket`).
@@ -164,6 +168,10 @@ def make_microbatches(
             in the same order, on every process.
         agree_sum: cross-process sum for the minibatch valid-token count (the loss
             denominator), so the loss is a token mean over the global minibatch.
+        group_ids: [N] prompt group of each sequence (`sequence_group_ids`); a group's sequences
+            share a minibatch. None: every sequence is its own group.
+        shuffle_seed: seeds the order of the groups before the split (e.g. (seed, step)); None
+            keeps the given order.
     Returns:
         M lists of PackedBatch.
     """
@@ -180,7 +188,7 @@ def make_microbatches(
         raise ValueError(f"num_minibatches={m} needs at least {m} sequences, got {len(seqs)}")
 
     minibatches = []
-    for index in minibatch_indices(lengths, m):
+    for index in minibatch_indices(lengths, m, group_ids, shuffle_seed):
         bins = [[index[j] for j in b]
                 for b in _row_aware_bins([lengths[i] for i in index], candidates, budget, row_multiple)]
         n_micro = len(bins) if agree_max is None else agree_max(len(bins))
@@ -200,13 +208,49 @@ def make_microbatches(
     return minibatches
 
 
-def minibatch_indices(lengths: Sequence[int], num_minibatches: int) -> list[list[int]]:
-    """The sequences (indices into `lengths`) of each minibatch `make_microbatches` forms."""
-    return [list(range(lo, hi)) for lo, hi in _balanced_chunks(lengths, num_minibatches)]
+def sequence_group_ids(groups: Sequence[TrajectoryGroup]) -> list[int]:
+    """[N] the index of each trajectory's group, in `build_sequences` order."""
+    return [g for g, group in enumerate(groups) for _ in group.trajectories]
+
+
+def minibatch_indices(lengths: Sequence[int], num_minibatches: int, group_ids: Sequence[int] | None = None,
+                      shuffle_seed: int | Sequence[int] | None = None) -> list[list[int]]:
+    """The sequences (indices into `lengths`) of each minibatch `make_microbatches` forms: every
+    sequence in exactly one.
+
+    AReaL shuffles a step's data (seeded) and splits it token-balanced
+    (realhf/impl/model/interface/ppo_interface.py at v0.3.0 shuffles sequences and splits them
+    by count; areal/utils/data.py at HEAD splits by tokens). Here the units are prompt groups
+    (single sequences when there are fewer groups than minibatches, so M updates still happen):
+    their order is permuted by `np.random.default_rng(shuffle_seed)` (kept as given when None),
+    then cut into M non-empty contiguous runs whose token counts are nearest total * k / M. A
+    run's tokens differ from total / M by at most the largest unit's tokens.
+    """
+    n = len(lengths)
+    m = _positive_int("num_minibatches", num_minibatches)
+    if n < m:
+        raise ValueError(f"num_minibatches={m} needs at least {m} sequences, got {n}")
+    if group_ids is None:
+        group_ids = range(n)
+    elif len(group_ids) != n:
+        raise ValueError(f"group_ids has {len(group_ids)} entries for {n} sequences")
+    units: dict[int, list[int]] = {}  # group -> its sequences, groups in first-appearance order
+    for i, g in enumerate(group_ids):
+        units.setdefault(int(g), []).append(i)
+    members = list(units.values())
+    if len(members) < m:
+        members = [[i] for i in range(n)]
+    if shuffle_seed is not None:
+        order = np.random.default_rng(shuffle_seed).permutation(len(members))
+        members = [members[k] for k in order]
+    unit_tokens = [sum(lengths[i] for i in unit) for unit in members]
+    return [[i for unit in members[lo:hi] for i in unit] for lo, hi in _balanced_chunks(unit_tokens, m)]
 
 
 def microbatch_shapes(lengths: Sequence[int], *, max_tokens_per_microbatch: int, num_minibatches: int,
-                      buckets: Sequence[int] | None = None, row_multiple: int = 1) -> list[list[tuple[int, int]]]:
+                      buckets: Sequence[int] | None = None, row_multiple: int = 1,
+                      group_ids: Sequence[int] | None = None, shuffle_seed: int | Sequence[int] | None = None,
+                      ) -> list[list[tuple[int, int]]]:
     """(rows R, row length T) of each micro-batch of each minibatch that `make_microbatches` builds
     on one process from sequences of these lengths, without building any array (the simulator
     costs a training step from them)."""
@@ -214,7 +258,8 @@ def microbatch_shapes(lengths: Sequence[int], *, max_tokens_per_microbatch: int,
     row_multiple = _positive_int("row_multiple", row_multiple)
     candidates = candidate_row_lengths(budget, buckets)
     out = []
-    for index in minibatch_indices(lengths, _positive_int("num_minibatches", num_minibatches)):
+    for index in minibatch_indices(lengths, _positive_int("num_minibatches", num_minibatches), group_ids,
+                                   shuffle_seed):
         shapes = []
         for b in _row_aware_bins([lengths[i] for i in index], candidates, budget, row_multiple):
             members = [lengths[index[j]] for j in b]

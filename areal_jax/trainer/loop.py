@@ -44,7 +44,7 @@ from areal_jax.rollout.controller import RolloutController, ShutdownReport
 from areal_jax.rollout.staleness import StalenessManager
 from areal_jax.rollout.types import TrajectoryGroup
 from areal_jax.rollout.workflow import RLVRConfig, RLVRWorkflow, resolve_workflow_class
-from areal_jax.trainer.batching import make_microbatches
+from areal_jax.trainer.batching import make_microbatches, sequence_group_ids
 from areal_jax.trainer.reference import ReferencePolicy, sequences_with_kl
 from areal_jax.trainer.optimizer import OptimizerConfig
 from areal_jax.trainer.train_step import PolicyTrainer, PPOConfig
@@ -274,12 +274,14 @@ class RLLoop:
                                    agree_max=agree_max if multi else None)
         seqs = shaped.sequences
         # Every process must run the same programs in the same order: agree on micro-batch counts
-        # and shapes, and on the minibatch token count that divides the loss.
+        # and shapes, and on the minibatch token count that divides the loss. The groups are split
+        # into minibatches in a seeded order of their own (AReaL's shuffle), reproducible by step.
         minibatches = make_microbatches(seqs, max_tokens_per_microbatch=ppo.max_tokens_per_microbatch,
                                         buckets=buckets,
                                         num_minibatches=min(ppo.num_minibatches, len(seqs)),
                                         row_multiple=self.rows_per_process,
-                                        agree_max=agree_max if multi else None, agree_sum=agree_sum if multi else None)
+                                        agree_max=agree_max if multi else None, agree_sum=agree_sum if multi else None,
+                                        group_ids=sequence_group_ids(groups), shuffle_seed=(ppo.minibatch_seed, step))
         train = self.trainer.train_step(minibatches, current_version=self.version)
         self.version += 1
         self.trained_tokens += float(train.get("trained_tokens", 0.0))

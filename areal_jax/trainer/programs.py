@@ -32,7 +32,8 @@ from areal_jax.aot import ProgramSpec, abstract
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.sharding import TRAIN_RULES, Rules, activation_rules, sharding_for
 from areal_jax.models.transformer import Params, forward, lm_head, param_axes, param_shapes
-from areal_jax.ppo import accumulate_loss_stats, decoupled_ppo_loss
+from areal_jax.ppo import accumulate_loss_stats, decoupled_ppo_loss, loglinear_proximal_logprobs
+from areal_jax.ppo.loss import BEHAV_IMP_WEIGHT_MODES, IMPORTANCE_SAMPLING_LEVELS
 from areal_jax.ppo.logprobs import DEFAULT_LOGIT_CHUNK_TOKENS, hidden_logprobs, hidden_logprobs_and_entropy
 from areal_jax.trainer.batching import candidate_row_lengths, rows_for_bucket
 from areal_jax.trainer.optimizer import OptimizerConfig, build_optimizer
@@ -42,11 +43,15 @@ REMATS = ("none", "full", "save_dots")
 FORWARD_KEYS = ("input_ids", "targets", "segment_ids", "positions")
 LOSS_KEYS = (*FORWARD_KEYS, "loss_mask", "behavior_logprobs", "advantages")
 PROXIMAL_KEY = "proximal_logprobs"
+# A-3PO: per-token weight of the log-linear proximal approximation (ppo.loglinear_alpha), computed on
+# the host from the token versions in place of a proximal forward.
+ALPHA_KEY = "proximal_alpha"
+PROX_LOGP_METHODS = ("recompute", "loglinear")
 # Device dtypes of a micro-batch's arrays (trainer/batching.py packs these; proximal log-probs
 # come from the log-prob program).
 BATCH_DTYPES = {"input_ids": jnp.int32, "targets": jnp.int32, "segment_ids": jnp.int32, "positions": jnp.int32,
                 "loss_mask": jnp.float32, "behavior_logprobs": jnp.float32, "advantages": jnp.float32,
-                PROXIMAL_KEY: jnp.float32}
+                PROXIMAL_KEY: jnp.float32, ALPHA_KEY: jnp.float32}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,9 +61,21 @@ class PPOConfig:
     Attributes:
         eps_clip: clip range of r = pi_theta / pi_prox (paper: 0.2).
         eps_clip_higher: upper clip range (DAPO clip-higher); None = eps_clip.
-        behav_imp_weight_cap: drop tokens whose pi_prox / pi_behav exceeds this; None = off.
+        behav_imp_weight_cap: bound on w = pi_prox / pi_behav; None = off.
+        behav_imp_weight_mode: "mask" (tokens with w > cap leave the loss, still counted in the
+            denominator) or "clamp" (their w becomes the cap); AReaL's rejection-sampling action.
+        c_clip: dual clip (> 1): a token's loss is at most c_clip * |A|; None = off.
+        importance_sampling_level: "token" (PPO) or "sequence" (GSPO: one ratio per packed
+            sequence, the exp of its mean log-ratio, with its mean advantage).
         decoupled: True = decoupled PPO (proximal recomputed with pre-step weights);
             False = naive PPO (proximal := behavior, the paper's ablation).
+        prox_logp_method: "recompute" (a forward with the pre-step weights) or "loglinear"
+            (A-3PO, AReaL HEAD: pi_prox interpolated in log space between pi_behav and the
+            current pi_theta by token version, `ppo.loglinear_alpha`; no proximal forward).
+            Decoupled only. With one minibatch the exact pi_prox costs no forward either and is
+            used whatever the method.
+        minibatch_seed: seeds the order of a step's groups before the minibatch split (with the
+            step: `batching.minibatch_indices`).
         temperature: sampling temperature the log-probs are taken at (match the generator).
         num_minibatches: optimizer updates per training step.
         max_tokens_per_microbatch: token budget of one micro-batch (for make_microbatches).
@@ -82,7 +99,12 @@ class PPOConfig:
     eps_clip: float = 0.2
     eps_clip_higher: float | None = None
     behav_imp_weight_cap: float | None = None
+    behav_imp_weight_mode: Literal["mask", "clamp"] = "mask"
+    c_clip: float | None = None
+    importance_sampling_level: Literal["token", "sequence"] = "token"
     decoupled: bool = True
+    prox_logp_method: Literal["recompute", "loglinear"] = "recompute"
+    minibatch_seed: int = 0
     temperature: float = 1.0
     num_minibatches: int = 4
     max_tokens_per_microbatch: int = 4096
@@ -101,6 +123,22 @@ class PPOConfig:
         if self.behav_imp_weight_cap is not None and not (
                 _is_number(self.behav_imp_weight_cap) and self.behav_imp_weight_cap > 0):
             raise ValueError(f"PPOConfig.behav_imp_weight_cap must be > 0 or None, got {self.behav_imp_weight_cap!r}")
+        if self.behav_imp_weight_mode not in BEHAV_IMP_WEIGHT_MODES:
+            raise ValueError(f"PPOConfig.behav_imp_weight_mode must be one of {BEHAV_IMP_WEIGHT_MODES}, "
+                             f"got {self.behav_imp_weight_mode!r}")
+        if self.c_clip is not None and not (_is_number(self.c_clip) and self.c_clip > 1):
+            raise ValueError(f"PPOConfig.c_clip must be > 1 or None, got {self.c_clip!r}")
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(f"PPOConfig.importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
+                             f"got {self.importance_sampling_level!r}")
+        if self.prox_logp_method not in PROX_LOGP_METHODS:
+            raise ValueError(f"PPOConfig.prox_logp_method must be one of {PROX_LOGP_METHODS}, "
+                             f"got {self.prox_logp_method!r}")
+        if self.prox_logp_method == "loglinear" and self.decoupled is False:
+            raise ValueError("PPOConfig.prox_logp_method = 'loglinear' approximates the proximal policy of "
+                             "decoupled PPO; it needs decoupled = True")
+        if isinstance(self.minibatch_seed, bool) or not isinstance(self.minibatch_seed, int) or self.minibatch_seed < 0:
+            raise ValueError(f"PPOConfig.minibatch_seed must be an int >= 0, got {self.minibatch_seed!r}")
         if not _is_number(self.temperature) or not self.temperature > 0:
             raise ValueError(f"PPOConfig.temperature must be > 0, got {self.temperature!r}")
         for name in ("num_minibatches", "max_tokens_per_microbatch", "logit_chunk_tokens"):
@@ -172,8 +210,9 @@ class TrainPrograms:
         grad: `(params, grad_acc, stats_acc, batch, denominator) -> (grad_acc, stats_acc)`: one
             micro-batch's loss gradient (loss divided by `denominator`, the minibatch's valid
             tokens) and stats added to the accumulators; batch holds LOSS_KEYS, plus
-            PROXIMAL_KEY unless pi_prox is the differentiated weights' own (stop-gradient)
-            log-probs. Donates grad_acc.
+            PROXIMAL_KEY, or ALPHA_KEY (A-3PO: pi_prox interpolated from pi_behav and the
+            stop-gradient log-probs), or neither: pi_prox is the differentiated weights' own
+            (stop-gradient) log-probs. Donates grad_acc.
         update: `(params, opt_state, grads) -> (params, opt_state, grad_norm, finite)`; donates
             params and opt_state; a non-finite gradient leaves both unchanged when
             `skip_nonfinite`.
@@ -218,12 +257,18 @@ def build_train_programs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, optimizer: 
             hidden, head = hidden_of(p, batch)
             logp, entropy = hidden_logprobs_and_entropy(hidden, head, batch["targets"], ppo.temperature,
                                                         chunk_tokens=ppo.logit_chunk_tokens)
-            # Without proximal_logprobs in the batch: pi_prox = the weights being differentiated.
-            prox = batch.get(PROXIMAL_KEY, jax.lax.stop_gradient(logp))
+            if PROXIMAL_KEY in batch:
+                prox = batch[PROXIMAL_KEY]
+            elif ALPHA_KEY in batch:  # A-3PO
+                prox = loglinear_proximal_logprobs(batch["behavior_logprobs"], logp, batch[ALPHA_KEY])
+            else:  # pi_prox = the weights being differentiated
+                prox = jax.lax.stop_gradient(logp)
             loss, stats = decoupled_ppo_loss(
                 logp, prox, batch["behavior_logprobs"], batch["advantages"],
                 batch["loss_mask"], eps_clip=ppo.eps_clip, eps_clip_higher=ppo.eps_clip_higher,
-                behav_imp_weight_cap=ppo.behav_imp_weight_cap, denominator=denominator)
+                behav_imp_weight_cap=ppo.behav_imp_weight_cap, denominator=denominator, c_clip=ppo.c_clip,
+                behav_imp_weight_mode=ppo.behav_imp_weight_mode,
+                importance_sampling_level=ppo.importance_sampling_level, segment_ids=batch["segment_ids"])
             stats["entropy_sum"] = jnp.sum(jnp.where(batch["loss_mask"] > 0, entropy, 0.0))
             stats["loss"] = jax.lax.stop_gradient(loss)
             return loss, stats
@@ -282,6 +327,12 @@ def self_proximal(ppo_cfg: PPOConfig) -> bool:
     return ppo_cfg.decoupled and ppo_cfg.num_minibatches == 1
 
 
+def proximal_input_key(ppo_cfg: PPOConfig) -> str:
+    """The grad program's pi_prox input when the step has several minibatches: the recomputed
+    log-probs, or A-3PO's interpolation weights."""
+    return ALPHA_KEY if ppo_cfg.decoupled and ppo_cfg.prox_logp_method == "loglinear" else PROXIMAL_KEY
+
+
 def train_program_specs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, opt_cfg: OptimizerConfig, mesh: Mesh, *,
                         rules: Rules = TRAIN_RULES, num_processes: int = 1) -> list[ProgramSpec]:
     """Every program a training step runs at this config's shapes, on the train mesh `mesh`.
@@ -309,7 +360,7 @@ def train_program_specs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, opt_cfg: Opt
     stats = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated), _loss_stats_shapes())
     denominator = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)
     context = functools.partial(activation_rules, rules, mesh)
-    grad_keys = LOSS_KEYS if self_proximal(ppo_cfg) else (*LOSS_KEYS, PROXIMAL_KEY)
+    grad_keys = LOSS_KEYS if self_proximal(ppo_cfg) else (*LOSS_KEYS, proximal_input_key(ppo_cfg))
     micro_fields = (*_MICROBATCH_FIELDS, *_ACTIVATION_FIELDS, *_MESH_FIELDS)
 
     specs = []

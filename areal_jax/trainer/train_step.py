@@ -6,6 +6,10 @@ One training step, given M minibatches of packed micro-batches (trainer/batching
    With M = 1 the pre-step weights are the weights the loss differentiates, so the loss takes
    pi_prox as the stop-gradient of its own log-probs and the extra forward is skipped (a quarter
    of the step's compute; ratio r = 1 exactly, as the separate forward gives up to rounding).
+   With `PPOConfig.prox_logp_method = "loglinear"` (A-3PO) there is no proximal forward either:
+   each micro-batch carries per-token interpolation weights from the token versions
+   (`ppo.loglinear_alpha`) and the loss interpolates pi_prox between pi_behav and its own
+   stop-gradient log-probs.
 2. For each minibatch: gradients summed over its micro-batches, each loss divided by the
    minibatch's valid-token count so the sum is the minibatch token mean; then one AdamW
    update, skipped (params and optimizer state untouched) when the gradient is non-finite.
@@ -35,14 +39,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.sharding import TRAIN_RULES, Rules, activation_rules, sharding_for
 from areal_jax.models.transformer import Params, param_axes
-from areal_jax.ppo import accumulate_loss_stats, summarize_loss_stats
+from areal_jax.ppo import accumulate_loss_stats, loglinear_alpha, summarize_loss_stats
 from areal_jax.trainer.batching import PackedBatch
 from areal_jax.trainer.optimizer import OptimizerConfig, build_optimizer, learning_rate_schedule
 # PPOConfig and the layouts live with the programs they size; re-exported for existing importers.
 from areal_jax.trainer.programs import (
+    ALPHA_KEY,
     COMPUTE_DTYPES,
     FORWARD_KEYS,
     LOSS_KEYS,
+    PROXIMAL_KEY,
     REMATS,
     PPOConfig,
     build_train_programs,
@@ -160,14 +166,23 @@ class PolicyTrainer:
             out.append(row)
         return out
 
+    def with_proximal_alpha(self, minibatches: Sequence[Sequence[PackedBatch]], current_version: int
+                            ) -> list[list[PackedBatch]]:
+        """Adds A-3PO's `proximal_alpha` `[R, T]` (from the token versions, on the host) to every
+        micro-batch lacking pi_prox: the loss then approximates pi_prox without a forward."""
+        return [[m if PROXIMAL_KEY in m.arrays or ALPHA_KEY in m.arrays
+                 else m.with_arrays(**{ALPHA_KEY: loglinear_alpha(np.asarray(m.arrays["versions"]), current_version)})
+                 for m in mb] for mb in minibatches]
+
     def minibatch_gradients(self, microbatches: Sequence[PackedBatch], *, self_proximal: bool = False
                             ) -> tuple[Params, dict[str, jax.Array]]:
         """Summed gradients of one minibatch's loss and its summed loss stats (incl. "loss",
         the minibatch token-mean loss, and "entropy_sum").
 
-        Needs proximal_logprobs present, unless `self_proximal`: then pi_prox is the current
-        weights' own log-probs (stop-gradient) from the loss forward, which is what a separate
-        proximal forward would compute when this minibatch is the step's first update."""
+        Needs proximal_logprobs (or A-3PO's proximal_alpha) present, unless `self_proximal`: then
+        pi_prox is the current weights' own log-probs (stop-gradient) from the loss forward, which
+        is what a separate proximal forward would compute when this minibatch is the step's first
+        update."""
         if not microbatches:
             raise ValueError("a minibatch needs at least one micro-batch")
         grads = self._zeros_like_params(self._params)
@@ -176,9 +191,11 @@ class PolicyTrainer:
             for micro in microbatches:
                 keys = LOSS_KEYS
                 if not self_proximal:
-                    if "proximal_logprobs" not in micro.arrays:
-                        raise ValueError("micro-batch has no proximal_logprobs; call with_proximal_logprobs first")
-                    keys = (*LOSS_KEYS, "proximal_logprobs")
+                    given = [k for k in (PROXIMAL_KEY, ALPHA_KEY) if k in micro.arrays]
+                    if not given:
+                        raise ValueError("micro-batch has no proximal_logprobs; call with_proximal_logprobs "
+                                         "(or with_proximal_alpha) first")
+                    keys = (*LOSS_KEYS, given[0])  # the exact log-probs win over the approximation
                 batch = self._to_device(micro, keys)
                 denom = np.float32(micro.minibatch_valid_tokens)
                 grads, stats = self._grad_fn(self._params, grads, stats, batch, denom)
@@ -192,6 +209,7 @@ class PolicyTrainer:
             minibatches: from `make_microbatches` (proximal_logprobs added here if missing).
             current_version: the policy version being trained; enables the version-lag stats
                 of trained tokens (lag = current_version - version that sampled the token).
+                Required by `prox_logp_method = "loglinear"` with several minibatches.
         Returns:
             Scalars (loss, grad_norm, clip_frac, imp_weight_mean/max, capped_frac, ratio_mean,
             entropy, approx_kl, skipped_updates, trained_tokens, lr, timings, ...) plus
@@ -203,7 +221,12 @@ class PolicyTrainer:
         # One update: the proximal policy is the weights being differentiated (module docstring).
         self_proximal = (self.ppo_config.decoupled and len(minibatches) == 1
                          and not any("proximal_logprobs" in m.arrays for m in minibatches[0]))
-        if not self_proximal:
+        loglinear = self.ppo_config.decoupled and self.ppo_config.prox_logp_method == "loglinear"
+        if loglinear and not self_proximal:
+            if current_version is None:
+                raise ValueError("PPOConfig.prox_logp_method = 'loglinear' needs train_step(current_version=...)")
+            minibatches = self.with_proximal_alpha(minibatches, current_version)
+        elif not self_proximal:
             minibatches = self.with_proximal_logprobs(minibatches)
             jax.block_until_ready([m.arrays["proximal_logprobs"] for mb in minibatches for m in mb])
         t_prox = time.perf_counter()
