@@ -33,7 +33,7 @@ import orbax.checkpoint as ocp
 
 from areal_jax import paths
 from areal_jax.models import ModelConfig
-from areal_jax.models.hf_io import leaf_keys, to_host, write_params
+from areal_jax.models.hf_io import save_params
 from areal_jax.parallel import agree_max
 
 logger = logging.getLogger(__name__)
@@ -286,20 +286,18 @@ class Checkpointer:
 
         Locally the directory appears complete or not at all (`paths.staged_dir`); an existing
         export of the same step is replaced. Call on every process: one tensor at a time is
-        gathered (`to_host`), process 0 writes. Returns the path, or None if not due.
+        gathered (`hf_io.save_params`), process 0 writes. Returns the path, or None if not due.
         """
         if self.config.export_dir is None:
             raise ValueError("CheckpointConfig.export_dir is not set")
         if not force and not self.should_export_hf(step):
             return None
         target = paths.absolute(self.config.export_dir) / f"step_{step}"
-        fetch = lambda leaf: to_host(params["layers"][leaf[1]] if leaf[0] == "layers" else params[leaf[0]])  # noqa: E731
         if jax.process_index() != 0:
-            for leaf in leaf_keys(model_cfg):  # the collectives process 0's writer runs
-                fetch(leaf)
+            save_params(params, model_cfg, target, write=False)  # the gathers process 0's writer runs
             return target
         with paths.staged_dir(target) as out:
-            write_params(fetch, model_cfg, out, dtype=params["final_norm"].dtype)
+            save_params(params, model_cfg, out)
         return target
 
     # ---- lifecycle --------------------------------------------------------------------------

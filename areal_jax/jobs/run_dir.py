@@ -1,16 +1,16 @@
 """The run directory: whether a run may start, resume or overwrite there, and what --overwrite
-removes. Nothing here writes unless the checks have passed."""
+removes. Nothing here writes unless the checks have passed. Run and checkpoint directories may be
+local or remote (gs://): they are handled as `areal_jax.paths` paths throughout."""
 
 from __future__ import annotations
 
 import json
 import logging
-import pathlib
-import shutil
 
 import jax
 from jax.experimental import multihost_utils
 
+from areal_jax import paths
 from areal_jax.checkpoint import clear_checkpoints, finalized_steps
 from areal_jax.jobs.configs import JobConfigs
 from areal_jax.jobs.inputs import InputError
@@ -39,16 +39,17 @@ RESUME_FIELDS: dict[str, tuple[str, ...] | None] = {
 
 
 
-def _checkpoint_dirs(cfg: JobConfigs, run_dir: pathlib.Path) -> list[pathlib.Path]:
+def _checkpoint_dirs(cfg: JobConfigs, run_dir: paths.Path) -> list[paths.Path]:
     """The run directory's checkpoints/ and the CheckpointConfig directory, if elsewhere."""
     dirs = [run_dir / "checkpoints"]
-    if cfg.checkpoint is not None and pathlib.Path(cfg.checkpoint.directory).absolute() != dirs[0].absolute():
-        dirs.append(pathlib.Path(cfg.checkpoint.directory))
+    if cfg.checkpoint is not None and paths.absolute(cfg.checkpoint.directory) != paths.absolute(dirs[0]):
+        dirs.append(paths.as_path(cfg.checkpoint.directory))
     return dirs
 
 
-def previous_run(cfg: JobConfigs, run_dir: pathlib.Path) -> list[str]:
+def previous_run(cfg: JobConfigs, run_dir: paths.PathLike) -> list[str]:
     """What shows an earlier run in `run_dir` (records, checkpoint steps); [] for a fresh directory."""
+    run_dir = paths.as_path(run_dir)
     held = [name + ("/" if (run_dir / name).is_dir() else "") for name in RUN_RECORDS if (run_dir / name).exists()]
     for directory in _checkpoint_dirs(cfg, run_dir):
         steps = finalized_steps(directory)
@@ -58,8 +59,9 @@ def previous_run(cfg: JobConfigs, run_dir: pathlib.Path) -> list[str]:
     return held
 
 
-def check_run_dir(cfg: JobConfigs, run_dir: pathlib.Path, *, resume: bool, overwrite: bool) -> None:
+def check_run_dir(cfg: JobConfigs, run_dir: paths.PathLike, *, resume: bool, overwrite: bool) -> None:
     """Raises InputError unless the run may start in `run_dir` as asked; writes nothing."""
+    run_dir = paths.as_path(run_dir)
     if resume and overwrite:
         raise InputError("--resume continues the run in the directory and --overwrite removes it: pass one")
     if run_dir.exists() and not run_dir.is_dir():
@@ -73,11 +75,11 @@ def check_run_dir(cfg: JobConfigs, run_dir: pathlib.Path, *, resume: bool, overw
                          "--resume to continue it, or choose another --run_dir")
 
 
-def _check_resumable(cfg: JobConfigs, run_dir: pathlib.Path) -> None:
+def _check_resumable(cfg: JobConfigs, run_dir: paths.Path) -> None:
     if cfg.checkpoint is None:
         raise InputError(f"--resume: nothing to resume in {run_dir}: no CheckpointConfig is bound, so no "
                          "checkpoint is saved or read (bind e.g. CheckpointConfig.save_interval_steps = 10)")
-    directory = pathlib.Path(cfg.checkpoint.directory)
+    directory = paths.as_path(cfg.checkpoint.directory)
     if not finalized_steps(directory):
         raise InputError(f"--resume: nothing to resume: no finished checkpoint under {directory}")
     saved = run_dir / "config.json"
@@ -89,7 +91,7 @@ def _check_resumable(cfg: JobConfigs, run_dir: pathlib.Path) -> None:
         raise InputError(f"--resume: fields a resumed run must keep differ from {saved}: {'; '.join(changed)}")
 
 
-def _read_json(path: pathlib.Path) -> dict:
+def _read_json(path: paths.Path) -> dict:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError) as e:
@@ -110,16 +112,13 @@ def resume_changes(saved: dict, cfg: JobConfigs) -> list[str]:
     return changes
 
 
-def remove_previous_run(cfg: JobConfigs, run_dir: pathlib.Path) -> None:
+def remove_previous_run(cfg: JobConfigs, run_dir: paths.PathLike) -> None:
     """--overwrite: the earlier run's records and checkpoint steps go (process 0 removes, all wait),
     so metrics.jsonl starts empty and checkpoints from step 0."""
+    run_dir = paths.as_path(run_dir)
     if jax.process_index() == 0:
         for name in OLD_RUN_FILES:
-            path = run_dir / name
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
+            paths.remove(run_dir / name)
         for directory in _checkpoint_dirs(cfg, run_dir):
             clear_checkpoints(directory)
     if jax.process_count() > 1:

@@ -17,26 +17,27 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import io
 import json
 import logging
 import pathlib
-import shutil
+import tempfile
 import time
 from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
 from areal_jax import config_system as cs
+from areal_jax import paths
 from areal_jax.jobs.configs import JobConfigs
 from areal_jax.jobs.inputs import on_every_process, check_sources, input_errors
 from areal_jax.jobs.run_dir import check_run_dir, remove_previous_run
 from areal_jax.jobs.run_records import drop_steps_from, last_wall_time
 from areal_jax.checkpoint import Checkpointer
 from areal_jax.metrics import MetricsLogger
-from areal_jax.models.hf_io import load_params, save_params
+from areal_jax.models.hf_io import copy_tokenizer_files, load_params, save_params
 from areal_jax.models.tokenizer import Tokenizer
 from areal_jax.models.transformer import init_params
 from areal_jax.parallel.distributed import agree_max, agree_sum, gather_json
@@ -96,7 +97,7 @@ class ProblemStream:
         self._order = self._permutation()
 
 
-def prepare_workload(cfg: JobConfigs, run_dir: pathlib.Path, *, mesh: Mesh | None = None) -> Workload:
+def prepare_workload(cfg: JobConfigs, run_dir: paths.Path, *, mesh: Mesh | None = None) -> Workload:
     """Tokenizer, initial weights, prompts and held-out rows for the job.
 
     mesh: the train mesh: the initial weights are laid out on it by the training rule table, each
@@ -106,7 +107,9 @@ def prepare_workload(cfg: JobConfigs, run_dir: pathlib.Path, *, mesh: Mesh | Non
         from areal_jax.tasks import arithmetic as ar
         from areal_jax.tasks.tokenizer_builder import build_tokenizer, task_model_config
 
-        tokenizer_dir = build_tokenizer(run_dir / "tokenizer")
+        # The tokenizer is read from local files: a remote run directory gets a copy (run_train).
+        tokenizer_dir = build_tokenizer(pathlib.Path(tempfile.mkdtemp(prefix="areal-jax-tokenizer-"))
+                                        if paths.is_remote(run_dir) else run_dir / "tokenizer")
         tokenizer = Tokenizer.from_pretrained(tokenizer_dir)
         model_cfg = task_model_config(hidden_size=cfg.model.hidden_size, num_layers=cfg.model.num_layers)
         params = init_params(model_cfg, cfg.model.init_seed, dtype=cfg.model.dtype)
@@ -160,7 +163,7 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
     from areal_jax.trainer.sft import GreedyAccuracy, run_sft
 
     t0 = time.perf_counter()
-    run_dir = pathlib.Path(run_dir)
+    run_dir = paths.as_path(run_dir)  # local or remote (gs://)
     try:
         meshes = build_meshes(cfg.mesh)  # an impossible device split fails here, before any work
     except ValueError as e:
@@ -175,6 +178,9 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
     if jax.process_index() == 0:
         (run_dir / "config.gin").write_text(cs.operative_config())
         (run_dir / "config.json").write_text(json.dumps(cfg.as_dict(), indent=2, default=str))
+        if work.tokenizer_dir != run_dir / "tokenizer":  # the run directory keeps the tokenizer it used
+            paths.remove(run_dir / "tokenizer")
+            copy_tokenizer_files(work.tokenizer_dir, run_dir / "tokenizer")
     reward_name = cfg.rollout.reward
     stop_ids = tuple(cfg.rollout.stop_token_ids) or tuple(work.tokenizer.stop_token_ids)
     rollout_cfg = dataclasses.replace(cfg.rollout, stop_token_ids=stop_ids)
@@ -300,14 +306,17 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
     summary["wall_time_s"] = elapsed()
     if checkpointer is not None:
         checkpointer.close()
-    host_params = _host_copy(params) if cfg.stages.save_final_model else None  # every process takes part
+    if cfg.stages.save_final_model:
+        # Every process takes part (a tensor spanning processes is gathered alone, then written to
+        # host memory one at a time); process 0 writes, the tokenizer beside the weights.
+        if jax.process_index() == 0:
+            with paths.staged_dir(run_dir / "final_model") as out:
+                save_params(params, work.model_config, out)
+                copy_tokenizer_files(work.tokenizer_dir, out)
+        else:
+            save_params(params, work.model_config, run_dir / "final_model", write=False)
     del params
     if jax.process_index() == 0:
-        if cfg.stages.save_final_model:
-            save_params(host_params, work.model_config, run_dir / "final_model")
-            for f in work.tokenizer_dir.iterdir():  # the tokenizer travels with the model
-                if f.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
-                    shutil.copy(f, run_dir / "final_model" / f.name)
         if cfg.stages.plot and history:
             _plot(history, summary, run_dir / "progress.png")
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -341,19 +350,6 @@ def _place_on_train_mesh(model_cfg: Any, mesh: Mesh, host: Any) -> Any:
     specs, _ = model_partition_specs(model_cfg, mesh, 1)
     return jax.tree.map(lambda a, spec: jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec),
                                                                    lambda index: a[index]), host, specs)
-
-
-def _host_copy(params: Any) -> Any:
-    """The weights in host memory, one tensor at a time: shards fetched as they lie, and a tensor
-    spanning processes all-gathered alone (so all processes must call this). No device ever holds
-    more than one whole tensor for it."""
-
-    def fetch(x: Any) -> np.ndarray:
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-        return np.asarray(jax.device_get(x))
-
-    return jax.tree.map(fetch, params)
 
 
 def _on_any_process(flag: bool) -> bool:
@@ -417,7 +413,7 @@ def progress_series(history: list[dict[str, Any]]) -> tuple[list, list, list, li
     return steps, wall, reward, evals
 
 
-def _plot(history: list[dict[str, Any]], summary: dict[str, Any], path: pathlib.Path) -> None:
+def _plot(history: list[dict[str, Any]], summary: dict[str, Any], path: paths.Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -437,5 +433,7 @@ def _plot(history: list[dict[str, Any]], summary: dict[str, Any], path: pathlib.
     axes[0].legend(loc="lower right", fontsize=8)
     fig.suptitle(f"areal-jax: held-out accuracy {summary['sft_accuracy']:.2f} -> {summary['final_accuracy']:.2f}")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    image = io.BytesIO()  # matplotlib writes local files only: the bytes go through paths
+    fig.savefig(image, format="png", dpi=100)
+    paths.write_whole(path, image.getvalue())
     plt.close(fig)

@@ -351,12 +351,35 @@ def save_pretrained(model: Transformer, path: str | pathlib.Path, *, max_shard_b
 
 
 def save_params(params: Params, cfg: ModelConfig, path: str | pathlib.Path, *, max_shard_bytes: int = 4 << 30,
-                dtype=None) -> None:
+                dtype=None, write: bool = True) -> None:
     """Writes config.json and safetensors (sharded with an index past `max_shard_bytes`), fetching
-    one tensor at a time to host memory (`to_host`). dtype: of the stored tensors (default: the params')."""
+    one tensor at a time to host memory (`to_host`). dtype: of the stored tensors (default: the params').
+
+    Multi-host: every process calls it (a tensor spanning processes is gathered alone), and only the
+    one with `write` writes; the others take part in the gathers.
+    """
     dtype = np.dtype(dtype) if dtype is not None else np.dtype(params["final_norm"].dtype)
-    write_params(lambda leaf: to_host(_get(params, leaf)), cfg, path,
-                 max_shard_bytes=max_shard_bytes, dtype=dtype)
+    fetch = lambda leaf: to_host(_get(params, leaf))  # noqa: E731
+    if not write:
+        for leaf in leaf_keys(cfg):
+            fetch(leaf)
+        return
+    write_params(fetch, cfg, path, max_shard_bytes=max_shard_bytes, dtype=dtype)
+
+
+# Files of a tokenizer directory that travel with a model (tokenizer.json and its config, special
+# tokens, the chat template, the generation config).
+TOKENIZER_FILE_PREFIXES = ("tokenizer", "special_tokens", "generation_config", "chat_template")
+
+
+def copy_tokenizer_files(src, dst) -> list[str]:
+    """Copies the tokenizer files of directory `src` into `dst` (local or remote); returns their names."""
+    from areal_jax import paths
+
+    src = paths.as_path(src)
+    names = sorted(f.name for f in src.iterdir() if f.name.startswith(TOKENIZER_FILE_PREFIXES) and not f.is_dir())
+    paths.copy_files(src, dst, names)
+    return names
 
 
 def write_params(fetch: Callable[[LeafKey], np.ndarray], cfg: ModelConfig, path, *, dtype,
