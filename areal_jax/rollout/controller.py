@@ -59,7 +59,7 @@ from typing import Any
 from areal_jax.generation.engine import GenerationEngine
 from areal_jax.rollout.channel import ChannelClosed, TrajectoryChannel
 from areal_jax.rollout.filters import GroupFilter, is_too_stale
-from areal_jax.rollout.staleness import StalenessManager
+from areal_jax.rollout.staleness import StalenessManager, admission_version
 from areal_jax.rollout.types import TrajectoryGroup
 from areal_jax.rollout.workflow import Detokenizer, RolloutClient, row_source
 
@@ -330,7 +330,7 @@ class RolloutController:
         """Start groups while capacity allows; only this thread admits."""
         while not self._paused.is_set() and not self._exhausted and len(self._tasks) < self.max_concurrent:
             try:
-                version = min(int(self._version_fn()), int(self.engine.version))
+                version = admission_version(self._version_fn(), self.engine.version)
             except Exception as exc:  # noqa: BLE001 - a broken version source stops admission loudly
                 self._fatal(f"version_fn raised {type(exc).__name__}: {exc}")
                 return

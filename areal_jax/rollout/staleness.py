@@ -38,6 +38,13 @@ def _check_non_negative_int(name: str, value: object) -> int:
     return value
 
 
+def admission_version(trainer_version: int, served_version: int) -> int:
+    """The version a group is admitted at: the trainer's, but never ahead of the weights the engine
+    serves, so every token of a group admitted at u has version >= u whatever the order of the
+    trainer's "bump version" and "push weights"."""
+    return min(int(trainer_version), int(served_version))
+
+
 class StalenessManager:
     """Thread-safe admission control bounding how far rollouts run ahead of training.
 
