@@ -180,6 +180,8 @@ def _eval(args) -> int:
     check_data_paths(data.paths, "DataConfig.paths")
     _maybe_initialize_distributed(args)
     tokenizer, model = _load_model(args.model, args.tokenizer)
+    with input_errors("--tokenizer" if args.tokenizer else "--model"):
+        data.prompt_encoder(tokenizer)  # a base model needs DataConfig.prompt_template: one line
     with input_errors("DataConfig.paths"):
         rows = build_prompt_loader(data, tokenizer)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -283,8 +285,9 @@ def _generate(args) -> int:
     from areal_jax.generation import generate
 
     tok, model = _load_model(args.model)
+    # A base model (no chat template) continues the prompt text as given.
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-               for p in args.prompt]
+               if tok.has_chat_template else tok.encode(p) for p in args.prompt]
     out = generate(model, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature, n=args.n,
                    stop_token_ids=tok.stop_token_ids)
     for p, group in zip(args.prompt, out):

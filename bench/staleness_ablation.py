@@ -71,7 +71,8 @@ def _number(v) -> float:
 def read_run(run_dir: pathlib.Path, warmup: int) -> dict:
     """Figures of one RL run from its summary.json and metrics.jsonl."""
     summary = json.loads((run_dir / "summary.json").read_text())
-    steps = [json.loads(line)["metrics"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    steps = [r["metrics"] for r in records if r["step"] >= 0]  # RL's (SFT's steps are at negative indices)
     curve = [(0, summary["sft_accuracy"])] + [(m["step"] + 1, _number(m["eval/accuracy"])) for m in steps
                                               if "eval/accuracy" in m]
     lag = {}

@@ -33,7 +33,10 @@ def _args(run_dir, *extra):
 def test_quickstart_runs_end_to_end_in_short_form(tmp_path):
     assert main(_args(tmp_path, "RLConfig.dump_rollouts_every = 2", SPLIT_8)) == 0
     records = read_jsonl(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in records] == [0, 1]
+    # SFT's 10 steps first, at -10..-1 (one record each), then RL's from 0.
+    assert [r["step"] for r in records] == list(range(-10, 0)) + [0, 1]
+    assert all("loss" in r["metrics"]["sft"] for r in records[:10])
+    records = records[10:]
     for r in records:
         m = r["metrics"]
         for key in ("reward/mean", "reward/accuracy", "staleness/max", "staleness/hist", "train/loss",
@@ -68,7 +71,8 @@ def test_train_runs_as_two_processes_over_jax_distributed(tmp_path):
     records written by process 0. Generation in bf16, the weights moved in small groups."""
     run_cli_processes(_args(tmp_path, "TaskSource.eval_size = 9", "RLConfig.generation_dtype = 'bfloat16'",
                             "RLConfig.transfer_group_bytes = 4096"))
-    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1]  # once, not once per process
+    # Once, not once per process: SFT's steps (-10..-1) then RL's.
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(-10, 0)) + [0, 1]
     assert len(list((tmp_path / "tensorboard").iterdir())) == 1
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["trained_tokens"] > 0
@@ -102,15 +106,16 @@ def test_config_errors_are_reported_before_anything_starts(tmp_path, capsys, bin
     assert not (tmp_path / "run" / "config.gin").exists()
 
 
-def _tiny_model_dir(path: pathlib.Path) -> pathlib.Path:
-    """A random 1-layer model with a chat tokenizer, saved in HF format."""
+def _tiny_model_dir(path: pathlib.Path, style: str = "chatml", template_storage: str = "config") -> pathlib.Path:
+    """A random 1-layer model with a tiny tokenizer of `style` (tests/tokenizer_fixtures.py; "none" as
+    template_storage: no chat template, like a base model), saved in HF format."""
     import jax
 
     from areal_jax.models import ModelConfig, init_params, save_params
     from areal_jax.models.tokenizer import Tokenizer
     from tests.tokenizer_fixtures import build_tiny_tokenizer
 
-    model_dir = build_tiny_tokenizer(path, "chatml")
+    model_dir = build_tiny_tokenizer(path, style, template_storage=template_storage)
     cfg = ModelConfig(vocab_size=len(Tokenizer.from_pretrained(model_dir)), hidden_size=32, intermediate_size=64,
                       num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8)
     save_params(init_params(cfg, jax.random.key(0), std=0.3), cfg, model_dir)

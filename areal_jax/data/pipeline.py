@@ -51,8 +51,8 @@ class DataConfig:
     format: "auto" (per row, from its keys) or one of "gsm8k", "math", "areal", "code".
     prompt_suffix / system_prompt: appended to the user turn / a system turn of the chat template.
     prompt_template: for base models without a chat template: the whole prompt, a format string over
-        the row's fields, e.g. "Question: {question}\nAnswer:" (GSM8K) or "Problem: {problem}\n
-        Solution:" (MATH); encoded with the tokenizer's bos. Exclusive with the two fields above.
+        the row's fields, e.g. 'Question: {question}\\nAnswer:' for GSM8K ('{problem}' for MATH),
+        encoded with the tokenizer's bos. Exclusive with the two fields above.
     chat_template_kwargs: variables passed to the chat template, e.g. {"enable_thinking": False}
         for Qwen3.
     max_prompt_tokens: rows whose templated prompt is longer are skipped (None: no cap).

@@ -118,7 +118,12 @@ def load_job_configs(gin_files=(), gin_params=(), *, run_dir: str, num_processes
     workflow_class = _workflow_class(cs.build(RLConfig))
     cs.parse(gin_files, gin_params)
     task = cs.build(TaskSource)
-    data = cs.build(DataConfig) if task.kind == "dataset" else None
+    data = None
+    if task.kind == "dataset":
+        # `areal-jax sft` on its own files reads no RL prompts: DataConfig.paths defaults to SFTConfig.paths.
+        sft_paths = cs.gin.get_bindings("SFTConfig").get("paths")
+        data = cs.build(DataConfig, **({"paths": sft_paths} if sft_paths and "paths" not in cs.bindings(DataConfig)
+                                       else {}))
     checkpoint = None
     bindings = cs.gin.get_bindings("CheckpointConfig")
     if bindings:
@@ -167,6 +172,9 @@ def _check_sft(cfg: JobConfigs) -> None:
         raise cs.ConfigError(
             "SFTConfig.eval_every > 0 needs validation prompts: TaskSource.kind = 'arithmetic' with "
             f"TaskSource.validation_size > 0 (got kind {task.kind!r}, validation_size {task.validation_size})")
+    if (cfg.sft.paths or cfg.sft.eval_paths) and task.kind != "dataset":
+        raise cs.ConfigError("SFTConfig.paths / SFTConfig.eval_paths are read with DataConfig's format and templates: "
+                             f"they need TaskSource.kind = 'dataset' (got {task.kind!r})")
 
 
 def _check_rl(cfg: JobConfigs) -> None:

@@ -54,6 +54,9 @@ def check_sources(cfg: JobConfigs) -> None:
         check_tokenizer_dir(cfg.model.tokenizer_path or cfg.model.path, tokenizer_field)
     if cfg.task.kind == "dataset":
         check_data_paths(cfg.data.paths, "DataConfig.paths")
+        if cfg.stages.sft:
+            check_data_paths(cfg.sft.paths, "SFTConfig.paths")
+            check_data_paths(cfg.sft.eval_paths, "SFTConfig.eval_paths")
         if cfg.task.eval_size:
             check_data_paths(cfg.task.eval_paths, "TaskSource.eval_paths")
 

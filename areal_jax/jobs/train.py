@@ -1,7 +1,8 @@
 """`areal-jax train`: (optional) SFT warm start, then asynchronous RL, with a run directory.
 
 The run directory receives: config.gin (operative bindings), config.json (every resolved
-config), metrics.jsonl (one object per RL step) and TensorBoard events, summary.json,
+config), metrics.jsonl (one object per SFT step, at indices -SFTConfig.steps..-1, then one per RL
+step from 0) and TensorBoard events, summary.json,
 progress.png (reward and held-out accuracy against steps and wall time) and final_model/
 (HF format).
 
@@ -61,6 +62,7 @@ class Workload:
     eval_rows: list
     sft_examples: list
     validation_rows: list = dataclasses.field(default_factory=list)  # SFT's accuracy checks
+    sft_val_examples: list = dataclasses.field(default_factory=list)  # SFT's held-out loss (SFTConfig.eval_paths)
 
 
 class ProblemStream:
@@ -135,9 +137,14 @@ def prepare_workload(cfg: JobConfigs, run_dir: paths.Path, *, mesh: Mesh | None 
                         ar.sft_examples(tokenizer, train), list(ar.prompt_rows(tokenizer, validation)))
     from areal_jax.data.pipeline import build_prompt_loader
 
-    with input_errors("DataConfig.paths"):
-        loader = build_prompt_loader(cfg.data, tokenizer, process_index=jax.process_index(),
-                                     process_count=jax.process_count())
+    with input_errors("ModelSource.tokenizer_path" if cfg.model.tokenizer_path else "ModelSource.path"):
+        cfg.data.prompt_encoder(tokenizer)  # no chat template and no DataConfig.prompt_template: one line
+    sft_examples, sft_val = _sft_data(cfg, tokenizer) if cfg.stages.sft else ([], [])
+    loader = None  # `areal-jax sft` reads no RL prompts (its files may hold only chats)
+    if cfg.stages.rl:
+        with input_errors("DataConfig.paths"):
+            loader = build_prompt_loader(cfg.data, tokenizer, process_index=jax.process_index(),
+                                         process_count=jax.process_count())
     eval_rows: list = []
     if cfg.task.eval_paths and cfg.task.eval_size:
         eval_cfg = dataclasses.replace(cfg.data, paths=cfg.task.eval_paths, shuffle=False, num_epochs=1,
@@ -146,7 +153,25 @@ def prepare_workload(cfg: JobConfigs, run_dir: paths.Path, *, mesh: Mesh | None 
             eval_loader = build_prompt_loader(eval_cfg, tokenizer, process_index=jax.process_index(),
                                               process_count=jax.process_count())
         eval_rows = [r for _, r in zip(range(cfg.task.eval_size), eval_loader)]
-    return Workload(model_cfg, params, tokenizer, tokenizer_dir, loader, eval_rows, [])
+    return Workload(model_cfg, params, tokenizer, tokenizer_dir, loader, eval_rows, sft_examples,
+                    sft_val_examples=sft_val)
+
+
+def _sft_data(cfg: JobConfigs, tokenizer: Tokenizer) -> tuple[list, list]:
+    """SFT's training and held-out examples from SFTConfig.paths (default DataConfig.paths) and
+    SFTConfig.eval_paths; no usable row is an InputError naming the field, the files and why."""
+    from areal_jax.data.sft_data import load_sft_examples
+
+    out = []
+    for field, files in (("SFTConfig.paths" if cfg.sft.paths else "DataConfig.paths", cfg.sft.paths or cfg.data.paths),
+                         ("SFTConfig.eval_paths", cfg.sft.eval_paths)):
+        examples = []
+        if files:
+            with input_errors(field):
+                examples, _ = load_sft_examples(dataclasses.replace(cfg.data, paths=tuple(files)), tokenizer,
+                                                max_len=cfg.sft.max_len)
+        out.append(examples)
+    return out[0], out[1]
 
 
 def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = True, resume: bool = False,
@@ -194,13 +219,13 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
     # to fit the generation devices (64 slots of a 17k-token reasoning budget would not).
     eval_slots = min(EVAL_SLOTS, cfg.engine.num_slots)
 
-    def held_out_accuracy(p) -> float:
+    def held_out_accuracy(p) -> float | None:
         """Greedy accuracy on the held-out rows of every process (each holds a shard of them), on
         this host's generation devices with the weights in the generation dtype. All processes
         call it: moving weights from the train mesh is a collective."""
         if not _on_any_process(bool(work.eval_rows)):
             summary["held_out_problems"] = 0
-            return float("nan")
+            return None  # no held-out rows: no accuracy (null in summary.json, not NaN)
         weights = sync.to_generation(p)
         correct, total = 0, 0
         if work.eval_rows:  # a one-off engine: none holds memory during RL
@@ -216,6 +241,7 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
     checkpointer = Checkpointer(cfg.checkpoint) if cfg.checkpoint is not None else None
     resuming = bool(resume and checkpointer is not None and checkpointer.latest_step() is not None)
     history: list[dict[str, Any]] = []
+    metrics_log = None  # SFT's records and RL's go through one logger: one TensorBoard file, one W&B run
     wall_before = 0.0  # wall time of the earlier segments of a resumed run
 
     def elapsed() -> float:
@@ -239,11 +265,16 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
                 validate = lambda p: probe(sync.transfer_local(p))  # noqa: E731
             # SFT trains on the RL trainer's mesh (sharded, across hosts); on a single device as is.
             sft_mesh = meshes.train if meshes.train.devices.size > 1 else None
+            metrics_log = metrics_logger(cfg, run_dir, progress=False)  # SFT has its own bar, no per-step line
             params, sft_log = run_sft(work.model_config, params, work.sft_examples, cfg.sft, progress=progress,
-                                      validate=validate, mesh=sft_mesh)
+                                      validate=validate, mesh=sft_mesh, val_examples=work.sft_val_examples,
+                                      on_step=lambda step, m: metrics_log.log(sft_step_index(cfg.sft, step),
+                                                                              {"sft": m}))
             del validate, probe  # its engine (weights, KV cache) is not kept through RL
             last = sft_log[-1]  # its step is the number of steps run
-            summary.update(sft_steps=last["step"], sft_time_s=time.perf_counter() - t_sft)
+            summary.update(sft_steps=last["step"], sft_time_s=time.perf_counter() - t_sft, sft_loss=last["loss"])
+            if "val_loss" in last:
+                summary["sft_val_loss"] = last["val_loss"]
             checks = [m["val_accuracy"] for m in sft_log if "val_accuracy" in m]
             if checks:
                 summary.update(sft_val_accuracy=checks[-1], sft_stopped_early=bool(last.get("stopped_early")))
@@ -251,14 +282,18 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
                 print(f"[areal-jax] SFT stopped at step {last['step']} of {cfg.sft.steps}: validation accuracy "
                       f"{last['val_accuracy']:.3f} >= SFTConfig.stop_accuracy {cfg.sft.stop_accuracy}", flush=True)
         summary["sft_accuracy"] = held_out_accuracy(params)
-        print(f"[areal-jax] held-out greedy accuracy after SFT: {summary['sft_accuracy']:.3f}", flush=True)
+        print(f"[areal-jax] held-out greedy accuracy after SFT: {_accuracy_text(summary['sft_accuracy'])}",
+              flush=True)
 
     if cfg.stages.rl:
         writer = jax.process_index() == 0  # one process writes the run directory's records
         if resuming and writer:  # steps logged after the checkpoint are trained again: recorded once
             dropped = drop_steps_from(run_dir, int(meta["step"]) + 1)
             wall_before = max(wall_before, last_wall_time(dropped))  # the killed segment ran that long
-        metrics_log = metrics_logger(cfg, run_dir, progress=progress)
+        if metrics_log is None:
+            metrics_log = metrics_logger(cfg, run_dir, progress=progress)
+        else:  # SFT's: RL's steps go on in the same files
+            metrics_log.console = progress and writer
         bar = _progress_bar(cfg.rl.steps, progress)
         t_rl = time.perf_counter()
 
@@ -320,11 +355,24 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
         if cfg.stages.plot and history:
             _plot(history, summary, run_dir / "progress.png")
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(f"[areal-jax] summary: sft_accuracy={summary['sft_accuracy']:.3f} "
-          f"final_accuracy={summary['final_accuracy']:.3f} steps={summary['steps']} "
+    if metrics_log is not None:
+        metrics_log.close()  # an `areal-jax sft` run's (RL closes its own; closing twice is a no-op)
+    print(f"[areal-jax] summary: sft_accuracy={_accuracy_text(summary['sft_accuracy'])} "
+          f"final_accuracy={_accuracy_text(summary['final_accuracy'])} steps={summary['steps']} "
           f"trained_tokens={summary['trained_tokens']:.0f} wall_time={summary['wall_time_s']:.0f}s -> {run_dir}",
           flush=True)
     return summary
+
+
+def sft_step_index(sft: Any, step: int) -> int:
+    """The run's step index of SFT step `step` (1-based): -SFTConfig.steps .. -1. RL's steps count
+    from 0, so one axis orders the whole run (metrics.jsonl, TensorBoard, W&B), no index holds two
+    stages' steps, and a resumed RL run, which drops the records from its resume step on, keeps SFT's."""
+    return step - 1 - sft.steps
+
+
+def _accuracy_text(accuracy: float | None) -> str:
+    return "n/a (no held-out rows)" if accuracy is None else f"{accuracy:.3f}"
 
 
 def metrics_logger(cfg: JobConfigs, run_dir: Any, *, progress: bool) -> MetricsLogger:
@@ -426,12 +474,14 @@ def _plot(history: list[dict[str, Any]], summary: dict[str, Any], path: paths.Pa
         if evals:
             ax.plot([e[col] for e in evals], [e[2] for e in evals], "o-", label="held-out accuracy (greedy)",
                     color="tab:orange")
-        ax.axhline(summary["sft_accuracy"], ls="--", color="gray", label="held-out accuracy after SFT")
+        if summary["sft_accuracy"] is not None:
+            ax.axhline(summary["sft_accuracy"], ls="--", color="gray", label="held-out accuracy after SFT")
         ax.set_xlabel(xlabel)
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
     axes[0].legend(loc="lower right", fontsize=8)
-    fig.suptitle(f"areal-jax: held-out accuracy {summary['sft_accuracy']:.2f} -> {summary['final_accuracy']:.2f}")
+    fig.suptitle(f"areal-jax: held-out accuracy {_accuracy_text(summary['sft_accuracy'])} -> "
+                 f"{_accuracy_text(summary['final_accuracy'])}")
     fig.tight_layout()
     image = io.BytesIO()  # matplotlib writes local files only: the bytes go through paths
     fig.savefig(image, format="png", dpi=100)

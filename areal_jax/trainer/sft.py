@@ -62,8 +62,8 @@ class SFTConfig:
 
     Files (TaskSource.kind = "dataset"; read with DataConfig's format and templates):
     paths: SFT rows (GSM8K, MATH, AReaL, or chat `messages`); default DataConfig.paths.
-    eval_paths: held-out rows of the same kinds: their completion loss is `val_loss`, every
-    `val_every` steps (0: once, after the last step).
+    eval_paths: held-out rows of the same kinds: their completion loss is `val_loss`.
+    val_every: steps between held-out loss passes over eval_paths (0: once, after the last step).
     """
 
     steps: int = 1000
