@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import grain
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from areal_jax import paths
@@ -158,6 +159,38 @@ def clear_checkpoints(directory: str | os.PathLike) -> None:
     # An object store has no empty directories: the last object removed, it is gone.
     if directory.is_dir() and not any(directory.iterdir()):
         directory.rmdir()
+
+
+class SavedParams:
+    """The weights of one finished step (its `state` item's "params"), read as host arrays one
+    tensor at a time and without the optimizer state: what an export needs, on any machine."""
+
+    def __init__(self, directory: str | os.PathLike, step: int):
+        step_dir = paths.absolute(directory) / str(step)
+        if not (step_dir / _FINALIZED_MARKER).is_file():
+            raise FileNotFoundError(f"checkpoint step {step} not found (or unfinished) under {directory}")
+        self._state = step_dir / _STATE
+        self._reader = ocp.PyTreeCheckpointer()
+        tree = self._reader.metadata(self._state).item_metadata.tree
+        if "params" not in tree:
+            raise ValueError(f"{self._state} holds no params (keys: {sorted(tree)})")
+        flat = jax.tree_util.tree_flatten_with_path(tree["params"])[0]
+        # (key, ...) -> (shape, dtype) of every saved weight.
+        self.shapes = {tuple(k.key for k in path): (tuple(m.shape), m.dtype) for path, m in flat}
+
+    def read(self, leaf: tuple[str, ...]) -> np.ndarray:
+        """The weight at `leaf` (e.g. ("layers", "wq")) as a NumPy array (no device involved)."""
+        if leaf not in self.shapes:
+            raise KeyError(f"{self._state} holds no weight {'/'.join(leaf)}")
+        item: Any = 0
+        restore_args: Any = ocp.RestoreArgs(restore_type=np.ndarray)
+        for key in reversed(("params",) + leaf):
+            item, restore_args = {key: item}, {key: restore_args}
+        restored = self._reader.restore(self._state, args=ocp.args.PyTreeRestore(
+            item=item, restore_args=restore_args, partial_restore=True))
+        for key in ("params",) + leaf:
+            restored = restored[key]
+        return np.asarray(restored)
 
 
 class Checkpointer:

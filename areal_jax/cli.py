@@ -6,6 +6,8 @@
                    --gin_param='EvalConfig.n_samples = 8' --gin_param='EvalConfig.ks = (1, 8)' --run_dir=runs/e
     areal-jax generate --model=DIR --prompt='...' [--max_new_tokens=64]
     areal-jax config [--gin_file=...]   (every configurable field: value, type, one line of doc)
+    areal-jax export --checkpoint=RUN/checkpoints[/STEP] --out=DIR [--dtype=bfloat16]
+                   (a checkpoint as an HF model directory, tokenizer included; `eval --model=DIR` takes it)
     areal-jax plan --gin_file=configs/qwen2_5_1_5b_gsm8k_tpu.gin [--target=v5e-16] [--json]
                    (compiles every program of the run for the target, without it; exit 1 if one does not fit)
 
@@ -99,6 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
     co = sub.add_parser("config", help="every configurable field with its value, type and meaning", parents=[common])
     co.add_argument("--gin_file", action="append", default=[])
     co.add_argument("--gin_param", action="append", default=[])
+    ex = sub.add_parser("export", help="a training checkpoint as a Hugging Face model directory", parents=[common])
+    ex.add_argument("--checkpoint", required=True,
+                    help="RUN/checkpoints (its latest finished step) or RUN/checkpoints/STEP; gs:// works")
+    ex.add_argument("--out", required=True, help="the HF directory to write (must be empty unless --overwrite)")
+    ex.add_argument("--dtype", default="float32", help="of the stored weights: float32, bfloat16 or float16")
+    ex.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    ex.add_argument("--run_dir", default=None, help="the checkpoint's run (default: the checkpoint directory's parent)")
+    ex.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the run's)")
     gen = sub.add_parser("generate", help="sample completions from a model directory", parents=[common])
     gen.add_argument("--model", required=True)
     gen.add_argument("--prompt", action="append", required=True)
@@ -111,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if args.command == "plan":  # before jax starts: compile for fake devices, touch no real ones
+    if args.command in ("plan", "export"):  # before jax starts: touch no accelerator
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     if args.compile_cache:
@@ -122,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         return _config(args)
     try:
         return _train(args) if args.command in ("train", "sft") else \
-            _eval(args) if args.command == "eval" else _generate(args)
+            _eval(args) if args.command == "eval" else _export(args) if args.command == "export" else _generate(args)
     except Exception as e:
         kind = _user_error_kind(e)
         if args.debug or kind is None:
@@ -230,6 +240,15 @@ def _train(args) -> int:
     # Every cross-field check, the per-process shares included, before any work starts.
     cfg = load_job_configs(args.gin_file, params, run_dir=run_dir, num_processes=jax.process_count())
     run_train(cfg, run_dir, progress=not args.quiet, resume=args.resume, overwrite=args.overwrite)
+    return 0
+
+
+def _export(args) -> int:
+    from areal_jax.jobs.export import ExportConfig, run_export
+
+    out = run_export(ExportConfig(checkpoint=args.checkpoint, out=args.out, dtype=args.dtype,
+                                  overwrite=args.overwrite, run_dir=args.run_dir, tokenizer=args.tokenizer))
+    print(f"[areal-jax] exported {args.checkpoint} -> {out}")
     return 0
 
 

@@ -22,7 +22,7 @@ RUN_RECORDS = ("config.gin", "config.json", "summary.json", "metrics.jsonl", "fi
 # What --overwrite removes besides checkpoint steps: every record a run writes (nothing else).
 # wandb_run_id goes, so an overwriting run starts its own W&B run; wandb/ stays (offline runs there
 # may not be synced yet).
-OLD_RUN_FILES = RUN_RECORDS + ("progress.png", "tensorboard", "rollouts", "wandb_run_id")
+OLD_RUN_FILES = RUN_RECORDS + ("progress.png", "tensorboard", "rollouts", "wandb_run_id", "model_config.json")
 
 # Fields a resumed run must share with the run it continues, per JobConfigs attribute (None: every
 # field). The checkpoint holds weights and Adam state shaped by the model (ModelSource) and laid

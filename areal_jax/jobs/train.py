@@ -203,6 +203,8 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
     if jax.process_index() == 0:
         (run_dir / "config.gin").write_text(cs.operative_config())
         (run_dir / "config.json").write_text(json.dumps(cfg.as_dict(), indent=2, default=str))
+        # The model's HF config and tokenizer stay with the run: `areal-jax export` reads them.
+        (run_dir / "model_config.json").write_text(json.dumps(work.model_config.to_hf(), indent=2))
         if work.tokenizer_dir != run_dir / "tokenizer":  # the run directory keeps the tokenizer it used
             paths.remove(run_dir / "tokenizer")
             copy_tokenizer_files(work.tokenizer_dir, run_dir / "tokenizer")

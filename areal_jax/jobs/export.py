@@ -1,0 +1,166 @@
+"""`areal-jax export`: a training checkpoint as a Hugging Face model directory.
+
+    areal-jax export --checkpoint=RUN/checkpoints[/STEP] --out=DIR [--dtype=bfloat16] [--overwrite]
+
+Without a STEP the latest finished one is taken. The weights are read from the checkpoint's
+Orbax `state` item one tensor at a time as host arrays (`checkpoint.SavedParams`: no optimizer
+state, no accelerator) and written by the same streaming writer as the run's final_model
+(`hf_io.write_params`), so the host holds one tensor and one safetensors shard at a time.
+The model's config comes from the run directory (the checkpoint directory's parent, or
+--run_dir): its model_config.json, else the ModelSource recorded in its config.json; the tokenizer
+from RUN/tokenizer (every run keeps a copy there), else from the ModelSource's directory, or
+--tokenizer. The generation config travels with the tokenizer files (one is written from the
+model's bos/eos ids when the source has none). Locally DIR appears complete or not at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import numpy as np
+
+from areal_jax import paths
+from areal_jax.checkpoint import SavedParams, finalized_steps
+from areal_jax.jobs.inputs import InputError
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.hf_io import copy_tokenizer_files, leaf_keys, read_config, write_params
+from areal_jax.models.transformer import param_shapes
+
+DTYPES = ("float32", "bfloat16", "float16")
+# What a run directory records of its model (written by jobs/train.py beside config.json).
+MODEL_CONFIG_FILE = "model_config.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportConfig:
+    """What to export and where (the flags of `areal-jax export`).
+
+    checkpoint: a checkpoint directory (its latest finished step) or one step directory in it.
+    out: the HF directory to write; it must not hold files unless `overwrite`.
+    dtype: of the stored weights (the checkpoint holds fp32 master weights).
+    run_dir: the run the checkpoint belongs to (default: the checkpoint directory's parent).
+    tokenizer: a tokenizer directory (default: the run's).
+    """
+
+    checkpoint: str
+    out: str
+    dtype: str = "float32"
+    overwrite: bool = False
+    run_dir: str | None = None
+    tokenizer: str | None = None
+
+    def __post_init__(self):
+        for name in ("checkpoint", "out"):
+            if not str(getattr(self, name)).strip():
+                raise InputError(f"--{name} must be a non-empty path")
+        if self.dtype not in DTYPES:
+            raise InputError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+
+def locate_step(checkpoint: str) -> tuple[paths.Path, int]:
+    """(checkpoint directory, step) named by --checkpoint: a step directory, or a checkpoint
+    directory's latest finished step."""
+    path = paths.absolute(checkpoint)
+    if path.name.isdigit() and (path.is_dir() or not path.exists()) and finalized_steps(path.parent):
+        steps = finalized_steps(path.parent)
+        if int(path.name) not in steps:
+            raise InputError(f"--checkpoint {checkpoint}: no finished step {int(path.name)} in {path.parent} "
+                             f"(finished steps: {', '.join(map(str, steps))})")
+        return path.parent, int(path.name)
+    if not path.is_dir():
+        raise InputError(f"--checkpoint {checkpoint}: no such directory")
+    steps = finalized_steps(path)
+    if not steps:
+        raise InputError(f"--checkpoint {checkpoint}: no finished checkpoint step in it "
+                         "(expected RUN/checkpoints or RUN/checkpoints/STEP)")
+    return path, steps[-1]
+
+
+def _run_config(run_dir: paths.Path) -> dict[str, Any]:
+    file = run_dir / "config.json"
+    if not file.is_file():
+        return {}
+    try:
+        return json.loads(file.read_text())
+    except ValueError as e:
+        raise InputError(f"--run_dir: {file} is not JSON ({e})") from None
+
+
+def model_config(run_dir: paths.Path) -> ModelConfig:
+    """The run's model: RUN/model_config.json, else its config.json's ModelSource."""
+    recorded = run_dir / MODEL_CONFIG_FILE
+    if recorded.is_file():
+        return ModelConfig.from_hf(json.loads(recorded.read_text()), source=str(recorded))
+    source = _run_config(run_dir).get("model")
+    if source is None:
+        raise InputError(f"--run_dir {run_dir}: neither {MODEL_CONFIG_FILE} nor config.json found, so the "
+                         "model's config is unknown (pass --run_dir=the run directory of the checkpoint)")
+    if source.get("path"):
+        try:
+            return read_config(source["path"])
+        except (OSError, ValueError) as e:
+            raise InputError(f"--run_dir {run_dir}: the run's ModelSource.path: {e}") from None
+    from areal_jax.tasks.tokenizer_builder import task_model_config
+
+    return task_model_config(hidden_size=source.get("hidden_size", 128), num_layers=source.get("num_layers", 4))
+
+
+def tokenizer_source(run_dir: paths.Path, override: str | None) -> paths.Path:
+    """The tokenizer directory to ship: --tokenizer, RUN/tokenizer, or the run's ModelSource's."""
+    if override is not None:
+        candidates = [("--tokenizer", paths.as_path(override))]
+    else:
+        source = _run_config(run_dir).get("model") or {}
+        candidates = [("--run_dir", run_dir / "tokenizer")]
+        if source.get("tokenizer_path") or source.get("path"):
+            candidates.append(("--run_dir", paths.as_path(source.get("tokenizer_path") or source["path"])))
+    for _, directory in candidates:
+        if (directory / "tokenizer.json").is_file():
+            return directory
+    flag, directory = candidates[0]
+    raise InputError(f"{flag}: no tokenizer.json in {', '.join(str(d) for _, d in candidates)} "
+                     + ("" if override else "(pass --tokenizer=DIR)"))
+
+
+def _check_shapes(saved: SavedParams, cfg: ModelConfig, where: str) -> None:
+    want = param_shapes(cfg)
+    for leaf in leaf_keys(cfg):
+        shape = want["layers"][leaf[1]] if leaf[0] == "layers" else want[leaf[0]]
+        got = saved.shapes.get(leaf)
+        if got is None or got[0] != tuple(shape):
+            raise InputError(f"--checkpoint {where}: weight {'/'.join(leaf)} is "
+                             f"{'missing' if got is None else got[0]}, the run's model config expects {shape} "
+                             "(is --run_dir the run of this checkpoint?)")
+
+
+def run_export(cfg: ExportConfig) -> paths.Path:
+    """Writes the HF directory; returns its path. Bad input is an InputError naming the flag."""
+    directory, step = locate_step(cfg.checkpoint)
+    run_dir = paths.as_path(cfg.run_dir) if cfg.run_dir else directory.parent
+    out = paths.as_path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {cfg.out} is a file")
+    if out.is_dir() and any(out.iterdir()) and not cfg.overwrite:
+        raise InputError(f"--out {cfg.out} exists and is not empty: pass --overwrite to replace it")
+    model_cfg = model_config(run_dir)
+    tokenizer_dir = tokenizer_source(run_dir, cfg.tokenizer)
+    saved = SavedParams(directory, step)
+    _check_shapes(saved, model_cfg, f"{directory}/{step}")
+    with paths.staged_dir(out) as staged:
+        write_params(saved.read, model_cfg, staged, dtype=np.dtype(_NUMPY_DTYPES[cfg.dtype]))
+        copied = copy_tokenizer_files(tokenizer_dir, staged)
+        if "generation_config.json" not in copied:
+            (staged / "generation_config.json").write_text(json.dumps(
+                {"bos_token_id": model_cfg.bos_token_id, "eos_token_id": model_cfg.eos_token_id}, indent=2))
+    return out
+
+
+def _numpy_dtypes() -> dict[str, Any]:
+    import ml_dtypes
+
+    return {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+_NUMPY_DTYPES = _numpy_dtypes()
