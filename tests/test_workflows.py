@@ -255,3 +255,36 @@ def test_multi_turn_workflow_trains_from_the_command_line_with_wandb_offline(tmp
     for h, r in zip(logged, rl):
         m = flatten_metrics(r["metrics"])
         assert all(h[k] == pytest.approx(m[k]) for k in ("reward/mean", "reward/std", "completion/truncated_frac"))
+
+
+# ---- the workflow and its config from gin, checked before any work ---------------------------------
+
+
+def _load(*params):
+    from areal_jax.jobs.configs import load_job_configs
+
+    return load_job_configs(gin_params=["PPOConfig.max_tokens_per_microbatch = 4096", *params], run_dir="unused")
+
+
+def test_workflow_config_binds_from_gin_without_an_import_line():
+    cfg = _load(f'RLConfig.workflow = "{PATH}"', "MultiTurnMathConfig.max_turns = 3",
+                "MultiTurnMathConfig.turn_discount = 0.25")
+    assert cfg.workflow == MultiTurnMathConfig(max_turns=3, turn_discount=0.25)
+    assert _load().workflow is None  # the default RLVR workflow has no config of its own
+
+
+@pytest.mark.parametrize("params, message", [
+    (['RLConfig.workflow = "areal_jax.nope:Flow"'], "RLConfig.workflow = 'areal_jax.nope:Flow': cannot import"),
+    ([f'RLConfig.workflow = "{PATH}"', "MultiTurnMathConfig.max_turns = 0"], "MultiTurnMathConfig.max_turns"),
+    ([f'RLConfig.workflow = "{PATH}"', "MultiTurnMathConfig.max_turn = 3"], "max_turn"),
+    ([f'RLConfig.workflow = "{PATH}"', "NoSuchConfig.x = 1"], "NoSuchConfig"),
+    (["MultiTurnMathConfig.max_turns = 3"], "MultiTurnMathConfig"),  # bound, but no workflow uses it
+    ([f'RLConfig.workflow = "{PATH}"', "PPOConfig.max_tokens_per_microbatch = 64", "EngineConfig.max_seq_len = 96"],
+     "PPOConfig.max_tokens_per_microbatch (64) is below EngineConfig.max_seq_len (96)"),
+])
+def test_workflow_problems_are_configuration_errors_naming_the_field(params, message):
+    from areal_jax.config_system import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        _load(*params)
+    assert message in str(info.value) and "\n" not in str(info.value)

@@ -155,6 +155,31 @@ def _workflow_config(cls: type | None) -> Any:
     return None if config_class is None else cs.build(config_class)
 
 
+_WORKFLOW_CONFIGS: set[type] = set()  # config classes of the workflows loaded in this process
+
+
+def _workflow_class(rl: RLConfig) -> type | None:
+    """RLConfig.workflow's class (already checked by RLConfig), its config class registered with gin."""
+    if rl.workflow is None:
+        return None
+    cls = resolve_workflow_class(rl.workflow)
+    if getattr(cls, "config_class", None) is not None:
+        cs.register(cls.config_class)
+        _WORKFLOW_CONFIGS.add(cls.config_class)
+    return cls
+
+
+def _workflow_config(cls: type | None) -> Any:
+    config_class = getattr(cls, "config_class", None)
+    # A workflow config registered earlier in this process (the strict parse then accepts its
+    # bindings) that the configured workflow does not read: its bindings would be ignored.
+    for other in _WORKFLOW_CONFIGS - {config_class}:
+        if cs.bindings(other):
+            raise cs.ConfigError(f"{other.__name__} is bound, but RLConfig.workflow ({getattr(cls, '__name__', None)}) "
+                                 f"does not read it")
+    return None if config_class is None else cs.build(config_class)
+
+
 def check_cross_fields(cfg: JobConfigs, num_processes: int | None = None) -> None:
     """Raises ConfigError naming both fields when two configs disagree in a way the run would
     otherwise find only when it reaches the stage (the RL loop runs after SFT)."""
