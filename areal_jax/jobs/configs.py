@@ -140,21 +140,6 @@ def load_job_configs(gin_files=(), gin_params=(), *, run_dir: str, num_processes
     return cfg
 
 
-def _workflow_class(rl: RLConfig) -> type | None:
-    """RLConfig.workflow's class (already checked by RLConfig), its config class registered with gin."""
-    if rl.workflow is None:
-        return None
-    cls = resolve_workflow_class(rl.workflow)
-    if getattr(cls, "config_class", None) is not None:
-        cs.register(cls.config_class)
-    return cls
-
-
-def _workflow_config(cls: type | None) -> Any:
-    config_class = getattr(cls, "config_class", None)
-    return None if config_class is None else cs.build(config_class)
-
-
 _WORKFLOW_CONFIGS: set[type] = set()  # config classes of the workflows loaded in this process
 
 
