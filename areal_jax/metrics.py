@@ -291,7 +291,8 @@ class _WandbRun:
         self._run = wandb.init(
             project=cfg.wandb_project, entity=cfg.wandb_entity, name=cfg.wandb_run_name or run_dir.name,
             tags=list(cfg.wandb_tags), mode=cfg.wandb_mode, dir=str(run_dir) if local else None, id=run_id, resume="allow",
-            config=to_jsonable(dict(config or {})),
+            # As config.json is written: anything JSON lacks (a path, an enum) recorded as its text.
+            config=json.loads(json.dumps(dict(config or {}), default=str)),
             # W&B's console capture would copy every line the job prints into its files.
             settings=wandb.Settings(console="off"))
         # Charts use the "step" field (the JSONL/TensorBoard step) as the x axis.
