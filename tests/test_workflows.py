@@ -288,3 +288,16 @@ def test_workflow_problems_are_configuration_errors_naming_the_field(params, mes
     with pytest.raises(ConfigError) as info:
         _load(*params)
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_the_shipped_multi_turn_config_loads_on_top_of_the_quickstart(tmp_path):
+    from areal_jax.jobs.configs import load_job_configs
+    from tests.test_cli import QUICKSTART, ROOT
+
+    cfg = load_job_configs([QUICKSTART, ROOT / "configs" / "multi_turn_math.gin"], run_dir=str(tmp_path))
+    assert cfg.rl.workflow == PATH and cfg.workflow.max_turns == 2 and cfg.engine.max_seq_len == 192
+    # The two tries of a quickstart problem fit the engine's prompt limit with the shipped feedback.
+    tokenizer = Tokenizer.from_pretrained(build_tokenizer(tmp_path / "tok"))
+    row = next(ar.prompt_rows(tokenizer, [ar.make_problem("9-8+7-6")]))
+    _, feedback = turn_tokens(tokenizer, cfg.workflow.feedback)
+    assert len(row["prompt_ids"]) + 2 * cfg.rollout.max_new_tokens + len(feedback) <= cfg.engine.prompt_limit

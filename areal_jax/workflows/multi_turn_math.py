@@ -6,6 +6,10 @@ Use it from the command line (any math task: the built-in arithmetic, GSM8K, MAT
     MultiTurnMathConfig.max_turns = 2
     MultiTurnMathConfig.turn_discount = 0.9
 
+configs/multi_turn_math.gin holds these lines for the quickstart (given after it:
+`--gin_file=configs/quickstart.gin --gin_file=configs/multi_turn_math.gin`). Leave room for the
+extra turns in EngineConfig.max_seq_len.
+
 One episode per sample (RLVRConfig.n_samples per prompt, the group GRPO-style norms see), one
 sequence per episode:
 
