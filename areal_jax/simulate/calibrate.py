@@ -1,0 +1,137 @@
+"""Fit `LinearCosts` to a run's recorded timings (metrics.jsonl's per-step "timings", which
+trainer/loop.py writes from the engine's `CallTimings` and the train step's shapes).
+
+Each program family is a non-negative least-squares fit of its recorded seconds on what it
+processed (the features of `LinearCosts`); a feature that never varies independently of the
+others in the run (say, the minibatch count when every step had 2) cannot be told apart from them
+and is left at 0, its cost carried by the others. Steps before `skip_steps` are left out: they
+compile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from areal_jax.simulate.costs import LinearCosts
+
+OUTLIER_FACTOR = 4.0
+_DECODE_KEY = re.compile(r"w(\d+)_q\d+$")
+_SHAPE_KEY = re.compile(r"len(\d+)_rows(\d+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    costs: LinearCosts
+    steps_used: int
+    # Per family: relative error of the fit's total against the recorded total seconds.
+    residuals: dict[str, float]
+    source: str
+    dropped: dict[str, int] = dataclasses.field(default_factory=dict)  # rows left out as compiles
+
+
+def _independent_nnls(columns: list[np.ndarray], target: np.ndarray) -> np.ndarray:
+    """Non-negative least squares on the columns that add rank (others get 0), columns scaled."""
+    from scipy.optimize import nnls
+
+    if not target.size:
+        return np.zeros(len(columns))
+    keep, basis = [], np.zeros((target.size, 0))
+    for j, col in enumerate(columns):
+        trial = np.column_stack([basis, col])
+        if np.linalg.matrix_rank(trial, tol=1e-9 * max(1.0, np.abs(trial).max())) > basis.shape[1]:
+            keep.append(j)
+            basis = trial
+    coef = np.zeros(len(columns))
+    if keep:
+        scale = np.linalg.norm(basis, axis=0)
+        scale[scale == 0] = 1.0
+        solution, _ = nnls(basis / scale, target)
+        coef[keep] = solution / scale
+    return coef
+
+
+def _rel(fitted: float, recorded: float) -> float:
+    return abs(fitted - recorded) / recorded if recorded > 0 else 0.0
+
+
+def fit_costs(records: Sequence[dict[str, Any]], *, skip_steps: int = 0, reward_s: float = 0.0,
+              source: str = "records") -> Fit:
+    """`records`: per-step metrics dicts (as metrics.jsonl's "metrics") carrying "timings"."""
+    used = [r for r in records if "timings" in r and int(r.get("step", 0)) >= skip_steps]
+    if not used:
+        raise ValueError(f"{source}: no step after the first {skip_steps} records per-program timings "
+                         "(runs from this version of areal_jax record them in metrics.jsonl)")
+    rows: dict[str, tuple[list[list[float]], list[float]]] = {k: ([], []) for k in
+                                                              ("decode", "prefill", "insert", "reprefill", "train")}
+
+    def add(family, features, seconds):
+        rows[family][0].append(features)
+        rows[family][1].append(seconds)
+
+    for r in used:
+        t = r["timings"]
+        for key, v in t.get("decode", {}).items():
+            window = int(_DECODE_KEY.match(key).group(1))
+            add("decode", [v["steps"], v["slot_steps"], v["steps"] * window], v["s"])
+        for kind in ("prefill", "reprefill_long"):
+            for key, v in t.get(kind, {}).items():
+                m = _SHAPE_KEY.match(key)
+                length, count = int(m.group(1)), int(m.group(2))
+                add("prefill", [v["calls"], v["calls"] * count * length], v["s"])
+        for v in t.get("insert", {}).values():
+            add("insert", [v["calls"]], v["s"])
+        for v in t.get("reprefill", {}).values():
+            add("reprefill", [v["calls"], v["tokens"]], v["s"])
+        tr = t.get("train")
+        if tr and math.isfinite(tr["s"]):
+            add("train", [1.0, tr["minibatches"], tr["microbatches"], tr["padded_tokens"], tr["attention"]], tr["s"])
+
+    widths = {"decode": 3, "prefill": 2, "insert": 1, "reprefill": 2, "train": 5}
+    coefs, residuals, dropped = {}, {}, {}
+    for family, (features, seconds) in rows.items():
+        if not seconds:  # the run made no such call (e.g. no swap with samples in flight)
+            coefs[family] = np.zeros(widths[family])
+            continue
+        a, b = np.asarray(features, np.float64), np.asarray(seconds, np.float64)
+        coef = _independent_nnls([a[:, j] for j in range(a.shape[1])], b)
+        # A call that compiled (a shape first seen inside the window) takes seconds where its peers take
+        # milliseconds: rows whose time is far above the fit, relative to the typical row, are dropped
+        # once (at most a fifth of them) and the rest refitted.
+        ratio = b / np.maximum(a @ coef, 1e-9)
+        outliers = ratio > OUTLIER_FACTOR * np.median(ratio)
+        if outliers.any() and outliers.mean() <= 0.2:
+            a, b = a[~outliers], b[~outliers]
+            coef = _independent_nnls([a[:, j] for j in range(a.shape[1])], b)
+            dropped[family] = int(outliers.sum())
+        coefs[family] = coef
+        residuals[family] = _rel(float((a @ coef).sum()), float(b.sum()))
+    transfers = [r["time/weight_transfer_s"] for r in used if math.isfinite(r.get("time/weight_transfer_s", math.nan))]
+    d, p, i, rp, tr = (coefs[k] for k in ("decode", "prefill", "insert", "reprefill", "train"))
+    d, p, i, rp, tr = ([float(x) for x in c] for c in (d, p, i, rp, tr))
+    costs = LinearCosts(
+        decode_step=d[0], decode_slot=d[1], decode_window=d[2], prefill_call=p[0], prefill_token=p[1],
+        insert_call=i[0], reprefill_call=rp[0], reprefill_token=rp[1], train_step=tr[0], train_minibatch=tr[1],
+        train_microbatch=tr[2], train_token=tr[3], train_attention=tr[4],
+        transfer_s=float(np.mean(transfers)) if transfers else 0.0, reward_s=reward_s,
+        label=f"calibrated on {source}")
+    return Fit(costs, len(used), residuals, source, dropped)
+
+
+def fit_run_dir(run_dir: str | pathlib.Path, *, skip_steps: int | None = None, reward_s: float = 0.0) -> Fit:
+    """Fit to RUN_DIR/metrics.jsonl; `skip_steps` None: the first 40% of the steps (compilation)."""
+    from areal_jax.metrics import read_jsonl
+
+    path = pathlib.Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise ValueError(f"--calibrate {run_dir}: no metrics.jsonl there")
+    records = [line.get("metrics", line) for line in read_jsonl(path)]
+    if skip_steps is None:
+        skip_steps = int(round(0.4 * len(records)))
+    return fit_costs(records, skip_steps=skip_steps, reward_s=reward_s, source=str(run_dir))

@@ -1,0 +1,175 @@
+"""What each program of the run costs, in seconds: fitted to a run (`LinearCosts`) or from the
+planner's roofline of the target's published figures (`roofline_costs`).
+
+One interface, per host engine and for the whole trainer:
+    decode_chunk_s(steps, slot_steps, window)   a decode chunk (slot_steps: active slots summed over its steps)
+    prefill_s(rows, length)                     an admission prefill call (rows of one length bucket)
+    insert_s()                                  later samples of a group started from its kept block
+    reprefill_s(calls, tokens)                  the packed re-prefill of a weight swap
+    reprefill_long_s(rows, length)              a long history's prefill call after a swap
+    train_step_s(shapes)                        a training step; shapes [minibatch][micro-batch] = (rows, row length)
+    transfer_s, reward_s                        weight transfer per step; reward latency per group
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+Shapes = Sequence[Sequence[tuple[int, int]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearCosts:
+    """Costs linear in what each program processes (the form the calibration fits).
+
+    decode chunk  = steps x decode_step + slot_steps x decode_slot + steps x window x decode_window
+    prefill call  = prefill_call + rows x length x prefill_token
+    re-prefill    = reprefill_call x calls + reprefill_token x tokens
+    train step    = train_step + minibatches x train_minibatch + micro-batches x train_microbatch
+                    + padded tokens x train_token + sum(rows x length^2) x train_attention
+    """
+
+    decode_step: float = 0.0
+    decode_slot: float = 0.0
+    decode_window: float = 0.0
+    prefill_call: float = 0.0
+    prefill_token: float = 0.0
+    insert_call: float = 0.0
+    reprefill_call: float = 0.0
+    reprefill_token: float = 0.0
+    train_step: float = 0.0
+    train_minibatch: float = 0.0
+    train_microbatch: float = 0.0
+    train_token: float = 0.0
+    train_attention: float = 0.0
+    transfer_s: float = 0.0
+    reward_s: float = 0.0
+    label: str = "linear"
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name != "label" and not (isinstance(value, (int, float)) and value >= 0):
+                raise ValueError(f"LinearCosts.{f.name} must be a number >= 0, got {value!r}")
+
+    def decode_chunk_s(self, steps: int, slot_steps: int, window: int) -> float:
+        return steps * (self.decode_step + window * self.decode_window) + slot_steps * self.decode_slot
+
+    def prefill_s(self, rows: int, length: int) -> float:
+        return self.prefill_call + rows * length * self.prefill_token
+
+    def insert_s(self) -> float:
+        return self.insert_call
+
+    def reprefill_s(self, calls: int, tokens: int) -> float:
+        return calls * self.reprefill_call + tokens * self.reprefill_token
+
+    def reprefill_long_s(self, rows: int, length: int) -> float:
+        return self.prefill_s(rows, length) + self.insert_call
+
+    def train_step_s(self, shapes: Shapes) -> float:
+        micro = [s for minibatch in shapes for s in minibatch]
+        return (self.train_step + len(shapes) * self.train_minibatch + len(micro) * self.train_microbatch
+                + sum(r * t for r, t in micro) * self.train_token
+                + sum(r * t * t for r, t in micro) * self.train_attention)
+
+    def as_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class RooflineCosts:
+    """Each program at max(FLOPs / peak, bytes / bandwidth) on one device of its role (the planner's
+    `roofline_s`), FLOPs from `plan/estimate.analytic_flops` at the program's shape. Nothing is
+    compiled: this is the analytic roofline, a lower bound on time (no kernel efficiency, no
+    collectives, no host overhead).
+
+    Per host: the engine has `replicas` data replicas of `generation_tensor` devices; the trainer
+    spans `train_devices` devices over every host, and a micro-batch's rows are every host's rows.
+    """
+
+    model: object  # ModelConfig
+    target: object  # plan.targets.Target
+    estimate_context: object  # plan.estimate.EstimateContext
+    replicas: int
+    generation_tensor: int
+    slots_per_replica: int
+    train_devices: int
+    hosts: int
+    generation_weight_bytes: float  # one replica's copy
+    kv_bytes_per_token: float  # keys and values of every layer, one token, whole replica
+    separate_proximal: bool
+    transfer_bytes_per_s: float
+    pack_width: int = 512  # EngineConfig.pack_width
+    reward_s: float = 0.0
+    label: str = "roofline"
+
+    @property
+    def transfer_s(self) -> float:
+        return self.generation_weight_bytes / self.transfer_bytes_per_s
+
+    def _time(self, flops: float, accessed: float) -> float:
+        from areal_jax.plan.planner import roofline_s
+
+        return roofline_s(flops, accessed, self.target)
+
+    def _flops(self, name: str, role: str, devices: int) -> float:
+        from areal_jax.aot import ProgramSpec
+        from areal_jax.plan.estimate import analytic_flops
+
+        return analytic_flops(ProgramSpec(name=name, role=role, fn=None), self.estimate_context, devices)
+
+    def decode_step_s(self, window: int) -> float:
+        """One decode step of every slot of a replica (the program computes every slot, active or not)."""
+        m, slots = self.model, self.slots_per_replica
+        # Weights and head per token as a one-token prefill; attention over the window on top.
+        flops = self._flops(f"generation/prefill[rows={slots},len=1]", "generation", self.generation_tensor)
+        flops += 4.0 * m.num_layers * m.num_heads * m.head_dim * slots * window / self.generation_tensor
+        accessed = (self.generation_weight_bytes + slots * window * self.kv_bytes_per_token) / self.generation_tensor
+        return self._time(flops, accessed)
+
+    def decode_chunk_s(self, steps: int, slot_steps: int, window: int) -> float:
+        return steps * self.decode_step_s(window)
+
+    def prefill_s(self, rows: int, length: int) -> float:
+        flops = self._flops(f"generation/prefill[rows={rows},len={length}]", "generation",
+                            self.replicas * self.generation_tensor)
+        accessed = (self.generation_weight_bytes + rows / self.replicas * length * self.kv_bytes_per_token) \
+            / self.generation_tensor
+        return self._time(flops, accessed)
+
+    def insert_s(self) -> float:
+        return 0.0
+
+    def reprefill_s(self, calls: int, tokens: int) -> float:
+        # Packed rows are full: as a prefill of `tokens` over the replicas, rows of the pack width.
+        if not tokens:
+            return 0.0
+        return self.prefill_s(max(1, -(-tokens // self.pack_width)), self.pack_width)
+
+    def reprefill_long_s(self, rows: int, length: int) -> float:
+        return self.prefill_s(rows, length)
+
+    def train_step_s(self, shapes: Shapes) -> float:
+        total = 0.0
+        params = self.model.num_params()
+        # Every micro-batch reads the (gathered) weights and accumulates fp32 gradients.
+        micro_bytes = 3 * 4 * params / self.train_devices
+        for minibatch in shapes:
+            for rows, length in minibatch:
+                global_rows = rows * self.hosts
+                flops = self._flops(f"train/grad[rows={global_rows},len={length}]", "train", self.train_devices)
+                if self.separate_proximal:
+                    flops += self._flops(f"train/logprobs[rows={global_rows},len={length}]", "train",
+                                         self.train_devices)
+                total += self._time(flops, micro_bytes)
+            # AdamW: weights, two moments and the gradient read, three written, fp32.
+            total += self._time(0.0, 7 * 4 * params / self.train_devices)
+        return total
+
+    def as_json(self) -> dict:
+        return {"label": self.label, "target": self.target.name, "replicas_per_host": self.replicas,
+                "generation_tensor": self.generation_tensor, "slots_per_replica": self.slots_per_replica,
+                "train_devices": self.train_devices, "transfer_s": self.transfer_s,
+                "transfer_bytes_per_s": self.transfer_bytes_per_s, "reward_s": self.reward_s}

@@ -1,0 +1,270 @@
+"""`areal-jax simulate`: rows of simulated runs of a config, their costs from the target's roofline
+or from a recorded run, printed as a table or JSON.
+
+    areal-jax simulate --gin_file=CONFIG [--gin_param ...] [--target NAME | --calibrate RUN_DIR]
+                       [--lengths PATH | --length-dist SPEC] [--sweep FIELD=v1,v2,...] [--seed S] [--json]
+
+Rows: the config's own (mode, eta, split) and, for an async config, the synchronous colocated
+baseline; `--sweep` replaces a field's value by each of the listed ones (fields: mode, eta, split =
+generation devices per host; several --sweep flags multiply).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import pathlib
+import sys
+from typing import Any
+
+from areal_jax.simulate.config import RowConfig, Workload
+from areal_jax.simulate.lengths import LengthSampler, parse_length_spec, read_rollout_lengths
+from areal_jax.simulate.system import RowResult, Simulation
+
+SWEEP_FIELDS = ("mode", "eta", "split")
+DEFAULT_TRANSFER_BYTES_PER_S = 50e9
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gin_file", action="append", default=[])
+    p.add_argument("--gin_param", action="append", default=[])
+    costs = p.add_mutually_exclusive_group()
+    costs.add_argument("--target", default=None, help="costs from the analytic roofline of this target "
+                       "(v5e-16, 8xh100, 4x8xh100, ...; default PlanConfig.target)")
+    costs.add_argument("--calibrate", default=None, metavar="RUN_DIR",
+                       help="costs fitted to RUN_DIR/metrics.jsonl's recorded program timings")
+    lengths = p.add_mutually_exclusive_group()
+    lengths.add_argument("--lengths", default=None, metavar="PATH",
+                         help="completion (and prompt) lengths of a run directory's rollouts/step_*.jsonl")
+    lengths.add_argument("--length-dist", "--length_dist", dest="length_dist", default=None, metavar="SPEC",
+                         help="lognormal:mean=M,sigma=S | geometric:mean=M | constant:length=L | uniform:lo=A,hi=B; "
+                              "each takes cap=N and prompt=N")
+    p.add_argument("--sweep", action="append", default=[], metavar="FIELD=v1,v2",
+                   help=f"rows for each value of FIELD in {SWEEP_FIELDS} (repeatable: the product)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=20, help="training steps simulated per row")
+    p.add_argument("--warmup", type=int, default=4, help="steps left out of the figures")
+    p.add_argument("--devices_per_host", type=int, default=None,
+                   help="devices of one host (default: the target's; with --calibrate the run's devices.json)")
+    p.add_argument("--hosts", type=int, default=None, help="hosts (default: the target's, else 1)")
+    p.add_argument("--calibrate_skip", type=int, default=None,
+                   help="recorded steps left out of the fit (default: the first 40%%, which compile)")
+    p.add_argument("--reward_s", type=float, default=0.0, help="reward latency per group, seconds")
+    p.add_argument("--transfer_gbps", type=float, default=DEFAULT_TRANSFER_BYTES_PER_S / 1e9,
+                   help="roofline costs: GB/s at which one host receives the generation weights")
+    p.add_argument("--json", action="store_true", help="one JSON object: rows and assumptions")
+
+
+class SimulateError(ValueError):
+    """A user error: one line naming the flag, field or file."""
+
+
+def _parse_sweeps(specs: list[str]) -> list[tuple[str, list[Any]]]:
+    out = []
+    for spec in specs:
+        field, eq, values = spec.partition("=")
+        field = field.strip()
+        if not eq or field not in SWEEP_FIELDS or not values.strip():
+            raise SimulateError(f"--sweep {spec!r}: use FIELD=v1,v2 with FIELD one of {SWEEP_FIELDS}")
+        items = [v.strip() for v in values.split(",") if v.strip()]
+        if field != "mode":
+            try:
+                items = [int(v) for v in items]
+            except ValueError:
+                raise SimulateError(f"--sweep {spec!r}: {field} takes integers") from None
+        out.append((field, items))
+    return out
+
+
+def _run_devices(run_dir: str) -> dict[str, int]:
+    path = pathlib.Path(run_dir) / "devices.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def build_workload(job, *, hosts: int, devices_per_host: int) -> tuple[Workload, int]:
+    """The Workload of a job's configs; also the config's generation devices per host."""
+    from areal_jax.parallel.meshes import split_local_devices
+
+    try:
+        split = split_local_devices(job.mesh, devices_per_host)
+    except ValueError as e:
+        raise SimulateError(f"MeshConfig on hosts of {devices_per_host} devices: {e}") from None
+    generation = devices_per_host if split.colocated else split.num_generation
+    rl = job.rl
+    wl = Workload(
+        hosts=hosts, devices_per_host=devices_per_host, batch_groups=rl.batch_size,
+        samples_per_group=job.rollout.n_samples, max_concurrent=rl.max_concurrent,
+        channel_capacity=rl.channel_capacity or 4 * (rl.batch_size // hosts), engine=job.engine,
+        generation_tensor=job.mesh.generation_tensor, train_tensor=job.mesh.train_tensor,
+        config_generation_devices=generation, max_tokens_per_microbatch=job.ppo.max_tokens_per_microbatch,
+        num_minibatches=job.ppo.num_minibatches, row_buckets=tuple(job.ppo.row_buckets or ()),
+        max_group_age=rl.max_group_age, max_new_tokens=job.rollout.max_new_tokens,
+        minibatch_seed=job.ppo.minibatch_seed)
+    return wl, generation
+
+
+def roofline_costs(job, plan_cfg, gin_files, target, workload: Workload, row: RowConfig, *, transfer_bytes_per_s,
+                   reward_s):
+    """`RooflineCosts` of a row's split on `target` (plan/: the model's shapes, analytic FLOPs, published peaks)."""
+    import jax.numpy as jnp
+
+    from areal_jax.plan.estimate import EstimateContext
+    from areal_jax.plan.job import gen_dtype, model_config_for
+    from areal_jax.simulate.costs import RooflineCosts
+
+    model = model_config_for(job, plan_cfg, gin_files)
+    generating = row.generating_devices(workload)
+    engine, _ = workload.scaled_to(generating)
+    replicas = workload.generation_replicas(generating)
+    weight_bytes = model.num_params() * gen_dtype(job).itemsize
+    cache_itemsize = jnp.dtype(job.engine.cache_dtype or gen_dtype(job)).itemsize
+    kv_bytes = 2 * model.num_layers * model.num_kv_heads * model.head_dim * cache_itemsize
+    train_devices = row.train_devices(workload) * workload.hosts
+    ctx = EstimateContext(model=model, fsdp=max(1, train_devices // job.mesh.train_tensor),
+                          train_tensor=job.mesh.train_tensor, generation_tensor=job.mesh.generation_tensor,
+                          compute_bytes=2 if job.ppo.compute_dtype == "bfloat16" else 4, remat=job.ppo.remat)
+    return RooflineCosts(model=model, target=target, estimate_context=ctx, replicas=replicas,
+                         generation_tensor=job.mesh.generation_tensor, slots_per_replica=engine.num_slots // replicas,
+                         train_devices=train_devices, hosts=workload.hosts, generation_weight_bytes=weight_bytes,
+                         kv_bytes_per_token=kv_bytes, separate_proximal=job.ppo.decoupled and job.ppo.num_minibatches > 1,
+                         transfer_bytes_per_s=transfer_bytes_per_s, pack_width=engine.pack_width, reward_s=reward_s)
+
+
+def _rows(base: RowConfig, sweeps, *, include_sync: bool) -> list[RowConfig]:
+    if not sweeps:
+        rows = [base]
+        if include_sync and base.mode == "async":
+            rows.append(dataclasses.replace(base, mode="sync", eta=0, colocated=False))
+        return rows
+    rows = []
+    names = [f for f, _ in sweeps]
+    for values in itertools.product(*(v for _, v in sweeps)):
+        change = dict(zip(names, values))
+        if "split" in change:
+            change["generation_devices"] = change.pop("split")
+        mode = change.get("mode", base.mode)
+        if mode == "sync":
+            change["eta"] = 0
+            change["colocated"] = False
+        row = dataclasses.replace(base, **change)
+        if row not in rows:
+            rows.append(row)
+    return rows
+
+
+def simulate_rows(args) -> dict[str, Any]:
+    """Every row of the command; returns {"rows": [...], "assumptions": {...}}."""
+    from areal_jax import config_system as cs
+    from areal_jax.jobs.configs import load_job_configs
+    from areal_jax.plan.config import PlanConfig
+    from areal_jax.plan.targets import parse_target
+    from areal_jax.simulate.calibrate import fit_run_dir
+
+    job = load_job_configs(args.gin_file, args.gin_param, run_dir="simulate")
+    plan_cfg = cs.build(PlanConfig)
+    target = None
+    fit = None
+    if args.calibrate:
+        fit = fit_run_dir(args.calibrate, skip_steps=args.calibrate_skip, reward_s=args.reward_s)
+        recorded = _run_devices(args.calibrate)
+        devices = args.devices_per_host or recorded.get("devices_per_host") or 1
+        hosts = args.hosts or recorded.get("hosts") or 1
+    else:
+        name = args.target or plan_cfg.target
+        if not name:
+            raise SimulateError("no costs: pass --target NAME (or bind PlanConfig.target) or --calibrate RUN_DIR")
+        target = parse_target(name)
+        devices = args.devices_per_host or target.devices_per_host
+        hosts = args.hosts or target.hosts
+    workload, generation = build_workload(job, hosts=hosts, devices_per_host=devices)
+
+    # Lengths: a dump, a spec, or the planner's assumption as a lognormal long tail.
+    longest_prompt = (job.data.max_prompt_tokens if job.data is not None and job.data.max_prompt_tokens
+                      else max(1, job.engine.prompt_limit - job.rollout.max_new_tokens))
+    mean_prompt = max(1, int(round(plan_cfg.mean_prompt_fraction * longest_prompt)))
+    if args.lengths:
+        source = read_rollout_lengths(args.lengths)
+    else:
+        spec = args.length_dist or (f"lognormal:mean={plan_cfg.mean_completion_fraction * job.rollout.max_new_tokens:g},"
+                                    "sigma=1")
+        source = parse_length_spec(spec)
+    cap = min(job.rollout.max_new_tokens, job.engine.max_seq_len - 1 - mean_prompt)
+
+    base = RowConfig(mode=job.rl.mode, eta=job.rl.max_staleness, generation_devices=generation,
+                     colocated=job.mesh.colocated and job.rl.mode == "async", steps=args.steps,
+                     warmup_steps=args.warmup, seed=args.seed)
+    rows = _rows(base, _parse_sweeps(args.sweep), include_sync=True)
+    if fit is not None and any(r.mode == "async" and r.generation_devices != generation and not r.colocated
+                               for r in rows):
+        raise SimulateError("--sweep split with --calibrate: calibrated costs hold for the run's own split; "
+                            "use --target to compare splits")
+    results: list[RowResult] = []
+    labels = []
+    for row in rows:
+        costs = fit.costs if fit is not None else roofline_costs(
+            job, plan_cfg, args.gin_file, target, workload, row, transfer_bytes_per_s=args.transfer_gbps * 1e9,
+            reward_s=args.reward_s)
+        sampler = LengthSampler(source, cap=cap, prompt=mean_prompt, seed=row.seed)
+        results.append(Simulation(workload, row, costs, sampler, scale_engine=fit is None).run())
+        labels.append(sampler.describe())
+    sync = next((r for r in results if r.mode == "sync"), None)
+    out_rows = []
+    for r in results:
+        d = r.as_json()
+        d["split"] = f"{r.generation_devices}:{r.train_devices}" if r.mode == "async" and not (
+            r.generation_devices == r.train_devices == workload.devices_per_host) else "colocated"
+        d["vs_sync"] = r.trained_tokens_per_s / sync.trained_tokens_per_s if sync and sync.trained_tokens_per_s else None
+        out_rows.append(d)
+    assumptions = {
+        "costs": (fit.costs.label + f" (steps used {fit.steps_used}, fit error per family "
+                  + ", ".join(f"{k} {v:.1%}" for k, v in fit.residuals.items()) + ")") if fit is not None else
+        f"analytic roofline on {target.name}: max(FLOPs / peak bf16, bytes / HBM bandwidth) per program from "
+        "plan/estimate.analytic_flops and plan/targets.py's published figures; nothing compiled; a lower bound "
+        "(no kernel efficiency, collectives or host overhead)",
+        "cost_model": fit.costs.as_json() if fit is not None else None,
+        "lengths": labels[0] if labels else "",
+        "hosts": workload.hosts, "devices_per_host": workload.devices_per_host,
+        "batch": f"{workload.batch_groups} groups x {workload.samples_per_group} samples per step",
+        "engine": f"{workload.engine.num_slots} slots per host at the config's split, decode chunk "
+                  f"{workload.engine.decode_chunk}, max_seq_len {workload.engine.max_seq_len}"
+                  + ("; slots per replica kept when the split changes" if fit is None else ""),
+        "transfer": (f"{args.transfer_gbps:g} GB/s per host (generation weights)" if fit is None
+                     else f"{fit.costs.transfer_s:.3f} s per step (recorded)"),
+        "reward_s": args.reward_s,
+        "steps": f"{args.steps} simulated, first {args.warmup} left out",
+        "seed": args.seed,
+    }
+    return {"rows": out_rows, "assumptions": assumptions}
+
+
+def format_rows(report: dict[str, Any]) -> str:
+    head = (f"{'mode':6s} {'eta':>3s} {'split':>9s} {'trained tok/s':>14s} {'vs sync':>7s} {'gen busy':>8s} "
+            f"{'train busy':>10s} {'slots':>6s} {'re-prefill':>10s} {'stale max/mean':>14s} {'step s':>8s}")
+    lines = [head]
+    for r in report["rows"]:
+        vs = f"{r['vs_sync']:.2f}x" if r["vs_sync"] is not None else "-"
+        lines.append(f"{r['mode']:6s} {r['eta']:3d} {r['split']:>9s} {r['trained_tokens_per_s']:14,.0f} {vs:>7s} "
+                     f"{r['generation_busy']:8.0%} {r['train_busy']:10.0%} {r['slot_occupancy']:6.0%} "
+                     f"{r['reprefill_per_trained_token']:10.2f} {r['staleness_max']:>6d} / {r['staleness_mean']:5.2f} "
+                     f"{r['step_s']:8.2f}")
+    lines.append("")
+    lines += [f"{k}: {v}" for k, v in report["assumptions"].items() if k != "cost_model"]
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    from areal_jax.config_system import ConfigError
+
+    try:
+        report = simulate_rows(args)
+    except (SimulateError, ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"areal-jax: simulate: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report, indent=2, default=lambda x: None if isinstance(x, float) and math.isnan(x) else x))
+    else:
+        print(format_rows(report))
+    return 0

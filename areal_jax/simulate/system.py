@@ -1,0 +1,256 @@
+"""The whole system on the simulated clock: per host a controller (the package's own
+`StalenessManager`, `admission_version` and `TrajectoryChannel`, the age filter `is_too_stale`) and
+an engine (simulate/generation.py); one trainer that takes each host's oldest groups, forms
+minibatches and micro-batches with the trainer's own `microbatch_shapes`, steps, bumps the version
+and transfers the weights.
+
+Modes as `trainer/loop.py` runs them: "async" overlaps generation and training (eta bounds how far
+generation runs ahead); "sync" is the colocated baseline (every device generates a batch, then
+trains; eta 0; the next batch is admitted once the engine serves the new weights).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from areal_jax.rollout.channel import TrajectoryChannel
+from areal_jax.rollout.filters import is_too_stale
+from areal_jax.rollout.staleness import StalenessManager, admission_version
+from areal_jax.rollout.types import Trajectory, TrajectoryGroup
+from areal_jax.simulate.config import RowConfig, Workload
+from areal_jax.simulate.events import EventQueue
+from areal_jax.simulate.generation import SimEngine, SimGroup
+from areal_jax.simulate.lengths import LengthSampler
+from areal_jax.generation.timings import timings_delta
+from areal_jax.trainer.batching import microbatch_shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class RowResult:
+    """Steady-state figures of one row (steps after the warm-up)."""
+
+    mode: str
+    eta: int
+    generation_devices: int
+    train_devices: int
+    trained_tokens_per_s: float
+    generation_busy: float
+    train_busy: float
+    slot_occupancy: float
+    reprefill_per_trained_token: float
+    staleness_max: int
+    staleness_mean: float
+    step_s: float
+    records: tuple[dict[str, Any], ...] = dataclasses.field(repr=False, default=())
+
+    def as_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out.pop("records")
+        return out
+
+
+def _compact_group(group: SimGroup, host_index: int) -> TrajectoryGroup:
+    """A TrajectoryGroup for the channel and the age filter: each sample's versions as one token
+    per version it spans (what `oldest_version` reads), not one per generated token."""
+    one = np.zeros(1, np.int32)
+    trajectories = []
+    for segs in group.segments:
+        versions = np.asarray(sorted({v for v, _ in segs}) or [group.admitted_version], np.int32)
+        zeros = np.zeros(versions.size, np.float32)
+        trajectories.append(Trajectory(one, versions * 0, zeros, versions, 0.0))
+    return TrajectoryGroup(query_id=f"h{host_index}-g{group.group_id}", trajectories=tuple(trajectories),
+                           admitted_version=group.admitted_version, info={"sim": group})
+
+
+class _Host:
+    def __init__(self, index: int, sim: Simulation, engine_config, data: int, max_concurrent: int) -> None:
+        wl, row = sim.workload, sim.row
+        self.index = index
+        self.sim = sim
+        self.staleness = StalenessManager(row.eta, wl.local_batch, max_concurrent)
+        self.channel = TrajectoryChannel(wl.channel_capacity)
+        self.backlog: collections.deque[TrajectoryGroup] = collections.deque()  # accepted, channel full
+        self.engine = SimEngine(engine_config, data, sim.costs, sim.clock, on_group_done=self._group_done,
+                                on_swap=self._swapped)
+        self._ids = 0
+
+    def admit(self) -> None:
+        """The controller's admission loop: start groups while capacity allows."""
+        sim = self.sim
+        while True:
+            version = admission_version(sim.version, self.engine.version)
+            if not self.staleness.try_submit(version):
+                return
+            prompt, lengths = sim.sampler.group(sim.workload.samples_per_group)
+            self._ids += 1
+            self.engine.submit(SimGroup(self._ids, version, prompt, lengths))
+
+    def _swapped(self) -> None:
+        self.admit()
+        self.sim.engine_swapped()
+
+    def _group_done(self, group: SimGroup) -> None:
+        self.sim.clock.after(self.sim.costs.reward_s, lambda: self._accept(group))
+
+    def _accept(self, group: SimGroup) -> None:
+        sim = self.sim
+        compact = _compact_group(group, self.index)
+        age = sim.workload.max_group_age
+        if age is not None and is_too_stale(compact, sim.version, age):
+            self.staleness.on_reject()
+            sim.rejected_groups += 1
+        else:
+            self.backlog.append(compact)
+            self.fill_channel()
+        self.admit()
+        sim.maybe_train()
+
+    def fill_channel(self) -> None:
+        while self.backlog and self.channel.try_put(self.backlog[0]):
+            self.backlog.popleft()
+            self.staleness.on_accept()
+
+
+class Simulation:
+    """One row: `run()` simulates `row.steps` training steps and returns the row's figures.
+
+    `scale_engine`: when the row's split differs from the config's, keep the slots per generation
+    replica (and groups in flight per slot) rather than the host's slots; off for costs fitted to a
+    run, which hold for that run's engine only."""
+
+    def __init__(self, workload: Workload, row: RowConfig, costs, sampler: LengthSampler, *,
+                 scale_engine: bool = True) -> None:
+        row.check(workload)
+        self.workload, self.row, self.costs, self.sampler = workload, row, costs, sampler
+        self.clock = EventQueue()
+        self.version = 0
+        self.rejected_groups = 0
+        generating = row.generating_devices(workload)
+        engine_config, max_concurrent = (workload.scaled_to(generating) if scale_engine
+                                         else (workload.engine, workload.max_concurrent))
+        data = workload.generation_replicas(generating)
+        if engine_config.num_slots % data:
+            raise ValueError(f"EngineConfig.num_slots {engine_config.num_slots} is not a multiple of the "
+                             f"{data} generation replicas per host")
+        self.hosts = [_Host(h, self, engine_config, data, max_concurrent) for h in range(workload.hosts)]
+        train_devices = row.train_devices(workload) * workload.hosts
+        self.rows_per_process = max(train_devices // workload.train_tensor // workload.hosts, 1)
+        self.training = False
+        self.waiting_for_swap = False
+        self.steps_done = 0
+        self.train_busy_s = 0.0
+        self.step_ends: list[float] = []
+        self.trained_tokens: list[int] = []
+        self.lag_hist: list[collections.Counter] = []
+        self.snapshots: list[dict[str, Any]] = []
+        self.records: list[dict[str, Any]] = []
+        self._timings_seen: dict | None = None
+
+    # ---- trainer --------------------------------------------------------------------------------
+
+    def maybe_train(self) -> None:
+        wl = self.workload
+        if self.training or self.waiting_for_swap or self.steps_done >= self.row.steps:
+            return
+        if any(h.channel.qsize() < wl.local_batch for h in self.hosts):
+            return
+        batches = [h.channel.get_batch(wl.local_batch) for h in self.hosts]
+        for h in self.hosts:
+            h.fill_channel()
+        lags: collections.Counter = collections.Counter()
+        tokens = 0
+        step_s, host0_shapes = 0.0, None
+        for batch in batches:
+            groups = [g.info["sim"] for g in batch]
+            lengths = [g.prompt + int(n) for g in groups for n in g.lengths]
+            shapes = microbatch_shapes(lengths, max_tokens_per_microbatch=wl.max_tokens_per_microbatch,
+                                       num_minibatches=min(wl.num_minibatches, len(lengths)),
+                                       buckets=wl.row_buckets or None, row_multiple=self.rows_per_process,
+                                       group_ids=[i for i, g in enumerate(groups) for _ in range(g.n)],
+                                       shuffle_seed=(wl.minibatch_seed, self.steps_done))
+            host0_shapes = host0_shapes or shapes
+            # Processes step together: the slowest one's micro-batches bound the step.
+            step_s = max(step_s, self.costs.train_step_s(shapes))
+            for g in groups:
+                tokens += g.completion_tokens
+                for segs in g.segments:
+                    for version, count in segs:
+                        lags[self.version - version] += count
+        self.training = True
+        if self.row.mode == "sync":
+            self.waiting_for_swap = True
+        self.clock.after(step_s + self.costs.transfer_s,
+                         lambda: self._step_done(step_s, tokens, lags, host0_shapes))
+
+    def _step_done(self, step_s: float, tokens: int, lags, shapes) -> None:
+        self.version += 1
+        self.training = False
+        self.steps_done += 1
+        self.train_busy_s += step_s + self.costs.transfer_s
+        self.step_ends.append(self.clock.now)
+        self.trained_tokens.append(tokens)
+        self.lag_hist.append(lags)
+        self.snapshots.append({"engine_busy": [h.engine.counters.busy_s for h in self.hosts],
+                               "decode_steps": sum(h.engine.counters.decode_steps for h in self.hosts),
+                               "slot_steps": sum(h.engine.counters.slot_steps for h in self.hosts),
+                               "reprefill": sum(h.engine.counters.reprefill_tokens for h in self.hosts),
+                               "train_busy": self.train_busy_s})
+        self._record(step_s, shapes)
+        for h in self.hosts:
+            h.engine.deliver_weights(self.version)
+        for h in self.hosts:
+            h.admit()
+        self.maybe_train()
+
+    def engine_swapped(self) -> None:
+        """Sync mode: the trainer goes on once every engine serves the new weights (applied.result())."""
+        if self.waiting_for_swap and all(h.engine.version == self.version for h in self.hosts):
+            self.waiting_for_swap = False
+            self.maybe_train()
+
+    def _record(self, step_s: float, shapes) -> None:
+        """The step's metrics in the run's own format (trainer/loop.py): host 0's engine calls."""
+        now = self.hosts[0].engine.timings.snapshot()
+        timings = timings_delta(now, self._timings_seen)
+        self._timings_seen = now
+        micro = [s for minibatch in shapes for s in minibatch]
+        timings["train"] = {"s": step_s, "minibatches": len(shapes), "microbatches": len(micro),
+                            "padded_tokens": sum(r * t for r, t in micro),
+                            "attention": float(sum(r * t * t for r, t in micro))}
+        self.records.append({"step": self.steps_done - 1, "time/train_step_s": step_s,
+                             "time/weight_transfer_s": self.costs.transfer_s, "timings": timings})
+
+    # ---- run ------------------------------------------------------------------------------------
+
+    def run(self) -> RowResult:
+        for h in self.hosts:
+            h.admit()
+        self.clock.run(lambda: self.steps_done >= self.row.steps)
+        w = self.row.warmup_steps
+        a, b = self.snapshots[w - 1] if w else None, self.snapshots[-1]
+        start = self.step_ends[w - 1] if w else 0.0
+        wall = self.step_ends[-1] - start
+
+        def delta(key):
+            return b[key] - (a[key] if a else 0)
+
+        engine_busy = np.mean(np.asarray(b["engine_busy"]) - (np.asarray(a["engine_busy"]) if a else 0.0))
+        tokens = sum(self.trained_tokens[w:])
+        lags = sum(self.lag_hist[w:], collections.Counter())
+        counted = sum(lags.values())
+        num_slots = self.hosts[0].engine.config.num_slots
+        return RowResult(
+            mode=self.row.mode, eta=self.row.eta, generation_devices=self.row.generating_devices(self.workload),
+            train_devices=self.row.train_devices(self.workload),
+            trained_tokens_per_s=tokens / wall if wall > 0 else 0.0,
+            generation_busy=float(engine_busy / wall) if wall > 0 else 0.0,
+            train_busy=delta("train_busy") / wall if wall > 0 else 0.0,
+            slot_occupancy=delta("slot_steps") / (delta("decode_steps") * num_slots) if delta("decode_steps") else 0.0,
+            reprefill_per_trained_token=delta("reprefill") / tokens if tokens else 0.0,
+            staleness_max=max((lag for lag, c in lags.items() if c), default=0),
+            staleness_mean=sum(lag * c for lag, c in lags.items()) / counted if counted else 0.0,
+            step_s=wall / (self.row.steps - w), records=tuple(self.records))
