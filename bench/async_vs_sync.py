@@ -116,6 +116,7 @@ def run(mode: str, args, tokenizer, cfg, params, clock: CompileClock) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.gin").write_text(gin_bindings(loop.rl, loop.trainer.ppo_config, loop.workflow_config,
                                                      loop.engine.config, mesh_for(mode, args)))
+        (out / "devices.json").write_text(json.dumps({"devices_per_host": jax.device_count(), "hosts": 1}))
         log = MetricsLogger(out, tensorboard=False, console=False)
     snaps: list[dict] = []
     lengths: dict[int, list[int]] = {}
