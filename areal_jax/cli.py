@@ -10,6 +10,9 @@
                    (a checkpoint as an HF model directory, tokenizer included; `eval --model=DIR` takes it)
     areal-jax plan --gin_file=configs/qwen2_5_1_5b_gsm8k_tpu.gin [--target=v5e-16] [--json]
                    (compiles every program of the run for the target, without it; exit 1 if one does not fit)
+    areal-jax simulate --gin_file=CONFIG [--target NAME | --calibrate RUN_DIR] [--lengths PATH | --length-dist SPEC]
+                   [--sweep FIELD=v1,v2] [--seed S] [--json]
+                   (a discrete-event simulation of the run: async vs sync, the split and eta; areal_jax/simulate/)
 
 Every flag of the config dataclasses is bound gin-style; an unknown name, a wrong type or an
 impossible device split is reported before any work starts. So are problems with the model, the data
@@ -98,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="every program of every shape (default: the largest of each family, which bound the "
                          "peak, and those the throughput prediction reads)")
     pl.add_argument("--no_cache", action="store_true", help="recompile instead of reading the plan cache")
+    si = sub.add_parser("simulate", help="simulate the run's scheduling: trained tokens/s of async vs sync, "
+                        "splits and eta, costs from a target's roofline or a recorded run", parents=[common])
+    from areal_jax.simulate.driver import add_arguments as add_simulate_arguments
+
+    add_simulate_arguments(si)
     co = sub.add_parser("config", help="every configurable field with its value, type and meaning", parents=[common])
     co.add_argument("--gin_file", action="append", default=[])
     co.add_argument("--gin_param", action="append", default=[])
@@ -121,13 +129,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if args.command in ("plan", "export"):  # before jax starts: touch no accelerator
+    if args.command in ("plan", "export", "simulate"):  # before jax starts: touch no accelerator
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     if args.compile_cache:
         enable_compile_cache(args.compile_cache)
     if args.command == "plan":
         return _plan(args)
+    if args.command == "simulate":
+        from areal_jax.simulate.driver import main as simulate_main
+
+        return simulate_main(args)
     if args.command == "config":
         return _config(args)
     try:

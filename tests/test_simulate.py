@@ -143,3 +143,37 @@ def test_configs_are_validated_on_construction():
         LinearCosts(decode_step=-1.0)
     assert np.isfinite(simulate(RowConfig(mode="async", eta=1, generation_devices=3, steps=6, warmup_steps=1))
                        .trained_tokens_per_s)
+
+
+def test_cli_on_a_target_gives_the_json_schema(capsys):
+    from areal_jax.cli import main
+
+    assert main(["simulate", "--gin_file", "configs/qwen2_5_7b_math_gpu.gin", "--steps", "4", "--warmup", "1",
+                 "--length-dist", "lognormal:mean=2000,sigma=1", "--sweep", "eta=1,4", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = report["rows"]
+    assert [(r["mode"], r["eta"]) for r in rows] == [("async", 1), ("async", 4)]
+    for r in rows:
+        assert {"mode", "eta", "generation_devices", "train_devices", "trained_tokens_per_s", "generation_busy",
+                "train_busy", "staleness_max", "staleness_mean"} <= r.keys()
+        assert r["generation_devices"] == 6 and r["train_devices"] == 2 and r["trained_tokens_per_s"] > 0
+    assert "roofline on 8xh200" in report["assumptions"]["costs"]
+
+
+def test_cli_calibrates_on_a_run_directory(tmp_path, capsys):
+    from areal_jax.cli import main
+
+    result = simulate(RowConfig(mode="async", eta=2, generation_devices=2, steps=12, warmup_steps=2))
+    (tmp_path / "devices.json").write_text('{"devices_per_host": 2, "hosts": 1}')  # as the bench writes it
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for record in result.records:
+            f.write(json.dumps({"step": record["step"], "metrics": record}) + "\n")
+    assert main(["simulate", "--gin_file", "configs/quickstart.gin", "--calibrate", str(tmp_path),
+                 "--length-dist", "geometric:mean=60", "--steps", "6", "--warmup", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "calibrated on" in out and "sync" in out and "async" in out
+    assert main(["simulate", "--gin_file", "configs/quickstart.gin", "--calibrate", str(tmp_path / "none")]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
+    assert main(["simulate", "--gin_file", "configs/quickstart.gin", "--calibrate", str(tmp_path),
+                 "--sweep", "split=1,2"]) == 2
+    assert "the run's own split" in capsys.readouterr().err

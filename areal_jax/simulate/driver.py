@@ -20,10 +20,7 @@ import pathlib
 import sys
 from typing import Any
 
-from areal_jax.simulate.config import RowConfig, Workload
-from areal_jax.simulate.lengths import LengthSampler, parse_length_spec, read_rollout_lengths
-from areal_jax.simulate.system import RowResult, Simulation
-
+# Imported by `areal-jax`'s parser: the modules that import jax load only when the command runs.
 SWEEP_FIELDS = ("mode", "eta", "split")
 DEFAULT_TRANSFER_BYTES_PER_S = 50e9
 
@@ -84,9 +81,11 @@ def _run_devices(run_dir: str) -> dict[str, int]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def build_workload(job, *, hosts: int, devices_per_host: int) -> tuple[Workload, int]:
-    """The Workload of a job's configs; also the config's generation devices per host."""
+def build_workload(job, *, hosts: int, devices_per_host: int):
+    """The Workload of a job's configs; also the config's generation devices per host and whether
+    its sides share the devices (MeshConfig.colocated, or hosts too small to split)."""
     from areal_jax.parallel.meshes import split_local_devices
+    from areal_jax.simulate.config import Workload
 
     try:
         split = split_local_devices(job.mesh, devices_per_host)
@@ -103,11 +102,10 @@ def build_workload(job, *, hosts: int, devices_per_host: int) -> tuple[Workload,
         num_minibatches=job.ppo.num_minibatches, row_buckets=tuple(job.ppo.row_buckets or ()),
         max_group_age=rl.max_group_age, max_new_tokens=job.rollout.max_new_tokens,
         minibatch_seed=job.ppo.minibatch_seed)
-    return wl, generation
+    return wl, generation, split.colocated
 
 
-def roofline_costs(job, plan_cfg, gin_files, target, workload: Workload, row: RowConfig, *, transfer_bytes_per_s,
-                   reward_s):
+def roofline_costs(job, plan_cfg, gin_files, target, workload, row, *, transfer_bytes_per_s, reward_s):
     """`RooflineCosts` of a row's split on `target` (plan/: the model's shapes, analytic FLOPs, published peaks)."""
     import jax.numpy as jnp
 
@@ -133,7 +131,7 @@ def roofline_costs(job, plan_cfg, gin_files, target, workload: Workload, row: Ro
                          transfer_bytes_per_s=transfer_bytes_per_s, pack_width=engine.pack_width, reward_s=reward_s)
 
 
-def _rows(base: RowConfig, sweeps, *, include_sync: bool) -> list[RowConfig]:
+def _rows(base, sweeps, *, include_sync: bool) -> list:
     if not sweeps:
         rows = [base]
         if include_sync and base.mode == "async":
@@ -143,8 +141,9 @@ def _rows(base: RowConfig, sweeps, *, include_sync: bool) -> list[RowConfig]:
     names = [f for f, _ in sweeps]
     for values in itertools.product(*(v for _, v in sweeps)):
         change = dict(zip(names, values))
-        if "split" in change:
+        if "split" in change:  # a split: the sides get their own devices
             change["generation_devices"] = change.pop("split")
+            change["colocated"] = False
         mode = change.get("mode", base.mode)
         if mode == "sync":
             change["eta"] = 0
@@ -162,6 +161,9 @@ def simulate_rows(args) -> dict[str, Any]:
     from areal_jax.plan.config import PlanConfig
     from areal_jax.plan.targets import parse_target
     from areal_jax.simulate.calibrate import fit_run_dir
+    from areal_jax.simulate.config import RowConfig
+    from areal_jax.simulate.lengths import LengthSampler, parse_length_spec, read_rollout_lengths
+    from areal_jax.simulate.system import Simulation
 
     job = load_job_configs(args.gin_file, args.gin_param, run_dir="simulate")
     plan_cfg = cs.build(PlanConfig)
@@ -179,7 +181,7 @@ def simulate_rows(args) -> dict[str, Any]:
         target = parse_target(name)
         devices = args.devices_per_host or target.devices_per_host
         hosts = args.hosts or target.hosts
-    workload, generation = build_workload(job, hosts=hosts, devices_per_host=devices)
+    workload, generation, colocated = build_workload(job, hosts=hosts, devices_per_host=devices)
 
     # Lengths: a dump, a spec, or the planner's assumption as a lognormal long tail.
     longest_prompt = (job.data.max_prompt_tokens if job.data is not None and job.data.max_prompt_tokens
@@ -194,14 +196,14 @@ def simulate_rows(args) -> dict[str, Any]:
     cap = min(job.rollout.max_new_tokens, job.engine.max_seq_len - 1 - mean_prompt)
 
     base = RowConfig(mode=job.rl.mode, eta=job.rl.max_staleness, generation_devices=generation,
-                     colocated=job.mesh.colocated and job.rl.mode == "async", steps=args.steps,
+                     colocated=colocated and job.rl.mode == "async", steps=args.steps,
                      warmup_steps=args.warmup, seed=args.seed)
     rows = _rows(base, _parse_sweeps(args.sweep), include_sync=True)
     if fit is not None and any(r.mode == "async" and r.generation_devices != generation and not r.colocated
                                for r in rows):
         raise SimulateError("--sweep split with --calibrate: calibrated costs hold for the run's own split; "
                             "use --target to compare splits")
-    results: list[RowResult] = []
+    results = []
     labels = []
     for row in rows:
         costs = fit.costs if fit is not None else roofline_costs(
