@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 
 # Orbax writes this file into a step directory as part of finalizing it (before the rename).
 _FINALIZED_MARKER = "_CHECKPOINT_METADATA"
+# On an object store Orbax writes a step in place (no rename) and this file last.
+_COMMITTED_MARKER = "commit_success.txt"
 _STATE, _META, _DATA = "state", "meta", "data"
 
 
@@ -84,6 +86,9 @@ class CheckpointConfig:
             raise ValueError("CheckpointConfig.export_dir is required when export_hf_interval_steps is set")
         if self.export_dir is not None and not str(self.export_dir):
             raise ValueError("CheckpointConfig.export_dir must be a non-empty path or None")
+        paths.check_reachable(self.directory, "CheckpointConfig.directory")
+        if self.export_dir is not None:
+            paths.check_reachable(self.export_dir, "CheckpointConfig.export_dir")
 
 
 class _IteratorSnapshot:
@@ -143,8 +148,14 @@ def finalized_steps(directory: str | os.PathLike) -> list[int]:
     if not directory.is_dir():
         return []
     # Unfinished saves live under `<step>.orbax-checkpoint-tmp-<ts>`: not all digits.
-    return sorted(int(e.name) for e in directory.iterdir()
-                  if e.name.isdigit() and (e / _FINALIZED_MARKER).is_file())
+    return sorted(int(e.name) for e in directory.iterdir() if e.name.isdigit() and _is_finished(e))
+
+
+def _is_finished(step_dir: paths.Path) -> bool:
+    """Whether a step directory holds a finished save: remote ones are written in place, so there
+    the commit file Orbax writes last must be present as well."""
+    return (step_dir / _FINALIZED_MARKER).is_file() and (
+        not paths.is_remote(step_dir) or (step_dir / _COMMITTED_MARKER).is_file())
 
 
 def clear_checkpoints(directory: str | os.PathLike) -> None:
@@ -167,7 +178,7 @@ class SavedParams:
 
     def __init__(self, directory: str | os.PathLike, step: int):
         step_dir = paths.absolute(directory) / str(step)
-        if not (step_dir / _FINALIZED_MARKER).is_file():
+        if not _is_finished(step_dir):
             raise FileNotFoundError(f"checkpoint step {step} not found (or unfinished) under {directory}")
         self._state = step_dir / _STATE
         self._reader = ocp.PyTreeCheckpointer()
@@ -284,7 +295,7 @@ class Checkpointer:
             if step is None:
                 raise FileNotFoundError(f"no finalized checkpoint under {self.directory}")
         step_dir = self.directory / str(step)
-        if not (step_dir / _FINALIZED_MARKER).is_file():
+        if not _is_finished(step_dir):
             raise FileNotFoundError(f"checkpoint step {step} not found (or unfinished) under {self.directory}")
         items: dict[str, Any] = {
             _STATE: ocp.args.StandardRestore(state_template),

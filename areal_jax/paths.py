@@ -96,3 +96,19 @@ def staged_dir(target: PathLike) -> Iterator[epath.Path]:
             tmp.rename(target)
     finally:
         remove(tmp)
+
+
+def check_reachable(path: PathLike, field: str) -> None:
+    """Raises ValueError naming `field` when `path` is remote and no filesystem for its scheme is
+    installed (gs:// needs gcsfs, which also brings the google-cloud-storage client Orbax uses to
+    delete old steps): said before any work, not at the first write."""
+    if not is_remote(path):
+        return
+    import fsspec
+
+    scheme = os.fspath(path).split("://", 1)[0]
+    try:
+        fsspec.get_filesystem_class(scheme)
+    except (ImportError, ValueError) as e:
+        hint = "pip install 'areal-jax[gcs]'" if scheme in ("gs", "gcs") else f"install fsspec's {scheme} filesystem"
+        raise ValueError(f"{field} = {os.fspath(path)}: {e} ({hint})") from None

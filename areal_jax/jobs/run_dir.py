@@ -62,6 +62,10 @@ def previous_run(cfg: JobConfigs, run_dir: paths.PathLike) -> list[str]:
 def check_run_dir(cfg: JobConfigs, run_dir: paths.PathLike, *, resume: bool, overwrite: bool) -> None:
     """Raises InputError unless the run may start in `run_dir` as asked; writes nothing."""
     run_dir = paths.as_path(run_dir)
+    try:
+        paths.check_reachable(run_dir, "--run_dir")
+    except ValueError as e:
+        raise InputError(str(e)) from None
     if resume and overwrite:
         raise InputError("--resume continues the run in the directory and --overwrite removes it: pass one")
     if run_dir.exists() and not run_dir.is_dir():
