@@ -83,6 +83,7 @@ def test_too_long_example_is_rejected():
     ({"min_lr_ratio": 2.0}, "min_lr_ratio"), ({"eval_every": -1}, "eval_every"), ({"eval_from": -2}, "eval_from"),
     ({"stop_accuracy": 1.5, "eval_every": 10}, "stop_accuracy"), ({"stop_accuracy": 0.5}, "eval_every > 0"),
     ({"steps": 100, "eval_every": 20, "eval_from": 101}, "no validation check"),
+    ({"val_every": 2}, "SFTConfig.val_every needs held-out files"), ({"paths": "a.jsonl"}, "SFTConfig.paths"),
 ])
 def test_config_validation_names_the_culprit(kwargs, culprit):
     with pytest.raises(ValueError, match=culprit):
@@ -168,7 +169,8 @@ def test_per_step_records_and_validation_loss():
     examples = [SFTExample(ids, np.arange(ids.size) % 3 == 2) for ids in (rng.integers(1, 50, n) for n in
                                                                             rng.integers(4, 12, 16))]
     held_out = [SFTExample.from_pair(p, c) for p, c in _random_examples(rng, 7)]
-    sft = SFTConfig(steps=5, batch_size=2, max_len=24, warmup=1, log_every=2, val_every=2)
+    sft = SFTConfig(steps=5, batch_size=2, max_len=24, warmup=1, log_every=2, val_every=2, lr=3e-3,
+                    eval_paths=("held_out.jsonl",))  # run_sft takes the examples: the paths are the job's
     records = []
     trained, metrics = run_sft(cfg, params, examples, sft, progress=False, val_examples=held_out,
                                on_step=lambda step, m: records.append((step, m)))

@@ -15,7 +15,7 @@ from tests.test_cli import _tiny_model_dir
 
 TINY_RUN = ["ModelSource.hidden_size = 32", "ModelSource.num_layers = 1", "TaskSource.kind = 'dataset'",
             "TaskSource.eval_size = 0", "SFTConfig.steps = 6", "SFTConfig.warmup = 1", "SFTConfig.batch_size = 4",
-            "SFTConfig.max_len = 160", "SFTConfig.log_every = 4", "SFTConfig.val_every = 3", "Stages.plot = False",
+            "SFTConfig.max_len = 160", "SFTConfig.log_every = 4", "Stages.plot = False",
             "MeshConfig.num_generation_devices_per_host = 4"]
 
 
@@ -60,7 +60,8 @@ def test_sft_command_trains_on_files_and_records_each_step(tmp_path):
     val = str(tmp_path / "val.parquet")
     pq.write_table(pa.table({k: [r[k] for r in held_out] for k in ("question", "answer")}), val)
     run = tmp_path / "run"
-    assert main(sft_args(run, f"DataConfig.paths = ('{train}',)", f"SFTConfig.eval_paths = ('{val}',)")) == 0
+    assert main(sft_args(run, f"DataConfig.paths = ('{train}',)", f"SFTConfig.eval_paths = ('{val}',)",
+                          "SFTConfig.val_every = 3")) == 0
 
     records = read_jsonl(run / "metrics.jsonl")
     assert [r["step"] for r in records] == [-6, -5, -4, -3, -2, -1]  # one record per SFT step, before RL's 0

@@ -47,8 +47,9 @@ class SFTConfig:
     """SFT hyper-parameters.
 
     steps: optimizer steps. batch_size: packed rows per step (B). max_len: tokens per row (T);
-    every example must fit in one row. lr: peak AdamW learning rate, reached after `warmup`
-    linear steps, then cosine decay to `lr * min_lr_ratio`. compute_dtype: "float32" or
+    every example must fit in one row. lr: peak AdamW learning rate (the default suits a pretrained
+    model, as TRL's; the built-in task's tiny model wants ~3e-3, as configs/quickstart.gin sets),
+    reached after `warmup` linear steps, then cosine decay to `lr * min_lr_ratio`. compute_dtype: "float32" or
     "bfloat16" for matmuls (weights and optimizer state stay float32). log_every: steps between
     metric read-backs (reading forces a device sync). scan_layers: run the layers as a scan (one
     compiled layer body) or unrolled (faster per step on CPU, longer compile for deep models).
@@ -68,7 +69,7 @@ class SFTConfig:
 
     steps: int = 1000
     batch_size: int = 16
-    lr: float = 3e-3
+    lr: float = 2e-5
     warmup: int = 50
     max_len: int = 256
     seed: int = 0
@@ -113,6 +114,8 @@ class SFTConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"SFTConfig.{name} must be an int >= 0, got {value!r}")
+        if self.val_every and not self.eval_paths:
+            raise ValueError("SFTConfig.val_every needs held-out files: set SFTConfig.eval_paths")
         if not 0.0 <= self.stop_accuracy <= 1.0:
             raise ValueError(f"SFTConfig.stop_accuracy must be in [0, 1] (0 = off), got {self.stop_accuracy!r}")
         if self.stop_accuracy > 0 and self.eval_every == 0:
