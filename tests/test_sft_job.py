@@ -112,3 +112,26 @@ def test_eval_of_a_base_model_takes_a_prompt_template(tmp_path, capsys):
                  "--gin_param=DataConfig.prompt_template = 'Question: {question}\\nAnswer:'"]) == 0
     samples = read_jsonl(out / "samples.jsonl")
     assert len(samples) == 2 and json.loads((out / "report.json").read_text())["overall"]["num_prompts"] == 2
+
+
+def test_train_warm_starts_on_files_then_runs_rl_on_one_step_axis(tmp_path):
+    """`areal-jax train` on a dataset: SFT on chat and GSM8K rows from files, then RL on the GSM8K
+    prompts; metrics.jsonl holds SFT's steps at -4..-1, then RL's from 0."""
+    from tests.test_cli import QUICKSTART, SHORT, SPLIT_8
+
+    sft_rows = write_jsonl(tmp_path / "sft.jsonl", gsm8k_rows(6) + chat_rows(2))
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"question": f"What is {i}+1?", "answer": f"#### {i + 1}"}
+                                                       for i in range(8)])
+    run = tmp_path / "run"
+    bindings = SHORT + [SPLIT_8, "TaskSource.kind = 'dataset'", f"DataConfig.paths = ('{prompts}',)",
+                        f"SFTConfig.paths = ('{sft_rows}',)", "TaskSource.eval_size = 0", "TaskSource.validation_size = 0",
+                        "SFTConfig.eval_every = 0", "SFTConfig.stop_accuracy = 0.0", "SFTConfig.steps = 4",
+                        "SFTConfig.max_len = 160", "RLConfig.steps = 1", "RLConfig.eval_every = 0",
+                        "RLVRConfig.reward = 'math'", "Stages.plot = False"]
+    assert main(["train", f"--gin_file={QUICKSTART}", *[f"--gin_param={b}" for b in bindings], f"--run_dir={run}",
+                 "--quiet"]) == 0
+    records = read_jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == [-4, -3, -2, -1, 0]
+    assert all("sft" in r["metrics"] for r in records[:4]) and "sft" not in records[4]["metrics"]
+    summary = strict_json((run / "summary.json").read_text())
+    assert summary["sft_steps"] == 4 and summary["steps"] == 1
