@@ -135,3 +135,17 @@ def test_train_warm_starts_on_files_then_runs_rl_on_one_step_axis(tmp_path):
     assert all("sft" in r["metrics"] for r in records[:4]) and "sft" not in records[4]["metrics"]
     summary = strict_json((run / "summary.json").read_text())
     assert summary["sft_steps"] == 4 and summary["steps"] == 1
+
+
+def test_sft_of_a_base_model_takes_a_prompt_template(tmp_path, capsys):
+    model_dir = _tiny_model_dir(tmp_path / "model", "llama3", template_storage="none")  # a base model
+    data = write_jsonl(tmp_path / "gsm8k.jsonl", gsm8k_rows(4))
+    args = [*[p for p in TINY_RUN if not p.startswith("ModelSource.")], f"ModelSource.path = '{model_dir}'",
+            f"DataConfig.paths = ('{data}',)", "SFTConfig.steps = 2", "SFTConfig.log_every = 1"]
+    assert main(sft_args(tmp_path / "plain", *args)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"areal-jax: error: ModelSource.path: the tokenizer in {model_dir} has no chat template")
+    assert "DataConfig.prompt_template" in err and "DataConfig.chat_template_kwargs" in err and "\n" not in err
+    run = tmp_path / "templated"
+    assert main(sft_args(run, *args, "DataConfig.prompt_template = 'Question: {question}\\nAnswer:'")) == 0
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [-2, -1]

@@ -1,7 +1,8 @@
 """Prompt datasets as a checkpointable, per-process-sharded grain pipeline.
 
-Construction makes one pre-pass over every file: read, parse, tokenize with the chat
-template, and keep the rows that parse and fit `max_prompt_tokens`. Doing validity up
+Construction makes one pre-pass over every file: read, parse, tokenize (`PromptEncoder`: the
+chat template, or `prompt_template` for a base model), and keep the rows that parse and fit
+`max_prompt_tokens`. Doing validity up
 front (instead of a grain `filter`) is deliberate:
 
 - the counts of malformed and over-long rows are exact and known before training starts
