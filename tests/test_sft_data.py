@@ -118,6 +118,13 @@ def test_qwen3_template_kwargs_and_re_rendered_turns(tmp_path):
     assert [text for text, trained in spans(tok, multi) if trained] == ["4<|im_end|>"]
     prompt = tok.apply_chat_template(CHAT["messages"][:3], add_generation_prompt=True, enable_thinking=False)
     np.testing.assert_array_equal(multi.ids[:len(prompt)], prompt)
+    # Thinking on: a turn's reasoning (message key `reasoning_content`) is trained with its answer.
+    reasoned = {"messages": [{"role": "user", "content": "2+2?"},
+                             {"role": "assistant", "content": "4", "reasoning_content": "two and two"}]}
+    (example,), _ = load_sft_examples(DataConfig(paths=(write_jsonl(tmp_path / "r.jsonl", [reasoned]),)), tok,
+                                      max_len=256)
+    assert [text for text, trained in spans(tok, example) if trained] == \
+        ["<think>\ntwo and two\n</think>\n\n4<|im_end|>"]
 
 
 def test_prompt_template_for_a_base_model(tmp_path):

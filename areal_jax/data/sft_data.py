@@ -135,14 +135,16 @@ class SFTEncoder:
             raise RowFormatError(str(err)) from None
 
 
-def _chat_messages(raw: Any) -> list[dict[str, str]]:
+def _chat_messages(raw: Any) -> list[dict[str, Any]]:
     if not isinstance(raw, (list, tuple)) or not raw:
         raise RowFormatError("field 'messages' must be a non-empty list of {role, content} objects")
     out = []
     for i, m in enumerate(raw):
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise RowFormatError(f"messages[{i}] must be an object with string 'role' and 'content'")
-        out.append({"role": m["role"], "content": m["content"]})
+        # Other keys (reasoning_content, tool_calls...) are the template's to read; Parquet and
+        # `datasets` give every message every key, None where it had none.
+        out.append({k: v for k, v in m.items() if v is not None})
     return out
 
 
