@@ -30,7 +30,7 @@ import zlib
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import fsspec
+import fsspec.registry  # noqa: F401  (its _registry is patched)
 from fsspec.implementations.memory import MemoryFileSystem
 from fsspec.utils import stringify_path
 
@@ -188,8 +188,9 @@ def fake_gcs(monkeypatch) -> Iterator[FakeGCSFileSystem]:
     (its `store` holds every object written, keyed "bucket/key")."""
     FakeGCSFileSystem.store.clear()
     FakeGCSFileSystem.clear_instance_cache()
+    registry = sys.modules["fsspec.registry"]._registry  # undone on exit: later tests see no gs://
     for protocol in ("gs", "gcs"):
-        fsspec.register_implementation(protocol, FakeGCSFileSystem, clobber=True)
+        monkeypatch.setitem(registry, protocol, FakeGCSFileSystem)
     fs = FakeGCSFileSystem()
     handler = type("Handler", (_Handler,), {"fs": fs})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)

@@ -120,6 +120,19 @@ def test_a_whole_run_and_its_export_on_gcs(gcs, tmp_path, capsys):
     # The run directory is recognised as holding a run, and --overwrite clears it.
     assert main(["train", *TINY_RUN, "--run_dir=gs://bkt/run"]) == 2
     assert "already holds a run" in capsys.readouterr().err
+    # --overwrite's clean-up removes the records and the checkpoints, on GCS as locally.
+    from areal_jax.jobs.configs import load_job_configs
+    from areal_jax.jobs.run_dir import previous_run, remove_previous_run
+
+    cfg = load_job_configs([TINY_RUN[0][len("--gin_file="):]], [a[len("--gin_param="):] for a in TINY_RUN[1:-1]],
+                           run_dir="gs://bkt/run")
+    assert previous_run(cfg, "gs://bkt/run") == ["config.gin", "config.json", "summary.json", "metrics.jsonl",
+                                                 "final_model/", "checkpoints/ (step 2)"]
+    kept = {k: gcs.store[k].getvalue() for k in gcs.store if k.startswith("bkt/run/")}
+    remove_previous_run(cfg, "gs://bkt/run")
+    assert previous_run(cfg, "gs://bkt/run") == [] and not _objects(gcs, "bkt/run/checkpoints/")
+    for k, v in kept.items():  # put back for the export below
+        gcs.pipe_file(k, v)
     # The export reads the checkpoint, the model config and the tokenizer from gs://.
     out = tmp_path / "hf"
     assert main(["export", "--checkpoint=gs://bkt/run/checkpoints", f"--out={out}"]) == 0
@@ -131,3 +144,19 @@ def test_a_whole_run_and_its_export_on_gcs(gcs, tmp_path, capsys):
         np.testing.assert_array_equal(exported[key], final[key])
     np.testing.assert_array_equal(exported["layers"]["wq"], final["layers"]["wq"])
     assert (out / "tokenizer.json").read_bytes() == gcs.cat_file("bkt/run/tokenizer/tokenizer.json")
+
+
+def test_gs_paths_without_gcsfs_are_one_line_before_any_work(tmp_path, capsys):
+    pytest.importorskip("fsspec")
+    try:
+        import gcsfs  # noqa: F401
+        pytest.skip("gcsfs is installed: gs:// is reachable")
+    except ImportError:
+        pass
+    with pytest.raises(ValueError, match=r"CheckpointConfig.directory = gs://bkt/ck: .*gcsfs.*areal-jax\[gcs\]"):
+        CheckpointConfig("gs://bkt/ck")
+    from areal_jax.cli import main
+
+    assert main(["train", *TINY_RUN, "--run_dir=gs://bkt/run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "gs://bkt/run" in err[0] and "gcsfs" in err[0]
