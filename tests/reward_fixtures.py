@@ -68,11 +68,27 @@ def sandboxed_sleep(seconds):
     return 1.0
 
 
+def sandboxed_sleep_reward(text, gold):
+    return sandboxed_sleep(600)
+
+
 def catastrophic_regex(text, gold=None):
-    """A backtracking regular expression: holds the GIL in C for minutes."""
+    """A backtracking regular expression: holds the GIL in C for hours (2^40 paths)."""
     import re
 
     return float(re.match(r"(a+)+$", "a" * 40 + "b") is not None)
+
+
+def hang_sometimes(text, gold):
+    """The arithmetic reward, except that about half of the completions (by a hash of the text)
+    send it into a catastrophic regular expression instead."""
+    import zlib
+
+    from areal_jax.tasks.reward import arithmetic_reward
+
+    if zlib.crc32(text.encode()) % 2:
+        return catastrophic_regex(text)
+    return arithmetic_reward(text, gold)
 
 
 # Importing this module kills the importing process: a preload that crashes every worker.

@@ -41,7 +41,7 @@ from concurrent.futures import CancelledError, Future
 from typing import Any, Iterable
 
 from areal_jax.reward.registry import resolve_reward_path
-from areal_jax.reward.sandbox import SandboxLimits, sweep_sandboxes_of
+from areal_jax.reward.sandbox import SandboxLimits, sweep_orphaned_sandboxes, sweep_sandboxes_of
 from areal_jax.reward.worker import worker_main
 
 __all__ = ["RewardFunctionNotFound", "RewardPool", "RewardPoolConfig", "RewardPoolStats"]
@@ -256,6 +256,7 @@ class RewardPool:
 
     def _supervise(self) -> None:
         try:
+            sweep_orphaned_sandboxes()  # left by a pool whose process was SIGKILLed
             self._workers = [self._start_worker() for _ in range(self.config.num_workers)]
             while self._step():
                 pass

@@ -26,11 +26,14 @@ Always:
 - environment: only PATH, LANG, HOME, TMPDIR; python runs with -I (isolated) and -S (no
   site-packages: standard library only) unless ``site_packages=True``.
 
-Cleanup has two owners. After each run the calling process sweeps the run's uid (processes, and
+Cleanup has three owners. After each run the calling process sweeps the run's uid (processes, and
 its files in /tmp, /var/tmp, /dev/shm). If the calling process itself dies mid-run (a reward pool
 worker killed at its deadline), the process that supervises it calls
 `sweep_sandboxes_of(worker_pid)`: a run's directory is named after the process that made it and
-its uid is drawn from a range keyed by that pid, so both are found without the dead process.
+its uid is drawn from a range keyed by that pid, so both are found without the dead process. If
+the supervisor dies too (SIGKILL), the bootstrap and the program die with the worker
+(parent-death signals) and the next pool to start sweeps the directories of dead pids
+(`sweep_orphaned_sandboxes`).
 
 Residual risks, stated plainly: /tmp, /var/tmp and /dev/shm stay world-writable (swept after a
 root-mode run); world-readable files can be read; in non-root mode a program that leaves both
@@ -57,7 +60,8 @@ import sys
 import tempfile
 
 __all__ = ["RunResult", "SandboxLimits", "SandboxUnavailable", "check_network_isolation", "default_limits",
-           "network_isolation_available", "run_program", "set_default_limits", "sweep_sandboxes_of"]
+           "network_isolation_available", "run_program", "set_default_limits", "sweep_orphaned_sandboxes",
+           "sweep_sandboxes_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -201,6 +205,7 @@ libc.prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: orphans of the program come to us
 child = os.fork()
 if child == 0:
     try:
+        libc.prctl(1, 9)  # the program dies with the bootstrap, whatever kills that
         R = resource
         for res, soft, hard in ((R.RLIMIT_CORE, 0, 0), (R.RLIMIT_AS, mem, mem), (R.RLIMIT_CPU, cpu, cpu + 1),
                                 (R.RLIMIT_NPROC, nproc, nproc), (R.RLIMIT_FSIZE, fsize, fsize),
@@ -450,3 +455,13 @@ def sweep_sandboxes_of(pid: int) -> None:
         _sweep_uids(_uid_range(pid))
     for d in dirs:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def sweep_orphaned_sandboxes() -> None:
+    """Sweep the run directories (and uids) of processes that no longer exist: what a SIGKILLed
+    reward pool's workers left, since no supervisor outlived them. A reward pool calls this when it
+    starts."""
+    for d in glob.glob(os.path.join(glob.escape(tempfile.gettempdir()), f"{_DIR_PREFIX}*-*")):
+        owner = os.path.basename(d)[len(_DIR_PREFIX):].split("-", 1)[0]
+        if owner.isdigit() and _proc_uid(owner, live=True) is None:  # gone, or a zombie no one reaps
+            sweep_sandboxes_of(int(owner))

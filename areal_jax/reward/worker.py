@@ -32,6 +32,20 @@ def _die_with_parent() -> None:
         pass
 
 
+def _release_fork_server() -> None:
+    # A forkserver child inherits the write end of the pipe on which the fork server waits for the
+    # pool's process to die (multiprocessing keeps it so a child could start processes itself).
+    # Held by a worker stuck in a call, the server never sees that end and never exits, so the
+    # worker's parent-death signal never comes: a SIGKILLed trainer would leave both behind.
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        os.close(fd)
+        server._forkserver_alive_fd = None
+
+
 def _coerce_reward(value: object) -> float:
     # Rewards are real numbers; bool and numpy scalars register as numbers.Real.
     if not isinstance(value, numbers.Real):
@@ -46,6 +60,7 @@ def worker_main(conn: multiprocessing.connection.Connection, preload: tuple[str,
                 sandbox: SandboxLimits | None = None) -> None:
     """Worker loop: receive (task_id, path, args, kwargs), reply (task_id, status, payload)."""
     _die_with_parent()
+    _release_fork_server()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # shutdown is the parent's job
     if sandbox is not None:
         set_default_limits(sandbox)
