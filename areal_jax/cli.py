@@ -19,6 +19,10 @@ impossible device split is reported before any work starts. So are problems with
 or the run directory (`train` refuses a directory that holds a run unless `--overwrite` or
 `--resume`): one line naming the file or field, exit code 2 (`--debug` shows the traceback).
 
+SIGINT or SIGTERM ends a command cleanly (exit 130 / 143): the reward pool's workers, its fork
+server and every sandboxed program are stopped and their directories removed before the process
+exits; a second signal ends it at once.
+
 Every command takes `--compile_cache=DIR` (default: $AREAL_JAX_COMPILE_CACHE, else off): XLA's
 persistent compilation cache, so a rerun loads the programs a previous run compiled instead of
 compiling them again (minutes for real models on TPU/GPU; ~1 minute of the CPU quickstart).
@@ -29,6 +33,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 
@@ -87,8 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--gin_file", action="append", default=[])
     ev.add_argument("--gin_param", action="append", default=[])
     ev.add_argument("--run_dir", default=None)
-    ev.add_argument("--reward_workers", type=int, default=2,
-                    help="reward worker processes per host (0: in-process)")
+    ev.add_argument("--reward_workers", type=_positive_int, default=None,
+                    help="reward worker processes per host (default: RewardPoolConfig.num_workers); a reward "
+                         "declared in-process (arithmetic) needs none")
     _add_distributed_flags(ev)
     pl = sub.add_parser("plan", help="compile every program of a run for its target and check that it fits",
                         parents=[common])
@@ -126,8 +132,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like SIGINT's KeyboardInterrupt, so that every `finally`
+    runs: a reward pool left to the default action would orphan its sandboxed programs."""
+
+
+def _terminate(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return _run_command(args)
+    except KeyboardInterrupt as e:  # cleanup has run on the way out
+        name = "SIGTERM" if isinstance(e, Terminated) else "SIGINT"
+        print(f"areal-jax: stopped by {name}", file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_command(args) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command in ("plan", "export", "simulate"):  # before jax starts: touch no accelerator
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -185,35 +220,45 @@ def _eval(args) -> int:
     from areal_jax.data.pipeline import DataConfig, build_prompt_loader
     from areal_jax.evaluation import EvalConfig, run_evaluation
     from areal_jax.jobs.inputs import check_data_paths, input_errors
-    from areal_jax.reward import RewardPool, RewardPoolConfig
+    from areal_jax.reward.pool import RewardPoolConfig
+    from areal_jax.reward.sandbox import SandboxLimits, SandboxUnavailable
+    from areal_jax.reward.scoring import open_reward_pool
 
     if args.run_dir is None and _wants_distributed(args):
         print("areal-jax: a multi-process eval needs --run_dir (one directory all processes agree on)",
               file=sys.stderr)
         return 2
-    run_dir = pathlib.Path(args.run_dir or os.path.join("runs", "eval-" + time.strftime("%Y%m%d-%H%M%S")))
-    cs.register(EvalConfig)
-    cs.register(DataConfig)
+    from areal_jax import paths
+
+    # Local or remote (gs://), as a train run's directory.
+    run_dir = paths.as_path(args.run_dir or os.path.join("runs", "eval-" + time.strftime("%Y%m%d-%H%M%S")))
+    for config_class in (EvalConfig, DataConfig, RewardPoolConfig, SandboxLimits):
+        cs.register(config_class)
     cs.parse(args.gin_file, args.gin_param)
     cfg = cs.build(EvalConfig)
     data = cs.build(DataConfig)
+    workers = {} if args.reward_workers is None else {"num_workers": args.reward_workers}
+    pool_cfg = cs.build(RewardPoolConfig, **workers)
+    sandbox = cs.build(SandboxLimits)
     # Every row once, in file order (every process reads them all; run_evaluation shares them out).
     data = dataclasses.replace(data, shuffle=False, num_epochs=1, even_shards=False)
     check_data_paths(data.paths, "DataConfig.paths")
-    _maybe_initialize_distributed(args)
-    tokenizer, model = _load_model(args.model, args.tokenizer)
-    with input_errors("--tokenizer" if args.tokenizer else "--model"):
-        data.prompt_encoder(tokenizer)  # a base model needs DataConfig.prompt_template: one line
-    with input_errors("DataConfig.paths"):
-        rows = build_prompt_loader(data, tokenizer)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    pool = RewardPool(RewardPoolConfig(num_workers=args.reward_workers, timeout_s=cfg.reward_timeout_s)) \
-        if args.reward_workers > 0 else None
+    try:  # in worker processes under EvalConfig.reward_timeout_s, unless declared in-process
+        pool = open_reward_pool(cfg.reward, pool_cfg, sandbox)
+    except (SandboxUnavailable, ValueError) as e:
+        raise cs.ConfigError(str(e)) from None
     try:
+        _maybe_initialize_distributed(args)
+        tokenizer, model = _load_model(args.model, args.tokenizer)
+        with input_errors("--tokenizer" if args.tokenizer else "--model"):
+            data.prompt_encoder(tokenizer)  # a base model needs DataConfig.prompt_template: one line
+        with input_errors("DataConfig.paths"):
+            rows = build_prompt_loader(data, tokenizer)
+        run_dir.mkdir(parents=True, exist_ok=True)
         report = run_evaluation(model, tokenizer, rows, cfg, reward_pool=pool, out_path=run_dir / "samples.jsonl")
     finally:
         if pool is not None:
-            pool.close()
+            pool.close(wait=False)  # kills workers still busy (an interrupt) and sweeps their sandboxes
     if jax.process_index() == 0:
         (run_dir / "report.json").write_text(report.to_json())
         print(json.dumps(report.overall, indent=2))

@@ -150,7 +150,7 @@ def test_eval_runs_as_two_processes_and_matches_one(tmp_path):
     data.write_text("".join(json.dumps({"question": f"What is {i}+2?", "answer": f"so #### {i + 2}"}) + "\n"
                             for i in range(5)))
     # Greedy, and 2 slots on every process, so both runs decode identical batches.
-    args = [f"--model={model_dir}", "--reward_workers=0", f"--gin_param=DataConfig.paths = ('{data}',)",
+    args = [f"--model={model_dir}", f"--gin_param=DataConfig.paths = ('{data}',)",
             "--gin_param=EvalConfig.temperature = 0.0", "--gin_param=EvalConfig.max_new_tokens = 8",
             "--gin_param=EvalConfig.max_seq_len = 64", "--gin_param=EvalConfig.num_slots = 2"]
     assert main(["eval", *args, f"--run_dir={tmp_path / 'one'}"]) == 0

@@ -46,6 +46,9 @@ from areal_jax.parallel.meshes import build_meshes
 from areal_jax.parallel.transfer_plan import model_partition_specs
 from areal_jax.rollout.workflow import make_workflow, resolve_workflow_class
 from areal_jax.trainer.loop import RLLoop, generation_weight_sync
+from areal_jax.reward.pool import RewardPool
+from areal_jax.reward.sandbox import SandboxUnavailable
+from areal_jax.reward.scoring import RewardScorer, open_reward_pool, pool_totals
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +181,26 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
               overwrite: bool = False) -> dict[str, Any]:
     """Runs the configured stages; returns the summary also written to summary.json.
 
+    The reward runs where its registration allows (`reward.scoring.open_reward_pool`): in
+    RewardPoolConfig's worker processes under RLVRConfig.reward_timeout_s, unless it is declared
+    in-process. The pool is closed however the run ends (an exception, SIGINT or SIGTERM turned
+    into one by the CLI): workers with calls in flight are killed and their sandboxes swept.
+    """
+    try:
+        pool = open_reward_pool(cfg.rollout.reward, cfg.reward_pool, cfg.sandbox)
+    except (SandboxUnavailable, ValueError) as e:  # before any work, like every other config problem
+        raise cs.ConfigError(str(e)) from None
+    try:
+        return _run_train(cfg, run_dir, pool, progress=progress, resume=resume, overwrite=overwrite)
+    finally:
+        if pool is not None:
+            pool.close(wait=False)
+
+
+def _run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: RewardPool | None, *, progress: bool,
+               resume: bool, overwrite: bool) -> dict[str, Any]:
+    """The stages of `run_train`, scoring with `reward_pool` (None: the reward is declared in-process).
+
     A directory that holds a run is refused (InputError) unless `overwrite` (its records and
     checkpoints are removed once the new run's inputs have loaded) or `resume`: then a checkpoint
     under the run's CheckpointConfig directory is required, the fields in RESUME_FIELDS must equal
@@ -211,7 +234,8 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
     reward_name = cfg.rollout.reward
     stop_ids = tuple(cfg.rollout.stop_token_ids) or tuple(work.tokenizer.stop_token_ids)
     rollout_cfg = dataclasses.replace(cfg.rollout, stop_token_ids=stop_ids)
-    reward_fn = _reward_function(reward_name)
+    # Held-out and validation accuracy score in the same pool as the rollouts, under the same deadline.
+    reward_fn = RewardScorer(reward_name, reward_pool, timeout_s=cfg.rollout.reward_timeout_s)
     params, work.params = work.params, None  # from here on `params` is the only reference
     summary: dict[str, Any] = {"sft_steps": 0, "sft_time_s": 0.0}
     # Moves weights to this host's generation devices in the generation dtype, per layer; the RL
@@ -287,6 +311,7 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
         print(f"[areal-jax] held-out greedy accuracy after SFT: {_accuracy_text(summary['sft_accuracy'])}",
               flush=True)
 
+    reward_before = dict(summary.get("reward", {}))  # reward calls of a resumed run's earlier segments
     if cfg.stages.rl:
         writer = jax.process_index() == 0  # one process writes the run directory's records
         if resuming and writer:  # steps logged after the checkpoint are trained again: recorded once
@@ -303,6 +328,7 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
             m = {**m, "time/since_start_s": elapsed()}
             history.append(m)
             metrics_log.log(step, m)
+            summary["reward"] = _add_counts(reward_before, pool_totals(reward_pool))  # carried by checkpoints
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(reward=f"{m.get('rollout/reward_mean', m['reward/mean']):.2f}", stale=m["staleness/max"],
@@ -317,7 +343,7 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
                       checkpoint_extra=lambda: {"summary": _jsonable(summary), "history": _jsonable(history),
                                                 "wall_time_s": elapsed()},
                       on_rollouts=metrics_log.dump_rollouts if jax.process_index() == 0 else None,
-                      donate_params=True, weight_sync=sync)
+                      donate_params=True, weight_sync=sync, reward_pool=reward_pool)
         params = None
         if loop.resume_report is not None:  # carried into later checkpoints by their summary
             summary.setdefault("resumed", []).append(loop.resume_report)
@@ -338,6 +364,8 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
             summary["rollout"] = totals
         del result
     summary["final_accuracy"] = held_out_accuracy(params)
+    # Every process's reward calls (outcomes: succeeded, timeouts, crashes, errors, cancelled).
+    summary["reward"] = _add_counts(reward_before, *gather_json(pool_totals(reward_pool)))
     summary.setdefault("steps", 0)
     summary.setdefault("trained_tokens", 0.0)
     summary["wall_time_s"] = elapsed()
@@ -436,13 +464,12 @@ def _jsonable(obj: Any) -> Any:
     return to_jsonable(obj)
 
 
-def _reward_function(name: str):
-    from areal_jax.reward.registry import load_reward_function, resolve_reward_path
-
-    if name == "arithmetic":
-        import areal_jax.tasks  # noqa: F401  (registers the name)
-    fn = load_reward_function(resolve_reward_path(name))
-    return lambda text, gold: float(fn(text, gold))
+def _add_counts(*counts: dict[str, int]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for c in counts:
+        for key, value in c.items():
+            total[key] = total.get(key, 0) + int(value)
+    return total
 
 
 def _progress_bar(total: int, enabled: bool):

@@ -38,7 +38,7 @@ from areal_jax.parallel.distributed import agree_max, agree_sum
 from areal_jax.parallel.meshes import MeshConfig, Meshes, build_meshes
 from areal_jax.parallel.weight_sync import DEFAULT_GROUP_BYTES, WeightSync
 from areal_jax.ppo.advantages import AdvantageConfig
-from areal_jax.reward.registry import load_reward_function, resolve_reward_path
+from areal_jax.reward.scoring import RewardScorer, score_all
 from areal_jax.rollout.channel import TrajectoryChannel
 from areal_jax.rollout.controller import RolloutController, ShutdownReport
 from areal_jax.rollout.staleness import StalenessManager
@@ -202,6 +202,8 @@ class RLLoop:
                                             max_group_age=rl.max_group_age)
         self._last_applied = None
         self._reward_tally = (0, 0.0)  # (trajectories, reward sum) finished before the last step
+        self.reward_pool = reward_pool
+        self._pool_seen = (0, 0)  # the pool's (timeouts, crashes + errors) counted by earlier steps
         self._timings_seen: dict | None = None  # engine timings at the previous step's record
 
     def close(self) -> None:
@@ -334,6 +336,13 @@ class RLLoop:
             "time/train_step_s": train.get("time_step_s", math.nan),
             "time/weight_transfer_s": transfer_s,
         }
+        if self.reward_pool is not None:  # calls past their deadline (scored 0.0), and ones that crashed or raised
+            stats = self.reward_pool.stats()
+            seen, self._pool_seen = self._pool_seen, (stats.timeouts, stats.crashes + stats.errors)
+            timeouts, failures = self._pool_seen[0] - seen[0], self._pool_seen[1] - seen[1]
+            if jax.process_count() > 1:
+                timeouts, failures = agree_sum(timeouts), agree_sum(failures)
+            out["reward/timeouts"], out["reward/failures"] = timeouts, failures
         for k in ("loss", "grad_norm", "clip_frac", "imp_weight_mean", "imp_weight_max", "capped_frac", "entropy",
                   "approx_kl", "skipped_updates", "trained_tokens", "lr"):
             if k in train:
@@ -415,16 +424,19 @@ class RLLoop:
 
     def evaluate(self) -> float:
         """Held-out greedy accuracy with the current weights, on the running engine."""
-        reward = self.workflow_config.reward if self.workflow_config else "math"
-        fn = load_reward_function(resolve_reward_path(reward))
+        rollout = self.workflow_config
+        # In the rollouts' pool under their deadline (in this process only when no pool was given).
+        scorer = RewardScorer(rollout.reward if rollout else "math", self.reward_pool,
+                              timeout_s=rollout.reward_timeout_s if rollout else 10.0)
         stop = self.workflow_config.stop_token_ids if self.workflow_config else ()
         sp = SamplingParams(max_new_tokens=self.rl.eval_max_new_tokens, temperature=0.0, stop_token_ids=stop)
         handles = [self.engine.submit(row["prompt_ids"], sp) for row in self.eval_rows]
-        correct = 0
+        calls = []
         for row, h in zip(self.eval_rows, handles):
             tokens = h.result(timeout=self.rl.batch_timeout_s).completions[0].tokens
             gold = row["row"].answer if row["row"].task == "math" else row["row"].test_cases
-            correct += float(fn(self.tokenizer.decode(tokens, skip_special_tokens=True), gold)) >= 1.0
+            calls.append((self.tokenizer.decode(tokens, skip_special_tokens=True), gold))
+        correct = sum(reward >= 1.0 for reward in score_all(scorer, calls))
         total = len(self.eval_rows)
         if jax.process_count() > 1:  # each host evaluates its own shard of the held-out rows
             correct, total = agree_sum(int(correct)), agree_sum(total)
