@@ -211,7 +211,6 @@ def enable_compile_cache(directory: str) -> None:
 def _eval(args) -> int:
     import dataclasses
     import json
-    import pathlib
     import time
 
     import jax

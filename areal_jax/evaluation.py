@@ -45,6 +45,7 @@ from typing import Any
 
 import jax
 
+from areal_jax import paths
 from areal_jax.data.formats import extract_last_boxed
 from areal_jax.data.pipeline import PromptLoader
 from areal_jax.eval_metrics import PromptSamples, summarize
@@ -258,7 +259,7 @@ def run_evaluation(model: Transformer | tuple[ModelConfig, Params], tokenizer: A
     wall_s = time.perf_counter() - t_start
 
     if out_path is not None and process == 0:
-        _write_jsonl(pathlib.Path(out_path), samples)
+        _write_jsonl(paths.as_path(out_path), samples)
     overall = _metrics(samples, config.ks)
     if overall["generated_tokens"] != engine_tokens:  # an accounting slip would skew tokens_per_s
         logger.warning("completions hold %d tokens but the engine counted %d", overall["generated_tokens"],
@@ -379,9 +380,9 @@ def _metrics(groups: list[list[_Sample]], ks: tuple[int, ...]) -> dict[str, floa
     return out
 
 
-def _write_jsonl(path: pathlib.Path, samples: list[list[_Sample]]) -> None:
+def _write_jsonl(path: paths.Path, samples: list[list[_Sample]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as f:
+    with path.open("w", encoding="utf-8") as f:  # local or remote (gs://): areal_jax.paths
         for group in samples:
             for s in group:
                 f.write(json.dumps(dataclasses.asdict(s), ensure_ascii=False) + "\n")

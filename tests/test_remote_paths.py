@@ -160,3 +160,22 @@ def test_gs_paths_without_gcsfs_are_one_line_before_any_work(tmp_path, capsys):
     assert main(["train", *TINY_RUN, "--run_dir=gs://bkt/run"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "gs://bkt/run" in err[0] and "gcsfs" in err[0]
+
+
+def test_eval_writes_its_report_to_gcs(gcs, tmp_path):
+    from areal_jax.cli import main
+    from areal_jax.models import save_params
+    from areal_jax.tasks.tokenizer_builder import build_tokenizer
+
+    model = build_tokenizer(tmp_path / "model")
+    cfg = task_model_config(hidden_size=32, num_layers=1)
+    save_params(init_params(cfg, 0), cfg, model)
+    data = tmp_path / "problems.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i} + 1 =", "answer": f"#### {i + 1}"}) + "\n" for i in range(2)))
+    assert main(["eval", f"--model={model}", "--run_dir=gs://bkt/eval", "--reward_workers=1",
+                 f"--gin_param=DataConfig.paths = ('{data}',)", "--gin_param=EvalConfig.n_samples = 2",
+                 "--gin_param=EvalConfig.ks = (1, 2)", "--gin_param=EvalConfig.temperature = 1.0",
+                 "--gin_param=EvalConfig.max_new_tokens = 4",
+                 "--gin_param=EvalConfig.max_seq_len = 48", "--gin_param=EvalConfig.num_slots = 4"]) == 0
+    assert json.loads(gcs.cat_file("bkt/eval/report.json"))["overall"]["num_samples"] == 4
+    assert len(read_jsonl("gs://bkt/eval/samples.jsonl")) == 4
