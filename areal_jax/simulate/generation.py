@@ -48,17 +48,6 @@ class SimGroup:
         return int(self.lengths.sum())
 
 
-@dataclasses.dataclass(eq=False)
-class _Slot:
-    group: SimGroup
-    index: int
-    generated: int  # tokens so far (the first comes with admission)
-
-    @property
-    def remaining(self) -> int:
-        return int(self.group.lengths[self.index]) - self.generated
-
-
 @dataclasses.dataclass
 class EngineCounters:
     busy_s: float = 0.0
@@ -93,7 +82,15 @@ class SimEngine:
         self.clock = clock
         self.on_group_done = on_group_done
         self.on_swap = on_swap
-        self.slots: list[_Slot | None] = [None] * config.num_slots
+        # Slot state as arrays (a host has hundreds of slots and a segment ends thousands of times).
+        B = config.num_slots
+        self.slot_group: list[SimGroup | None] = [None] * B
+        self.slot_index = np.zeros(B, np.int64)  # the sample of its group
+        self.active = np.zeros(B, bool)
+        self.target = np.zeros(B, np.int64)  # completion tokens the sample will have
+        self.generated = np.zeros(B, np.int64)  # tokens so far (the first comes with admission)
+        self.prompt = np.zeros(B, np.int64)
+        self.since_swap = np.zeros(B, np.int64)  # `generated` when the served version last changed
         self.queue: collections.deque[SimGroup] = collections.deque()
         self.version = 0
         self.pending_version: int | None = None
@@ -109,7 +106,7 @@ class SimEngine:
     def submit(self, group: SimGroup) -> None:
         group.segments = [[] for _ in range(group.n)]
         self.queue.append(group)
-        if any(s is None for s in self.slots):  # free slots are refilled at the next chunk boundary
+        if not self.active.all():  # free slots are refilled at the next chunk boundary
             self._end_at_next_boundary()
         self._kick()
 
@@ -135,7 +132,7 @@ class SimEngine:
 
     @property
     def active_samples(self) -> int:
-        return sum(s is not None for s in self.slots)
+        return int(self.active.sum())
 
     # ---- the scheduling round -------------------------------------------------------------------
 
@@ -169,17 +166,19 @@ class SimEngine:
             self.clock.at(t + setup, self._round)
 
     def _swap(self) -> float:
+        for slot in np.flatnonzero(self.active):  # tokens so far were sampled by the old weights
+            self._close_segment(int(slot))
         self.version = self.pending_version
         self.pending_version = None
         self.counters.swaps += 1
         for group in self.queue:  # kept prefill blocks hold the old weights' keys and values
             group.prefix_kept = False
         ec = self.config
-        histories = [(slot, s.group.prompt + s.generated - 1) for slot, s in enumerate(self.slots) if s is not None]
+        histories = (self.prompt + self.generated - 1)[self.active].tolist()
         if not histories:
             return 0.0
         cost = 0.0
-        packed = [h for _, h in histories if h <= ec.pack_width]
+        packed = [h for h in histories if h <= ec.pack_width]
         if packed:
             rows = len(ffd_allocate(packed, ec.pack_width))
             calls = -(-rows // ec.max_pack_rows(self.data))
@@ -187,7 +186,7 @@ class SimEngine:
             self.timings.add("reprefill", shape_key(rows), calls=calls, tokens=sum(packed), s=seconds)
             cost += seconds
         by_bucket: dict[int, list[int]] = collections.defaultdict(list)
-        for h in sorted(h for _, h in histories if h > ec.pack_width):
+        for h in sorted(h for h in histories if h > ec.pack_width):
             by_bucket[ec.bucket(h)].append(h)
         for bucket, lengths in by_bucket.items():
             most = ec.max_prefill_prompts(bucket, self.data)
@@ -197,14 +196,14 @@ class SimEngine:
                 seconds = self.costs.reprefill_long_s(rows, bucket)
                 self.timings.add("reprefill_long", shape_key(rows, bucket), calls=1, tokens=sum(part), s=seconds)
                 cost += seconds
-        self.counters.reprefill_tokens += sum(h for _, h in histories)
+        self.counters.reprefill_tokens += sum(histories)
         return cost
 
     def _admit(self, t: float) -> float:
         """Fills free slots from the queue head as the engine does; returns the calls' seconds.
         Samples that stop at their first token finish at `t` plus the calls so far."""
         ec, cost = self.config, 0.0
-        free = [i for i, s in enumerate(self.slots) if s is None]
+        free = np.flatnonzero(~self.active).tolist()
         while free and self.queue:
             head = self.queue[0]
             if head.prefix_kept:
@@ -237,21 +236,32 @@ class SimEngine:
         for slot in free[:take]:
             index = group.next_sample
             group.next_sample += 1
-            group.segments[index].append([self.version, 1])
             self.counters.generated_tokens += 1
-            sample = _Slot(group, index, 1)
-            if sample.remaining <= 0:
-                self._finish(sample, t)
+            self.slot_group[slot], self.slot_index[slot] = group, index
+            self.target[slot], self.generated[slot], self.since_swap[slot] = group.lengths[index], 1, 0
+            self.prompt[slot] = group.prompt
+            if self.target[slot] <= 1:
+                self._finish(slot, t)
             else:
-                self.slots[slot] = sample
+                self.active[slot] = True
         if group.next_sample == group.n:
             group.prefix_kept = False
             if self.queue and self.queue[0] is group:
                 self.queue.popleft()
         return free[take:]
 
-    def _finish(self, sample: _Slot, t: float) -> None:
-        group = sample.group
+    def _close_segment(self, slot: int) -> None:
+        """Records the tokens `slot` generated since the version last changed, under that version."""
+        got = int(self.generated[slot] - self.since_swap[slot])
+        if got:
+            self.slot_group[slot].segments[self.slot_index[slot]].append([self.version, got])
+        self.since_swap[slot] = self.generated[slot]
+
+    def _finish(self, slot: int, t: float) -> None:
+        self._close_segment(slot)
+        group = self.slot_group[slot]
+        self.slot_group[slot] = None
+        self.active[slot] = False
         group.finished += 1
         if group.finished == group.n:
             self.clock.at(t, lambda: self.on_group_done(group))
@@ -261,9 +271,9 @@ class SimEngine:
     def _plan_segment(self, start: float) -> None:
         ec = self.config
         C = ec.decode_chunk
-        active = [s for s in self.slots if s is not None]
-        remaining = np.asarray([s.remaining for s in active])
-        positions_max = max(s.group.prompt + s.generated - 1 for s in active)
+        active = np.flatnonzero(self.active)
+        remaining = self.target[active] - self.generated[active]
+        positions_max = int((self.prompt[active] + self.generated[active]).max()) - 1
         first_finish = int(remaining.min())
         k = (first_finish - 1) // C  # the chunk in which the first sample finishes
         last_steps = min(C, int(remaining.max()) - k * C)  # a chunk ends early once every slot is done
@@ -304,18 +314,10 @@ class SimEngine:
         for w, a, st, ss, d in zip(seg.windows, seg.active, seg.steps, seg.slot_steps, durations):
             self.timings.add("decode", decode_key(int(w), int(a), self.config.num_slots), steps=int(st),
                              slot_steps=int(ss), s=float(d))
-        for slot, sample in enumerate(self.slots):
-            if sample is None:
-                continue
-            got = min(sample.remaining, total_steps)
-            sample.generated += got
-            self.counters.generated_tokens += got
-            segs = sample.group.segments[sample.index]
-            if segs and segs[-1][0] == self.version:
-                segs[-1][1] += got
-            else:
-                segs.append([self.version, got])
-            if sample.remaining <= 0:
-                self.slots[slot] = None
-                self._finish(sample, t)
+        active = np.flatnonzero(self.active)
+        got = np.minimum(self.target[active] - self.generated[active], total_steps)
+        self.generated[active] += got
+        self.counters.generated_tokens += int(got.sum())
+        for slot in active[self.generated[active] >= self.target[active]]:
+            self._finish(int(slot), t)
         self._kick()
