@@ -145,9 +145,8 @@ def _rows(base, sweeps, *, include_sync: bool) -> list:
             change["generation_devices"] = change.pop("split")
             change["colocated"] = False
         mode = change.get("mode", base.mode)
-        if mode == "sync":
-            change["eta"] = 0
-            change["colocated"] = False
+        if mode == "sync":  # one baseline: every device does both, whatever split or eta was swept
+            change.update(eta=0, colocated=False, generation_devices=base.generation_devices)
         row = dataclasses.replace(base, **change)
         if row not in rows:
             rows.append(row)
