@@ -161,7 +161,8 @@ def test_a_sigkilled_pool_owner_leaves_no_process_and_the_next_pool_removes_its_
 
     script = tmp_path / "owner.py"
     script.write_text(OWNER)
-    proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, env=env)
     try:
         deadline = time.monotonic() + 120
         while len(_sandboxed_programs(proc)) < 2 and time.monotonic() < deadline:

@@ -236,7 +236,7 @@ def test_deadline_kill_sweeps_the_sandboxes_of_the_killed_worker():
         pattern = f"{tempfile.gettempdir()}/areal-sandbox-{worker}-*"
         future = pool.submit_call(f"{FIX}:sandboxed_sleep", (600,), timeout_s=4.0)
         deadline = time.monotonic() + 4.0
-        while time.monotonic() < deadline and not (glob.glob(pattern) and _sandbox_leftovers(worker, glob.glob(pattern))):
+        while time.monotonic() < deadline and not _sandbox_leftovers(worker, glob.glob(pattern)):
             time.sleep(0.05)
         run_dirs = glob.glob(pattern)
         running = _sandbox_leftovers(worker, run_dirs)

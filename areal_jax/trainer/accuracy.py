@@ -16,6 +16,7 @@ from areal_jax.generation.offline import generate
 from areal_jax.generation.sampling import SamplingParams
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.transformer import Params, Transformer
+from areal_jax.reward.scoring import score_all
 
 
 def _row_answer(row: Mapping[str, Any]) -> Any:
@@ -24,12 +25,19 @@ def _row_answer(row: Mapping[str, Any]) -> Any:
 
 
 def _completion_scorer(tokenizer: Any, reward_fn: Callable[[str, Any], float] | None
-                       ) -> Callable[[Mapping[str, Any], Sequence[int]], float]:
-    """`score(row, completion_tokens) -> reward` of the decoded completion against the row's answer
-    (`reward_fn` default: the arithmetic reward)."""
+                       ) -> Callable[[Sequence[Mapping[str, Any]], Sequence[Sequence[int]]], list[float]]:
+    """`score(rows, completions) -> rewards` of decoded completions against their rows' answers
+    (`reward_fn` default: the arithmetic reward). Every call is submitted before any is awaited, so
+    a `RewardScorer`'s pool works on them together: a reward that hangs costs its deadline once per
+    batch of workers, not once per row."""
     if reward_fn is None:
         from areal_jax.tasks.reward import arithmetic_reward as reward_fn
-    return lambda row, tokens: reward_fn(tokenizer.decode(tokens, skip_special_tokens=True), _row_answer(row))
+
+    def score(rows: Sequence[Mapping[str, Any]], completions: Sequence[Sequence[int]]) -> list[float]:
+        return score_all(reward_fn, [(tokenizer.decode(tokens, skip_special_tokens=True), _row_answer(row))
+                                     for row, tokens in zip(rows, completions, strict=True)])
+
+    return score
 
 
 def sample_rewards(model_cfg: ModelConfig, params: Params, rows: Sequence[Mapping[str, Any]], tokenizer: Any, *,
@@ -48,11 +56,8 @@ def sample_rewards(model_cfg: ModelConfig, params: Params, rows: Sequence[Mappin
     prompts = [np.asarray(r["prompt_ids"]).tolist() for r in rows]
     results = generate(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, n=n, seed=seed,
                        stop_token_ids=tokenizer.stop_token_ids, num_slots=batch)
-    out = np.zeros((len(rows), n), np.float32)
-    for i, (row, completions) in enumerate(zip(rows, results)):
-        for j, c in enumerate(completions):
-            out[i, j] = score(row, c.tokens)
-    return out
+    rewards = score([row for row in rows for _ in range(n)], [c.tokens for completions in results for c in completions])
+    return np.asarray(rewards, np.float32).reshape(len(rows), n)
 
 
 class GreedyAccuracy:
@@ -100,7 +105,8 @@ class GreedyAccuracy:
             self.engine.update_weights(params, self.calls)
         handles = [self.engine.submit(p, self.sampling, seed=0) for p in self.prompts]
         self.engine.run_until_idle()  # applies the new weights first, then generates
-        correct = sum(self.score(row, h.result().completions[0].tokens) >= 1.0 for row, h in zip(self.rows, handles))
+        rewards = self.score(self.rows, [h.result().completions[0].tokens for h in handles])
+        correct = sum(reward >= 1.0 for reward in rewards)
         return int(correct), len(self.rows)
 
 
