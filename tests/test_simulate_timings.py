@@ -60,5 +60,7 @@ def test_rl_loop_records_what_the_calibration_fits(tokenizer):
         t = m["timings"]
         assert t["train"]["s"] == m["time/train_step_s"] and t["train"]["minibatches"] == 2
         assert t["train"]["microbatches"] >= 2 and t["train"]["padded_tokens"] >= m["train/trained_tokens"]
-        assert sum(v["steps"] for v in t["decode"].values()) > 0 and t["prefill"]
+        assert sum(v["steps"] for v in t["decode"].values()) > 0
+    # A batch's admission may land in the previous step's record (it follows the weight swap).
+    assert any(m["timings"].get("prefill") for m in history)
     assert records and all(r["prompt_tokens"] > 0 for r in records)
