@@ -26,13 +26,15 @@ PAPER_BASE = ["RLConfig.batch_size = 512", "RLVRConfig.n_samples = 16", "PPOConf
 PAPER = {
     "1.5B, 16k cap": (PAPER_BASE + [
         'PlanConfig.model_config = "models/qwen2.5-1.5b-instruct.json"', "RLVRConfig.max_new_tokens = 16384",
-        "EngineConfig.max_seq_len = 17408", "EngineConfig.num_slots = 768",  # 128 per GPU: 128 x 17k x 28 KiB = 61 GB
-        "RLConfig.max_concurrent = 48", "PPOConfig.max_tokens_per_microbatch = 32768",
+        # 128 slots per GPU (128 x 17k x 28 KiB = 61 GB); groups in flight: twice slots / n (see docs/scale.md)
+        "EngineConfig.max_seq_len = 17408", "EngineConfig.num_slots = 768",
+        "RLConfig.max_concurrent = 96", "PPOConfig.max_tokens_per_microbatch = 32768",
         "PPOConfig.row_buckets = (1024, 2048, 4096, 8192, 17408, 32768)"], "lognormal:mean=5000,sigma=1,prompt=300"),
     "7B, 32k cap": (PAPER_BASE + [
         'PlanConfig.model_config = "models/qwen2.5-7b.json"', "RLVRConfig.max_new_tokens = 32768",
-        "EngineConfig.max_seq_len = 33792", "EngineConfig.num_slots = 144",  # 24 per GPU: 24 x 33k x 56 KiB = 45 GB
-        "RLConfig.max_concurrent = 9", "PPOConfig.max_tokens_per_microbatch = 65536",
+        # 24 slots per GPU (24 x 33k x 56 KiB = 45 GB); groups in flight: twice slots / n
+        "EngineConfig.max_seq_len = 33792", "EngineConfig.num_slots = 144",
+        "RLConfig.max_concurrent = 18", "PPOConfig.max_tokens_per_microbatch = 65536",
         "PPOConfig.row_buckets = (1024, 2048, 4096, 8192, 16384, 33792, 65536)"], "lognormal:mean=5000,sigma=1,prompt=300"),
 }
 PAPER_NODES = (16, 64)
@@ -47,13 +49,14 @@ CONFIGS = {  # config -> splits (generation devices per host) its replicas allow
 ETAS = (1, 2, 4, 8)
 
 
-def run(gin_file: str, params: list[str], *, target: str | None, splits, length_dist: str | None, steps: int):
+def run(gin_file: str, params: list[str], *, target: str | None, splits, length_dist: str | None, steps: int,
+        etas=ETAS):
     import argparse as ap
 
     p = ap.ArgumentParser()
     add_arguments(p)
     argv = ["--gin_file", gin_file, "--steps", str(steps), "--warmup", str(max(1, steps // 4)),
-            "--sweep", "mode=async,sync", "--sweep", "eta=" + ",".join(map(str, ETAS)),
+            "--sweep", "mode=async,sync", "--sweep", "eta=" + ",".join(map(str, etas)),
             "--sweep", "split=" + ",".join(map(str, splits))]
     for param in params:
         argv += ["--gin_param", param]
@@ -94,7 +97,7 @@ def main():
                 t0 = time.time()
                 key = f"paper {name}, {nodes} x 8 H800 (H100 figures)"
                 out[key] = run("configs/qwen2_5_7b_math_gpu.gin", params, target=f"{nodes}x8xh100",
-                               splits=(4, 5, 6, 7), length_dist=dist, steps=args.steps)
+                               splits=(6, 7), length_dist=dist, steps=args.steps, etas=(2, 4, 8))
                 print(table(key, out[key]), f"\n[{time.time() - t0:.0f} s]\n", flush=True)
     if args.only in (None, "configs"):
         for gin_file, splits in CONFIGS.items():

@@ -84,6 +84,22 @@ class Workload:
         slots = self.engine.num_slots // before * after
         return dataclasses.replace(self.engine, num_slots=slots), max(1, self.max_concurrent * after // before)
 
+    def engine_for(self, row: RowConfig, *, scale: bool) -> tuple[EngineConfig, int]:
+        """The host's engine and max_concurrent in `row`. With `scale` (costs from a roofline, not a
+        run): `scaled_to` the row's generation devices, and a synchronous row's engine holds no more
+        slots than one batch's samples (a sync run would size it so: the dense decode reads every
+        slot's cache, used or not)."""
+        if not scale:
+            return self.engine, self.max_concurrent
+        generating = row.generating_devices(self)
+        engine, max_concurrent = self.scaled_to(generating)
+        if row.mode == "sync":
+            data = self.generation_replicas(generating)
+            needed = -(-self.local_batch * self.samples_per_group // data) * data
+            if needed < engine.num_slots:
+                engine = dataclasses.replace(engine, num_slots=needed)
+        return engine, max_concurrent
+
 
 @dataclasses.dataclass(frozen=True)
 class RowConfig:

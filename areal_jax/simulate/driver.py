@@ -115,7 +115,7 @@ def roofline_costs(job, plan_cfg, gin_files, target, workload, row, *, transfer_
 
     model = model_config_for(job, plan_cfg, gin_files)
     generating = row.generating_devices(workload)
-    engine, _ = workload.scaled_to(generating)
+    engine, _ = workload.engine_for(row, scale=True)
     replicas = workload.generation_replicas(generating)
     weight_bytes = model.num_params() * gen_dtype(job).itemsize
     cache_itemsize = jnp.dtype(job.engine.cache_dtype or gen_dtype(job)).itemsize
@@ -231,7 +231,8 @@ def simulate_rows(args) -> dict[str, Any]:
         "batch": f"{workload.batch_groups} groups x {workload.samples_per_group} samples per step",
         "engine": f"{workload.engine.num_slots} slots per host at the config's split, decode chunk "
                   f"{workload.engine.decode_chunk}, max_seq_len {workload.engine.max_seq_len}"
-                  + ("; slots per replica kept when the split changes" if fit is None else ""),
+                  + ("; slots per replica kept when the split changes, a sync row's slots capped at one "
+                     "batch's samples per host" if fit is None else ""),
         "transfer": (f"{args.transfer_gbps:g} GB/s per host (generation weights)" if fit is None
                      else f"{fit.costs.transfer_s:.3f} s per step (recorded)"),
         "reward_s": args.reward_s,

@@ -130,8 +130,7 @@ class Simulation:
         self.version = 0
         self.rejected_groups = 0
         generating = row.generating_devices(workload)
-        engine_config, max_concurrent = (workload.scaled_to(generating) if scale_engine
-                                         else (workload.engine, workload.max_concurrent))
+        engine_config, max_concurrent = workload.engine_for(row, scale=scale_engine)
         data = workload.generation_replicas(generating)
         if engine_config.num_slots % data:
             raise ValueError(f"EngineConfig.num_slots {engine_config.num_slots} is not a multiple of the "
