@@ -328,7 +328,9 @@ def _run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: Reward
             m = {**m, "time/since_start_s": elapsed()}
             history.append(m)
             metrics_log.log(step, m)
-            summary["reward"] = _add_counts(reward_before, pool_totals(reward_pool))  # carried by checkpoints
+            # Every process's calls (all call on_step in step with each other), carried by checkpoints:
+            # a resume on any number of hosts starts from the global totals.
+            summary["reward"] = _add_counts(reward_before, *gather_json(pool_totals(reward_pool)))
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(reward=f"{m.get('rollout/reward_mean', m['reward/mean']):.2f}", stale=m["staleness/max"],
