@@ -1,5 +1,5 @@
-"""pyarrow and datasets are optional (the [data] extra): the job imports without them, and a file
-that needs one names the package and the extra."""
+"""pyarrow and datasets (the [data] extra) and wandb (the [wandb] extra) are optional: the job imports
+and logs without them, and what needs one names the package and the extra."""
 
 import pathlib
 import subprocess
@@ -11,7 +11,7 @@ BLOCK = """
 import sys
 class Block:
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("pyarrow", "datasets"):
+        if name.split(".")[0] in ("pyarrow", "datasets", "wandb"):
             raise ImportError(f"blocked {name}")
 sys.meta_path.insert(0, Block())
 """
@@ -31,3 +31,22 @@ except ImportError as e:
                          env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert "MESSAGE" in out.stdout and "pyarrow" in out.stdout and "areal-jax[data]" in out.stdout
+
+
+def test_metrics_log_without_wandb_and_wandb_mode_names_the_extra(tmp_path):
+    code = BLOCK + f"""
+from areal_jax.metrics import MetricsConfig, MetricsLogger, read_jsonl
+log = MetricsLogger({str(tmp_path / 'run')!r}, console=False)  # the default: W&B disabled
+log.log(0, {{"reward/mean": 0.5}})
+log.close()
+print("STEPS", [r["step"] for r in read_jsonl({str(tmp_path / 'run' / 'metrics.jsonl')!r})])
+try:
+    MetricsLogger({str(tmp_path / 'other')!r}, console=False, wandb=MetricsConfig(wandb_mode="offline"))
+except ImportError as e:
+    print("MESSAGE", e)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                         env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "STEPS [0]" in out.stdout
+    assert "MESSAGE" in out.stdout and "wandb" in out.stdout and "areal-jax[wandb]" in out.stdout
