@@ -75,6 +75,10 @@ def read_run(run_dir: pathlib.Path, warmup: int) -> dict:
     steps = [r["metrics"] for r in records if r["step"] >= 0]  # RL's (SFT's steps are at negative indices)
     curve = [(0, summary["sft_accuracy"])] + [(m["step"] + 1, _number(m["eval/accuracy"])) for m in steps
                                               if "eval/accuracy" in m]
+    # The same points against the RL stage's wall time at the end of that step (earlier in-loop
+    # evaluations included: every row evaluates at the same steps, at the same cost).
+    curve_wall = [(0.0, summary["sft_accuracy"])] + [(m["time/wall_s"], _number(m["eval/accuracy"])) for m in steps
+                                                     if "eval/accuracy" in m]
     lag = {}
     for m in steps:
         for k, v in m["staleness/hist"].items():
@@ -85,6 +89,7 @@ def read_run(run_dir: pathlib.Path, warmup: int) -> dict:
     k = min(warmup, len(steps) - 1)
     return {
         "start_accuracy": summary["sft_accuracy"], "final_accuracy": summary["final_accuracy"], "curve": curve,
+        "curve_wall": curve_wall,
         "steps": len(steps), "rl_wall_s": wall[-1], "trained_tokens": tokens[-1],
         "tokens_per_s": tokens[-1] / wall[-1],
         "steady_tokens_per_s": (tokens[-1] - tokens[k - 1]) / (wall[-1] - wall[k - 1]) if k >= 1 else math.nan,
@@ -96,11 +101,15 @@ def read_run(run_dir: pathlib.Path, warmup: int) -> dict:
 
 
 def run_config(out: pathlib.Path, model: pathlib.Path, eta: int, variant: str, seed: int, args) -> dict:
-    run_dir = out / f"eta{eta}_{variant}_seed{seed}"
+    """One RL run from the shared checkpoint. variant "sync" is the synchronous baseline
+    (`RLConfig.mode = "sync"`, eta 0: the engine pauses while the trainer steps; on-policy, so
+    the decoupled and naive objectives coincide)."""
+    run_dir = out / (f"sync_seed{seed}" if variant == "sync" else f"eta{eta}_{variant}_seed{seed}")
     if not (run_dir / "summary.json").exists():
+        mode = "sync" if variant == "sync" else "async"
         params = [*args.gin_param, "Stages.sft = False", f"ModelSource.path = '{model}'",
-                  "Stages.save_final_model = False", "Stages.plot = False", 'RLConfig.mode = "async"',
-                  f"RLConfig.max_staleness = {eta}", f"PPOConfig.decoupled = {VARIANTS[variant]}",
+                  "Stages.save_final_model = False", "Stages.plot = False", f'RLConfig.mode = "{mode}"',
+                  f"RLConfig.max_staleness = {eta}", f"PPOConfig.decoupled = {VARIANTS.get(variant, False)}",
                   f"EngineConfig.seed = {seed}"]
         if args.steps is not None:
             params.append(f"RLConfig.steps = {args.steps}")
@@ -140,6 +149,8 @@ def main(argv=None) -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="RL sampling seeds (EngineConfig.seed)")
     p.add_argument("--etas", type=int, nargs="+", default=[0, 1, 2, 4, 8])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--sync_baseline", action="store_true",
+                   help="also one synchronous row per seed (RLConfig.mode = 'sync', eta 0)")
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the steady-state throughput")
     p.add_argument("--out", default="/tmp/staleness_ablation",
                    help="parent of the run directories; finished runs found there are read, not rerun")
@@ -152,16 +163,16 @@ def main(argv=None) -> None:
     model = (pathlib.Path(args.sft_run).resolve() / "final_model") if args.sft_run \
         else sft_checkpoint(out, args.gin_file, args.gin_param)
     results = []
-    for eta in args.etas:
-        for variant in args.variants:
-            for seed in args.seeds:
-                t0 = time.perf_counter()
-                r = run_config(out, model, eta, variant, seed, args)
-                results.append(r)
-                print(f"eta {eta} {variant:9s} seed {seed}: accuracy {r['start_accuracy']:.3f} -> "
-                      f"{r['final_accuracy']:.3f}, {r['tokens_per_s']:.0f} trained tokens/s, staleness max "
-                      f"{r['staleness_max']} mean {r['staleness_mean']:.2f} ({time.perf_counter() - t0:.0f} s)",
-                      flush=True)
+    plan = [(0, "sync")] * args.sync_baseline + [(eta, v) for eta in args.etas for v in args.variants]
+    for eta, variant in plan:
+        for seed in args.seeds:
+            t0 = time.perf_counter()
+            r = run_config(out, model, eta, variant, seed, args)
+            results.append(r)
+            print(f"eta {eta} {variant:9s} seed {seed}: accuracy {r['start_accuracy']:.3f} -> "
+                  f"{r['final_accuracy']:.3f}, {r['tokens_per_s']:.0f} trained tokens/s, staleness max "
+                  f"{r['staleness_max']} mean {r['staleness_mean']:.2f} ({time.perf_counter() - t0:.0f} s)",
+                  flush=True)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     print(table(results))
     print(f"load average: {os.getloadavg()}; results: {out / 'results.json'}; command: {' '.join(sys.argv)}")

@@ -1,0 +1,189 @@
+"""Tables, verdicts and a plot from `bench/staleness_ablation.py` run directories (issue 19).
+
+Every `--regime LABEL=DIR` names one ablation output directory (its `eta{E}_{variant}_seed{S}/`
+and `sync_seed{S}/` runs are read from their summary.json and metrics.jsonl, whatever invocation
+made them). Per regime it prints the mean +- std over seeds of the final held-out accuracy for
+each (eta, objective), the paper's two questions answered from those numbers, and, where a
+regime holds a synchronous baseline, when asynchronous runs first reach the baseline's final
+accuracy in wall time. The PNG has one row per regime: held-out accuracy against RL steps and
+against the RL stage's wall time, means over seeds, shaded min..max.
+
+    .venv/bin/python -m bench.ablation_report --regime "4 minibatches, no cap=/tmp/abl19/mb4" \\
+        --regime "1 minibatch, cap 5=/tmp/abl19/mb1" --regime "quickstart=/tmp/abl19/qs" \\
+        --png docs/figures/staleness_ablation.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import re
+
+import numpy as np
+
+from bench.staleness_ablation import read_run
+
+RUN_NAME = re.compile(r"^(?:eta(?P<eta>\d+)_(?P<variant>decoupled|naive)|(?P<sync>sync))_seed(?P<seed>\d+)$")
+
+
+def load_regime(out: pathlib.Path) -> list[dict]:
+    """Every finished run under `out` (a run without summary.json is skipped: still running or failed)."""
+    runs = []
+    for run_dir in sorted(p for p in out.iterdir() if p.is_dir()):
+        m = RUN_NAME.match(run_dir.name)
+        if not m or not (run_dir / "summary.json").exists():
+            continue
+        eta, variant = (0, "sync") if m["sync"] else (int(m["eta"]), m["variant"])
+        runs.append({"eta": eta, "variant": variant, "seed": int(m["seed"]), **read_run(run_dir, warmup=3)})
+    if not runs:
+        raise SystemExit(f"{out}: no finished ablation runs (eta*_decoupled|naive_seed*/summary.json)")
+    return runs
+
+
+def configs(runs: list[dict]) -> list[tuple[int, str]]:
+    """(eta, objective) keys in display order: the synchronous row first, then by eta."""
+    return sorted({(r["eta"], r["variant"]) for r in runs},
+                  key=lambda k: (k[1] != "sync", k[0], k[1] != "decoupled"))
+
+
+def select(runs: list[dict], eta: int, variant: str) -> list[dict]:
+    return [r for r in runs if r["eta"] == eta and r["variant"] == variant]
+
+
+def mean_curve(rs: list[dict], key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """x (mean over seeds), accuracy mean / min / max at each evaluation point the seeds share."""
+    n = min(len(r[key]) for r in rs)
+    xs = np.array([[p[0] for p in r[key][:n]] for r in rs], dtype=float)
+    ys = np.array([[p[1] for p in r[key][:n]] for r in rs], dtype=float)
+    return xs.mean(0), ys.mean(0), ys.min(0), ys.max(0)
+
+
+def summary_table(runs: list[dict]) -> str:
+    lines = ["| eta | objective | seeds | start acc | final acc, mean ± std | gain | per seed | "
+             "RL wall s | trained tok/s | staleness max / mean |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for eta, variant in configs(runs):
+        rs = sorted(select(runs, eta, variant), key=lambda r: r["seed"])
+        final = np.array([r["final_accuracy"] for r in rs])
+        start = np.mean([r["start_accuracy"] for r in rs])
+        lines.append(
+            f"| {eta} | {variant} | {len(rs)} | {start:.3f} | {final.mean():.3f} ± {final.std():.3f} | "
+            f"{final.mean() - start:+.3f} | {' / '.join(f'{a:.3f}' for a in final)} | "
+            f"{np.mean([r['rl_wall_s'] for r in rs]):.0f} | {np.mean([r['tokens_per_s'] for r in rs]):.0f} | "
+            f"{max(r['staleness_max'] for r in rs)} / {np.mean([r['staleness_mean'] for r in rs]):.2f} |")
+    return "\n".join(lines)
+
+
+def _final(runs: list[dict], eta: int, variant: str) -> np.ndarray | None:
+    rs = select(runs, eta, variant)
+    return np.array([r["final_accuracy"] for r in rs]) if rs else None
+
+
+def verdicts(runs: list[dict], margin: float = 0.02) -> list[str]:
+    """The paper's two claims (Table 2 of arXiv 2505.24298) checked on this regime's means.
+
+    A difference of means over seeds carries the standard error sqrt(s1^2/n1 + s2^2/n2) (sample
+    std); it is printed beside every verdict so a reader sees how much the seeds allow.
+    """
+    out = []
+
+    def diff(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
+        se = np.sqrt((a.var(ddof=1) / len(a) if len(a) > 1 else 0) + (b.var(ddof=1) / len(b) if len(b) > 1 else 0))
+        return float(a.mean() - b.mean()), float(se)
+
+    base = _final(runs, 0, "decoupled")
+    etas = sorted({r["eta"] for r in runs if r["variant"] != "sync"})
+    for variant in ("decoupled", "naive"):
+        if base is None:
+            break
+        for eta in etas:
+            acc = _final(runs, eta, variant)
+            if eta == 0 or acc is None:
+                continue
+            d, se = diff(acc, base)
+            if variant == "decoupled" and eta == max(etas):
+                held = "stays" if d >= -margin else "does not stay"
+                out.append(f"decoupled PPO at eta {eta} {held} within {margin * 100:.0f} points of eta 0: "
+                           f"{d * 100:+.1f} ± {se * 100:.1f} points")
+            else:
+                out.append(f"{variant} at eta {eta} vs eta 0: {d * 100:+.1f} ± {se * 100:.1f} points")
+    for eta in etas:
+        dec, nai = _final(runs, eta, "decoupled"), _final(runs, eta, "naive")
+        if eta and dec is not None and nai is not None:
+            d, se = diff(dec, nai)
+            out.append(f"eta {eta}: decoupled - naive = {d * 100:+.1f} ± {se * 100:.1f} points")
+    return out
+
+
+def time_to_sync_accuracy(runs: list[dict]) -> list[str]:
+    """Per seed: the synchronous run's final accuracy and wall time, and the first evaluation at
+    which each asynchronous run of that seed is at least as accurate (its wall time then)."""
+    lines = []
+    for sync in sorted(select(runs, 0, "sync"), key=lambda r: r["seed"]):
+        target, sync_wall = sync["final_accuracy"], sync["rl_wall_s"]
+        for eta, variant in configs(runs):
+            for r in select(runs, eta, variant):
+                if variant == "sync" or r["seed"] != sync["seed"]:
+                    continue
+                hit = next(((s, t) for (s, a), (t, _) in zip(r["curve"], r["curve_wall"]) if a >= target), None)
+                reach = (f"reaches it at step {hit[0]}, {hit[1]:.0f} s ({hit[1] / sync_wall:.2f}x sync's wall time)"
+                         if hit else f"does not reach it (final {r['final_accuracy']:.3f})")
+                lines.append(f"seed {r['seed']}: sync final {target:.3f} after {sync_wall:.0f} s; eta {eta} {variant} "
+                             f"{reach}; whole run {r['rl_wall_s']:.0f} s = {r['rl_wall_s'] / sync_wall:.2f}x")
+    return lines
+
+
+def plot(regimes: list[tuple[str, list[dict]]], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(regimes), 2, figsize=(12, 4 * len(regimes)), squeeze=False)
+    colours = plt.get_cmap("viridis")
+    all_etas = sorted({r["eta"] for _, runs in regimes for r in runs if r["variant"] != "sync"})
+    for row, (label, runs) in enumerate(regimes):
+        for eta, variant in configs(runs):
+            rs = select(runs, eta, variant)
+            colour = "black" if variant == "sync" else colours(all_etas.index(eta) / max(1, len(all_etas) - 1) * 0.9)
+            style = {"decoupled": "-", "naive": "--", "sync": ":"}[variant]
+            name = "sync" if variant == "sync" else f"eta {eta} {variant}"
+            for col, key in enumerate(("curve", "curve_wall")):
+                x, mean, lo, hi = mean_curve(rs, key)
+                ax = axes[row][col]
+                ax.plot(x, mean, style, color=colour, marker="o", markersize=3, label=f"{name} (n={len(rs)})")
+                ax.fill_between(x, lo, hi, color=colour, alpha=0.08)
+        for col, xlabel in enumerate(("RL step", "RL wall time, s (2-vCPU host)")):
+            ax = axes[row][col]
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("held-out greedy accuracy")
+            ax.set_title(label)
+            ax.grid(alpha=0.3)
+        axes[row][1].legend(fontsize=7, ncol=2, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--regime", action="append", required=True, metavar="LABEL=DIR",
+                   help="a label and a staleness_ablation --out directory (repeatable)")
+    p.add_argument("--png", default=None, help="where to write the plot")
+    args = p.parse_args(argv)
+    regimes = []
+    for spec in args.regime:
+        label, sep, out = spec.rpartition("=")
+        if not sep or not label:
+            raise SystemExit(f"--regime {spec!r}: expected LABEL=DIR")
+        regimes.append((label, load_regime(pathlib.Path(out))))
+    for label, runs in regimes:
+        print(f"\n### {label}\n\n{summary_table(runs)}\n")
+        for line in verdicts(runs) + time_to_sync_accuracy(runs):
+            print(f"- {line}")
+    if args.png:
+        plot(regimes, pathlib.Path(args.png))
+        print(f"\nplot: {args.png}")
+
+
+if __name__ == "__main__":
+    main()
