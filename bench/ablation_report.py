@@ -6,7 +6,8 @@ made them). Per regime it prints the mean +- std over seeds of the final held-ou
 each (eta, objective), the paper's two questions answered from those numbers, and, where a
 regime holds a synchronous baseline, when asynchronous runs first reach the baseline's final
 accuracy in wall time. The PNG has one row per regime: held-out accuracy against RL steps and
-against the RL stage's wall time, means over seeds, shaded min..max.
+against the RL stage's wall time, means over seeds, shaded min..max (decoupled and naive runs
+in panels of their own).
 
     .venv/bin/python -m bench.ablation_report --regime "4 minibatches, no cap=/tmp/abl19/mb4" \\
         --regime "1 minibatch, cap 5=/tmp/abl19/mb1" --regime "quickstart=/tmp/abl19/qs" \\
@@ -59,14 +60,15 @@ def mean_curve(rs: list[dict], key: str) -> tuple[np.ndarray, np.ndarray, np.nda
 
 
 def summary_table(runs: list[dict]) -> str:
-    lines = ["| eta | objective | seeds | start acc | final acc, mean ± std | gain | per seed | "
+    lines = ["| eta | objective | seeds | start acc | final acc, mean ± sample std | gain | per seed | "
              "RL wall s | trained tok/s | staleness max / mean |", "|---|---|---|---|---|---|---|---|---|---|"]
     for eta, variant in configs(runs):
         rs = sorted(select(runs, eta, variant), key=lambda r: r["seed"])
         final = np.array([r["final_accuracy"] for r in rs])
+        std = final.std(ddof=1) if len(final) > 1 else 0.0
         start = np.mean([r["start_accuracy"] for r in rs])
         lines.append(
-            f"| {eta} | {variant} | {len(rs)} | {start:.3f} | {final.mean():.3f} ± {final.std():.3f} | "
+            f"| {eta} | {variant} | {len(rs)} | {start:.3f} | {final.mean():.3f} ± {std:.3f} | "
             f"{final.mean() - start:+.3f} | {' / '.join(f'{a:.3f}' for a in final)} | "
             f"{np.mean([r['rl_wall_s'] for r in rs]):.0f} | {np.mean([r['tokens_per_s'] for r in rs]):.0f} | "
             f"{max(r['staleness_max'] for r in rs)} / {np.mean([r['staleness_mean'] for r in rs]):.2f} |")
@@ -133,35 +135,45 @@ def time_to_sync_accuracy(runs: list[dict]) -> list[str]:
 
 
 def plot(regimes: list[tuple[str, list[dict]]], path: pathlib.Path) -> None:
+    """One row per regime: decoupled runs by eta against steps, naive runs by eta against steps
+    (with eta 0, where both objectives are the same run, as the reference), and every decoupled
+    run against wall time; a synchronous baseline (black, dotted) in every panel it exists for."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(regimes), 2, figsize=(12, 4 * len(regimes)), squeeze=False)
+    fig, axes = plt.subplots(len(regimes), 3, figsize=(16, 4.2 * len(regimes)), squeeze=False,
+                             sharey="row")
     colours = plt.get_cmap("viridis")
     all_etas = sorted({r["eta"] for _, runs in regimes for r in runs if r["variant"] != "sync"})
+    panels = (("decoupled", "curve", "decoupled PPO", "RL step"), ("naive", "curve", "naive PPO", "RL step"),
+              ("decoupled", "curve_wall", "decoupled PPO", "RL wall time, s (2-vCPU host, one run at a time)"))
     for row, (label, runs) in enumerate(regimes):
-        for eta, variant in configs(runs):
-            rs = select(runs, eta, variant)
-            colour = "black" if variant == "sync" else colours(all_etas.index(eta) / max(1, len(all_etas) - 1) * 0.9)
-            style = {"decoupled": "-", "naive": "--", "sync": ":"}[variant]
-            name = "sync" if variant == "sync" else f"eta {eta} {variant}"
-            for col, key in enumerate(("curve", "curve_wall")):
-                x, mean, lo, hi = mean_curve(rs, key)
-                ax = axes[row][col]
-                ax.plot(x, mean, style, color=colour, marker="o", markersize=3, label=f"{name} (n={len(rs)})")
-                ax.fill_between(x, lo, hi, color=colour, alpha=0.08)
-        for col, xlabel in enumerate(("RL step", "RL wall time, s (2-vCPU host)")):
+        for col, (objective, key, title, xlabel) in enumerate(panels):
             ax = axes[row][col]
+            for eta, variant in configs(runs):
+                # eta 0: the decoupled runs stand for both objectives (the same run when every
+                # token is the trained version's: behavior = proximal).
+                reference = objective == "naive" and eta == 0 and variant == "decoupled"
+                if (variant not in (objective, "sync") and not reference) or (variant == "naive" and eta == 0):
+                    continue
+                rs = select(runs, eta, variant)
+                x, mean, lo, hi = mean_curve(rs, key)
+                colour = "black" if variant == "sync" else colours(all_etas.index(eta) / max(1, len(all_etas) - 1) * 0.9)
+                name = "sync" if variant == "sync" else f"eta {eta}" + (" (= decoupled)" if reference else "")
+                ax.plot(x, mean, ":" if variant == "sync" else "-", color=colour, marker="o", markersize=3,
+                        label=f"{name}, n={len(rs)}")
+                ax.fill_between(x, lo, hi, color=colour, alpha=0.08)
             ax.set_xlabel(xlabel)
             ax.set_ylabel("held-out greedy accuracy")
-            ax.set_title(label)
+            ax.set_title(f"{label}: {title}", fontsize=10)
             ax.grid(alpha=0.3)
-        axes[row][1].legend(fontsize=7, ncol=2, loc="lower right")
+            ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle("Held-out accuracy, mean over seeds (shaded: min..max)", fontsize=11)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
 
 
 def main(argv=None) -> None:
