@@ -4,7 +4,9 @@
     areal-jax sft   ...same flags...          (the SFT stage alone)
     areal-jax eval --model=DIR --gin_param="DataConfig.paths = ('test.jsonl',)" \
                    --gin_param='EvalConfig.n_samples = 8' --gin_param='EvalConfig.ks = (1, 8)' --run_dir=runs/e
-    areal-jax generate --model=DIR --prompt='...' [--max_new_tokens=64]
+                   [--gin_param='EvalConfig.dtype = "bfloat16"'] [--gin_param='EvalConfig.tensor_parallel = 2']
+                   (the weights load sharded over this host's devices: tensor_parallel per replica)
+    areal-jax generate --model=DIR --prompt='...' [--max_new_tokens=64] [--dtype=bfloat16] [--tensor_parallel=2]
     areal-jax config [--gin_file=...]   (every configurable field: value, type, one line of doc)
     areal-jax export --checkpoint=RUN/checkpoints[/STEP] --out=DIR [--dtype=bfloat16]
                    (a checkpoint as an HF model directory, tokenizer included; `eval --model=DIR` takes it)
@@ -129,6 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max_new_tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--n", type=int, default=1)
+    # The same split as EvalConfig.dtype / EvalConfig.tensor_parallel, as flags: generate has no gin config.
+    gen.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                     help="of the weights and KV cache (as EvalConfig.dtype; bfloat16 halves the memory)")
+    gen.add_argument("--tensor_parallel", type=_positive_int, default=1,
+                     help="devices per model replica, as EvalConfig.tensor_parallel: the weights load sharded "
+                          "onto a mesh of every local device (tensor_parallel per replica, the rest data-parallel "
+                          "over the samples); it must divide the device count and the model's heads, kv heads, "
+                          "intermediate size and vocabulary")
     return parser
 
 
@@ -217,7 +227,7 @@ def _eval(args) -> int:
 
     from areal_jax import config_system as cs
     from areal_jax.data.pipeline import DataConfig, build_prompt_loader
-    from areal_jax.evaluation import EvalConfig, run_evaluation
+    from areal_jax.evaluation import EvalConfig, engine_mesh, run_evaluation
     from areal_jax.jobs.inputs import check_data_paths, input_errors
     from areal_jax.reward.pool import RewardPoolConfig
     from areal_jax.reward.sandbox import SandboxLimits, SandboxUnavailable
@@ -248,7 +258,9 @@ def _eval(args) -> int:
         raise cs.ConfigError(str(e)) from None
     try:
         _maybe_initialize_distributed(args)
-        tokenizer, model = _load_model(args.model, args.tokenizer)
+        # On this process's devices: every host of a multi-process eval builds its own mesh.
+        tokenizer, model = _load_model(args.model, args.tokenizer, dtype=cfg.dtype,
+                                       mesh_for=lambda model_cfg: engine_mesh(model_cfg, cfg.tensor_parallel))
         with input_errors("--tokenizer" if args.tokenizer else "--model"):
             data.prompt_encoder(tokenizer)  # a base model needs DataConfig.prompt_template: one line
         with input_errors("DataConfig.paths"):
@@ -265,10 +277,16 @@ def _eval(args) -> int:
     return 0
 
 
-def _load_model(model_dir: str, tokenizer_dir: str | None = None):
-    """(tokenizer, model) of an HF directory; its problems are InputErrors naming the flag and file."""
+def _load_model(model_dir: str, tokenizer_dir: str | None = None, *, dtype: str = "float32", mesh_for=None):
+    """(tokenizer, model) of an HF directory; its problems are InputErrors naming the flag and file.
+
+    The weights are read in `dtype` straight onto `mesh_for(model config)` (each device reads its
+    slice; never the whole float32 model on one device), or onto the first local device when
+    `mesh_for` is None or returns None. `mesh_for` raises ConfigError for an impossible split,
+    before any weight is read."""
     from areal_jax.jobs.inputs import check_model_dir, check_tokenizer_dir, input_errors
     from areal_jax.models import load_pretrained
+    from areal_jax.models.hf_io import read_config
     from areal_jax.models.tokenizer import Tokenizer
 
     tokenizer_flag = "--tokenizer" if tokenizer_dir else "--model"
@@ -276,8 +294,9 @@ def _load_model(model_dir: str, tokenizer_dir: str | None = None):
     check_tokenizer_dir(tokenizer_dir or model_dir, tokenizer_flag)
     with input_errors(tokenizer_flag):
         tokenizer = Tokenizer.from_pretrained(tokenizer_dir or model_dir)
+    mesh = mesh_for(read_config(model_dir)) if mesh_for is not None else None  # check_model_dir parsed it
     with input_errors("--model"):
-        return tokenizer, load_pretrained(model_dir)
+        return tokenizer, load_pretrained(model_dir, dtype=dtype, mesh=mesh)
 
 
 def _train(args) -> int:
@@ -357,9 +376,12 @@ def _plan(args) -> int:
 
 
 def _generate(args) -> int:
+    from areal_jax.evaluation import engine_mesh
     from areal_jax.generation import generate
 
-    tok, model = _load_model(args.model)
+    tok, model = _load_model(args.model, dtype=args.dtype,
+                             mesh_for=lambda model_cfg: engine_mesh(model_cfg, args.tensor_parallel,
+                                                                    field="--tensor_parallel"))
     # A base model (no chat template) continues the prompt text as given.
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
                if tok.has_chat_template else tok.encode(p) for p in args.prompt]

@@ -20,10 +20,15 @@ Decisions worth knowing:
   identical, so n > 1 would only repeat work and make pass@k look like a sampled estimate.
 - Rewards from a pool that time out, crash or raise score 0.0 (the pool's contract) and are
   counted in ``reward_failures``; an in-process reward that raises stops the evaluation.
+- The engine runs where the params live. ``areal-jax eval`` loads them in `dtype` straight onto
+  `engine_mesh`: a host-local ("data", "tensor") mesh over every local device, `tensor_parallel`
+  devices per model replica and the slots split evenly over the replicas ("data"); each device
+  reads its own slice of the checkpoint. A `tensor_parallel` that would leave weights whole on every device
+  (heads, kv heads, MLP or vocabulary not divisible by it) is refused, not replicated.
 - Several processes (``jax.distributed``, e.g. ``areal-jax eval --distributed`` on a TPU pod):
-  process p generates and scores rows p, p + P, p + 2P, ... on its own devices; the samples
-  are then gathered so that every process returns the same report, built from the rows in
-  file order. Generation and scoring times are the slowest process's; only process 0 writes
+  process p generates and scores rows p, p + P, p + 2P, ... on its own devices (its own mesh);
+  the samples are then gathered so that every process returns the same report, built from the
+  rows in file order. Generation and scoring times are the slowest process's; only process 0 writes
   `out_path`.
 - Metrics are reported overall and per dataset file: `row.source` without its trailing
   ``:line`` (JSONL) or ``[row]`` (Parquet, `datasets`). Timings exist only overall, since all
@@ -40,24 +45,30 @@ import math
 import pathlib
 import re
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
+from jax.sharding import Mesh
 
 from areal_jax import paths
+from areal_jax.config_system import ConfigError
 from areal_jax.data.formats import extract_last_boxed
 from areal_jax.data.pipeline import PromptLoader
 from areal_jax.eval_metrics import PromptSamples, summarize
 from areal_jax.generation import EngineConfig, GenerationEngine, GroupResult, SamplingParams
+from areal_jax.generation.programs import mesh_of, mesh_sizes, unsplit_tensor_axes
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.transformer import Params, Transformer
 from areal_jax.parallel.distributed import gather_json
+from areal_jax.parallel.meshes import generation_mesh
 from areal_jax.reward.registry import load_reward_function, resolve_reward_path
 
-__all__ = ["EvalConfig", "EvalReport", "dataset_of", "run_evaluation"]
+__all__ = ["EvalConfig", "EvalReport", "dataset_of", "engine_mesh", "run_evaluation"]
 
 logger = logging.getLogger(__name__)
+
+WEIGHT_DTYPES = ("float32", "bfloat16")  # EvalConfig.dtype's choices
 
 _EXTRACTOR_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 # "path:12" (JSONL line) or "path[3]" (Parquet / datasets row): the dataset is "path".
@@ -75,7 +86,14 @@ class EvalConfig:
     reward_timeout_s: per-call deadline in the RewardPool (in-process calls have none).
     correct_threshold: a sample is correct when its reward >= this.
     num_slots, max_seq_len, decode_chunk, seed: the generation engine's shape and sampling seed
-        (max_seq_len bounds prompt + completion; a longer prompt is an error).
+        (max_seq_len bounds prompt + completion; a longer prompt is an error). num_slots counts
+        every replica's slots, rounded up to a multiple of the replicas (local devices /
+        tensor_parallel) so that each holds the same share.
+    dtype: of the weights and the KV cache, "float32" or "bfloat16" (half the memory; its
+        numbers differ from float32's).
+    tensor_parallel: devices per model replica (heads, MLP and vocabulary split over them); the
+        rest of this process's devices hold further replicas. It must divide the local device
+        count and the model's heads, kv heads, intermediate size and vocabulary.
     answer_extractor: "boxed" or "package.module:function" (text -> str | None), the answer
         each sample votes for in maj@k.
     """
@@ -94,9 +112,11 @@ class EvalConfig:
     decode_chunk: int = 8
     seed: int = 0
     answer_extractor: str = "boxed"
+    dtype: str = "float32"
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("n_samples", "max_new_tokens", "num_slots", "max_seq_len", "decode_chunk"):
+        for name in ("n_samples", "max_new_tokens", "num_slots", "max_seq_len", "decode_chunk", "tensor_parallel"):
             _require_int(name, getattr(self, name), minimum=1)
         _require_int("top_k", self.top_k, minimum=0)
         _require_int("seed", self.seed, minimum=0)
@@ -132,6 +152,8 @@ class EvalConfig:
                 isinstance(self.answer_extractor, str) and _EXTRACTOR_PATH.match(self.answer_extractor)):
             raise ValueError(f"EvalConfig.answer_extractor must be 'boxed' or 'package.module:function', "
                              f"got {self.answer_extractor!r}")
+        if self.dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"EvalConfig.dtype must be one of {WEIGHT_DTYPES}, got {self.dtype!r}")
 
 
 def _is_real(x: object) -> bool:
@@ -141,6 +163,31 @@ def _is_real(x: object) -> bool:
 def _require_int(name: str, value: object, *, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"EvalConfig.{name} must be an int >= {minimum}, got {value!r}")
+
+
+def engine_mesh(model_cfg: ModelConfig, tensor_parallel: int, *, field: str = "EvalConfig.tensor_parallel",
+                devices: Sequence[jax.Device] | None = None) -> Mesh | None:
+    """The host-local ("data", "tensor") mesh an engine of this model runs on: every one of
+    `devices` (default: this process's), `tensor_parallel` per replica. None on a single device
+    (the weights stay on it). Raises ConfigError naming `field` where the split is impossible or
+    would keep weights whole on every device."""
+    devices = sorted(jax.local_devices() if devices is None else devices, key=lambda d: d.id)
+    if len(devices) % tensor_parallel:
+        raise ConfigError(f"{field} = {tensor_parallel} does not divide this process's {len(devices)} "
+                          "local device(s): each model replica needs tensor_parallel of them")
+    unsplit = unsplit_tensor_axes(model_cfg, tensor_parallel)
+    if unsplit:
+        sizes = ", ".join(f"{name} = {size}" for name, size in unsplit.items())
+        raise ConfigError(f"{field} = {tensor_parallel} does not divide the model's {sizes}: those weights "
+                          "would be replicated on every device instead of split (choose a divisor)")
+    return generation_mesh(devices, tensor_parallel) if len(devices) > 1 else None
+
+
+def _engine_slots(config: EvalConfig, samples: int, data: int) -> int:
+    """Engine slots for `samples` samples: num_slots or fewer when fewer are needed, rounded up to a
+    multiple of the `data` replicas (the engine gives each the same share; a replica then holds
+    at most as many slots as one device would)."""
+    return -(-min(config.num_slots, samples) // data) * data
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +240,9 @@ def run_evaluation(model: Transformer | tuple[ModelConfig, Params], tokenizer: A
                    out_path: str | pathlib.Path | None = None) -> EvalReport:
     """Sample `config.n_samples` completions per row, score them, and report pass@k / maj@k.
 
-    model: a `Transformer` or `(ModelConfig, params)`; the engine runs where the params live.
+    model: a `Transformer` or `(ModelConfig, params)`; the engine runs where the params live (on
+        their generation mesh, `engine_mesh`, or their single device). `config.dtype` and
+        `tensor_parallel` are the loader's (``areal-jax eval``); here the params are taken as given.
     tokenizer: decodes completions (special tokens skipped) and gives `stop_token_ids`.
     rows: a finite iterable of loader examples ``{"prompt_ids", "row": PromptRow}`` (for a
         `PromptLoader`, build it with ``num_epochs=1``; ``shuffle=False, even_shards=False``
@@ -285,8 +334,9 @@ def _generate_and_decode(model_cfg: ModelConfig, params: Params, tokenizer: Any,
         return {}, 0.0, 0
     t_start = time.perf_counter()
     n = config.n_samples
+    slots = _engine_slots(config, len(examples) * n, mesh_sizes(mesh_of(params))[0])
     engine = GenerationEngine((model_cfg, params), EngineConfig(
-        num_slots=min(config.num_slots, len(examples) * n), max_seq_len=config.max_seq_len,
+        num_slots=slots, max_seq_len=config.max_seq_len,
         decode_chunk=config.decode_chunk, seed=config.seed))
     sampling = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=float(config.temperature),
                               top_p=config.top_p, top_k=config.top_k,

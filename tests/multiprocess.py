@@ -47,11 +47,12 @@ def run_processes(worker: str | pathlib.Path, args_for: callable, out_dir: pathl
     return [json.loads((out_dir / f"result_{i}.json").read_text()) for i in range(num_processes)]
 
 
-def run_cli_processes(args: list[str], *, num_processes: int = 2, timeout: float = 400) -> list[str]:
-    """`areal-jax ARGS` as `num_processes` local hosts (one CPU device each) over real jax.distributed;
-    returns each process's output."""
+def run_cli_processes(args: list[str], *, num_processes: int = 2, devices_per_process: int = 1,
+                      timeout: float = 400) -> list[str]:
+    """`areal-jax ARGS` as `num_processes` local hosts (`devices_per_process` CPU devices each) over
+    real jax.distributed; returns each process's output."""
     port = portpicker.pick_unused_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices_per_process)}
     return run_all([[sys.executable, "-m", "areal_jax.cli", *args, f"--coordinator=127.0.0.1:{port}",
                      f"--num_processes={num_processes}", f"--process_id={i}"] for i in range(num_processes)],
                    env, timeout=timeout)

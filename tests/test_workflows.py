@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 import areal_jax.tasks  # noqa: F401  (registers the "arithmetic" reward)
+from areal_jax.data import DataConfig
 from areal_jax.generation.engine import Completion, GroupResult
 from areal_jax.metrics import batch_metrics
 from areal_jax.models.tokenizer import Tokenizer
 from areal_jax.rollout.types import Trajectory, TrajectoryGroup
-from areal_jax.rollout.workflow import (RLVRConfig, RolloutClient, make_workflow, resolve_workflow_class)
+from areal_jax.rollout.workflow import RLVRConfig, RolloutClient, RolloutWorkflow, make_workflow, resolve_workflow_class
 from areal_jax.tasks import arithmetic as ar
 from areal_jax.tasks.tokenizer_builder import build_tokenizer
 from areal_jax.workflows.multi_turn_math import MultiTurnMathConfig, MultiTurnMathWorkflow, turn_tokens
@@ -131,6 +132,127 @@ def test_turn_tokens_follow_the_chat_template(tmp_path):
     plain = Tokenizer.from_pretrained(build_tiny_tokenizer(tmp_path / "plain", "chatml", template_storage="none"))
     end, feedback = turn_tokens(plain, FEEDBACK)
     assert end == [] and plain.decode(feedback) == f"\n\n{FEEDBACK}\n\n"
+
+
+# ChatML whose assistant turns open with an empty think block when enable_thinking is False, in the
+# generation prompt (as Qwen3's template does) and in the conversation's earlier assistant turns (so,
+# unlike Qwen3's, a conversation's rendering continues the rendering of each of its prefixes).
+THINKING_TEMPLATE = """\
+{%- for message in messages %}
+    {{- '<|im_start|>' + message.role + '\\n' }}
+    {%- if message.role == 'assistant' and enable_thinking is defined and not enable_thinking %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+    {{- message.content + '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and not enable_thinking %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}
+"""
+EMPTY_THINK = "<think>\n\n</think>\n\n"
+NO_THINKING = {"enable_thinking": False}
+
+
+def _chat_tokenizer(directory, style: str) -> Tokenizer:
+    """"qwen3" (the Qwen3-style fixture) or "thinking" (ChatML ids with THINKING_TEMPLATE)."""
+    if style == "qwen3":
+        return Tokenizer.from_pretrained(build_tiny_tokenizer(directory, "qwen3"))
+    out = build_tiny_tokenizer(directory, "chatml", template_storage="none")
+    (out / "chat_template.jinja").write_text(THINKING_TEMPLATE, encoding="utf-8")
+    return Tokenizer.from_pretrained(out)
+
+
+def _encoder(tokenizer, **data):
+    return DataConfig(paths=("unused.jsonl",), **data).prompt_encoder(tokenizer)
+
+
+@pytest.mark.parametrize("style", ["qwen3", "thinking"])
+def test_turn_tokens_use_the_prompts_chat_template_kwargs(tmp_path, style):
+    tok = _chat_tokenizer(tmp_path, style)
+    answer = "2+3=6"
+    conversation = [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": answer},
+                    {"role": "user", "content": FEEDBACK}]
+
+    def after_the_answer(**kwargs):  # the whole conversation's rendering, from the end of the first answer
+        text = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False, **kwargs)
+        return _ids(tok, text[text.index(answer) + len(answer):])
+
+    end, feedback = turn_tokens(tok, FEEDBACK, _encoder(tok, chat_template_kwargs=NO_THINKING))
+    assert tok.decode(end) == "<|im_end|>\n"
+    assert tok.decode(feedback) == f"<|im_start|>user\n{FEEDBACK}<|im_end|>\n<|im_start|>assistant\n{EMPTY_THINK}"
+    assert end + feedback == after_the_answer(**NO_THINKING)
+    # A run that sets no variable (and the workflow built without an encoder): no think block.
+    for encoder in (_encoder(tok), None):
+        plain_end, plain_feedback = turn_tokens(tok, FEEDBACK, encoder)
+        assert plain_end == end and "<think>" not in tok.decode(plain_feedback)
+        assert plain_end + plain_feedback == after_the_answer()
+    # The workflow renders its turns with the encoder make_workflow hands it.
+    workflow = make_workflow(resolve_workflow_class(PATH), RLVRConfig(), tok, MultiTurnMathConfig(feedback=FEEDBACK),
+                             prompt_encoder=_encoder(tok, chat_template_kwargs=NO_THINKING))
+    assert (workflow.turn_end, workflow.feedback_ids) == (end, feedback)
+
+
+def test_turn_tokens_are_plain_text_under_a_prompt_template(tmp_path):
+    """DataConfig.prompt_template renders the prompts without the chat template: the feedback too,
+    even for a tokenizer that has one."""
+    chatml = Tokenizer.from_pretrained(build_tiny_tokenizer(tmp_path, "chatml"))
+    end, feedback = turn_tokens(chatml, FEEDBACK, _encoder(chatml, prompt_template="Question: {question}\nAnswer:"))
+    assert end == [] and chatml.decode(feedback) == f"\n\n{FEEDBACK}\n\n"
+
+
+class TwoArgumentWorkflow(RolloutWorkflow):
+    """A workflow written against the contract before prompt_encoder: (rollout, tokenizer)."""
+
+    def __init__(self, rollout, tokenizer):
+        self.rollout, self.tokenizer = rollout, tokenizer
+
+    async def arun(self, engine_client, row, *, version):
+        return None
+
+
+def test_make_workflow_passes_the_prompt_encoder_only_to_constructors_that_take_it(tokenizer):
+    encoder = _encoder(tokenizer)
+    workflow = make_workflow(resolve_workflow_class("tests.test_workflows:TwoArgumentWorkflow"), RLVRConfig(),
+                             tokenizer, prompt_encoder=encoder)
+    assert isinstance(workflow, TwoArgumentWorkflow) and workflow.tokenizer is tokenizer
+
+
+def test_an_episode_is_the_chat_templates_rendering_of_its_conversation(tmp_path):
+    """From the job's configs (a dataset whose DataConfig sets a template variable) to one episode:
+    the loader's prompt, the sampled answers and the inserted turns together are exactly the chat
+    template's rendering of the conversation with that variable."""
+    from areal_jax.data import build_prompt_loader
+    from areal_jax.jobs.train import _rollout_workflow
+
+    tok = _chat_tokenizer(tmp_path / "tok", "thinking")
+    path = ar.write_jsonl(tmp_path / "rows.jsonl", "test", 1, seed=5)
+    cfg = _load('TaskSource.kind = "dataset"', "TaskSource.eval_size = 0", "Stages.sft = False",
+                f'DataConfig.paths = ["{path}"]', "DataConfig.chat_template_kwargs = {'enable_thinking': False}",
+                f'RLConfig.workflow = "{PATH}"', "MultiTurnMathConfig.max_turns = 3",
+                f'MultiTurnMathConfig.feedback = "{FEEDBACK}"')
+    workflow = _rollout_workflow(cfg, RLVRConfig(n_samples=1, reward="arithmetic"), tok)  # as `areal-jax train`
+    row = next(iter(build_prompt_loader(cfg.data, tok)))
+    gold = int(row["row"].answer)
+    # Truncated (its turn closed by the inserted tokens), wrong (stopped at its own <|im_end|>), right.
+    answers = [f"{gold} - 1 =", f"\\boxed{{{gold + 1}}}", f"\\boxed{{{gold}}}"]
+    client = ScriptedClient(tok, [(answers[0], "length"), (answers[1] + "<|im_end|>", "stop"),
+                                  (answers[2] + "<|im_end|>", "stop")])
+    try:
+        (t,) = asyncio.run(workflow.arun(client, row, version=0)).trajectories
+    finally:
+        client.close()
+    assert t.reward == 0.9 ** 2 and t.generated_tokens == sum(len(_ids(tok, a)) + 1 for a in answers) - 1
+    conversation = list(row["row"].messages)
+    for i, answer in enumerate(answers):
+        conversation += [{"role": "assistant", "content": answer}] + ([{"role": "user", "content": FEEDBACK}] * (i < 2))
+    rendered = tok.apply_chat_template(conversation, tokenize=False, **NO_THINKING)
+    assert rendered.count(EMPTY_THINK) == 3 and rendered.endswith("<|im_end|>\n")
+    episode = t.prompt_ids.tolist() + t.completion_ids.tolist()
+    assert episode == _ids(tok, rendered.removesuffix("\n"))  # the episode ends at the last answer's eos
+    assert episode != _ids(tok, tok.apply_chat_template(conversation, tokenize=False).removesuffix("\n"))
 
 
 def test_batch_metrics_against_hand_computed_values():

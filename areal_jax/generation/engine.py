@@ -44,8 +44,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from areal_jax.generation.config import EngineConfig
-from areal_jax.generation.programs import (EnginePrograms, build_programs, cache_sharding, check_mesh, mesh_sizes,
-                                           param_shardings, placed_like)
+from areal_jax.generation.programs import (EnginePrograms, build_programs, cache_sharding, check_mesh, mesh_of,
+                                           mesh_sizes, param_shardings, placed_like)
 from areal_jax.generation.sampling import MAX_STOP_IDS, SamplingParams
 from areal_jax.generation.timings import CallTimings, decode_key, shape_key
 from areal_jax.models.config import ModelConfig
@@ -153,7 +153,7 @@ class GenerationEngine:
         # The engine runs where its weights live: on their generation mesh (slots over "data",
         # kv heads over "tensor") or on their single device. Host inputs are put there too.
         home = params["embed"].sharding
-        self._mesh = home.mesh if isinstance(home, NamedSharding) else None
+        self._mesh = mesh_of(params)
         check_mesh(cfg, ec, self._mesh)
         self._data = mesh_sizes(self._mesh)[0]  # prefill and re-prefill rows are multiples of it
         dtype = jnp.dtype(ec.cache_dtype) if ec.cache_dtype else params["embed"].dtype

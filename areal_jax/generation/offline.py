@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from jax.sharding import NamedSharding
-
 from areal_jax.generation.config import EngineConfig
 from areal_jax.generation.engine import Completion, GenerationEngine
+from areal_jax.generation.programs import mesh_of, mesh_sizes
 from areal_jax.generation.sampling import SamplingParams
 from areal_jax.models.transformer import Transformer
 
@@ -28,10 +27,8 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_to
     longest = max(len(p) for p in prompts)
     max_seq_len = -(-(longest + max_new_tokens) // 16) * 16  # round up: fewer distinct programs
     slots = num_slots or min(64, len(prompts) * n)
-    sharding = model.embed[...].sharding
-    if isinstance(sharding, NamedSharding):  # a generation mesh: every data replica gets its share
-        data = sharding.mesh.shape.get("data", 1)
-        slots = -(-slots // data) * data
+    data = mesh_sizes(mesh_of(model.params))[0]  # on a generation mesh every data replica gets its share
+    slots = -(-slots // data) * data
     engine = GenerationEngine(model, EngineConfig(num_slots=slots, max_seq_len=max_seq_len,
                                                   decode_chunk=decode_chunk, seed=seed))
     handles = [engine.submit(p, sampling, n=n) for p in prompts]

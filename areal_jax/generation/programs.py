@@ -48,6 +48,23 @@ def mesh_sizes(mesh: Mesh | None) -> tuple[int, int]:
     return mesh.shape.get("data", 1), mesh.shape.get("tensor", 1)
 
 
+def mesh_of(params: Params) -> Mesh | None:
+    """The generation mesh the weights lie on (where the engine runs), or None on a single device."""
+    home = params["embed"].sharding
+    return home.mesh if isinstance(home, NamedSharding) else None
+
+
+def unsplit_tensor_axes(model_cfg: ModelConfig, tensor: int) -> dict[str, int]:
+    """The weights' logical axes GENERATION_RULES shards over "tensor" whose size `tensor` does not
+    divide, with their sizes ({"kv_heads": 2} for 2 kv heads at tensor 4): `spec_for` would keep
+    those weights whole on every device of a replica instead."""
+    is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x)  # noqa: E731
+    axes = jax.tree.leaves(param_axes(model_cfg), is_leaf=is_axes)
+    shapes = jax.tree.leaves(param_shapes(model_cfg), is_leaf=lambda x: isinstance(x, tuple))
+    return {name: size for leaf_axes, shape in zip(axes, shapes) for name, size in zip(leaf_axes, shape)
+            if GENERATION_RULES.get(name) == "tensor" and size % tensor}
+
+
 def check_mesh(model_cfg: ModelConfig, engine_cfg: EngineConfig, mesh: Mesh | None) -> None:
     """Raises ValueError where the engine's state would be replicated instead of sharded."""
     data, tensor = mesh_sizes(mesh)

@@ -419,10 +419,14 @@ def metrics_logger(cfg: JobConfigs, run_dir: Any, *, progress: bool) -> MetricsL
 
 def _rollout_workflow(cfg: JobConfigs, rollout: Any, tokenizer: Any) -> Any:
     """RLConfig.workflow's class built as areal_jax/rollout/workflow.py's contract says, or (unset)
-    the RLVR config the loop builds its default workflow from."""
+    the RLVR config the loop builds its default workflow from. The workflow gets the prompts' encoder
+    (DataConfig's chat_template_kwargs or prompt_template), so the turns it inserts match them."""
     if cfg.rl.workflow is None:
         return rollout
-    return make_workflow(resolve_workflow_class(cfg.rl.workflow), rollout, tokenizer, cfg.workflow)
+    # None: the arithmetic task, whose prompts are the chat template without variables.
+    encoder = None if cfg.data is None else cfg.data.prompt_encoder(tokenizer)
+    return make_workflow(resolve_workflow_class(cfg.rl.workflow), rollout, tokenizer, cfg.workflow,
+                         prompt_encoder=encoder)
 
 
 def _place_on_train_mesh(model_cfg: Any, mesh: Mesh, host: Any) -> Any:

@@ -198,15 +198,21 @@ def build_meshes(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -
     auto2 = (AxisType.Auto, AxisType.Auto)
     train_grid = np.array([d for devs in train_by_host for d in devs], dtype=object)
     train_mesh = Mesh(train_grid.reshape(-1, cfg.train_tensor), TRAIN_AXES, axis_types=auto2)
-    generation_grid = np.array(generation_local, dtype=object)
-    generation_mesh = Mesh(
-        generation_grid.reshape(-1, cfg.generation_tensor), GENERATION_AXES, axis_types=auto2
-    )
     return Meshes(
         train=train_mesh,
-        generation=generation_mesh,
+        generation=generation_mesh(generation_local, cfg.generation_tensor),
         train_devices_local=train_local,
         generation_devices_local=generation_local,
         train_devices_by_host=train_by_host,
         split=split,
     )
+
+
+def generation_mesh(devices: Sequence[jax.Device], tensor: int) -> Mesh:
+    """The ("data", "tensor") mesh over `devices` in their order: consecutive groups of `tensor`
+    devices hold one model replica each, and the replicas form "data". `tensor` must divide
+    len(devices) (callers check it and name their field)."""
+    if tensor < 1 or len(devices) % tensor:
+        raise ValueError(f"tensor size {tensor} does not divide the {len(devices)} device(s)")
+    grid = np.array(list(devices), dtype=object).reshape(-1, tensor)  # [data, tensor]
+    return Mesh(grid, GENERATION_AXES, axis_types=(AxisType.Auto, AxisType.Auto))

@@ -17,7 +17,11 @@ documented example). The contract such a class meets:
   reward, reward_timeout_s; its temperature is the trainer's), `tokenizer` the policy's
   (`areal_jax.models.tokenizer.Tokenizer`: encode, decode, apply_chat_template), `config` an
   instance of `config_class` built from the gin bindings (`<ConfigClass>.field = ...`), checked
-  with every other config before any work starts.
+  with every other config before any work starts. A constructor that takes a `prompt_encoder`
+  keyword also gets the `areal_jax.data.templating.PromptEncoder` the rows' prompts were
+  rendered with (DataConfig's: its `chat_template_kwargs`, or `prompt_template` for a base model),
+  to render the turns it inserts as the prompts are (`chat_text`, `uses_chat_template`); None for
+  the built-in arithmetic task, whose prompts are the chat template without variables.
 - `async def arun(client, row, *, version) -> TrajectoryGroup | None`: `client` is a
   RolloutClient (`generate`: the engine, per-token behaviour log-probs and policy versions in each
   Completion; `reward`; `decode`), `row` a loader row {"prompt_ids": int32 [P], "row": PromptRow
@@ -279,14 +283,21 @@ def resolve_workflow_class(path: str, field: str = "RLConfig.workflow") -> type:
     return obj
 
 
-def make_workflow(cls: type, rollout: RLVRConfig, tokenizer: Any, config: Any = None) -> Any:
+def make_workflow(cls: type, rollout: RLVRConfig, tokenizer: Any, config: Any = None, *,
+                  prompt_encoder: Any = None) -> Any:
     """An instance of a workflow class that `resolve_workflow_class` accepted, constructed as the
-    contract says (`config` only when the class has a config_class)."""
+    contract says (`config` only when the class has a config_class, `prompt_encoder` only when its
+    constructor has a parameter of that name)."""
+    try:
+        takes_encoder = "prompt_encoder" in inspect.signature(cls).parameters
+    except (TypeError, ValueError):  # no signature to read: built as the contract's first form says
+        takes_encoder = False
+    extra = {"prompt_encoder": prompt_encoder} if takes_encoder else {}
     if getattr(cls, "config_class", None) is None:
-        return cls(rollout, tokenizer)
+        return cls(rollout, tokenizer, **extra)
     if not isinstance(config, cls.config_class):
         raise TypeError(f"{cls.__name__} takes a {cls.config_class.__name__}, got {type(config).__name__}")
-    return cls(rollout, tokenizer, config)
+    return cls(rollout, tokenizer, config, **extra)
 
 
 def load_workflow(path: str, **kwargs: Any) -> Any:

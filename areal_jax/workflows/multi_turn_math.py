@@ -18,9 +18,10 @@ sequence per episode:
 Each answer is sampled by the engine (RLVRConfig.sampling) with the whole context so far as its
 prompt, and scored by RLVRConfig.reward against the row's gold answer. A correct answer (reward
 > 0) or the last turn ends the episode; otherwise the turn is closed as the chat template closes
-an assistant turn, the feedback is appended as a user turn (rendered by the chat template, plain
-text for a tokenizer without one) and the model answers again. An episode also ends when the next
-context would not fit EngineConfig.max_prompt_len.
+an assistant turn, the feedback is appended as a user turn (rendered by the chat template with the
+same variables as the prompts, DataConfig.chat_template_kwargs; plain text under
+DataConfig.prompt_template or for a tokenizer without a chat template) and the model answers
+again. An episode also ends when the next context would not fit EngineConfig.max_prompt_len.
 
 The trajectory's reward is the last answer's reward times turn_discount ** (turns - 1): a right
 answer at the first try is worth most. The inserted tokens (turn endings, feedback) have loss
@@ -33,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -41,6 +42,9 @@ from areal_jax.rollout.types import Trajectory, TrajectoryGroup
 from areal_jax.rollout.workflow import (GenerationAborted, RLVRConfig, RolloutClient, RolloutWorkflow, gold_answer,
                                         row_source, stable_seed)
 from areal_jax.rollout.filters import equal_rewards_filter
+
+if TYPE_CHECKING:  # the encoder is only handed in (the data package needs grain)
+    from areal_jax.data.templating import PromptEncoder
 
 # Stands for an assistant answer while the chat template renders a turn boundary (never sampled).
 _ANSWER = "\u2063answer\u2063"
@@ -69,21 +73,33 @@ class MultiTurnMathConfig:
             raise ValueError("MultiTurnMathConfig.feedback must be a non-empty string")
 
 
-def turn_tokens(tokenizer: Any, feedback: str) -> tuple[list[int], list[int]]:
+def turn_tokens(tokenizer: Any, feedback: str,
+                prompt_encoder: PromptEncoder | None = None) -> tuple[list[int], list[int]]:
     """(turn end, feedback turn) token ids as the tokenizer's chat template writes them.
 
     The turn end is what the template puts after an assistant answer (e.g. "<|im_end|>\\n"); the
     feedback turn is the user message and the opening of the next assistant turn. Both are read
     off one rendered conversation, so they are exactly what the template would produce there.
-    Without a chat template: no turn end, and the feedback as plain text on its own lines.
+
+    prompt_encoder: the encoder the run's prompts were rendered with (DataConfig.prompt_encoder):
+    the template gets its chat_template_kwargs too (Qwen3's enable_thinking=False opens every
+    assistant turn with an empty think block, the retries' as well), and when it uses
+    DataConfig.prompt_template instead of the chat template the turns are plain text. None: the
+    tokenizer's chat template without variables.
+    Plain text (no chat template): no turn end, and the feedback on its own lines.
     """
-    if tokenizer.chat_template is None:
+    if prompt_encoder is None:
+        chat, kwargs = tokenizer.chat_template is not None, {}
+    else:
+        chat, kwargs = prompt_encoder.uses_chat_template, prompt_encoder.chat_template_kwargs
+    if not chat:
         return [], tokenizer.encode(f"\n\n{feedback}\n\n", add_special_tokens=False)
     question = {"role": "user", "content": "?"}
-    answered = tokenizer.apply_chat_template([question, {"role": "assistant", "content": _ANSWER}], tokenize=False)
+    answered = tokenizer.apply_chat_template([question, {"role": "assistant", "content": _ANSWER}], tokenize=False,
+                                             **kwargs)
     retried = tokenizer.apply_chat_template([question, {"role": "assistant", "content": _ANSWER},
                                              {"role": "user", "content": feedback}], add_generation_prompt=True,
-                                            tokenize=False)
+                                            tokenize=False, **kwargs)
     end = answered[answered.rindex(_ANSWER) + len(_ANSWER):]
     after = retried[retried.rindex(_ANSWER) + len(_ANSWER):]
     if not after.startswith(end) or feedback not in after:
@@ -129,15 +145,20 @@ def discounted(reward: float, turns: int, discount: float) -> float:
 
 
 class MultiTurnMathWorkflow(RolloutWorkflow):
-    """RLVRConfig.n_samples episodes per prompt, each up to MultiTurnMathConfig.max_turns tries."""
+    """RLVRConfig.n_samples episodes per prompt, each up to MultiTurnMathConfig.max_turns tries.
+
+    prompt_encoder: the one the rows' prompts were rendered with (`make_workflow` passes the run's),
+    so the inserted turns are rendered as the prompts are (see `turn_tokens`).
+    """
 
     config_class = MultiTurnMathConfig
 
-    def __init__(self, rollout: RLVRConfig, tokenizer: Any, config: MultiTurnMathConfig = MultiTurnMathConfig()):
+    def __init__(self, rollout: RLVRConfig, tokenizer: Any, config: MultiTurnMathConfig = MultiTurnMathConfig(),
+                 *, prompt_encoder: PromptEncoder | None = None):
         if not isinstance(rollout, RLVRConfig):
             raise TypeError(f"MultiTurnMathWorkflow takes an RLVRConfig, got {type(rollout).__name__}")
         self.rollout, self.config = rollout, config
-        self.turn_end, self.feedback_ids = turn_tokens(tokenizer, config.feedback)
+        self.turn_end, self.feedback_ids = turn_tokens(tokenizer, config.feedback, prompt_encoder)
 
     async def arun(self, engine_client: RolloutClient, row: Any, *, version: int) -> TrajectoryGroup | None:
         prompt = np.asarray(row["prompt_ids"], np.int32)
