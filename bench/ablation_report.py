@@ -3,7 +3,8 @@
 Every `--regime LABEL=DIR` names one ablation output directory (its `eta{E}_{variant}_seed{S}/`
 and `sync_seed{S}/` runs are read from their summary.json and metrics.jsonl, whatever invocation
 made them). Per regime it prints the mean +- std over seeds of the final held-out accuracy for
-each (eta, objective), the paper's two questions answered from those numbers, and, where a
+each (eta, objective) and its accuracy averaged over the run's evaluations (after step 0: how
+the whole run went, not only its end), the paper's two questions answered from those numbers, and, where a
 regime holds a synchronous baseline, when asynchronous runs first reach the baseline's final
 accuracy in wall time. The PNG has one row per regime: held-out accuracy against RL steps and
 against the RL stage's wall time, means over seeds, shaded min..max (decoupled and naive runs
@@ -61,7 +62,8 @@ def mean_curve(rs: list[dict], key: str) -> tuple[np.ndarray, np.ndarray, np.nda
 
 def summary_table(runs: list[dict]) -> str:
     lines = ["| eta | objective | seeds | start acc | final acc, mean ± sample std | gain | per seed | "
-             "RL wall s | trained tok/s | staleness max / mean |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "acc averaged over the run's evaluations | RL wall s | trained tok/s | staleness max / mean |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for eta, variant in configs(runs):
         rs = sorted(select(runs, eta, variant), key=lambda r: r["seed"])
         final = np.array([r["final_accuracy"] for r in rs])
@@ -70,6 +72,7 @@ def summary_table(runs: list[dict]) -> str:
         lines.append(
             f"| {eta} | {variant} | {len(rs)} | {start:.3f} | {final.mean():.3f} ± {std:.3f} | "
             f"{final.mean() - start:+.3f} | {' / '.join(f'{a:.3f}' for a in final)} | "
+            f"{mean_curve(rs, 'curve')[1][1:].mean():.3f} | "
             f"{np.mean([r['rl_wall_s'] for r in rs]):.0f} | {np.mean([r['tokens_per_s'] for r in rs]):.0f} | "
             f"{max(r['staleness_max'] for r in rs)} / {np.mean([r['staleness_mean'] for r in rs]):.2f} |")
     return "\n".join(lines)
