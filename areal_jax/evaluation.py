@@ -57,7 +57,7 @@ from areal_jax.data.formats import extract_last_boxed
 from areal_jax.data.pipeline import PromptLoader
 from areal_jax.eval_metrics import PromptSamples, summarize
 from areal_jax.generation import EngineConfig, GenerationEngine, GroupResult, SamplingParams
-from areal_jax.generation.programs import mesh_of, mesh_sizes, unsplit_tensor_axes
+from areal_jax.generation.programs import slots_for_replicas, unsplit_tensor_axes
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.transformer import Params, Transformer
 from areal_jax.parallel.distributed import gather_json
@@ -181,13 +181,6 @@ def engine_mesh(model_cfg: ModelConfig, tensor_parallel: int, *, field: str = "E
         raise ConfigError(f"{field} = {tensor_parallel} does not divide the model's {sizes}: those weights "
                           "would be replicated on every device instead of split (choose a divisor)")
     return generation_mesh(devices, tensor_parallel) if len(devices) > 1 else None
-
-
-def _engine_slots(config: EvalConfig, samples: int, data: int) -> int:
-    """Engine slots for `samples` samples: num_slots or fewer when fewer are needed, rounded up to a
-    multiple of the `data` replicas (the engine gives each the same share; a replica then holds
-    at most as many slots as one device would)."""
-    return -(-min(config.num_slots, samples) // data) * data
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,7 +327,8 @@ def _generate_and_decode(model_cfg: ModelConfig, params: Params, tokenizer: Any,
         return {}, 0.0, 0
     t_start = time.perf_counter()
     n = config.n_samples
-    slots = _engine_slots(config, len(examples) * n, mesh_sizes(mesh_of(params))[0])
+    # num_slots, or fewer when fewer samples need them, as an equal share per data replica.
+    slots = slots_for_replicas(min(config.num_slots, len(examples) * n), params)
     engine = GenerationEngine((model_cfg, params), EngineConfig(
         num_slots=slots, max_seq_len=config.max_seq_len,
         decode_chunk=config.decode_chunk, seed=config.seed))

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from areal_jax.generation.config import EngineConfig
 from areal_jax.generation.engine import Completion, GenerationEngine
-from areal_jax.generation.programs import mesh_of, mesh_sizes
+from areal_jax.generation.programs import slots_for_replicas
 from areal_jax.generation.sampling import SamplingParams
 from areal_jax.models.transformer import Transformer
 
@@ -26,9 +26,7 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_to
                               stop_token_ids=tuple(stop_token_ids))
     longest = max(len(p) for p in prompts)
     max_seq_len = -(-(longest + max_new_tokens) // 16) * 16  # round up: fewer distinct programs
-    slots = num_slots or min(64, len(prompts) * n)
-    data = mesh_sizes(mesh_of(model.params))[0]  # on a generation mesh every data replica gets its share
-    slots = -(-slots // data) * data
+    slots = slots_for_replicas(num_slots or min(64, len(prompts) * n), model.params)
     engine = GenerationEngine(model, EngineConfig(num_slots=slots, max_seq_len=max_seq_len,
                                                   decode_chunk=decode_chunk, seed=seed))
     handles = [engine.submit(p, sampling, n=n) for p in prompts]

@@ -54,6 +54,14 @@ def mesh_of(params: Params) -> Mesh | None:
     return home.mesh if isinstance(home, NamedSharding) else None
 
 
+def slots_for_replicas(slots: int, params: Params) -> int:
+    """`slots` rounded up to a multiple of the data replicas of the weights' mesh (1 on a single
+    device): the engine gives every replica the same share, so none holds more than `slots` would
+    on one device."""
+    data = mesh_sizes(mesh_of(params))[0]
+    return -(-slots // data) * data
+
+
 def unsplit_tensor_axes(model_cfg: ModelConfig, tensor: int) -> dict[str, int]:
     """The weights' logical axes GENERATION_RULES shards over "tensor" whose size `tensor` does not
     divide, with their sizes ({"kv_heads": 2} for 2 kv heads at tensor 4): `spec_for` would keep
