@@ -1,0 +1,1 @@
+"""Attention kernels: paged decode attention and flash attention, a jnp reference and Pallas kernels per platform."""
