@@ -22,12 +22,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from areal_jax.kernels.flash_attention import FLASH_IMPLS, flash_attention
 from areal_jax.models.attention import cached_attention, causal_attention, chunk_attention
 from areal_jax.models.config import ModelConfig, rope_inverse_frequencies
 from areal_jax.models.sharding import constrain
 
 Params = dict[str, Any]
 Remat = Literal["none", "full", "save_dots"]
+# Self-attention of the no-cache forward: "blocked" = models.attention.causal_attention under
+# autodiff (its backward keeps every block's scores: O(T^2) per layer); the others are
+# kernels.flash_attention's impls (the backward recomputes from the log-sum-exp: O(T)).
+ATTENTION_IMPLS = ("blocked", *FLASH_IMPLS)
 
 
 def param_axes(cfg: ModelConfig) -> dict[str, Any]:
@@ -244,13 +249,14 @@ def _layer_output(cfg: ModelConfig, x, attn, p, compute_dtype):
     return constrain(x + down, ("batch", "seq", "act_embed"))
 
 
-def _layer(cfg: ModelConfig, rope: Rotary, x, p, mask, cache_kv, write_index, compute_dtype):
+def _layer(cfg: ModelConfig, rope: Rotary, x, p, mask, cache_kv, write_index, compute_dtype, attend=None):
     """One decoder layer. x `[B, T, D]`; cache_kv = (k, v) `[B, K, S, H]` of this layer or None;
     with a cache, attention reads its first `mask.shape[-1]` positions. Returns the new x and the
-    updated cache layer, or without a cache this layer's keys and values `[B, T, K, H]`."""
+    updated cache layer, or without a cache this layer's keys and values `[B, T, K, H]`. Without a
+    cache, `attend(q, k, v)` (if given) replaces the blocked attention under `mask`."""
     q, k, v = _attention_inputs(cfg, rope, x, p, compute_dtype)
     if cache_kv is None:
-        attn = causal_attention(q, k, v, mask)
+        attn = causal_attention(q, k, v, mask) if attend is None else attend(q, k, v)
         new_kv = (k, v)
     else:
         ck, cv = cache_kv  # [B, K, S, H]; write_index [B, T] puts token t of row b at [b, :, index]
@@ -282,6 +288,7 @@ def forward(
     return_hidden: bool = False,
     cache_window: int | None = None,
     scan_layers: bool = True,
+    attention_impl: str = "blocked",
 ) -> tuple[jax.Array, KVCache | None]:
     """Logits `[B, T, V]` (fp32) and the updated cache.
 
@@ -297,8 +304,12 @@ def forward(
     `cache_window` (static) limits attention to the first cache positions: every position in
     `positions` must lie below it. Decoding short sequences in a long cache then reads only the
     part of the cache they use.
+    `attention_impl` (no cache only; one of ATTENTION_IMPLS) picks the self-attention: "blocked",
+    or flash attention ("auto", "reference", "pallas"; kernels/flash_attention.py).
     """
     B, T = input_ids.shape
+    if attention_impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {attention_impl!r}")
     compute_dtype = compute_dtype or params["embed"].dtype
     if positions is None:
         if cache is not None:
@@ -307,7 +318,11 @@ def forward(
                      else segment_positions(segment_ids))
     positions = positions.astype(jnp.int32)
 
-    if cache is None:
+    attend = None
+    if cache is None and attention_impl != "blocked":
+        mask = write_index = None
+        attend = lambda q, k, v: flash_attention(q, k, v, segment_ids, impl=attention_impl)  # noqa: E731
+    elif cache is None:
         mask = self_attention_mask(B, T, segment_ids)
         write_index = None
     else:
@@ -322,7 +337,7 @@ def forward(
 
     rope = Rotary.at(cfg, positions)
     x = _embed(params, input_ids, compute_dtype)
-    layer_fn = lambda x, p, kv: _layer(cfg, rope, x, p, mask, kv, write_index, compute_dtype)  # noqa: E731
+    layer_fn = lambda x, p, kv: _layer(cfg, rope, x, p, mask, kv, write_index, compute_dtype, attend)  # noqa: E731
     if remat != "none":
         layer_fn = jax.checkpoint(layer_fn, policy=_REMAT_POLICIES[remat])
 

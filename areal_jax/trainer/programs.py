@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from areal_jax.aot import ProgramSpec, abstract
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.sharding import TRAIN_RULES, Rules, activation_rules, sharding_for
-from areal_jax.models.transformer import Params, forward, lm_head, param_axes, param_shapes
+from areal_jax.models.transformer import ATTENTION_IMPLS, Params, forward, lm_head, param_axes, param_shapes
 from areal_jax.ppo import accumulate_loss_stats, decoupled_ppo_loss, loglinear_proximal_logprobs
 from areal_jax.ppo.loss import BEHAV_IMP_WEIGHT_MODES, IMPORTANCE_SAMPLING_LEVELS
 from areal_jax.ppo.logprobs import DEFAULT_LOGIT_CHUNK_TOKENS, hidden_logprobs, hidden_logprobs_and_entropy
@@ -87,6 +87,11 @@ class PPOConfig:
         scan_layers: run the layers as a scan (one compiled layer body, the choice for deep
             models) or unrolled: on CPU ~15% faster per step for small models, whose compile
             is then also shorter (the scan's saved activations are stacked and sliced back).
+        attention_impl: self-attention of the training forwards (policy gradient, proximal and
+            reference log-probs): "auto" (flash attention: the platform's Pallas kernel, splash
+            on TPU and Triton on GPU, else the jnp reference), "reference", "pallas", or "blocked"
+            (the blocked formula under autodiff, whose backward keeps O(T^2) scores per layer).
+            kernels/flash_attention.py.
         skip_nonfinite: skip (and count) updates whose gradient has a NaN/inf.
         logit_chunk_tokens: tokens of a micro-batch (all its rows, every process's) whose
             logits exist at once; longer micro-batches take log-probs and entropy chunk by chunk
@@ -112,6 +117,7 @@ class PPOConfig:
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     remat: Literal["none", "full", "save_dots"] = "none"
     scan_layers: bool = True
+    attention_impl: Literal["auto", "reference", "pallas", "blocked"] = "auto"
     skip_nonfinite: bool = True
     logit_chunk_tokens: int = DEFAULT_LOGIT_CHUNK_TOKENS
 
@@ -159,6 +165,8 @@ class PPOConfig:
             raise ValueError(f"PPOConfig.scan_layers must be a bool, got {self.scan_layers!r}")
         if self.remat not in REMATS:
             raise ValueError(f"PPOConfig.remat must be one of {REMATS}, got {self.remat!r}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"PPOConfig.attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
         for name in ("decoupled", "skip_nonfinite"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"PPOConfig.{name} must be a bool, got {getattr(self, name)!r}")
@@ -242,7 +250,7 @@ def build_train_programs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, optimizer: 
     def hidden_of(params, batch):
         hidden, _ = forward(params, cfg, batch["input_ids"], batch["positions"], batch["segment_ids"],
                             compute_dtype=compute_dtype, remat=ppo.remat, return_hidden=True,
-                            scan_layers=ppo.scan_layers)
+                            scan_layers=ppo.scan_layers, attention_impl=ppo.attention_impl)
         return hidden, functools.partial(lm_head, params, cfg)  # [R, T, D], its head -> fp32 logits
 
     def logprobs(params, batch):
@@ -306,7 +314,7 @@ _MESH_FIELDS = ("MeshConfig.train_tensor", "MeshConfig.generation_fraction",
                 "MeshConfig.num_generation_devices_per_host")
 _MICROBATCH_FIELDS = ("PPOConfig.max_tokens_per_microbatch", "PPOConfig.row_buckets")
 _ACTIVATION_FIELDS = ("PPOConfig.logit_chunk_tokens", "PPOConfig.remat", "PPOConfig.compute_dtype",
-                      "PPOConfig.scan_layers")
+                      "PPOConfig.scan_layers", "PPOConfig.attention_impl")
 
 
 def microbatch_shapes(ppo_cfg: PPOConfig, fsdp: int, num_processes: int = 1) -> list[tuple[int, int]]:

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from areal_jax.data.sft_data import SFTExample
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.transformer import Params, forward, lm_head
+from areal_jax.models.transformer import ATTENTION_IMPLS, Params, forward, lm_head
 from areal_jax.models.sharding import TRAIN_RULES, activation_rules, sharding_for
 from areal_jax.packing import ffd_allocate, pack_sequences
 from areal_jax.parallel.distributed import fully_local
@@ -53,6 +53,8 @@ class SFTConfig:
     "bfloat16" for matmuls (weights and optimizer state stay float32). log_every: steps between
     metric read-backs (reading forces a device sync). scan_layers: run the layers as a scan (one
     compiled layer body) or unrolled (faster per step on CPU, longer compile for deep models).
+    attention_impl: self-attention of the SFT forward, as `PPOConfig.attention_impl` ("auto" =
+    flash attention by platform; "blocked" = the blocked formula under autodiff).
 
     Validation (needs validation prompts, e.g. TaskSource.validation_size for the built-in task):
     eval_every: steps between greedy-accuracy checks on them (0 = none), from step `eval_from`
@@ -79,6 +81,7 @@ class SFTConfig:
     min_lr_ratio: float = 0.1
     log_every: int = 10
     scan_layers: bool = True
+    attention_impl: str = "auto"
     eval_every: int = 0
     eval_from: int = 0
     stop_accuracy: float = 0.0
@@ -97,6 +100,8 @@ class SFTConfig:
             raise ValueError(f"SFTConfig.lr must be positive, got {self.lr!r}")
         if not isinstance(self.scan_layers, bool):
             raise ValueError(f"SFTConfig.scan_layers must be a bool, got {self.scan_layers!r}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"SFTConfig.attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
         if self.compute_dtype not in _DTYPES:
             raise ValueError(f"SFTConfig.compute_dtype must be one of {sorted(_DTYPES)}, got {self.compute_dtype!r}")
         if not self.weight_decay >= 0:
@@ -215,7 +220,8 @@ class PackedBatches:
 
 def completion_loss(params: Params, model_cfg: ModelConfig, batch: Mapping[str, jax.Array], *,
                     compute_dtype=None, scan_layers: bool = True,
-                    logit_chunk_tokens: int = DEFAULT_LOGIT_CHUNK_TOKENS) -> tuple[jax.Array, jax.Array]:
+                    logit_chunk_tokens: int = DEFAULT_LOGIT_CHUNK_TOKENS,
+                    attention_impl: str = "auto") -> tuple[jax.Array, jax.Array]:
     """Token-mean cross-entropy over completion tokens of a packed (or padded) batch.
 
     batch: input_ids, targets, loss_mask `[B, T]`, and optionally segment_ids / positions `[B, T]`
@@ -224,7 +230,8 @@ def completion_loss(params: Params, model_cfg: ModelConfig, batch: Mapping[str, 
     (ppo/logprobs.py), so its logits `[B, T, V]` never exist whole.
     """
     hidden, _ = forward(params, model_cfg, batch["input_ids"], batch.get("positions"), batch.get("segment_ids"),
-                        compute_dtype=compute_dtype, scan_layers=scan_layers, return_hidden=True)
+                        compute_dtype=compute_dtype, scan_layers=scan_layers, return_hidden=True,
+                        attention_impl=attention_impl)
     logp = hidden_logprobs(hidden, functools.partial(lm_head, params, model_cfg), batch["targets"],
                            chunk_tokens=logit_chunk_tokens)  # [B, T]
     mask = batch["loss_mask"].astype(jnp.float32)
@@ -248,14 +255,15 @@ def make_optimizer(cfg: SFTConfig) -> optax.GradientTransformation:
 
 
 def make_train_step(model_cfg: ModelConfig, optimizer: optax.GradientTransformation, compute_dtype=None,
-                    scan_layers: bool = True, out_shardings: Any = None
+                    scan_layers: bool = True, out_shardings: Any = None, attention_impl: str = "auto"
                     ) -> Callable[..., tuple[Params, Any, dict[str, jax.Array]]]:
     """Jitted `(params, opt_state, batch) -> (params, opt_state, metrics)`; params/state donated.
     out_shardings: (params, opt_state, metrics) shardings on a mesh, so every step keeps one layout."""
 
     def step(params, opt_state, batch):
         (loss, n), grads = jax.value_and_grad(
-            lambda p: completion_loss(p, model_cfg, batch, compute_dtype=compute_dtype, scan_layers=scan_layers),
+            lambda p: completion_loss(p, model_cfg, batch, compute_dtype=compute_dtype, scan_layers=scan_layers,
+                                      attention_impl=attention_impl),
             has_aux=True)(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
@@ -328,18 +336,20 @@ def run_sft(model_cfg: ModelConfig, params: Params, examples: Sequence[Example],
     if placement is None:
         params = jax.tree.map(lambda a: jnp.array(a, jnp.float32), params)  # own copy: the step donates it
         opt_state = optimizer.init(params)
-        step_fn = make_train_step(model_cfg, optimizer, compute_dtype, cfg.scan_layers)
+        step_fn = make_train_step(model_cfg, optimizer, compute_dtype, cfg.scan_layers,
+                                  attention_impl=cfg.attention_impl)
     else:
         params = placement.place_params(params)
         opt_shardings = opt_state_shardings(optimizer, params, placement.params, mesh)
         opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
         step_fn = make_train_step(model_cfg, optimizer, compute_dtype, cfg.scan_layers,
-                                  out_shardings=(placement.params, opt_shardings, placement.replicated))
+                                  out_shardings=(placement.params, opt_shardings, placement.replicated),
+                                  attention_impl=cfg.attention_impl)
     schedule = learning_rate_schedule(cfg)
     batches = PackedBatches(examples, cfg.batch_size, cfg.max_len, cfg.seed)
     val_batches = packed_eval_batches(val_examples, cfg.batch_size, cfg.max_len) if val_examples else []
     loss_fn = jax.jit(functools.partial(completion_loss, model_cfg=model_cfg, compute_dtype=compute_dtype,
-                                        scan_layers=cfg.scan_layers))
+                                        scan_layers=cfg.scan_layers, attention_impl=cfg.attention_impl))
 
     def val_loss() -> float:
         sums = []  # (loss * tokens, tokens) per batch: the mean over every held-out token
