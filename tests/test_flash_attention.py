@@ -2,6 +2,8 @@
 dense attention, values and gradients, on packed rows of ragged lengths; and the model's training
 loss and gradients with flash attention against the blocked formula."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -94,9 +96,10 @@ def test_bfloat16_values_and_gradients_stay_close_to_float32():
 
 
 def residual_bytes(fn, *args) -> int:
-    """Bytes autodiff keeps between forward and backward: the leaves of the vjp closure."""
-    _, vjp = jax.vjp(fn, *args)
-    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(vjp))
+    """Bytes autodiff keeps between forward and backward: the leaves of the vjp closure (traced
+    abstractly: nothing is computed)."""
+    leaves = jax.eval_shape(lambda *a: jax.tree.leaves(jax.vjp(fn, *a)[1]), *args)
+    return sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in leaves)
 
 
 def test_backward_keeps_no_scores():
@@ -220,3 +223,37 @@ def test_ppo_config_reaches_the_training_forward(impl):
     batch = {name: jnp.ones((2, 16), jnp.int32) for name in ("input_ids", "targets", "segment_ids", "positions")}
     text = str(jax.make_jaxpr(programs.logprobs)(params, batch))
     assert ("custom_vjp_call" in text) == (impl != "blocked")
+
+
+def test_pallas_kernel_runs_per_shard_under_a_mesh():
+    """Under the train rules on 8 fake devices (rows over fsdp, heads over tensor) the kernel runs
+    per shard (shard_map) and gives the single-device values and gradients."""
+    from areal_jax.models.attention import training_attention
+
+    seg, q, k, v, weights = case(13, 4, 40, 4, 2, 16)
+    options = dict(impl="pallas", platform="gpu", block_q=16, block_k=16, block_backward=16, interpret=True)
+    grad_fn = jax.value_and_grad(lambda q, k, v: jnp.sum(training_attention(q, k, v, seg, **options) * weights),
+                                 argnums=(0, 1, 2))
+    want_value, want = grad_fn(q, k, v)
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:8])
+    heads = NamedSharding(mesh, PartitionSpec("fsdp", None, "tensor"))
+    with shd.activation_rules(shd.TRAIN_RULES, mesh):
+        fn = jax.jit(grad_fn)
+        value, got = fn(*(jax.device_put(a, heads) for a in (q, k, v)))
+        assert "shard_map" in str(jax.make_jaxpr(grad_fn)(q, k, v))
+    np.testing.assert_allclose(float(value), float(want_value), rtol=1e-5)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=1e-5)
+
+
+def test_target_platform_chooses_the_kernel_for_a_deviceless_compile():
+    """`plan` compiles for a target from a CPU host: kernels are chosen for the target, and the
+    Triton kernel appears in the traced program."""
+    from areal_jax.kernels.dispatch import target_platform
+
+    seg, q, k, v, _ = case(5, 1, 32, 2, 1, 16)
+    with target_platform("gpu"):
+        assert fa.resolve_impl("auto") == "pallas" and fa.kernel_name("auto") == "pallas_triton_flash"
+        text = str(jax.make_jaxpr(lambda q, k, v: fa.flash_attention(q, k, v, seg, interpret=True))(q, k, v))
+    assert "mha_forward" in text
+    assert fa.resolve_impl("auto") == "reference"

@@ -2,11 +2,36 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 
 import jax
 
 IMPLS = ("auto", "reference", "pallas")
+
+
+class _Target(threading.local):
+    platform: str | None = None
+
+
+_target = _Target()
+
+
+@contextlib.contextmanager
+def target_platform(platform: str) -> Iterator[None]:
+    """Within this block (per thread) kernels are chosen for `platform` ("gpu", "tpu") instead of
+    jax's default backend: what a deviceless compile for another target (`plan`) needs."""
+    prev, _target.platform = _target.platform, platform
+    try:
+        yield
+    finally:
+        _target.platform = prev
+
+
+def current_platform(platform: str | None = None) -> str:
+    """`platform`, else the one `target_platform` set, else jax's default backend."""
+    return platform or _target.platform or jax.default_backend()
 
 
 class KernelTable:
@@ -22,10 +47,11 @@ class KernelTable:
 
     def resolve(self, impl: str, platform: str | None = None) -> str:
         """"auto" -> "pallas" where a kernel is registered for `platform` (default: jax's default
-        backend), else "reference"; "pallas" with none registered is a one-line error."""
+        backend, or `target_platform`'s), else "reference"; "pallas" with none registered is a
+        one-line error."""
         if impl not in IMPLS:
             raise ValueError(f"{self.what} impl must be one of {IMPLS}, got {impl!r}")
-        platform = platform or jax.default_backend()
+        platform = current_platform(platform)
         have = platform in self.kernels
         if impl == "pallas" and not have:
             raise ValueError(f"{self.what} impl 'pallas': no kernel for platform {platform!r} "
@@ -33,4 +59,4 @@ class KernelTable:
         return ("pallas" if have else "reference") if impl == "auto" else impl
 
     def kernel(self, platform: str | None = None) -> Callable[..., jax.Array]:
-        return self.kernels[platform or jax.default_backend()]
+        return self.kernels[current_platform(platform)]

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from areal_jax.kernels import flash_pallas
 from areal_jax.kernels.dispatch import IMPLS as FLASH_IMPLS
-from areal_jax.kernels.dispatch import KernelTable
+from areal_jax.kernels.dispatch import KernelTable, current_platform
 
 # Query blocks as models/attention.py chooses them (32 tokens, at most 32 blocks: the fastest
 # on the 2-core CPU), so rows up to 512 tokens meet all their keys in one block and the
@@ -251,7 +251,7 @@ resolve_impl = KERNELS.resolve
 def kernel_name(impl: str, platform: str | None = None) -> str:
     """What `flash_attention` compiles for `impl` on `platform`: "reference", "pallas_triton_flash"
     (GPU) or "splash" (TPU); the name `plan --json` reports."""
-    platform = platform or jax.default_backend()
+    platform = current_platform(platform)
     if resolve_impl(impl, platform) == "reference":
         return "reference"
     return {"gpu": "pallas_triton_flash", "tpu": "splash"}.get(platform, f"pallas_{platform}")

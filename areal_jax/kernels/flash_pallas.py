@@ -7,6 +7,8 @@ backward (dq, dk, dv kernels recomputing from the log-sum-exp). Chosen over cuDN
 `jax.nn.dot_product_attention(implementation="cudnn")` because it takes segment ids, i.e. packed
 rows, directly: cuDNN's path there takes per-row sequence lengths, not segments. It wants as many
 kv heads as query heads, so each kv head is repeated G times (autodiff sums the G gradients back).
+jax 0.12 marks the module deprecated in favour of tokamax (not a dependency here); it still ships
+and compiles for H100 (DESIGN.md section 7).
 
 TPU: splash attention (`make_splash_mha`) with a causal mask and `SegmentIds`; it takes GQA
 as it is. It has no softmax scale, so q is scaled first.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +54,9 @@ def gpu_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: j
                         block_q: int = 128, block_k: int = 128, block_backward: int = 32,
                         interpret: bool = False) -> jax.Array:
     """The Pallas Triton `mha` (forward and backward). `interpret=True` runs it on CPU."""
-    from jax.experimental.pallas.ops.gpu import attention as triton_attention
+    with warnings.catch_warnings():  # deprecated in jax 0.12 for tokamax (module docstring)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from jax.experimental.pallas.ops.gpu import attention as triton_attention
 
     B, T, N, H = q.shape
     G = N // k.shape[2]

@@ -10,6 +10,11 @@ the cache length. `attention` is the same formula for `[B, S, K, H]` keys.
 attends to its own keys (causal) and to the earlier keys already in its KV block, read in blocks
 with an online softmax, so no score tensor is larger than `[B, K, G*T, block]`.
 
+`training_attention` is the training forward's flash attention (kernels/flash_attention.py: no
+`[T, T]` saved for the backward; `causal_attention` under autodiff is the "blocked" alternative).
+Under a mesh a Pallas kernel runs per shard (`shard_map` over rows and heads): XLA cannot split
+a kernel's custom call, and would otherwise gather every row onto every device.
+
 `causal_attention` serves training and packed prefill (T == S, causal mask). On CPU the dense score
 tensor of a 512-token row is tens of MB per layer and every softmax pass over it is memory-bound,
 while half of it lies above the diagonal. Here query block [i, e) only meets keys [0, e): about
@@ -24,6 +29,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from areal_jax.kernels import flash_attention as flash
+from areal_jax.models import sharding as shd
 
 # Query block of 32 tokens: the fastest of 16/32/64/128 for 512-token rows on the 2-core CPU
 # benchmark machine (bench/forward_throughput.py). Longer rows get longer blocks so that the
@@ -172,3 +181,36 @@ def chunk_attention(q: jax.Array, k: jax.Array, v: jax.Array, ck: jax.Array, cv:
     if not (isinstance(start, int) and start == 0):
         peak, total, out = jax.lax.fori_loop(0, start // block, earlier, (peak, total, out))
     return _unfold_heads((out / total).reshape(B, K, G * T, H).astype(v.dtype), N)
+
+
+def _shard_specs(q: jax.Array, k: jax.Array) -> tuple[PartitionSpec, PartitionSpec, PartitionSpec] | None:
+    """Specs of q, k/v and segment ids for running attention per shard under the active rules, or
+    None without a mesh. Heads are split only where q and kv heads split alike (query head n meets
+    kv head n // G within each shard); otherwise they stay whole."""
+    active = shd.active()
+    if active is None:
+        return None
+    rules, mesh = active
+    q_spec = tuple(shd.spec_for(("batch", "seq", "act_heads", "head_dim"), rules, mesh, q.shape))
+    kv_spec = tuple(shd.spec_for(("batch", "seq", "kv_heads", "head_dim"), rules, mesh, k.shape))
+    q_spec, kv_spec = (tuple(s) + (None,) * (4 - len(s)) for s in (q_spec, kv_spec))
+    heads = q_spec[2] if q_spec[2] == kv_spec[2] else None
+    rows = q_spec[0]
+    return PartitionSpec(rows, None, heads, None), PartitionSpec(rows, None, heads, None), PartitionSpec(rows, None)
+
+
+def training_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, impl: str, *,
+                       platform: str | None = None, **options) -> jax.Array:
+    """Flash attention (kernels/flash_attention.py: causal within segments, padding queries get
+    zeros) for the no-cache forward, per shard under the active mesh when the impl is a Pallas
+    kernel. q `[B, T, N, H]`, k/v `[B, T, K, H]`, segment_ids `[B, T]` (0 = padding) or None ->
+    `[B, T, N, H]`. impl: "auto", "reference" or "pallas"; platform and options as there."""
+    call = lambda q, k, v, s: flash.flash_attention(q, k, v, s, impl=impl, platform=platform, **options)  # noqa: E731
+    specs = _shard_specs(q, k) if flash.resolve_impl(impl, platform) == "pallas" else None
+    if specs is None:  # jnp: XLA partitions it like any other code
+        return call(q, k, v, segment_ids)
+    seg = jnp.ones(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids
+    q_spec, kv_spec, seg_spec = specs
+    run = jax.shard_map(call, mesh=shd.active()[1], in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec,
+                        check_vma=False)
+    return run(q, k, v, seg)

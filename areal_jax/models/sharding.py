@@ -93,6 +93,13 @@ def activation_rules(rules: Rules, mesh: Mesh):
         _active.rules, _active.mesh = prev
 
 
+def active() -> tuple[Rules, Mesh] | None:
+    """The (rules, mesh) of the enclosing `activation_rules` block, or None outside one."""
+    if _active.rules is None or _active.mesh is None:
+        return None
+    return _active.rules, _active.mesh
+
+
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     """Sharding constraint on an activation by logical axis names (no-op without active rules)."""
     if _active.rules is None or _active.mesh is None:

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from areal_jax.kernels.flash_attention import FLASH_IMPLS, flash_attention
-from areal_jax.models.attention import cached_attention, causal_attention, chunk_attention
+from areal_jax.kernels.flash_attention import FLASH_IMPLS
+from areal_jax.models.attention import cached_attention, causal_attention, chunk_attention, training_attention
 from areal_jax.models.config import ModelConfig, rope_inverse_frequencies
 from areal_jax.models.sharding import constrain
 
@@ -321,7 +321,7 @@ def forward(
     attend = None
     if cache is None and attention_impl != "blocked":
         mask = write_index = None
-        attend = lambda q, k, v: flash_attention(q, k, v, segment_ids, impl=attention_impl)  # noqa: E731
+        attend = lambda q, k, v: training_attention(q, k, v, segment_ids, attention_impl)  # noqa: E731
     elif cache is None:
         mask = self_attention_mask(B, T, segment_ids)
         write_index = None
