@@ -183,8 +183,11 @@ CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layer
                   head_dim=8)
 
 
-@pytest.mark.parametrize("remat,scan_layers,key_block", [("none", True, 512), ("full", False, 32),
-                                                          ("save_dots", True, 32)])
+@pytest.mark.parametrize("remat,scan_layers,key_block", [
+    ("none", True, 32),
+    pytest.param("full", False, 512, marks=pytest.mark.slow),
+    pytest.param("save_dots", True, 32, marks=pytest.mark.slow),
+])
 def test_model_loss_and_gradients_equal_the_blocked_formula(remat, scan_layers, key_block, monkeypatch):
     """A packed training batch (ragged sequences, padding) through the whole decoder: loss and
     every parameter's gradient with flash attention equal the blocked formula's, with the keys
