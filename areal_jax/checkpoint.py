@@ -23,6 +23,7 @@ import base64
 import dataclasses
 import json
 import logging
+import math
 import os
 import time
 from typing import Any, Protocol
@@ -62,6 +63,11 @@ class CheckpointConfig:
     have passed since the last save (either trigger suffices; both None: only forced saves).
     `max_to_keep` newest steps are kept (None: all). HF exports go to `export_dir/step_N`
     every `export_hf_interval_steps` steps.
+
+    `save_on_signal_s`: on SIGTERM or SIGINT during RL (a preemption notice), the run finishes or
+    abandons its current step, waits for a save in flight, checkpoints the last completed step and
+    exits (143 / 130) within this many seconds; past it, it exits without that checkpoint (the
+    previous one stays). None: the signal stops the run at once, as before RL.
     """
 
     directory: str | os.PathLike
@@ -71,6 +77,7 @@ class CheckpointConfig:
     async_save: bool = True
     export_hf_interval_steps: int | None = None
     export_dir: str | os.PathLike | None = None
+    save_on_signal_s: float | None = 60.0
 
     def __post_init__(self):
         if not str(self.directory):
@@ -82,6 +89,11 @@ class CheckpointConfig:
         if self.save_interval_s is not None and not (
                 isinstance(self.save_interval_s, (int, float)) and self.save_interval_s > 0):
             raise ValueError(f"CheckpointConfig.save_interval_s must be None or > 0, got {self.save_interval_s!r}")
+        if self.save_on_signal_s is not None and not (
+                isinstance(self.save_on_signal_s, (int, float)) and not isinstance(self.save_on_signal_s, bool)
+                and math.isfinite(self.save_on_signal_s) and self.save_on_signal_s > 0):
+            raise ValueError(f"CheckpointConfig.save_on_signal_s must be None or a positive finite number of seconds, "
+                             f"got {self.save_on_signal_s!r}")
         if self.export_hf_interval_steps is not None and self.export_dir is None:
             raise ValueError("CheckpointConfig.export_dir is required when export_hf_interval_steps is set")
         if self.export_dir is not None and not str(self.export_dir):

@@ -191,20 +191,13 @@ def _run_command(args) -> int:
         return _train(args) if args.command in ("train", "sft") else \
             _eval(args) if args.command == "eval" else _export(args) if args.command == "export" else _generate(args)
     except Exception as e:
-        kind = _user_error_kind(e)
-        if args.debug or kind is None:
+        from areal_jax.jobs.errors import user_error  # one line and an exit code (2, 74) for what is not a bug
+
+        reported = user_error(e, getattr(args, "run_dir", None))
+        if args.debug or reported is None:
             raise  # a bug, or --debug: the traceback
-        print(f"areal-jax: {kind}: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-
-
-def _user_error_kind(e: Exception) -> str | None:
-    """How to label a configuration, model, data or run-directory problem (reported in one line,
-    exit code 2); None for anything else."""
-    from areal_jax.config_system import ConfigError
-    from areal_jax.jobs.inputs import InputError
-
-    return "error" if isinstance(e, InputError) else "configuration error" if isinstance(e, ConfigError) else None
+        print(f"areal-jax: {reported[0]}", file=sys.stderr)
+        return reported[1]
 
 
 def enable_compile_cache(directory: str) -> None:
@@ -378,6 +371,12 @@ def _plan(args) -> int:
 def _generate(args) -> int:
     from areal_jax.evaluation import engine_mesh
     from areal_jax.generation import generate
+    from areal_jax.jobs.inputs import InputError
+
+    for flag, value, ok in (("--n", args.n, args.n >= 1), ("--max_new_tokens", args.max_new_tokens, args.max_new_tokens >= 1),
+                            ("--temperature", args.temperature, 0 <= args.temperature < float("inf"))):
+        if not ok:  # before the model loads
+            raise InputError(f"{flag} must be {'>= 1' if flag != '--temperature' else 'finite and >= 0'}, got {value}")
 
     tok, model = _load_model(args.model, dtype=args.dtype,
                              mesh_for=lambda model_cfg: engine_mesh(model_cfg, args.tensor_parallel,

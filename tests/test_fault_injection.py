@@ -15,14 +15,18 @@ checkpoint exists, else starts over (--overwrite). The attempts are printed (pyt
 import dataclasses
 import json
 import math
+import os
 import random
+import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
 from areal_jax.checkpoint import finalized_steps
-from tests.test_resume import (ARGS, ASYNC, ASYNC_BATCH, ASYNC_CONCURRENT, ETA, SPLIT_8, SYNC, TIMING,
+from tests.test_resume import (ARGS, ROOT, ASYNC, ASYNC_BATCH, ASYNC_CONCURRENT, ETA, SPLIT_8, SYNC, TIMING,
                                _assert_same_metrics, _by_step, assert_each_step_once_in_tensorboard,
                                assert_same_weights, final_weights, start_run)
 
@@ -159,3 +163,118 @@ def test_async_run_killed_at_random_and_mid_save_records_each_step_once_within_e
     assert resumes and resumes[-1]["step"] == next(a.latest_before for a in reversed(attempts) if a.latest_before)
     for r in resumes:
         assert r["capacity"] == min(ASYNC_CONCURRENT, (ETA + 1) * ASYNC_BATCH), r
+
+
+# ---- issue 26: two writers, a corrupt latest step, SIGTERM, a full or read-only disk ----------------
+
+# No SFT, a checkpoint only when asked (or forced by a stop), steps many enough to be caught mid-run.
+LONG = [*ARGS, *SYNC[:2], SPLIT_8, "--gin_param=Stages.sft = False", "--gin_param=TaskSource.eval_size = 0",
+        "--gin_param=Stages.plot = False", "--gin_param=RLConfig.eval_every = 0"]
+
+
+def _start(args: list[str], run_dir, *flags: str, command: str = "train") -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    return subprocess.Popen([sys.executable, "-m", "areal_jax.cli", command, *args, f"--run_dir={run_dir}", *flags],
+                            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _one_line(proc: subprocess.Popen, code: int = 2, timeout: float = 600) -> str:
+    """The process's exit code is `code` and stderr holds one `areal-jax:` line and no traceback."""
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == code, (proc.returncode, err[-3000:])
+    lines = [line for line in err.splitlines() if line.startswith("areal-jax:")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    return lines[0]
+
+
+def _wait_records(proc, run_dir, n: int, timeout: float = 600) -> None:
+    _wait_until(proc, lambda: _records(run_dir) >= n, time.monotonic() + timeout)
+    assert proc.poll() is None, f"the run ended before {n} records: {proc.communicate()[1][-3000:]}"
+
+
+@pytest.mark.slow  # ~1.5 min: one run, two refused starts beside it
+def test_a_second_writer_is_refused_while_a_run_holds_its_directory(tmp_path):
+    run = tmp_path / "run"
+    args = [*LONG, "--gin_param=RLConfig.steps = 30", "--gin_param=CheckpointConfig.save_interval_steps = 2",
+            f"--compile_cache={tmp_path / 'xla'}"]
+    first = _start(args, run)
+    try:
+        _wait_records(first, run, 3)
+        for flags in ((), ("--overwrite",), ("--resume",)):
+            line = _one_line(_start(args, run, *flags))
+            assert f"is in use by another run: pid {first.pid} on host" in line, line
+        line = _one_line(_start(args, run, command="sft"))
+        assert f"pid {first.pid}" in line
+    finally:
+        out, err = first.communicate(timeout=600)
+    assert first.returncode == 0, err[-3000:]
+    assert sorted(_by_step(run)) == list(range(30))  # each step once
+    assert_each_step_once_in_tensorboard(run, 30)
+    assert not (run / ".areal-jax.lock").exists()
+
+
+@pytest.mark.slow  # ~2 min: a run, then three resumes over broken checkpoints
+def test_resume_falls_back_past_a_corrupt_latest_step(tmp_path):
+    run = tmp_path / "run"
+    args = [*LONG, "--gin_param=CheckpointConfig.save_interval_steps = 1", f"--compile_cache={tmp_path / 'xla'}"]
+    assert _start([*args, "--gin_param=RLConfig.steps = 4"], run).wait(timeout=600) == 0
+    checkpoints = run / "checkpoints"
+    assert finalized_steps(checkpoints) == [2, 3, 4]
+    # A truncated data file in the newest step: resume from step 3, the bad step set aside.
+    biggest = max((p for p in (checkpoints / "4" / "state").rglob("*") if p.is_file() and "/d/" in str(p)),
+                  key=lambda p: p.stat().st_size)
+    os.truncate(biggest, biggest.stat().st_size // 2)
+    proc = _start([*args, "--gin_param=RLConfig.steps = 6"], run, "--resume")
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    warning = [line for line in err.splitlines() if "checkpoint step 4" in line]
+    assert len(warning) == 1 and "truncated" in warning[0] and "resuming from step 3" in warning[0], err[-3000:]
+    assert "resuming from checkpoint step 3" in out
+    assert [p.name.split(".")[1].split("-")[0] for p in checkpoints.iterdir() if ".corrupt-" in p.name] == ["corrupt"]
+    assert sorted(_by_step(run)) == list(range(6))
+    # A missing meta/ in the newest, then _METADATA missing too in the one before: back two steps.
+    paths_rm = [checkpoints / "6" / "meta", checkpoints / "5" / "state" / "_METADATA"]
+    shutil.rmtree(paths_rm[0])
+    paths_rm[1].unlink()
+    proc = _start([*args, "--gin_param=RLConfig.steps = 6"], run, "--resume")
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert "meta/metadata is missing" in err and "state/_METADATA is missing" in err
+    assert "resuming from checkpoint step 4" in out
+    assert sorted(_by_step(run)) == list(range(6))
+    # Nothing intact: one line, exit 2, nothing moved.
+    for step in finalized_steps(checkpoints):
+        (checkpoints / str(step) / "state" / "_METADATA").unlink()
+    before = sorted(p.name for p in checkpoints.iterdir())
+    line = _one_line(_start(args, run, "--resume"))
+    assert "no intact checkpoint" in line and "state/_METADATA is missing" in line
+    assert sorted(p.name for p in checkpoints.iterdir()) == before
+
+
+@pytest.mark.slow  # ~1.5 min
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_checkpoints_the_last_step_and_the_resume_redoes_none(tmp_path, sig):
+    run = tmp_path / "run"
+    steps = 40
+    # No checkpoint is due before the end: the only one mid-run is the signal's.
+    args = [*LONG, f"--gin_param=RLConfig.steps = {steps}", "--gin_param=CheckpointConfig.save_interval_steps = 1000",
+            f"--compile_cache={tmp_path / 'xla'}"]
+    proc = _start(args, run)
+    _wait_records(proc, run, 3)
+    t0 = time.monotonic()
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    took = time.monotonic() - t0
+    assert proc.returncode == (143 if sig == signal.SIGTERM else 130), err[-3000:]
+    assert took < 60, took  # CheckpointConfig.save_on_signal_s
+    logged = _records(run)
+    assert finalized_steps(run / "checkpoints") == [logged], (logged, err[-2000:])
+    assert not _save_in_progress(run / "checkpoints")
+    proc = _start(args, run, "--resume")
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert f"resuming from checkpoint step {logged}" in out  # nothing redone: it starts at the first unlogged step
+    assert sorted(_by_step(run)) == list(range(steps))
+    assert_each_step_once_in_tensorboard(run, steps)
+    print(f"[fault injection] {sig.name}: stopped {took:.1f} s after the signal with {logged} steps logged, "
+          f"checkpoint {logged}")
