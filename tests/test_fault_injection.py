@@ -192,24 +192,30 @@ def _wait_records(proc, run_dir, n: int, timeout: float = 600) -> None:
     assert proc.poll() is None, f"the run ended before {n} records: {proc.communicate()[1][-3000:]}"
 
 
-@pytest.mark.slow  # ~1.5 min: one run, two refused starts beside it
+@pytest.mark.slow  # ~1.5 min: one run, four refused starts beside it
 def test_a_second_writer_is_refused_while_a_run_holds_its_directory(tmp_path):
     run = tmp_path / "run"
-    args = [*LONG, "--gin_param=RLConfig.steps = 30", "--gin_param=CheckpointConfig.save_interval_steps = 2",
+    # Far more steps than the refused starts take: the run is stopped by SIGTERM once they are done.
+    args = [*LONG, "--gin_param=RLConfig.steps = 100000", "--gin_param=CheckpointConfig.save_interval_steps = 5",
             f"--compile_cache={tmp_path / 'xla'}"]
     first = _start(args, run)
     try:
         _wait_records(first, run, 3)
-        for flags in ((), ("--overwrite",), ("--resume",)):
-            line = _one_line(_start(args, run, *flags))
+        before = {p.name for p in run.iterdir()}
+        second = [_start(args, run, *flags) for flags in ((), ("--overwrite",), ("--resume",))]
+        second.append(_start(args, run, command="sft"))
+        for proc in second:
+            line = _one_line(proc)
             assert f"is in use by another run: pid {first.pid} on host" in line, line
-        line = _one_line(_start(args, run, command="sft"))
-        assert f"pid {first.pid}" in line
+        assert first.poll() is None and {p.name for p in run.iterdir()} == before
     finally:
+        first.send_signal(signal.SIGTERM)
         out, err = first.communicate(timeout=600)
-    assert first.returncode == 0, err[-3000:]
-    assert sorted(_by_step(run)) == list(range(30))  # each step once
-    assert_each_step_once_in_tensorboard(run, 30)
+    assert first.returncode == 143, err[-3000:]
+    logged = _records(run)
+    assert sorted(_by_step(run)) == list(range(logged))  # each step once
+    assert_each_step_once_in_tensorboard(run, logged)
+    assert finalized_steps(run / "checkpoints")[-1] == logged
     assert not (run / ".areal-jax.lock").exists()
 
 
