@@ -20,12 +20,14 @@ collectives); each process stores its own data-iterator position.
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import json
 import logging
 import math
 import os
 import time
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import grain
@@ -275,13 +277,29 @@ class Checkpointer:
         if data_iterator is not None:
             items[_DATA] = grain.checkpoint.CheckpointSave(_IteratorSnapshot(data_iterator.get_state()))
         # force=True: the decision above is ours; Orbax's own interval policy must not veto it.
-        self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        with self._unfinished_removed_on_error():  # it raises, too, what a previous background save met
+            self._manager.save(step, args=ocp.args.Composite(**items), force=True)
         self._last_save_time = time.monotonic()
         return True
 
     def wait(self) -> None:
         """Blocks until every started save is complete on disk."""
-        self._manager.wait_until_finished()
+        with self._unfinished_removed_on_error():
+            self._manager.wait_until_finished()
+
+    @contextlib.contextmanager
+    def _unfinished_removed_on_error(self) -> Iterator[None]:
+        """A save that failed (a full or read-only disk) leaves no `<step>.orbax-checkpoint-tmp-*`
+        behind: removed, as far as the disk lets, before the error goes on (process 0 removes)."""
+        try:
+            yield
+        except Exception:
+            if jax.process_index() == 0:
+                for entry in (self.directory.iterdir() if self.directory.is_dir() else ()):
+                    if ".orbax-checkpoint-tmp" in entry.name:
+                        with contextlib.suppress(OSError):
+                            entry.rmtree()
+            raise
 
     # ---- restoring --------------------------------------------------------------------------
 
@@ -360,8 +378,10 @@ class Checkpointer:
 
     def close(self) -> None:
         """Waits for pending saves and releases Orbax's resources."""
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
 
     def __enter__(self) -> Checkpointer:
         return self

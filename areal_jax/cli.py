@@ -23,7 +23,10 @@ or the run directory (`train` refuses a directory that holds a run unless `--ove
 
 SIGINT or SIGTERM ends a command cleanly (exit 130 / 143): the reward pool's workers, its fork
 server and every sandboxed program are stopped and their directories removed before the process
-exits; a second signal ends it at once.
+exits; a second signal ends it at once. During `train`'s RL stage with a CheckpointConfig the first
+signal is a preemption notice: the last completed step is checkpointed first (jobs/shutdown.py,
+within CheckpointConfig.save_on_signal_s). A full, over-quota or read-only disk is one line naming
+the path and the free space, exit code 74 (jobs/errors.py lists the codes).
 
 Every command takes `--compile_cache=DIR` (default: $AREAL_JAX_COMPILE_CACHE, else off): XLA's
 persistent compilation cache, so a rerun loads the programs a previous run compiled instead of
@@ -174,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_command(args) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from areal_jax.jobs.errors import quiet_storage_noise
+
+    quiet_storage_noise()  # a full disk is reported once, as the last line
     if args.command in ("plan", "export", "simulate"):  # before jax starts: touch no accelerator
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")

@@ -284,3 +284,54 @@ def test_a_signal_checkpoints_the_last_step_and_the_resume_redoes_none(tmp_path,
     assert_each_step_once_in_tensorboard(run, steps)
     print(f"[fault injection] {sig.name}: stopped {took:.1f} s after the signal with {logged} steps logged, "
           f"checkpoint {logged}")
+
+
+def _mount_tmpfs(where, size: str) -> str | None:
+    """Mounts a tmpfs of `size` at `where`; None if it worked, else why not (the test skips)."""
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                          capture_output=True, text=True)
+    return None if done.returncode == 0 else f"cannot mount a tmpfs here: {done.stderr.strip() or done.returncode}"
+
+
+@pytest.mark.slow  # ~2 min
+@pytest.mark.parametrize("fault", ["full", "read-only"])
+def test_a_full_or_read_only_disk_is_one_line_and_the_last_checkpoint_resumes(tmp_path, fault):
+    fs = tmp_path / "fs"
+    why = _mount_tmpfs(fs, "64m")
+    if why:
+        pytest.skip(why)
+    try:
+        run = fs / "run"
+        steps = 12
+        args = [*LONG, f"--gin_param=RLConfig.steps = {steps}", "--gin_param=CheckpointConfig.save_interval_steps = 1",
+                f"--compile_cache={tmp_path / 'xla'}"]
+        proc = _start(args, run)
+        _wait_records(proc, run, 3)
+        if fault == "full":
+            subprocess.run(["dd", "if=/dev/zero", f"of={fs / 'filler'}", "bs=1M"], capture_output=True)
+        else:  # a read-only bind mount over the run directory: every file opened from now on is read-only
+            # (remounting the tmpfs itself is refused while the run has files open for writing)
+            assert subprocess.run(["mount", "--bind", str(run), str(run)]).returncode == 0
+            assert subprocess.run(["mount", "-o", "remount,bind,ro", str(run)]).returncode == 0
+        line = _one_line(proc, code=74)
+        assert line.startswith("areal-jax: storage error: ") and str(fs) in line, line
+        assert ("no space left" if fault == "full" else "read-only file system") in line, line
+        assert "MiB free of" in line and "--resume" in line
+        leftovers = [str(p) for p in run.rglob("*") if "tmp" in p.name and p.name != "tensorboard"]
+        assert not leftovers, leftovers
+        latest = finalized_steps(run / "checkpoints")
+        assert latest
+        # Room again: the last finished checkpoint resumes and the run ends with every step once.
+        if fault == "full":
+            (fs / "filler").unlink()
+        else:
+            assert subprocess.run(["umount", str(run)]).returncode == 0
+        proc = _start(args, run, "--resume")
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        assert sorted(_by_step(run)) == list(range(steps))
+        print(f"[fault injection] disk {fault}: {line} | resumed from {latest[-1]}")
+    finally:
+        subprocess.run(["umount", "-l", str(run)], capture_output=True)  # the bind mount, if still there
+        subprocess.run(["umount", "-l", str(fs)])

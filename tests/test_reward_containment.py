@@ -10,6 +10,8 @@ import sys
 import tempfile
 import time
 
+import pytest
+
 from areal_jax.reward.containment import _PYMP_PREFIX
 from areal_jax.reward.pool import RewardPool, RewardPoolConfig
 
@@ -87,3 +89,20 @@ def test_a_reward_past_its_memory_cap_fails_alone(tmp_path):
         stats = pool.stats()
         assert stats.errors + stats.crashes == 1 and stats.succeeded == 1
         assert pool.submit("tests.reward_fixtures:hog_memory", 256).result() == 1.0  # a fresh worker
+
+
+@pytest.mark.slow  # ~40 s: a two-step run whose reward leaves processes behind at every call
+def test_nothing_a_reward_started_outlives_train(tmp_path):
+    from tests.test_resume import ARGS, SPLIT_8
+
+    pid_file = tmp_path / "pids"
+    pid_file.write_text("")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "AREAL_TEST_PID_FILE": str(pid_file)}
+    args = [*ARGS, SPLIT_8, "--gin_param=RLConfig.steps = 2", "--gin_param=Stages.sft = False",
+            "--gin_param=TaskSource.eval_size = 0", "--gin_param=RLVRConfig.reward = 'tests.reward_fixtures:forking_reward'"]
+    done = subprocess.run([sys.executable, "-m", "areal_jax.cli", "train", *args, f"--run_dir={tmp_path / 'run'}"],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    pids = _pids(pid_file)
+    assert len(pids) >= 2 * 2 * 2  # a child and a daemon per call, 2 steps x 2 prompts x 2 samples at least
+    assert [p for p in pids if _alive(p)] == []

@@ -13,6 +13,7 @@ Anything else is a bug and keeps its traceback (as does everything with --debug)
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
 import shutil
@@ -80,3 +81,20 @@ def user_error(e: BaseException, run_dir: str | None = None) -> tuple[str, int] 
 
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())
+
+
+class _StorageNoise(logging.Filter):
+    """Drops the log records of a storage failure (Orbax logs each of its background threads' error
+    with its traceback, hundreds of lines): the command reports it once, as its last line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            text += " " + str(record.exc_info[1])
+        return not _STORAGE_TEXT.search(text)
+
+
+def quiet_storage_noise() -> None:
+    """Installs the filter on the root logger's handlers (after logging.basicConfig)."""
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_StorageNoise())

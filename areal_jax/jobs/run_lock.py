@@ -45,6 +45,7 @@ LEASE_NAME = ".areal-jax.lease"
 HEARTBEAT_S = 30.0  # a lease's heartbeat is rewritten this often
 STALE_S = 120.0  # a lease not refreshed for this long belongs to a run that died
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+_STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 
 class RunDirBusy(InputError):
@@ -138,6 +139,8 @@ class RunLock:
         except FileExistsError:  # made by a run starting beside this one: the lock decides
             pass
         except OSError as e:
+            if e.errno in _STORAGE_ERRNOS:  # a full or read-only disk: reported as such (jobs/errors.py, exit 74)
+                raise
             raise InputError(f"--run_dir {self.run_dir}: cannot create it: {e.strerror}") from None
 
     def _take_flock(self) -> None:
@@ -146,6 +149,8 @@ class RunLock:
             try:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             except OSError as e:
+                if e.errno in _STORAGE_ERRNOS:
+                    raise
                 raise InputError(f"--run_dir {self.run_dir}: cannot create its lock file {path}: {e.strerror}") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
