@@ -48,8 +48,15 @@ def _free_space(path: str | None) -> str:
 
 
 def _path_in(text: str) -> str | None:
-    match = re.search(r"(/[^\s'\"\]:,]+)", text)
-    return match.group(1) if match else None
+    """The first absolute path in an error's text that lies below an existing top-level directory
+    (quoted ones first: TensorStore quotes the file; a key such as "/0.0.0" is not one)."""
+    quoted = [a or b for a, b in re.findall(r'"(/[^"]+)"|\'(/[^\']+)\'', text)]
+    bare = re.findall(r"(/[^\s'\"\],]+)", text)
+    for path in quoted + bare:
+        parts = path.split("/")
+        if len(parts) > 2 and parts[1] and os.path.isdir("/" + parts[1]):
+            return path
+    return None
 
 
 def user_error(e: BaseException, run_dir: str | None = None) -> tuple[str, int] | None:
