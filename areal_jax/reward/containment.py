@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import glob
+import logging
 import os
 import re
 import resource
@@ -68,12 +69,17 @@ def cap_address_space(memory_mb: int | None) -> None:
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     if hard != resource.RLIM_INFINITY:
         limit = min(limit, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    try:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    except (ValueError, OSError) as e:  # a platform without RLIMIT_AS enforcement (macOS)
+        logging.getLogger(__name__).warning("RewardPoolConfig.memory_mb not applied: %s", e)
 
 
 def _children_map() -> dict[int, list[int]]:
     """ppid -> pids over every process (one pass over /proc)."""
     out: dict[int, list[int]] = {}
+    if not os.path.isdir("/proc"):  # no procfs (macOS): the process group and the memory cap remain
+        return out
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
