@@ -363,7 +363,8 @@ def _run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: Reward
         if bar is not None:
             bar.close()
         metrics_log.close()
-        if loop.stopped_early:  # the stop's checkpoint is on disk once the checkpointer closes
+        # A stop agreed by the loop, or (one process) a signal during the last step: its checkpoint is on disk once closed.
+        if loop.stopped_early or (stop is not None and stop.requested and jax.process_count() == 1):
             checkpointer.close()
             stop.finish()
         # The final weights stay sharded on the train mesh; the engine and optimizer state go.
