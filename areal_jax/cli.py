@@ -379,7 +379,8 @@ def _generate(args) -> int:
     from areal_jax.generation import generate
     from areal_jax.jobs.inputs import InputError
 
-    for flag, value, ok in (("--n", args.n, args.n >= 1), ("--max_new_tokens", args.max_new_tokens, args.max_new_tokens >= 1),
+    for flag, value, ok in (("--n", args.n, args.n >= 1),
+                            ("--max_new_tokens", args.max_new_tokens, args.max_new_tokens >= 1),
                             ("--temperature", args.temperature, 0 <= args.temperature < float("inf"))):
         if not ok:  # before the model loads
             raise InputError(f"{flag} must be {'>= 1' if flag != '--temperature' else 'finite and >= 0'}, got {value}")

@@ -196,7 +196,8 @@ def _run_past_step_3(tmp_path, run, steps: int, save_interval: int) -> tuple[lis
     """A LONG run of `steps` steps saving every `save_interval`, started and waited for until 3 steps
     are logged; returns its arguments and process."""
     args = [*LONG, f"--gin_param=RLConfig.steps = {steps}",
-            f"--gin_param=CheckpointConfig.save_interval_steps = {save_interval}", f"--compile_cache={tmp_path / 'xla'}"]
+            f"--gin_param=CheckpointConfig.save_interval_steps = {save_interval}",
+            f"--compile_cache={tmp_path / 'xla'}"]
     proc = _start(args, run)
     _wait_records(proc, run, 3)
     return args, proc

@@ -151,7 +151,8 @@ class RunLock:
             except OSError as e:
                 if e.errno in _STORAGE_ERRNOS:
                     raise
-                raise InputError(f"--run_dir {self.run_dir}: cannot create its lock file {path}: {e.strerror}") from None
+                raise InputError(f"--run_dir {self.run_dir}: cannot create its lock file {path}: "
+                                 f"{e.strerror}") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -190,15 +190,20 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
     """
     # The run directory is held for the run's whole life, before anything is written (jobs/run_lock.py).
     with hold_run_dir(run_dir), stop_on_signal(cfg.checkpoint and cfg.checkpoint.save_on_signal_s) as stop:
-        try:
-            pool = open_reward_pool(cfg.rollout.reward, cfg.reward_pool, cfg.sandbox)
-        except (SandboxUnavailable, ValueError) as e:  # before any work, like every other config problem
-            raise cs.ConfigError(str(e)) from None
-        try:
-            return _run_train(cfg, run_dir, pool, stop, progress=progress, resume=resume, overwrite=overwrite)
-        finally:
-            if pool is not None:
-                pool.close(wait=False)
+        return _run_with_pool(cfg, run_dir, stop, progress=progress, resume=resume, overwrite=overwrite)
+
+
+def _run_with_pool(cfg: JobConfigs, run_dir: str | pathlib.Path, stop: StopRequest | None, *, progress: bool,
+                   resume: bool, overwrite: bool) -> dict[str, Any]:
+    try:
+        pool = open_reward_pool(cfg.rollout.reward, cfg.reward_pool, cfg.sandbox)
+    except (SandboxUnavailable, ValueError) as e:  # before any work, like every other config problem
+        raise cs.ConfigError(str(e)) from None
+    try:
+        return _run_train(cfg, run_dir, pool, stop, progress=progress, resume=resume, overwrite=overwrite)
+    finally:
+        if pool is not None:
+            pool.close(wait=False)
 
 
 def _run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: RewardPool | None,
@@ -341,7 +346,7 @@ def _run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: Reward
                 bar.set_postfix(reward=f"{m.get('rollout/reward_mean', m['reward/mean']):.2f}", stale=m["staleness/max"],
                                 acc=f"{m.get('eval/accuracy', float('nan')):.2f}")
 
-        if stop is not None:  # SIGTERM/SIGINT from here on: the last completed step is checkpointed, then the run stops
+        if stop is not None:  # SIGTERM/SIGINT from here on: the last completed step is checkpointed, then a stop
             stop.arm()
         # The trainer keeps its own fp32 copy; the initial buffers are deleted once it has it.
         loop = RLLoop(work.model_config, params, tokenizer=work.tokenizer, data_iter=work.train_rows, rl=cfg.rl,
@@ -363,7 +368,8 @@ def _run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: Reward
         if bar is not None:
             bar.close()
         metrics_log.close()
-        # A stop agreed by the loop, or (one process) a signal during the last step: its checkpoint is on disk once closed.
+        # A stop agreed by the loop, or (one process) a signal during the last step: its checkpoint is
+        # on disk once the checkpointer closes.
         if loop.stopped_early or (stop is not None and stop.requested and jax.process_count() == 1):
             checkpointer.close()
             stop.finish()
