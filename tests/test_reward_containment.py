@@ -99,7 +99,8 @@ def test_nothing_a_reward_started_outlives_train(tmp_path):
     pid_file.write_text("")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "AREAL_TEST_PID_FILE": str(pid_file)}
     args = [*ARGS, SPLIT_8, "--gin_param=RLConfig.steps = 2", "--gin_param=Stages.sft = False",
-            "--gin_param=TaskSource.eval_size = 0", "--gin_param=RLVRConfig.reward = 'tests.reward_fixtures:forking_reward'"]
+            "--gin_param=TaskSource.eval_size = 0",
+            "--gin_param=RLVRConfig.reward = 'tests.reward_fixtures:forking_reward'"]
     done = subprocess.run([sys.executable, "-m", "areal_jax.cli", "train", *args, f"--run_dir={tmp_path / 'run'}"],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
