@@ -23,7 +23,7 @@ _STORAGE_ERRNOS = {errno.ENOSPC: "no space left", errno.EDQUOT: "disk quota exce
                    errno.EROFS: "read-only file system"}
 # Orbax's and TensorStore's errors carry the OS error as text only.
 _STORAGE_TEXT = re.compile(r"No space left on device|Disk quota exceeded|Read-only file system", re.I)
-_PATH_ERRNOS = (errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM)
+_PATH_ERRNOS = (errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.EACCES, errno.EPERM)
 
 
 def _chain(e: BaseException):
