@@ -7,8 +7,8 @@ each (eta, objective) and its accuracy averaged over the run's evaluations (afte
 the whole run went, not only its end), the paper's two questions answered from those numbers, and, where a
 regime holds a synchronous baseline, when asynchronous runs first reach the baseline's final
 accuracy in wall time. The PNG has one row per regime: held-out accuracy against RL steps and
-against the RL stage's wall time, means over seeds, shaded min..max (decoupled and naive runs
-in panels of their own).
+against the RL stage's wall time, means over seeds, shaded min..max (each objective present --
+decoupled, naive, naive_recompute -- in panels of its own).
 
     .venv/bin/python -m bench.ablation_report --regime "4 minibatches, no cap=/tmp/abl19/mb4" \\
         --regime "1 minibatch, cap 5=/tmp/abl19/mb1" --regime "quickstart=/tmp/abl19/qs" \\
@@ -25,7 +25,9 @@ import numpy as np
 
 from bench.staleness_ablation import read_run
 
-RUN_NAME = re.compile(r"^(?:eta(?P<eta>\d+)_(?P<variant>decoupled|naive)|(?P<sync>sync))_seed(?P<seed>\d+)$")
+OBJECTIVES = ("decoupled", "naive", "naive_recompute")  # bench.staleness_ablation.VARIANTS, in display order
+RUN_NAME = re.compile(r"^(?:eta(?P<eta>\d+)_(?P<variant>decoupled|naive_recompute|naive)|(?P<sync>sync))"
+                      r"_seed(?P<seed>\d+)$")
 
 
 def load_regime(out: pathlib.Path) -> list[dict]:
@@ -38,14 +40,14 @@ def load_regime(out: pathlib.Path) -> list[dict]:
         eta, variant = (0, "sync") if m["sync"] else (int(m["eta"]), m["variant"])
         runs.append({"eta": eta, "variant": variant, "seed": int(m["seed"]), **read_run(run_dir, warmup=3)})
     if not runs:
-        raise SystemExit(f"{out}: no finished ablation runs (eta*_decoupled|naive_seed*/summary.json)")
+        raise SystemExit(f"{out}: no finished ablation runs (eta*_{{{','.join(OBJECTIVES)}}}_seed*/summary.json)")
     return runs
 
 
 def configs(runs: list[dict]) -> list[tuple[int, str]]:
     """(eta, objective) keys in display order: the synchronous row first, then by eta."""
     return sorted({(r["eta"], r["variant"]) for r in runs},
-                  key=lambda k: (k[1] != "sync", k[0], k[1] != "decoupled"))
+                  key=lambda k: (k[1] != "sync", k[0], OBJECTIVES.index(k[1]) if k[1] in OBJECTIVES else -1))
 
 
 def select(runs: list[dict], eta: int, variant: str) -> list[dict]:
@@ -97,7 +99,7 @@ def verdicts(runs: list[dict], margin: float = 0.02) -> list[str]:
 
     base = _final(runs, 0, "decoupled")
     etas = sorted({r["eta"] for r in runs if r["variant"] != "sync"})
-    for variant in ("decoupled", "naive"):
+    for variant in OBJECTIVES:
         if base is None:
             break
         for eta in etas:
@@ -112,10 +114,11 @@ def verdicts(runs: list[dict], margin: float = 0.02) -> list[str]:
             else:
                 out.append(f"{variant} at eta {eta} vs eta 0: {d * 100:+.1f} ± {se * 100:.1f} points")
     for eta in etas:
-        dec, nai = _final(runs, eta, "decoupled"), _final(runs, eta, "naive")
-        if eta and dec is not None and nai is not None:
-            d, se = diff(dec, nai)
-            out.append(f"eta {eta}: decoupled - naive = {d * 100:+.1f} ± {se * 100:.1f} points")
+        for naive in OBJECTIVES[1:]:
+            dec, nai = _final(runs, eta, "decoupled"), _final(runs, eta, naive)
+            if eta and dec is not None and nai is not None:
+                d, se = diff(dec, nai)
+                out.append(f"eta {eta}: decoupled - {naive} = {d * 100:+.1f} ± {se * 100:.1f} points")
     return out
 
 
@@ -152,28 +155,30 @@ def time_to_sync_accuracy(runs: list[dict]) -> list[str]:
 
 
 def plot(regimes: list[tuple[str, list[dict]]], path: pathlib.Path) -> None:
-    """One row per regime: decoupled runs by eta against steps, naive runs by eta against steps
-    (with eta 0, where both objectives are the same run, as the reference), and every decoupled
-    run against wall time; a synchronous baseline (black, dotted) in every panel it exists for."""
+    """One row per regime: per objective present, its runs by eta against steps (for the naive
+    ones with eta 0 of decoupled, the same objective when every token is the trained version's, as
+    the reference), and every decoupled run against wall time; a synchronous baseline (black,
+    dotted) in every panel it exists for."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(regimes), 3, figsize=(16, 4.2 * len(regimes)), squeeze=False,
-                             sharey="row")
+    present = [o for o in OBJECTIVES if any(r["variant"] == o for _, runs in regimes for r in runs)]
+    panels = [(o, "curve", f"{o.replace('_', ' ')} PPO", "RL step") for o in present]
+    panels.append(("decoupled", "curve_wall", "decoupled PPO", "RL wall time, s (2-vCPU host, one run at a time)"))
+    fig, axes = plt.subplots(len(regimes), len(panels), figsize=(5.4 * len(panels), 4.2 * len(regimes)),
+                             squeeze=False, sharey="row")
     colours = plt.get_cmap("viridis")
     all_etas = sorted({r["eta"] for _, runs in regimes for r in runs if r["variant"] != "sync"})
-    panels = (("decoupled", "curve", "decoupled PPO", "RL step"), ("naive", "curve", "naive PPO", "RL step"),
-              ("decoupled", "curve_wall", "decoupled PPO", "RL wall time, s (2-vCPU host, one run at a time)"))
     for row, (label, runs) in enumerate(regimes):
         for col, (objective, key, title, xlabel) in enumerate(panels):
             ax = axes[row][col]
             for eta, variant in configs(runs):
                 # eta 0: the decoupled runs stand for both objectives (the same run when every
                 # token is the trained version's: behavior = proximal).
-                reference = objective == "naive" and eta == 0 and variant == "decoupled"
-                if (variant not in (objective, "sync") and not reference) or (variant == "naive" and eta == 0):
+                reference = objective != "decoupled" and eta == 0 and variant == "decoupled"
+                if (variant not in (objective, "sync") and not reference) or (variant in OBJECTIVES[1:] and eta == 0):
                     continue
                 rs = select(runs, eta, variant)
                 x, mean, lo, hi = mean_curve(rs, key)

@@ -3,9 +3,13 @@
 One SFT-only run of the quickstart job writes a checkpoint; every RL configuration then starts
 from that same checkpoint in a fresh `areal-jax train` subprocess (one at a time: throughput is
 wall time on shared cores). Every configuration runs in "async" mode so only eta changes
-(eta = 0 there is synchronous data with the asynchronous machinery); "decoupled" is decoupled
-PPO (proximal policy recomputed with the pre-step weights), "naive" is PPO with
-proximal := behavior (`PPOConfig.decoupled = False`).
+(eta = 0 there is synchronous data with the asynchronous machinery). The objectives
+(`--variants`, `areal_jax.trainer.programs.OBJECTIVES`): "decoupled" is decoupled PPO (proximal
+policy recomputed with the pre-step weights, weighted by pi_prox / pi_behav), "naive" is PPO with
+proximal := behavior (`PPOConfig.decoupled = False`: the clip is a trust region around the
+sampling policy), "naive_recompute" anchors the clip at the recomputed pre-step policy with no
+behaviour weight (`behav_imp_weight_mode = "disabled"`; AReaL v0.3.0 with recomputed log-probs and
+decoupling off, which may be what the paper's naive rows ran).
 
 Per configuration, from the run's summary.json and metrics.jsonl: held-out greedy accuracy at
 the start (the checkpoint), during RL (`RLConfig.eval_every`) and at the end; trained tokens per
@@ -30,8 +34,16 @@ import time
 
 import numpy as np
 
+from areal_jax.trainer.programs import OBJECTIVES
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-VARIANTS = {"decoupled": True, "naive": False}
+VARIANTS = tuple(OBJECTIVES)  # "decoupled", "naive", "naive_recompute"
+
+
+def objective_bindings(variant: str) -> list[str]:
+    """The gin bindings that select one objective; "decoupled" keeps the gin file's behaviour-weight
+    cap and mode, "naive_recompute" sets the cap to None and the mode to "disabled"."""
+    return [f"PPOConfig.{k} = {v!r}" for k, v in OBJECTIVES[variant].items()]
 
 
 def train(run_dir: pathlib.Path, gin_file: str, params: list[str], compile_cache: str = "") -> float:
@@ -109,7 +121,7 @@ def run_config(out: pathlib.Path, model: pathlib.Path, eta: int, variant: str, s
         mode = "sync" if variant == "sync" else "async"
         params = [*args.gin_param, "Stages.sft = False", f"ModelSource.path = '{model}'",
                   "Stages.save_final_model = False", "Stages.plot = False", f'RLConfig.mode = "{mode}"',
-                  f"RLConfig.max_staleness = {eta}", f"PPOConfig.decoupled = {VARIANTS.get(variant, False)}",
+                  f"RLConfig.max_staleness = {eta}", *objective_bindings("naive" if variant == "sync" else variant),
                   f"EngineConfig.seed = {seed}"]
         if args.steps is not None:
             params.append(f"RLConfig.steps = {args.steps}")
@@ -148,7 +160,8 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=None, help="RL steps (default: the gin file's RLConfig.steps)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="RL sampling seeds (EngineConfig.seed)")
     p.add_argument("--etas", type=int, nargs="+", default=[0, 1, 2, 4, 8])
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", default=["decoupled", "naive"], choices=VARIANTS,
+                   help="objectives to run at each eta (see the module docstring)")
     p.add_argument("--sync_baseline", action="store_true",
                    help="also one synchronous row per seed (RLConfig.mode = 'sync', eta 0)")
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the steady-state throughput")
