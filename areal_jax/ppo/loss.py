@@ -43,6 +43,13 @@ from areal_jax.ppo.kl import kl_estimate
 
 # Stats whose cross-micro-batch combination is a max; every other stat is a sum.
 _MAX_STATS = ("imp_weight_max",)
+# Off-policy diagnostics. A token is off-policy when pi_theta / pi_behav leaves this band.
+BEHAV_RATIO_BAND = (0.8, 1.2)
+# Histograms over log w (w = pi_prox / pi_behav before any cap): WEIGHT_HIST_BINS equal bins on
+# [-WEIGHT_HIST_LOG_RANGE, WEIGHT_HIST_LOG_RANGE], values beyond in the end bins. Summed over
+# micro-batches they rank the step's tokens by w without holding them (`weight_top_share`).
+WEIGHT_HIST_BINS = 256
+WEIGHT_HIST_LOG_RANGE = 8.0
 BEHAV_IMP_WEIGHT_MODES = ("mask", "clamp", "disabled")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
@@ -134,7 +141,11 @@ def decoupled_ppo_loss(
             summarize_loss_stats): n_valid, n_clipped (clipped branch active), n_dual_clipped,
             n_capped (w > cap: masked or clamped), imp_weight_sum / imp_weight_max (w before
             the cap, over valid tokens), ratio_sum, approx_kl_sum (k3 estimate of
-            KL(pi_prox || pi_theta) per token), loss_sum.
+            KL(pi_prox || pi_theta) per token), loss_sum, n_behav_ratio_out (pi_theta / pi_behav
+            outside BEHAV_RATIO_BAND), and two [WEIGHT_HIST_BINS] histograms over log w:
+            weight_hist_tokens (valid tokens) and weight_hist_grad (the size of each token's
+            gradient with respect to its log-prob, |w' A r| where the gradient flows and 0 where
+            the clip, the dual clip or the cap stops it; w' the weight applied).
     """
     _check_clip_args(eps_clip, eps_clip_higher, behav_imp_weight_cap)
     _check_loss_options(c_clip, behav_imp_weight_mode, importance_sampling_level, behav_imp_weight_cap)
@@ -203,6 +214,11 @@ def decoupled_ppo_loss(
 
     approx_kl = kl_estimate(prox, jax.lax.stop_gradient(logp), "k3")  # r - 1 - log r
     sg = jax.lax.stop_gradient
+    behav_ratio = jnp.exp(jnp.where(mask, sg(logp) - behav, 0.0))  # pi_theta / pi_behav, [B, T]
+    off_policy = mask & ((behav_ratio < BEHAV_RATIO_BAND[0]) | (behav_ratio > BEHAV_RATIO_BAND[1]))
+    flows = kept & ~clipped & ~dual_clipped
+    grad_size = jnp.where(flows, jnp.abs(imp_weight * adv * sg(ratio)), 0.0)  # [B, T]
+    bins = weight_bins(jnp.where(mask, prox - behav, 0.0)).reshape(-1)
     stats = {
         "n_valid": n_valid,
         "n_clipped": jnp.sum(clipped.astype(dtype)),
@@ -213,8 +229,37 @@ def decoupled_ppo_loss(
         "ratio_sum": sg(jnp.sum(ratio * valid)),
         "approx_kl_sum": jnp.sum(jnp.where(mask, approx_kl, 0.0)),
         "loss_sum": sg(loss_sum),
+        "n_behav_ratio_out": jnp.sum(off_policy.astype(dtype)),
+        "weight_hist_tokens": jax.ops.segment_sum(valid.reshape(-1), bins, num_segments=WEIGHT_HIST_BINS),
+        "weight_hist_grad": jax.ops.segment_sum(grad_size.reshape(-1), bins, num_segments=WEIGHT_HIST_BINS),
     }
     return loss, stats
+
+
+def weight_bins(log_weight):
+    """The WEIGHT_HIST_BINS bin of each log w (NumPy or JAX arrays alike): [...] -> [...] int32."""
+    xp = jnp if isinstance(log_weight, jax.Array) else np
+    scaled = (xp.asarray(log_weight) + WEIGHT_HIST_LOG_RANGE) / (2 * WEIGHT_HIST_LOG_RANGE) * WEIGHT_HIST_BINS
+    return xp.clip(xp.floor(scaled), 0, WEIGHT_HIST_BINS - 1).astype(xp.int32)
+
+
+def weight_top_share(hist_tokens, hist_grad, top: float = 0.01) -> float:
+    """The share of the summed gradient size carried by the `top` fraction of tokens with the
+    largest w, from the histograms of `decoupled_ppo_loss`. Tokens are taken from the highest bin
+    down; of the bin where the count runs out, the share of its gradient in proportion to the
+    tokens taken (exact up to the bin width, a factor exp(1/16) in w). 0 when no gradient flows,
+    NaN when the gradient was not finite."""
+    tokens = np.asarray(hist_tokens, np.float64)[::-1]
+    grad = np.asarray(hist_grad, np.float64)[::-1]
+    if not np.isfinite(grad.sum()):
+        return float("nan")
+    if grad.sum() <= 0 or tokens.sum() <= 0:
+        return 0.0
+    want = top * tokens.sum()
+    before = np.concatenate([[0.0], np.cumsum(tokens)[:-1]])  # tokens in higher bins
+    taken = np.clip(want - before, 0.0, tokens)
+    part = np.divide(taken, tokens, out=np.zeros_like(tokens), where=tokens > 0)
+    return float((grad * part).sum() / grad.sum())
 
 
 def _sequence_mean(x: jax.Array, mask: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
@@ -294,6 +339,8 @@ def summarize_loss_stats(stats: dict[str, jax.Array]) -> dict[str, float]:
         "ratio_mean": float(stats["ratio_sum"]) / per_token,
         "approx_kl": float(stats["approx_kl_sum"]) / per_token,
         "loss_token_mean": float(stats["loss_sum"]) / per_token,
+        "behav_ratio_out_frac": float(stats["n_behav_ratio_out"]) / per_token,
+        "weight_top1pct_grad_share": weight_top_share(stats["weight_hist_tokens"], stats["weight_hist_grad"]),
     }
 
 
