@@ -15,6 +15,8 @@ decoupled, naive, naive_recompute -- in panels of its own).
     .venv/bin/python -m bench.ablation_report --regime "4 minibatches, no cap=/tmp/abl19/mb4" \\
         --regime "1 minibatch, cap 5=/tmp/abl19/mb1" --regime "quickstart=/tmp/abl19/qs" \\
         --png docs/figures/staleness_ablation.png
+    .venv/bin/python -m bench.ablation_report --regime "off-policy=/tmp/abl31/main" \
+        --regime "cap 5 clamp=/tmp/abl31/cap5_clamp" --compare "cap 5 clamp:8:decoupled,off-policy:8:decoupled"
 """
 
 from __future__ import annotations
@@ -272,11 +274,30 @@ def plot(regimes: list[tuple[str, list[dict]]], path: pathlib.Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def cross_regime(regimes: dict[str, list[dict]], spec: str, measure: str = "final") -> str:
+    """`compare` of two configurations named "LABEL:ETA:OBJECTIVE,LABEL:ETA:OBJECTIVE" (first minus
+    second) in the regimes by label."""
+    sides = []
+    for part in spec.split(","):
+        label, _, rest = part.rpartition(":")
+        label, _, eta = label.rpartition(":")
+        if label not in regimes or not eta.isdigit():
+            raise SystemExit(f"--compare {spec!r}: {part!r} is not LABEL:ETA:OBJECTIVE of a --regime")
+        sides.append(_by_seed(regimes[label], int(eta), rest, measure))
+    if len(sides) != 2:
+        raise SystemExit(f"--compare {spec!r}: expected two configurations separated by a comma")
+    c = compare(*sides)
+    return describe(f"{spec.replace(',', ' - ')} ({measure})", c) if c else f"{spec}: fewer than 2 seeds on a side"
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--regime", action="append", required=True, metavar="LABEL=DIR",
                    help="a label and a staleness_ablation --out directory (repeatable)")
     p.add_argument("--png", default=None, help="where to write the plot")
+    p.add_argument("--compare", action="append", default=[], metavar="LABEL:ETA:OBJECTIVE,LABEL:ETA:OBJECTIVE",
+                   help="also test one configuration against another across regimes (e.g. a capped decoupled "
+                        "arm against the uncapped one), paired by seed where they share seeds (repeatable)")
     args = p.parse_args(argv)
     regimes = []
     for spec in args.regime:
@@ -288,6 +309,9 @@ def main(argv=None) -> None:
         print(f"\n### {label}\n\n{summary_table(runs)}\n")
         for line in verdicts(runs) + verdicts(runs, measure="run_mean") + time_to_sync_accuracy(runs):
             print(f"- {line}")
+    by_label = dict(regimes)
+    for spec in args.compare:
+        print(f"- {cross_regime(by_label, spec)}")
     if args.png:
         plot(regimes, pathlib.Path(args.png))
         print(f"\nplot: {args.png}")

@@ -1,7 +1,7 @@
 """Staleness ablation at toy scale (the paper's Table 2 / Fig. 5): max_staleness (eta) x objective.
 
-One SFT-only run of the quickstart job writes a checkpoint; every RL configuration then starts
-from that same checkpoint in a fresh `areal-jax train` subprocess (one at a time: throughput is
+One SFT-only run of the quickstart job (one per seed with `--sft_per_seed`) writes a checkpoint;
+every RL configuration then starts from it in a fresh `areal-jax train` subprocess (one at a time: throughput is
 wall time on shared cores). Every configuration runs in "async" mode so only eta changes
 (eta = 0 there is synchronous data with the asynchronous machinery). The objectives
 (`--variants`, `areal_jax.trainer.programs.OBJECTIVES`): "decoupled" is decoupled PPO (proximal
@@ -21,6 +21,16 @@ different configurations with one seed are then paired (`bench/ablation_report.p
 temperature 1.0, an earlier SFT stop (a higher-entropy start), the paper's batch-level advantage
 normalisation, its 4 minibatches per step and no weight cap. They are a starting point for a
 short probe (e.g. `--etas 8 --variants decoupled --steps 20 --per_step`), not a measured regime.
+A `--gin_param` comes after them (and the objective's bindings after that): a cap for the
+decoupled arm goes in its own `--out` directory, sharing the SFT runs through `--sft_root`:
+
+    S=(--regime offpolicy --sft_per_seed --seeds 0 1 2 3 4)   # at eta 0 the objectives coincide: one arm
+    .venv/bin/python -m bench.staleness_ablation "${S[@]}" --etas 0 --variants decoupled --out /tmp/abl31/main
+    .venv/bin/python -m bench.staleness_ablation "${S[@]}" --etas 2 8 --variants decoupled naive naive_recompute \
+        --out /tmp/abl31/main
+    .venv/bin/python -m bench.staleness_ablation "${S[@]}" --etas 8 --variants decoupled \
+        --out /tmp/abl31/cap5_clamp --sft_root /tmp/abl31/main \
+        --gin_param 'PPOConfig.behav_imp_weight_cap = 5.0' --gin_param 'PPOConfig.behav_imp_weight_mode = "clamp"'
 
 Per configuration, from the run's summary.json and metrics.jsonl: held-out greedy accuracy at
 the start (the checkpoint), during RL (`RLConfig.eval_every`) and at the end; trained tokens per
@@ -222,6 +232,9 @@ def main(argv=None) -> None:
     p.add_argument("--sft_run", default=None, help="an existing run directory whose final_model to start from")
     p.add_argument("--sft_per_seed", action="store_true",
                    help="each seed its own SFT start, problems and prompt order (see the module docstring)")
+    p.add_argument("--sft_root", default=None,
+                   help="directory of the SFT runs (sft/, sft_seed{S}/; default --out): ablations in several "
+                        "--out directories (e.g. one per weight cap) can share them")
     p.add_argument("--regime", default="default", choices=list(REGIMES), help="bindings added to every run")
     p.add_argument("--per_step", action="store_true", help="print each run's per-step off-policy figures")
     args = p.parse_args(argv)
@@ -229,10 +242,11 @@ def main(argv=None) -> None:
         raise SystemExit("--sft_run and --sft_per_seed exclude each other")
     out = pathlib.Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    sft_root = pathlib.Path(args.sft_root).resolve() if args.sft_root else out
     common = [*REGIMES[args.regime], *args.gin_param]
     shared = None if args.sft_per_seed else (
         (pathlib.Path(args.sft_run).resolve() / "final_model") if args.sft_run
-        else sft_checkpoint(out, args.gin_file, common))
+        else sft_checkpoint(sft_root, args.gin_file, common))
     results = []
     plan = [(0, "sync")] * args.sync_baseline + [(eta, v) for eta in args.etas for v in args.variants]
     for eta, variant in plan:
@@ -240,7 +254,7 @@ def main(argv=None) -> None:
             t0 = time.perf_counter()
             model, extra = shared, common
             if args.sft_per_seed:
-                model, extra = sft_checkpoint(out, args.gin_file, common, seed), [*common, *seed_bindings(seed)]
+                model, extra = sft_checkpoint(sft_root, args.gin_file, common, seed), [*common, *seed_bindings(seed)]
             r = run_config(out, model, eta, variant, seed, args, extra)
             results.append(r)
             print(f"eta {eta} {variant:9s} seed {seed}: accuracy {r['start_accuracy']:.3f} -> "

@@ -90,3 +90,13 @@ def test_offpolicy_regime_and_seed_bindings_build_the_intended_job(variant):
     assert job.ppo.behav_imp_weight_cap is None and job.ppo.objective == variant
     assert job.sft.seed == job.model.init_seed == job.task.seed == 3
     assert job.sft.stop_accuracy == 0.3 and job.sft.eval_from == 300
+
+
+def test_cross_regime_comparison_pairs_by_seed():
+    from bench.ablation_report import cross_regime
+
+    regimes = {"no cap": _regime({("decoupled", 8): -0.1}), "cap 5": _regime({("decoupled", 8): 0.0})}
+    line = cross_regime(regimes, "cap 5:8:decoupled,no cap:8:decoupled")
+    assert line.startswith("cap 5:8:decoupled - no cap:8:decoupled (final): +1") and "paired" in line
+    with pytest.raises(SystemExit, match="LABEL:ETA:OBJECTIVE"):
+        cross_regime(regimes, "cap 6:8:decoupled,no cap:8:decoupled")
