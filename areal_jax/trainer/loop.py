@@ -34,7 +34,7 @@ from areal_jax.generation.timings import timings_delta
 from areal_jax.metrics import batch_metrics
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.transformer import Params
-from areal_jax.parallel.distributed import agree_max, agree_sum
+from areal_jax.parallel.distributed import agree_max, agree_sum, agree_sum_array
 from areal_jax.parallel.meshes import MeshConfig, Meshes, build_meshes
 from areal_jax.parallel.weight_sync import DEFAULT_GROUP_BYTES, WeightSync
 from areal_jax.ppo.advantages import AdvantageConfig
@@ -285,15 +285,16 @@ class RLLoop:
         ppo = self.trainer.ppo_config
         multi = jax.process_count() > 1
         # KL against the frozen reference (off by default) shapes the advantages; with it off this
-        # is exactly build_sequences.
+        # is exactly build_sequences. Batch-level advantage statistics span every process's groups.
         buckets = ppo.row_buckets or None  # () = make_microbatches' default lengths
         shaped = sequences_with_kl(groups, self.advantages, self.trainer, self.reference,
                                    row_multiple=self.rows_per_process, buckets=buckets,
-                                   agree_max=agree_max if multi else None)
+                                   agree_max=agree_max if multi else None,
+                                   reduce_sum=agree_sum_array if multi else None)
         seqs = shaped.sequences
         # Every process must run the same programs in the same order: agree on micro-batch counts
         # and shapes, and on the minibatch token count that divides the loss. The groups are split
-        # into minibatches in a seeded order of their own (AReaL's shuffle), reproducible by step.
+        # into minibatches in a seeded order of their own, reproducible by step.
         minibatches = make_microbatches(seqs, max_tokens_per_microbatch=ppo.max_tokens_per_microbatch,
                                         buckets=buckets,
                                         num_minibatches=min(ppo.num_minibatches, len(seqs)),
@@ -361,7 +362,8 @@ class RLLoop:
                 timeouts, failures = agree_sum(timeouts), agree_sum(failures)
             out["reward/timeouts"], out["reward/failures"] = timeouts, failures
         for k in ("loss", "grad_norm", "clip_frac", "imp_weight_mean", "imp_weight_max", "capped_frac", "entropy",
-                  "approx_kl", "skipped_updates", "trained_tokens", "lr"):
+                  "approx_kl", "skipped_updates", "trained_tokens", "lr", "behav_ratio_out_frac",
+                  "weight_top1pct_grad_share"):
             if k in train:
                 out[f"train/{k}"] = train[k]
         return out
