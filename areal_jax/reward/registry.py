@@ -47,6 +47,8 @@ class RewardSpec:
 
 REWARDS: dict[str, RewardSpec] = {
     "math": RewardSpec("areal_jax.reward.math:math_reward"),
+    # GSM8K's "#### N" or the last number: two linear regular expressions and a decimal compare.
+    "gsm8k": RewardSpec("areal_jax.reward.gsm8k:gsm8k_reward", in_process=True),
     "code": RewardSpec("areal_jax.reward.code:code_reward", runs_code=True),
     # A regular expression without nested quantifiers over the text, then an int compare.
     "arithmetic": RewardSpec("areal_jax.tasks.reward:arithmetic_reward", in_process=True),
