@@ -10,7 +10,8 @@ The model's config comes from the run directory (the checkpoint directory's pare
 --run_dir): its model_config.json, else the ModelSource recorded in its config.json; the tokenizer
 from RUN/tokenizer (every run keeps a copy there), else from the ModelSource's directory, or
 --tokenizer. The generation config travels with the tokenizer files (one is written from the
-model's bos/eos ids when the source has none). Locally DIR appears complete or not at all.
+model's bos/eos ids when the source has none), and so does the run's prompt encoding
+(areal_jax_prompt.json: `eval` and `generate` read it). Locally DIR appears complete or not at all.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 from areal_jax import paths
 from areal_jax.checkpoint import SavedParams, finalized_steps
 from areal_jax.jobs.inputs import InputError
+from areal_jax.jobs.run_settings import write_prompt_settings
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.hf_io import copy_tokenizer_files, leaf_keys, read_config, write_params
 from areal_jax.models.transformer import param_shapes
@@ -135,8 +137,9 @@ def _check_shapes(saved: SavedParams, cfg: ModelConfig, where: str) -> None:
                              "(is --run_dir the run of this checkpoint?)")
 
 
-def run_export(cfg: ExportConfig) -> paths.Path:
-    """Writes the HF directory; returns its path. Bad input is an InputError naming the flag."""
+def run_export(cfg: ExportConfig) -> tuple[paths.Path, int]:
+    """Writes the HF directory, the run's prompt encoding beside it (run_settings.PROMPT_FILE);
+    returns its path and the step exported. Bad input is an InputError naming the flag."""
     directory, step = locate_step(cfg.checkpoint)
     run_dir = paths.as_path(cfg.run_dir) if cfg.run_dir else directory.parent
     out = paths.as_path(cfg.out)
@@ -154,7 +157,8 @@ def run_export(cfg: ExportConfig) -> paths.Path:
         if "generation_config.json" not in copied:
             (staged / "generation_config.json").write_text(json.dumps(
                 {"bos_token_id": model_cfg.bos_token_id, "eos_token_id": model_cfg.eos_token_id}, indent=2))
-    return out
+        write_prompt_settings(staged, _run_config(run_dir).get("data"))
+    return out, step
 
 
 def _numpy_dtypes() -> dict[str, Any]:
