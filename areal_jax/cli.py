@@ -388,7 +388,7 @@ def _plan(args) -> int:
     from areal_jax.jobs.configs import load_job_configs
     from areal_jax.plan.config import PlanConfig
     from areal_jax.plan.job import PlanError, plan_job
-    from areal_jax.plan.report import HEADER, format_plan, program_row
+    from areal_jax.plan.report import HEADER, format_plan, program_row, run_totals
     from areal_jax.plan.targets import LibtpuBusy, parse_target
 
     try:
@@ -413,7 +413,13 @@ def _plan(args) -> int:
     except LibtpuBusy as e:
         print(f"areal-jax: error: {e}", file=sys.stderr)
         return 3
-    print(json.dumps(plan.as_json(), indent=2) if args.json else "\n" + format_plan(plan))
+    if args.json:
+        out = plan.as_json()
+        if "step_s" in plan.prediction:  # the run's hours, as the table states them
+            out["run"] = run_totals(plan.prediction["step_s"], job.rl.steps, target.hosts * target.devices_per_host)
+        print(json.dumps(out, indent=2))
+    else:
+        print("\n" + format_plan(plan, steps=job.rl.steps))
     return 0 if plan.fits else 1
 
 
