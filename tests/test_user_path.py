@@ -147,7 +147,7 @@ def test_generate_encodes_as_the_run_did_and_takes_sampling_flags(run):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("### Ann has 3 pens.") == 2
     one_line_error(areal_jax("generate", f"--model={run / 'final_model'}", "--prompt=x", "--system=Be brief."),
-                   "no chat template", "--system")
+                   "--system", "prompt_template 'Question: {question}\\nAnswer:'", "areal_jax_prompt.json")
 
 
 def test_resume_needs_no_gin_file(run):
@@ -200,3 +200,34 @@ def test_commands_on_a_machine_without_accelerators_print_no_plugin_noise(files)
     done = areal_jax("generate", f"--model={files['chat']}", "--prompt=hi", "--max_new_tokens=2",
                      unset=("JAX_PLATFORMS", "JAX_NUM_CPU_DEVICES"))
     assert done.returncode == 0 and done.stderr == "", done.stderr[-3000:]
+
+
+def test_solution_check_scores_each_file_and_can_be_turned_off(files):
+    from areal_jax.jobs.preflight import check_solution_rewards, solution_samples
+    from areal_jax.reward.gsm8k import gsm8k_reward
+
+    samples = list(solution_samples(files["train"], "auto"))
+    assert len(samples) == 16 and all(gold == text.rsplit("#### ", 1)[1] for text, gold in samples)
+    try:
+        bindings = [f"DataConfig.paths = ('{files['train']}',)", f"TaskSource.eval_paths = ('{files['test']}',)",
+                    "TaskSource.eval_size = 4"]
+        cfg = load_job_configs([], bindings, run_dir="r")
+        score = lambda calls: [gsm8k_reward(*c) for c in calls]  # noqa: E731
+        assert check_solution_rewards(cfg, score) == {files["train"]: 1.0, files["test"]: 1.0}
+        cfg = load_job_configs([], bindings + ["TaskSource.solution_reward_min = 0"], run_dir="r")
+        assert check_solution_rewards(cfg, lambda calls: [0.0] * len(calls)) == {}  # allowed on purpose
+    finally:
+        cs.parse()
+
+
+def test_import_paths_go_first_once(tmp_path, monkeypatch):
+    from areal_jax.user_code import add_import_paths
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", ["/a", str(tmp_path), "/b"])
+    monkeypatch.setenv("PYTHONPATH", "/c")
+    assert add_import_paths(["/extra"]) == ["/extra"]
+    assert sys.path == ["/extra", str(tmp_path), "/a", "/b"]
+    assert os.environ["PYTHONPATH"] == os.pathsep.join(["/extra", str(tmp_path), "/c"])
+    add_import_paths(["/extra"])  # idempotent
+    assert sys.path == ["/extra", str(tmp_path), "/a", "/b"]

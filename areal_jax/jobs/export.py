@@ -16,8 +16,10 @@ model's bos/eos ids when the source has none), and so does the run's prompt enco
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 from typing import Any
 
 import numpy as np
@@ -149,8 +151,27 @@ def run_export(cfg: ExportConfig) -> tuple[paths.Path, int]:
         raise InputError(f"--out {cfg.out} exists and is not empty: pass --overwrite to replace it")
     model_cfg = model_config(run_dir)
     tokenizer_dir = tokenizer_source(run_dir, cfg.tokenizer)
-    saved = SavedParams(directory, step)
-    _check_shapes(saved, model_cfg, f"{directory}/{step}")
+    with _quiet_orbax():
+        return _write(cfg, out, model_cfg, tokenizer_dir, SavedParams(directory, step), f"{directory}/{step}",
+                      run_dir), step
+
+
+@contextlib.contextmanager
+def _quiet_orbax():
+    """Orbax warns through absl that a step's `state` item has no _CHECKPOINT_METADATA file of its
+    own (the step's is one level up): true of every step this project writes, so not news."""
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        absl.setLevel(level)
+
+
+def _write(cfg: ExportConfig, out: paths.Path, model_cfg: ModelConfig, tokenizer_dir: paths.Path, saved: SavedParams,
+           where: str, run_dir: paths.Path) -> paths.Path:
+    _check_shapes(saved, model_cfg, where)
     with paths.staged_dir(out) as staged:
         write_params(saved.read, model_cfg, staged, dtype=np.dtype(_NUMPY_DTYPES[cfg.dtype]))
         copied = copy_tokenizer_files(tokenizer_dir, staged)
@@ -158,7 +179,7 @@ def run_export(cfg: ExportConfig) -> tuple[paths.Path, int]:
             (staged / "generation_config.json").write_text(json.dumps(
                 {"bos_token_id": model_cfg.bos_token_id, "eos_token_id": model_cfg.eos_token_id}, indent=2))
         write_prompt_settings(staged, _run_config(run_dir).get("data"))
-    return out, step
+    return out
 
 
 def _numpy_dtypes() -> dict[str, Any]:

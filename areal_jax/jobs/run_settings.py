@@ -129,6 +129,9 @@ def encode_prompts(tokenizer: Any, texts: list[str], settings: dict[str, Any]) -
     from areal_jax.data.templating import PromptEncoder
 
     template = settings.get("prompt_template")
+    if template and (settings.get("system_prompt") or settings.get("chat_template_kwargs")):
+        raise InputError(f"--system and --chat_template_kwargs apply to a chat template, and this model's prompt "
+                         f"encoding is the prompt_template {template!r} ({PROMPT_FILE}), the whole prompt")
     if template:
         encoder = PromptEncoder(tokenizer, prompt_template=template)
         fields = template_fields(template)
