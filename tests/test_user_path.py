@@ -108,17 +108,23 @@ def test_eval_of_a_base_model_without_prompt_template_is_one_line(files):
 @pytest.fixture(scope="module")
 def run(files):
     run_dir = files["root"] / "run"
-    done = areal_jax("train", *data_params(files, "base", TEMPLATE, "RLVRConfig.reward = 'gsm8k'"),
+    done = areal_jax("train", *data_params(files, "base", TEMPLATE, "RLVRConfig.reward = 'gsm8k'",
+                                           f"CheckpointConfig.export_dir = '{run_dir / 'hf'}'",
+                                           "CheckpointConfig.export_hf_interval_steps = 2"),
                      f"--run_dir={run_dir}", "--quiet")
     assert done.returncode == 0, done.stderr[-3000:]
     return run_dir
 
 
-def test_the_run_checkpoints_by_default_and_its_model_carries_the_prompt_encoding(run):
+def test_the_run_checkpoints_by_default_and_its_models_carry_the_prompt_encoding(run):
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["2"]  # the last step
     settings = json.loads((run / "final_model" / "areal_jax_prompt.json").read_text())
     assert settings == {"prompt_template": "Question: {question}\nAnswer:", "chat_template_kwargs": {},
                         "system_prompt": None, "prompt_suffix": ""}
+    # The exports the run writes as it goes carry the same, and the tokenizer.
+    export = run / "hf" / "step_2"
+    assert json.loads((export / "areal_jax_prompt.json").read_text()) == settings
+    assert (export / "tokenizer.json").is_file()
 
 
 def test_export_names_its_step_carries_the_encoding_and_prints_no_warning(run, files):

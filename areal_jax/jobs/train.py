@@ -352,6 +352,7 @@ def _run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: Reward
                       checkpoint_extra=lambda: {"summary": _jsonable(summary), "history": _jsonable(history),
                                                 "wall_time_s": elapsed()},
                       on_rollouts=metrics_log.dump_rollouts if jax.process_index() == 0 else None,
+                      on_export=lambda out: _complete_export(out, work.tokenizer_dir, cfg.data),
                       donate_params=True, weight_sync=sync, reward_pool=reward_pool)
         params = None
         if loop.resume_report is not None:  # carried into later checkpoints by their summary
@@ -402,6 +403,13 @@ def _run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: Reward
           f"trained_tokens={summary['trained_tokens']:.0f} wall_time={summary['wall_time_s']:.0f}s -> {run_dir}",
           flush=True)
     return summary
+
+
+def _complete_export(out: paths.Path, tokenizer_dir: pathlib.Path, data: Any) -> None:
+    """What final_model/ holds besides the weights, for each CheckpointConfig.export_hf_interval_steps
+    export: the tokenizer and the prompt encoding, so `eval --model` and `generate` take it as is."""
+    copy_tokenizer_files(tokenizer_dir, out)
+    write_prompt_settings(out, data)
 
 
 def sft_step_index(sft: Any, step: int) -> int:

@@ -146,6 +146,7 @@ class RLLoop:
                  checkpointer: Checkpointer | None = None, resume: bool = False,
                  checkpoint_extra: Callable[[], dict[str, Any]] | None = None,
                  on_rollouts: Callable[[int, list[dict[str, Any]]], None] | None = None,
+                 on_export: Callable[[Any], None] | None = None,
                  donate_params: bool = False, weight_sync: WeightSync | None = None):
         # A custom workflow samples with the RLVRConfig it was built with (its `rollout`).
         rollout = workflow if isinstance(workflow, RLVRConfig) else getattr(workflow, "rollout", None)
@@ -194,6 +195,7 @@ class RLLoop:
         self.checkpointer = checkpointer
         self.checkpoint_extra = checkpoint_extra
         self.on_rollouts = on_rollouts
+        self.on_export = on_export  # called on process 0 with each HF export's directory (the run adds its files)
         self.first_step = 0
         self.trained_tokens = 0.0  # over the whole run, resumes included
         self._run_tokens = 0.0  # by this process since it started
@@ -403,7 +405,9 @@ class RLLoop:
             meta["extra"] = self.checkpoint_extra()
         ckpt.save(step + 1, state=self.trainer.state_dict(), meta=meta, data_iterator=point["data"], force=True)
         if ckpt.should_export_hf(step + 1):
-            ckpt.export_hf(self.trainer.params, self.model_config, step + 1)
+            target = ckpt.export_hf(self.trainer.params, self.model_config, step + 1)
+            if target is not None and self.on_export is not None and jax.process_index() == 0:
+                self.on_export(target)
 
     def _restore(self) -> None:
         """Continues from the latest checkpoint: weights, optimizer, version, counters, data position."""
