@@ -87,8 +87,10 @@ def test_the_quickstart_passes_every_cross_field_check():
 
 def test_the_training_temperature_is_the_sampling_temperature():
     assert _load("RLVRConfig.temperature = 1.3").ppo.temperature == 1.3
-    with pytest.raises(cs.ConfigError, match="PPOConfig.temperature is derived from RLVRConfig.temperature"):
-        _load("PPOConfig.temperature = 0.7")
+    with pytest.raises(cs.ConfigError, match=r"PPOConfig.temperature \(1.0\) is derived from RLVRConfig.temperature "
+                                             r"\(0.7\)"):
+        _load("PPOConfig.temperature = 1.0")
+    assert _load("PPOConfig.temperature = 0.7").ppo.temperature == 0.7  # an older file binding both alike
 
 
 def test_the_completion_budget_is_set_once():

@@ -175,9 +175,11 @@ def _rl_config(rollout: RLVRConfig) -> RLConfig:
 
 def _ppo_config(rollout: RLVRConfig) -> PPOConfig:
     """PPOConfig with the sampling temperature: one field (RLVRConfig.temperature) sets both."""
-    if "temperature" in cs.bindings(PPOConfig):
-        raise cs.ConfigError("PPOConfig.temperature is derived from RLVRConfig.temperature (the trainer takes "
-                             "log-probs at the sampling temperature): bind RLVRConfig.temperature only")
+    bound = cs.bindings(PPOConfig).get("temperature", rollout.temperature)  # an equal binding (older files) is moot
+    if bound != rollout.temperature:
+        raise cs.ConfigError(f"PPOConfig.temperature ({bound}) is derived from RLVRConfig.temperature "
+                             f"({rollout.temperature}): the trainer takes log-probs at the sampling temperature; "
+                             "bind RLVRConfig.temperature only")
     return cs.build(PPOConfig, temperature=rollout.temperature)
 
 
