@@ -26,7 +26,9 @@ def _one_line(capsys) -> str:
 @pytest.mark.parametrize("flag,phrase", [("--n=0", "--n must be >= 1, got 0"),
                                          ("--max_new_tokens=-5", "--max_new_tokens must be >= 1, got -5"),
                                          ("--temperature=-1", "--temperature must be finite and >= 0, got -1.0"),
-                                         ("--temperature=nan", "--temperature must be finite and >= 0")])
+                                         ("--temperature=nan", "--temperature must be finite and >= 0"),
+                                         ("--top_p=0", "--top_p must be in (0, 1], got 0.0"),
+                                         ("--top_k=-1", "--top_k must be >= 0 (0: no cut), got -1")])
 def test_generate_flags(tmp_path, capsys, flag, phrase):
     assert main(["generate", f"--model={tmp_path / 'no_model'}", "--prompt=hi", flag]) == 2
     assert phrase in _one_line(capsys)

@@ -92,6 +92,11 @@ def test_plan_json_names_every_role_and_fits_a_small_model(small_plan):
     decode = next(p for p in plan["programs"] if p["name"].startswith("generation/decode"))
     assert decode["flops"] > 0 and decode["roofline_s"] > 0
     assert plan["prediction"]["generation_tokens_per_s"] > 0 and plan["prediction"]["bound"] in ("generation", "training")
+    # The run's hours at the predicted step: RLConfig.steps (its default, 20) on the node's 8 devices.
+    run = plan["run"]
+    assert run["steps"] == 20 and run["devices"] == 8 and run["step_s"] == plan["prediction"]["step_s"]
+    assert run["wall_hours"] == pytest.approx(run["step_s"] * 20 / 3600)
+    assert run["device_hours"] == pytest.approx(run["wall_hours"] * 8)
 
 
 @needs_gpu_compiler

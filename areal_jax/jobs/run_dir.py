@@ -82,8 +82,8 @@ def check_run_dir(cfg: JobConfigs, run_dir: paths.PathLike, *, resume: bool, ove
 
 def _check_resumable(cfg: JobConfigs, run_dir: paths.Path) -> None:
     if cfg.checkpoint is None:
-        raise InputError(f"--resume: nothing to resume in {run_dir}: no CheckpointConfig is bound, so no "
-                         "checkpoint is saved or read (bind e.g. CheckpointConfig.save_interval_steps = 10)")
+        raise InputError(f"--resume: nothing to resume in {run_dir}: Stages.checkpoint = False, so no "
+                         "checkpoint is saved or read")
     directory = paths.as_path(cfg.checkpoint.directory)
     if not finalized_steps(directory):
         raise InputError(f"--resume: nothing to resume: no finished checkpoint under {directory}")

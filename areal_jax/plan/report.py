@@ -17,7 +17,26 @@ HEADER = (f"{'fit':<3} {'role':<10} {'program':<46} {'peak/capacity GiB':>17} {'
           f"{'roofline ms':>9}  source")
 
 
-def format_plan(plan: Plan) -> str:
+# Why plan's step time and simulate's differ: said beside each one's figure.
+STEP_TIME_NOTE = ("plan's step assumes every slot busy and every completion of the mean length "
+                  "(PlanConfig.mean_completion_fraction); `areal-jax simulate` replays the length distribution's "
+                  "tail, the slots it leaves idle and the staleness bound, so its step is longer")
+
+
+def run_totals(step_s: float, steps: int, devices: int) -> dict[str, float]:
+    """The run's wall time and device-hours at `step_s` a step for RLConfig.steps on `devices`."""
+    hours = step_s * steps / 3600.0
+    return {"steps": steps, "step_s": step_s, "wall_hours": hours, "devices": devices, "device_hours": hours * devices}
+
+
+def run_totals_line(totals: dict[str, float]) -> str:
+    return (f"the run: {totals['steps']} steps (RLConfig.steps) x {totals['step_s']:.1f} s = "
+            f"{totals['wall_hours']:.2f} h wall time, {totals['device_hours']:,.1f} device-hours on "
+            f"{totals['devices']} devices")
+
+
+def format_plan(plan: Plan, steps: int | None = None) -> str:
+    """The table, the prediction and the verdict; with `steps` (RLConfig.steps) the run's hours."""
     t = plan.target
     lines = [
         f"target {t.name}: {t.hosts} host(s) x {t.devices_per_host} {t.accelerator.name} devices, "
@@ -39,6 +58,9 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"one step: generation {pred['step_generation_s']:.1f} s, training {pred['step_train_s']:.1f} s "
                      f"-> {pred['step_s']:.1f} s, {pred['trained_tokens_per_s']:,.0f} trained tokens/s; "
                      f"bound by {pred['bound']}")
+        if steps:
+            lines.append(run_totals_line(run_totals(pred["step_s"], steps, t.hosts * t.devices_per_host)))
+        lines.append(f"({STEP_TIME_NOTE})")
     lines.append(verdict(plan))
     return "\n".join(lines)
 

@@ -4,9 +4,10 @@ or from a recorded run, printed as a table or JSON.
     areal-jax simulate --gin_file=CONFIG [--gin_param ...] [--target NAME | --calibrate RUN_DIR]
                        [--lengths PATH | --length-dist SPEC] [--sweep FIELD=v1,v2,...] [--seed S] [--json]
 
-Rows: the config's own (mode, eta, split) and, for an async config, the synchronous colocated
-baseline; `--sweep` replaces a field's value by each of the listed ones (fields: mode, eta, split =
-generation devices per host; several --sweep flags multiply).
+Rows: the config's own (mode, eta, split), or with `--sweep` a field's value replaced by each of
+the listed ones (fields: mode, eta, split = generation devices per host; several --sweep flags
+multiply), and always the synchronous colocated baseline that "vs sync" compares with. Each row
+states its step time and the run's wall time and device-hours for RLConfig.steps.
 """
 
 from __future__ import annotations
@@ -132,11 +133,14 @@ def roofline_costs(job, plan_cfg, gin_files, target, workload, row, *, transfer_
 
 
 def _rows(base, sweeps, *, include_sync: bool) -> list:
-    if not sweeps:
-        rows = [base]
-        if include_sync and base.mode == "async":
-            rows.append(dataclasses.replace(base, mode="sync", eta=0, colocated=False))
-        return rows
+    """The config's row, or the sweep's; with `include_sync` always a synchronous baseline too."""
+    rows = [base] if not sweeps else _swept_rows(base, sweeps)
+    if include_sync and not any(r.mode == "sync" for r in rows):  # "vs sync" needs its baseline
+        rows.append(dataclasses.replace(base, mode="sync", eta=0, colocated=False))
+    return rows
+
+
+def _swept_rows(base, sweeps) -> list:
     rows = []
     names = [f for f, _ in sweeps]
     for values in itertools.product(*(v for _, v in sweeps)):
@@ -163,6 +167,7 @@ def simulate_rows(args) -> dict[str, Any]:
     from areal_jax.simulate.config import RowConfig
     from areal_jax.simulate.lengths import LengthSampler, parse_length_spec, read_rollout_lengths
     from areal_jax.simulate.system import Simulation
+    from areal_jax.plan.report import STEP_TIME_NOTE, run_totals
 
     job = load_job_configs(args.gin_file, args.gin_param, run_dir="simulate")
     plan_cfg = cs.build(PlanConfig)
@@ -218,6 +223,7 @@ def simulate_rows(args) -> dict[str, Any]:
         d["split"] = f"{r.generation_devices}:{r.train_devices}" if r.mode == "async" and not (
             r.generation_devices == r.train_devices == workload.devices_per_host) else "colocated"
         d["vs_sync"] = r.trained_tokens_per_s / sync.trained_tokens_per_s if sync and sync.trained_tokens_per_s else None
+        d["run"] = run_totals(r.step_s, job.rl.steps, workload.hosts * workload.devices_per_host)
         out_rows.append(d)
     assumptions = {
         "costs": (fit.costs.label + f" (steps used {fit.steps_used}, fit error per family "
@@ -236,7 +242,9 @@ def simulate_rows(args) -> dict[str, Any]:
         "transfer": (f"{args.transfer_gbps:g} GB/s per host (generation weights)" if fit is None
                      else f"{fit.costs.transfer_s:.3f} s per step (recorded)"),
         "reward_s": args.reward_s,
-        "steps": f"{args.steps} simulated, first {args.warmup} left out",
+        "steps": f"{args.steps} simulated, first {args.warmup} left out; run h and device-h: the mean step "
+                 f"times RLConfig.steps = {job.rl.steps} on {workload.hosts * workload.devices_per_host} devices",
+        "step time": STEP_TIME_NOTE,
         "seed": args.seed,
     }
     return {"rows": out_rows, "assumptions": assumptions}
@@ -244,14 +252,15 @@ def simulate_rows(args) -> dict[str, Any]:
 
 def format_rows(report: dict[str, Any]) -> str:
     head = (f"{'mode':6s} {'eta':>3s} {'split':>9s} {'trained tok/s':>14s} {'vs sync':>7s} {'gen busy':>8s} "
-            f"{'train busy':>10s} {'slots':>6s} {'re-prefill':>10s} {'stale max/mean':>14s} {'step s':>8s}")
+            f"{'train busy':>10s} {'slots':>6s} {'re-prefill':>10s} {'stale max/mean':>14s} {'step s':>8s} "
+            f"{'run h':>7s} {'device-h':>9s}")
     lines = [head]
     for r in report["rows"]:
         vs = f"{r['vs_sync']:.2f}x" if r["vs_sync"] is not None else "-"
         lines.append(f"{r['mode']:6s} {r['eta']:3d} {r['split']:>9s} {r['trained_tokens_per_s']:14,.0f} {vs:>7s} "
                      f"{r['generation_busy']:8.0%} {r['train_busy']:10.0%} {r['slot_occupancy']:6.0%} "
                      f"{r['reprefill_per_trained_token']:10.2f} {r['staleness_max']:>6d} / {r['staleness_mean']:5.2f} "
-                     f"{r['step_s']:8.2f}")
+                     f"{r['step_s']:8.2f} {r['run']['wall_hours']:7.2f} {r['run']['device_hours']:9,.1f}")
     lines.append("")
     lines += [f"{k}: {v}" for k, v in report["assumptions"].items() if k != "cost_model"]
     return "\n".join(lines)

@@ -70,7 +70,8 @@ class RLConfig:
     # one group's staging buffers beside the fp32 weights and optimizer state during a transfer.
     transfer_group_bytes: int = DEFAULT_GROUP_BYTES
     eval_every: int = 0  # steps between held-out evaluations (0: only at the start and end)
-    eval_max_new_tokens: int = 64
+    # Completion budget of held-out checks. None: RLVRConfig.max_new_tokens (the rollouts' budget).
+    eval_max_new_tokens: int | None = None
     dump_rollouts_every: int = 0  # write the step's trajectories to rollouts/step_N.jsonl every N steps
     batch_timeout_s: float = 600.0  # waiting longer than this for a batch is an error
     # A custom rollout workflow, "package.module:Class" (the contract: areal_jax/rollout/workflow.py;
@@ -96,6 +97,9 @@ class RLConfig:
             raise ValueError(f"RLConfig.mode must be 'async' or 'sync', got {self.mode!r}")
         if self.mode == "sync" and self.max_staleness != 0:
             raise ValueError("RLConfig.mode = 'sync' needs max_staleness = 0")
+        if self.eval_max_new_tokens is not None and (isinstance(self.eval_max_new_tokens, bool) or not isinstance(
+                self.eval_max_new_tokens, int) or self.eval_max_new_tokens < 1):
+            raise ValueError(f"RLConfig.eval_max_new_tokens must be None or an int >= 1, got {self.eval_max_new_tokens!r}")
         if self.channel_capacity < 0 or self.eval_every < 0 or self.dump_rollouts_every < 0:
             raise ValueError("RLConfig.channel_capacity, eval_every and dump_rollouts_every must be >= 0")
         if (not isinstance(self.transfer_group_bytes, int) or isinstance(self.transfer_group_bytes, bool)
@@ -142,11 +146,14 @@ class RLLoop:
                  checkpointer: Checkpointer | None = None, resume: bool = False,
                  checkpoint_extra: Callable[[], dict[str, Any]] | None = None,
                  on_rollouts: Callable[[int, list[dict[str, Any]]], None] | None = None,
+                 on_export: Callable[[Any], None] | None = None,
                  donate_params: bool = False, weight_sync: WeightSync | None = None,
                  should_stop: Callable[[], bool] | None = None):
         # A custom workflow samples with the RLVRConfig it was built with (its `rollout`).
         rollout = workflow if isinstance(workflow, RLVRConfig) else getattr(workflow, "rollout", None)
         rollout = rollout if isinstance(rollout, RLVRConfig) else None
+        if rollout is not None and ppo.temperature is None:  # derived: the sampling temperature
+            ppo = dataclasses.replace(ppo, temperature=rollout.temperature)
         if rollout is not None and rollout.temperature != ppo.temperature:
             # The trainer's log-probs must be of the distribution that sampled the tokens, or the
             # importance weights pi_prox / pi_behav measure the temperature, not the staleness.
@@ -189,6 +196,7 @@ class RLLoop:
         self.checkpointer = checkpointer
         self.checkpoint_extra = checkpoint_extra
         self.on_rollouts = on_rollouts
+        self.on_export = on_export  # called on process 0 with each HF export's directory (the run adds its files)
         self.first_step = 0
         self.trained_tokens = 0.0  # over the whole run, resumes included
         self._run_tokens = 0.0  # by this process since it started
@@ -438,7 +446,9 @@ class RLLoop:
             meta["extra"] = self.checkpoint_extra()
         ckpt.save(step + 1, state=self.trainer.state_dict(), meta=meta, data_iterator=point["data"], force=True)
         if ckpt.should_export_hf(step + 1):
-            ckpt.export_hf(self.trainer.params, self.model_config, step + 1)
+            target = ckpt.export_hf(self.trainer.params, self.model_config, step + 1)
+            if target is not None and self.on_export is not None and jax.process_index() == 0:
+                self.on_export(target)
 
     def _restore(self) -> None:
         """Continues from the latest checkpoint: weights, optimizer, version, counters, data position."""
@@ -470,7 +480,8 @@ class RLLoop:
         scorer = RewardScorer(rollout.reward if rollout else "math", self.reward_pool,
                               timeout_s=rollout.reward_timeout_s if rollout else 10.0)
         stop = self.workflow_config.stop_token_ids if self.workflow_config else ()
-        sp = SamplingParams(max_new_tokens=self.rl.eval_max_new_tokens, temperature=0.0, stop_token_ids=stop)
+        budget = self.rl.eval_max_new_tokens or (rollout.max_new_tokens if rollout else 64)
+        sp = SamplingParams(max_new_tokens=budget, temperature=0.0, stop_token_ids=stop)
         handles = [self.engine.submit(row["prompt_ids"], sp) for row in self.eval_rows]
         calls = []
         for row, h in zip(self.eval_rows, handles):

@@ -81,7 +81,9 @@ class PPOConfig:
             used whatever the method.
         minibatch_seed: seeds the order of a step's groups before the minibatch split (with the
             step: `batching.minibatch_indices`).
-        temperature: sampling temperature the log-probs are taken at (match the generator).
+        temperature: sampling temperature the log-probs are taken at. None (the default): the
+            rollout's, RLVRConfig.temperature, which the job and RLLoop fill in (one field, so
+            the two cannot differ); 1.0 for a trainer used alone.
         num_minibatches: optimizer updates per training step.
         max_tokens_per_microbatch: token budget of one micro-batch (for make_microbatches).
         row_buckets: row lengths micro-batches may use (for make_microbatches); () = powers of
@@ -110,7 +112,7 @@ class PPOConfig:
     decoupled: bool = True
     prox_logp_method: Literal["recompute", "loglinear"] = "recompute"
     minibatch_seed: int = 0
-    temperature: float = 1.0
+    temperature: float | None = None
     num_minibatches: int = 4
     max_tokens_per_microbatch: int = 4096
     row_buckets: tuple[int, ...] = ()
@@ -119,6 +121,11 @@ class PPOConfig:
     scan_layers: bool = True
     skip_nonfinite: bool = True
     logit_chunk_tokens: int = DEFAULT_LOGIT_CHUNK_TOKENS
+
+    @property
+    def logit_temperature(self) -> float:
+        """The temperature log-probs are taken at (`temperature`, 1.0 when unset)."""
+        return 1.0 if self.temperature is None else self.temperature
 
     def __post_init__(self) -> None:
         if not _is_number(self.eps_clip) or not 0.0 < self.eps_clip < 1.0:
@@ -147,8 +154,8 @@ class PPOConfig:
                              "decoupled PPO; it needs decoupled = True")
         if isinstance(self.minibatch_seed, bool) or not isinstance(self.minibatch_seed, int) or self.minibatch_seed < 0:
             raise ValueError(f"PPOConfig.minibatch_seed must be an int >= 0, got {self.minibatch_seed!r}")
-        if not _is_number(self.temperature) or not self.temperature > 0:
-            raise ValueError(f"PPOConfig.temperature must be > 0, got {self.temperature!r}")
+        if self.temperature is not None and (not _is_number(self.temperature) or not self.temperature > 0):
+            raise ValueError(f"PPOConfig.temperature must be > 0 or None, got {self.temperature!r}")
         for name in ("num_minibatches", "max_tokens_per_microbatch", "logit_chunk_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -277,14 +284,14 @@ def build_train_programs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, optimizer: 
     def logprobs(params, batch):
         counts["logprobs"] += 1  # runs once per trace, i.e. per compilation
         hidden, head = hidden_of(params, batch)
-        return hidden_logprobs(hidden, head, batch["targets"], ppo.temperature, chunk_tokens=ppo.logit_chunk_tokens)
+        return hidden_logprobs(hidden, head, batch["targets"], ppo.logit_temperature, chunk_tokens=ppo.logit_chunk_tokens)
 
     def grad_step(params, grad_acc, stats_acc, batch, denominator):
         counts["grad"] += 1
 
         def loss_fn(p):
             hidden, head = hidden_of(p, batch)
-            logp, entropy = hidden_logprobs_and_entropy(hidden, head, batch["targets"], ppo.temperature,
+            logp, entropy = hidden_logprobs_and_entropy(hidden, head, batch["targets"], ppo.logit_temperature,
                                                         chunk_tokens=ppo.logit_chunk_tokens)
             if PROXIMAL_KEY in batch:
                 prox = batch[PROXIMAL_KEY]
