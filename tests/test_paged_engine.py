@@ -217,3 +217,23 @@ def test_paged_specs_size_the_pool_in_pages_and_compile():
             assert "EngineConfig.page_size" in spec.fields, spec.name
         if "decode" in spec.name or "prefill_start" in spec.name:
             assert spec.lower().compile().memory_analysis() is not None, spec.name
+
+
+def test_non_interruptible_swap_drains_preempted_samples_too():
+    """interruptible=False with a pool that preempts: samples in flight at the update, running or
+    preempted, finish on the old weights (the preempted ones resume while the swap waits), and the
+    requests after the swap run on the new ones."""
+    old, new = _params(10), _params(11)
+    engine = GenerationEngine((CFG, old), EngineConfig(**{**BASE, "kv_layout": "paged", "page_size": 8,
+                                                          "kv_pool_pages": 8, "interruptible": False}))
+    sp = SamplingParams(max_new_tokens=40, temperature=0.0)
+    first = [engine.submit(p, sp) for p in PROMPTS]
+    while not engine._preempted:
+        engine.step()
+    swapped = engine.update_weights(new, version=1)
+    later = engine.submit([3, 3, 3], sp)
+    engine.run_until_idle()
+    assert swapped.result() is True and engine.stats().preempted_samples > 0
+    assert all((h.result().completions[0].versions == 0).all() for h in first)
+    assert (later.result().completions[0].versions == 1).all()
+    _all_free(engine)

@@ -25,7 +25,8 @@ smallest cache window holding its sequences (`decode_windows`) and ends early wh
 up while requests wait (`refill_after`).
 
 The compiled programs are built in generation/programs.py (which also describes them for
-ahead-of-time planning); this module is the host-side scheduler around them. On a generation
+ahead-of-time planning) and called, on the cache they write, by generation/engine_cache.py; this
+module is the host-side scheduler around them. On a generation
 mesh every batch dimension is a multiple of its "data" size (EngineConfig's row counts).
 """
 
@@ -37,28 +38,25 @@ import contextlib
 import dataclasses
 import itertools
 import threading
-import time
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from areal_jax.generation.config import EngineConfig
-from areal_jax.generation.paged import page_bytes, zero_pools
+from areal_jax.generation.engine_cache import EngineCache
 from areal_jax.generation.pages import PageAllocator
-from areal_jax.generation.programs import (EnginePrograms, build_programs, cache_sharding, check_mesh, mesh_of,
-                                           mesh_sizes, param_shardings, placed_like)
+from areal_jax.generation.programs import (EnginePrograms, check_mesh, mesh_of, mesh_sizes, param_shardings,
+                                           placed_like)
 from areal_jax.generation.requests import (Completion, EngineStats, GroupResult, Request, RequestHandle, Sample,
                                            StopReason)
 from areal_jax.generation.sampling import MAX_STOP_IDS, SamplingParams
-from areal_jax.generation.timings import CallTimings, decode_key, shape_key
+from areal_jax.generation.timings import CallTimings, decode_key
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.sharding import GENERATION_RULES, activation_rules
-from areal_jax.models.transformer import KVCache, Params, Transformer, split_layers
-from areal_jax.packing import ffd_allocate
+from areal_jax.models.transformer import Params, Transformer, split_layers
 
 __all__ = ["Completion", "EngineConfig", "EngineStats", "GenerationEngine", "GroupResult", "RequestHandle"]
 
@@ -85,30 +83,12 @@ class GenerationEngine:
         check_mesh(cfg, ec, self._mesh)
         self._data = mesh_sizes(self._mesh)[0]  # prefill and re-prefill rows are multiples of it
         dtype = jnp.dtype(ec.cache_dtype) if ec.cache_dtype else params["embed"].dtype
-        layer_shape = (ec.num_slots, cfg.num_kv_heads, ec.max_seq_len, cfg.head_dim)  # [B, K, S, H]
-        if self._mesh is not None:
-            self._inputs_sharding = NamedSharding(self._mesh, PartitionSpec())
-            layer_sharding = cache_sharding(cfg, ec, self._mesh)
-            self._param_shardings = param_shardings(cfg, self._mesh, split=True)
-        else:
-            self._inputs_sharding = layer_sharding = SingleDeviceSharding(next(iter(home.device_set)))
-            self._param_shardings = None
+        self._param_shardings = param_shardings(cfg, self._mesh, split=True) if self._mesh is not None else None
         self.compile_counts: collections.Counter[str] = collections.Counter()
-        self._programs: EnginePrograms = build_programs(cfg, ec, dtype, mesh=self._mesh, counts=self.compile_counts,
-                                                        platform=next(iter(home.device_set)).platform)
-        # The cache lives per layer, the layout the decode loop updates in place (a stacked cache
-        # would be split and re-stacked, copied, on every chunk): L `[B, K, S, H]` buffers, or L
-        # page pools with the page tables on the host (generation/pages.py).
-        self._pages: PageAllocator | None = None
-        if self._programs.layout == "paged":
-            per_replica = ec.pool_pages(page_bytes(cfg, ec.page_size, dtype), self._data)
-            self._pages = PageAllocator(ec.num_slots, self._data, per_replica, ec.page_size, ec.pages_per_sequence)
-            self._cache = zero_pools(cfg, self._data * per_replica, ec.page_size, dtype,
-                                     self._mesh if self._mesh is not None else layer_sharding)
-        else:
-            zeros = jax.jit(lambda: jnp.zeros(layer_shape, dtype), out_shardings=layer_sharding)
-            self._cache = KVCache(tuple(zeros() for _ in range(cfg.num_layers)),
-                                  tuple(zeros() for _ in range(cfg.num_layers)))
+        self._stats = EngineStats()
+        self._timings = CallTimings()  # seconds per program and shape, for the simulator's cost fit
+        self._kv = EngineCache(cfg, ec, dtype, mesh=self._mesh, device=next(iter(home.device_set)),
+                               counts=self.compile_counts, stats=self._stats, timings=self._timings)
         B = ec.num_slots
         self._slot_sample: list[Sample | None] = [None] * B
         self._tokens = np.zeros(B, np.int32)  # next input token of each slot
@@ -126,8 +106,6 @@ class GenerationEngine:
         self._pending_weights: tuple[Params, int, concurrent.futures.Future] | None = None
         self._ids = itertools.count()
         self._seeds = itertools.count()
-        self._stats = EngineStats()
-        self._timings = CallTimings()  # seconds per program and shape, for the simulator's cost fit
         self._stamps = itertools.count()  # start order of samples
         self._preempted: list[Sample] = []  # out of the pool, oldest first: resumed before new admissions
         self._thread: threading.Thread | None = None
@@ -145,6 +123,23 @@ class GenerationEngine:
     @property
     def version(self) -> int:
         return self._version
+
+    # The cache, its programs and its pages live in `self._kv` (generation/engine_cache.py).
+    @property
+    def _cache(self):
+        return self._kv.cache
+
+    @property
+    def _programs(self) -> EnginePrograms:
+        return self._kv.programs
+
+    @_programs.setter
+    def _programs(self, programs: EnginePrograms) -> None:
+        self._kv.programs = programs
+
+    @property
+    def _pages(self) -> PageAllocator | None:
+        return self._kv.pages
 
     def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams, n: int = 1,
                request_id: str | None = None, seed: int | None = None) -> RequestHandle:
@@ -310,9 +305,6 @@ class GenerationEngine:
         """Activation sharding rules of the generation mesh (traced into the programs)."""
         return activation_rules(GENERATION_RULES, self._mesh) if self._mesh is not None else contextlib.nullcontext()
 
-    def _put(self, *arrays):
-        return jax.device_put(arrays, self._inputs_sharding)
-
     def _apply_aborts(self) -> None:
         with self._lock:
             aborts, self._aborts = self._aborts, set()
@@ -360,34 +352,15 @@ class GenerationEngine:
         self._stats.weight_swaps += 1
         # Interrupted samples: recompute their KV cache from prompt + tokens so far (all but the
         # last token, which is the next decode input) under the new weights, in batched calls.
-        self._recompute({slot: self._slot_sample[slot].history() for slot in active})
+        self._kv.recompute(self._params, {slot: self._slot_sample[slot].history() for slot in active})
         done.set_result(True)
         return False
-
-    def _recompute(self, histories: dict[int, np.ndarray]) -> None:
-        """Writes the KV cache of slots (slot -> history) under the current weights: after a swap,
-        and for preempted samples resuming."""
-        # Histories that fit a packed row go several to a row, straight into their slots.
-        width = self.config.pack_width
-        self._reprefill_packed({slot: h for slot, h in histories.items() if h.size <= width})
-        # Longer ones: each call holds histories of one length bucket (a call pads every row to
-        # its longest, so mixed lengths would pad the short ones to a straggler's length).
-        by_bucket: dict[int, list[int]] = collections.defaultdict(list)
-        for slot in sorted((s for s, h in histories.items() if h.size > width), key=lambda s: histories[s].size):
-            by_bucket[self.config.bucket(histories[slot].size)].append(slot)
-        for bucket, slots in by_bucket.items():
-            most = self.config.max_prefill_prompts(bucket, self._data)
-            for start in range(0, len(slots), most):
-                part = slots[start:start + most]
-                self._insert(self._prefill([histories[slot] for slot in part]), list(enumerate(part)),
-                             [histories[slot].size for slot in part])
-        self._stats.reprefill_tokens += sum(h.size for h in histories.values())
 
     def _install_weights(self, params: Params) -> None:
         """Makes `params` (stacked or split) the served weights, holding at most two copies: the
         old weights are released first (a running program keeps its own reference until it ends)."""
         if self._mesh is None:  # on the engine's device (a put only if they are elsewhere)
-            params = placed_like(params, jax.tree.map(lambda _: self._inputs_sharding, params))
+            params = placed_like(params, jax.tree.map(lambda _: self._kv.inputs_sharding, params))
         self._params = None
         if isinstance(params["layers"], tuple):  # already per layer: used as they lie when laid out so
             self._params = params if self._mesh is None else placed_like(params, self._param_shardings)
@@ -505,7 +478,7 @@ class GenerationEngine:
             self._bind(taken[0], sample)
             histories[taken[0]] = sample.history()
         if histories:
-            self._recompute(histories)
+            self._kv.recompute(self._params, histories)
 
     # ---- admission -----------------------------------------------------------------------------
 
@@ -543,16 +516,8 @@ class GenerationEngine:
         for row, req in enumerate(batch):
             started, free = self._assign(req, free)
             plan += [(slot, r, index, row) for slot, r, index in started]
-        t0 = time.perf_counter()
-        padded, lengths = self._padded_rows([req.prompt for req in batch])
-        self._cache, block, logits, tokens, logprobs = self._programs.prefill_start(
-            self._params, self._cache, *self._put(padded, lengths, *self._start_arrays(plan), *self._tables()))
-        tokens, logprobs = jax.device_get((tokens, logprobs))
-        elapsed = time.perf_counter() - t0
-        self._stats.prefill_s += elapsed
-        self._stats.prefill_tokens += sum(req.prompt.size for req in batch)
-        self._timings.add("prefill", shape_key(padded.shape[0], padded.shape[1]), calls=1,
-                          tokens=sum(req.prompt.size for req in batch), s=elapsed)
+        block, logits, tokens, logprobs = self._kv.prefill_start(self._params, [req.prompt for req in batch],
+                                                                 self._start_arrays(plan))
         for row, req in enumerate(batch):
             if req.next_sample < req.n:
                 req.prefix = (block, row, logits)
@@ -566,23 +531,10 @@ class GenerationEngine:
         if not started:
             return free
         plan = [(slot, r, index, row) for slot, r, index in started]
-        rows, slots, keys, positions, temperature, top_p, top_k = self._start_arrays(plan)
-        t0 = time.perf_counter()
-        lengths = (positions + 1,) if self._pages is not None else ()
-        self._cache = self._programs.insert(self._cache, block, *self._put(rows, slots, *lengths, *self._tables()))
-        tokens, logprobs = jax.device_get(self._programs.first_tokens(
-            logits, *self._put(rows, keys, positions, temperature, top_p, top_k)))
-        self._timings.add("insert", shape_key(len(plan)), calls=1, s=time.perf_counter() - t0)
+        tokens, logprobs = self._kv.start_from_block(block, logits, self._start_arrays(plan), len(plan))
         for (slot, _, index, _), token, logprob in zip(plan, tokens, logprobs):
             self._start_sample(slot, req, index, int(token), float(logprob))
         return free
-
-    def _tables(self, width: int | None = None) -> tuple[np.ndarray, ...]:
-        """The page tables (their first `width` columns) as the paged programs' last argument; ()
-        for the dense layout."""
-        if self._pages is None:
-            return ()
-        return (self._pages.tables[:, :width].copy(),)
 
     def _start_arrays(self, plan: list[tuple[int, Request, int, int]]) -> tuple[np.ndarray, ...]:
         """Per started sample (slot, request, index, prefill row), padded to num_slots: prefill rows,
@@ -637,18 +589,14 @@ class GenerationEngine:
         # Positions reached by the end of the chunk: the attention window (paged: the pages of the
         # page tables) must hold them.
         window = ec.decode_window(int(self._positions[active].max()) + ec.decode_chunk)
-        t0 = time.perf_counter()
-        self._cache, out = self._programs.decode(self._params, self._cache, *self._put(
+        tokens, logprobs, valid, steps, elapsed = self._kv.decode(self._params, (
             self._tokens, self._positions, active, self._remaining, self._temperature, self._top_p, self._top_k,
-            self._stop_ids, self._slot_keys, np.int32(exit_free), *self._tables(ec.decode_pages(window))),
-            window=window)
-        tokens, logprobs, valid, steps = (np.asarray(x) for x in jax.device_get(out))  # [B, C] each; steps []
-        elapsed = time.perf_counter() - t0
+            self._stop_ids, self._slot_keys, np.int32(exit_free)), window)
         self._stats.decode_s += elapsed
         self._stats.chunks += 1
-        self._stats.decode_steps += int(steps)
+        self._stats.decode_steps += steps
         self._stats.busy_slot_steps += int(valid.sum())
-        self._timings.add("decode", decode_key(window, int(active.sum()), ec.num_slots), steps=int(steps),
+        self._timings.add("decode", decode_key(window, int(active.sum()), ec.num_slots), steps=steps,
                           slot_steps=int(valid.sum()), s=elapsed)
         for slot in np.flatnonzero(active):
             sample = self._slot_sample[slot]
@@ -706,71 +654,6 @@ class GenerationEngine:
                 req.future.set_exception(error)
             except concurrent.futures.InvalidStateError:
                 pass
-
-    def _prefill(self, seqs: list[np.ndarray]) -> KVCache:
-        """KV block (per layer `[R, K, P, H]`) of `seqs` (row i = seqs[i]); R and P bucketed."""
-        t0 = time.perf_counter()
-        padded, lengths = self._padded_rows(seqs)
-        block = self._programs.prefill(self._params, *self._put(padded, lengths))
-        jax.block_until_ready(block)
-        elapsed = time.perf_counter() - t0
-        self._stats.prefill_s += elapsed
-        self._stats.prefill_tokens += sum(s.size for s in seqs)
-        self._timings.add("reprefill_long", shape_key(padded.shape[0], padded.shape[1]), calls=1,
-                          tokens=sum(s.size for s in seqs), s=elapsed)
-        return block
-
-    def _padded_rows(self, seqs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """Prefill inputs for `seqs`: tokens `[R, P]` (P the longest one's length bucket, zero-padded;
-        R a row count for that bucket, a multiple of the data size) and lengths `[R]` (unused rows:
-        one dummy token)."""
-        width = self.config.bucket(max(s.size for s in seqs))
-        rows = self.config.prefill_rows(len(seqs), width, self._data)
-        padded = np.zeros((rows, width), np.int32)
-        lengths = np.ones(rows, np.int32)
-        for i, s in enumerate(seqs):
-            padded[i, :s.size] = s
-            lengths[i] = s.size
-        return padded, lengths
-
-    def _reprefill_packed(self, histories: dict[int, np.ndarray]) -> None:
-        """Recomputes the cache of slots from their histories (slot -> tokens), packed first-fit-
-        decreasing into rows of `pack_width` tokens, `max_pack_rows` rows per call."""
-        if not histories:
-            return
-        t0 = time.perf_counter()
-        ec = self.config
-        slots = sorted(histories)
-        bins = ffd_allocate([histories[slot].size for slot in slots], ec.pack_width)
-        most = ec.max_pack_rows(self._data)
-        for start in range(0, len(bins), most):
-            part = bins[start:start + most]
-            rows = ec.pack_rows(len(part), self._data)
-            ids, segments, dest = (np.zeros((rows, ec.pack_width), np.int32) for _ in range(3))
-            for r, members in enumerate(part):
-                at = 0
-                for j, i in enumerate(members):
-                    h = histories[slots[i]]
-                    ids[r, at:at + h.size], segments[r, at:at + h.size], dest[r, at:at + h.size] = h, j + 1, slots[i]
-                    at += h.size
-            self._cache = self._programs.reprefill(self._params, self._cache,
-                                                   *self._put(ids, segments, dest, *self._tables()))
-        jax.block_until_ready(self._cache)
-        elapsed = time.perf_counter() - t0
-        self._stats.prefill_s += elapsed
-        self._stats.prefill_tokens += sum(h.size for h in histories.values())
-        self._timings.add("reprefill", shape_key(len(bins)), calls=-(-len(bins) // most),
-                          tokens=sum(h.size for h in histories.values()), s=elapsed)
-
-    def _insert(self, block: KVCache, placements: list[tuple[int, int]], lengths: list[int]) -> None:
-        """Copies block rows into cache slots, `placements` = [(row, slot)] of rows holding
-        `lengths` tokens, in one call."""
-        B = self.config.num_slots
-        rows, slots, sizes = np.zeros(B, np.int32), np.full(B, B, np.int32), np.zeros(B, np.int32)
-        for i, ((row, slot), size) in enumerate(zip(placements, lengths, strict=True)):
-            rows[i], slots[i], sizes[i] = row, slot, size
-        extra = (sizes, *self._tables()) if self._pages is not None else ()
-        self._cache = self._programs.insert(self._cache, block, *self._put(rows, slots, *extra))
 
     def _sample_key(self, request_seed: int, index: int) -> np.ndarray:
         return np.random.SeedSequence([self.config.seed, request_seed & 0xFFFFFFFF, request_seed >> 32, index]
