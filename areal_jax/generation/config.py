@@ -58,12 +58,12 @@ class EngineConfig:
     interruptible: bool = True
     cache_dtype: str | None = None  # default: the dtype of the weights
     seed: int = 0
-    # KV cache layout. "paged": a pool of fixed-size pages per layer, each slot holding the pages
-    # its sequence has grown into (page tables on the host), decode attention reading only live
-    # pages, admission by free pages and preemption (recompute later) when the pool runs dry.
-    # "dense": one [num_slots, max_seq_len] buffer per layer, decode attending over the smallest
-    # `decode_windows` entry holding the longest sequence. "auto": paged on accelerators; on CPU
-    # dense, which measured faster there (docs/benchmarks.md, paged vs dense).
+    # KV cache layout, "paged", "dense" or "auto" (paged on GPU and TPU, dense on CPU where paging
+    # measured no faster: docs/benchmarks.md, paged vs dense). Paged: a pool of fixed-size pages
+    # per layer, each slot holding the pages its sequence has grown into (page tables on the host),
+    # decode attention reading only live pages, admission by free pages and preemption (recompute
+    # later) when the pool runs dry. Dense: one [num_slots, max_seq_len] buffer per layer, decode
+    # attending over the smallest `decode_windows` entry holding the longest sequence.
     kv_layout: str = "auto"
     page_size: int = 16  # tokens per page (paged layout)
     # Pool size of the paged layout, per data replica: in pages, or in bytes (keys and values of
@@ -72,8 +72,8 @@ class EngineConfig:
     # At least one max_seq_len sequence must fit, so the longest sample can always finish. With a
     # pool smaller than the dense cache, num_slots may exceed what the pool could hold at full
     # length: many short sequences in flight.
-    kv_pool_pages: int = 0
-    kv_pool_bytes: int = 0
+    kv_pool_pages: int = 0  # pool pages per data replica (0: unset)
+    kv_pool_bytes: int = 0  # pool bytes per data replica, all layers' keys and values (0: unset)
     # Decode attention kernel of the paged layout: "pallas" (the platform's Pallas kernel,
     # areal_jax/kernels/), "reference" (a jnp gather of each slot's pages), or "auto" (pallas where
     # one is registered for the platform, else reference).
