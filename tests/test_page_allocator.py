@@ -58,6 +58,42 @@ def test_freed_pages_are_reused_out_of_order():
         pages.grow(0, 17)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_reserve_preempts_the_newest_of_a_dry_replica_and_keeps_the_oldest(seed):
+    """Random running slots (random start order, random growth): after `reserve` every slot left
+    holds its tokens, the emptied ones hold nothing, and in each replica the survivors are its
+    oldest slots (a prefix of its start order), never fewer than one."""
+    rng = np.random.default_rng(seed)
+    B, replicas, per_replica, S = 8, 2, 10, 4  # a full sequence: 40 tokens
+    pages = PageAllocator(B, replicas, per_replica, S, per_replica)
+    tokens = {}
+    for slot in rng.permutation(B)[:int(rng.integers(3, B + 1))]:
+        t = int(rng.integers(1, 13))
+        if pages.grow(int(slot), t):
+            tokens[int(slot)] = t
+    order = list(tokens)  # start order: oldest first
+    running = [(slot, min(tokens[slot] + int(rng.integers(0, 30)), per_replica * S)) for slot in order]
+    emptied = pages.reserve(running)
+    pages.check()
+    for slot, want in running:
+        assert pages.held(slot) == (0 if slot in emptied else pages.pages_for(want))
+    for r in range(replicas):
+        mine = [slot for slot in order if pages.replica(slot) == r]
+        alive = [slot not in emptied for slot in mine]
+        assert alive == sorted(alive, reverse=True)  # survivors first, then the emptied
+        assert not mine or alive[0]
+
+
+def test_take_slots_keeps_a_busy_replica_s_watermark():
+    pages = PageAllocator(4, 2, 200, 4, 100)  # watermark: 2 pages per replica
+    taken, left = pages.take_slots([0, 1, 2, 3], 4, 4 * 100)  # 100 pages each
+    assert sorted(taken) == [0, 2] and sorted(left) == [1, 3]  # one per replica: a second would dip below
+    assert pages.admission_budget() == 2 * (100 - 2)
+    taken, _ = pages.take_slots(left, 2, 4 * 98)  # leaves exactly the watermark
+    assert sorted(taken) == [1, 3] and pages.admission_budget() == 0
+    pages.check()
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     (dict(kv_layout="sparse"), "kv_layout"),
     (dict(attention_impl="triton"), "attention_impl"),

@@ -147,6 +147,11 @@ class EngineConfig:
             return pages
         return -(-self.num_slots // data) * self.pages_per_sequence
 
+    def chunk_tokens(self, position: int, remaining: int) -> int:
+        """Positions [0, tokens) a sample whose next input is at `position`, with `remaining` tokens
+        left to generate, may have written by the end of the next decode chunk (at least `position`)."""
+        return max(position, min(position + min(self.decode_chunk, remaining), self.max_seq_len - 1))
+
     def decode_pages(self, window: int) -> int:
         """Page-table width M of a paged decode chunk attending over `window` positions."""
         return -(-window // self.page_size)

@@ -389,7 +389,7 @@ class GenerationEngine:
         """Gives the request's next samples free slots (and their pages): ([(slot, request, sample
         index)], slots left)."""
         slots, free = self._take_slots(free, req.n - req.next_sample,
-                                       self._tokens_through_chunk(req.prompt.size, req.sampling.max_new_tokens - 1))
+                                       self.config.chunk_tokens(req.prompt.size, req.sampling.max_new_tokens - 1))
         started = [(slot, req, req.next_sample + j) for j, slot in enumerate(slots)]
         for slot, _, index in started:
             self._slot_keys[slot] = self._sample_key(req.seed, index)
@@ -403,59 +403,33 @@ class GenerationEngine:
 
     # ---- pages (paged layout) ------------------------------------------------------------------
 
-    def _tokens_through_chunk(self, position: int, remaining: int) -> int:
-        """Positions [0, tokens) a sample whose next input is at `position`, with `remaining` tokens
-        left to generate, may have written by the end of the next decode chunk (at least `position`)."""
-        ec = self.config
-        return max(position, min(position + min(ec.decode_chunk, remaining), ec.max_seq_len - 1))
-
     def _take_slots(self, free: list[int], count: int, tokens: int) -> tuple[list[int], list[int]]:
-        """Up to `count` free slots for samples holding `tokens` positions: (taken, left). Paged: a
-        slot is taken only with its pages, from the replica with the most free pages, leaving a
-        watermark free in a replica that runs other samples."""
+        """Up to `count` free slots for samples holding `tokens` positions: (taken, left); paged,
+        only with their pages (`PageAllocator.take_slots`)."""
         if self._pages is None:
             return free[:count], free[count:]
-        pages, taken, left = self._pages, [], list(free)
-        need = pages.pages_for(tokens)
-        while len(taken) < count and left:
-            slot = max(left, key=lambda s: pages.free_pages(pages.replica(s)))
-            r = pages.replica(slot)
-            busy = pages.free_pages(r) < pages.pages_per_replica
-            if pages.free_pages(r) - need < (pages.watermark if busy else 0):
-                break
-            pages.grow(slot, tokens)
-            taken.append(slot)
-            left.remove(slot)
-        return taken, left
+        return self._pages.take_slots(free, count, tokens)
 
-    def _admissible_samples(self, req: Request, budget: int) -> int:
-        """Samples of `req` the pool's free pages (`budget`, all replicas) can start now."""
-        if self._pages is None:
-            return req.n - req.next_sample
-        need = self._pages.pages_for(self._tokens_through_chunk(req.prompt.size, req.sampling.max_new_tokens - 1))
-        return min(req.n - req.next_sample, budget // need)
+    def _admission_pages(self, req: Request) -> int:
+        """Pages a new sample of `req` takes: its prompt and first decode chunk."""
+        return self._pages.pages_for(self.config.chunk_tokens(req.prompt.size, req.sampling.max_new_tokens - 1))
 
     def _reserve_chunk(self) -> None:
         """Paged: gives every running sample the pages the next chunk may write, oldest first; when
-        a replica runs dry, preempts its most recently started sample (recomputed later)."""
+        a replica runs dry, preempts its most recently started samples (recomputed later)."""
         if self._pages is None:
             return
         running = sorted((s for s, x in enumerate(self._slot_sample) if x is not None),
                          key=lambda s: self._slot_sample[s].stamp)
-        for slot in running:
-            while self._slot_sample[slot] is not None and not self._pages.grow(
-                    slot, self._tokens_through_chunk(int(self._positions[slot]), int(self._remaining[slot]))):
-                r = self._pages.replica(slot)
-                victim = max((s for s, x in enumerate(self._slot_sample)
-                               if x is not None and self._pages.replica(s) == r),
-                             key=lambda s: self._slot_sample[s].stamp)
-                self._preempt(victim)
+        for slot in self._pages.reserve([(s, self.config.chunk_tokens(int(self._positions[s]),
+                                                                       int(self._remaining[s]))) for s in running]):
+            self._preempt(slot)
 
     def _preempt(self, slot: int) -> None:
-        """Takes a running sample out of its slot and the pool, keeping what it generated."""
+        """Takes a running sample out of its slot (its pages already given back), keeping what it
+        generated."""
         sample = self._slot_sample[slot]
         self._slot_sample[slot] = None
-        self._pages.release(slot)
         self._preempted.append(sample)
         self._preempted.sort(key=lambda x: x.stamp)
         self._stats.preempted_samples += 1
@@ -470,7 +444,7 @@ class GenerationEngine:
             sample = self._preempted[0]
             position = sample.request.prompt.size + len(sample.tokens) - 1
             remaining = sample.request.sampling.max_new_tokens - len(sample.tokens)
-            taken, free = self._take_slots(free, 1, self._tokens_through_chunk(position, remaining))
+            taken, free = self._take_slots(free, 1, self.config.chunk_tokens(position, remaining))
             if not taken:
                 break
             self._preempted.pop(0)
@@ -487,9 +461,7 @@ class GenerationEngine:
         the free slots (and pages), up to the first whose prompt falls in another length bucket (a
         call pads every row to its longest prompt) or that holds a prefill already."""
         pages = self._pages
-        budget = 0 if pages is None else sum(  # what `_take_slots` may hand out, watermarks kept
-            max(0, pages.free_pages(r) - (pages.watermark if pages.free_pages(r) < pages.pages_per_replica else 0))
-            for r in range(pages.replicas))
+        budget = pages.admission_budget() if pages is not None else 0
         with self._lock:
             batch, room = [], free_slots
             most = self.config.max_prefill_prompts(self._queue[0].prompt.size, self._data) if self._queue else 0
@@ -498,14 +470,14 @@ class GenerationEngine:
                     break
                 if batch and self.config.bucket(req.prompt.size) != self.config.bucket(batch[0].prompt.size):
                     break
-                fits = self._admissible_samples(req, budget)
-                if fits == 0:
-                    break
+                want = req.n - req.next_sample
+                if pages is not None:  # samples the free pages can start
+                    need = self._admission_pages(req)
+                    if budget < need:
+                        break
+                    budget -= min(want, budget // need) * need
                 batch.append(req)
-                room -= req.n - req.next_sample
-                if pages is not None:
-                    budget -= fits * pages.pages_for(self._tokens_through_chunk(
-                        req.prompt.size, req.sampling.max_new_tokens - 1))
+                room -= want
         return batch
 
     def _prefill_and_start(self, free: list[int]) -> list[int]:

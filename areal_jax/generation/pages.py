@@ -14,6 +14,10 @@ to allocated positions). The table travels with every jitted call (a few KB).
 Pages are taken as a sequence grows (`grow`, before each decode chunk) and all given back when
 it finishes or is preempted (`release`). Freed pages are reused last-in first-out, so a slot's
 pages end up anywhere in its replica's range, in any order.
+
+The engine's policy over them lives here too: admission hands out slots with their pages while a
+busy replica keeps a watermark free (`take_slots`), and before each chunk `reserve` grows the
+running slots oldest first, emptying the newest of a dry replica (vLLM's recompute preemption).
 """
 
 from __future__ import annotations
@@ -82,6 +86,46 @@ class PageAllocator:
         self._free[self.replica(slot)].extend(reversed(self._held[slot]))
         self._held[slot] = []
         self.tables[slot] = self._first_page(slot)
+
+    # ---- the engine's policy over pages -----------------------------------------------------------
+
+    def busy(self, replica: int) -> bool:
+        """Whether any slot of the replica holds pages."""
+        return self.free_pages(replica) < self.pages_per_replica
+
+    def admission_budget(self) -> int:
+        """Pages new samples may take now, over all replicas: a busy replica keeps its watermark."""
+        return sum(max(0, self.free_pages(r) - (self.watermark if self.busy(r) else 0)) for r in range(self.replicas))
+
+    def take_slots(self, free: list[int], count: int, tokens: int) -> tuple[list[int], list[int]]:
+        """Up to `count` of the `free` slots, each given the pages for positions [0, tokens): (taken,
+        left). Slots come from the replica with the most free pages; none is taken that would leave
+        a busy replica with less than its watermark (an idle one may be filled)."""
+        taken, left = [], list(free)
+        need = self.pages_for(tokens)
+        while len(taken) < count and left:
+            slot = max(left, key=lambda s: self.free_pages(self.replica(s)))
+            r = self.replica(slot)
+            if self.free_pages(r) - need < (self.watermark if self.busy(r) else 0):
+                break
+            self.grow(slot, tokens)
+            taken.append(slot)
+            left.remove(slot)
+        return taken, left
+
+    def reserve(self, running: list[tuple[int, int]]) -> list[int]:
+        """Grows every running slot, `running` = [(slot, tokens)] oldest first, to hold its tokens.
+        Where a replica runs dry, the newest of its slots still running gives back its pages (the
+        slot itself, when it is the newest) until the older one fits. Returns the slots emptied,
+        in order. Each replica holds at least one full sequence, so its oldest slot always fits."""
+        emptied: list[int] = []
+        for slot, tokens in running:
+            while slot not in emptied and not self.grow(slot, tokens):
+                r = self.replica(slot)
+                victim = [s for s, _ in running if s not in emptied and self.replica(s) == r][-1]
+                self.release(victim)
+                emptied.append(victim)
+        return emptied
 
     def check(self) -> None:
         """Raises AssertionError unless every page is either free or held by exactly one slot of its
