@@ -23,7 +23,10 @@ or the run directory (`train` refuses a directory that holds a run unless `--ove
 
 SIGINT or SIGTERM ends a command cleanly (exit 130 / 143): the reward pool's workers, its fork
 server and every sandboxed program are stopped and their directories removed before the process
-exits; a second signal ends it at once.
+exits; a second signal ends it at once. During `train`'s RL stage with a CheckpointConfig the first
+signal is a preemption notice: the last completed step is checkpointed first (jobs/shutdown.py,
+within CheckpointConfig.save_on_signal_s). A full, over-quota or read-only disk is one line naming
+the path and the free space, exit code 74 (jobs/errors.py lists the codes).
 
 Every command takes `--compile_cache=DIR` (default: $AREAL_JAX_COMPILE_CACHE, else off): XLA's
 persistent compilation cache, so a rerun loads the programs a previous run compiled instead of
@@ -174,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_command(args) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from areal_jax.jobs.errors import quiet_storage_noise
+
+    quiet_storage_noise()  # a full disk is reported once, as the last line
     if args.command in ("plan", "export", "simulate"):  # before jax starts: touch no accelerator
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
@@ -191,20 +197,13 @@ def _run_command(args) -> int:
         return _train(args) if args.command in ("train", "sft") else \
             _eval(args) if args.command == "eval" else _export(args) if args.command == "export" else _generate(args)
     except Exception as e:
-        kind = _user_error_kind(e)
-        if args.debug or kind is None:
+        from areal_jax.jobs.errors import user_error  # one line and an exit code (2, 74) for what is not a bug
+
+        reported = user_error(e, getattr(args, "run_dir", None))
+        if args.debug or reported is None:
             raise  # a bug, or --debug: the traceback
-        print(f"areal-jax: {kind}: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-
-
-def _user_error_kind(e: Exception) -> str | None:
-    """How to label a configuration, model, data or run-directory problem (reported in one line,
-    exit code 2); None for anything else."""
-    from areal_jax.config_system import ConfigError
-    from areal_jax.jobs.inputs import InputError
-
-    return "error" if isinstance(e, InputError) else "configuration error" if isinstance(e, ConfigError) else None
+        print(f"areal-jax: {reported[0]}", file=sys.stderr)
+        return reported[1]
 
 
 def enable_compile_cache(directory: str) -> None:
@@ -378,6 +377,13 @@ def _plan(args) -> int:
 def _generate(args) -> int:
     from areal_jax.evaluation import engine_mesh
     from areal_jax.generation import generate
+    from areal_jax.jobs.inputs import InputError
+
+    for flag, value, ok in (("--n", args.n, args.n >= 1),
+                            ("--max_new_tokens", args.max_new_tokens, args.max_new_tokens >= 1),
+                            ("--temperature", args.temperature, 0 <= args.temperature < float("inf"))):
+        if not ok:  # before the model loads
+            raise InputError(f"{flag} must be {'>= 1' if flag != '--temperature' else 'finite and >= 0'}, got {value}")
 
     tok, model = _load_model(args.model, dtype=args.dtype,
                              mesh_for=lambda model_cfg: engine_mesh(model_cfg, args.tensor_parallel,

@@ -35,6 +35,8 @@ from areal_jax import paths
 from areal_jax.jobs.configs import JobConfigs
 from areal_jax.jobs.inputs import on_every_process, check_sources, input_errors
 from areal_jax.jobs.run_dir import check_run_dir, remove_previous_run
+from areal_jax.jobs.run_lock import hold_run_dir
+from areal_jax.jobs.shutdown import StopRequest, stop_on_signal
 from areal_jax.jobs.run_records import drop_steps_from, last_wall_time
 from areal_jax.checkpoint import Checkpointer
 from areal_jax.metrics import MetricsLogger
@@ -186,20 +188,28 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
     in-process. The pool is closed however the run ends (an exception, SIGINT or SIGTERM turned
     into one by the CLI): workers with calls in flight are killed and their sandboxes swept.
     """
+    # The run directory is held for the run's whole life, before anything is written (jobs/run_lock.py).
+    with hold_run_dir(run_dir), stop_on_signal(cfg.checkpoint and cfg.checkpoint.save_on_signal_s) as stop:
+        return _run_with_pool(cfg, run_dir, stop, progress=progress, resume=resume, overwrite=overwrite)
+
+
+def _run_with_pool(cfg: JobConfigs, run_dir: str | pathlib.Path, stop: StopRequest | None, *, progress: bool,
+                   resume: bool, overwrite: bool) -> dict[str, Any]:
     try:
         pool = open_reward_pool(cfg.rollout.reward, cfg.reward_pool, cfg.sandbox)
     except (SandboxUnavailable, ValueError) as e:  # before any work, like every other config problem
         raise cs.ConfigError(str(e)) from None
     try:
-        return _run_train(cfg, run_dir, pool, progress=progress, resume=resume, overwrite=overwrite)
+        return _run_train(cfg, run_dir, pool, stop, progress=progress, resume=resume, overwrite=overwrite)
     finally:
         if pool is not None:
             pool.close(wait=False)
 
 
-def _run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: RewardPool | None, *, progress: bool,
-               resume: bool, overwrite: bool) -> dict[str, Any]:
-    """The stages of `run_train`, scoring with `reward_pool` (None: the reward is declared in-process).
+def _run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: RewardPool | None,
+               stop: StopRequest | None, *, progress: bool, resume: bool, overwrite: bool) -> dict[str, Any]:
+    """The stages of `run_train`, scoring with `reward_pool` (None: the reward is declared in-process);
+    `stop`, armed for the RL stage, turns a signal into a checkpoint of the last step and a stop.
 
     A directory that holds a run is refused (InputError) unless `overwrite` (its records and
     checkpoints are removed once the new run's inputs have loaded) or `resume`: then a checkpoint
@@ -336,6 +346,8 @@ def _run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: Reward
                 bar.set_postfix(reward=f"{m.get('rollout/reward_mean', m['reward/mean']):.2f}", stale=m["staleness/max"],
                                 acc=f"{m.get('eval/accuracy', float('nan')):.2f}")
 
+        if stop is not None:  # SIGTERM/SIGINT from here on: the last completed step is checkpointed, then a stop
+            stop.arm()
         # The trainer keeps its own fp32 copy; the initial buffers are deleted once it has it.
         loop = RLLoop(work.model_config, params, tokenizer=work.tokenizer, data_iter=work.train_rows, rl=cfg.rl,
                       ppo=cfg.ppo, optimizer=cfg.optimizer, advantages=cfg.advantages,
@@ -345,7 +357,8 @@ def _run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: Reward
                       checkpoint_extra=lambda: {"summary": _jsonable(summary), "history": _jsonable(history),
                                                 "wall_time_s": elapsed()},
                       on_rollouts=metrics_log.dump_rollouts if jax.process_index() == 0 else None,
-                      donate_params=True, weight_sync=sync, reward_pool=reward_pool)
+                      donate_params=True, weight_sync=sync, reward_pool=reward_pool,
+                      should_stop=stop and (lambda: stop.requested))
         params = None
         if loop.resume_report is not None:  # carried into later checkpoints by their summary
             summary.setdefault("resumed", []).append(loop.resume_report)
@@ -355,6 +368,11 @@ def _run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: Reward
         if bar is not None:
             bar.close()
         metrics_log.close()
+        # A stop agreed by the loop, or (one process) a signal during the last step: its checkpoint is
+        # on disk once the checkpointer closes.
+        if loop.stopped_early or (stop is not None and stop.requested and jax.process_count() == 1):
+            checkpointer.close()
+            stop.finish()
         # The final weights stay sharded on the train mesh; the engine and optimizer state go.
         params = result.final_params
         summary.update(steps=loop.first_step + result.steps, version=result.version,

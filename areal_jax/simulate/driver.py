@@ -259,8 +259,10 @@ def format_rows(report: dict[str, Any]) -> str:
 
 def main(args) -> int:
     from areal_jax.config_system import ConfigError
+    from areal_jax.simulate.flags import check_flags
 
     try:
+        check_flags(args)
         report = simulate_rows(args)
     except (SimulateError, ConfigError, ValueError, FileNotFoundError) as e:
         print(f"areal-jax: simulate: {' '.join(str(e).split())}", file=sys.stderr)

@@ -61,14 +61,19 @@ class PPOConfig:
     Attributes:
         eps_clip: clip range of r = pi_theta / pi_prox (paper: 0.2).
         eps_clip_higher: upper clip range (DAPO clip-higher); None = eps_clip.
-        behav_imp_weight_cap: bound on w = pi_prox / pi_behav; None = off.
-        behav_imp_weight_mode: "mask" (tokens with w > cap leave the loss, still counted in the
-            denominator) or "clamp" (their w becomes the cap); AReaL's rejection-sampling action.
+        behav_imp_weight_cap: bound on w = pi_prox / pi_behav; None = w applied unbounded (the
+            paper's and AReaL v1.0.0's objective), or not at all with mode "disabled".
+        behav_imp_weight_mode: with a cap, "mask" (tokens with w > cap leave the loss, still
+            counted in the denominator) or "clamp" (their w becomes the cap): AReaL HEAD's
+            rejection-sampling actions. "disabled" (cap must be None): no behaviour weight at
+            all, AReaL HEAD's loss without rejection sampling; with decoupled = True this is the
+            "naive_recompute" objective (`OBJECTIVES`).
         c_clip: dual clip (> 1): a token's loss is at most c_clip * |A|; None = off.
         importance_sampling_level: "token" (PPO) or "sequence" (GSPO: one ratio per packed
             sequence, the exp of its mean log-ratio, with its mean advantage).
         decoupled: True = decoupled PPO (proximal recomputed with pre-step weights);
-            False = naive PPO (proximal := behavior, the paper's ablation).
+            False = naive PPO (proximal := behavior, the paper's ablation). `objective` names
+            the combination with behav_imp_weight_mode.
         prox_logp_method: "recompute" (a forward with the pre-step weights) or "loglinear"
             (A-3PO, AReaL HEAD: pi_prox interpolated in log space between pi_behav and the
             current pi_theta by token version, `ppo.loglinear_alpha`; no proximal forward).
@@ -99,7 +104,7 @@ class PPOConfig:
     eps_clip: float = 0.2
     eps_clip_higher: float | None = None
     behav_imp_weight_cap: float | None = None
-    behav_imp_weight_mode: Literal["mask", "clamp"] = "mask"
+    behav_imp_weight_mode: Literal["mask", "clamp", "disabled"] = "mask"
     c_clip: float | None = None
     importance_sampling_level: Literal["token", "sequence"] = "token"
     decoupled: bool = True
@@ -126,6 +131,9 @@ class PPOConfig:
         if self.behav_imp_weight_mode not in BEHAV_IMP_WEIGHT_MODES:
             raise ValueError(f"PPOConfig.behav_imp_weight_mode must be one of {BEHAV_IMP_WEIGHT_MODES}, "
                              f"got {self.behav_imp_weight_mode!r}")
+        if self.behav_imp_weight_mode == "disabled" and self.behav_imp_weight_cap is not None:
+            raise ValueError(f"PPOConfig.behav_imp_weight_cap must be None with behav_imp_weight_mode = 'disabled' "
+                             f"(no behaviour weight to cap), got {self.behav_imp_weight_cap!r}")
         if self.c_clip is not None and not (_is_number(self.c_clip) and self.c_clip > 1):
             raise ValueError(f"PPOConfig.c_clip must be > 1 or None, got {self.c_clip!r}")
         if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
@@ -162,6 +170,27 @@ class PPOConfig:
         for name in ("decoupled", "skip_nonfinite"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"PPOConfig.{name} must be a bool, got {getattr(self, name)!r}")
+
+
+    @property
+    def objective(self) -> str:
+        """The staleness ablation's name for this objective (`OBJECTIVES`, ppo/loss.py): "naive"
+        (clip anchored at pi_behav), "naive_recompute" (clip anchored at the recomputed pi_prox,
+        no behaviour weight) or "decoupled" (anchored at pi_prox, weighted by pi_prox / pi_behav,
+        capped or not)."""
+        if not self.decoupled:
+            return "naive"
+        return "naive_recompute" if self.behav_imp_weight_mode == "disabled" else "decoupled"
+
+
+# The PPOConfig fields that select each objective of the staleness ablation (PPOConfig.objective):
+# decoupled PPO, naive PPO anchored at the behaviour policy, and naive PPO anchored at the
+# recomputed pre-step policy (AReaL v0.3.0 with recomputed log-probs and decoupling off).
+OBJECTIVES: dict[str, dict[str, Any]] = {
+    "decoupled": {"decoupled": True},
+    "naive": {"decoupled": False},
+    "naive_recompute": {"decoupled": True, "behav_imp_weight_mode": "disabled", "behav_imp_weight_cap": None},
+}
 
 
 def _is_number(x) -> bool:
