@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 ATTENTION_IMPLS = ("auto", "reference", "pallas")
 
@@ -42,6 +43,13 @@ class PagePool(NamedTuple):
     def zeros(cls, num_kv_heads: int, num_pages: int, page_size: int, head_dim: int, dtype) -> "PagePool":
         shape = (num_kv_heads, num_pages, page_size, head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    @staticmethod
+    def partition_spec(heads: str | None = None, pages: str | None = None) -> "PagePool":
+        """PartitionSpecs of a pool with its kv heads over mesh axis `heads` and its pages over mesh
+        axis `pages` (None: whole), in this layout's axis order."""
+        spec = PartitionSpec(heads, pages, None, None)
+        return PagePool(spec, spec)
 
     @property
     def num_pages(self) -> int:

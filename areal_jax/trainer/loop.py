@@ -357,6 +357,7 @@ class RLLoop:
             "rollout/accepted": counters.accepted,
             "rollout/rejected": counters.rejected,
             "throughput/generated_tokens_per_s": ctl.generation_tokens_per_s,
+            "rollout/preempted_samples": ctl.generation_preempted_samples,  # cumulative (paged KV cache)
             "throughput/tokens_per_s": train.get("trained_tokens", 0.0) / max(train.get("time_step_s", 1e-9), 1e-9),
             "time/wait_batch_s": wait_s,
             "time/train_step_s": train.get("time_step_s", math.nan),
