@@ -55,7 +55,21 @@ class ProgramSpec:
 
     def lower(self) -> jax.stages.Lowered:
         with (self.context() if self.context is not None else contextlib.nullcontext()):
-            return self.fn.lower(*self.args, **self.kwargs)
+            with target_device_context((self.args, dict(self.kwargs))):
+                return self.fn.lower(*self.args, **self.kwargs)
+
+
+def target_device_context(tree: Any) -> ContextManager:
+    """Traces under the abstract mesh of the arguments' (fake, target) devices unless a mesh is set:
+    Pallas kernels read the device kind they compile for from it (GPU compute capability, TPU
+    generation), and would otherwise ask the host's CPU."""
+    if not jax.sharding.get_abstract_mesh().empty:
+        return contextlib.nullcontext()
+    for x in jax.tree.leaves(tree):
+        mesh = getattr(getattr(x, "sharding", None), "mesh", None)
+        if isinstance(mesh, jax.sharding.Mesh) and mesh.devices.flat[0].platform != "cpu":
+            return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+    return contextlib.nullcontext()
 
 
 def abstract(tree: Any, shardings: Any = None) -> Any:
