@@ -130,24 +130,31 @@ from jax.sharding import NamedSharding, PartitionSpec
 from areal_jax.aot import ProgramSpec
 from areal_jax.kernels.paged_attention import PagePool, paged_attention
 from areal_jax.plan.targets import parse_target, topology_devices
-target = parse_target(sys.argv[1])
-mesh = jax.sharding.Mesh(topology_devices(target, 1), ("x",))
-sd = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, PartitionSpec()))
+target, tensor = parse_target(sys.argv[1]), int(sys.argv[2])
+mesh = jax.sharding.Mesh(__import__("numpy").array(topology_devices(target, tensor)).reshape(1, tensor), ("data", "tensor"))
+sd = lambda shape, dt, spec=PartitionSpec(): jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))
 B, N, K, H, S, P, M = 32, 12, 2, 128, 16, 1024, 32
 platform = target.platform
-kv = sd((P, S, 2 * K, H), jnp.bfloat16) if platform == "tpu" else sd((K, P, S, H), jnp.bfloat16)
-pool = PagePool(kv, None, "combined") if platform == "tpu" else PagePool(kv, kv)
-fn = jax.jit(lambda q, pool, l, t: paged_attention(q, pool, l, t, impl="pallas", platform=platform))
-spec = ProgramSpec("decode_attention", "generation", fn, (sd((B, N, H), jnp.bfloat16), pool, sd((B,), jnp.int32),
-                                                         sd((B, M), jnp.int32)))
-text = spec.lower().compile().as_text()
-print("CUSTOM_CALLS", text.count("tpu_custom_call"), text.count("__gpu$xla.gpu.triton"))
+layout = "combined" if platform == "tpu" else "heads"
+specs = PagePool.partition_spec("tensor", layout=layout)
+if layout == "combined":
+    pool = PagePool(sd((P, S, 2 * K, H), jnp.bfloat16, specs.k), None, "combined")
+else:
+    pool = PagePool(sd((K, P, S, H), jnp.bfloat16, specs.k), sd((K, P, S, H), jnp.bfloat16, specs.v))
+fn = jax.jit(lambda q, pool, l, t: paged_attention(q, pool, l, t, impl="pallas", platform=platform,
+                                                   heads_axis="tensor", replica_axis="data"))
+q = sd((B, N, H), jnp.bfloat16, PartitionSpec(None, "tensor"))
+spec = ProgramSpec("decode_attention", "generation", fn, (q, pool, sd((B,), jnp.int32), sd((B, M), jnp.int32)))
+compiled = spec.lower().compile()
+text = compiled.as_text()
+print("CUSTOM_CALLS", text.count("tpu_custom_call"), text.count("__gpu$xla.gpu.triton"),
+      text.count("all-gather"), compiled.memory_analysis().argument_size_in_bytes)
 """
 
 
-def _compile_for(target):
-    out = subprocess.run([sys.executable, "-c", _COMPILE, target], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu", "TPU_SKIP_MDS_QUERY": "1"})
+def _compile_for(target, tensor):
+    out = subprocess.run([sys.executable, "-c", _COMPILE, target, str(tensor)], capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu", "TPU_SKIP_MDS_QUERY": "1"})
     if "in use by another process" in out.stderr or "lockfile" in out.stderr:
         pytest.skip("another process holds libtpu (one at a time)")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -155,15 +162,20 @@ def _compile_for(target):
     return tuple(int(n) for n in line.split()[1:])
 
 
+POOL_BYTES = 2 * 2 * 1024 * 16 * 128 * 2  # k and v, K=2, P, S, H, bf16
+
+
 @pytest.mark.skipif(not HAS_CUDA_PLUGIN, reason="jax-cuda12-plugin not installed (pip install 'areal-jax[plan]')")
-def test_gpu_kernel_compiles_for_h100_without_a_device():
+def test_gpu_kernel_compiles_for_h100_without_a_device_and_runs_per_head_shard():
     # ProgramSpec.lower traces under the abstract mesh of its arguments' devices, which names the
     # H100: without it Pallas would ask the host's CPU for a compute capability and fail.
-    tpu_calls, triton_calls = _compile_for("8xh100")
+    tpu_calls, triton_calls, gathers, arg_bytes = _compile_for("8xh100", 2)
     assert triton_calls >= 1 and tpu_calls == 0
+    assert gathers == 0 and arg_bytes < POOL_BYTES * 0.6  # each device keeps its kv head's pages
 
 
 @pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed (pip install 'areal-jax[plan]')")
-def test_tpu_kernel_compiles_for_v5e_without_a_device():
-    tpu_calls, triton_calls = _compile_for("v5e-4")
+def test_tpu_kernel_compiles_for_v5e_without_a_device_and_runs_per_head_shard():
+    tpu_calls, triton_calls, gathers, arg_bytes = _compile_for("v5e-4", 2)
     assert tpu_calls >= 1 and triton_calls == 0
+    assert gathers == 0 and arg_bytes < POOL_BYTES * 0.6

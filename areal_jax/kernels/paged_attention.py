@@ -27,11 +27,13 @@ in any order.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 ATTENTION_IMPLS = ("auto", "reference", "pallas")
 LAYOUTS = ("heads", "combined")
@@ -61,6 +63,16 @@ class PagePool:
             return cls(jnp.zeros((num_pages, page_size, 2 * num_kv_heads, head_dim), dtype), None, layout)
         shape = (num_kv_heads, num_pages, page_size, head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    @staticmethod
+    def partition_spec(heads: str | None = None, pages: str | None = None, *, layout: str = "heads") -> "PagePool":
+        """PartitionSpecs of a pool with its kv heads over mesh axis `heads` and its pages over mesh
+        axis `pages` (None: whole), in `layout`'s axis order. Sharding the combined heads `2K` in
+        contiguous blocks keeps each kv head's key and value on one device."""
+        if layout == "combined":
+            return PagePool(PartitionSpec(pages, None, heads, None), None, "combined")
+        spec = PartitionSpec(heads, pages, None, None)
+        return PagePool(spec, spec)
 
     @property
     def num_pages(self) -> int:
@@ -194,13 +206,30 @@ def kernel_name(impl: str, platform: str | None = None) -> str:
 
 
 def paged_attention(q: jax.Array, pool: PagePool, lengths: jax.Array, page_tables: jax.Array, *,
-                    impl: str = "auto", platform: str | None = None, **options) -> jax.Array:
+                    impl: str = "auto", platform: str | None = None, heads_axis: str | None = None,
+                    replica_axis: str | None = None, **options) -> jax.Array:
     """Decode attention by live tokens; see `reference_paged_attention` for shapes and semantics.
-    Any pool layout works with "reference"; a kernel wants the layout `pool_layout` names."""
+    Any pool layout works with "reference"; a kernel wants the layout `pool_layout` names.
+
+    heads_axis, replica_axis: mesh axes (of the mesh being traced under) that shard the heads (q's
+    N, the pool's kv heads) and the replicas (slots, page tables and pages together: each replica's
+    tables index its own pages). A Pallas kernel is a custom call the partitioner cannot split, so
+    it runs per shard (shard_map) instead of on gathered operands; the reference needs neither."""
     if resolve_impl(impl, platform) == "reference":
         return reference_paged_attention(q, pool, lengths, page_tables)
     platform = platform or jax.default_backend()
     if pool.layout != _KERNEL_LAYOUTS[platform]:
         raise ValueError(f"paged_attention: the {platform} kernel reads a {_KERNEL_LAYOUTS[platform]!r} pool, got "
                          f"{pool.layout!r}: build it with PagePool.zeros(..., impl=, platform=) as attention runs")
-    return _PALLAS_KERNELS[platform](q, pool, lengths, page_tables, **options)
+    kernel = functools.partial(_PALLAS_KERNELS[platform], **options)
+    mesh = jax.sharding.get_abstract_mesh()
+    heads_axis, replica_axis = (a if a is not None and not mesh.empty and mesh.shape.get(a, 1) > 1 else None
+                                for a in (heads_axis, replica_axis))
+    if heads_axis is None and replica_axis is None:
+        return kernel(q, pool, lengths, page_tables)
+    slots = PartitionSpec(replica_axis)
+    return jax.shard_map(
+        kernel, mesh=mesh, check_vma=False, out_specs=PartitionSpec(replica_axis, heads_axis, None),
+        in_specs=(PartitionSpec(replica_axis, heads_axis, None),
+                  PagePool.partition_spec(heads_axis, replica_axis, layout=pool.layout), slots, slots),
+    )(q, pool, lengths, page_tables)
