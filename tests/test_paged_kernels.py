@@ -145,7 +145,10 @@ fn = jax.jit(lambda q, pool, l, t: paged_attention(q, pool, l, t, impl="pallas",
                                                    heads_axis="tensor", replica_axis="data"))
 q = sd((B, N, H), jnp.bfloat16, PartitionSpec(None, "tensor"))
 spec = ProgramSpec("decode_attention", "generation", fn, (q, pool, sd((B,), jnp.int32), sd((B, M), jnp.int32)))
-compiled = spec.lower().compile()
+from areal_jax.plan.measure import attention_kernels
+lowered = spec.lower()
+print("ATTENTION", *attention_kernels(lowered.as_text()))
+compiled = lowered.compile()
 text = compiled.as_text()
 print("CUSTOM_CALLS", text.count("tpu_custom_call"), text.count("__gpu$xla.gpu.triton"),
       text.count("all-gather"), compiled.memory_analysis().argument_size_in_bytes)
@@ -159,7 +162,8 @@ def _compile_for(target, tensor):
         pytest.skip("another process holds libtpu (one at a time)")
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("CUSTOM_CALLS"))
-    return tuple(int(n) for n in line.split()[1:])
+    attention = next(x for x in out.stdout.splitlines() if x.startswith("ATTENTION")).split()[1:]
+    return tuple(int(n) for n in line.split()[1:]) + (attention,)
 
 
 POOL_BYTES = 2 * 2 * 1024 * 16 * 128 * 2  # k and v, K=2, P, S, H, bf16
@@ -169,13 +173,13 @@ POOL_BYTES = 2 * 2 * 1024 * 16 * 128 * 2  # k and v, K=2, P, S, H, bf16
 def test_gpu_kernel_compiles_for_h100_without_a_device_and_runs_per_head_shard():
     # ProgramSpec.lower traces under the abstract mesh of its arguments' devices, which names the
     # H100: without it Pallas would ask the host's CPU for a compute capability and fail.
-    tpu_calls, triton_calls, gathers, arg_bytes = _compile_for("8xh100", 2)
-    assert triton_calls >= 1 and tpu_calls == 0
+    tpu_calls, triton_calls, gathers, arg_bytes, attention = _compile_for("8xh100", 2)
+    assert triton_calls >= 1 and tpu_calls == 0 and attention == ["pallas_triton_paged"]  # as `plan --json` names it
     assert gathers == 0 and arg_bytes < POOL_BYTES * 0.6  # each device keeps its kv head's pages
 
 
 @pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed (pip install 'areal-jax[plan]')")
 def test_tpu_kernel_compiles_for_v5e_without_a_device_and_runs_per_head_shard():
-    tpu_calls, triton_calls, gathers, arg_bytes = _compile_for("v5e-4", 2)
-    assert tpu_calls >= 1 and triton_calls == 0
+    tpu_calls, triton_calls, gathers, arg_bytes, attention = _compile_for("v5e-4", 2)
+    assert tpu_calls >= 1 and triton_calls == 0 and attention == ["ragged_paged"]
     assert gathers == 0 and arg_bytes < POOL_BYTES * 0.6

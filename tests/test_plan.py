@@ -91,6 +91,11 @@ def test_plan_json_names_every_role_and_fits_a_small_model(small_plan):
         assert p["peak_bytes_per_device"] == p["program_bytes"] + p["resident_bytes"]
     decode = next(p for p in plan["programs"] if p["name"].startswith("generation/decode"))
     assert decode["flops"] > 0 and decode["roofline_s"] > 0
+    # Each program names the attention compiled into it; nothing was refused before compiling.
+    attention = {p["name"].split("[")[0]: p["attention"] for p in plan["programs"]}
+    assert attention["train/update"] == "none" and attention["train/grad"] != "none"
+    assert attention["generation/decode"] in ("reference", "pallas_triton_paged")
+    assert not any(p["refused"] for p in plan["programs"])
     assert plan["prediction"]["generation_tokens_per_s"] > 0 and plan["prediction"]["bound"] in ("generation", "training")
 
 
@@ -122,6 +127,8 @@ def test_a_micro_batch_that_cannot_fit_fails_naming_the_program_and_fields(tmp_p
     out = _plan(tmp_path, gin, "--target=8xh100", "--only=train/grad", check=False)
     assert out.returncode == 1, out.stderr[-2000:]
     assert "DOES NOT FIT" in out.stdout and "train/grad" in out.stdout
+    # Terabytes of logits by the hand estimate: refused without the (long) compile, and said so.
+    assert "refused before compiling" in out.stdout and "PPOConfig.max_tokens_per_microbatch" in out.stdout
     assert "PPOConfig.max_tokens_per_microbatch" in out.stdout
 
 

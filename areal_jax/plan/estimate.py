@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 from areal_jax.aot import ProgramSpec, bytes_per_device
 from areal_jax.models.config import ModelConfig
@@ -57,8 +58,17 @@ def _kind(name: str) -> str:
     return name.split("/", 1)[-1].split("[")[0]
 
 
-def temporaries(spec: ProgramSpec, ctx: EstimateContext) -> int:
-    """Modelled temporaries (and new outputs) of one program on one device, in bytes."""
+# Kernels (plan/measure.py's names) that keep no `[T, T]` or `[B, N, W]` scores: flash attention
+# keeps a log-sum-exp per query, the paged decode kernels one block of scores on chip.
+FLASH_KERNELS = ("splash", "pallas_triton_flash", "cudnn")
+PAGED_KERNELS = ("ragged_paged", "pallas_triton_paged")
+
+
+def temporaries(spec: ProgramSpec, ctx: EstimateContext, attention: Sequence[str] = ()) -> int:
+    """Modelled temporaries (and new outputs) of one program on one device, in bytes.
+    `attention`: the kernels compiled into it; a flash or paged kernel keeps no score tensor."""
+    flash = any(k in FLASH_KERNELS for k in attention)
+    paged = any(k in PAGED_KERNELS for k in attention)
     m, d = ctx.model, _dims(spec.name)
     kind = _kind(spec.name)
     D, F, N, K, H, V, L = (m.hidden_size, m.intermediate_size, m.num_heads, m.num_kv_heads, m.head_dim,
@@ -68,18 +78,19 @@ def temporaries(spec: ProgramSpec, ctx: EstimateContext) -> int:
         if kind == "decode":
             B = _first_dim(spec.args[1])  # the cache's slots on this device
             W = d.get("window", 1)
-            return 4 * B * (3 * V // t + 2 * (N // t) * W + 3 * F // t + 4 * D)
+            scores = 0 if paged else 2 * (N // t) * W
+            return 4 * B * (3 * V // t + scores + 3 * F // t + 4 * D)
         if kind in ("prefill_start", "prefill"):  # chunked: `prefill_chunk` queries at a time
             R, P = d.get("rows", 1), d.get("len", 1)
             C = min(ctx.prefill_chunk, P)
             block = 2 * L * R * max(K // t, 1) * P * H * ctx.cache_bytes  # the new KV block (an output)
             acts = ctx.cache_bytes * R * C * (2 * D + 3 * F // t)  # in the weights' dtype
-            scores = 4 * R * (N // t) * C * C
+            scores = 4 * R * (N // t) * C * (1 if flash else C)
             return block + acts + scores + 4 * R * V
         if kind == "reprefill_packed":  # causal blocks over packed rows, written straight into slots
             R, W = d.get("rows", 1), _last_dim(spec.args[-1])
             bq = max(32, -(-W // 32))
-            return ctx.cache_bytes * R * W * (2 * D + 3 * F // t) + 4 * R * (N // t) * bq * W
+            return ctx.cache_bytes * R * W * (2 * D + 3 * F // t) + 4 * R * (N // t) * bq * (1 if flash else W)
         if kind == "split_weights":
             return bytes_per_device(spec.args)  # the per-layer copy of the stacked weights
         return 0  # insert, first_tokens: in place or small
@@ -95,7 +106,7 @@ def temporaries(spec: ProgramSpec, ctx: EstimateContext) -> int:
         tokens = Rl * T
         layer_weights = ctx.compute_bytes * (params // 4) * f // max(L, 1)  # one layer gathered
         recompute = 4 * tokens * (4 * D + 3 * F // t)
-        attention = 4 * Rl * (N // t) * T * T // 2
+        attention = 4 * Rl * (N // t) * T * (2 if flash else T // 2)  # flash: log-sum-exp (and its gradient)
         chunk = min(ctx.logit_chunk_tokens // max(1, R // Rl), Rl * T) if Rl * T > ctx.logit_chunk_tokens else Rl * T
         logits = 4 * chunk * V // t * 2  # the chunk's logits and, in the backward, their gradient
         if kind == "logprobs":
@@ -106,9 +117,16 @@ def temporaries(spec: ProgramSpec, ctx: EstimateContext) -> int:
     return 0
 
 
-def estimate_peak(spec: ProgramSpec, ctx: EstimateContext) -> int:
+def estimate_peak(spec: ProgramSpec, ctx: EstimateContext, attention: Sequence[str] = ()) -> int:
     """Arguments + residents (exact) + modelled temporaries, bytes per device."""
-    return bytes_per_device(spec.args) + bytes_per_device(spec.resident) + temporaries(spec, ctx)
+    return bytes_per_device(spec.args) + bytes_per_device(spec.resident) + temporaries(spec, ctx, attention)
+
+
+def lower_bound_peak(spec: ProgramSpec, ctx: EstimateContext) -> int:
+    """The estimate with attention as its kernels need it (no score tensors), whatever is
+    compiled: what the planner refuses on before compiling, as no attention implementation
+    needs less."""
+    return estimate_peak(spec, ctx, FLASH_KERNELS + PAGED_KERNELS)
 
 
 def _first_dim(tree) -> int:

@@ -19,7 +19,7 @@ from areal_jax.jobs.train import EVAL_SLOTS
 from areal_jax.models.config import ModelConfig
 from areal_jax.parallel.meshes import split_local_devices
 from areal_jax.plan.config import PlanConfig
-from areal_jax.plan.estimate import EstimateContext, analytic_flops, estimate_peak
+from areal_jax.plan.estimate import EstimateContext, analytic_flops, estimate_peak, lower_bound_peak
 from areal_jax.plan.planner import Plan, ProgramPlan, measure_programs, predict, read_model_config, role_meshes
 from areal_jax.plan.targets import Target
 
@@ -209,7 +209,8 @@ def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files
         logit_chunk_tokens=job.ppo.logit_chunk_tokens, decode_chunk=job.engine.decode_chunk,
         prefill_chunk=job.engine.prefill_chunk)
     programs = measure_programs(specs, target, extra_resident=extra_resident, headroom=plan_cfg.headroom,
-                                use_cache=use_cache, estimator=lambda s: estimate_peak(s, ctx),
+                                use_cache=use_cache, estimator=lambda s, kernels: estimate_peak(s, ctx, kernels),
+                                lower_bound=lambda s: lower_bound_peak(s, ctx),
                                 flop_counter=lambda s, n: analytic_flops(s, ctx, n), on_program=on_program)
     replica_engine = replica_engine_config(job.engine, meshes.generation_replicas_per_host)
     cache_itemsize = jnp.dtype(job.engine.cache_dtype or gen_dtype(job)).itemsize

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from areal_jax.plan.planner import Plan, ProgramPlan
+from areal_jax.plan.planner import REFUSE_FACTOR, Plan, ProgramPlan
 
 GiB = float(1 << 30)
 
@@ -10,11 +10,12 @@ GiB = float(1 << 30)
 def program_row(p: ProgramPlan) -> str:
     mark = "ok " if p.fits else "NO "
     return (f"{mark} {p.role:<10} {p.name:<46} {p.peak_bytes_per_device / GiB:8.2f} / {p.capacity_bytes_per_device / GiB:6.2f}"
-            f" {p.estimate_bytes / GiB:8.2f}  {p.flops / 1e12:9.3f} {p.bytes_accessed / GiB:8.2f} {p.roofline_s * 1e3:9.2f}  {p.source}")
+            f" {p.estimate_bytes / GiB:8.2f}  {p.flops / 1e12:9.3f} {p.bytes_accessed / GiB:8.2f} {p.roofline_s * 1e3:9.2f}  {p.source:<8}"
+            f" {p.attention}")
 
 
 HEADER = (f"{'fit':<3} {'role':<10} {'program':<46} {'peak/capacity GiB':>17} {'est. GiB':>8}  {'TFLOP':>9} {'GiB moved':>8} "
-          f"{'roofline ms':>9}  source")
+          f"{'roofline ms':>9}  {'source':<8} attention")
 
 
 def format_plan(plan: Plan) -> str:
@@ -50,6 +51,11 @@ def verdict(plan: Plan) -> str:
                 f"{worst.peak_bytes_per_device / worst.capacity_bytes_per_device:.0%} of its device")
     lines = ["DOES NOT FIT:"]
     for p in plan.failures():
+        if p.refused:
+            lines.append(f"  {p.name} refused before compiling: its hand estimate, {p.peak_bytes_per_device / GiB:.2f} GiB, "
+                         f"is over {REFUSE_FACTOR:g}x the {p.capacity_bytes_per_device / GiB:.2f} GiB of its device; change "
+                         + (", ".join(p.fields) or "the mesh split"))
+            continue
         lines.append(f"  {p.name} needs {p.peak_bytes_per_device / GiB:.2f} GiB of "
                      f"{p.capacity_bytes_per_device / GiB:.2f} GiB (with {plan.headroom:.0%} headroom: "
                      f"{(1 - plan.headroom) * p.capacity_bytes_per_device / GiB:.2f}); change "
