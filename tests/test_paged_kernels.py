@@ -20,6 +20,8 @@ from areal_jax.kernels.paged_attention import (PagePool, flat_index, kernel_name
                                                reference_paged_attention, write_tokens)
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+# The GPU kernel runs natively on a GPU (bench/accelerator_check.sh runs this file there), else interpreted.
+INTERPRET = jax.default_backend() != "gpu"
 HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None or \
     importlib.util.find_spec("jax_cuda12_plugin") is not None
 
@@ -57,7 +59,7 @@ def _fill(rng, pool, tables, lengths, S, K, H, dtype):
 def test_gpu_kernel_matches_the_reference_on_random_lengths(seed, B, N, K, H, S, M, splits, block):
     q, pool, lengths, tables = _case(seed, B=B, N=N, K=K, H=H, S=S, P=B * M + 3, M=M)
     want = reference_paged_attention(q, pool, lengths, tables)
-    got = paged_attention(q, pool, lengths, tables, impl="pallas", platform="gpu", interpret=True,
+    got = paged_attention(q, pool, lengths, tables, impl="pallas", platform="gpu", interpret=INTERPRET,
                           splits=splits, pages_per_block=block)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
@@ -68,7 +70,7 @@ def test_gpu_kernel_on_page_boundaries_length_one_and_empty_slots():
     q, pool, lengths, tables = _case(7, B=len(lengths), N=4, K=2, H=32, S=S, P=40, M=M, lengths=lengths)
     want = reference_paged_attention(q, pool, lengths, tables)
     for splits in (1, 2):
-        got = paged_attention(q, pool, lengths, tables, impl="pallas", platform="gpu", interpret=True, splits=splits)
+        got = paged_attention(q, pool, lengths, tables, impl="pallas", platform="gpu", interpret=INTERPRET, splits=splits)
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
     assert not np.any(np.asarray(got[4])), "an empty slot attends to nothing"
     # A slot of length 1 sees exactly its one value (softmax over one key).
@@ -81,7 +83,7 @@ def test_gpu_kernel_in_bfloat16_stays_within_bfloat16_of_the_fp32_reference():
     q, pool, lengths, tables = _case(11, B=4, N=8, K=2, H=64, S=16, P=20, M=4, dtype=jnp.bfloat16)
     want = reference_paged_attention(q.astype(jnp.float32), jax.tree.map(lambda x: x.astype(jnp.float32), pool),
                                      lengths, tables)
-    got = paged_attention(q, pool, lengths, tables, impl="pallas", platform="gpu", interpret=True)
+    got = paged_attention(q, pool, lengths, tables, impl="pallas", platform="gpu", interpret=INTERPRET)
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=3e-2, rtol=3e-2)
 
@@ -89,7 +91,7 @@ def test_gpu_kernel_in_bfloat16_stays_within_bfloat16_of_the_fp32_reference():
 def test_gpu_kernel_refuses_what_triton_cannot_load():
     q, pool, lengths, tables = _case(0, B=2, N=4, K=2, H=24, S=8, P=8, M=2)
     with pytest.raises(ValueError, match="powers of two"):
-        paged_attention(q, pool, lengths, tables, impl="pallas", platform="gpu", interpret=True)
+        paged_attention(q, pool, lengths, tables, impl="pallas", platform="gpu", interpret=INTERPRET)
 
 
 def test_both_layouts_hold_the_same_tokens_and_the_layout_follows_the_kernel():
