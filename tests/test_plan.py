@@ -197,3 +197,21 @@ def test_a_compiler_that_refuses_a_program_for_memory_is_a_verdict_not_a_crash()
                         "required for HLO temporaries (104.31G) exceeds available HBM (95.73G). HLO module: jit_decode.")
     assert compile_time_oom_bytes(said) == int(104.31 * 2**30)
     assert compile_time_oom_bytes(RuntimeError("INTERNAL: something else")) is None
+
+
+def test_paged_decode_figures_read_the_weights_and_the_live_tokens():
+    from areal_jax.plan.planner import paged_decode_figures
+
+    common = dict(mean_prompt=300.0, mean_completion=5000.0, page_size=16, decode_chunk=16, block_tokens=128,
+                  weight_bytes=3e9, kv_bytes_per_token=28672.0)
+    # A pool of the dense cache's size (128 slots x 17,408 tokens): every slot decodes.
+    full = paged_decode_figures(slots=128, pool_tokens=128 * 17408, **common)
+    assert full["in_flight_per_replica"] == 128 and full["bound_by"] == "slots"
+    assert full["live_tokens_per_step"] == 128 * 2800.0
+    assert full["bytes_per_step"] == 3e9 + 128 * (2800 + 64) * 28672.0
+    assert 1.0 < full["bytes_over_weights_and_live"] < 1.25
+    # Eight times the slots on the same pool: the pool bounds the sequences in flight, each holding its
+    # mean footprint (prompt, half the completion, half a page, a chunk ahead).
+    many = paged_decode_figures(slots=1024, pool_tokens=128 * 17408, **common)
+    assert many["bound_by"] == "pool" and many["in_flight_per_replica"] == int(128 * 17408 // (2800 + 8 + 16))
+    assert many["in_flight_per_replica"] > 2 * full["in_flight_per_replica"]

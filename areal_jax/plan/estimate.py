@@ -5,7 +5,9 @@ estimate adds is a model of the temporaries each kind of program needs, from the
 dimensions (letters of models/config.py):
 
 - decode: per step, fp32 logits `[B, V]` and sampling's copies of them, one layer's attention
-  scores `[B, N, W]` (fp32, twice: scores and probabilities) and MLP activations `[B, F]`.
+  scores `[B, N, W]` (fp32, twice: scores and probabilities) and MLP activations `[B, F]`. On a
+  paged pool the reference also gathers one layer's pages of every slot (`[K, B, W, H]`, keys and
+  values); a paged kernel keeps neither scores nor gather.
 - prefill: the new KV block `[R, K, P, H]` x L (an output), one query chunk's activations
   `[R, C, 2D + 3F]` (weights' dtype) and scores `[R, N, C, C]` (fp32). Packed re-prefill: one
   packed row's activations and one causal query block's scores.
@@ -76,10 +78,15 @@ def temporaries(spec: ProgramSpec, ctx: EstimateContext, attention: Sequence[str
     if spec.role in ("generation", "eval"):
         t = ctx.generation_tensor
         if kind == "decode":
-            B = _first_dim(spec.args[1])  # the cache's slots on this device
             W = d.get("window", 1)
+            if _is_paged(spec.args[1]):  # pools: the slots are the tokens' rows
+                B = _first_dim(spec.args[2])
+                # The reference gathers one layer's M pages per slot (keys and values) before attending.
+                gather = 0 if paged else 2 * B * W * max(K // t, 1) * H * ctx.cache_bytes
+            else:
+                B, gather = _first_dim(spec.args[1]), 0  # the dense cache's slots on this device
             scores = 0 if paged else 2 * (N // t) * W
-            return 4 * B * (3 * V // t + scores + 3 * F // t + 4 * D)
+            return 4 * B * (3 * V // t + scores + 3 * F // t + 4 * D) + gather
         if kind in ("prefill_start", "prefill"):  # chunked: `prefill_chunk` queries at a time
             R, P = d.get("rows", 1), d.get("len", 1)
             C = min(ctx.prefill_chunk, P)
@@ -127,6 +134,14 @@ def lower_bound_peak(spec: ProgramSpec, ctx: EstimateContext) -> int:
     compiled: what the planner refuses on before compiling, as no attention implementation
     needs less."""
     return estimate_peak(spec, ctx, FLASH_KERNELS + PAGED_KERNELS)
+
+
+def _is_paged(tree) -> bool:
+    import jax
+
+    from areal_jax.kernels.paged_attention import PagePool
+
+    return any(isinstance(x, PagePool) for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, PagePool)))
 
 
 def _first_dim(tree) -> int:

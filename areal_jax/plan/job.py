@@ -20,7 +20,8 @@ from areal_jax.models.config import ModelConfig
 from areal_jax.parallel.meshes import split_local_devices
 from areal_jax.plan.config import PlanConfig
 from areal_jax.plan.estimate import EstimateContext, analytic_flops, estimate_peak, lower_bound_peak
-from areal_jax.plan.planner import Plan, ProgramPlan, measure_programs, predict, read_model_config, role_meshes
+from areal_jax.plan.planner import (Plan, ProgramPlan, measure_programs, paged_decode_figures, predict,
+                                    read_model_config, role_meshes)
 from areal_jax.plan.targets import Target
 
 
@@ -216,14 +217,26 @@ def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files
     cache_itemsize = jnp.dtype(job.engine.cache_dtype or gen_dtype(job)).itemsize
     kv_bytes_per_token = (2 * model_cfg.num_layers * (model_cfg.num_kv_heads // job.mesh.generation_tensor)
                           * model_cfg.head_dim * cache_itemsize)  # k and v, every layer, on one device
+    paged = None
+    layout = getattr(job.engine, "layout", None)  # the paged engine's EngineConfig (issue 25)
+    if layout is not None and layout(target.platform) == "paged":
+        page_bytes = replica_engine.page_size * kv_bytes_per_token * job.mesh.generation_tensor  # whole replica
+        paged = paged_decode_figures(
+            slots=replica_engine.num_slots, pool_tokens=replica_engine.pool_pages(page_bytes) * replica_engine.page_size,
+            mean_prompt=mean_prompt, mean_completion=mean_completion, page_size=replica_engine.page_size,
+            decode_chunk=job.engine.decode_chunk, block_tokens=max(replica_engine.page_size,
+                                                                    256 if target.platform == "tpu" else 128),
+            weight_bytes=gen_weights, kv_bytes_per_token=kv_bytes_per_token)
     prediction = predict(
-        programs, target=target, meshes=meshes, model_cfg=model_cfg, slots_per_replica=replica_engine.num_slots,
+        programs, target=target, meshes=meshes, model_cfg=model_cfg,
+        slots_per_replica=paged["in_flight_per_replica"] if paged else replica_engine.num_slots,
         batch_groups=job.rl.batch_size, samples_per_group=job.rollout.n_samples, mean_prompt=mean_prompt,
         mean_completion=mean_completion, decode_chunk=job.engine.decode_chunk,
         decode_window=job.engine.decode_window, tokens_per_microbatch=job.ppo.max_tokens_per_microbatch,
         row_length=lambda n: _row_for(job, n), num_minibatches=job.ppo.num_minibatches,
         separate_proximal=job.ppo.decoupled and job.ppo.num_minibatches > 1, colocated=split.colocated,
-        decode_bytes=lambda window: gen_weights + replica_engine.num_slots * window * kv_bytes_per_token)
+        decode_bytes=(lambda window: paged["bytes_per_step"]) if paged else
+        (lambda window: gen_weights + replica_engine.num_slots * window * kv_bytes_per_token), paged=paged)
     prediction["model_params"] = model_cfg.num_params()
     return Plan(target=target, split=split, train_devices=split.num_train * target.hosts,
                 generation_devices=split.num_generation * target.hosts, programs=tuple(programs),

@@ -106,6 +106,26 @@ def read_model_config(path: str | pathlib.Path, *, search: Sequence[pathlib.Path
                             f"{', '.join(str(c) for c in candidates)})")
 
 
+def paged_decode_figures(*, slots: int, pool_tokens: int, mean_prompt: float, mean_completion: float,
+                         page_size: int, decode_chunk: int, block_tokens: int, weight_bytes: float,
+                         kv_bytes_per_token: float) -> dict[str, Any]:
+    """A paged replica's decode step at the mean lengths, per device. A sequence in flight holds on
+    average its prompt, half its completion, half a page and the chunk its pages grow ahead by; the
+    replica decodes as many as its slots and its pool hold. Each step reads the weights and the
+    live tokens, each sequence's last kernel block whole (half a block more on average)."""
+    mean_live = mean_prompt + mean_completion / 2
+    footprint = mean_live + page_size / 2 + decode_chunk
+    in_flight = max(1, min(slots, int(pool_tokens // footprint)))
+    live, read = in_flight * mean_live, in_flight * (mean_live + block_tokens / 2)
+    return {"in_flight_per_replica": in_flight, "bound_by": "slots" if in_flight == slots else "pool",
+            "pool_tokens_per_replica": pool_tokens, "live_tokens_per_step": live, "read_tokens_per_step": read,
+            "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes_per_token,
+            "pool_bytes_per_device": pool_tokens * kv_bytes_per_token,
+            "bytes_per_step": weight_bytes + read * kv_bytes_per_token,
+            "bytes_over_weights_and_live": (weight_bytes + read * kv_bytes_per_token)
+            / (weight_bytes + live * kv_bytes_per_token)}
+
+
 def roofline_s(flops: float, accessed: float, target: Target) -> float:
     """Time bound of a program on one device: compute or memory traffic, whichever is longer."""
     return max(flops / target.peak_flops_per_device, accessed / target.bandwidth_per_device)
@@ -205,15 +225,19 @@ def predict(programs: Sequence[ProgramPlan], *, target: Target, meshes: RoleMesh
             slots_per_replica: int, batch_groups: int, samples_per_group: int, mean_prompt: float,
             mean_completion: float, decode_chunk: int, decode_window: Callable[[int], int],
             tokens_per_microbatch: int, row_length: Callable[[int], int], num_minibatches: int,
-            separate_proximal: bool, colocated: bool, decode_bytes: Callable[[int], float] | None = None
-            ) -> dict[str, Any]:
+            separate_proximal: bool, colocated: bool, decode_bytes: Callable[[int], float] | None = None,
+            paged: dict[str, Any] | None = None) -> dict[str, Any]:
     """Throughput from the programs' rooflines at the mean lengths, with the slots full.
 
     A decode chunk's cost analysis counts its loop body once: one decode step of every slot.
     `decode_bytes(window)`: the bytes one decode step must read per device (weights and the KV
     cache up to the window). XLA's cost analysis counts each in-place cache write (a scatter into
     the donated cache) as a read and a write of the whole cache, several times the real traffic,
-    so the step time is taken from this count and the compiler's FLOPs."""
+    so the step time is taken from this count and the compiler's FLOPs.
+
+    `paged`: the paged engine's decode at the mean lengths (`paged_decode_figures`): its
+    sequences in flight per replica replace the slots, and `decode_bytes` reads the weights and
+    their live tokens, whatever the window."""
     by_name = {p.name: p for p in programs}
 
     def find(prefix: str, **want: int) -> ProgramPlan | None:
@@ -232,8 +256,12 @@ def predict(programs: Sequence[ProgramPlan], *, target: Target, meshes: RoleMesh
         "mean_prompt_tokens": mean_prompt, "mean_completion_tokens": mean_completion,
         "decode_window": window, "slots_full": True,
         "roofline": "max(FLOPs / peak bf16 FLOP/s, bytes accessed / HBM bandwidth) per program, per device",
-        "decode_bytes": "weights + KV cache up to the window, read once per decode step",
+        "decode_bytes": ("weights + the live KV of the sequences in flight (each slot's last kernel block whole), "
+                         "read once per decode step" if paged else
+                         "weights + KV cache up to the window, read once per decode step"),
     }}
+    if paged:
+        out["paged"] = paged
     gen_tps = None
     if decode is not None and decode.roofline_s > 0:
         step_s = decode.roofline_s

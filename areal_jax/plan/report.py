@@ -34,6 +34,12 @@ def format_plan(plan: Plan) -> str:
     if "generation_tokens_per_s" in pred:
         lines.append(f"generation: {pred['generation_tokens_per_s']:,.0f} tokens/s over all replicas "
                      f"(decode step {pred['decode_step_s'] * 1e3:.2f} ms at window {pred['assumptions']['decode_window']})")
+    if "paged" in pred:
+        g = pred["paged"]
+        lines.append(f"paged decode: {g['in_flight_per_replica']} sequences in flight per replica (bound by its "
+                     f"{g['bound_by']}; pool {g['pool_bytes_per_device'] / GiB:.2f} GiB per device), "
+                     f"{g['bytes_per_step'] / GiB:.2f} GiB read per step = {g['bytes_over_weights_and_live']:.3f}x "
+                     "weights + live KV")
     if "trained_tokens_per_s_compute" in pred:
         lines.append(f"training: {pred['trained_tokens_per_s_compute']:,.0f} tokens/s of gradient micro-batches")
     if "step_s" in pred:
