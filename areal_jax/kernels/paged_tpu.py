@@ -7,8 +7,8 @@ layout (`PagePool.zeros(..., platform="tpu")`), never converted per step.
 
 Its block sizes are passed explicitly: the kernel would otherwise look them up from
 `jax.devices()[0]`, which is the host's CPU when the planner compiles for a TPU target without one.
-The kernel copies whole blocks of pages (past a sequence's end it copies page 0 again), so a block
-is kept short: about 256 tokens.
+The kernel copies whole blocks of pages (past a sequence's end it copies the sequence's first page
+again), so a block is kept short: about 256 tokens.
 """
 
 from __future__ import annotations

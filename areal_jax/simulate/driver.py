@@ -175,8 +175,10 @@ def _rows(base, sweeps, *, include_sync: bool) -> list:
     return rows
 
 
-def simulate_rows(args) -> dict[str, Any]:
-    """Every row of the command; returns {"rows": [...], "assumptions": {...}}."""
+def simulate_rows(args, *, adjust_workload=None) -> dict[str, Any]:
+    """Every row of the command; returns {"rows": [...], "assumptions": {...}}. `adjust_workload`
+    (Python callers: bench/simulate_scale.py) maps the Workload built from the configs to the one
+    simulated, e.g. a paged KV pool the configs do not state."""
     from areal_jax import config_system as cs
     from areal_jax.jobs.configs import load_job_configs
     from areal_jax.plan.config import PlanConfig
@@ -205,6 +207,8 @@ def simulate_rows(args) -> dict[str, Any]:
     workload, generation, colocated = build_workload(job, hosts=hosts, devices_per_host=devices)
     if target is not None:
         workload = paged_workload(job, plan_cfg, args.gin_file, target, workload)
+    if adjust_workload is not None:
+        workload = adjust_workload(workload)
 
     # Lengths: a dump, a spec, or the planner's assumption as a lognormal long tail.
     longest_prompt = (job.data.max_prompt_tokens if job.data is not None and job.data.max_prompt_tokens
