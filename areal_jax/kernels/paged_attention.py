@@ -64,6 +64,9 @@ class PagePool:
         shape = (num_kv_heads, num_pages, page_size, head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
+    def __iter__(self):  # k, v as the NamedTuple this class replaced unpacked (v None when "combined")
+        return iter((self.k, self.v))
+
     @staticmethod
     def partition_spec(heads: str | None = None, pages: str | None = None, *, layout: str = "heads") -> "PagePool":
         """PartitionSpecs of a pool with its kv heads over mesh axis `heads` and its pages over mesh
