@@ -7,6 +7,7 @@ owns programs for their specs at the config's shapes.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -91,11 +92,15 @@ def collect_specs(job: JobConfigs, model_cfg: ModelConfig, target: Target, meshe
     specs += transfer_program_specs(model_cfg, meshes.train, num_hosts=target.hosts,
                                     generation_tensor=job.mesh.generation_tensor, dtype=gen_dtype(job),
                                     group_bytes=job.rl.transfer_group_bytes)
+    # The engine's programs for the target's platform (its KV layout and attention kernel), where
+    # the engine takes one (the paged engine of issue 25 does).
+    on_target = ({"platform": "tpu" if target.platform == "tpu" else "gpu"}
+                 if "platform" in inspect.signature(engine_program_specs).parameters else {})
     specs += engine_program_specs(model_cfg, replica_engine_config(job.engine, data), mesh=meshes.generation,
-                                  param_dtype=gen_dtype(job))
+                                  param_dtype=gen_dtype(job), **on_target)
     if job.task.eval_size and (job.task.kind == "arithmetic" or job.task.eval_paths):
         specs += engine_program_specs(model_cfg, eval_engine_config(job, longest_prompt, data, target.hosts),
-                                      mesh=meshes.generation, param_dtype=gen_dtype(job), role="eval")
+                                      mesh=meshes.generation, param_dtype=gen_dtype(job), role="eval", **on_target)
     # The run hands both engines their weights per layer (the transfer's split layout), which they
     # install as given: the split program of stacked weights never runs in `train`.
     return [s for s in specs if not s.name.endswith("/split_weights")]
