@@ -92,6 +92,14 @@ def test_gpu_kernel_refuses_what_triton_cannot_load():
     q, pool, lengths, tables = _case(0, B=2, N=4, K=2, H=24, S=8, P=8, M=2)
     with pytest.raises(ValueError, match="powers of two"):
         paged_attention(q, pool, lengths, tables, impl="pallas", platform="gpu", interpret=INTERPRET)
+    # "auto" takes the reference where the kernel cannot (and on TPU below 128 lanes of head dim).
+    want = reference_paged_attention(q, pool, lengths, tables)
+    np.testing.assert_array_equal(paged_attention(q, pool, lengths, tables, impl="auto", platform="gpu"), want)
+    combined = _case(0, B=2, N=4, K=2, H=32, S=8, P=8, M=2, layout="combined")
+    np.testing.assert_array_equal(paged_attention(*combined, impl="auto", platform="tpu"),
+                                  reference_paged_attention(*combined))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        paged_attention(*combined, impl="pallas", platform="tpu")
 
 
 def test_both_layouts_hold_the_same_tokens_and_the_layout_follows_the_kernel():
@@ -110,6 +118,8 @@ def test_both_layouts_hold_the_same_tokens_and_the_layout_follows_the_kernel():
         ("combined", (16, 4, 4, 16), 16, 4, 2, 16 * 4 * 4 * 16 * 2)
     with pytest.raises(ValueError, match="'combined' pool"):
         paged_attention(*a, impl="pallas", platform="tpu")
+    # "auto" on a pool not laid out for the platform's kernel: the reference, not an error.
+    np.testing.assert_array_equal(paged_attention(*a, impl="auto", platform="tpu"), reference_paged_attention(*a))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -165,13 +165,18 @@ _KERNEL_MODULES = {"gpu": "areal_jax.kernels.paged_gpu", "cuda": "areal_jax.kern
                    "tpu": "areal_jax.kernels.paged_tpu"}
 
 
+_KERNEL_LIMITS: dict[str, Callable[[int, int], str | None]] = {}  # platform -> shapes it cannot take
+
+
 def register_pallas_kernel(platform: str, kernel: Callable[..., jax.Array], *, layout: str = "heads",
-                           name: str = "pallas") -> None:
+                           name: str = "pallas", limits: Callable[[int, int], str | None] | None = None) -> None:
+    """`limits(head_dim, page_size)`: why the kernel cannot take those shapes, or None."""
     if layout not in LAYOUTS:
         raise ValueError(f"register_pallas_kernel: layout must be one of {LAYOUTS}, got {layout!r}")
     _PALLAS_KERNELS[platform] = kernel
     _KERNEL_LAYOUTS[platform] = layout
     _KERNEL_NAMES[platform] = name
+    _KERNEL_LIMITS[platform] = limits or (lambda head_dim, page_size: None)
 
 
 def _registered(platform: str) -> bool:
@@ -212,7 +217,8 @@ def paged_attention(q: jax.Array, pool: PagePool, lengths: jax.Array, page_table
                     impl: str = "auto", platform: str | None = None, heads_axis: str | None = None,
                     replica_axis: str | None = None, **options) -> jax.Array:
     """Decode attention by live tokens; see `reference_paged_attention` for shapes and semantics.
-    Any pool layout works with "reference"; a kernel wants the layout `pool_layout` names.
+    Any pool layout works with "reference"; a kernel wants the layout `pool_layout` names and shapes
+    it can take ("auto" otherwise takes the reference; "pallas" is then an error saying why).
 
     heads_axis, replica_axis: mesh axes (of the mesh being traced under) that shard the heads (q's
     N, the pool's kv heads) and the replicas (slots, page tables and pages together: each replica's
@@ -221,9 +227,14 @@ def paged_attention(q: jax.Array, pool: PagePool, lengths: jax.Array, page_table
     if resolve_impl(impl, platform) == "reference":
         return reference_paged_attention(q, pool, lengths, page_tables)
     platform = platform or jax.default_backend()
+    unfit = _KERNEL_LIMITS[platform](q.shape[-1], pool.page_size)
     if pool.layout != _KERNEL_LAYOUTS[platform]:
-        raise ValueError(f"paged_attention: the {platform} kernel reads a {_KERNEL_LAYOUTS[platform]!r} pool, got "
-                         f"{pool.layout!r}: build it with PagePool.zeros(..., impl=, platform=) as attention runs")
+        unfit = (f"the {platform} kernel reads a {_KERNEL_LAYOUTS[platform]!r} pool, got {pool.layout!r}: build it "
+                 "with PagePool.zeros(..., impl=, platform=) as attention runs")
+    if unfit is not None:
+        if impl == "auto":  # the best this pool and these shapes allow
+            return reference_paged_attention(q, pool, lengths, page_tables)
+        raise ValueError(f"paged_attention: {unfit}")
     kernel = functools.partial(_PALLAS_KERNELS[platform], **options)
     mesh = jax.sharding.get_abstract_mesh()
     heads_axis, replica_axis = (a if a is not None and not mesh.empty and mesh.shape.get(a, 1) > 1 else None

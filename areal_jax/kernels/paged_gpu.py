@@ -69,6 +69,13 @@ def _kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *
     l_ref[...] = l
 
 
+def limits(head_dim: int, page_size: int) -> str | None:
+    """Triton loads blocks whose sizes are powers of two."""
+    if not (_pow2(page_size) and _pow2(head_dim)):
+        return f"page_size {page_size} and head_dim {head_dim} must be powers of two (Triton's loads)"
+    return None
+
+
 @functools.partial(jax.jit, static_argnames=("pages_per_block", "splits", "num_warps", "num_stages", "interpret"))
 def pallas_triton_paged_attention(q: jax.Array, pool: PagePool, lengths: jax.Array, page_tables: jax.Array, *,
                                   pages_per_block: int | None = None, splits: int = 1, num_warps: int = 4,
@@ -85,9 +92,9 @@ def pallas_triton_paged_attention(q: jax.Array, pool: PagePool, lengths: jax.Arr
     M = page_tables.shape[1]
     if N % K:
         raise ValueError(f"paged attention: query heads {N} are not a multiple of kv heads {K}")
-    if not (_pow2(S) and _pow2(H)):
-        raise ValueError(f"pallas_triton_paged_attention: page_size {S} and head_dim {H} must be powers of two "
-                         "(Triton's loads); use attention_impl 'reference'")
+    unfit = limits(H, S)
+    if unfit is not None:
+        raise ValueError(f"pallas_triton_paged_attention: {unfit}")
     C = pages_per_block or max(1, 128 // S)
     if not _pow2(C):
         raise ValueError(f"pages_per_block must be a power of two, got {C}")
@@ -130,4 +137,5 @@ def pallas_triton_paged_attention(q: jax.Array, pool: PagePool, lengths: jax.Arr
 
 
 for _platform in ("gpu", "cuda"):  # jax.default_backend() says "gpu"; the planner's targets say "cuda"
-    register_pallas_kernel(_platform, pallas_triton_paged_attention, layout="heads", name="pallas_triton_paged")
+    register_pallas_kernel(_platform, pallas_triton_paged_attention, layout="heads", name="pallas_triton_paged",
+                           limits=limits)

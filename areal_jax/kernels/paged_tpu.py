@@ -60,4 +60,11 @@ def ragged_paged_decode(q: jax.Array, pool: PagePool, lengths: jax.Array, page_t
     return jnp.where((lengths > 0)[:, None, None], out, 0).astype(q.dtype)
 
 
-register_pallas_kernel("tpu", ragged_paged_decode, layout="combined", name="ragged_paged")
+def limits(head_dim: int, page_size: int) -> str | None:
+    """The kernel's running max and sum are 128 lanes wide, broadcast over the head dim."""
+    if head_dim % 128:
+        return f"head_dim {head_dim} must be a multiple of 128 (ragged_paged_attention's lanes)"
+    return None
+
+
+register_pallas_kernel("tpu", ragged_paged_decode, layout="combined", name="ragged_paged", limits=limits)
