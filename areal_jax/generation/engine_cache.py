@@ -52,7 +52,8 @@ class EngineCache:
             per_replica = ec.pool_pages(page_bytes(cfg, ec.page_size, dtype), self.data)
             self.pages = PageAllocator(ec.num_slots, self.data, per_replica, ec.page_size, ec.pages_per_sequence)
             self.cache = zero_pools(cfg, self.data * per_replica, ec.page_size, dtype,
-                                    mesh if mesh is not None else layer_sharding)
+                                    mesh if mesh is not None else layer_sharding, impl=ec.attention_impl,
+                                    platform=device.platform)
         else:
             layer_shape = (ec.num_slots, cfg.num_kv_heads, ec.max_seq_len, cfg.head_dim)  # [B, K, S, H]
             zeros = jax.jit(lambda: jnp.zeros(layer_shape, dtype), out_shardings=layer_sharding)

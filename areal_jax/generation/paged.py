@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from areal_jax.kernels.paged_attention import PagePool, flat_index, paged_attention, write_tokens
+from areal_jax.kernels.paged_attention import PagePool, flat_index, paged_attention, pool_layout, write_tokens
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.transformer import KVCache, PagedAttend
 
@@ -32,32 +32,37 @@ def _axis(mesh: Mesh | None, name: str) -> str | None:
     return name if mesh is not None and mesh.shape.get(name, 1) > 1 else None
 
 
-def pool_spec(mesh: Mesh | None) -> PagePool:
+def pool_spec(mesh: Mesh | None, layout: str = "heads") -> PagePool:
     """PartitionSpecs of one layer's pool: kv heads over "tensor", pages over "data"."""
-    return PagePool.partition_spec(heads=_axis(mesh, "tensor"), pages=_axis(mesh, "data"))
+    return PagePool.partition_spec(heads=_axis(mesh, "tensor"), pages=_axis(mesh, "data"), layout=layout)
 
 
-def pool_structs(cfg: ModelConfig, num_pages: int, page_size: int, dtype, mesh: Mesh | None
-                 ) -> tuple[PagePool, ...]:
+def _zeros(cfg: ModelConfig, num_pages: int, page_size: int, dtype, impl: str, platform: str | None) -> PagePool:
+    """One layer's empty pool, laid out for the kernel `impl` resolves to on `platform`."""
+    return PagePool.zeros(cfg.num_kv_heads, num_pages, page_size, cfg.head_dim, dtype, impl=impl, platform=platform)
+
+
+def pool_structs(cfg: ModelConfig, num_pages: int, page_size: int, dtype, mesh: Mesh | None, *,
+                 impl: str = "auto", platform: str | None = None) -> tuple[PagePool, ...]:
     """ShapeDtypeStructs of the L per-layer pools of `num_pages` pages (laid out on `mesh`)."""
-    shape = jax.eval_shape(lambda: PagePool.zeros(cfg.num_kv_heads, num_pages, page_size, cfg.head_dim, dtype))
+    shape = jax.eval_shape(lambda: _zeros(cfg, num_pages, page_size, dtype, impl, platform))
     if mesh is None:
         return (shape,) * cfg.num_layers
-    spec = pool_spec(mesh)
-    one = PagePool(*(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s))
-                     for a, s in zip(shape, spec)))
+    spec = pool_spec(mesh, shape.layout)
+    one = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
+                       shape, spec)
     return (one,) * cfg.num_layers
 
 
-def zero_pools(cfg: ModelConfig, num_pages: int, page_size: int, dtype, sharding) -> tuple[PagePool, ...]:
+def zero_pools(cfg: ModelConfig, num_pages: int, page_size: int, dtype, sharding, *, impl: str = "auto",
+               platform: str | None = None) -> tuple[PagePool, ...]:
     """L per-layer pools of zeros. `sharding`: a Mesh (laid out by `pool_spec`) or one Sharding."""
+    layout = pool_layout(impl, platform)
     if isinstance(sharding, Mesh):
-        spec = pool_spec(sharding)
-        out = PagePool(*(NamedSharding(sharding, s) for s in spec))
+        out = jax.tree.map(lambda s: NamedSharding(sharding, s), pool_spec(sharding, layout))
     else:
-        out = PagePool(sharding, sharding)
-    make = jax.jit(lambda: PagePool.zeros(cfg.num_kv_heads, num_pages, page_size, cfg.head_dim, dtype),
-                   out_shardings=out)
+        out = jax.tree.map(lambda _: sharding, pool_spec(None, layout))
+    make = jax.jit(lambda: _zeros(cfg, num_pages, page_size, dtype, impl, platform), out_shardings=out)
     return tuple(make() for _ in range(cfg.num_layers))
 
 
@@ -76,7 +81,7 @@ def make_attend(page_tables: jax.Array, *, page_size: int, impl: str, platform: 
         return lambda pool, q, k, v, positions: local(pool, q, k, v, positions, page_tables)
     data, tensor = _axis(mesh, "data"), _axis(mesh, "tensor")
     heads = PartitionSpec(data, tensor, None)  # q, k, v [B, *, H]: slots over "data", heads over "tensor"
-    spec = pool_spec(mesh)
+    spec = pool_spec(mesh, pool_layout(impl, platform))
     sharded = jax.shard_map(local, mesh=mesh, in_specs=(spec, heads, heads, heads, PartitionSpec(data),
                                                         PartitionSpec(data, None)),
                             out_specs=(spec, heads), check_vma=False)

@@ -352,7 +352,7 @@ def engine_program_specs(model_cfg: ModelConfig, engine_cfg: EngineConfig, *, me
     paged = programs.layout == "paged"
     if paged:
         pages = data * ec.pool_pages(page_bytes(cfg, ec.page_size, cache_dtype), data)
-        cache = pool_structs(cfg, pages, ec.page_size, cache_dtype, mesh)
+        cache = pool_structs(cfg, pages, ec.page_size, cache_dtype, mesh, impl=ec.attention_impl, platform=platform)
         cache_fields = _CACHE_FIELDS + _PAGED_FIELDS
     else:
         layer = jax.ShapeDtypeStruct((B, K, S, H), cache_dtype, sharding=cache_sharding(cfg, ec, mesh))

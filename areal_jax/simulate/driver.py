@@ -106,6 +106,28 @@ def build_workload(job, *, hosts: int, devices_per_host: int):
     return wl, generation, split.colocated
 
 
+def paged_workload(job, plan_cfg, gin_files, target, workload):
+    """The workload with the engine's paged KV pool where the engine pages on `target`
+    (EngineConfig.kv_layout; "auto" pages on accelerators): pool pages per replica from
+    EngineConfig.kv_pool_pages / kv_pool_bytes (default: the dense cache's bytes), and the decode
+    kernel's block (kernels/paged_gpu.py reads 128 tokens at a time, kernels/paged_tpu.py 256)."""
+    import jax.numpy as jnp
+
+    from areal_jax.plan.job import gen_dtype, model_config_for
+
+    engine = job.engine
+    layout = getattr(engine, "layout", None)
+    if layout is None or layout(target.platform) != "paged":
+        return workload
+    model = model_config_for(job, plan_cfg, gin_files)
+    cache_itemsize = jnp.dtype(engine.cache_dtype or gen_dtype(job)).itemsize
+    page_bytes = engine.page_size * 2 * model.num_layers * model.num_kv_heads * model.head_dim * cache_itemsize
+    replicas = workload.generation_replicas(workload.config_generation_devices)
+    block = 256 if target.platform == "tpu" else 128
+    return dataclasses.replace(workload, kv_pool_pages=engine.pool_pages(page_bytes, replicas),
+                               page_size=engine.page_size, block_tokens=max(engine.page_size, block))
+
+
 def roofline_costs(job, plan_cfg, gin_files, target, workload, row, *, transfer_bytes_per_s, reward_s):
     """`RooflineCosts` of a row's split on `target` (plan/: the model's shapes, analytic FLOPs, published peaks)."""
     import jax.numpy as jnp
@@ -157,8 +179,10 @@ def _swept_rows(base, sweeps) -> list:
     return rows
 
 
-def simulate_rows(args) -> dict[str, Any]:
-    """Every row of the command; returns {"rows": [...], "assumptions": {...}}."""
+def simulate_rows(args, *, adjust_workload=None) -> dict[str, Any]:
+    """Every row of the command; returns {"rows": [...], "assumptions": {...}}. `adjust_workload`
+    (Python callers: bench/simulate_scale.py) maps the Workload built from the configs to the one
+    simulated, e.g. a paged KV pool the configs do not state."""
     from areal_jax import config_system as cs
     from areal_jax.jobs.configs import load_job_configs
     from areal_jax.plan.config import PlanConfig
@@ -186,6 +210,10 @@ def simulate_rows(args) -> dict[str, Any]:
         devices = args.devices_per_host or target.devices_per_host
         hosts = args.hosts or target.hosts
     workload, generation, colocated = build_workload(job, hosts=hosts, devices_per_host=devices)
+    if target is not None:
+        workload = paged_workload(job, plan_cfg, args.gin_file, target, workload)
+    if adjust_workload is not None:
+        workload = adjust_workload(workload)
 
     # Lengths: a dump, a spec, or the planner's assumption as a lognormal long tail.
     longest_prompt = (job.data.max_prompt_tokens if job.data is not None and job.data.max_prompt_tokens
@@ -237,6 +265,9 @@ def simulate_rows(args) -> dict[str, Any]:
         "batch": f"{workload.batch_groups} groups x {workload.samples_per_group} samples per step",
         "engine": f"{workload.engine.num_slots} slots per host at the config's split, decode chunk "
                   f"{workload.engine.decode_chunk}, max_seq_len {workload.engine.max_seq_len}"
+                  + (f"; paged KV: {workload.kv_pool_pages} pages of {workload.page_size} tokens per replica, "
+                     f"decode by live tokens (kernel blocks of {workload.block_tokens})" if workload.paged
+                     else "; dense KV cache, decode over the window of the longest sequence")
                   + ("; slots per replica kept when the split changes, a sync row's slots capped at one "
                      "batch's samples per host" if fit is None else ""),
         "transfer": (f"{args.transfer_gbps:g} GB/s per host (generation weights)" if fit is None
@@ -254,13 +285,17 @@ def format_rows(report: dict[str, Any]) -> str:
     head = (f"{'mode':6s} {'eta':>3s} {'split':>9s} {'trained tok/s':>14s} {'vs sync':>7s} {'gen busy':>8s} "
             f"{'train busy':>10s} {'slots':>6s} {'re-prefill':>10s} {'stale max/mean':>14s} {'step s':>8s} "
             f"{'run h':>7s} {'device-h':>9s}")
+    paged = any(r.get("decode_bytes_ratio") for r in report["rows"])
+    if paged:  # preempted samples per step and host; decode bytes over (weights + live KV)
+        head += f" {'preempted':>9s} {'bytes/live':>10s}"
     lines = [head]
     for r in report["rows"]:
         vs = f"{r['vs_sync']:.2f}x" if r["vs_sync"] is not None else "-"
         lines.append(f"{r['mode']:6s} {r['eta']:3d} {r['split']:>9s} {r['trained_tokens_per_s']:14,.0f} {vs:>7s} "
                      f"{r['generation_busy']:8.0%} {r['train_busy']:10.0%} {r['slot_occupancy']:6.0%} "
                      f"{r['reprefill_per_trained_token']:10.2f} {r['staleness_max']:>6d} / {r['staleness_mean']:5.2f} "
-                     f"{r['step_s']:8.2f} {r['run']['wall_hours']:7.2f} {r['run']['device_hours']:9,.1f}")
+                     f"{r['step_s']:8.2f} {r['run']['wall_hours']:7.2f} {r['run']['device_hours']:9,.1f}"
+                     + (f" {r['preempted_per_step']:9.1f} {r['decode_bytes_ratio']:10.3f}" if paged else ""))
     lines.append("")
     lines += [f"{k}: {v}" for k, v in report["assumptions"].items() if k != "cost_model"]
     return "\n".join(lines)
