@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ContextManager, Literal
 
 import jax
@@ -55,7 +56,30 @@ class ProgramSpec:
 
     def lower(self) -> jax.stages.Lowered:
         with (self.context() if self.context is not None else contextlib.nullcontext()):
-            return self.fn.lower(*self.args, **self.kwargs)
+            with target_device_context((self.args, dict(self.kwargs))):
+                return self.fn.lower(*self.args, **self.kwargs)
+
+
+@contextlib.contextmanager
+def target_device_context(tree: Any) -> Iterator[None]:
+    """Traces as for the arguments' (fake, target) devices: under their abstract mesh unless a mesh
+    is set (Pallas kernels read the device kind they compile for from it, GPU compute capability or
+    TPU generation, and would otherwise ask the host's CPU), and with kernels chosen for their
+    platform where `kernels.dispatch` chooses them ("auto" would otherwise pick the host's)."""
+    mesh = next((m for x in jax.tree.leaves(tree)
+                 if isinstance(m := getattr(getattr(x, "sharding", None), "mesh", None), jax.sharding.Mesh)
+                 and m.devices.flat[0].platform != "cpu"), None)
+    if mesh is None:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        if jax.sharding.get_abstract_mesh().empty:
+            stack.enter_context(jax.sharding.use_abstract_mesh(mesh.abstract_mesh))
+        if importlib.util.find_spec("areal_jax.kernels.dispatch") is not None:  # flash attention's (issue 25)
+            from areal_jax.kernels import dispatch
+
+            stack.enter_context(dispatch.target_platform(mesh.devices.flat[0].platform))
+        yield
 
 
 def abstract(tree: Any, shardings: Any = None) -> Any:

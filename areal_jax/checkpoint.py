@@ -20,11 +20,14 @@ collectives); each process stores its own data-iterator position.
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import time
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import grain
@@ -62,6 +65,11 @@ class CheckpointConfig:
     have passed since the last save (either trigger suffices; both None: only forced saves).
     `max_to_keep` newest steps are kept (None: all). HF exports go to `export_dir/step_N`
     every `export_hf_interval_steps` steps.
+
+    `save_on_signal_s`: on SIGTERM or SIGINT during RL (a preemption notice), the run finishes or
+    abandons its current step, waits for a save in flight, checkpoints the last completed step and
+    exits (143 / 130) within this many seconds; past it, it exits without that checkpoint (the
+    previous one stays). None: the signal stops the run at once, as before RL.
     """
 
     directory: str | os.PathLike
@@ -71,6 +79,7 @@ class CheckpointConfig:
     async_save: bool = True
     export_hf_interval_steps: int | None = None
     export_dir: str | os.PathLike | None = None
+    save_on_signal_s: float | None = 60.0
 
     def __post_init__(self):
         if not str(self.directory):
@@ -82,6 +91,11 @@ class CheckpointConfig:
         if self.save_interval_s is not None and not (
                 isinstance(self.save_interval_s, (int, float)) and self.save_interval_s > 0):
             raise ValueError(f"CheckpointConfig.save_interval_s must be None or > 0, got {self.save_interval_s!r}")
+        if self.save_on_signal_s is not None and not (
+                isinstance(self.save_on_signal_s, (int, float)) and not isinstance(self.save_on_signal_s, bool)
+                and math.isfinite(self.save_on_signal_s) and self.save_on_signal_s > 0):
+            raise ValueError(f"CheckpointConfig.save_on_signal_s must be None or a positive finite number of seconds, "
+                             f"got {self.save_on_signal_s!r}")
         if self.export_hf_interval_steps is not None and self.export_dir is None:
             raise ValueError("CheckpointConfig.export_dir is required when export_hf_interval_steps is set")
         if self.export_dir is not None and not str(self.export_dir):
@@ -263,13 +277,29 @@ class Checkpointer:
         if data_iterator is not None:
             items[_DATA] = grain.checkpoint.CheckpointSave(_IteratorSnapshot(data_iterator.get_state()))
         # force=True: the decision above is ours; Orbax's own interval policy must not veto it.
-        self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        with self._unfinished_removed_on_error():  # it raises, too, what a previous background save met
+            self._manager.save(step, args=ocp.args.Composite(**items), force=True)
         self._last_save_time = time.monotonic()
         return True
 
     def wait(self) -> None:
         """Blocks until every started save is complete on disk."""
-        self._manager.wait_until_finished()
+        with self._unfinished_removed_on_error():
+            self._manager.wait_until_finished()
+
+    @contextlib.contextmanager
+    def _unfinished_removed_on_error(self) -> Iterator[None]:
+        """A save that failed (a full or read-only disk) leaves no `<step>.orbax-checkpoint-tmp-*`
+        behind: removed, as far as the disk lets, before the error goes on (process 0 removes)."""
+        try:
+            yield
+        except Exception:
+            if jax.process_index() == 0:
+                for entry in (self.directory.iterdir() if self.directory.is_dir() else ()):
+                    if ".orbax-checkpoint-tmp" in entry.name:
+                        with contextlib.suppress(OSError):
+                            entry.rmtree()
+            raise
 
     # ---- restoring --------------------------------------------------------------------------
 
@@ -348,8 +378,10 @@ class Checkpointer:
 
     def close(self) -> None:
         """Waits for pending saves and releases Orbax's resources."""
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
 
     def __enter__(self) -> Checkpointer:
         return self

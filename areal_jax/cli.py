@@ -6,8 +6,12 @@
                    --gin_param='EvalConfig.n_samples = 8' --gin_param='EvalConfig.ks = (1, 8)' --run_dir=runs/e
                    [--gin_param='EvalConfig.dtype = "bfloat16"'] [--gin_param='EvalConfig.tensor_parallel = 2']
                    (the weights load sharded over this host's devices: tensor_parallel per replica)
-    areal-jax generate --model=DIR --prompt='...' [--max_new_tokens=64] [--dtype=bfloat16] [--tensor_parallel=2]
+    areal-jax eval --run_dir_of=RUN   (the run's final model on its held-out files, with its reward and prompts)
+    areal-jax generate --model=DIR --prompt='...' [--max_new_tokens=64] [--temperature=0.7 --top_p=0.9 --top_k=50]
+                   [--system='...'] [--chat_template_kwargs='{"enable_thinking": false}'] [--dtype=bfloat16]
+                   [--tensor_parallel=2]   (prompts encoded as the model's run encoded them: areal_jax_prompt.json)
     areal-jax config [--gin_file=...]   (every configurable field: value, type, one line of doc)
+    areal-jax train --run_dir=RUN --resume [--gin_param=...]   (continues RUN with its config.gin)
     areal-jax export --checkpoint=RUN/checkpoints[/STEP] --out=DIR [--dtype=bfloat16]
                    (a checkpoint as an HF model directory, tokenizer included; `eval --model=DIR` takes it)
     areal-jax plan --gin_file=configs/qwen2_5_1_5b_gsm8k_tpu.gin [--target=v5e-16] [--json]
@@ -23,7 +27,10 @@ or the run directory (`train` refuses a directory that holds a run unless `--ove
 
 SIGINT or SIGTERM ends a command cleanly (exit 130 / 143): the reward pool's workers, its fork
 server and every sandboxed program are stopped and their directories removed before the process
-exits; a second signal ends it at once.
+exits; a second signal ends it at once. During `train`'s RL stage with a CheckpointConfig the first
+signal is a preemption notice: the last completed step is checkpointed first (jobs/shutdown.py,
+within CheckpointConfig.save_on_signal_s). A full, over-quota or read-only disk is one line naming
+the path and the free space, exit code 74 (jobs/errors.py lists the codes).
 
 Every command takes `--compile_cache=DIR` (default: $AREAL_JAX_COMPILE_CACHE, else off): XLA's
 persistent compilation cache, so a rerun loads the programs a previous run compiled instead of
@@ -84,12 +91,19 @@ def build_parser() -> argparse.ArgumentParser:
                              "$AREAL_JAX_COMPILE_CACHE, else no cache)")
     common.add_argument("--debug", action="store_true",
                         help="show the traceback of a configuration, model or data error")
+    common.add_argument("--import_path", action="append", default=[], metavar="DIR",
+                        help="a directory your reward functions and workflows import from (repeatable); the "
+                             "working directory is always searched first, as `python -m` does")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("train", "SFT warm start (optional) then asynchronous RL"),
                             ("sft", "the supervised warm start alone")):
         _add_config_flags(sub.add_parser(name, help=help_text, parents=[common]))
     ev = sub.add_parser("eval", help="pass@k / maj@k of a model directory on prompt files", parents=[common])
-    ev.add_argument("--model", required=True, help="HF model directory (tokenizer files beside the weights)")
+    ev.add_argument("--model", default=None, help="HF model directory (tokenizer files beside the weights; its "
+                    "areal_jax_prompt.json, when there, sets the prompt encoding)")
+    ev.add_argument("--run_dir_of", default=None, metavar="RUN",
+                    help="evaluate the run RUN as it evaluated itself: its final_model (unless --model), reward, "
+                         "held-out files, format, prompt encoding and completion budget; bindings still override")
     ev.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
     ev.add_argument("--gin_file", action="append", default=[])
     ev.add_argument("--gin_param", action="append", default=[])
@@ -126,10 +140,16 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--run_dir", default=None, help="the checkpoint's run (default: the checkpoint directory's parent)")
     ex.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the run's)")
     gen = sub.add_parser("generate", help="sample completions from a model directory", parents=[common])
-    gen.add_argument("--model", required=True)
+    gen.add_argument("--model", required=True, help="HF model directory; its areal_jax_prompt.json (written by "
+                     "train and export) sets the prompt encoding, which the flags below override")
     gen.add_argument("--prompt", action="append", required=True)
     gen.add_argument("--max_new_tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top_p", type=float, default=1.0)
+    gen.add_argument("--top_k", type=int, default=0, help="0: no top-k cut")
+    gen.add_argument("--system", default=None, help="a system turn before each prompt (chat template only)")
+    gen.add_argument("--chat_template_kwargs", default=None, metavar="JSON",
+                     help="variables of the chat template, e.g. '{\"enable_thinking\": false}'")
     gen.add_argument("--n", type=int, default=1)
     # The same split as EvalConfig.dtype / EvalConfig.tensor_parallel, as flags: generate has no gin config.
     gen.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
@@ -160,6 +180,9 @@ def _terminate(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from areal_jax.platforms import choose_platforms
+
+    choose_platforms()  # before jax loads: no CUDA / libtpu plugin noise on a machine without them
     args = build_parser().parse_args(argv)
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
@@ -173,7 +196,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_command(args) -> int:
+    from areal_jax.user_code import add_import_paths
+
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    add_import_paths(args.import_path)  # user rewards and workflows: before any config names them
+    from areal_jax.jobs.errors import quiet_storage_noise
+
+    quiet_storage_noise()  # a full disk is reported once, as the last line
     if args.command in ("plan", "export", "simulate"):  # before jax starts: touch no accelerator
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
@@ -191,20 +220,13 @@ def _run_command(args) -> int:
         return _train(args) if args.command in ("train", "sft") else \
             _eval(args) if args.command == "eval" else _export(args) if args.command == "export" else _generate(args)
     except Exception as e:
-        kind = _user_error_kind(e)
-        if args.debug or kind is None:
+        from areal_jax.jobs.errors import user_error  # one line and an exit code (2, 74) for what is not a bug
+
+        reported = user_error(e, getattr(args, "run_dir", None))
+        if args.debug or reported is None:
             raise  # a bug, or --debug: the traceback
-        print(f"areal-jax: {kind}: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-
-
-def _user_error_kind(e: Exception) -> str | None:
-    """How to label a configuration, model, data or run-directory problem (reported in one line,
-    exit code 2); None for anything else."""
-    from areal_jax.config_system import ConfigError
-    from areal_jax.jobs.inputs import InputError
-
-    return "error" if isinstance(e, InputError) else "configuration error" if isinstance(e, ConfigError) else None
+        print(f"areal-jax: {reported[0]}", file=sys.stderr)
+        return reported[1]
 
 
 def enable_compile_cache(directory: str) -> None:
@@ -228,8 +250,9 @@ def _eval(args) -> int:
     from areal_jax import config_system as cs
     from areal_jax.data.pipeline import DataConfig, build_prompt_loader
     from areal_jax.evaluation import EvalConfig, engine_mesh, run_evaluation
-    from areal_jax.jobs.inputs import check_data_paths, input_errors
+    from areal_jax.jobs.inputs import InputError, check_data_paths, input_errors
     from areal_jax.reward.pool import RewardPoolConfig
+    from areal_jax.reward.registry import check_reward_function
     from areal_jax.reward.sandbox import SandboxLimits, SandboxUnavailable
     from areal_jax.reward.scoring import open_reward_pool
 
@@ -244,14 +267,28 @@ def _eval(args) -> int:
     for config_class in (EvalConfig, DataConfig, RewardPoolConfig, SandboxLimits):
         cs.register(config_class)
     cs.parse(args.gin_file, args.gin_param)
-    cfg = cs.build(EvalConfig)
-    data = cs.build(DataConfig)
+    from areal_jax.jobs import run_settings
+
+    model_dir, eval_over, data_over = args.model, {}, {}
+    if args.run_dir_of:  # the run's own evaluation, each field unless bound here
+        run_model, eval_over, data_over = run_settings.eval_defaults(args.run_dir_of)
+        model_dir = model_dir or run_model
+    if model_dir is None:
+        raise InputError("eval needs --model=DIR or --run_dir_of=RUN")
+    data_over.update(run_settings.unbound_prompt_settings(run_settings.read_prompt_settings(model_dir),
+                                                          cs.bindings(DataConfig)))
+    cfg = cs.build(EvalConfig, **{k: v for k, v in eval_over.items() if k not in cs.bindings(EvalConfig)})
+    data = cs.build(DataConfig, **{k: v for k, v in data_over.items() if k not in cs.bindings(DataConfig)})
     workers = {} if args.reward_workers is None else {"num_workers": args.reward_workers}
     pool_cfg = cs.build(RewardPoolConfig, **workers)
     sandbox = cs.build(SandboxLimits)
     # Every row once, in file order (every process reads them all; run_evaluation shares them out).
     data = dataclasses.replace(data, shuffle=False, num_epochs=1, even_shards=False)
     check_data_paths(data.paths, "DataConfig.paths")
+    try:
+        check_reward_function(cfg.reward, "EvalConfig.reward")
+    except ValueError as e:
+        raise cs.ConfigError(str(e)) from None
     try:  # in worker processes under EvalConfig.reward_timeout_s, unless declared in-process
         pool = open_reward_pool(cfg.reward, pool_cfg, sandbox)
     except (SandboxUnavailable, ValueError) as e:
@@ -259,7 +296,7 @@ def _eval(args) -> int:
     try:
         _maybe_initialize_distributed(args)
         # On this process's devices: every host of a multi-process eval builds its own mesh.
-        tokenizer, model = _load_model(args.model, args.tokenizer, dtype=cfg.dtype,
+        tokenizer, model = _load_model(model_dir, args.tokenizer, dtype=cfg.dtype,
                                        mesh_for=lambda model_cfg: engine_mesh(model_cfg, cfg.tensor_parallel))
         with input_errors("--tokenizer" if args.tokenizer else "--model"):
             data.prompt_encoder(tokenizer)  # a base model needs DataConfig.prompt_template: one line
@@ -307,13 +344,17 @@ def _train(args) -> int:
     from areal_jax.jobs.train import run_train
 
     run_dir = args.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-    params = list(args.gin_param)
+    params, gin_files = list(args.gin_param), list(args.gin_file)
+    if args.resume and not gin_files:  # the run's own bindings; --gin_param still overrides
+        from areal_jax.jobs.run_settings import resume_gin_files
+
+        gin_files = resume_gin_files(run_dir)
     if args.command == "sft":
         params.append("Stages.rl = False")
     import jax
 
     # Every cross-field check, the per-process shares included, before any work starts.
-    cfg = load_job_configs(args.gin_file, params, run_dir=run_dir, num_processes=jax.process_count())
+    cfg = load_job_configs(gin_files, params, run_dir=run_dir, num_processes=jax.process_count())
     run_train(cfg, run_dir, progress=not args.quiet, resume=args.resume, overwrite=args.overwrite)
     return 0
 
@@ -321,9 +362,9 @@ def _train(args) -> int:
 def _export(args) -> int:
     from areal_jax.jobs.export import ExportConfig, run_export
 
-    out = run_export(ExportConfig(checkpoint=args.checkpoint, out=args.out, dtype=args.dtype,
-                                  overwrite=args.overwrite, run_dir=args.run_dir, tokenizer=args.tokenizer))
-    print(f"[areal-jax] exported {args.checkpoint} -> {out}")
+    out, step = run_export(ExportConfig(checkpoint=args.checkpoint, out=args.out, dtype=args.dtype,
+                                        overwrite=args.overwrite, run_dir=args.run_dir, tokenizer=args.tokenizer))
+    print(f"[areal-jax] exported step {step} of {args.checkpoint} -> {out}")
     return 0
 
 
@@ -346,7 +387,7 @@ def _plan(args) -> int:
     from areal_jax.jobs.configs import load_job_configs
     from areal_jax.plan.config import PlanConfig
     from areal_jax.plan.job import PlanError, plan_job
-    from areal_jax.plan.report import HEADER, format_plan, program_row
+    from areal_jax.plan.report import HEADER, format_plan, program_row, run_totals
     from areal_jax.plan.targets import LibtpuBusy, parse_target
 
     try:
@@ -371,22 +412,40 @@ def _plan(args) -> int:
     except LibtpuBusy as e:
         print(f"areal-jax: error: {e}", file=sys.stderr)
         return 3
-    print(json.dumps(plan.as_json(), indent=2) if args.json else "\n" + format_plan(plan))
+    if args.json:
+        out = plan.as_json()
+        if "step_s" in plan.prediction:  # the run's hours, as the table states them
+            out["run"] = run_totals(plan.prediction["step_s"], job.rl.steps, target.hosts * target.devices_per_host)
+        print(json.dumps(out, indent=2))
+    else:
+        print("\n" + format_plan(plan, steps=job.rl.steps))
     return 0 if plan.fits else 1
 
 
 def _generate(args) -> int:
     from areal_jax.evaluation import engine_mesh
     from areal_jax.generation import generate
+    from areal_jax.jobs.inputs import InputError
+
+    for flag, value, ok, want in (("--n", args.n, args.n >= 1, ">= 1"),
+                                  ("--max_new_tokens", args.max_new_tokens, args.max_new_tokens >= 1, ">= 1"),
+                                  ("--temperature", args.temperature, 0 <= args.temperature < float("inf"),
+                                   "finite and >= 0"),
+                                  ("--top_p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]"),
+                                  ("--top_k", args.top_k, args.top_k >= 0, ">= 0 (0: no cut)")):
+        if not ok:  # before the model loads
+            raise InputError(f"{flag} must be {want}, got {value}")
 
     tok, model = _load_model(args.model, dtype=args.dtype,
                              mesh_for=lambda model_cfg: engine_mesh(model_cfg, args.tensor_parallel,
                                                                     field="--tensor_parallel"))
-    # A base model (no chat template) continues the prompt text as given.
-    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-               if tok.has_chat_template else tok.encode(p) for p in args.prompt]
+    from areal_jax.jobs.run_settings import encode_prompts, generate_settings
+
+    # The model's recorded prompt encoding (a base model with none continues the text as given).
+    settings = generate_settings(args.model, system=args.system, chat_template_kwargs=args.chat_template_kwargs)
+    prompts = encode_prompts(tok, list(args.prompt), settings)
     out = generate(model, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature, n=args.n,
-                   stop_token_ids=tok.stop_token_ids)
+                   top_p=args.top_p, top_k=args.top_k, stop_token_ids=tok.stop_token_ids)
     for p, group in zip(args.prompt, out):
         for c in group:
             print(f"### {p}\n{tok.decode(c.tokens, skip_special_tokens=True)}\n[{c.stop_reason}, "

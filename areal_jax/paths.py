@@ -45,12 +45,18 @@ def write_whole(path: PathLike, data: str | bytes) -> None:
         target = path
     else:
         target = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    if isinstance(data, bytes):
-        target.write_bytes(data)
-    else:
-        target.write_text(data)
-    if target != path:
-        os.replace(target, path)
+    try:
+        if isinstance(data, bytes):
+            target.write_bytes(data)
+        else:
+            target.write_text(data)
+        if target != path:
+            os.replace(target, path)
+    except BaseException:  # a full or read-only disk: no half-written sibling left behind
+        if target != path:
+            with contextlib.suppress(OSError):
+                os.unlink(target)
+        raise
 
 
 def remove(path: PathLike) -> None:

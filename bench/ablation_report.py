@@ -4,20 +4,25 @@ Every `--regime LABEL=DIR` names one ablation output directory (its `eta{E}_{var
 and `sync_seed{S}/` runs are read from their summary.json and metrics.jsonl, whatever invocation
 made them). Per regime it prints the mean +- std over seeds of the final held-out accuracy for
 each (eta, objective) and its accuracy averaged over the run's evaluations (after step 0: how
-the whole run went, not only its end), the paper's two questions answered from those numbers, and, where a
+the whole run went, not only its end), the paper's two questions tested on both measures
+(differences with 95% intervals and p-values: paired by seed where two configurations share their
+seeds, Welch otherwise; `verdicts`), and, where a
 regime holds a synchronous baseline, when asynchronous runs first reach the baseline's final
 accuracy in wall time. The PNG has one row per regime: held-out accuracy against RL steps and
-against the RL stage's wall time, means over seeds, shaded min..max (decoupled and naive runs
-in panels of their own).
+against the RL stage's wall time, means over seeds, shaded min..max (each objective present --
+decoupled, naive, naive_recompute -- in panels of its own).
 
     .venv/bin/python -m bench.ablation_report --regime "4 minibatches, no cap=/tmp/abl19/mb4" \\
         --regime "1 minibatch, cap 5=/tmp/abl19/mb1" --regime "quickstart=/tmp/abl19/qs" \\
         --png docs/figures/staleness_ablation.png
+    .venv/bin/python -m bench.ablation_report --regime "off-policy=/tmp/abl31/main" \
+        --regime "cap 5 clamp=/tmp/abl31/cap5_clamp" --compare "cap 5 clamp:8:decoupled,off-policy:8:decoupled"
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import pathlib
 import re
 
@@ -25,7 +30,9 @@ import numpy as np
 
 from bench.staleness_ablation import read_run
 
-RUN_NAME = re.compile(r"^(?:eta(?P<eta>\d+)_(?P<variant>decoupled|naive)|(?P<sync>sync))_seed(?P<seed>\d+)$")
+OBJECTIVES = ("decoupled", "naive", "naive_recompute")  # bench.staleness_ablation.VARIANTS, in display order
+RUN_NAME = re.compile(r"^(?:eta(?P<eta>\d+)_(?P<variant>decoupled|naive_recompute|naive)|(?P<sync>sync))"
+                      r"_seed(?P<seed>\d+)$")
 
 
 def load_regime(out: pathlib.Path) -> list[dict]:
@@ -38,14 +45,14 @@ def load_regime(out: pathlib.Path) -> list[dict]:
         eta, variant = (0, "sync") if m["sync"] else (int(m["eta"]), m["variant"])
         runs.append({"eta": eta, "variant": variant, "seed": int(m["seed"]), **read_run(run_dir, warmup=3)})
     if not runs:
-        raise SystemExit(f"{out}: no finished ablation runs (eta*_decoupled|naive_seed*/summary.json)")
+        raise SystemExit(f"{out}: no finished ablation runs (eta*_{{{','.join(OBJECTIVES)}}}_seed*/summary.json)")
     return runs
 
 
 def configs(runs: list[dict]) -> list[tuple[int, str]]:
     """(eta, objective) keys in display order: the synchronous row first, then by eta."""
     return sorted({(r["eta"], r["variant"]) for r in runs},
-                  key=lambda k: (k[1] != "sync", k[0], k[1] != "decoupled"))
+                  key=lambda k: (k[1] != "sync", k[0], OBJECTIVES.index(k[1]) if k[1] in OBJECTIVES else -1))
 
 
 def select(runs: list[dict], eta: int, variant: str) -> list[dict]:
@@ -62,8 +69,9 @@ def mean_curve(rs: list[dict], key: str) -> tuple[np.ndarray, np.ndarray, np.nda
 
 def summary_table(runs: list[dict]) -> str:
     lines = ["| eta | objective | seeds | start acc | final acc, mean ± sample std | gain | per seed | "
-             "acc averaged over the run's evaluations | RL wall s | trained tok/s | staleness max / mean |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "acc averaged over the run's evaluations | RL wall s | trained tok/s | staleness max / mean | "
+             "off-policy tokens (pi_theta / pi_behav outside [0.8, 1.2]) | top-1% weight gradient share |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for eta, variant in configs(runs):
         rs = sorted(select(runs, eta, variant), key=lambda r: r["seed"])
         final = np.array([r["final_accuracy"] for r in rs])
@@ -74,48 +82,119 @@ def summary_table(runs: list[dict]) -> str:
             f"{final.mean() - start:+.3f} | {' / '.join(f'{a:.3f}' for a in final)} | "
             f"{mean_curve(rs, 'curve')[1][1:].mean():.3f} | "
             f"{np.mean([r['rl_wall_s'] for r in rs]):.0f} | {np.mean([r['tokens_per_s'] for r in rs]):.0f} | "
-            f"{max(r['staleness_max'] for r in rs)} / {np.mean([r['staleness_mean'] for r in rs]):.2f} |")
+            f"{max(r['staleness_max'] for r in rs)} / {np.mean([r['staleness_mean'] for r in rs]):.2f} | "
+            f"{np.mean([r['behav_ratio_out_frac_mean'] for r in rs]):.3f} | "
+            f"{np.mean([r['weight_top1pct_grad_share_mean'] for r in rs]):.3f} |")
     return "\n".join(lines)
 
 
-def _final(runs: list[dict], eta: int, variant: str) -> np.ndarray | None:
-    rs = select(runs, eta, variant)
-    return np.array([r["final_accuracy"] for r in rs]) if rs else None
+def _by_seed(runs: list[dict], eta: int, variant: str, measure: str) -> dict[int, float]:
+    """{seed: measure} of one configuration; measure "final" (final held-out accuracy) or
+    "run_mean" (accuracy averaged over the run's evaluations after step 0)."""
+    out = {}
+    for r in select(runs, eta, variant):
+        out[r["seed"]] = r["final_accuracy"] if measure == "final" else float(np.mean([a for _, a in r["curve"][1:]]))
+    return out
 
 
-def verdicts(runs: list[dict], margin: float = 0.02) -> list[str]:
-    """The paper's two claims (Table 2 of arXiv 2505.24298) checked on this regime's means.
+def compare(a: dict[int, float], b: dict[int, float], level: float = 0.95) -> dict | None:
+    """The difference a - b of two configurations' per-seed values, with a t interval and p-value.
 
-    A difference of means over seeds carries the standard error sqrt(s1^2/n1 + s2^2/n2) (sample
-    std); it is printed beside every verdict so a reader sees how much the seeds allow.
+    Paired when both hold the same seeds (a seed fixes the SFT start, the prompt order and the
+    engine's sampling: the two runs share everything but the configuration): the mean of the
+    per-seed differences, t with n - 1 degrees of freedom. Otherwise Welch: the difference of the
+    means, its standard error sqrt(s_a^2/n_a + s_b^2/n_b), Welch-Satterthwaite degrees of freedom.
+    None when either side has fewer than 2 seeds (no variance to test against).
+    Returns {test, n_a, n_b, diff, se, dof, t, p (two-sided), lo, hi (the `level` interval)}.
+    """
+    from scipy import stats
+
+    if len(a) < 2 or len(b) < 2:
+        return None
+    if set(a) == set(b):
+        d = np.array([a[k] - b[k] for k in sorted(a)])
+        diff, se, dof, test = d.mean(), d.std(ddof=1) / np.sqrt(len(d)), len(d) - 1.0, "paired"
+    else:
+        x, y = np.array(list(a.values())), np.array(list(b.values()))
+        va, vb = x.var(ddof=1) / len(x), y.var(ddof=1) / len(y)
+        diff, se, test = x.mean() - y.mean(), np.sqrt(va + vb), "Welch"
+        dof = (va + vb) ** 2 / (va ** 2 / (len(x) - 1) + vb ** 2 / (len(y) - 1)) if va + vb > 0 else len(x) + len(y) - 2.0
+    if se > 0:
+        t = diff / se
+        p = float(2 * stats.t.sf(abs(t), dof))
+    else:  # identical differences: no spread to test against
+        t, p = (math.inf if diff else 0.0), (0.0 if diff else 1.0)
+    half = float(stats.t.ppf(0.5 + level / 2, dof) * se)
+    return {"test": test, "n_a": len(a), "n_b": len(b), "diff": float(diff), "se": float(se), "dof": float(dof),
+            "t": float(t), "p": p, "lo": float(diff - half), "hi": float(diff + half)}
+
+
+def describe(label: str, c: dict) -> str:
+    """One line: the difference in points with its 95% interval, the test and its p-value."""
+    p = f"{c['p']:.3f}" if c["p"] >= 1e-3 else f"{c['p']:.1e}"
+    return (f"{label}: {c['diff'] * 100:+.1f} points, 95% CI [{c['lo'] * 100:+.1f}, {c['hi'] * 100:+.1f}], "
+            f"{c['test']} t = {c['t']:.2f} (dof {c['dof']:.1f}), p = {p}, n = {c['n_a']} / {c['n_b']}")
+
+
+def _eta0(runs: list[dict], variant: str, measure: str) -> dict[int, float]:
+    """The eta 0 reference of an objective: its own eta 0 runs or decoupled's, whichever has more
+    seeds (at eta 0 every token is the trained version's, so the objectives coincide)."""
+    own, dec = _by_seed(runs, 0, variant, measure), _by_seed(runs, 0, "decoupled", measure)
+    return own if len(own) >= len(dec) else dec
+
+
+def verdicts(runs: list[dict], margin: float = 0.02, measure: str = "final") -> list[str]:
+    """The paper's claims (Table 2 of arXiv 2505.24298) tested on this regime, each comparison a
+    difference with its 95% interval and p-value (`compare`), and a verdict no stronger than those:
+
+    - per objective, each eta against eta 0;
+    - per eta, decoupled against each naive objective;
+    - "naive degrades with eta": its interval at the largest eta lies below 0;
+    - "decoupled holds": its interval at the largest eta lies above -margin.
+    Otherwise the claim is called inconclusive at these seeds, or refuted when the interval
+    excludes it (naive's above -margin: no degradation larger than the margin; decoupled's below
+    -margin).
     """
     out = []
-
-    def diff(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
-        se = np.sqrt((a.var(ddof=1) / len(a) if len(a) > 1 else 0) + (b.var(ddof=1) / len(b) if len(b) > 1 else 0))
-        return float(a.mean() - b.mean()), float(se)
-
-    base = _final(runs, 0, "decoupled")
     etas = sorted({r["eta"] for r in runs if r["variant"] != "sync"})
-    for variant in ("decoupled", "naive"):
-        if base is None:
-            break
+    present = [o for o in OBJECTIVES if any(r["variant"] == o for r in runs)]
+    tests: dict[tuple[str, int], dict] = {}
+    for variant in present:
         for eta in etas:
-            acc = _final(runs, eta, variant)
-            if eta == 0 or acc is None:
-                continue
-            d, se = diff(acc, base)
-            if variant == "decoupled" and eta == max(etas):
-                held = "stays" if d >= -margin else "does not stay"
-                out.append(f"decoupled PPO at eta {eta} {held} within {margin * 100:.0f} points of eta 0: "
-                           f"{d * 100:+.1f} ± {se * 100:.1f} points")
-            else:
-                out.append(f"{variant} at eta {eta} vs eta 0: {d * 100:+.1f} ± {se * 100:.1f} points")
+            c = compare(_by_seed(runs, eta, variant, measure), _eta0(runs, variant, measure)) if eta else None
+            if c is not None:
+                tests[(variant, eta)] = c
+                out.append(describe(f"{variant} at eta {eta} - eta 0 ({measure})", c))
     for eta in etas:
-        dec, nai = _final(runs, eta, "decoupled"), _final(runs, eta, "naive")
-        if eta and dec is not None and nai is not None:
-            d, se = diff(dec, nai)
-            out.append(f"eta {eta}: decoupled - naive = {d * 100:+.1f} ± {se * 100:.1f} points")
+        for naive in present[1:]:
+            if eta and present[0] == "decoupled":
+                c = compare(_by_seed(runs, eta, "decoupled", measure), _by_seed(runs, eta, naive, measure))
+                if c is not None:
+                    out.append(describe(f"eta {eta}: decoupled - {naive} ({measure})", c))
+    top = max(etas) if etas else 0
+    m = margin * 100
+    for naive in present[1:]:
+        c = tests.get((naive, top))
+        if c is None:
+            continue
+        if c["hi"] < 0:
+            out.append(f"{naive} degrades from eta 0 to eta {top} (interval below 0): the paper's claim holds here")
+        elif c["lo"] > -margin:
+            out.append(f"{naive} does not degrade by more than {m:.0f} points at eta {top} (interval above -{m:.0f}): "
+                       "the paper's claim is refuted here")
+        else:
+            out.append(f"{naive} at eta {top}: inconclusive at these seeds (the interval spans 0 and -{m:.0f} points)")
+    c = tests.get(("decoupled", top))
+    if c is not None:
+        if c["lo"] > -margin:
+            out.append(f"decoupled holds within {m:.0f} points at eta {top} (interval above -{m:.0f}): "
+                       "the paper's claim holds here")
+        elif c["hi"] < -margin:
+            out.append(f"decoupled loses more than {m:.0f} points at eta {top} (interval below -{m:.0f}): "
+                       "the paper's claim is refuted here")
+        else:
+            out.append(f"decoupled at eta {top}: inconclusive at these seeds (the interval reaches below -{m:.0f} "
+                       "points)")
     return out
 
 
@@ -152,28 +231,30 @@ def time_to_sync_accuracy(runs: list[dict]) -> list[str]:
 
 
 def plot(regimes: list[tuple[str, list[dict]]], path: pathlib.Path) -> None:
-    """One row per regime: decoupled runs by eta against steps, naive runs by eta against steps
-    (with eta 0, where both objectives are the same run, as the reference), and every decoupled
-    run against wall time; a synchronous baseline (black, dotted) in every panel it exists for."""
+    """One row per regime: per objective present, its runs by eta against steps (for the naive
+    ones with eta 0 of decoupled, the same objective when every token is the trained version's, as
+    the reference), and every decoupled run against wall time; a synchronous baseline (black,
+    dotted) in every panel it exists for."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(regimes), 3, figsize=(16, 4.2 * len(regimes)), squeeze=False,
-                             sharey="row")
+    present = [o for o in OBJECTIVES if any(r["variant"] == o for _, runs in regimes for r in runs)]
+    panels = [(o, "curve", f"{o.replace('_', ' ')} PPO", "RL step") for o in present]
+    panels.append(("decoupled", "curve_wall", "decoupled PPO", "RL wall time, s (2-vCPU host, one run at a time)"))
+    fig, axes = plt.subplots(len(regimes), len(panels), figsize=(5.4 * len(panels), 4.2 * len(regimes)),
+                             squeeze=False, sharey="row")
     colours = plt.get_cmap("viridis")
     all_etas = sorted({r["eta"] for _, runs in regimes for r in runs if r["variant"] != "sync"})
-    panels = (("decoupled", "curve", "decoupled PPO", "RL step"), ("naive", "curve", "naive PPO", "RL step"),
-              ("decoupled", "curve_wall", "decoupled PPO", "RL wall time, s (2-vCPU host, one run at a time)"))
     for row, (label, runs) in enumerate(regimes):
         for col, (objective, key, title, xlabel) in enumerate(panels):
             ax = axes[row][col]
             for eta, variant in configs(runs):
                 # eta 0: the decoupled runs stand for both objectives (the same run when every
                 # token is the trained version's: behavior = proximal).
-                reference = objective == "naive" and eta == 0 and variant == "decoupled"
-                if (variant not in (objective, "sync") and not reference) or (variant == "naive" and eta == 0):
+                reference = objective != "decoupled" and eta == 0 and variant == "decoupled"
+                if (variant not in (objective, "sync") and not reference) or (variant in OBJECTIVES[1:] and eta == 0):
                     continue
                 rs = select(runs, eta, variant)
                 x, mean, lo, hi = mean_curve(rs, key)
@@ -193,11 +274,30 @@ def plot(regimes: list[tuple[str, list[dict]]], path: pathlib.Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def cross_regime(regimes: dict[str, list[dict]], spec: str, measure: str = "final") -> str:
+    """`compare` of two configurations named "LABEL:ETA:OBJECTIVE,LABEL:ETA:OBJECTIVE" (first minus
+    second) in the regimes by label."""
+    sides = []
+    for part in spec.split(","):
+        label, _, rest = part.rpartition(":")
+        label, _, eta = label.rpartition(":")
+        if label not in regimes or not eta.isdigit():
+            raise SystemExit(f"--compare {spec!r}: {part!r} is not LABEL:ETA:OBJECTIVE of a --regime")
+        sides.append(_by_seed(regimes[label], int(eta), rest, measure))
+    if len(sides) != 2:
+        raise SystemExit(f"--compare {spec!r}: expected two configurations separated by a comma")
+    c = compare(*sides)
+    return describe(f"{spec.replace(',', ' - ')} ({measure})", c) if c else f"{spec}: fewer than 2 seeds on a side"
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--regime", action="append", required=True, metavar="LABEL=DIR",
                    help="a label and a staleness_ablation --out directory (repeatable)")
     p.add_argument("--png", default=None, help="where to write the plot")
+    p.add_argument("--compare", action="append", default=[], metavar="LABEL:ETA:OBJECTIVE,LABEL:ETA:OBJECTIVE",
+                   help="also test one configuration against another across regimes (e.g. a capped decoupled "
+                        "arm against the uncapped one), paired by seed where they share seeds (repeatable)")
     args = p.parse_args(argv)
     regimes = []
     for spec in args.regime:
@@ -207,8 +307,11 @@ def main(argv=None) -> None:
         regimes.append((label, load_regime(pathlib.Path(out))))
     for label, runs in regimes:
         print(f"\n### {label}\n\n{summary_table(runs)}\n")
-        for line in verdicts(runs) + time_to_sync_accuracy(runs):
+        for line in verdicts(runs) + verdicts(runs, measure="run_mean") + time_to_sync_accuracy(runs):
             print(f"- {line}")
+    by_label = dict(regimes)
+    for spec in args.compare:
+        print(f"- {cross_regime(by_label, spec)}")
     if args.png:
         plot(regimes, pathlib.Path(args.png))
         print(f"\nplot: {args.png}")

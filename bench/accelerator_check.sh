@@ -18,15 +18,23 @@
 #              as they are), from AREAL_WHEELS=DIR (pip --no-index --find-links DIR), else from the
 #              registry if reachable. With no such python, a fresh venv gets jax[cuda12] and the rest.
 #   probe      bench/accelerator_probe.py: decode tokens/s vs the HBM roofline, training MFU.
-#   tests      tests/test_generation.py + tests/test_train_step.py on the GPU.
+#   paged      bench/paged_check.py (issue 25): one layer's decode attention over lognormal lengths by
+#              the paged Pallas kernel, the jnp gather and the dense window (seconds per call, live KV
+#              bytes/s vs HBM); the engine's decode tokens/s with kv_layout "paged" vs "dense" on the
+#              same ragged workload; a training step's tokens/s and MFU with flash attention
+#              (PPOConfig.attention_impl "pallas") vs the jnp path. A part whose feature is not in the
+#              tree records why in paged_check.json's "errors" and the others still run.
+#   tests      tests/test_generation.py + tests/test_train_step.py + tests/test_paged_kernels.py (the
+#              Pallas paged kernel natively against the reference) on the GPU.
 #   quickstart the command launch/quickstart.sh execs (the script itself would build .venv from the
 #              registry), capped by the time left; summary.json and metrics.jsonl are copied to $OUT.
 #
-# $OUT gets at most 5 files (the device tool returns 8): accelerator_check.json (every step's status
-# and figures), accelerator_check.log, probe.json, quickstart_summary.json, quickstart_metrics.jsonl.
+# $OUT gets at most 6 files (the device tool returns 8): accelerator_check.json (every step's status
+# and figures), accelerator_check.log, probe.json, paged_check.json, quickstart_summary.json,
+# quickstart_metrics.jsonl.
 #
 # Environment: OUT, AREAL_WHEELS, AREAL_PYTHON; AREAL_CHECK_BUDGET_S (whole run, default 460),
-# AREAL_CHECK_STEPS (default "probe tests quickstart"; setup always runs); AREAL_CHECK_ALLOW_CPU=1 runs on a
+# AREAL_CHECK_STEPS (default "probe paged tests quickstart"; setup always runs); AREAL_CHECK_ALLOW_CPU=1 runs on a
 # machine without a GPU (probe --tiny: to try the script itself).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -90,7 +98,7 @@ exec > >(tee -a "$LOG") 2>&1
 TEE_PID=$!
 
 BUDGET_S="${AREAL_CHECK_BUDGET_S:-460}"
-STEPS="${AREAL_CHECK_STEPS:-probe tests quickstart}"
+STEPS="${AREAL_CHECK_STEPS:-probe paged tests quickstart}"
 START=$(date +%s)
 WORK="${TMPDIR:-/tmp}/areal_accelerator_check"
 SITE="$WORK/site"  # packages the chosen python lacks
@@ -214,7 +222,7 @@ if step_setup; then status=ok; else status=failed; fi
 record setup "$status" "$(( $(date +%s) - t0 ))" "$SETUP_NOTE"
 log "=== setup: $status: $SETUP_NOTE"
 if [ -z "$PY" ]; then
-  for s in probe tests quickstart; do record "$s" skipped 0 "no python with jax on a GPU"; done
+  for s in probe paged tests quickstart; do record "$s" skipped 0 "no python with jax on a GPU"; done
 else
   if [ "$PLATFORM" = gpu ]; then
     export JAX_PLATFORMS=cuda  # tests/conftest.py sets cpu only when JAX_PLATFORMS is unset
@@ -226,11 +234,13 @@ else
 
   run_step probe 200 "$PY" -m bench.accelerator_probe "${PROBE_ARGS[@]}" --out "$OUT/probe.json"
 
+  run_step paged 200 "$PY" -m bench.paged_check "${PROBE_ARGS[@]}" --out "$OUT/paged_check.json"
+
   # One GPU: the tests that build 2x2 meshes over jax.devices() need several devices. fp32 matmuls
   # at full precision, since the tests compare against fp32 references (GPUs default to TF32).
   # -v: a line per test, so a run cut by its timeout still shows which passed.
   JAX_DEFAULT_MATMUL_PRECISION=highest run_step tests 150 "$PY" -m pytest -v -p no:cacheprovider \
-    tests/test_generation.py tests/test_train_step.py \
+    tests/test_generation.py tests/test_train_step.py tests/test_paged_kernels.py \
     -k "not sharded_step_matches_single_device and not generation_mesh_of_its_weights"
 
   RUN_DIR="${RUN_DIR:-$WORK/quickstart}"
@@ -271,6 +281,7 @@ metrics = (out / "quickstart_metrics.jsonl")
 result = {
     "total_seconds": int(total), "python": py, "platform": platform, "steps": steps,
     "probe": load("probe.json"),
+    "paged": load("paged_check.json"),
     "tests": {"summary": closing[-1] if closing else None, "failed": failed,
               "counts": {o: list(outcomes.values()).count(o) for o in sorted(set(outcomes.values()))}},
     "quickstart": {"summary": load("quickstart_summary.json"),
@@ -289,6 +300,20 @@ if "train" in p:
     print(f"  train       {t['tokens_per_s']:.0f} tokens/s, MFU {t['mfu']:.1%} (peak {t['peak_flops']:.3g} FLOP/s)")
 if p.get("errors"):
     print(f"  probe errors: {p['errors']}")
+g = result["paged"] or {}
+if "kernel" in g:
+    k = g["kernel"]
+    print(f"  paged kern  {k['kernel']}: {k['paged_s'] * 1e6:.0f} us vs dense window {k['dense_s'] * 1e6:.0f} us "
+          f"({k['paged_speedup_over_dense']:.2f}x), live KV at {k['paged_live_fraction_of_hbm']:.1%} of HBM")
+if "engine" in g:
+    e = g["engine"]
+    print(f"  paged eng.  decode {e['paged']['decode_tokens_per_s']:.0f} vs dense {e['dense']['decode_tokens_per_s']:.0f} "
+          f"tokens/s ({e['paged_over_dense_decode']:.2f}x; wall {e['paged_over_dense_wall']:.2f}x)")
+if "train" in g:
+    t = g["train"]
+    print(f"  flash train MFU {t['pallas']['mfu']:.1%} vs {t['reference']['mfu']:.1%} without ({t['flash_speedup']:.2f}x)")
+if g.get("errors"):
+    print(f"  paged errors: {g['errors']}")
 tests = result["tests"]
 shown = tests["summary"] or (f"cut short after {tests['counts']}" if tests["counts"] else "not run")
 print(f"  tests       {shown}; failed: {failed or 'none'}")

@@ -228,18 +228,24 @@ def main(argv: list[str] | None = None) -> dict:
                                        args.hbm_bandwidth, figures["decode_weight_bytes_bf16"]),
         "train": lambda: probe_train(cfg, params32, p, args.peak_flops, figures["flop_params"]),
     }
+    return run_parts(result, parts, args.skip, args.out, tag="probe")
+
+
+def run_parts(result: dict, parts: dict, skip, out: str | None, *, tag: str) -> dict:
+    """Runs each part not in `skip` into result[name] (its failure into result["errors"][name]),
+    then prints the result as one JSON line and writes it to `out` when given."""
     for name, fn in parts.items():
-        if name in args.skip:
+        if name in skip:
             continue
         t0 = time.perf_counter()
         try:
             result[name] = {**fn(), "elapsed_s": time.perf_counter() - t0}
         except Exception as e:  # noqa: BLE001 - recorded, and the exit code says so
             result["errors"][name] = f"{type(e).__name__}: {e}"[:2000]
-        print(f"[probe] {name}: {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+        print(f"[{tag}] {name}: {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
     text = json.dumps(result, default=float)
-    if args.out:
-        with open(args.out, "w") as f:
+    if out:
+        with open(out, "w") as f:
             f.write(text + "\n")
     print(text, flush=True)
     return result

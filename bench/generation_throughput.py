@@ -10,8 +10,11 @@
    the next batch only when the whole previous batch has finished.
 3. Per batch size, the engine's decode step: achieved FLOP/s and bytes/s against this machine's
    measured ceilings.
+4. With --layouts: only the KV cache layouts on the long-tail workload (continuous batching),
+   alternating over --rounds: the dense cache, the paged cache at the same slots and memory, and
+   the paged cache with 2x the slots in the same memory (admission by pages, preemption counted).
 
-Usage: .venv/bin/python -m bench.generation_throughput [--batches 16,64 --new 64]
+Usage: .venv/bin/python -m bench.generation_throughput [--batches 16,64 --new 64] [--layouts]
 """
 
 import argparse
@@ -27,11 +30,12 @@ from areal_jax.models import load_pretrained
 from bench.common import machine, measured_ceilings, qwen2_bench_config, torch_side
 
 
-def warm_engine(model, prompts, *, slots, max_seq_len, chunk) -> GenerationEngine:
+def warm_engine(model, prompts, *, slots, max_seq_len, chunk, **config) -> GenerationEngine:
     """An engine with every program the timed workloads use compiled: prefill at each row count a
     refill may use, and decode over every cache window (a sample running to the end of the cache
-    passes through all of them)."""
-    engine = GenerationEngine(model, EngineConfig(num_slots=slots, max_seq_len=max_seq_len, decode_chunk=chunk))
+    passes through all of them). `config`: more EngineConfig fields."""
+    engine = GenerationEngine(model, EngineConfig(num_slots=slots, max_seq_len=max_seq_len, decode_chunk=chunk,
+                                                  **config))
     warm = [engine.submit(prompts[0], SamplingParams(max_new_tokens=max_seq_len - len(prompts[0]) - 1,
                                                      temperature=0.0))]
     engine.run_until_idle()
@@ -70,10 +74,45 @@ def time_engine(engine, prompts, lengths, *, static, repeats=1):
     return generated / wall, after
 
 
-def run_engine(model, prompts, lengths, *, slots, max_seq_len, chunk, static, repeats=1):
+def run_engine(model, prompts, lengths, *, slots, max_seq_len, chunk, static, repeats=1, **config):
     """`time_engine` on a freshly warmed engine."""
-    engine = warm_engine(model, prompts, slots=slots, max_seq_len=max_seq_len, chunk=chunk)
+    engine = warm_engine(model, prompts, slots=slots, max_seq_len=max_seq_len, chunk=chunk, **config)
     return time_engine(engine, prompts, lengths, static=static, repeats=repeats)
+
+
+def tail_workload(requests: int, vocab: int) -> tuple[np.ndarray, list[list[int]], int]:
+    """Long-tailed lengths (log-normal, clipped to [4, 512]), 16-token prompts and the max_seq_len
+    that holds them; their own generator, so the workload does not depend on what ran before."""
+    rng = np.random.default_rng(1)
+    lengths = np.clip(rng.lognormal(mean=np.log(24), sigma=1.0, size=requests), 4, 512).astype(int)
+    prompts = [rng.integers(0, vocab, size=16).tolist() for _ in range(requests)]
+    return lengths, prompts, 16 + int(lengths.max()) + 16
+
+
+def compare_layouts(model, args) -> None:
+    """[4]: dense vs paged KV cache on the long-tail workload, alternating over rounds."""
+    lengths, prompts, max_seq_len = tail_workload(args.requests, model.config.vocab_size)
+    slots, chunk = args.tail_slots, args.tail_chunk
+    pages_per_seq = -(-max_seq_len // args.page_size)
+    setups = {
+        "dense": dict(slots=slots, kv_layout="dense"),
+        f"paged (page {args.page_size})": dict(slots=slots, kv_layout="paged", page_size=args.page_size),
+        f"paged, {2 * slots} slots, same memory": dict(slots=2 * slots, kv_layout="paged", page_size=args.page_size,
+                                                      kv_pool_pages=slots * pages_per_seq),
+    }
+    engines = {name: warm_engine(model, prompts, max_seq_len=max_seq_len, chunk=chunk, **kw)
+               for name, kw in setups.items()}
+    results = {name: [] for name in setups}
+    for _ in range(args.rounds):
+        for name, engine in engines.items():
+            results[name].append(time_engine(engine, prompts, lengths.tolist(), static=False))
+    print(f"[4] KV cache layouts: {args.requests} requests, lengths log-normal (mean {lengths.mean():.1f}, max "
+          f"{lengths.max()}), max_seq_len {max_seq_len}, decode chunk {chunk}; continuous batching, tokens/s")
+    for name, runs in results.items():
+        tps = [t for t, _ in runs]
+        stats = runs[-1][1]
+        print(f"    {name:32s}: median {statistics.median(tps):7.0f} ({', '.join(f'{t:.0f}' for t in tps)}); "
+              f"occupancy {stats.slot_occupancy:.1f}, preempted {engines[name].stats().preempted_samples}")
 
 
 def decode_step_traffic(cfg, batch: int, max_seq_len: int) -> tuple[float, float]:
@@ -100,7 +139,16 @@ def main():
                     help="timed repetitions of each fixed-length batch per round, both sides")
     ap.add_argument("--rounds", type=int, default=3, help="alternations of the two sides per batch size")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--layouts", action="store_true", help="only [4]: dense vs paged KV cache")
+    ap.add_argument("--page-size", type=int, default=EngineConfig.page_size)
     args = ap.parse_args()
+    if args.layouts:
+        print(f"machine: {machine()}; load average at start: {os.getloadavg()[0]:.2f}")
+        with tempfile.TemporaryDirectory() as d:
+            torch_side("make_model", out=d, config=qwen2_bench_config(layers=4, hidden=256))
+            compare_layouts(load_pretrained(d), args)
+        print(f"load average at end: {os.getloadavg()[0]:.2f}")
+        return
     batches = [int(b) for b in args.batches.split(",")]
     hf = qwen2_bench_config(layers=4, hidden=256)
     rng = np.random.default_rng(0)
@@ -122,12 +170,7 @@ def main():
             del engine
             rows.append((batch, rounds))
 
-        # Long-tailed lengths: log-normal, clipped to [4, 512]; their own generator, so the workload
-        # does not depend on which batch sizes ran before it.
-        rng = np.random.default_rng(1)
-        lengths = np.clip(rng.lognormal(mean=np.log(24), sigma=1.0, size=args.requests), 4, 512).astype(int)
-        tail_prompts = [rng.integers(0, hf["vocab_size"], size=16).tolist() for _ in range(args.requests)]
-        tail_len = 16 + int(lengths.max()) + 16
+        lengths, tail_prompts, tail_len = tail_workload(args.requests, hf["vocab_size"])
         cont_tps, cont_stats = run_engine(model, tail_prompts, lengths.tolist(), slots=args.tail_slots,
                                           max_seq_len=tail_len, chunk=args.tail_chunk, static=False)
         stat_tps, stat_stats = run_engine(model, tail_prompts, lengths.tolist(), slots=args.tail_slots,

@@ -3,8 +3,17 @@ shipped real-model config, each swept over the generation/training split and eta
 synchronous colocated baseline. Costs: the analytic roofline of each target (nothing compiled).
 
     .venv/bin/python -m bench.simulate_scale [--only paper|configs] [--steps 10] [--json OUT]
+        [--paged] [--splits 6,7] [--etas 4,8] [--match TEXT]
 
 Prints one markdown table per scenario (the best async row first) and a summary line per scenario.
+
+--paged: the engine pages its KV cache (issue 25): each generation replica's pool holds the bytes
+its dense cache held (slots x max_seq_len tokens), a decode step reads the weights and the live
+tokens, and admission is by free pages. The paper's engines then get 512 slots per GPU (slots are
+cheap: a page-table row each) and groups in flight are bounded by eta alone (max_concurrent =
+(eta_max + 1) x the local batch), not sized by hand; the shipped configs keep their slots.
+--splits / --etas: restrict the sweeps (the defaults: each scenario's own); --match: only the
+scenarios whose name contains TEXT.
 """
 
 from __future__ import annotations
@@ -49,8 +58,34 @@ CONFIGS = {  # config -> splits (generation devices per host) its replicas allow
 ETAS = (1, 2, 4, 8)
 
 
+PAGED_SLOTS_PER_GPU = 512
+
+
+def paged_pool(workload):
+    """The dense cache's tokens per replica (slots x max_seq_len) as a paged pool of 16-token pages."""
+    import dataclasses
+
+    replicas = workload.generation_replicas(workload.config_generation_devices)
+    tokens = workload.engine.num_slots // replicas * workload.engine.max_seq_len
+    return dataclasses.replace(workload, kv_pool_pages=tokens // 16, page_size=16, block_tokens=128)
+
+
+def paged_paper(params: list[str], slots_per_replica: int, etas) -> tuple[list[str], callable]:
+    """The paper setting's bindings with the paged engine: the pool of the dense engine's slots,
+    PAGED_SLOTS_PER_GPU slots per GPU, max_concurrent bounded by eta alone."""
+    import dataclasses
+
+    pool_pages = slots_per_replica * int(next(p for p in params if "max_seq_len" in p).split("=")[1]) // 16
+    kept = [p for p in params if not p.startswith(("EngineConfig.num_slots", "RLConfig.max_concurrent"))]
+    gpus = int(next(p for p in PAPER_BASE if "num_generation_devices_per_host" in p).split("=")[1])
+    batch = int(next(p for p in PAPER_BASE if "batch_size" in p).split("=")[1])
+    kept += [f"EngineConfig.num_slots = {PAGED_SLOTS_PER_GPU * gpus}",
+             f"RLConfig.max_concurrent = {(max(etas) + 1) * batch}"]
+    return kept, lambda wl: dataclasses.replace(wl, kv_pool_pages=pool_pages, page_size=16, block_tokens=128)
+
+
 def run(gin_file: str, params: list[str], *, target: str | None, splits, length_dist: str | None, steps: int,
-        etas=ETAS):
+        etas=ETAS, adjust=None):
     import argparse as ap
 
     p = ap.ArgumentParser()
@@ -64,7 +99,7 @@ def run(gin_file: str, params: list[str], *, target: str | None, splits, length_
         argv += ["--target", target]
     if length_dist:
         argv += ["--length-dist", length_dist]
-    return simulate_rows(p.parse_args(argv))
+    return simulate_rows(p.parse_args(argv), adjust_workload=adjust)
 
 
 def table(name: str, report: dict) -> str:
@@ -89,20 +124,37 @@ def main():
     ap.add_argument("--only", choices=("paper", "configs"), default=None)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--paged", action="store_true", help="the paged engine (see the module docstring)")
+    ap.add_argument("--splits", default=None, help="comma-separated generation devices per host to sweep")
+    ap.add_argument("--etas", default=None, help="comma-separated etas to sweep")
+    ap.add_argument("--match", default="", help="only the scenarios whose name contains this text")
     args = ap.parse_args()
+    ints = lambda text: tuple(int(x) for x in text.split(","))  # noqa: E731
     out = {}
     if args.only in (None, "paper"):
         for name, (params, dist) in PAPER.items():
             for nodes in PAPER_NODES:
                 t0 = time.time()
-                key = f"paper {name}, {nodes} x 8 H800 (H100 figures)"
-                out[key] = run("configs/qwen2_5_7b_math_gpu.gin", params, target=f"{nodes}x8xh100",
-                               splits=(6, 7), length_dist=dist, steps=args.steps, etas=(2, 4, 8))
+                key = f"paper {name}, {nodes} x 8 H800 (H100 figures)" + (", paged" if args.paged else "")
+                if args.match not in key:
+                    continue
+                etas = ints(args.etas) if args.etas else (2, 4, 8)
+                bindings, adjust = params, None
+                if args.paged:
+                    slots = int(next(p for p in params if p.startswith("EngineConfig.num_slots")).split("=")[1]) // 6
+                    bindings, adjust = paged_paper(params, slots, etas)
+                out[key] = run("configs/qwen2_5_7b_math_gpu.gin", bindings, target=f"{nodes}x8xh100",
+                               splits=ints(args.splits) if args.splits else (6, 7), length_dist=dist,
+                               steps=args.steps, etas=etas, adjust=adjust)
                 print(table(key, out[key]), f"\n[{time.time() - t0:.0f} s]\n", flush=True)
     if args.only in (None, "configs"):
         for gin_file, splits in CONFIGS.items():
+            if args.match not in gin_file:
+                continue
             t0 = time.time()
-            out[gin_file] = run(gin_file, [], target=None, splits=splits, length_dist=None, steps=args.steps)
+            out[gin_file] = run(gin_file, [], target=None, splits=ints(args.splits) if args.splits else splits,
+                                length_dist=None, steps=args.steps, etas=ints(args.etas) if args.etas else ETAS,
+                                adjust=paged_pool if args.paged else None)
             print(table(f"`{gin_file}`", out[gin_file]), f"\n[{time.time() - t0:.0f} s]\n", flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Creates (or refreshes) the project's virtual environments; safe to run repeatedly.
-#   .venv      Python >= 3.12 with areal_jax installed editable (what users and tests run)
+#   .venv      Python >= 3.12 with areal_jax installed editable (what users and tests run): the base
+#              package, plus the [test] extra (libtpu, the CUDA plugin, pytest, wandb, datasets) when
+#              AREAL_TEST_EXTRAS=1 (launch/test.sh sets it). A venv holding more extras is kept.
 #   .venv-ref  Python 3.11 with torch (CPU) + transformers: the reference implementation the
 #              parity tests compare against. Built only when asked (AREAL_WITH_REFERENCE=1).
 # AREAL_EXTRAS=cuda (or tpu) installs jax for that accelerator into .venv as well.
@@ -38,19 +40,40 @@ _find_python() {  # _find_python MAJOR MINOR EXACT(0|1): prints an interpreter p
   return 1
 }
 
-_stamp() { { cat "$ROOT/pyproject.toml" "$ROOT/launch/env.sh"; echo "${AREAL_EXTRAS:-}"; } | sha256sum | cut -c1-16; }
+_stamp() { cat "$ROOT/pyproject.toml" "$ROOT/launch/env.sh" | sha256sum | cut -c1-16; }
+
+_wanted_extras() {  # the extras this call needs, comma-separated (may be empty)
+  local extras="${AREAL_EXTRAS:-}"
+  [ "${AREAL_TEST_EXTRAS:-0}" = 1 ] && extras="test${extras:+,$extras}"
+  echo "$extras"
+}
+
+_venv_is_current() {  # _venv_is_current STAMPFILE HASH EXTRAS: same sources, every wanted extra installed
+  [ -f "$1" ] && [ "$(sed -n 1p "$1")" = "$2" ] || return 1
+  local have extra
+  have=",$(sed -n 2p "$1"),"
+  for extra in ${3//,/ }; do
+    case "$have" in *",$extra,"*) ;; *) return 1 ;; esac
+  done
+}
 
 _ensure_main_venv() {
-  local venv="$ROOT/.venv" stamp
+  local venv="$ROOT/.venv" stamp extras have
   stamp="$(_stamp)"
-  if [ -f "$venv/.areal_stamp" ] && [ "$(cat "$venv/.areal_stamp")" = "$stamp" ]; then return 0; fi
+  extras="$(_wanted_extras)"
+  if _venv_is_current "$venv/.areal_stamp" "$stamp" "$extras"; then return 0; fi
+  # Extras installed before (same sources) stay: the quickstart after the tests keeps [test].
+  if [ -f "$venv/.areal_stamp" ] && [ "$(sed -n 1p "$venv/.areal_stamp")" = "$stamp" ]; then
+    have="$(sed -n 2p "$venv/.areal_stamp")"
+    extras="$(echo "${have:+$have,}$extras" | tr ',' '\n' | sed '/^$/d' | sort -u | paste -sd, -)"
+  fi
   local py
   py="$(_find_python 3 12 0)" || { echo "error: no Python >= 3.12 found (TPU VM images ship 3.10): run \`pip install uv && uv python install 3.12\` (found automatically), or set AREAL_PYTHON=/path/to/python3.12" >&2; return 1; }
   echo "[env] building .venv with $py" >&2
   [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-  "$venv/bin/python" -m pip install -q -e "$ROOT[test${AREAL_EXTRAS:+,$AREAL_EXTRAS}]" >&2
-  echo "$stamp" > "$venv/.areal_stamp"
+  "$venv/bin/python" -m pip install -q -e "$ROOT${extras:+[$extras]}" >&2
+  printf '%s\n%s\n' "$stamp" "$extras" > "$venv/.areal_stamp"
 }
 
 _ensure_reference_venv() {

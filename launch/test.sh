@@ -6,7 +6,9 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-export AREAL_WITH_REFERENCE=1 AREAL_REQUIRE_REFERENCE=1
+# The tests need the [test] extra (libtpu and the CUDA plugin for plan's tests, pytest, wandb,
+# datasets); the quickstart installs the base package only.
+export AREAL_WITH_REFERENCE=1 AREAL_REQUIRE_REFERENCE=1 AREAL_TEST_EXTRAS=1
 # shellcheck disable=SC1091
 source launch/env.sh
 set -euo pipefail

@@ -93,3 +93,42 @@ def hang_sometimes(text, gold):
 
 # Importing this module kills the importing process: a preload that crashes every worker.
 CRASH_ON_IMPORT = "tests.reward_fixtures_crash_on_import"
+
+
+def fork_child_and_daemon(pid_file, hang_s=0.0):
+    """Starts a child that sleeps and a double-forked `setsid` daemon (it leaves the worker's session
+    and its parent), writes "child daemon" pids to `pid_file`, then returns 1.0 after `hang_s`."""
+    child = os.fork()
+    if child == 0:
+        time.sleep(600)
+        os._exit(0)
+    r, w = os.pipe()
+    first = os.fork()
+    if first == 0:
+        os.setsid()
+        if os.fork():
+            os._exit(0)
+        os.write(w, str(os.getpid()).encode())
+        time.sleep(600)
+        os._exit(0)
+    os.waitpid(first, 0)
+    daemon = int(os.read(r, 64))
+    with open(pid_file, "a") as f:
+        f.write(f"{child} {daemon}\n")
+    time.sleep(hang_s)
+    return 1.0
+
+
+def forking_reward(text, gold):
+    """For `train`: the arithmetic reward, after leaving a child and a daemon behind (pids appended
+    to $AREAL_TEST_PID_FILE)."""
+    from areal_jax.tasks.reward import arithmetic_reward
+
+    fork_child_and_daemon(os.environ["AREAL_TEST_PID_FILE"])
+    return arithmetic_reward(text, gold)
+
+
+def hog_memory(mb):
+    """Holds `mb` MiB, touched, then returns 1.0."""
+    blocks = [bytearray(1 << 20) for _ in range(mb)]
+    return float(len(blocks) > 0)

@@ -8,6 +8,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 from bench.accelerator_probe import REQUIRED
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -36,3 +38,20 @@ def test_tiny_probe_reports_every_figure(tmp_path):
     t = result["train"]
     assert math.isclose(t["mfu"], 6 * result["model"]["flop_params"] * t["tokens_per_s"] / t["peak_flops"])
     assert t["tokens_per_step"] == t["padded_tokens_per_step"]  # full-length rows: no padding
+
+
+@pytest.mark.slow
+def test_tiny_paged_check_reports_the_kernel_figures(tmp_path):
+    # The engine and train parts need the paged engine and flash attention's config field; the
+    # kernel part runs the Pallas GPU kernel interpreted.
+    out = tmp_path / "paged.json"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"}
+    proc = subprocess.run([sys.executable, "-m", "bench.paged_check", "--tiny", "--skip", "engine", "--skip", "train",
+                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    k = json.loads(out.read_text())["kernel"]
+    assert k["kernel"] == "pallas_triton_paged" and k["interpret"] is True
+    for key in ("paged_s", "reference_s", "dense_s", "live_kv_bytes", "dense_window_bytes"):
+        assert math.isfinite(k[key]) and k[key] > 0, key
+    assert k["live_kv_bytes"] < k["dense_window_bytes"]  # ragged lengths: the window reads more than is live
+    assert math.isclose(k["paged_speedup_over_dense"], k["dense_s"] / k["paged_s"])

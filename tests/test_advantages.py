@@ -346,3 +346,80 @@ def test_bad_inputs():
         kl_estimate(np.zeros(2), np.zeros(2), "k5")
     with pytest.raises(ValueError, match="shape"):
         kl_estimate(np.zeros(2), np.zeros(3))
+
+
+# --------------------------------------------------------------------------- across processes
+# Run as a script, this file is one process of the 2-process test below.
+
+MP_GROUPS = {0: (30, 3), 1: (31, 5)}  # process -> (seed, prompt groups): unequal shares of the batch
+MP_NORMS = ("batch", "group_then_batch")
+
+
+def random_groups(seed, n_groups):
+    """Trajectory groups of 4 with random lengths, rewards in {-5, 5, 1} and some truncations."""
+    from areal_jax.rollout.types import Trajectory, TrajectoryGroup
+
+    rng = np.random.default_rng(seed)
+    groups = []
+    for g in range(n_groups):
+        trajs = []
+        for _ in range(4):
+            c = int(rng.integers(1, 12))
+            trajs.append(Trajectory(rng.integers(0, 50, 3), rng.integers(0, 50, c), np.zeros(c, np.float32),
+                                    np.zeros(c, np.int32), float(rng.choice([-5.0, 5.0, 1.0])),
+                                    stop_reason=str(rng.choice(["stop", "length"]))))
+        groups.append(TrajectoryGroup(f"p{seed}-{g}", tuple(trajs), 0))
+    return groups
+
+
+def mp_config(norm):
+    return AdvantageConfig(norm=norm, reward_clip=4.0, mask_no_eos_with_zero=True)
+
+
+@pytest.mark.slow  # two JAX processes start and gather (about 20 s)
+def test_two_processes_normalise_over_the_global_batch(tmp_path):
+    # Each process holds its own groups; with the cross-process sum its advantages equal those of
+    # one process normalising the whole batch, and differ from normalising its own share alone.
+    from areal_jax.trainer.batching import build_sequences
+    from tests.multiprocess import run_processes
+
+    results = run_processes(__file__, lambda i: (tmp_path,), tmp_path, devices_per_process=1)
+    shares = [random_groups(*MP_GROUPS[i]) for i in range(2)]
+    for norm in MP_NORMS:
+        whole = build_sequences(shares[0] + shares[1], mp_config(norm))
+        start = 0
+        for i, result in enumerate(results):
+            alone = build_sequences(shares[i], mp_config(norm))
+            got = result[norm]
+            assert len(got) == len(alone)
+            for k, adv in enumerate(got):
+                np.testing.assert_allclose(np.asarray(adv, np.float32), whole[start + k]["advantages"], rtol=1e-6,
+                                           atol=1e-7, err_msg=f"{norm}, process {i}, sequence {k}")
+            assert not all(np.allclose(np.asarray(a, np.float32), s["advantages"]) for a, s in zip(got, alone))
+            start += len(got)
+    # The float64 sum (float32 would give 0.3000000119 and 1.0) reaches both processes bit for bit.
+    assert results[0]["sum"] == results[1]["sum"] == [0.1 + 0.2, 1e-10 + 1.0]
+
+
+def _worker(port: str, process_id: int, out_dir: str) -> None:
+    """One process of test_two_processes_normalise_over_the_global_batch."""
+    import json
+    import pathlib
+
+    from areal_jax.parallel import agree_sum_array, initialize_distributed
+    from areal_jax.trainer.batching import build_sequences
+
+    assert initialize_distributed(f"127.0.0.1:{port}", 2, process_id)
+    groups = random_groups(*MP_GROUPS[process_id])
+    result = {norm: [s["advantages"].tolist() for s in build_sequences(groups, mp_config(norm),
+                                                                          reduce_sum=agree_sum_array)]
+              for norm in MP_NORMS}
+    mine = np.array([[0.1, 1e-10], [0.2, 1.0]][process_id])
+    result["sum"] = agree_sum_array(mine).tolist()
+    pathlib.Path(out_dir, f"result_{process_id}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    import sys
+
+    _worker(sys.argv[1], int(sys.argv[2]), sys.argv[3])

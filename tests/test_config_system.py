@@ -82,11 +82,29 @@ def _load(*params, num_processes=None):
 
 def test_the_quickstart_passes_every_cross_field_check():
     cfg = _load(num_processes=1)
-    assert cfg.rollout.temperature == cfg.ppo.temperature
+    assert cfg.rollout.temperature == cfg.ppo.temperature == 0.7
+
+
+def test_the_training_temperature_is_the_sampling_temperature():
+    assert _load("RLVRConfig.temperature = 1.3").ppo.temperature == 1.3
+    with pytest.raises(cs.ConfigError, match=r"PPOConfig.temperature \(1.0\) is derived from RLVRConfig.temperature "
+                                             r"\(0.7\)"):
+        _load("PPOConfig.temperature = 1.0")
+    assert _load("PPOConfig.temperature = 0.7").ppo.temperature == 0.7  # an older file binding both alike
+
+
+def test_the_completion_budget_is_set_once():
+    # Held-out checks sample as long as the rollouts; the engine's length follows prompt + completion.
+    from areal_jax.jobs.configs import load_job_configs
+
+    cfg = load_job_configs([], ["RLVRConfig.max_new_tokens = 40", "EngineConfig.max_prompt_len = 30"], run_dir="x")
+    assert cfg.rl.eval_max_new_tokens == 40 and cfg.engine.max_seq_len == 70 and cfg.engine.max_prompt_len == 30
+    cfg = load_job_configs([], ["RLVRConfig.max_new_tokens = 40", "EngineConfig.max_prompt_len = 30",
+                                "EngineConfig.max_seq_len = 100", "RLConfig.eval_max_new_tokens = 8"], run_dir="x")
+    assert cfg.engine.max_seq_len == 100 and cfg.rl.eval_max_new_tokens == 8  # explicit values stay
 
 
 @pytest.mark.parametrize("params,fields", [
-    (["RLVRConfig.temperature = 1.0"], [r"RLVRConfig\.temperature \(1\.0\)", r"PPOConfig\.temperature \(0\.7\)"]),
     (["PPOConfig.max_tokens_per_microbatch = 64"],
      [r"PPOConfig\.max_tokens_per_microbatch \(64\)", r"EngineConfig\.max_seq_len 96", "RLVRConfig.max_new_tokens"]),
     (["RLConfig.batch_size = 1", "RLVRConfig.n_samples = 2", "PPOConfig.num_minibatches = 3"],
@@ -100,8 +118,8 @@ def test_cross_field_mistakes_name_both_fields(params, fields):
 
 
 def test_rl_checks_are_skipped_without_the_rl_stage():
-    cfg = _load("Stages.rl = False", "RLVRConfig.temperature = 1.0")
-    assert cfg.rollout.temperature != cfg.ppo.temperature
+    cfg = _load("Stages.rl = False", "PPOConfig.max_tokens_per_microbatch = 64")
+    assert cfg.ppo.max_tokens_per_microbatch == 64
 
 
 def test_the_longest_sample_is_bounded_by_prompt_limit_plus_new_tokens():

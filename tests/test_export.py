@@ -122,3 +122,48 @@ def test_bad_input_is_one_line_naming_the_flag_and_path(run_dir, tmp_path, capsy
     # --overwrite replaces the directory whole.
     assert main(["export", f"--checkpoint={ckpts}", f"--out={full}", "--overwrite"]) == 0
     assert not (full / "keep.txt").exists() and (full / "model.safetensors").is_file()
+
+
+def test_a_broken_step_or_run_is_one_line_naming_what_is_wrong(run_dir, tmp_path, capsys):
+    import shutil
+
+    def broken(name: str, breaks) -> pathlib.Path:
+        copy = tmp_path / name
+        shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("final_model", "tensorboard"))
+        breaks(copy / "checkpoints" / "2")
+        return copy
+
+    def truncate(step: pathlib.Path) -> None:
+        data = max((p for p in (step / "state").rglob("*") if p.is_file() and "/d/" in str(p)),
+                   key=lambda p: p.stat().st_size)
+        with open(data, "r+b") as f:
+            f.truncate(data.stat().st_size // 2)
+
+    cases = [("no_metadata", lambda step: (step / "state" / "_METADATA").unlink(), "state/_METADATA is missing"),
+             ("truncated", truncate, "is truncated")]
+    for name, breaks, phrase in cases:
+        copy = broken(name, breaks)
+        out = tmp_path / f"out_{name}"
+        assert main(["export", f"--checkpoint={copy / 'checkpoints'}", f"--out={out}"]) == 2
+        line = _error_line(capsys)
+        assert "--checkpoint" in line and "step 2" in line and phrase in line, line
+        assert not out.exists()
+    copy = broken("no_architectures", lambda step: None)
+    config = json.loads((copy / "model_config.json").read_text())
+    del config["architectures"], config["model_type"]  # without architectures, model_type alone would do
+    (copy / "model_config.json").write_text(json.dumps(config))
+    assert main(["export", f"--checkpoint={copy / 'checkpoints'}", f"--out={tmp_path / 'o'}"]) == 2
+    line = _error_line(capsys)
+    assert "model_config.json" in line and "architecture" in line, line
+
+
+def test_gs_without_gcsfs_is_one_line(tmp_path, capsys, monkeypatch):
+    import fsspec
+
+    def no_gcs(scheme):
+        raise ImportError("Install gcsfs to access Google Storage")
+
+    monkeypatch.setattr(fsspec, "get_filesystem_class", no_gcs)
+    assert main(["export", "--checkpoint=gs://bkt/run/checkpoints", f"--out={tmp_path / 'o'}"]) == 2
+    line = _error_line(capsys)
+    assert "--checkpoint = gs://bkt/run/checkpoints" in line and "areal-jax[gcs]" in line

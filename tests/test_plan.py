@@ -91,7 +91,17 @@ def test_plan_json_names_every_role_and_fits_a_small_model(small_plan):
         assert p["peak_bytes_per_device"] == p["program_bytes"] + p["resident_bytes"]
     decode = next(p for p in plan["programs"] if p["name"].startswith("generation/decode"))
     assert decode["flops"] > 0 and decode["roofline_s"] > 0
+    # Each program names the attention compiled into it; nothing was refused before compiling.
+    attention = {p["name"].split("[")[0]: p["attention"] for p in plan["programs"]}
+    assert attention["train/update"] == "none" and attention["train/grad"] != "none"
+    assert attention["generation/decode"] in ("reference", "pallas_triton_paged")
+    assert not any(p["refused"] for p in plan["programs"])
     assert plan["prediction"]["generation_tokens_per_s"] > 0 and plan["prediction"]["bound"] in ("generation", "training")
+    # The run's hours at the predicted step: RLConfig.steps (its default, 20) on the node's 8 devices.
+    run = plan["run"]
+    assert run["steps"] == 20 and run["devices"] == 8 and run["step_s"] == plan["prediction"]["step_s"]
+    assert run["wall_hours"] == pytest.approx(run["step_s"] * 20 / 3600)
+    assert run["device_hours"] == pytest.approx(run["wall_hours"] * 8)
 
 
 @needs_gpu_compiler
@@ -122,6 +132,8 @@ def test_a_micro_batch_that_cannot_fit_fails_naming_the_program_and_fields(tmp_p
     out = _plan(tmp_path, gin, "--target=8xh100", "--only=train/grad", check=False)
     assert out.returncode == 1, out.stderr[-2000:]
     assert "DOES NOT FIT" in out.stdout and "train/grad" in out.stdout
+    # Terabytes of logits by the hand estimate: refused without the (long) compile, and said so.
+    assert "refused before compiling" in out.stdout and "PPOConfig.max_tokens_per_microbatch" in out.stdout
     assert "PPOConfig.max_tokens_per_microbatch" in out.stdout
 
 
@@ -190,3 +202,21 @@ def test_a_compiler_that_refuses_a_program_for_memory_is_a_verdict_not_a_crash()
                         "required for HLO temporaries (104.31G) exceeds available HBM (95.73G). HLO module: jit_decode.")
     assert compile_time_oom_bytes(said) == int(104.31 * 2**30)
     assert compile_time_oom_bytes(RuntimeError("INTERNAL: something else")) is None
+
+
+def test_paged_decode_figures_read_the_weights_and_the_live_tokens():
+    from areal_jax.plan.planner import paged_decode_figures
+
+    common = dict(mean_prompt=300.0, mean_completion=5000.0, page_size=16, decode_chunk=16, block_tokens=128,
+                  weight_bytes=3e9, kv_bytes_per_token=28672.0)
+    # A pool of the dense cache's size (128 slots x 17,408 tokens): every slot decodes.
+    full = paged_decode_figures(slots=128, pool_tokens=128 * 17408, **common)
+    assert full["in_flight_per_replica"] == 128 and full["bound_by"] == "slots"
+    assert full["live_tokens_per_step"] == 128 * 2800.0
+    assert full["bytes_per_step"] == 3e9 + 128 * (2800 + 64) * 28672.0
+    assert 1.0 < full["bytes_over_weights_and_live"] < 1.25
+    # Eight times the slots on the same pool: the pool bounds the sequences in flight, each holding its
+    # mean footprint (prompt, half the completion, half a page, a chunk ahead).
+    many = paged_decode_figures(slots=1024, pool_tokens=128 * 17408, **common)
+    assert many["bound_by"] == "pool" and many["in_flight_per_replica"] == int(128 * 17408 // (2800 + 8 + 16))
+    assert many["in_flight_per_replica"] > 2 * full["in_flight_per_replica"]

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from areal_jax.ppo.loss import WEIGHT_HIST_BINS, WEIGHT_HIST_LOG_RANGE, weight_bins, weight_top_share
 from areal_jax.ppo import (
     accumulate_loss_stats,
     decoupled_ppo_loss,
@@ -45,16 +46,24 @@ def reference_loss(logp, prox, behav, adv, mask, eps, eps_high=None, cap=None, d
             a = np.mean([adv[i] for i in k]) if k else 0.0
             for i in toks:
                 ratio[i], a_of[i] = np.exp(lr), a
-    total, n_clip, n_dual, n_cap, r_sum, kl_sum = 0.0, 0, 0, 0, 0.0, 0.0
+    total, n_clip, n_dual, n_cap, r_sum, kl_sum, n_out = 0.0, 0, 0, 0, 0.0, 0.0, 0
+    hist_tokens, hist_grad = np.zeros(256), np.zeros(256)
     for idx in w_raw:
         r, a = ratio[idx], a_of[idx]
         unclipped = -a * r
         clipped = -a * min(max(r, 1 - eps), 1 + eps_high)
         n_clip += clipped > unclipped
+        flows = idx in kept and not clipped > unclipped
         pg = max(unclipped, clipped)
         if c_clip is not None:
             n_dual += c_clip * abs(a) < pg
+            flows = flows and not c_clip * abs(a) < pg
             pg = min(pg, c_clip * abs(a))
+        behav_ratio = np.exp(logp[idx] - behav[idx])
+        n_out += not 0.8 <= behav_ratio <= 1.2
+        b = min(max(int(np.floor((np.log(w_raw[idx]) + 8.0) / 16.0 * 256)), 0), 255)
+        hist_tokens[b] += 1
+        hist_grad[b] += abs(weight[idx] * a * r) if flows else 0.0
         r_sum += r
         r_tok = np.exp(logp[idx] - prox[idx])
         kl_sum += r_tok - 1 - np.log(r_tok)
@@ -67,7 +76,8 @@ def reference_loss(logp, prox, behav, adv, mask, eps, eps_high=None, cap=None, d
     stats = dict(
         n_valid=n_valid, n_clipped=n_clip, n_dual_clipped=n_dual, n_capped=n_cap,
         imp_weight_sum=sum(w_raw.values()), imp_weight_max=max(w_raw.values(), default=0.0), ratio_sum=r_sum,
-        approx_kl_sum=kl_sum, loss_sum=total,
+        approx_kl_sum=kl_sum, loss_sum=total, n_behav_ratio_out=n_out, weight_hist_tokens=hist_tokens,
+        weight_hist_grad=hist_grad,
     )
     return loss, stats
 
@@ -95,7 +105,7 @@ def run(logp, prox, behav, adv, mask, **kw):
         jnp.asarray(logp), jnp.asarray(prox), jnp.asarray(behav), jnp.asarray(adv),
         jnp.asarray(mask), **kw,
     )
-    return float(loss), {k: float(v) for k, v in stats.items()}
+    return float(loss), {k: (float(v) if np.ndim(v) == 0 else np.asarray(v)) for k, v in stats.items()}
 
 
 def assert_stats_close(got, want, rtol=2e-5):
@@ -177,7 +187,7 @@ def test_all_masked_row_and_all_masked_batch():
     none = np.zeros_like(mask)
     loss, stats = run(logp, prox, behav, adv, none)
     assert loss == 0.0
-    assert all(v == 0.0 for v in stats.values())
+    assert all(np.all(v == 0.0) for v in stats.values())
     grad = jax.jit(jax.grad(lambda lp: decoupled_ppo_loss(lp, prox, behav, adv, none)[0]))(
         jnp.asarray(logp, jnp.float32)
     )
@@ -216,12 +226,36 @@ def test_denominator_splits_across_micro_batches():
     np.testing.assert_allclose(total, full_loss, rtol=1e-5)
     full_grad = jax.jit(jax.grad(lambda x: decoupled_ppo_loss(x, prox, behav, adv, mask, **kw)[0]))(lp)
     np.testing.assert_allclose(grads, full_grad, rtol=1e-5, atol=1e-8)
-    assert_stats_close({k: float(v) for k, v in stats.items()}, full_stats)
+    assert_stats_close({k: np.asarray(v) for k, v in stats.items()}, full_stats)
 
     summary = summarize_loss_stats(stats)
     assert summary["n_valid_tokens"] == n_global
     assert summary["loss_token_mean"] == pytest.approx(full_loss, rel=1e-5)
     assert 0 < summary["clip_frac"] < 1 and 0 < summary["capped_frac"] < 1
+    assert 0 < summary["behav_ratio_out_frac"] < 1
+    # Here the largest weights all exceed the cap: masked, they carry no gradient.
+    assert summary["weight_top1pct_grad_share"] == 0.0
+
+
+def test_weight_top_share_against_sorting():
+    # 200 tokens in distinct bins: the top 1% are the 2 highest bins exactly.
+    rng = np.random.default_rng(0)
+    bins = rng.choice(WEIGHT_HIST_BINS, size=200, replace=False)
+    log_w = (bins + 0.5) / WEIGHT_HIST_BINS * 2 * WEIGHT_HIST_LOG_RANGE - WEIGHT_HIST_LOG_RANGE
+    np.testing.assert_array_equal(weight_bins(log_w), bins)
+    grad = rng.exponential(size=200) * np.exp(log_w)
+    tokens_hist = np.bincount(bins, minlength=WEIGHT_HIST_BINS)
+    grad_hist = np.bincount(bins, weights=grad, minlength=WEIGHT_HIST_BINS)
+    top = np.argsort(log_w)[-2:]
+    assert weight_top_share(tokens_hist, grad_hist) == pytest.approx(grad[top].sum() / grad.sum(), rel=1e-12)
+    # Within a bin the share is proportional: 1% of 200 tokens is half of a 4-token top bin.
+    tokens_hist, grad_hist = np.zeros(WEIGHT_HIST_BINS), np.zeros(WEIGHT_HIST_BINS)
+    tokens_hist[[10, 200]], grad_hist[[10, 200]] = (196, 4), (6.0, 2.0)
+    assert weight_top_share(tokens_hist, grad_hist) == pytest.approx(1.0 / 8.0)
+    assert weight_top_share(tokens_hist, np.zeros(WEIGHT_HIST_BINS)) == 0.0
+    grad_hist[3] = np.inf  # a non-finite gradient has no share to report
+    assert np.isnan(weight_top_share(tokens_hist, grad_hist))
+    assert weight_bins(np.array([-100.0, 100.0])).tolist() == [0, WEIGHT_HIST_BINS - 1]
 
 
 def test_zero_denominator_gives_zero_loss():

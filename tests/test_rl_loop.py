@@ -117,7 +117,7 @@ def test_sampling_and_training_temperatures_must_agree(tokenizer):
                       num_kv_heads=2, head_dim=8)
     with pytest.raises(ValueError, match=r"RLVRConfig.temperature \(0.7\) and PPOConfig.temperature \(1.0\)"):
         RLLoop(cfg, init_params(cfg, 0), tokenizer=tokenizer, data_iter=rows(tokenizer), rl=RLConfig(),
-               ppo=PPOConfig(), optimizer=OptimizerConfig(), advantages=AdvantageConfig(),
+               ppo=PPOConfig(temperature=1.0), optimizer=OptimizerConfig(), advantages=AdvantageConfig(),
                workflow=RLVRConfig(n_samples=2, max_new_tokens=4, reward=REWARD, temperature=0.7),
                engine=EngineConfig(num_slots=4, max_seq_len=32), mesh=MeshConfig(colocated=True))
 

@@ -91,8 +91,8 @@ def test_a_run_directory_is_refused_resumed_only_unchanged_and_overwritten_afres
 
 
 @pytest.mark.parametrize("params,phrases", [
-    (NO_CHECKPOINTS, ("--resume: nothing to resume", "no CheckpointConfig is bound",
-                      "CheckpointConfig.save_interval_steps")),
+    (NO_CHECKPOINTS + ["Stages.checkpoint = False"], ("--resume: nothing to resume", "Stages.checkpoint = False")),
+    (NO_CHECKPOINTS, ("--resume: nothing to resume", "no finished checkpoint under", "checkpoints")),  # on by default
     (TINY, ("--resume: nothing to resume", "no finished checkpoint under", "checkpoints")),
 ])
 def test_resume_with_nothing_to_resume_is_an_error_that_writes_nothing(tmp_path, params, phrases):

@@ -93,9 +93,12 @@ def test_no_usable_sft_rows_is_one_line_naming_the_file_and_why(tmp_path, capsys
     assert err.startswith(f"areal-jax: error: DataConfig.paths: no usable SFT examples in {wrong}: 0/2 SFT rows kept")
     assert "cannot detect the format from keys ['completion', 'prompt']" in err and "\n" not in err
     assert not (run / "metrics.jsonl").exists() and not (run / "config.gin").exists()
-    # SFTConfig.paths on the built-in task is refused before anything starts.
+    # SFTConfig.paths alone selects the files (the dataset task); with the built-in task named, refused.
     assert main(["sft", f"--gin_param=SFTConfig.paths = ('{wrong}',)", f"--run_dir={run}", "--quiet"]) == 2
-    assert "SFTConfig.paths / SFTConfig.eval_paths" in capsys.readouterr().err
+    assert f"SFTConfig.paths: no usable SFT examples in {wrong}" in capsys.readouterr().err
+    assert main(["sft", f"--gin_param=SFTConfig.paths = ('{wrong}',)", "--gin_param=TaskSource.kind = 'arithmetic'",
+                 f"--run_dir={run}", "--quiet"]) == 2
+    assert "SFTConfig.paths is bound, but TaskSource.kind = 'arithmetic'" in capsys.readouterr().err
 
 
 def test_eval_of_a_base_model_takes_a_prompt_template(tmp_path, capsys):

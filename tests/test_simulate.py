@@ -152,11 +152,20 @@ def test_cli_on_a_target_gives_the_json_schema(capsys):
                  "--length-dist", "lognormal:mean=2000,sigma=1", "--sweep", "eta=1,4", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     rows = report["rows"]
-    assert [(r["mode"], r["eta"]) for r in rows] == [("async", 1), ("async", 4)]
+    # The swept rows, and the sync baseline "vs sync" compares with, kept under a sweep.
+    assert [(r["mode"], r["eta"]) for r in rows] == [("async", 1), ("async", 4), ("sync", 0)]
+    assert rows[-1]["vs_sync"] == 1.0 and all(r["vs_sync"] > 0 for r in rows)
     for r in rows:
         assert {"mode", "eta", "generation_devices", "train_devices", "trained_tokens_per_s", "generation_busy",
                 "train_busy", "staleness_max", "staleness_mean"} <= r.keys()
-        assert r["generation_devices"] == 6 and r["train_devices"] == 2 and r["trained_tokens_per_s"] > 0
+        assert r["trained_tokens_per_s"] > 0
+        # The whole run: RLConfig.steps (300 in this config) at the row's step time, on all 8 devices.
+        run = r["run"]
+        assert run["steps"] == 300 and run["devices"] == 8
+        assert run["wall_hours"] == pytest.approx(r["step_s"] * 300 / 3600)
+        assert run["device_hours"] == pytest.approx(run["wall_hours"] * 8)
+    assert all(r["generation_devices"] == 6 and r["train_devices"] == 2 for r in rows[:2])
+    assert "mean length" in report["assumptions"]["step time"]
     assert "roofline on 8xh200" in report["assumptions"]["costs"]
 
 

@@ -141,7 +141,8 @@ def test_grad_spec_computes_what_the_trainer_computes(specs, trainer, mesh):
         assert float(got_stats["n_valid"]) == micro.num_valid_tokens > 0
         assert float(got_stats["n_clipped"]) > 0 or float(got_stats["n_capped"]) > 0
         for k in want_stats:
-            np.testing.assert_allclose(float(got_stats[k]), float(want_stats[k]), rtol=1e-6, atol=1e-7, err_msg=k)
+            np.testing.assert_allclose(np.asarray(got_stats[k]), np.asarray(want_stats[k]), rtol=1e-6, atol=1e-7,
+                                       err_msg=k)
         for (path, got), want in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(want_grads)):
             assert got.sharding == want.sharding, jax.tree_util.keystr(path)
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-7,

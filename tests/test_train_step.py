@@ -207,6 +207,7 @@ def test_one_update_per_step_takes_the_proximal_from_the_loss_forward(fresh):
 @pytest.mark.parametrize("options", [
     dict(c_clip=1.5, behav_imp_weight_mode="clamp"),
     dict(importance_sampling_level="sequence", c_clip=2.0),
+    dict(behav_imp_weight_cap=None, behav_imp_weight_mode="disabled"),  # the naive_recompute objective
 ])
 def test_loss_options_on_packed_rows_equal_one_sequence_per_row(options):
     # GSPO's sequences are the packed segments: the packed step equals one sequence per row.
@@ -433,7 +434,8 @@ def test_optimizer_config_validation(kwargs, match):
     (dict(importance_sampling_level="group"), "importance_sampling_level"),
     (dict(prox_logp_method="linear"), "prox_logp_method"),
     (dict(prox_logp_method="loglinear", decoupled=False), "needs decoupled = True"),
-    (dict(minibatch_seed=-1), "minibatch_seed")])
+    (dict(minibatch_seed=-1), "minibatch_seed"),
+    (dict(behav_imp_weight_mode="disabled", behav_imp_weight_cap=2.0), "behav_imp_weight_cap must be None")])
 def test_ppo_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         PPOConfig(**kwargs)

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from areal_jax.kernels.paged_attention import ATTENTION_IMPLS
+
+KV_LAYOUTS = ("auto", "paged", "dense")
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -54,6 +58,26 @@ class EngineConfig:
     interruptible: bool = True
     cache_dtype: str | None = None  # default: the dtype of the weights
     seed: int = 0
+    # KV cache layout, "paged", "dense" or "auto" (paged on GPU and TPU, dense on CPU where paging
+    # measured no faster: docs/benchmarks.md, paged vs dense). Paged: a pool of fixed-size pages
+    # per layer, each slot holding the pages its sequence has grown into (page tables on the host),
+    # decode attention reading only live pages, admission by free pages and preemption (recompute
+    # later) when the pool runs dry. Dense: one [num_slots, max_seq_len] buffer per layer, decode
+    # attending over the smallest `decode_windows` entry holding the longest sequence.
+    kv_layout: str = "auto"
+    page_size: int = 16  # tokens per page (paged layout)
+    # Pool size of the paged layout, per data replica: in pages, or in bytes (keys and values of
+    # every layer over the replica's tensor shards; divided by the bytes of one page, rounded
+    # down). Set at most one; neither: as many pages as a dense cache of num_slots x max_seq_len.
+    # At least one max_seq_len sequence must fit, so the longest sample can always finish. With a
+    # pool smaller than the dense cache, num_slots may exceed what the pool could hold at full
+    # length: many short sequences in flight.
+    kv_pool_pages: int = 0  # pool pages per data replica (0: unset)
+    kv_pool_bytes: int = 0  # pool bytes per data replica, all layers' keys and values (0: unset)
+    # Decode attention kernel of the paged layout: "pallas" (the platform's Pallas kernel,
+    # areal_jax/kernels/), "reference" (a jnp gather of each slot's pages), or "auto" (pallas where
+    # one is registered for the platform, else reference).
+    attention_impl: str = "auto"
 
     def __post_init__(self):
         for name in ("num_slots", "max_seq_len", "decode_chunk", "max_prefill_batch", "reprefill_pack_width",
@@ -63,6 +87,24 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {v!r}")
         if not isinstance(self.refill_after, int) or self.refill_after < 0:
             raise ValueError(f"EngineConfig.refill_after must be an int >= 0, got {self.refill_after!r}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"EngineConfig.kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"EngineConfig.attention_impl must be one of {ATTENTION_IMPLS}, "
+                             f"got {self.attention_impl!r}")
+        for name in ("page_size",):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {v!r}")
+        for name in ("kv_pool_pages", "kv_pool_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"EngineConfig.{name} must be an int >= 0 (0: unset), got {v!r}")
+        if self.kv_pool_pages and self.kv_pool_bytes:
+            raise ValueError("EngineConfig.kv_pool_pages and kv_pool_bytes are both set: size the pool one way")
+        if self.kv_pool_pages and self.kv_pool_pages < self.pages_per_sequence:
+            raise ValueError(f"EngineConfig.kv_pool_pages = {self.kv_pool_pages} holds less than one sequence of "
+                             f"max_seq_len = {self.max_seq_len} ({self.pages_per_sequence} pages of {self.page_size})")
         if self.max_seq_len < 2:
             raise ValueError("EngineConfig.max_seq_len must be >= 2 (one prompt token and one generated)")
         if not isinstance(self.max_prompt_len, int) or not 0 <= self.max_prompt_len < self.max_seq_len:
@@ -79,6 +121,40 @@ class EngineConfig:
             raise ValueError(f"decode_windows {windows} must be ints in [1, max_seq_len = {self.max_seq_len}]")
         object.__setattr__(self, "decode_windows", tuple(w for w in windows if w < self.max_seq_len)
                            + (self.max_seq_len,))
+
+    def layout(self, platform: str) -> str:
+        """"paged" or "dense" for a platform ("cpu", "gpu", "tpu"): `kv_layout` with "auto" resolved."""
+        if self.kv_layout != "auto":
+            return self.kv_layout
+        return "dense" if platform == "cpu" else "paged"
+
+    @property
+    def pages_per_sequence(self) -> int:
+        """Pages one max_seq_len sequence holds: the width of a slot's page table."""
+        return -(-self.max_seq_len // self.page_size)
+
+    def pool_pages(self, page_bytes: int, data: int = 1) -> int:
+        """Pages of the pool per data replica (of `data`), given the bytes of one page (all layers,
+        keys and values, all tensor shards of the replica together)."""
+        if self.kv_pool_pages:
+            return self.kv_pool_pages
+        if self.kv_pool_bytes:
+            pages = self.kv_pool_bytes // page_bytes
+            if pages < self.pages_per_sequence:
+                raise ValueError(f"EngineConfig.kv_pool_bytes = {self.kv_pool_bytes} holds {pages} pages of "
+                                 f"{page_bytes} bytes, less than one sequence of max_seq_len = {self.max_seq_len} "
+                                 f"({self.pages_per_sequence} pages)")
+            return pages
+        return -(-self.num_slots // data) * self.pages_per_sequence
+
+    def chunk_tokens(self, position: int, remaining: int) -> int:
+        """Positions [0, tokens) a sample whose next input is at `position`, with `remaining` tokens
+        left to generate, may have written by the end of the next decode chunk (at least `position`)."""
+        return max(position, min(position + min(self.decode_chunk, remaining), self.max_seq_len - 1))
+
+    def decode_pages(self, window: int) -> int:
+        """Page-table width M of a paged decode chunk attending over `window` positions."""
+        return -(-window // self.page_size)
 
     def bucket(self, length: int) -> int:
         return next(b for b in self.prefill_buckets if b >= length)

@@ -12,9 +12,12 @@ later tokens carry the new version (histories are packed several to a row and wr
 into their slots, `reprefill_pack_width`). With `interruptible=False` the engine instead stops
 admitting, lets in-flight samples finish on the old weights, then swaps (the ablation).
 
-Device state is the KV cache, one `[B, K, S, H]` buffer per layer (B = slots, S = max_seq_len),
-and the weights, also held per layer (given split, or split once per weight swap); per-slot
-scalars live on the host and travel with each chunk call (a few hundred bytes). Prefill and
+Device state is the KV cache, one `[B, K, S, H]` buffer per layer (B = slots, S = max_seq_len) or,
+paged (`kv_layout`), one pool of pages per layer with the page tables on the host (pages.py):
+admission then waits for free pages, a chunk first gives every running sample the pages it may
+write, and a dry pool preempts the newest sample, resumed later by re-prefill. Also the
+weights, held per layer (given split, or split once per weight swap); per-slot scalars live on
+the host and travel with each chunk call (a few hundred bytes). Prefill and
 decode run the layers unrolled over those pieces, so each cache layer is updated in place and
 each weight is read where it lies (over stacked layers XLA copies every layer's weights and
 cache, per step in a scan, per call when splitting inside the program). A chunk attends over the
@@ -22,7 +25,8 @@ smallest cache window holding its sequences (`decode_windows`) and ends early wh
 up while requests wait (`refill_after`).
 
 The compiled programs are built in generation/programs.py (which also describes them for
-ahead-of-time planning); this module is the host-side scheduler around them. On a generation
+ahead-of-time planning) and called, on the cache they write, by generation/engine_cache.py; this
+module is the host-side scheduler around them. On a generation
 mesh every batch dimension is a multiple of its "data" size (EngineConfig's row counts).
 """
 
@@ -34,105 +38,27 @@ import contextlib
 import dataclasses
 import itertools
 import threading
-import time
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from areal_jax.generation.config import EngineConfig
-from areal_jax.generation.programs import (EnginePrograms, build_programs, cache_sharding, check_mesh, mesh_of,
-                                           mesh_sizes, param_shardings, placed_like)
+from areal_jax.generation.engine_cache import EngineCache
+from areal_jax.generation.pages import PageAllocator
+from areal_jax.generation.programs import (EnginePrograms, check_mesh, mesh_of, mesh_sizes, param_shardings,
+                                           placed_like)
+from areal_jax.generation.requests import (Completion, EngineStats, GroupResult, Request, RequestHandle, Sample,
+                                           StopReason)
 from areal_jax.generation.sampling import MAX_STOP_IDS, SamplingParams
-from areal_jax.generation.timings import CallTimings, decode_key, shape_key
+from areal_jax.generation.timings import CallTimings, decode_key
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.sharding import GENERATION_RULES, activation_rules
-from areal_jax.models.transformer import KVCache, Params, Transformer, split_layers
-from areal_jax.packing import ffd_allocate
+from areal_jax.models.transformer import Params, Transformer, split_layers
 
 __all__ = ["Completion", "EngineConfig", "EngineStats", "GenerationEngine", "GroupResult", "RequestHandle"]
-
-StopReason = Literal["stop", "length", "aborted"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Completion:
-    """One sample: generated `tokens [G]`, behavior `logprobs [G]`, policy `versions [G]`."""
-
-    tokens: np.ndarray
-    logprobs: np.ndarray
-    versions: np.ndarray
-    stop_reason: StopReason
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupResult:
-    """The `n` samples of one request, in submission order of the samples."""
-
-    request_id: str
-    prompt_ids: np.ndarray
-    completions: list[Completion]
-
-
-@dataclasses.dataclass
-class EngineStats:
-    generated_tokens: int = 0
-    prefill_tokens: int = 0
-    reprefill_tokens: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    decode_steps: int = 0
-    busy_slot_steps: int = 0  # sum over decode steps of slots that were generating
-    chunks: int = 0
-    weight_swaps: int = 0
-    finished_samples: int = 0
-    aborted_samples: int = 0
-    queued_requests: int = 0
-    active_slots: int = 0
-
-    @property
-    def tokens_per_s(self) -> float:
-        busy = self.prefill_s + self.decode_s
-        return self.generated_tokens / busy if busy else 0.0
-
-    @property
-    def slot_occupancy(self) -> float:
-        return self.busy_slot_steps / self.decode_steps if self.decode_steps else 0.0
-
-
-@dataclasses.dataclass
-class _Request:
-    request_id: str
-    prompt: np.ndarray  # [P] int32
-    sampling: SamplingParams
-    n: int
-    future: concurrent.futures.Future
-    results: list[Completion | None]
-    next_sample: int = 0  # samples [0, next_sample) have been inserted
-    # (KV block [L, R, K, P, H], row of this prompt in it, last-position logits [R, V]): one
-    # prefill shared by the group's samples (and by other prompts prefilled in the same call).
-    prefix: tuple[Any, int, jax.Array] | None = None
-    aborted: bool = False
-    seed: int = 0
-
-
-@dataclasses.dataclass
-class _Sample:
-    request: _Request
-    index: int
-    tokens: list[int]
-    logprobs: list[float]
-    versions: list[int]
-
-
-class RequestHandle(concurrent.futures.Future):
-    """A future for a `GroupResult` that also names its request (for `abort`)."""
-
-    request_id: str
-
 
 class GenerationEngine:
     """Generates for many requests at once over `config.num_slots` decode slots.
@@ -157,21 +83,14 @@ class GenerationEngine:
         check_mesh(cfg, ec, self._mesh)
         self._data = mesh_sizes(self._mesh)[0]  # prefill and re-prefill rows are multiples of it
         dtype = jnp.dtype(ec.cache_dtype) if ec.cache_dtype else params["embed"].dtype
-        layer_shape = (ec.num_slots, cfg.num_kv_heads, ec.max_seq_len, cfg.head_dim)  # [B, K, S, H]
-        if self._mesh is not None:
-            self._inputs_sharding = NamedSharding(self._mesh, PartitionSpec())
-            layer_sharding = cache_sharding(cfg, ec, self._mesh)
-            self._param_shardings = param_shardings(cfg, self._mesh, split=True)
-        else:
-            self._inputs_sharding = layer_sharding = SingleDeviceSharding(next(iter(home.device_set)))
-            self._param_shardings = None
-        # The cache lives per layer (tuples of L `[B, K, S, H]` buffers), the layout the decode loop
-        # updates in place: a stacked cache would be split and re-stacked (copied) on every chunk.
-        zeros = jax.jit(lambda: jnp.zeros(layer_shape, dtype), out_shardings=layer_sharding)
-        self._cache = KVCache(tuple(zeros() for _ in range(cfg.num_layers)),
-                              tuple(zeros() for _ in range(cfg.num_layers)))
+        self._param_shardings = param_shardings(cfg, self._mesh, split=True) if self._mesh is not None else None
+        self.compile_counts: collections.Counter[str] = collections.Counter()
+        self._stats = EngineStats()
+        self._timings = CallTimings()  # seconds per program and shape, for the simulator's cost fit
+        self._kv = EngineCache(cfg, ec, dtype, mesh=self._mesh, device=next(iter(home.device_set)),
+                               counts=self.compile_counts, stats=self._stats, timings=self._timings)
         B = ec.num_slots
-        self._slot_sample: list[_Sample | None] = [None] * B
+        self._slot_sample: list[Sample | None] = [None] * B
         self._tokens = np.zeros(B, np.int32)  # next input token of each slot
         self._positions = np.zeros(B, np.int32)  # its position (= sequence length - 1)
         self._remaining = np.zeros(B, np.int32)  # tokens the slot may still generate
@@ -181,19 +100,17 @@ class GenerationEngine:
         self._stop_ids = np.full((B, MAX_STOP_IDS), -1, np.int32)
         self._slot_keys = np.zeros((B, 2), np.uint32)  # threefry key data of each slot's sample
         self._lock = threading.Condition()
-        self._queue: collections.deque[_Request] = collections.deque()
-        self._requests: dict[str, _Request] = {}
+        self._queue: collections.deque[Request] = collections.deque()
+        self._requests: dict[str, Request] = {}
         self._aborts: set[str] = set()
         self._pending_weights: tuple[Params, int, concurrent.futures.Future] | None = None
         self._ids = itertools.count()
         self._seeds = itertools.count()
-        self._stats = EngineStats()
-        self._timings = CallTimings()  # seconds per program and shape, for the simulator's cost fit
-        self.compile_counts: collections.Counter[str] = collections.Counter()
+        self._stamps = itertools.count()  # start order of samples
+        self._preempted: list[Sample] = []  # out of the pool, oldest first: resumed before new admissions
         self._thread: threading.Thread | None = None
         self._stop_event = threading.Event()
         self._paused = False
-        self._programs: EnginePrograms = build_programs(cfg, ec, dtype, mesh=self._mesh, counts=self.compile_counts)
         # Shapes and dtypes of the per-layer weights: every later swap must match them (a mismatch
         # would silently compile every program again, at other sizes).
         self._param_avals = _shapes(params)
@@ -206,6 +123,23 @@ class GenerationEngine:
     @property
     def version(self) -> int:
         return self._version
+
+    # The cache, its programs and its pages live in `self._kv` (generation/engine_cache.py).
+    @property
+    def _cache(self):
+        return self._kv.cache
+
+    @property
+    def _programs(self) -> EnginePrograms:
+        return self._kv.programs
+
+    @_programs.setter
+    def _programs(self, programs: EnginePrograms) -> None:
+        self._kv.programs = programs
+
+    @property
+    def _pages(self) -> PageAllocator | None:
+        return self._kv.pages
 
     def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams, n: int = 1,
                request_id: str | None = None, seed: int | None = None) -> RequestHandle:
@@ -239,7 +173,7 @@ class GenerationEngine:
             if rid in self._requests:
                 raise ValueError(f"request id {rid!r} is already in flight")
             future.request_id = rid
-            request = _Request(rid, prompt.astype(np.int32), sampling, n, future, [None] * n,
+            request = Request(rid, prompt.astype(np.int32), sampling, n, future, [None] * n,
                                seed=next(self._seeds) if seed is None else int(seed))
             self._requests[rid] = request
             self._queue.append(request)
@@ -306,7 +240,7 @@ class GenerationEngine:
 
     def has_work(self) -> bool:
         with self._lock:
-            return bool(self._queue or self._aborts or self._pending_weights
+            return bool(self._queue or self._aborts or self._pending_weights or self._preempted
                         or any(s is not None for s in self._slot_sample))
 
     def run_until_idle(self) -> None:
@@ -360,7 +294,8 @@ class GenerationEngine:
         with self._placement():
             self._apply_aborts()
             draining = self._maybe_swap_weights()
-            if not draining:
+            self._resume_preempted()  # in flight already: resumed even while draining for a swap
+            if not draining and not self._preempted:
                 self._admit()
             if any(s is not None for s in self._slot_sample):
                 self._decode_chunk()
@@ -369,9 +304,6 @@ class GenerationEngine:
     def _placement(self):
         """Activation sharding rules of the generation mesh (traced into the programs)."""
         return activation_rules(GENERATION_RULES, self._mesh) if self._mesh is not None else contextlib.nullcontext()
-
-    def _put(self, *arrays):
-        return jax.device_put(arrays, self._inputs_sharding)
 
     def _apply_aborts(self) -> None:
         with self._lock:
@@ -385,6 +317,9 @@ class GenerationEngine:
         for slot, sample in enumerate(self._slot_sample):
             if sample is not None and sample.request.aborted:
                 self._finish(slot, "aborted")
+        for sample in [s for s in self._preempted if s.request.aborted]:
+            self._preempted.remove(sample)
+            self._complete_sample(sample, "aborted")
         for rid in aborts:
             req = self._requests.get(rid)
             if req is None:
@@ -403,7 +338,7 @@ class GenerationEngine:
         if pending is None:
             return False
         active = [i for i, s in enumerate(self._slot_sample) if s is not None]
-        if active and not self.config.interruptible:
+        if (active or self._preempted) and not self.config.interruptible:
             return True  # let in-flight samples finish on the old weights first
         params, version, done = pending
         with self._lock:
@@ -417,23 +352,7 @@ class GenerationEngine:
         self._stats.weight_swaps += 1
         # Interrupted samples: recompute their KV cache from prompt + tokens so far (all but the
         # last token, which is the next decode input) under the new weights, in batched calls.
-        histories = {slot: np.concatenate([self._slot_sample[slot].request.prompt,
-                                           np.asarray(self._slot_sample[slot].tokens[:-1], np.int32)])
-                     for slot in active}
-        # Histories that fit a packed row go several to a row, straight into their slots.
-        width = self.config.pack_width
-        self._reprefill_packed({slot: h for slot, h in histories.items() if h.size <= width})
-        # Longer ones: each call holds histories of one length bucket (a call pads every row to
-        # its longest, so mixed lengths would pad the short ones to a straggler's length).
-        by_bucket: dict[int, list[int]] = collections.defaultdict(list)
-        for slot in sorted((s for s in active if histories[s].size > width), key=lambda s: histories[s].size):
-            by_bucket[self.config.bucket(histories[slot].size)].append(slot)
-        for bucket, slots in by_bucket.items():
-            most = self.config.max_prefill_prompts(bucket, self._data)
-            for start in range(0, len(slots), most):
-                part = slots[start:start + most]
-                self._insert(self._prefill([histories[slot] for slot in part]), list(enumerate(part)))
-        self._stats.reprefill_tokens += sum(h.size for h in histories.values())
+        self._kv.recompute(self._params, {slot: self._slot_sample[slot].history() for slot in active})
         done.set_result(True)
         return False
 
@@ -441,7 +360,7 @@ class GenerationEngine:
         """Makes `params` (stacked or split) the served weights, holding at most two copies: the
         old weights are released first (a running program keeps its own reference until it ends)."""
         if self._mesh is None:  # on the engine's device (a put only if they are elsewhere)
-            params = placed_like(params, jax.tree.map(lambda _: self._inputs_sharding, params))
+            params = placed_like(params, jax.tree.map(lambda _: self._kv.inputs_sharding, params))
         self._params = None
         if isinstance(params["layers"], tuple):  # already per layer: used as they lie when laid out so
             self._params = params if self._mesh is None else placed_like(params, self._param_shardings)
@@ -450,26 +369,31 @@ class GenerationEngine:
 
     def _admit(self) -> None:
         """Fills free slots from the queue head: one program per prefill call prefills the prompts,
-        copies each into the slots of its samples and samples their first tokens."""
+        copies each into the slots of its samples and samples their first tokens. Paged: only as
+        many samples as the pool has pages for (prompt and first chunk, plus a watermark)."""
         free = [i for i, s in enumerate(self._slot_sample) if s is None]
         while free:
             with self._lock:
                 if not self._queue:
                     break
                 head = self._queue[0]
+            before = len(free)
             if head.prefix is None:
                 free = self._prefill_and_start(free)
             else:  # samples left of a group prefilled when too few slots were free
                 free = self._start_from_prefix(head, free)
+            if len(free) == before:  # nothing started: the pool has no room now
+                break
 
-    def _assign(self, req: _Request, free: list[int]) -> tuple[list[tuple[int, _Request, int]], list[int]]:
-        """Gives the request's next samples free slots: ([(slot, request, sample index)], slots left)."""
-        take = min(len(free), req.n - req.next_sample)
-        slots, free = free[:take], free[take:]
+    def _assign(self, req: Request, free: list[int]) -> tuple[list[tuple[int, Request, int]], list[int]]:
+        """Gives the request's next samples free slots (and their pages): ([(slot, request, sample
+        index)], slots left)."""
+        slots, free = self._take_slots(free, req.n - req.next_sample,
+                                       self.config.chunk_tokens(req.prompt.size, req.sampling.max_new_tokens - 1))
         started = [(slot, req, req.next_sample + j) for j, slot in enumerate(slots)]
         for slot, _, index in started:
             self._slot_keys[slot] = self._sample_key(req.seed, index)
-        req.next_sample += take
+        req.next_sample += len(slots)
         if req.next_sample == req.n:
             req.prefix = None  # the group's prefill block is no longer needed
             with self._lock:
@@ -477,10 +401,67 @@ class GenerationEngine:
                     self._queue.popleft()
         return started, free
 
-    def _queue_head_batch(self, free_slots: int) -> list[_Request]:
+    # ---- pages (paged layout) ------------------------------------------------------------------
+
+    def _take_slots(self, free: list[int], count: int, tokens: int) -> tuple[list[int], list[int]]:
+        """Up to `count` free slots for samples holding `tokens` positions: (taken, left); paged,
+        only with their pages (`PageAllocator.take_slots`)."""
+        if self._pages is None:
+            return free[:count], free[count:]
+        return self._pages.take_slots(free, count, tokens)
+
+    def _admission_pages(self, req: Request) -> int:
+        """Pages a new sample of `req` takes: its prompt and first decode chunk."""
+        return self._pages.pages_for(self.config.chunk_tokens(req.prompt.size, req.sampling.max_new_tokens - 1))
+
+    def _reserve_chunk(self) -> None:
+        """Paged: gives every running sample the pages the next chunk may write, oldest first; when
+        a replica runs dry, preempts its most recently started samples (recomputed later)."""
+        if self._pages is None:
+            return
+        running = sorted((s for s, x in enumerate(self._slot_sample) if x is not None),
+                         key=lambda s: self._slot_sample[s].stamp)
+        for slot in self._pages.reserve([(s, self.config.chunk_tokens(int(self._positions[s]),
+                                                                       int(self._remaining[s]))) for s in running]):
+            self._preempt(slot)
+
+    def _preempt(self, slot: int) -> None:
+        """Takes a running sample out of its slot (its pages already given back), keeping what it
+        generated."""
+        sample = self._slot_sample[slot]
+        self._slot_sample[slot] = None
+        self._preempted.append(sample)
+        self._preempted.sort(key=lambda x: x.stamp)
+        self._stats.preempted_samples += 1
+
+    def _resume_preempted(self) -> None:
+        """Puts preempted samples back into free slots, oldest first, while the pool has room:
+        their KV cache is recomputed from prompt + generated tokens (under the current weights;
+        the tokens keep their versions)."""
+        free = [i for i, s in enumerate(self._slot_sample) if s is None]
+        histories = {}
+        while self._preempted and free:
+            sample = self._preempted[0]
+            position = sample.request.prompt.size + len(sample.tokens) - 1
+            remaining = sample.request.sampling.max_new_tokens - len(sample.tokens)
+            taken, free = self._take_slots(free, 1, self.config.chunk_tokens(position, remaining))
+            if not taken:
+                break
+            self._preempted.pop(0)
+            self._slot_keys[taken[0]] = self._sample_key(sample.request.seed, sample.index)
+            self._bind(taken[0], sample)
+            histories[taken[0]] = sample.history()
+        if histories:
+            self._kv.recompute(self._params, histories)
+
+    # ---- admission -----------------------------------------------------------------------------
+
+    def _queue_head_batch(self, free_slots: int) -> list[Request]:
         """The queued requests, from the head, to prefill in one call: while their samples fit in
-        the free slots, up to the first whose prompt falls in another length bucket (a call pads
-        every row to its longest prompt) or that holds a prefill already."""
+        the free slots (and pages), up to the first whose prompt falls in another length bucket (a
+        call pads every row to its longest prompt) or that holds a prefill already."""
+        pages = self._pages
+        budget = pages.admission_budget() if pages is not None else 0
         with self._lock:
             batch, room = [], free_slots
             most = self.config.max_prefill_prompts(self._queue[0].prompt.size, self._data) if self._queue else 0
@@ -489,26 +470,26 @@ class GenerationEngine:
                     break
                 if batch and self.config.bucket(req.prompt.size) != self.config.bucket(batch[0].prompt.size):
                     break
+                want = req.n - req.next_sample
+                if pages is not None:  # samples the free pages can start
+                    need = self._admission_pages(req)
+                    if budget < need:
+                        break
+                    budget -= min(want, budget // need) * need
                 batch.append(req)
-                room -= req.n - req.next_sample
+                room -= want
         return batch
 
     def _prefill_and_start(self, free: list[int]) -> list[int]:
         batch = self._queue_head_batch(len(free))
-        plan: list[tuple[int, _Request, int, int]] = []  # slot, request, sample index, prefill row
+        if not batch:
+            return free
+        plan: list[tuple[int, Request, int, int]] = []  # slot, request, sample index, prefill row
         for row, req in enumerate(batch):
             started, free = self._assign(req, free)
             plan += [(slot, r, index, row) for slot, r, index in started]
-        t0 = time.perf_counter()
-        padded, lengths = self._padded_rows([req.prompt for req in batch])
-        self._cache, block, logits, tokens, logprobs = self._programs.prefill_start(
-            self._params, self._cache, *self._put(padded, lengths, *self._start_arrays(plan)))
-        tokens, logprobs = jax.device_get((tokens, logprobs))
-        elapsed = time.perf_counter() - t0
-        self._stats.prefill_s += elapsed
-        self._stats.prefill_tokens += sum(req.prompt.size for req in batch)
-        self._timings.add("prefill", shape_key(padded.shape[0], padded.shape[1]), calls=1,
-                          tokens=sum(req.prompt.size for req in batch), s=elapsed)
+        block, logits, tokens, logprobs = self._kv.prefill_start(self._params, [req.prompt for req in batch],
+                                                                 self._start_arrays(plan))
         for row, req in enumerate(batch):
             if req.next_sample < req.n:
                 req.prefix = (block, row, logits)
@@ -516,21 +497,18 @@ class GenerationEngine:
             self._start_sample(slot, req, index, int(token), float(logprob))
         return free
 
-    def _start_from_prefix(self, req: _Request, free: list[int]) -> list[int]:
+    def _start_from_prefix(self, req: Request, free: list[int]) -> list[int]:
         block, row, logits = req.prefix
         started, free = self._assign(req, free)
+        if not started:
+            return free
         plan = [(slot, r, index, row) for slot, r, index in started]
-        rows, slots, keys, positions, temperature, top_p, top_k = self._start_arrays(plan)
-        t0 = time.perf_counter()
-        self._cache = self._programs.insert(self._cache, block, *self._put(rows, slots))
-        tokens, logprobs = jax.device_get(self._programs.first_tokens(
-            logits, *self._put(rows, keys, positions, temperature, top_p, top_k)))
-        self._timings.add("insert", shape_key(len(plan)), calls=1, s=time.perf_counter() - t0)
+        tokens, logprobs = self._kv.start_from_block(block, logits, self._start_arrays(plan), len(plan))
         for (slot, _, index, _), token, logprob in zip(plan, tokens, logprobs):
             self._start_sample(slot, req, index, int(token), float(logprob))
         return free
 
-    def _start_arrays(self, plan: list[tuple[int, _Request, int, int]]) -> tuple[np.ndarray, ...]:
+    def _start_arrays(self, plan: list[tuple[int, Request, int, int]]) -> tuple[np.ndarray, ...]:
         """Per started sample (slot, request, index, prefill row), padded to num_slots: prefill rows,
         cache slots (padding: num_slots, dropped), key data, prompt's last position, temperature,
         top_p, top_k (padding: greedy, no filter). One compiled program per prefill row count."""
@@ -545,45 +523,52 @@ class GenerationEngine:
             temperature[i], top_p[i], top_k[i] = sp.temperature, sp.top_p, sp.top_k
         return rows, slots, keys, positions, temperature, top_p, top_k
 
-    def _start_sample(self, slot: int, req: _Request, index: int, token: int, logprob: float) -> None:
-        sp = req.sampling
-        sample = _Sample(req, index, [token], [logprob], [self._version])
-        self._slot_sample[slot] = sample
+    def _start_sample(self, slot: int, req: Request, index: int, token: int, logprob: float) -> None:
         self._stats.generated_tokens += 1
-        self._tokens[slot] = token
-        self._positions[slot] = req.prompt.size
-        self._remaining[slot] = sp.max_new_tokens - 1
+        self._bind(slot, Sample(req, index, [token], [logprob], [self._version], stamp=next(self._stamps)))
+        if token in req.sampling.stop_token_ids:
+            self._finish(slot, "stop")
+        elif self._remaining[slot] <= 0 or self._positions[slot] >= self.config.max_seq_len - 1:
+            self._finish(slot, "length")
+
+    def _bind(self, slot: int, sample: Sample) -> None:
+        """Puts a sample (its key already in `_slot_keys`) into a slot: its next input token is its
+        last generated one."""
+        sp = sample.request.sampling
+        self._slot_sample[slot] = sample
+        self._tokens[slot] = sample.tokens[-1]
+        self._positions[slot] = sample.request.prompt.size + len(sample.tokens) - 1
+        self._remaining[slot] = sp.max_new_tokens - len(sample.tokens)
         self._temperature[slot] = sp.temperature
         self._top_p[slot] = sp.top_p
         self._top_k[slot] = sp.top_k
         self._stop_ids[slot] = -1
         self._stop_ids[slot, :len(sp.stop_token_ids)] = sp.stop_token_ids
-        if token in sp.stop_token_ids:
-            self._finish(slot, "stop")
-        elif self._remaining[slot] <= 0 or self._positions[slot] >= self.config.max_seq_len - 1:
-            self._finish(slot, "length")
+
+    # ---- decoding ------------------------------------------------------------------------------
 
     def _decode_chunk(self) -> None:
+        self._reserve_chunk()
         active = np.array([s is not None for s in self._slot_sample])
+        if not active.any():
+            return
         with self._lock:
             waiting = bool(self._queue)
         # Exit early once `refill_after` more slots are free, but only if there is work to refill them with.
         ec = self.config
         exit_free = (int((~active).sum()) + ec.refill_after if waiting and ec.refill_after
                      else ec.num_slots + 1)
-        # Positions reached by the end of the chunk: the attention window must hold them.
+        # Positions reached by the end of the chunk: the attention window (paged: the pages of the
+        # page tables) must hold them.
         window = ec.decode_window(int(self._positions[active].max()) + ec.decode_chunk)
-        t0 = time.perf_counter()
-        self._cache, out = self._programs.decode(self._params, self._cache, *self._put(
+        tokens, logprobs, valid, steps, elapsed = self._kv.decode(self._params, (
             self._tokens, self._positions, active, self._remaining, self._temperature, self._top_p, self._top_k,
-            self._stop_ids, self._slot_keys, np.int32(exit_free)), window=window)
-        tokens, logprobs, valid, steps = (np.asarray(x) for x in jax.device_get(out))  # [B, C] each; steps []
-        elapsed = time.perf_counter() - t0
+            self._stop_ids, self._slot_keys, np.int32(exit_free)), window)
         self._stats.decode_s += elapsed
         self._stats.chunks += 1
-        self._stats.decode_steps += int(steps)
+        self._stats.decode_steps += steps
         self._stats.busy_slot_steps += int(valid.sum())
-        self._timings.add("decode", decode_key(window, int(active.sum()), ec.num_slots), steps=int(steps),
+        self._timings.add("decode", decode_key(window, int(active.sum()), ec.num_slots), steps=steps,
                           slot_steps=int(valid.sum()), s=elapsed)
         for slot in np.flatnonzero(active):
             sample = self._slot_sample[slot]
@@ -606,6 +591,11 @@ class GenerationEngine:
     def _finish(self, slot: int, reason: StopReason) -> None:
         sample = self._slot_sample[slot]
         self._slot_sample[slot] = None
+        if self._pages is not None:
+            self._pages.release(slot)
+        self._complete_sample(sample, reason)
+
+    def _complete_sample(self, sample: Sample, reason: StopReason) -> None:
         req = sample.request
         req.results[sample.index] = Completion(
             np.asarray(sample.tokens, np.int32), np.asarray(sample.logprobs, np.float32),
@@ -616,7 +606,7 @@ class GenerationEngine:
             self._stats.finished_samples += 1
         self._maybe_complete(req)
 
-    def _maybe_complete(self, req: _Request) -> None:
+    def _maybe_complete(self, req: Request) -> None:
         if any(r is None for r in req.results):
             return
         with self._lock:
@@ -636,68 +626,6 @@ class GenerationEngine:
                 req.future.set_exception(error)
             except concurrent.futures.InvalidStateError:
                 pass
-
-    def _prefill(self, seqs: list[np.ndarray]) -> KVCache:
-        """KV block (per layer `[R, K, P, H]`) of `seqs` (row i = seqs[i]); R and P bucketed."""
-        t0 = time.perf_counter()
-        padded, lengths = self._padded_rows(seqs)
-        block = self._programs.prefill(self._params, *self._put(padded, lengths))
-        jax.block_until_ready(block)
-        elapsed = time.perf_counter() - t0
-        self._stats.prefill_s += elapsed
-        self._stats.prefill_tokens += sum(s.size for s in seqs)
-        self._timings.add("reprefill_long", shape_key(padded.shape[0], padded.shape[1]), calls=1,
-                          tokens=sum(s.size for s in seqs), s=elapsed)
-        return block
-
-    def _padded_rows(self, seqs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """Prefill inputs for `seqs`: tokens `[R, P]` (P the longest one's length bucket, zero-padded;
-        R a row count for that bucket, a multiple of the data size) and lengths `[R]` (unused rows:
-        one dummy token)."""
-        width = self.config.bucket(max(s.size for s in seqs))
-        rows = self.config.prefill_rows(len(seqs), width, self._data)
-        padded = np.zeros((rows, width), np.int32)
-        lengths = np.ones(rows, np.int32)
-        for i, s in enumerate(seqs):
-            padded[i, :s.size] = s
-            lengths[i] = s.size
-        return padded, lengths
-
-    def _reprefill_packed(self, histories: dict[int, np.ndarray]) -> None:
-        """Recomputes the cache of slots from their histories (slot -> tokens), packed first-fit-
-        decreasing into rows of `pack_width` tokens, `max_pack_rows` rows per call."""
-        if not histories:
-            return
-        t0 = time.perf_counter()
-        ec = self.config
-        slots = sorted(histories)
-        bins = ffd_allocate([histories[slot].size for slot in slots], ec.pack_width)
-        most = ec.max_pack_rows(self._data)
-        for start in range(0, len(bins), most):
-            part = bins[start:start + most]
-            rows = ec.pack_rows(len(part), self._data)
-            ids, segments, dest = (np.zeros((rows, ec.pack_width), np.int32) for _ in range(3))
-            for r, members in enumerate(part):
-                at = 0
-                for j, i in enumerate(members):
-                    h = histories[slots[i]]
-                    ids[r, at:at + h.size], segments[r, at:at + h.size], dest[r, at:at + h.size] = h, j + 1, slots[i]
-                    at += h.size
-            self._cache = self._programs.reprefill(self._params, self._cache, *self._put(ids, segments, dest))
-        jax.block_until_ready(self._cache.k[0])
-        elapsed = time.perf_counter() - t0
-        self._stats.prefill_s += elapsed
-        self._stats.prefill_tokens += sum(h.size for h in histories.values())
-        self._timings.add("reprefill", shape_key(len(bins)), calls=-(-len(bins) // most),
-                          tokens=sum(h.size for h in histories.values()), s=elapsed)
-
-    def _insert(self, block: KVCache, placements: list[tuple[int, int]]) -> None:
-        """Copies block rows into cache slots, `placements` = [(row, slot)], in one call."""
-        B = self.config.num_slots
-        rows, slots = np.zeros(B, np.int32), np.full(B, B, np.int32)
-        for i, (row, slot) in enumerate(placements):
-            rows[i], slots[i] = row, slot
-        self._cache = self._programs.insert(self._cache, block, *self._put(rows, slots))
 
     def _sample_key(self, request_seed: int, index: int) -> np.ndarray:
         return np.random.SeedSequence([self.config.seed, request_seed & 0xFFFFFFFF, request_seed >> 32, index]

@@ -9,7 +9,9 @@ programs at a config's shapes as `aot.ProgramSpec`s (abstract, sharded arguments
 allocated) for the planner to compile and measure without hardware.
 
 Engine state on the generation mesh ("data", "tensor"): the KV cache as L per-layer buffers
-`[B, K, S, H]` (slots over "data", kv heads over "tensor") and the weights split per layer
+`[B, K, S, H]` (slots over "data", kv heads over "tensor"), or paged as L per-layer page pools
+(pages over "data", kv heads over "tensor"; generation/paged.py), the page tables `[B, M]` then
+the last argument of every program that writes or reads the cache, and the weights split per layer
 (`split_layers`), each laid out by GENERATION_RULES. `check_mesh` refuses shapes the mesh would
 silently replicate: slots not divisible by "data", kv heads not divisible by "tensor".
 
@@ -28,11 +30,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from areal_jax.aot import ProgramSpec, Role
 from areal_jax.generation.config import EngineConfig
+from areal_jax.generation.paged import insert_pages, make_attend, page_bytes, pool_structs
 from areal_jax.generation.sampling import MAX_STOP_IDS, sample_tokens
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.sharding import GENERATION_RULES, activation_rules, constrain, sharding_for
-from areal_jax.models.transformer import (KVCache, Params, forward, lm_head, param_axes, param_shapes,
-                                          prefill_block, prefill_into_slots, split_layers)
+from areal_jax.models.transformer import (KVCache, Params, forward, lm_head, paged_decode_step, param_axes,
+                                          param_shapes, prefill_block, prefill_into_pages, prefill_into_slots,
+                                          split_layers)
 
 CACHE_AXES = ("cache_slots", "kv_heads", "cache_seq", "head_dim")  # one cache layer [B, K, S, H]
 LOGITS_AXES = ("batch", "act_vocab")  # a prefill's last-position logits [R, V]
@@ -156,13 +160,20 @@ class EnginePrograms:
     decode: Any  # (params, cache*, per-slot state..., exit_free, *, window) -> (cache, outputs)
     counts: collections.Counter
     traced: collections.Counter
+    # "dense" or "paged". Paged programs take the cache as L per-layer `PagePool`s and the page
+    # tables `[B, M]` as their last argument; their insert also takes each row's length before them.
+    layout: str = "dense"
 
 
 def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype, *, mesh: Mesh | None = None,
-                   counts: collections.Counter | None = None) -> EnginePrograms:
+                   counts: collections.Counter | None = None, platform: str | None = None) -> EnginePrograms:
     """Jits the engine's programs (`*`: donated cache). With `mesh`, the weight split lays its
-    output out by the generation rules; trace them under `activation_rules(GENERATION_RULES, mesh)`."""
+    output out by the generation rules; trace them under `activation_rules(GENERATION_RULES, mesh)`.
+    `platform` ("cpu", "gpu", "tpu"; default: jax's default backend): the target the programs are
+    for, which resolves `kv_layout` "auto" and the paged attention kernel."""
     cfg, ec = model_cfg, engine_cfg
+    layout = ec.layout(platform or jax.default_backend())
+    data = mesh_sizes(mesh)[0]
     cache_dtype = jnp.dtype(cache_dtype)
     counts = collections.Counter() if counts is None else counts
     traced: collections.Counter = collections.Counter()
@@ -200,23 +211,21 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
         traced[program_name("reprefill_packed", rows=tokens.shape[0])] += 1
         return prefill_into_slots(params, cfg, tokens, segment_ids, slot_ids, cache)
 
-    def decode(params, cache, tokens, positions, active, remaining, temperature, top_p, top_k, stop_ids,
-               key_data, exit_free, *, window):
+    def decode_loop(model_step, cache, tokens, positions, active, remaining, temperature, top_p, top_k, stop_ids,
+                    key_data, exit_free):
         """Up to `decode_chunk` steps for all slots; stops after the step that leaves every slot
         done or at least `exit_free` slots free. Outputs `[B, C]`; steps past the exit are invalid.
-        Attention reads cache positions [0, window) (static; every position reached is below it)."""
-        counts["decode"] += 1
-        traced[program_name("decode", window=window)] += 1
-        B, C, S = tokens.shape[0], ec.decode_chunk, cache.k[0].shape[2]
+        `model_step(cache, tokens [B], positions [B]) -> (logits [B, V], cache)`, position -1 for
+        an inactive slot (nothing written)."""
+        B, C, S = tokens.shape[0], ec.decode_chunk, ec.max_seq_len
         slot_keys = jax.random.wrap_key_data(key_data)
 
         def step(carry):
             cache, tokens, positions, active, remaining, i, out = carry
-            pos = jnp.where(active, positions, -1)
-            logits, cache = forward(params, cfg, tokens[:, None], pos[:, None], cache=cache, cache_window=window)
+            logits, cache = model_step(cache, tokens, jnp.where(active, positions, -1))
             # The token sampled from the input at position p uses the slot's key folded with p.
             keys = jax.vmap(jax.random.fold_in)(slot_keys, positions)
-            new, lp = sample_tokens(logits[:, 0], keys, temperature, top_p, top_k)
+            new, lp = sample_tokens(logits, keys, temperature, top_p, top_k)
             valid = active
             positions = positions + valid
             remaining = remaining - valid
@@ -235,6 +244,52 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
         cache, *_, steps, (new, lp, valid) = jax.lax.while_loop(keep_going, step, carry)
         return cache, (new.T, lp.T, valid.T, steps)  # [B, C] each, []
 
+    def decode(params, cache, *state, window):
+        """`decode_loop` attending over cache positions [0, window) (static; every position
+        reached is below it)."""
+        counts["decode"] += 1
+        traced[program_name("decode", window=window)] += 1
+
+        def model_step(cache, tokens, positions):
+            logits, cache = forward(params, cfg, tokens[:, None], positions[:, None], cache=cache,
+                                    cache_window=window)
+            return logits[:, 0], cache
+
+        return decode_loop(model_step, cache, *state)
+
+    def paged_decode(params, pools, *state, window):
+        """`decode_loop` over the pages: the last argument is the page tables `[B, M]`, M the pages
+        of `window` positions (every position reached is below it)."""
+        *state, page_tables = state
+        counts["decode"] += 1
+        traced[program_name("decode", window=window)] += 1
+        attend = make_attend(page_tables, page_size=ec.page_size, impl=ec.attention_impl, platform=platform,
+                             mesh=mesh, pages_per_replica=pools[0].num_pages // data)
+
+        def model_step(pools, tokens, positions):
+            return paged_decode_step(params, cfg, tokens, positions, pools, attend)
+
+        return decode_loop(model_step, pools, *state)
+
+    def paged_prefill_start(params, pools, tokens, lengths, rows, slots, key_data, positions, temperature, top_p,
+                            top_k, page_tables):
+        """`prefill_start` writing each started sample's prompt (positions + 1 tokens) into its pages."""
+        counts["prefill"] += 1
+        traced[program_name("prefill_start", rows=tokens.shape[0], len=tokens.shape[1])] += 1
+        block, logits = prefill_logits(params, tokens, lengths)
+        first, logprobs = sample_rows(logits, rows, key_data, positions, temperature, top_p, top_k)
+        pools = insert_pages(pools, block, rows, slots, positions + 1, page_tables)
+        return pools, block, logits, first, logprobs
+
+    def paged_insert(pools, block, rows, slots, lengths, page_tables):
+        traced[program_name("insert", rows=block.k[0].shape[0], len=block.k[0].shape[2])] += 1
+        return insert_pages(pools, block, rows, slots, lengths, page_tables)
+
+    def paged_reprefill(params, pools, tokens, segment_ids, slot_ids, page_tables):
+        counts["reprefill"] += 1
+        traced[program_name("reprefill_packed", rows=tokens.shape[0])] += 1
+        return prefill_into_pages(params, cfg, tokens, segment_ids, slot_ids, pools, page_tables)
+
     def counted(kind, fn):
         def run(*args):
             counts[kind] += 1
@@ -248,27 +303,31 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
     # Weights are held per layer, as the unrolled prefill and decode read them: split once per swap
     # of stacked weights instead of once per call.
     split_out = param_shardings(cfg, mesh, split=True) if mesh is not None else None
+    paged = layout == "paged"
     return EnginePrograms(
         split=jax.jit(split, out_shardings=split_out),
-        prefill_start=jax.jit(prefill_start, donate_argnums=(1,)),
-        insert=jax.jit(counted("insert", insert), donate_argnums=(0,)),
+        prefill_start=jax.jit(paged_prefill_start if paged else prefill_start, donate_argnums=(1,)),
+        insert=jax.jit(counted("insert", paged_insert if paged else insert), donate_argnums=(0,)),
         first_tokens=jax.jit(counted("first_tokens", first_tokens)),
         prefill=jax.jit(counted("prefill", prefill)),
-        reprefill=jax.jit(reprefill, donate_argnums=(1,)),
-        decode=jax.jit(decode, donate_argnums=(1,), static_argnames=("window",)),
-        counts=counts, traced=traced)
+        reprefill=jax.jit(paged_reprefill if paged else reprefill, donate_argnums=(1,)),
+        decode=jax.jit(paged_decode if paged else decode, donate_argnums=(1,), static_argnames=("window",)),
+        counts=counts, traced=traced, layout=layout)
 
 
 # ---- ahead-of-time descriptions ----------------------------------------------------------------------
 
 _CACHE_FIELDS = ("EngineConfig.num_slots", "EngineConfig.max_seq_len", "EngineConfig.cache_dtype",
                  "MeshConfig.generation_tensor")
+_PAGED_FIELDS = ("EngineConfig.kv_layout", "EngineConfig.page_size", "EngineConfig.kv_pool_pages",
+                 "EngineConfig.kv_pool_bytes", "EngineConfig.attention_impl")
 _PREFILL_FIELDS = ("EngineConfig.prefill_buckets", "EngineConfig.max_prompt_len", "EngineConfig.max_prefill_batch",
                    "EngineConfig.max_prefill_tokens", "EngineConfig.prefill_chunk")
 
 
 def engine_program_specs(model_cfg: ModelConfig, engine_cfg: EngineConfig, *, mesh: Mesh, param_dtype,
-                         cache_dtype=None, role: Role = "generation") -> list[ProgramSpec]:
+                         cache_dtype=None, role: Role = "generation", platform: str | None = None
+                         ) -> list[ProgramSpec]:
     """Every program the engine can run at the config's shapes on the ("data", "tensor") `mesh`.
 
     Names (prefixed with `role`): prefill_start[rows=R,len=P] for every prompt bucket (up to
@@ -279,15 +338,26 @@ def engine_program_specs(model_cfg: ModelConfig, engine_cfg: EngineConfig, *, me
     program). Resident: the weights and cache where they are not arguments; with role
     "generation" one incoming weight copy (a transfer can land while any program runs); during
     decode the block a partly started group keeps (the largest admission block).
+
+    `platform` is the target (default: jax's default backend): it resolves `kv_layout` "auto" and
+    the paged attention kernel. Paged: the cache is L pools of `data x pool_pages` pages (pages
+    over "data"), each program takes the page tables `[B, M]` last (decode: M = the window's pages).
     """
     check_mesh(model_cfg, engine_cfg, mesh)
     ec, cfg = engine_cfg, model_cfg
     data, _ = mesh_sizes(mesh)
     cache_dtype = jnp.dtype(cache_dtype or ec.cache_dtype or param_dtype)
-    programs = build_programs(cfg, ec, cache_dtype, mesh=mesh)
+    programs = build_programs(cfg, ec, cache_dtype, mesh=mesh, platform=platform)
     B, S, K, H, V = ec.num_slots, ec.max_seq_len, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
-    layer = jax.ShapeDtypeStruct((B, K, S, H), cache_dtype, sharding=cache_sharding(cfg, ec, mesh))
-    cache = KVCache((layer,) * cfg.num_layers, (layer,) * cfg.num_layers)
+    paged = programs.layout == "paged"
+    if paged:
+        pages = data * ec.pool_pages(page_bytes(cfg, ec.page_size, cache_dtype), data)
+        cache = pool_structs(cfg, pages, ec.page_size, cache_dtype, mesh, impl=ec.attention_impl, platform=platform)
+        cache_fields = _CACHE_FIELDS + _PAGED_FIELDS
+    else:
+        layer = jax.ShapeDtypeStruct((B, K, S, H), cache_dtype, sharding=cache_sharding(cfg, ec, mesh))
+        cache = KVCache((layer,) * cfg.num_layers, (layer,) * cfg.num_layers)
+        cache_fields = _CACHE_FIELDS
     params = param_structs(cfg, mesh, param_dtype, split=True)
     incoming = (params,) if role == "generation" else ()
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -307,6 +377,10 @@ def engine_program_specs(model_cfg: ModelConfig, engine_cfg: EngineConfig, *, me
     starts = (host((B,), jnp.int32), host((B,), jnp.int32), host((B, 2), jnp.uint32), host((B,), jnp.int32),
               host((B,), jnp.float32), host((B,), jnp.float32), host((B,), jnp.int32))  # rows .. top_k
     sampling = starts[:1] + starts[2:]  # first_tokens: rows, keys, positions, temperature, top_p, top_k
+    # Paged: the page tables follow every cache-writing program's arguments (an insert's row
+    # lengths before them).
+    tables = (host((B, ec.pages_per_sequence), jnp.int32),) if paged else ()
+    insert_extra = (host((B,), jnp.int32),) + tables if paged else ()
     context = lambda: activation_rules(GENERATION_RULES, mesh)  # noqa: E731
     specs: list[ProgramSpec] = []
     seen: set[str] = set()
@@ -321,10 +395,10 @@ def engine_program_specs(model_cfg: ModelConfig, engine_cfg: EngineConfig, *, me
     admission = [(R, P) for P in ec.admission_buckets() for R in ec.prefill_row_counts(P, data)]
     for R, P in admission:
         tokens = (host((R, P), jnp.int32), host((R,), jnp.int32))
-        add("prefill_start", dict(rows=R, len=P), programs.prefill_start, (params, cache, *tokens, *starts),
-            incoming, _PREFILL_FIELDS + _CACHE_FIELDS)
-        add("insert", dict(rows=R, len=P), programs.insert, (cache, block(R, P), *starts[:2]),
-            (params, logits(R)) + incoming, _PREFILL_FIELDS + _CACHE_FIELDS)
+        add("prefill_start", dict(rows=R, len=P), programs.prefill_start,
+            (params, cache, *tokens, *starts, *tables), incoming, _PREFILL_FIELDS + cache_fields)
+        add("insert", dict(rows=R, len=P), programs.insert, (cache, block(R, P), *starts[:2], *insert_extra),
+            (params, logits(R)) + incoming, _PREFILL_FIELDS + cache_fields)
     for R in sorted({R for R, _ in admission}):  # the kept block of the longest bucket stays meanwhile
         P = max(P for r, P in admission if r == R)
         add("first_tokens", dict(rows=R), programs.first_tokens, (logits(R), *sampling),
@@ -332,16 +406,16 @@ def engine_program_specs(model_cfg: ModelConfig, engine_cfg: EngineConfig, *, me
     for P in ec.long_history_buckets():
         for R in ec.prefill_row_counts(P, data):
             tokens = (host((R, P), jnp.int32), host((R,), jnp.int32))
-            fields = _PREFILL_FIELDS + _CACHE_FIELDS + ("EngineConfig.reprefill_pack_width",)
+            fields = _PREFILL_FIELDS + cache_fields + ("EngineConfig.reprefill_pack_width",)
             add("prefill", dict(rows=R, len=P), programs.prefill, (params, *tokens), (cache,) + incoming, fields)
-            add("insert", dict(rows=R, len=P), programs.insert, (cache, block(R, P), *starts[:2]),
+            add("insert", dict(rows=R, len=P), programs.insert, (cache, block(R, P), *starts[:2], *insert_extra),
                 (params,) + incoming, fields)
     W = ec.pack_width
     for R in ec.pack_row_counts(data):
         packed = tuple(host((R, W), jnp.int32) for _ in range(3))
-        add("reprefill_packed", dict(rows=R), programs.reprefill, (params, cache, *packed), incoming,
-            _CACHE_FIELDS + ("EngineConfig.reprefill_pack_width", "EngineConfig.max_prefill_batch",
-                             "EngineConfig.max_prefill_tokens"))
+        add("reprefill_packed", dict(rows=R), programs.reprefill, (params, cache, *packed, *tables), incoming,
+            cache_fields + ("EngineConfig.reprefill_pack_width", "EngineConfig.max_prefill_batch",
+                            "EngineConfig.max_prefill_tokens"))
     # A group that found too few free slots keeps its prefill block (and logits) while it waits.
     R, P = max(admission, key=lambda rp: rp[0] * rp[1])
     kept = (block(R, P), logits(R))
@@ -349,11 +423,13 @@ def engine_program_specs(model_cfg: ModelConfig, engine_cfg: EngineConfig, *, me
                   host((B,), jnp.float32), host((B,), jnp.float32), host((B,), jnp.int32),
                   host((B, MAX_STOP_IDS), jnp.int32), host((B, 2), jnp.uint32), host((), jnp.int32))
     for window in ec.decode_windows:
-        add("decode", dict(window=window), programs.decode, (params, cache, *slot_state), kept + incoming,
-            _CACHE_FIELDS + ("EngineConfig.decode_windows", "EngineConfig.decode_chunk") + _PREFILL_FIELDS,
+        window_tables = (host((B, ec.decode_pages(window)), jnp.int32),) if paged else ()
+        add("decode", dict(window=window), programs.decode, (params, cache, *slot_state, *window_tables),
+            kept + incoming,
+            cache_fields + ("EngineConfig.decode_windows", "EngineConfig.decode_chunk") + _PREFILL_FIELDS,
             kwargs=dict(window=window))
     add("split_weights", {}, programs.split, (param_structs(cfg, mesh, param_dtype, split=False),),
-        (cache,) + incoming, _CACHE_FIELDS)
+        (cache,) + incoming, cache_fields)
     return specs
 
 

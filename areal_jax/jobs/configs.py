@@ -18,6 +18,7 @@ from areal_jax.parallel.meshes import MeshConfig
 from areal_jax.plan.config import PlanConfig
 from areal_jax.ppo.advantages import AdvantageConfig
 from areal_jax.reward.pool import RewardPoolConfig
+from areal_jax.reward.registry import check_reward_function
 from areal_jax.reward.sandbox import SandboxLimits
 from areal_jax.rollout.workflow import RLVRConfig, resolve_workflow_class
 from areal_jax.tasks.arithmetic import ArithmeticConfig
@@ -43,20 +44,28 @@ class ModelSource:
 class TaskSource:
     """The prompts: the built-in arithmetic task, or files read through DataConfig."""
 
-    kind: Literal["arithmetic", "dataset"] = "arithmetic"
+    # None: "dataset" when DataConfig.paths or SFTConfig.paths is bound, else "arithmetic" (the
+    # built-in task); "arithmetic" with files bound is refused, as the files would be ignored.
+    kind: Literal["arithmetic", "dataset"] | None = None
     train_size: int = 20000  # arithmetic: distinct training problems
-    eval_size: int = 200  # held-out prompts for accuracy
+    eval_size: int = 200  # held-out prompts for accuracy (a dataset without eval_paths: 0)
     seed: int = 0
     eval_paths: tuple[str, ...] = ()  # dataset: held-out files (same formats as DataConfig.paths)
     # arithmetic: prompts for SFT's validation checks (SFTConfig.eval_every), drawn from the
     # training split after its `train_size` problems: never trained on, disjoint from held-out.
     validation_size: int = 0
+    # Before any work, the reward (RLVRConfig.reward) scores a sample of the data files' reference
+    # solutions (GSM8K answers, MATH solutions); a mean below this refuses the run, as a reward
+    # that cannot read the answers the data teaches would be 0 throughout RL. 0: no check.
+    solution_reward_min: float = 0.9
 
     def __post_init__(self):
         if self.train_size < 1 or self.eval_size < 0:
             raise ValueError("TaskSource.train_size must be >= 1 and eval_size >= 0")
         if self.validation_size < 0:
             raise ValueError(f"TaskSource.validation_size must be >= 0, got {self.validation_size!r}")
+        if not 0.0 <= self.solution_reward_min <= 1.0:
+            raise ValueError(f"TaskSource.solution_reward_min must be in [0, 1], got {self.solution_reward_min!r}")
         if self.kind == "dataset" and self.eval_size and not self.eval_paths:
             raise ValueError("TaskSource.kind = 'dataset' needs eval_paths for held-out accuracy (or eval_size = 0)")
 
@@ -69,6 +78,9 @@ class Stages:
     rl: bool = True
     plot: bool = True
     save_final_model: bool = True
+    # RL checkpoints in CheckpointConfig.directory (default RUN/checkpoints) every 50 steps or 30
+    # minutes unless CheckpointConfig binds an interval, and always after the last step. False: none.
+    checkpoint: bool = True
 
 
 JOB_CONFIG_CLASSES = (ModelSource, TaskSource, Stages, ArithmeticConfig, DataConfig, SFTConfig, RLConfig, PPOConfig,
@@ -117,27 +129,86 @@ def load_job_configs(gin_files=(), gin_params=(), *, run_dir: str, num_processes
     cs.parse(gin_files, gin_params, skip_unknown=True)
     workflow_class = _workflow_class(cs.build(RLConfig))
     cs.parse(gin_files, gin_params)
-    task = cs.build(TaskSource)
+    task = _task_source()
     data = None
     if task.kind == "dataset":
         # `areal-jax sft` on its own files reads no RL prompts: DataConfig.paths defaults to SFTConfig.paths.
         sft_paths = cs.gin.get_bindings("SFTConfig").get("paths")
         data = cs.build(DataConfig, **({"paths": sft_paths} if sft_paths and "paths" not in cs.bindings(DataConfig)
                                        else {}))
-    checkpoint = None
-    bindings = cs.gin.get_bindings("CheckpointConfig")
-    if bindings:
-        checkpoint = cs.build(CheckpointConfig, **({} if "directory" in bindings else
-                                                  {"directory": f"{run_dir}/checkpoints"}))
+    stages = cs.build(Stages)
+    rollout = cs.build(RLVRConfig)
+    try:  # a reward named wrong is found now, not after SFT
+        check_reward_function(rollout.reward, "RLVRConfig.reward")
+    except ValueError as e:
+        raise cs.ConfigError(str(e)) from None
     cfg = JobConfigs(
-        model=cs.build(ModelSource), task=task, stages=cs.build(Stages), arithmetic=cs.build(ArithmeticConfig),
-        data=data, sft=cs.build(SFTConfig), rl=cs.build(RLConfig), ppo=cs.build(PPOConfig),
-        optimizer=cs.build(OptimizerConfig), advantages=cs.build(AdvantageConfig), rollout=cs.build(RLVRConfig),
-        engine=cs.build(EngineConfig), mesh=cs.build(MeshConfig), checkpoint=checkpoint,
+        model=cs.build(ModelSource), task=task, stages=stages, arithmetic=cs.build(ArithmeticConfig),
+        data=data, sft=cs.build(SFTConfig), rl=_rl_config(rollout), ppo=_ppo_config(rollout),
+        optimizer=cs.build(OptimizerConfig), advantages=cs.build(AdvantageConfig), rollout=rollout,
+        engine=_engine_config(rollout, data), mesh=cs.build(MeshConfig), checkpoint=_checkpoint_config(stages, run_dir),
         metrics=cs.build(MetricsConfig), workflow=_workflow_config(workflow_class),
         reward_pool=cs.build(RewardPoolConfig), sandbox=cs.build(SandboxLimits))
     check_cross_fields(cfg, num_processes)
     return cfg
+
+
+def _task_source() -> TaskSource:
+    """TaskSource with its kind resolved: files bound select the dataset task (see TaskSource.kind)."""
+    bound = cs.bindings(TaskSource)
+    files = [f"{cls.__name__}.paths" for cls in (DataConfig, SFTConfig) if cs.bindings(cls).get("paths")]
+    kind = bound.get("kind")
+    if kind == "arithmetic" and files:
+        raise cs.ConfigError(f"{files[0]} is bound, but TaskSource.kind = 'arithmetic' (the built-in task) reads no "
+                             "files: bind TaskSource.kind = 'dataset' (or leave it unbound) to train on them")
+    overrides: dict[str, Any] = {"kind": kind or ("dataset" if files else "arithmetic")}
+    if overrides["kind"] == "dataset" and "eval_size" not in bound and not bound.get("eval_paths"):
+        overrides["eval_size"] = 0  # no held-out files named: no held-out accuracy, not an error
+    return cs.build(TaskSource, **overrides)
+
+
+def _rl_config(rollout: RLVRConfig) -> RLConfig:
+    rl = cs.build(RLConfig)  # held-out checks sample as long as the rollouts unless bound
+    return rl if rl.eval_max_new_tokens is not None else dataclasses.replace(
+        rl, eval_max_new_tokens=rollout.max_new_tokens)
+
+
+def _ppo_config(rollout: RLVRConfig) -> PPOConfig:
+    """PPOConfig with the sampling temperature: one field (RLVRConfig.temperature) sets both."""
+    bound = cs.bindings(PPOConfig).get("temperature", rollout.temperature)  # an equal binding (older files) is moot
+    if bound != rollout.temperature:
+        raise cs.ConfigError(f"PPOConfig.temperature ({bound}) is derived from RLVRConfig.temperature "
+                             f"({rollout.temperature}): the trainer takes log-probs at the sampling temperature; "
+                             "bind RLVRConfig.temperature only")
+    return cs.build(PPOConfig, temperature=rollout.temperature)
+
+
+def _engine_config(rollout: RLVRConfig, data: DataConfig | None) -> EngineConfig:
+    """EngineConfig with max_seq_len derived from the completion budget when not bound: the
+    longest prompt (EngineConfig.max_prompt_len, else DataConfig.max_prompt_tokens) plus
+    RLVRConfig.max_new_tokens. Without a prompt bound the field's default stays."""
+    bound = cs.bindings(EngineConfig)
+    prompt = bound.get("max_prompt_len") or (data.max_prompt_tokens if data is not None else None)
+    if "max_seq_len" in bound or not prompt:
+        return cs.build(EngineConfig)
+    return cs.build(EngineConfig, max_seq_len=prompt + rollout.max_new_tokens)
+
+
+def _checkpoint_config(stages: Stages, run_dir: str) -> CheckpointConfig | None:
+    """The run's checkpoints: on unless Stages.checkpoint = False (see Stages.checkpoint)."""
+    bound = cs.bindings(CheckpointConfig)
+    if not stages.checkpoint:
+        if bound:
+            raise cs.ConfigError("CheckpointConfig is bound, but Stages.checkpoint = False turns checkpoints off")
+        return None
+    overrides: dict[str, Any] = {} if "directory" in bound else {"directory": f"{run_dir}/checkpoints"}
+    if "save_interval_steps" not in bound and "save_interval_s" not in bound:
+        overrides.update(save_interval_steps=DEFAULT_SAVE_INTERVAL_STEPS, save_interval_s=DEFAULT_SAVE_INTERVAL_S)
+    return cs.build(CheckpointConfig, **overrides)
+
+
+DEFAULT_SAVE_INTERVAL_STEPS = 50
+DEFAULT_SAVE_INTERVAL_S = 1800.0
 
 
 _WORKFLOW_CONFIGS: set[type] = set()  # config classes of the workflows loaded in this process
@@ -189,11 +260,6 @@ def _check_sft(cfg: JobConfigs) -> None:
 
 def _check_rl(cfg: JobConfigs) -> None:
     rollout, ppo, engine = cfg.rollout, cfg.ppo, cfg.engine
-    if rollout.temperature != ppo.temperature:
-        # Behavior log-probs are taken at the sampling temperature; the trainer's at its own.
-        raise cs.ConfigError(
-            f"RLVRConfig.temperature ({rollout.temperature}) and PPOConfig.temperature ({ppo.temperature}) "
-            "must be equal: the importance weights would otherwise measure the temperature, not the staleness")
     longest = min(engine.max_seq_len, engine.prompt_limit + rollout.max_new_tokens)
     if cfg.rl.workflow is not None and engine.max_seq_len > ppo.max_tokens_per_microbatch:
         # A custom workflow may grow an episode turn by turn, up to the engine's limit.

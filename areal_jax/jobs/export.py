@@ -10,20 +10,26 @@ The model's config comes from the run directory (the checkpoint directory's pare
 --run_dir): its model_config.json, else the ModelSource recorded in its config.json; the tokenizer
 from RUN/tokenizer (every run keeps a copy there), else from the ModelSource's directory, or
 --tokenizer. The generation config travels with the tokenizer files (one is written from the
-model's bos/eos ids when the source has none). Locally DIR appears complete or not at all.
+model's bos/eos ids when the source has none), and so does the run's prompt encoding
+(areal_jax_prompt.json: `eval` and `generate` read it). Locally DIR appears complete or not at all.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from areal_jax import paths
 from areal_jax.checkpoint import SavedParams, finalized_steps
+from areal_jax.checkpoint_validation import step_problem
 from areal_jax.jobs.inputs import InputError
+from areal_jax.jobs.run_settings import write_prompt_settings
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.hf_io import copy_tokenizer_files, leaf_keys, read_config, write_params
 from areal_jax.models.transformer import param_shapes
@@ -92,7 +98,11 @@ def model_config(run_dir: paths.Path) -> ModelConfig:
     """The run's model: RUN/model_config.json, else its config.json's ModelSource."""
     recorded = run_dir / MODEL_CONFIG_FILE
     if recorded.is_file():
-        return ModelConfig.from_hf(json.loads(recorded.read_text()), source=str(recorded))
+        try:
+            return ModelConfig.from_hf(json.loads(recorded.read_text()), source=str(recorded))
+        except (KeyError, TypeError, ValueError) as e:  # not JSON, or a field missing or of the wrong type
+            raise InputError(f"--run_dir {run_dir}: {recorded} is not a model config ({type(e).__name__}: "
+                             f"{' '.join(str(e).split())})") from None
     source = _run_config(run_dir).get("model")
     if source is None:
         raise InputError(f"--run_dir {run_dir}: neither {MODEL_CONFIG_FILE} nor config.json found, so the "
@@ -135,9 +145,20 @@ def _check_shapes(saved: SavedParams, cfg: ModelConfig, where: str) -> None:
                              "(is --run_dir the run of this checkpoint?)")
 
 
-def run_export(cfg: ExportConfig) -> paths.Path:
-    """Writes the HF directory; returns its path. Bad input is an InputError naming the flag."""
+def run_export(cfg: ExportConfig) -> tuple[paths.Path, int]:
+    """Writes the HF directory, the run's prompt encoding beside it (run_settings.PROMPT_FILE);
+    returns its path and the step exported. Bad input is an InputError naming the flag."""
+    for flag, where in (("--checkpoint", cfg.checkpoint), ("--out", cfg.out), ("--run_dir", cfg.run_dir),
+                        ("--tokenizer", cfg.tokenizer)):
+        try:
+            if where is not None:
+                paths.check_reachable(where, flag)
+        except ValueError as e:
+            raise InputError(str(e)) from None
     directory, step = locate_step(cfg.checkpoint)
+    problem = step_problem(directory, step)  # a finished step broken since: said before any work
+    if problem is not None:
+        raise InputError(f"--checkpoint {cfg.checkpoint}: step {step} under {directory} is unreadable: {problem}")
     run_dir = paths.as_path(cfg.run_dir) if cfg.run_dir else directory.parent
     out = paths.as_path(cfg.out)
     if out.exists() and not out.is_dir():
@@ -146,15 +167,48 @@ def run_export(cfg: ExportConfig) -> paths.Path:
         raise InputError(f"--out {cfg.out} exists and is not empty: pass --overwrite to replace it")
     model_cfg = model_config(run_dir)
     tokenizer_dir = tokenizer_source(run_dir, cfg.tokenizer)
-    saved = SavedParams(directory, step)
+    with _quiet_orbax():
+        with _unreadable(directory, step):
+            saved = SavedParams(directory, step)
+        return _write(cfg, out, model_cfg, tokenizer_dir, saved, directory, step, run_dir), step
+
+
+@contextlib.contextmanager
+def _quiet_orbax():
+    """Orbax warns through absl that a step's `state` item has no _CHECKPOINT_METADATA file of its
+    own (the step's is one level up): true of every step this project writes, so not news."""
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        absl.setLevel(level)
+
+
+def _write(cfg: ExportConfig, out: paths.Path, model_cfg: ModelConfig, tokenizer_dir: paths.Path, saved: SavedParams,
+           directory: paths.Path, step: int, run_dir: paths.Path) -> paths.Path:
     _check_shapes(saved, model_cfg, f"{directory}/{step}")
-    with paths.staged_dir(out) as staged:
+    with paths.staged_dir(out) as staged, _unreadable(directory, step):
         write_params(saved.read, model_cfg, staged, dtype=np.dtype(_NUMPY_DTYPES[cfg.dtype]))
         copied = copy_tokenizer_files(tokenizer_dir, staged)
         if "generation_config.json" not in copied:
             (staged / "generation_config.json").write_text(json.dumps(
                 {"bos_token_id": model_cfg.bos_token_id, "eos_token_id": model_cfg.eos_token_id}, indent=2))
+        write_prompt_settings(staged, _run_config(run_dir).get("data"))
     return out
+
+
+@contextlib.contextmanager
+def _unreadable(directory: paths.Path, step: int) -> Iterator[None]:
+    """A read of the step's arrays that fails (a chunk cut short, ...) as one line naming the step."""
+    try:
+        yield
+    except InputError:
+        raise
+    except Exception as e:  # tensorstore's and Orbax's errors have no common type
+        raise InputError(f"--checkpoint: step {step} under {directory} is unreadable: "
+                         f"{' '.join(str(e).split())[:300]}") from None
 
 
 def _numpy_dtypes() -> dict[str, Any]:

@@ -12,6 +12,7 @@ from jax.experimental import multihost_utils
 
 from areal_jax import paths
 from areal_jax.checkpoint import clear_checkpoints, finalized_steps
+from areal_jax.checkpoint_validation import NoIntactCheckpoint, intact_resume_step
 from areal_jax.jobs.configs import JobConfigs
 from areal_jax.jobs.inputs import InputError
 
@@ -81,18 +82,25 @@ def check_run_dir(cfg: JobConfigs, run_dir: paths.PathLike, *, resume: bool, ove
 
 def _check_resumable(cfg: JobConfigs, run_dir: paths.Path) -> None:
     if cfg.checkpoint is None:
-        raise InputError(f"--resume: nothing to resume in {run_dir}: no CheckpointConfig is bound, so no "
-                         "checkpoint is saved or read (bind e.g. CheckpointConfig.save_interval_steps = 10)")
+        raise InputError(f"--resume: nothing to resume in {run_dir}: Stages.checkpoint = False, so no "
+                         "checkpoint is saved or read")
     directory = paths.as_path(cfg.checkpoint.directory)
     if not finalized_steps(directory):
         raise InputError(f"--resume: nothing to resume: no finished checkpoint under {directory}")
     saved = run_dir / "config.json"
     if not saved.is_file():  # checkpoints kept elsewhere, the run directory new: nothing to compare
         logger.warning("%s not found: the resumed run's config is not compared with the saved one", saved)
-        return
-    changed = resume_changes(_read_json(saved), cfg)
-    if changed:
-        raise InputError(f"--resume: fields a resumed run must keep differ from {saved}: {'; '.join(changed)}")
+    else:
+        changed = resume_changes(_read_json(saved), cfg)
+        if changed:
+            raise InputError(f"--resume: fields a resumed run must keep differ from {saved}: {'; '.join(changed)}")
+    # A broken newest step is set aside (the run holds the directory's lock); the others see the
+    # outcome after on_every_process's agreement.
+    if jax.process_index() == 0:
+        try:
+            intact_resume_step(directory)
+        except NoIntactCheckpoint as e:
+            raise InputError(f"--resume: {e}") from None
 
 
 def _read_json(path: paths.Path) -> dict:

@@ -4,7 +4,7 @@ The run directory receives: config.gin (operative bindings), config.json (every 
 config), metrics.jsonl (one object per SFT step, at indices -SFTConfig.steps..-1, then one per RL
 step from 0) and TensorBoard events, summary.json,
 progress.png (reward and held-out accuracy against steps and wall time) and final_model/
-(HF format).
+(HF format, with the prompt encoding in areal_jax_prompt.json).
 
 Where the weights live: the initial weights are loaded straight onto the train mesh (each
 device reads its slice) and handed to the RL trainer, which keeps its own fp32 copy; the
@@ -33,8 +33,12 @@ from jax.sharding import Mesh, NamedSharding
 from areal_jax import config_system as cs
 from areal_jax import paths
 from areal_jax.jobs.configs import JobConfigs
-from areal_jax.jobs.inputs import on_every_process, check_sources, input_errors
+from areal_jax.jobs.inputs import InputError, on_every_process, check_sources, input_errors
+from areal_jax.jobs.preflight import check_solution_rewards
+from areal_jax.jobs.run_settings import write_prompt_settings
 from areal_jax.jobs.run_dir import check_run_dir, remove_previous_run
+from areal_jax.jobs.run_lock import hold_run_dir
+from areal_jax.jobs.shutdown import StopRequest, stop_on_signal
 from areal_jax.jobs.run_records import drop_steps_from, last_wall_time
 from areal_jax.checkpoint import Checkpointer
 from areal_jax.metrics import MetricsLogger
@@ -129,6 +133,11 @@ def prepare_workload(cfg: JobConfigs, run_dir: paths.Path, *, mesh: Mesh | None 
     if cfg.task.kind == "arithmetic":
         from areal_jax.tasks import arithmetic as ar
 
+        if not tokenizer.has_chat_template:  # its prompts are chats: one line, not the template's traceback
+            raise InputError(f"ModelSource.path: the tokenizer in {tokenizer_dir} has no chat template (a base "
+                             "model?), and the built-in arithmetic task (no DataConfig.paths bound) prompts through "
+                             "one: bind DataConfig.paths to your files and DataConfig.prompt_template, e.g. "
+                             "'Question: {question}\\nAnswer:'")
         # Validation problems continue the training stream: distinct from every training problem.
         train_and_val = ar.problems(cfg.arithmetic, "train", cfg.task.train_size + cfg.task.validation_size,
                                     seed=cfg.task.seed)
@@ -186,20 +195,28 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
     in-process. The pool is closed however the run ends (an exception, SIGINT or SIGTERM turned
     into one by the CLI): workers with calls in flight are killed and their sandboxes swept.
     """
+    # The run directory is held for the run's whole life, before anything is written (jobs/run_lock.py).
+    with hold_run_dir(run_dir), stop_on_signal(cfg.checkpoint and cfg.checkpoint.save_on_signal_s) as stop:
+        return _run_with_pool(cfg, run_dir, stop, progress=progress, resume=resume, overwrite=overwrite)
+
+
+def _run_with_pool(cfg: JobConfigs, run_dir: str | pathlib.Path, stop: StopRequest | None, *, progress: bool,
+                   resume: bool, overwrite: bool) -> dict[str, Any]:
     try:
         pool = open_reward_pool(cfg.rollout.reward, cfg.reward_pool, cfg.sandbox)
     except (SandboxUnavailable, ValueError) as e:  # before any work, like every other config problem
         raise cs.ConfigError(str(e)) from None
     try:
-        return _run_train(cfg, run_dir, pool, progress=progress, resume=resume, overwrite=overwrite)
+        return _run_train(cfg, run_dir, pool, stop, progress=progress, resume=resume, overwrite=overwrite)
     finally:
         if pool is not None:
             pool.close(wait=False)
 
 
-def _run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: RewardPool | None, *, progress: bool,
-               resume: bool, overwrite: bool) -> dict[str, Any]:
-    """The stages of `run_train`, scoring with `reward_pool` (None: the reward is declared in-process).
+def _run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: RewardPool | None,
+               stop: StopRequest | None, *, progress: bool, resume: bool, overwrite: bool) -> dict[str, Any]:
+    """The stages of `run_train`, scoring with `reward_pool` (None: the reward is declared in-process);
+    `stop`, armed for the RL stage, turns a signal into a checkpoint of the last step and a stop.
 
     A directory that holds a run is refused (InputError) unless `overwrite` (its records and
     checkpoints are removed once the new run's inputs have loaded) or `resume`: then a checkpoint
@@ -218,6 +235,9 @@ def _run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: Reward
         raise cs.ConfigError(f"MeshConfig: {e}") from None
     on_every_process(lambda: check_run_dir(cfg, run_dir, resume=resume, overwrite=overwrite))
     on_every_process(lambda: check_sources(cfg))
+    # Held-out and validation accuracy score in the same pool as the rollouts, under the same deadline.
+    reward_fn = RewardScorer(cfg.rollout.reward, reward_pool, timeout_s=cfg.rollout.reward_timeout_s)
+    on_every_process(lambda: check_solution_rewards(cfg, reward_fn.map))  # a reward that cannot read the data
     # One device: the weights stay unplaced, as SFT then runs without a mesh.
     work = prepare_workload(cfg, run_dir, mesh=meshes.train if meshes.train.devices.size > 1 else None)
     if overwrite:
@@ -231,11 +251,8 @@ def _run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: Reward
         if work.tokenizer_dir != run_dir / "tokenizer":  # the run directory keeps the tokenizer it used
             paths.remove(run_dir / "tokenizer")
             copy_tokenizer_files(work.tokenizer_dir, run_dir / "tokenizer")
-    reward_name = cfg.rollout.reward
     stop_ids = tuple(cfg.rollout.stop_token_ids) or tuple(work.tokenizer.stop_token_ids)
     rollout_cfg = dataclasses.replace(cfg.rollout, stop_token_ids=stop_ids)
-    # Held-out and validation accuracy score in the same pool as the rollouts, under the same deadline.
-    reward_fn = RewardScorer(reward_name, reward_pool, timeout_s=cfg.rollout.reward_timeout_s)
     params, work.params = work.params, None  # from here on `params` is the only reference
     summary: dict[str, Any] = {"sft_steps": 0, "sft_time_s": 0.0}
     # Moves weights to this host's generation devices in the generation dtype, per layer; the RL
@@ -336,6 +353,8 @@ def _run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: Reward
                 bar.set_postfix(reward=f"{m.get('rollout/reward_mean', m['reward/mean']):.2f}", stale=m["staleness/max"],
                                 acc=f"{m.get('eval/accuracy', float('nan')):.2f}")
 
+        if stop is not None:  # SIGTERM/SIGINT from here on: the last completed step is checkpointed, then a stop
+            stop.arm()
         # The trainer keeps its own fp32 copy; the initial buffers are deleted once it has it.
         loop = RLLoop(work.model_config, params, tokenizer=work.tokenizer, data_iter=work.train_rows, rl=cfg.rl,
                       ppo=cfg.ppo, optimizer=cfg.optimizer, advantages=cfg.advantages,
@@ -345,7 +364,9 @@ def _run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: Reward
                       checkpoint_extra=lambda: {"summary": _jsonable(summary), "history": _jsonable(history),
                                                 "wall_time_s": elapsed()},
                       on_rollouts=metrics_log.dump_rollouts if jax.process_index() == 0 else None,
-                      donate_params=True, weight_sync=sync, reward_pool=reward_pool)
+                      on_export=lambda out: _complete_export(out, work.tokenizer_dir, cfg.data),
+                      donate_params=True, weight_sync=sync, reward_pool=reward_pool,
+                      should_stop=stop and (lambda: stop.requested))
         params = None
         if loop.resume_report is not None:  # carried into later checkpoints by their summary
             summary.setdefault("resumed", []).append(loop.resume_report)
@@ -355,6 +376,11 @@ def _run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: Reward
         if bar is not None:
             bar.close()
         metrics_log.close()
+        # A stop agreed by the loop, or (one process) a signal during the last step: its checkpoint is
+        # on disk once the checkpointer closes.
+        if loop.stopped_early or (stop is not None and stop.requested and jax.process_count() == 1):
+            checkpointer.close()
+            stop.finish()
         # The final weights stay sharded on the train mesh; the engine and optimizer state go.
         params = result.final_params
         summary.update(steps=loop.first_step + result.steps, version=result.version,
@@ -380,6 +406,7 @@ def _run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: Reward
             with paths.staged_dir(run_dir / "final_model") as out:
                 save_params(params, work.model_config, out)
                 copy_tokenizer_files(work.tokenizer_dir, out)
+                write_prompt_settings(out, cfg.data)  # eval and generate encode prompts as the run did
         else:
             save_params(params, work.model_config, run_dir / "final_model", write=False)
     del params
@@ -394,6 +421,13 @@ def _run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: Reward
           f"trained_tokens={summary['trained_tokens']:.0f} wall_time={summary['wall_time_s']:.0f}s -> {run_dir}",
           flush=True)
     return summary
+
+
+def _complete_export(out: paths.Path, tokenizer_dir: pathlib.Path, data: Any) -> None:
+    """What final_model/ holds besides the weights, for each CheckpointConfig.export_hf_interval_steps
+    export: the tokenizer and the prompt encoding, so `eval --model` and `generate` take it as is."""
+    copy_tokenizer_files(tokenizer_dir, out)
+    write_prompt_settings(out, data)
 
 
 def sft_step_index(sft: Any, step: int) -> int:

@@ -6,9 +6,14 @@ Dimension letters (declared once for this module):
   M  entries of a slot's page table (pages a slot may hold at most)
   T  tokens written in one call
 
-One layer's pool holds keys and values as `[K, P, S, H]` each: kv heads first, as the KV cache
-was before paging (attention reads one head's pages as they lie) and as the GPU paged kernel takes
-them. A token's place in the pool is its *flat index* `page * S + offset`. A slot's page table
+One layer's pool holds keys and values in one of two layouts, chosen by the kernel that reads it
+(`pool_layout(impl, platform)`); only this module looks inside a pool:
+  "heads"     k, v `[K, P, S, H]` each: kv heads first, as the KV cache was before paging (attention
+              reads one head's pages as they lie) and as the GPU kernel takes them. The reference's.
+  "combined"  k `[P, S, 2K, H]`, keys and values of a token side by side (kv head j's key at 2j, its
+              value at 2j + 1) and v None: jax's TPU `ragged_paged_attention` reads a page of both
+              in one copy. Converting per step would read the whole pool, so the pool is built so.
+A token's place in the pool is its *flat index* `page * S + offset`. A slot's page table
 `[M]` lists the pages holding its positions 0, S, 2S, ... in order; entries past the slot's last
 page are ignored (any value in [0, P)). Pages of different slots may lie anywhere in the pool and
 in any order.
@@ -21,35 +26,83 @@ in any order.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import importlib
 from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 ATTENTION_IMPLS = ("auto", "reference", "pallas")
+LAYOUTS = ("heads", "combined")
 
 _NEG = float(jnp.finfo(jnp.float32).min)
 
 
-class PagePool(NamedTuple):
-    """One layer's pages: k, v `[K, P, S, H]`."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagePool:
+    """One layer's pages: k, v `[K, P, S, H]` ("heads") or k `[P, S, 2K, H]`, v None ("combined")."""
 
     k: jax.Array
-    v: jax.Array
+    v: jax.Array | None
+    layout: str = dataclasses.field(default="heads", metadata=dict(static=True))
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"PagePool.layout must be one of {LAYOUTS}, got {self.layout!r}")
 
     @classmethod
-    def zeros(cls, num_kv_heads: int, num_pages: int, page_size: int, head_dim: int, dtype) -> "PagePool":
+    def zeros(cls, num_kv_heads: int, num_pages: int, page_size: int, head_dim: int, dtype, *,
+              impl: str = "auto", platform: str | None = None) -> "PagePool":
+        """An empty pool laid out for the kernel `impl` resolves to on `platform`."""
+        layout = pool_layout(impl, platform)
+        if layout == "combined":
+            return cls(jnp.zeros((num_pages, page_size, 2 * num_kv_heads, head_dim), dtype), None, layout)
         shape = (num_kv_heads, num_pages, page_size, head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
+    def __iter__(self):  # k, v as the NamedTuple this class replaced unpacked (v None when "combined")
+        return iter((self.k, self.v))
+
+    @staticmethod
+    def partition_spec(heads: str | None = None, pages: str | None = None, *, layout: str = "heads") -> "PagePool":
+        """PartitionSpecs of a pool with its kv heads over mesh axis `heads` and its pages over mesh
+        axis `pages` (None: whole), in `layout`'s axis order. Sharding the combined heads `2K` in
+        contiguous blocks keeps each kv head's key and value on one device."""
+        if layout == "combined":
+            return PagePool(PartitionSpec(pages, None, heads, None), None, "combined")
+        spec = PartitionSpec(heads, pages, None, None)
+        return PagePool(spec, spec)
+
     @property
     def num_pages(self) -> int:
-        return self.k.shape[1]
+        return self.k.shape[0] if self.layout == "combined" else self.k.shape[1]
 
     @property
     def page_size(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[1] if self.layout == "combined" else self.k.shape[2]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k.shape[2] // 2 if self.layout == "combined" else self.k.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.size * x.dtype.itemsize for x in (self.k, self.v) if x is not None)
+
+    def heads_first(self) -> tuple[jax.Array, jax.Array]:
+        """k, v `[K, P, S, H]` whatever the layout (a copy for "combined": the reference's view)."""
+        if self.layout == "heads":
+            return self.k, self.v
+        return self.k[:, :, 0::2].transpose(2, 0, 1, 3), self.k[:, :, 1::2].transpose(2, 0, 1, 3)
+
+
+def pool_bytes_per_token(num_kv_heads: int, head_dim: int, dtype) -> int:
+    """Bytes one token's keys and values take in one layer's pool (either layout)."""
+    return 2 * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
 
 
 def flat_index(page_tables: jax.Array, positions: jax.Array, page_size: int) -> jax.Array:
@@ -62,8 +115,14 @@ def flat_index(page_tables: jax.Array, positions: jax.Array, page_size: int) -> 
 def write_tokens(pool: PagePool, k: jax.Array, v: jax.Array, index: jax.Array) -> PagePool:
     """Stores token keys/values `k, v [T, K, H]` at flat indices `index [T]`; an index outside
     [0, P * S) (e.g. -1 for padding) writes nothing."""
-    K, P, S, H = pool.k.shape
+    P, S = pool.num_pages, pool.page_size
     index = jnp.where((index >= 0) & (index < P * S), index, P * S)  # P * S is out of bounds: dropped
+    if pool.layout == "combined":
+        _, _, C, H = pool.k.shape
+        kv = jnp.stack([k, v], axis=2).reshape(k.shape[0], C, H)  # [T, 2K, H]: key j at 2j, value at 2j + 1
+        flat = pool.k.reshape(P * S, C, H).at[index].set(kv.astype(pool.k.dtype), mode="drop")
+        return PagePool(flat.reshape(P, S, C, H), None, "combined")
+    K, _, _, H = pool.k.shape
 
     def put(pages, x):
         flat = pages.reshape(K, P * S, H).at[:, index].set(x.transpose(1, 0, 2).astype(pages.dtype), mode="drop")
@@ -80,11 +139,12 @@ def reference_paged_attention(q: jax.Array, pool: PagePool, lengths: jax.Array, 
     semantics and the CPU path, not the cost the kernels have. A slot with length 0 gets zeros.
     """
     B, N, H = q.shape
-    K, _, S, _ = pool.k.shape
+    pool_k, pool_v = pool.heads_first()
+    K, _, S, _ = pool_k.shape
     G = N // K
     M = page_tables.shape[1]
-    keys = pool.k[:, page_tables].reshape(K, B, M * S, H)  # [K, B, M*S, H]
-    values = pool.v[:, page_tables].reshape(K, B, M * S, H)
+    keys = pool_k[:, page_tables].reshape(K, B, M * S, H)  # [K, B, M*S, H]
+    values = pool_v[:, page_tables].reshape(K, B, M * S, H)
     qg = q.reshape(B, K, G, H)
     scores = jnp.einsum("bkgh,kbsh->bkgs", qg, keys.astype(q.dtype), preferred_element_type=jnp.float32) * (H ** -0.5)
     live = jnp.arange(M * S)[None, :] < lengths[:, None]  # [B, M*S]
@@ -96,12 +156,33 @@ def reference_paged_attention(q: jax.Array, pool: PagePool, lengths: jax.Array, 
 
 
 # Platform -> kernel with `reference_paged_attention`'s signature (plus keyword options). Kernel
-# modules register themselves here; the engine never imports a kernel directly.
+# modules register themselves here; the engine never imports a kernel directly. The modules below
+# are imported on first use (they import this one).
 _PALLAS_KERNELS: dict[str, Callable[..., jax.Array]] = {}
+_KERNEL_LAYOUTS: dict[str, str] = {}
+_KERNEL_NAMES: dict[str, str] = {}  # platform -> the name `plan --json` gives the kernel
+_KERNEL_MODULES = {"gpu": "areal_jax.kernels.paged_gpu", "cuda": "areal_jax.kernels.paged_gpu",
+                   "tpu": "areal_jax.kernels.paged_tpu"}
 
 
-def register_pallas_kernel(platform: str, kernel: Callable[..., jax.Array]) -> None:
+_KERNEL_LIMITS: dict[str, Callable[[int, int], str | None]] = {}  # platform -> shapes it cannot take
+
+
+def register_pallas_kernel(platform: str, kernel: Callable[..., jax.Array], *, layout: str = "heads",
+                           name: str = "pallas", limits: Callable[[int, int], str | None] | None = None) -> None:
+    """`limits(head_dim, page_size)`: why the kernel cannot take those shapes, or None."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"register_pallas_kernel: layout must be one of {LAYOUTS}, got {layout!r}")
     _PALLAS_KERNELS[platform] = kernel
+    _KERNEL_LAYOUTS[platform] = layout
+    _KERNEL_NAMES[platform] = name
+    _KERNEL_LIMITS[platform] = limits or (lambda head_dim, page_size: None)
+
+
+def _registered(platform: str) -> bool:
+    if platform not in _PALLAS_KERNELS and platform in _KERNEL_MODULES:
+        importlib.import_module(_KERNEL_MODULES[platform])
+    return platform in _PALLAS_KERNELS
 
 
 def resolve_impl(impl: str, platform: str | None = None) -> str:
@@ -111,16 +192,58 @@ def resolve_impl(impl: str, platform: str | None = None) -> str:
         raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
     platform = platform or jax.default_backend()
     if impl == "auto":
-        return "pallas" if platform in _PALLAS_KERNELS else "reference"
-    if impl == "pallas" and platform not in _PALLAS_KERNELS:
+        return "pallas" if _registered(platform) else "reference"
+    if impl == "pallas" and not _registered(platform):
         raise ValueError(f"attention_impl 'pallas': no paged attention kernel for platform {platform!r} "
                          f"(have: {sorted(_PALLAS_KERNELS) or 'none'}); use 'reference' or 'auto'")
     return impl
 
 
+def pool_layout(impl: str, platform: str | None = None) -> str:
+    """The pool layout the kernel `impl` resolves to on `platform` reads."""
+    if resolve_impl(impl, platform) == "reference":
+        return "heads"
+    return _KERNEL_LAYOUTS[platform or jax.default_backend()]
+
+
+def kernel_name(impl: str, platform: str | None = None) -> str:
+    """What `paged_attention` compiles into a program: "reference", "pallas_triton_paged", "ragged_paged"."""
+    if resolve_impl(impl, platform) == "reference":
+        return "reference"
+    return _KERNEL_NAMES[platform or jax.default_backend()]
+
+
 def paged_attention(q: jax.Array, pool: PagePool, lengths: jax.Array, page_tables: jax.Array, *,
-                    impl: str = "auto", platform: str | None = None, **options) -> jax.Array:
-    """Decode attention by live tokens; see `reference_paged_attention` for shapes and semantics."""
+                    impl: str = "auto", platform: str | None = None, heads_axis: str | None = None,
+                    replica_axis: str | None = None, **options) -> jax.Array:
+    """Decode attention by live tokens; see `reference_paged_attention` for shapes and semantics.
+    Any pool layout works with "reference"; a kernel wants the layout `pool_layout` names and shapes
+    it can take ("auto" otherwise takes the reference; "pallas" is then an error saying why).
+
+    heads_axis, replica_axis: mesh axes (of the mesh being traced under) that shard the heads (q's
+    N, the pool's kv heads) and the replicas (slots, page tables and pages together: each replica's
+    tables index its own pages). A Pallas kernel is a custom call the partitioner cannot split, so
+    it runs per shard (shard_map) instead of on gathered operands; the reference needs neither."""
     if resolve_impl(impl, platform) == "reference":
         return reference_paged_attention(q, pool, lengths, page_tables)
-    return _PALLAS_KERNELS[platform or jax.default_backend()](q, pool, lengths, page_tables, **options)
+    platform = platform or jax.default_backend()
+    unfit = _KERNEL_LIMITS[platform](q.shape[-1], pool.page_size)
+    if pool.layout != _KERNEL_LAYOUTS[platform]:
+        unfit = (f"the {platform} kernel reads a {_KERNEL_LAYOUTS[platform]!r} pool, got {pool.layout!r}: build it "
+                 "with PagePool.zeros(..., impl=, platform=) as attention runs")
+    if unfit is not None:
+        if impl == "auto":  # the best this pool and these shapes allow
+            return reference_paged_attention(q, pool, lengths, page_tables)
+        raise ValueError(f"paged_attention: {unfit}")
+    kernel = functools.partial(_PALLAS_KERNELS[platform], **options)
+    mesh = jax.sharding.get_abstract_mesh()
+    heads_axis, replica_axis = (a if a is not None and not mesh.empty and mesh.shape.get(a, 1) > 1 else None
+                                for a in (heads_axis, replica_axis))
+    if heads_axis is None and replica_axis is None:
+        return kernel(q, pool, lengths, page_tables)
+    slots = PartitionSpec(replica_axis)
+    return jax.shard_map(
+        kernel, mesh=mesh, check_vma=False, out_specs=PartitionSpec(replica_axis, heads_axis, None),
+        in_specs=(PartitionSpec(replica_axis, heads_axis, None),
+                  PagePool.partition_spec(heads_axis, replica_axis, layout=pool.layout), slots, slots),
+    )(q, pool, lengths, page_tables)

@@ -9,12 +9,14 @@ Conventions (see ModelConfig for the dimension letters B T S D N K H F V L):
 - Packed rows: `segment_ids [B, T]` mark sequences (0 = padding); a token attends only to
   earlier tokens of its own non-zero segment.
 - KV cache (generation): `KVCache` arrays `[L, B, K, S, H]`; a token at position p writes its
-  key/value at cache index p and attends to cache indices <= p of its own row.
+  key/value at cache index p and attends to cache indices <= p of its own row. Or paged
+  (kernels/paged_attention.py): per-layer pools of pages, a slot's positions on the pages its
+  page table lists; `paged_decode_step` and `prefill_into_pages` write and read them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -23,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from areal_jax.kernels.flash_attention import FLASH_IMPLS
+from areal_jax.kernels.paged_attention import PagePool, flat_index, write_tokens
 from areal_jax.models.attention import cached_attention, causal_attention, chunk_attention, training_attention
 from areal_jax.models.config import ModelConfig, rope_inverse_frequencies
 from areal_jax.models.sharding import constrain
@@ -380,6 +383,23 @@ def forward(
     return logits, new_cache
 
 
+def _packed_kv(params: Params, cfg: ModelConfig, input_ids: jax.Array, segment_ids: jax.Array, compute_dtype
+               ) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
+    """Positions within each segment `[R, W]` and every layer's keys and values `[R, W, K, H]` of
+    packed rows (attention causal within each segment)."""
+    R, W = input_ids.shape
+    positions = segment_positions(segment_ids)
+    rope = Rotary.at(cfg, positions)
+    mask = self_attention_mask(R, W, segment_ids)
+    x = _embed(params, input_ids, compute_dtype)
+    out = []
+    # The last layer's attention output and MLP feed nothing returned, so XLA drops them.
+    for p in split_layers(params)["layers"]:
+        x, kv = _layer(cfg, rope, x, p, mask, None, None, compute_dtype)
+        out.append(kv)
+    return positions, out
+
+
 def prefill_into_slots(params: Params, cfg: ModelConfig, input_ids: jax.Array, segment_ids: jax.Array,
                        slot_ids: jax.Array, cache: KVCache, *, compute_dtype=None) -> KVCache:
     """Writes the keys and values of packed sequences straight into a per-layer decode cache.
@@ -391,21 +411,52 @@ def prefill_into_slots(params: Params, cfg: ModelConfig, input_ids: jax.Array, s
     this recomputes the cache of sequences already being decoded (after a weight swap), whose
     next input token is known. cache: `KVCache.per_layer()`, L x `[B, K, S, H]`.
     """
-    R, W = input_ids.shape
-    compute_dtype = compute_dtype or params["embed"].dtype
-    positions = segment_positions(segment_ids)
-    rope = Rotary.at(cfg, positions)
-    mask = self_attention_mask(R, W, segment_ids)
+    positions, kvs = _packed_kv(params, cfg, input_ids, segment_ids, compute_dtype or params["embed"].dtype)
     B = cache.k[0].shape[0]
     dest = jnp.where(segment_ids > 0, slot_ids, B)  # slot B is out of range: padding writes nothing
-    x = _embed(params, input_ids, compute_dtype)
     new_k, new_v = [], []
-    # The last layer's attention output and MLP feed nothing returned, so XLA drops them.
-    for p, ck, cv in zip(split_layers(params)["layers"], cache.k, cache.v, strict=True):
-        x, (k, v) = _layer(cfg, rope, x, p, mask, None, None, compute_dtype)  # k, v [R, W, K, H]
+    for (k, v), ck, cv in zip(kvs, cache.k, cache.v, strict=True):  # k, v [R, W, K, H]
         new_k.append(ck.at[dest, :, positions].set(k.astype(ck.dtype), mode="drop"))
         new_v.append(cv.at[dest, :, positions].set(v.astype(cv.dtype), mode="drop"))
     return KVCache(tuple(new_k), tuple(new_v))
+
+
+def prefill_into_pages(params: Params, cfg: ModelConfig, input_ids: jax.Array, segment_ids: jax.Array,
+                       slot_ids: jax.Array, pools: tuple[PagePool, ...], page_tables: jax.Array, *,
+                       compute_dtype=None) -> tuple[PagePool, ...]:
+    """`prefill_into_slots` for a paged cache: each token goes to its slot's page for its position.
+    pools: L per-layer `PagePool`s; page_tables `[B, M]` (every slot's pages, global ids)."""
+    R, W = input_ids.shape
+    positions, kvs = _packed_kv(params, cfg, input_ids, segment_ids, compute_dtype or params["embed"].dtype)
+    tables = page_tables[jnp.clip(slot_ids, 0, page_tables.shape[0] - 1)].reshape(R * W, -1)  # [R*W, M]
+    index = flat_index(tables, jnp.where(segment_ids > 0, positions, -1).reshape(R * W, 1), pools[0].page_size)
+    return tuple(write_tokens(pool, k.reshape(R * W, *k.shape[2:]), v.reshape(R * W, *v.shape[2:]), index[:, 0])
+                 for (k, v), pool in zip(kvs, pools, strict=True))
+
+
+# (pool, q [B, N, H], k [B, K, H], v [B, K, H], positions [B]) -> (pool, attention [B, N, H]): writes
+# each slot's new token at its position (< 0: inactive, nothing written) and attends over its pages.
+PagedAttend = Callable[[PagePool, jax.Array, jax.Array, jax.Array, jax.Array], tuple[PagePool, jax.Array]]
+
+
+def paged_decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
+                      pools: tuple[PagePool, ...], attend: PagedAttend, *, compute_dtype=None
+                      ) -> tuple[jax.Array, tuple[PagePool, ...]]:
+    """One decode step over a paged cache: tokens, positions `[B]` (position < 0: an inactive slot)
+    -> logits `[B, V]` (fp32) and the pools with each token's key and value written. The layers
+    run unrolled over per-layer pools (each updated in place); `attend` writes and reads a layer's
+    pages (generation/ builds it from the page tables, per data replica on a mesh)."""
+    compute_dtype = compute_dtype or params["embed"].dtype
+    rope = Rotary.at(cfg, jnp.maximum(positions, 0)[:, None])
+    x = _embed(params, tokens[:, None], compute_dtype)
+    new = []
+    for p, pool in zip(split_layers(params)["layers"], pools, strict=True):
+        q, k, v = _attention_inputs(cfg, rope, x, p, compute_dtype)
+        pool, attn = attend(pool, q[:, 0], k[:, 0], v[:, 0], positions)
+        new.append(pool)
+        x = _layer_output(cfg, x, attn[:, None].astype(compute_dtype), p, compute_dtype)
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    return lm_head(params, cfg, x)[:, 0], tuple(new)
 
 
 def prefill_block(params: Params, cfg: ModelConfig, input_ids: jax.Array, lengths: jax.Array, *, chunk: int,

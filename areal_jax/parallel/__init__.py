@@ -1,6 +1,13 @@
 """Device partition (train vs generation meshes) and train -> generation weight transfer."""
 
-from areal_jax.parallel.distributed import agree_max, agree_sum, fully_local, gather_json, initialize_distributed
+from areal_jax.parallel.distributed import (
+    agree_max,
+    agree_sum,
+    agree_sum_array,
+    fully_local,
+    gather_json,
+    initialize_distributed,
+)
 from areal_jax.parallel.meshes import (
     GENERATION_AXES,
     TRAIN_AXES,
@@ -24,6 +31,7 @@ __all__ = [
     "WeightSync",
     "agree_max",
     "agree_sum",
+    "agree_sum_array",
     "build_meshes",
     "fully_local",
     "gather_json",

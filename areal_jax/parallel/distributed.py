@@ -1,7 +1,7 @@
 """Multi-controller start-up and small cross-process agreements.
 
 `initialize_distributed` must run before anything touches a JAX backend. `agree_max` /
-`agree_sum` launch a program over every process, so (like any cross-process program)
+`agree_sum` / `agree_sum_array` launch a program over every process, so (like any cross-process program)
 only the trainer thread may call them, at the same point on every process.
 """
 
@@ -81,6 +81,23 @@ def agree_max(x: int) -> int:
 def agree_sum(x: int) -> int:
     """The sum of `x` over all processes (e.g. the global count of valid tokens)."""
     return int(_gather(int(x)).sum())
+
+
+def agree_sum_array(x: np.ndarray) -> np.ndarray:
+    """The elementwise sum over all processes of a small float vector, in float64 (e.g. the
+    partial sums of a statistic over the global batch).
+
+    The float64 bits travel as bytes (x64 is off, so a float array would be gathered in float32)
+    and are added in process order on every process: every process gets the same bits."""
+    x = np.ascontiguousarray(x, np.float64)
+    if jax.process_count() == 1:
+        return x.copy()
+    gathered = np.asarray(multihost_utils.process_allgather(x.reshape(-1).view(np.uint8)))
+    per_process = gathered.reshape(jax.process_count(), -1).view(np.float64)  # [P, x.size]
+    total = np.zeros(x.size, np.float64)
+    for row in per_process:
+        total += row
+    return total.reshape(x.shape)
 
 
 def gather_json(obj: Any) -> list[Any]:

@@ -5,7 +5,9 @@ estimate adds is a model of the temporaries each kind of program needs, from the
 dimensions (letters of models/config.py):
 
 - decode: per step, fp32 logits `[B, V]` and sampling's copies of them, one layer's attention
-  scores `[B, N, W]` (fp32, twice: scores and probabilities) and MLP activations `[B, F]`.
+  scores `[B, N, W]` (fp32, twice: scores and probabilities) and MLP activations `[B, F]`. On a
+  paged pool the reference also gathers one layer's pages of every slot (`[K, B, W, H]`, keys and
+  values); a paged kernel keeps neither scores nor gather.
 - prefill: the new KV block `[R, K, P, H]` x L (an output), one query chunk's activations
   `[R, C, 2D + 3F]` (weights' dtype) and scores `[R, N, C, C]` (fp32). Packed re-prefill: one
   packed row's activations and one causal query block's scores.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 from areal_jax.aot import ProgramSpec, bytes_per_device
 from areal_jax.models.config import ModelConfig
@@ -57,8 +60,17 @@ def _kind(name: str) -> str:
     return name.split("/", 1)[-1].split("[")[0]
 
 
-def temporaries(spec: ProgramSpec, ctx: EstimateContext) -> int:
-    """Modelled temporaries (and new outputs) of one program on one device, in bytes."""
+# Kernels (plan/measure.py's names) that keep no `[T, T]` or `[B, N, W]` scores: flash attention
+# keeps a log-sum-exp per query, the paged decode kernels one block of scores on chip.
+FLASH_KERNELS = ("splash", "pallas_triton_flash", "cudnn")
+PAGED_KERNELS = ("ragged_paged", "pallas_triton_paged")
+
+
+def temporaries(spec: ProgramSpec, ctx: EstimateContext, attention: Sequence[str] = ()) -> int:
+    """Modelled temporaries (and new outputs) of one program on one device, in bytes.
+    `attention`: the kernels compiled into it; a flash or paged kernel keeps no score tensor."""
+    flash = any(k in FLASH_KERNELS for k in attention)
+    paged = any(k in PAGED_KERNELS for k in attention)
     m, d = ctx.model, _dims(spec.name)
     kind = _kind(spec.name)
     D, F, N, K, H, V, L = (m.hidden_size, m.intermediate_size, m.num_heads, m.num_kv_heads, m.head_dim,
@@ -66,20 +78,26 @@ def temporaries(spec: ProgramSpec, ctx: EstimateContext) -> int:
     if spec.role in ("generation", "eval"):
         t = ctx.generation_tensor
         if kind == "decode":
-            B = _first_dim(spec.args[1])  # the cache's slots on this device
             W = d.get("window", 1)
-            return 4 * B * (3 * V // t + 2 * (N // t) * W + 3 * F // t + 4 * D)
+            if _is_paged(spec.args[1]):  # pools: the slots are the tokens' rows
+                B = _first_dim(spec.args[2])
+                # The reference gathers one layer's M pages per slot (keys and values) before attending.
+                gather = 0 if paged else 2 * B * W * max(K // t, 1) * H * ctx.cache_bytes
+            else:
+                B, gather = _first_dim(spec.args[1]), 0  # the dense cache's slots on this device
+            scores = 0 if paged else 2 * (N // t) * W
+            return 4 * B * (3 * V // t + scores + 3 * F // t + 4 * D) + gather
         if kind in ("prefill_start", "prefill"):  # chunked: `prefill_chunk` queries at a time
             R, P = d.get("rows", 1), d.get("len", 1)
             C = min(ctx.prefill_chunk, P)
             block = 2 * L * R * max(K // t, 1) * P * H * ctx.cache_bytes  # the new KV block (an output)
             acts = ctx.cache_bytes * R * C * (2 * D + 3 * F // t)  # in the weights' dtype
-            scores = 4 * R * (N // t) * C * C
+            scores = 4 * R * (N // t) * C * (1 if flash else C)
             return block + acts + scores + 4 * R * V
         if kind == "reprefill_packed":  # causal blocks over packed rows, written straight into slots
             R, W = d.get("rows", 1), _last_dim(spec.args[-1])
             bq = max(32, -(-W // 32))
-            return ctx.cache_bytes * R * W * (2 * D + 3 * F // t) + 4 * R * (N // t) * bq * W
+            return ctx.cache_bytes * R * W * (2 * D + 3 * F // t) + 4 * R * (N // t) * bq * (1 if flash else W)
         if kind == "split_weights":
             return bytes_per_device(spec.args)  # the per-layer copy of the stacked weights
         return 0  # insert, first_tokens: in place or small
@@ -95,7 +113,7 @@ def temporaries(spec: ProgramSpec, ctx: EstimateContext) -> int:
         tokens = Rl * T
         layer_weights = ctx.compute_bytes * (params // 4) * f // max(L, 1)  # one layer gathered
         recompute = 4 * tokens * (4 * D + 3 * F // t)
-        attention = 4 * Rl * (N // t) * T * T // 2
+        attention = 4 * Rl * (N // t) * T * (2 if flash else T // 2)  # flash: log-sum-exp (and its gradient)
         chunk = min(ctx.logit_chunk_tokens // max(1, R // Rl), Rl * T) if Rl * T > ctx.logit_chunk_tokens else Rl * T
         logits = 4 * chunk * V // t * 2  # the chunk's logits and, in the backward, their gradient
         if kind == "logprobs":
@@ -106,9 +124,24 @@ def temporaries(spec: ProgramSpec, ctx: EstimateContext) -> int:
     return 0
 
 
-def estimate_peak(spec: ProgramSpec, ctx: EstimateContext) -> int:
+def estimate_peak(spec: ProgramSpec, ctx: EstimateContext, attention: Sequence[str] = ()) -> int:
     """Arguments + residents (exact) + modelled temporaries, bytes per device."""
-    return bytes_per_device(spec.args) + bytes_per_device(spec.resident) + temporaries(spec, ctx)
+    return bytes_per_device(spec.args) + bytes_per_device(spec.resident) + temporaries(spec, ctx, attention)
+
+
+def lower_bound_peak(spec: ProgramSpec, ctx: EstimateContext) -> int:
+    """The estimate with attention as its kernels need it (no score tensors), whatever is
+    compiled: what the planner refuses on before compiling, as no attention implementation
+    needs less."""
+    return estimate_peak(spec, ctx, FLASH_KERNELS + PAGED_KERNELS)
+
+
+def _is_paged(tree) -> bool:
+    import jax
+
+    from areal_jax.kernels.paged_attention import PagePool
+
+    return any(isinstance(x, PagePool) for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, PagePool)))
 
 
 def _first_dim(tree) -> int:

@@ -7,6 +7,7 @@ owns programs for their specs at the config's shapes.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,8 +20,9 @@ from areal_jax.jobs.train import EVAL_SLOTS
 from areal_jax.models.config import ModelConfig
 from areal_jax.parallel.meshes import split_local_devices
 from areal_jax.plan.config import PlanConfig
-from areal_jax.plan.estimate import EstimateContext, analytic_flops, estimate_peak
-from areal_jax.plan.planner import Plan, ProgramPlan, measure_programs, predict, read_model_config, role_meshes
+from areal_jax.plan.estimate import EstimateContext, analytic_flops, estimate_peak, lower_bound_peak
+from areal_jax.plan.planner import (Plan, ProgramPlan, measure_programs, paged_decode_figures, predict,
+                                    read_model_config, role_meshes)
 from areal_jax.plan.targets import Target
 
 
@@ -90,11 +92,15 @@ def collect_specs(job: JobConfigs, model_cfg: ModelConfig, target: Target, meshe
     specs += transfer_program_specs(model_cfg, meshes.train, num_hosts=target.hosts,
                                     generation_tensor=job.mesh.generation_tensor, dtype=gen_dtype(job),
                                     group_bytes=job.rl.transfer_group_bytes)
+    # The engine's programs for the target's platform (its KV layout and attention kernel), where
+    # the engine takes one (the paged engine of issue 25 does).
+    on_target = ({"platform": "tpu" if target.platform == "tpu" else "gpu"}
+                 if "platform" in inspect.signature(engine_program_specs).parameters else {})
     specs += engine_program_specs(model_cfg, replica_engine_config(job.engine, data), mesh=meshes.generation,
-                                  param_dtype=gen_dtype(job))
+                                  param_dtype=gen_dtype(job), **on_target)
     if job.task.eval_size and (job.task.kind == "arithmetic" or job.task.eval_paths):
         specs += engine_program_specs(model_cfg, eval_engine_config(job, longest_prompt, data, target.hosts),
-                                      mesh=meshes.generation, param_dtype=gen_dtype(job), role="eval")
+                                      mesh=meshes.generation, param_dtype=gen_dtype(job), role="eval", **on_target)
     # The run hands both engines their weights per layer (the transfer's split layout), which they
     # install as given: the split program of stacked weights never runs in `train`.
     return [s for s in specs if not s.name.endswith("/split_weights")]
@@ -209,20 +215,33 @@ def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files
         logit_chunk_tokens=job.ppo.logit_chunk_tokens, decode_chunk=job.engine.decode_chunk,
         prefill_chunk=job.engine.prefill_chunk)
     programs = measure_programs(specs, target, extra_resident=extra_resident, headroom=plan_cfg.headroom,
-                                use_cache=use_cache, estimator=lambda s: estimate_peak(s, ctx),
+                                use_cache=use_cache, estimator=lambda s, kernels: estimate_peak(s, ctx, kernels),
+                                lower_bound=lambda s: lower_bound_peak(s, ctx),
                                 flop_counter=lambda s, n: analytic_flops(s, ctx, n), on_program=on_program)
     replica_engine = replica_engine_config(job.engine, meshes.generation_replicas_per_host)
     cache_itemsize = jnp.dtype(job.engine.cache_dtype or gen_dtype(job)).itemsize
     kv_bytes_per_token = (2 * model_cfg.num_layers * (model_cfg.num_kv_heads // job.mesh.generation_tensor)
                           * model_cfg.head_dim * cache_itemsize)  # k and v, every layer, on one device
+    paged = None
+    layout = getattr(job.engine, "layout", None)  # the paged engine's EngineConfig (issue 25)
+    if layout is not None and layout(target.platform) == "paged":
+        page_bytes = replica_engine.page_size * kv_bytes_per_token * job.mesh.generation_tensor  # whole replica
+        paged = paged_decode_figures(
+            slots=replica_engine.num_slots, pool_tokens=replica_engine.pool_pages(page_bytes) * replica_engine.page_size,
+            mean_prompt=mean_prompt, mean_completion=mean_completion, page_size=replica_engine.page_size,
+            decode_chunk=job.engine.decode_chunk, block_tokens=max(replica_engine.page_size,
+                                                                    256 if target.platform == "tpu" else 128),
+            weight_bytes=gen_weights, kv_bytes_per_token=kv_bytes_per_token)
     prediction = predict(
-        programs, target=target, meshes=meshes, model_cfg=model_cfg, slots_per_replica=replica_engine.num_slots,
+        programs, target=target, meshes=meshes, model_cfg=model_cfg,
+        slots_per_replica=paged["in_flight_per_replica"] if paged else replica_engine.num_slots,
         batch_groups=job.rl.batch_size, samples_per_group=job.rollout.n_samples, mean_prompt=mean_prompt,
         mean_completion=mean_completion, decode_chunk=job.engine.decode_chunk,
         decode_window=job.engine.decode_window, tokens_per_microbatch=job.ppo.max_tokens_per_microbatch,
         row_length=lambda n: _row_for(job, n), num_minibatches=job.ppo.num_minibatches,
         separate_proximal=job.ppo.decoupled and job.ppo.num_minibatches > 1, colocated=split.colocated,
-        decode_bytes=lambda window: gen_weights + replica_engine.num_slots * window * kv_bytes_per_token)
+        decode_bytes=(lambda window: paged["bytes_per_step"]) if paged else
+        (lambda window: gen_weights + replica_engine.num_slots * window * kv_bytes_per_token), paged=paged)
     prediction["model_params"] = model_cfg.num_params()
     return Plan(target=target, split=split, train_devices=split.num_train * target.hosts,
                 generation_devices=split.num_generation * target.hosts, programs=tuple(programs),

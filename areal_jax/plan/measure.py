@@ -44,6 +44,7 @@ class Measured:
     num_devices: int
     compile_s: float
     cached: bool = False
+    attention: tuple[str, ...] = ()  # attention kernels in the program (`attention_kernels`), not cached
 
     @property
     def program_peak_bytes(self) -> int:
@@ -54,7 +55,7 @@ def cache_dir() -> pathlib.Path:
     return pathlib.Path(os.environ.get("AREAL_JAX_PLAN_CACHE") or pathlib.Path.home() / ".cache" / "areal_jax" / "plan")
 
 
-def _spec_devices(spec: ProgramSpec) -> int:
+def spec_devices(spec: ProgramSpec) -> int:
     counts = [len(s.device_set) for x in jax.tree.leaves((spec.args, dict(spec.kwargs)))
               if (s := getattr(x, "sharding", None)) is not None]
     return max(counts, default=1)
@@ -89,14 +90,38 @@ def _cost(lowered: jax.stages.Lowered, compiled: jax.stages.Compiled, num_device
     return flops, accessed
 
 
-def measure(spec: ProgramSpec, target_name: str, *, use_cache: bool = True) -> Measured:
-    """Lowers and compiles `spec` (its arguments already sit on the target's fake devices)."""
-    lowered = spec.lower()
-    key = hashlib.sha256(f"{_CACHE_VERSION}\n{target_name}\n{lowered.as_text()}".encode()).hexdigest()[:32]
+# Names the kernels give their pallas_call (or cuDNN its custom call), as they appear in a lowered
+# program -> the name `plan --json` reports in a program's "attention".
+_ATTENTION_KERNELS = (
+    ("ragged_paged_attention", "ragged_paged"),  # jax's TPU kernel (kernels/paged_tpu.py)
+    ("pallas_triton_paged_attention", "pallas_triton_paged"),  # ours (kernels/paged_gpu.py)
+    ("splash_mha", "splash"), ("splash_mqa", "splash"),  # jax's TPU flash attention
+    ("mha_forward", "pallas_triton_flash"), ("mha_backward", "pallas_triton_flash"),  # jax's Triton `mha`
+    ("__cudnn$fmha", "cudnn"),  # jax.nn.dot_product_attention(implementation="cudnn")
+)
+
+
+def attention_kernels(program_text: str) -> tuple[str, ...]:
+    """The attention kernels compiled into a program, from its lowered text, in a fixed order."""
+    found: list[str] = []
+    for pattern, name in _ATTENTION_KERNELS:
+        if pattern in program_text and name not in found:
+            found.append(name)
+    return tuple(found)
+
+
+def measure(spec: ProgramSpec, target_name: str, *, use_cache: bool = True,
+            lowered: jax.stages.Lowered | None = None) -> Measured:
+    """Lowers (unless given `lowered`) and compiles `spec` (its arguments already sit on the
+    target's fake devices)."""
+    lowered = lowered if lowered is not None else spec.lower()
+    text = lowered.as_text()
+    kernels = attention_kernels(text)
+    key = hashlib.sha256(f"{_CACHE_VERSION}\n{target_name}\n{text}".encode()).hexdigest()[:32]
     path = cache_dir() / f"{key}.json"
     if use_cache and path.exists():
         try:
-            return dataclasses.replace(Measured(**json.loads(path.read_text())), cached=True)
+            return dataclasses.replace(Measured(**json.loads(path.read_text())), cached=True, attention=kernels)
         except (ValueError, TypeError):
             pass  # an unreadable entry is recompiled
     t0 = time.perf_counter()
@@ -110,19 +135,22 @@ def measure(spec: ProgramSpec, target_name: str, *, use_cache: bool = True) -> M
         # verdict, with the bytes it asked for (arguments counted on top, as for any program).
         args = bytes_per_device((spec.args, dict(spec.kwargs)))
         return Measured(argument_bytes=args, output_bytes=0, alias_bytes=0, temp_bytes=needed, flops=0.0,
-                        bytes_accessed=0.0, num_devices=_spec_devices(spec), compile_s=time.perf_counter() - t0)
+                        bytes_accessed=0.0, num_devices=spec_devices(spec), compile_s=time.perf_counter() - t0,
+                        attention=kernels)
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
-    num_devices = _spec_devices(spec)
+    num_devices = spec_devices(spec)
     flops, accessed = _cost(lowered, compiled, num_devices)
     out = Measured(argument_bytes=int(mem.argument_size_in_bytes), output_bytes=int(mem.output_size_in_bytes),
                    alias_bytes=int(mem.alias_size_in_bytes), temp_bytes=int(mem.temp_size_in_bytes),
-                   flops=flops, bytes_accessed=accessed, num_devices=num_devices, compile_s=compile_s)
+                   flops=flops, bytes_accessed=accessed, num_devices=num_devices, compile_s=compile_s,
+                   attention=kernels)
     if use_cache:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({k: v for k, v in dataclasses.asdict(out).items() if k != "cached"}))
+            tmp.write_text(json.dumps({k: v for k, v in dataclasses.asdict(out).items()
+                                       if k not in ("cached", "attention")}))
             tmp.replace(path)
         except OSError:
             pass  # a read-only home only costs the next run its compile time

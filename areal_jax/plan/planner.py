@@ -28,7 +28,7 @@ from jax.sharding import AxisType, Mesh
 from areal_jax.aot import ProgramSpec, bytes_per_device
 from areal_jax.models.config import ModelConfig
 from areal_jax.parallel.meshes import GENERATION_AXES, TRAIN_AXES, DeviceSplit
-from areal_jax.plan.measure import Measured, measure
+from areal_jax.plan.measure import Measured, attention_kernels, measure, spec_devices
 from areal_jax.plan.targets import Target
 
 
@@ -52,6 +52,11 @@ class ProgramPlan:
     fields: tuple[str, ...]
     estimate_bytes: int = 0  # plan/estimate.py's hand estimate of the peak (0: none)
     flops_xla: float = 0.0  # XLA's own count (loop bodies once); `flops` is the larger of it and the analytic count
+    # The attention implementation compiled into the program: a kernel name ("splash",
+    # "ragged_paged", "pallas_triton_paged", "pallas_triton_flash", "cudnn"; several joined by "+"),
+    # "reference" (jnp attention) or "none" (a program without attention).
+    attention: str = "none"
+    refused: bool = False  # not compiled: the hand estimate alone exceeds REFUSE_FACTOR x capacity
 
     def as_json(self) -> dict[str, Any]:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
@@ -101,6 +106,26 @@ def read_model_config(path: str | pathlib.Path, *, search: Sequence[pathlib.Path
                             f"{', '.join(str(c) for c in candidates)})")
 
 
+def paged_decode_figures(*, slots: int, pool_tokens: int, mean_prompt: float, mean_completion: float,
+                         page_size: int, decode_chunk: int, block_tokens: int, weight_bytes: float,
+                         kv_bytes_per_token: float) -> dict[str, Any]:
+    """A paged replica's decode step at the mean lengths, per device. A sequence in flight holds on
+    average its prompt, half its completion, half a page and the chunk its pages grow ahead by; the
+    replica decodes as many as its slots and its pool hold. Each step reads the weights and the
+    live tokens, each sequence's last kernel block whole (half a block more on average)."""
+    mean_live = mean_prompt + mean_completion / 2
+    footprint = mean_live + page_size / 2 + decode_chunk
+    in_flight = max(1, min(slots, int(pool_tokens // footprint)))
+    live, read = in_flight * mean_live, in_flight * (mean_live + block_tokens / 2)
+    return {"in_flight_per_replica": in_flight, "bound_by": "slots" if in_flight == slots else "pool",
+            "pool_tokens_per_replica": pool_tokens, "live_tokens_per_step": live, "read_tokens_per_step": read,
+            "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes_per_token,
+            "pool_bytes_per_device": pool_tokens * kv_bytes_per_token,
+            "bytes_per_step": weight_bytes + read * kv_bytes_per_token,
+            "bytes_over_weights_and_live": (weight_bytes + read * kv_bytes_per_token)
+            / (weight_bytes + live * kv_bytes_per_token)}
+
+
 def roofline_s(flops: float, accessed: float, target: Target) -> float:
     """Time bound of a program on one device: compute or memory traffic, whichever is longer."""
     return max(flops / target.peak_flops_per_device, accessed / target.bandwidth_per_device)
@@ -131,27 +156,65 @@ def role_meshes(target: Target, split: DeviceSplit, train_tensor: int, generatio
 
 SpecSource = Callable[..., list[ProgramSpec]]
 
+# A program whose hand estimate exceeds this many times its device's capacity is refused without
+# compiling: the estimate is within 25% of the compiler at small shapes, so 2x is far past any
+# doubt, and such programs are the slowest to compile (a 262,144-token micro-batch took 17 minutes
+# on 2 cores before libtpu refused it).
+REFUSE_FACTOR = 2.0
+
+# Program kinds that attend (the rest: optimizer update, transfers, inserts, splits).
+_ATTENDING = ("decode", "prefill_start", "prefill", "reprefill_packed", "reprefill", "grad", "logprobs", "forward")
+
+
+def attention_name(spec_name: str, kernels: Sequence[str]) -> str:
+    if kernels:
+        return "+".join(kernels)
+    kind = spec_name.split("/", 1)[-1].split("[")[0]
+    return "reference" if kind.startswith(_ATTENDING) else "none"
+
 
 def measure_programs(specs: Sequence[ProgramSpec], target: Target, *, extra_resident: Callable[[ProgramSpec], int],
-                     headroom: float, use_cache: bool = True, estimator: Callable[[ProgramSpec], int] | None = None,
+                     headroom: float, use_cache: bool = True,
+                     estimator: Callable[[ProgramSpec, Sequence[str]], int] | None = None,
                      flop_counter: Callable[[ProgramSpec, int], float] | None = None,
-                     on_program: Callable[[ProgramPlan], None] | None = None) -> list[ProgramPlan]:
-    """Compiles and measures every spec; `extra_resident(spec)` adds bytes the run holds beside it."""
+                     on_program: Callable[[ProgramPlan], None] | None = None,
+                     lower_bound: Callable[[ProgramSpec], int] | None = None,
+                     refuse_factor: float = REFUSE_FACTOR) -> list[ProgramPlan]:
+    """Compiles and measures every spec; `extra_resident(spec)` adds bytes the run holds beside it.
+
+    `estimator(spec, attention_kernels)`: the hand estimate of the program's peak, printed beside
+    the compiler's. `lower_bound(spec)`: an estimate no implementation of the program undercuts;
+    a program whose lower bound (plus what stays resident) exceeds `refuse_factor` x capacity is
+    lowered (to name its attention) but not compiled: refused on the estimate, marked `refused`."""
     source = "libtpu" if target.platform == "tpu" else "xla-gpu"
     capacity = target.capacity_bytes_per_device
     out = []
     for spec in specs:
-        m: Measured = measure(spec, target.name, use_cache=use_cache)
-        resident = bytes_per_device(spec.resident) + extra_resident(spec)
-        peak = m.program_peak_bytes + resident
-        flops = max(m.flops, flop_counter(spec, m.num_devices) if flop_counter is not None else 0.0)
-        plan = ProgramPlan(
-            name=spec.name, role=spec.role, peak_bytes_per_device=peak, capacity_bytes_per_device=capacity,
-            fits=peak <= (1.0 - headroom) * capacity, flops=flops, bytes_accessed=m.bytes_accessed,
-            roofline_s=roofline_s(flops, m.bytes_accessed, target), source=source, flops_xla=m.flops,
-            program_bytes=m.program_peak_bytes, resident_bytes=resident, temp_bytes=m.temp_bytes,
-            compile_s=m.compile_s, fields=tuple(spec.fields),
-            estimate_bytes=(estimator(spec) + extra_resident(spec)) if estimator is not None else 0)
+        lowered = spec.lower()
+        kernels = attention_kernels(lowered.as_text())
+        estimate = (estimator(spec, kernels) + extra_resident(spec)) if estimator is not None else 0
+        floor = (lower_bound(spec) + extra_resident(spec)) if lower_bound is not None else 0
+        if lower_bound is not None and floor > refuse_factor * capacity:
+            resident = bytes_per_device(spec.resident) + extra_resident(spec)
+            flops = flop_counter(spec, spec_devices(spec)) if flop_counter is not None else 0.0
+            plan = ProgramPlan(
+                name=spec.name, role=spec.role, peak_bytes_per_device=floor, capacity_bytes_per_device=capacity,
+                fits=False, flops=flops, bytes_accessed=0.0, roofline_s=roofline_s(flops, 0.0, target),
+                source="estimate", program_bytes=floor - resident, resident_bytes=resident, temp_bytes=0,
+                compile_s=0.0, fields=tuple(spec.fields), estimate_bytes=estimate,
+                attention=attention_name(spec.name, kernels), refused=True)
+        else:
+            m: Measured = measure(spec, target.name, use_cache=use_cache, lowered=lowered)
+            resident = bytes_per_device(spec.resident) + extra_resident(spec)
+            peak = m.program_peak_bytes + resident
+            flops = max(m.flops, flop_counter(spec, m.num_devices) if flop_counter is not None else 0.0)
+            plan = ProgramPlan(
+                name=spec.name, role=spec.role, peak_bytes_per_device=peak, capacity_bytes_per_device=capacity,
+                fits=peak <= (1.0 - headroom) * capacity, flops=flops, bytes_accessed=m.bytes_accessed,
+                roofline_s=roofline_s(flops, m.bytes_accessed, target), source=source, flops_xla=m.flops,
+                program_bytes=m.program_peak_bytes, resident_bytes=resident, temp_bytes=m.temp_bytes,
+                compile_s=m.compile_s, fields=tuple(spec.fields), estimate_bytes=estimate,
+                attention=attention_name(spec.name, m.attention))
         out.append(plan)
         if on_program is not None:
             on_program(plan)
@@ -162,15 +225,19 @@ def predict(programs: Sequence[ProgramPlan], *, target: Target, meshes: RoleMesh
             slots_per_replica: int, batch_groups: int, samples_per_group: int, mean_prompt: float,
             mean_completion: float, decode_chunk: int, decode_window: Callable[[int], int],
             tokens_per_microbatch: int, row_length: Callable[[int], int], num_minibatches: int,
-            separate_proximal: bool, colocated: bool, decode_bytes: Callable[[int], float] | None = None
-            ) -> dict[str, Any]:
+            separate_proximal: bool, colocated: bool, decode_bytes: Callable[[int], float] | None = None,
+            paged: dict[str, Any] | None = None) -> dict[str, Any]:
     """Throughput from the programs' rooflines at the mean lengths, with the slots full.
 
     A decode chunk's cost analysis counts its loop body once: one decode step of every slot.
     `decode_bytes(window)`: the bytes one decode step must read per device (weights and the KV
     cache up to the window). XLA's cost analysis counts each in-place cache write (a scatter into
     the donated cache) as a read and a write of the whole cache, several times the real traffic,
-    so the step time is taken from this count and the compiler's FLOPs."""
+    so the step time is taken from this count and the compiler's FLOPs.
+
+    `paged`: the paged engine's decode at the mean lengths (`paged_decode_figures`): its
+    sequences in flight per replica replace the slots, and `decode_bytes` reads the weights and
+    their live tokens, whatever the window."""
     by_name = {p.name: p for p in programs}
 
     def find(prefix: str, **want: int) -> ProgramPlan | None:
@@ -189,8 +256,12 @@ def predict(programs: Sequence[ProgramPlan], *, target: Target, meshes: RoleMesh
         "mean_prompt_tokens": mean_prompt, "mean_completion_tokens": mean_completion,
         "decode_window": window, "slots_full": True,
         "roofline": "max(FLOPs / peak bf16 FLOP/s, bytes accessed / HBM bandwidth) per program, per device",
-        "decode_bytes": "weights + KV cache up to the window, read once per decode step",
+        "decode_bytes": ("weights + the live KV of the sequences in flight (each slot's last kernel block whole), "
+                         "read once per decode step" if paged else
+                         "weights + KV cache up to the window, read once per decode step"),
     }}
+    if paged:
+        out["paged"] = paged
     gen_tps = None
     if decode is not None and decode.roofline_s > 0:
         step_s = decode.roofline_s

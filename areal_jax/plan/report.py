@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from areal_jax.plan.planner import Plan, ProgramPlan
+from areal_jax.plan.planner import REFUSE_FACTOR, Plan, ProgramPlan
 
 GiB = float(1 << 30)
 
@@ -10,14 +10,34 @@ GiB = float(1 << 30)
 def program_row(p: ProgramPlan) -> str:
     mark = "ok " if p.fits else "NO "
     return (f"{mark} {p.role:<10} {p.name:<46} {p.peak_bytes_per_device / GiB:8.2f} / {p.capacity_bytes_per_device / GiB:6.2f}"
-            f" {p.estimate_bytes / GiB:8.2f}  {p.flops / 1e12:9.3f} {p.bytes_accessed / GiB:8.2f} {p.roofline_s * 1e3:9.2f}  {p.source}")
+            f" {p.estimate_bytes / GiB:8.2f}  {p.flops / 1e12:9.3f} {p.bytes_accessed / GiB:8.2f} {p.roofline_s * 1e3:9.2f}  {p.source:<8}"
+            f" {p.attention}")
 
 
 HEADER = (f"{'fit':<3} {'role':<10} {'program':<46} {'peak/capacity GiB':>17} {'est. GiB':>8}  {'TFLOP':>9} {'GiB moved':>8} "
-          f"{'roofline ms':>9}  source")
+          f"{'roofline ms':>9}  {'source':<8} attention")
 
 
-def format_plan(plan: Plan) -> str:
+# Why plan's step time and simulate's differ: said beside each one's figure.
+STEP_TIME_NOTE = ("plan's step assumes every slot busy and every completion of the mean length "
+                  "(PlanConfig.mean_completion_fraction); `areal-jax simulate` replays the length distribution's "
+                  "tail, the slots it leaves idle and the staleness bound, so its step is longer")
+
+
+def run_totals(step_s: float, steps: int, devices: int) -> dict[str, float]:
+    """The run's wall time and device-hours at `step_s` a step for RLConfig.steps on `devices`."""
+    hours = step_s * steps / 3600.0
+    return {"steps": steps, "step_s": step_s, "wall_hours": hours, "devices": devices, "device_hours": hours * devices}
+
+
+def run_totals_line(totals: dict[str, float]) -> str:
+    return (f"the run: {totals['steps']} steps (RLConfig.steps) x {totals['step_s']:.1f} s = "
+            f"{totals['wall_hours']:.2f} h wall time, {totals['device_hours']:,.1f} device-hours on "
+            f"{totals['devices']} devices")
+
+
+def format_plan(plan: Plan, steps: int | None = None) -> str:
+    """The table, the prediction and the verdict; with `steps` (RLConfig.steps) the run's hours."""
     t = plan.target
     lines = [
         f"target {t.name}: {t.hosts} host(s) x {t.devices_per_host} {t.accelerator.name} devices, "
@@ -33,12 +53,21 @@ def format_plan(plan: Plan) -> str:
     if "generation_tokens_per_s" in pred:
         lines.append(f"generation: {pred['generation_tokens_per_s']:,.0f} tokens/s over all replicas "
                      f"(decode step {pred['decode_step_s'] * 1e3:.2f} ms at window {pred['assumptions']['decode_window']})")
+    if "paged" in pred:
+        g = pred["paged"]
+        lines.append(f"paged decode: {g['in_flight_per_replica']} sequences in flight per replica (bound by its "
+                     f"{g['bound_by']}; pool {g['pool_bytes_per_device'] / GiB:.2f} GiB per device), "
+                     f"{g['bytes_per_step'] / GiB:.2f} GiB read per step = {g['bytes_over_weights_and_live']:.3f}x "
+                     "weights + live KV")
     if "trained_tokens_per_s_compute" in pred:
         lines.append(f"training: {pred['trained_tokens_per_s_compute']:,.0f} tokens/s of gradient micro-batches")
     if "step_s" in pred:
         lines.append(f"one step: generation {pred['step_generation_s']:.1f} s, training {pred['step_train_s']:.1f} s "
                      f"-> {pred['step_s']:.1f} s, {pred['trained_tokens_per_s']:,.0f} trained tokens/s; "
                      f"bound by {pred['bound']}")
+        if steps:
+            lines.append(run_totals_line(run_totals(pred["step_s"], steps, t.hosts * t.devices_per_host)))
+        lines.append(f"({STEP_TIME_NOTE})")
     lines.append(verdict(plan))
     return "\n".join(lines)
 
@@ -50,6 +79,11 @@ def verdict(plan: Plan) -> str:
                 f"{worst.peak_bytes_per_device / worst.capacity_bytes_per_device:.0%} of its device")
     lines = ["DOES NOT FIT:"]
     for p in plan.failures():
+        if p.refused:
+            lines.append(f"  {p.name} refused before compiling: its hand estimate, {p.peak_bytes_per_device / GiB:.2f} GiB, "
+                         f"is over {REFUSE_FACTOR:g}x the {p.capacity_bytes_per_device / GiB:.2f} GiB of its device; change "
+                         + (", ".join(p.fields) or "the mesh split"))
+            continue
         lines.append(f"  {p.name} needs {p.peak_bytes_per_device / GiB:.2f} GiB of "
                      f"{p.capacity_bytes_per_device / GiB:.2f} GiB (with {plan.headroom:.0%} headroom: "
                      f"{(1 - plan.headroom) * p.capacity_bytes_per_device / GiB:.2f}); change "

@@ -29,6 +29,12 @@ Reward shaping before any of this, in AReaL's order (areal/trainer/ppo/actor.py,
 "group_then_batch") the group normalization, then `mask_no_eos_with_zero` sets the reward of
 truncated sequences (no EOS) to 0. The sequence still trains, with the advantage a 0 reward gets.
 
+Across processes: each data-parallel process holds whole prompt groups, so the group statistics
+are local; the batch statistics ("batch", the batch step of "group_then_batch") span the global
+batch when `compute_advantages` gets `reduce_sum` (a cross-process sum, e.g.
+`parallel.agree_sum_array`), as AReaL all-reduces them over its data-parallel ranks. The mean is
+agreed first, then the squared deviations from it: the same two-pass statistics as on one process.
+
 Implemented in NumPy (float64 inside): it runs once per step on the trainer host, before
 packing, on a few thousand sequences; arbitrary group ids need np.unique, and host
 float64 keeps the statistics exact without enabling x64 in JAX.
@@ -38,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Literal
 
 import numpy as np
@@ -128,6 +135,7 @@ def compute_advantages(
     logprobs: np.ndarray | None = None,
     ref_logprobs: np.ndarray | None = None,
     no_eos: np.ndarray | None = None,
+    reduce_sum: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> np.ndarray:
     """Per-token advantages [N, T] (float32, zero off the loss mask).
 
@@ -143,6 +151,10 @@ def compute_advantages(
             when cfg.kl_coef > 0.
         no_eos: [N] bool, True for sequences that ended without EOS (truncated at the
             length limit); required when cfg.mask_no_eos_with_zero.
+        reduce_sum: with several data-parallel processes, a float64 vector -> its elementwise
+            sum over the processes (`parallel.agree_sum_array`); the batch statistics then cover
+            every process's sequences. Called (twice, with "batch" or "group_then_batch") at the
+            same point on every process. None: these sequences are the whole batch.
     """
     if not isinstance(cfg, AdvantageConfig):
         raise TypeError(f"cfg must be an AdvantageConfig, got {type(cfg).__name__}")
@@ -186,9 +198,9 @@ def compute_advantages(
     if cfg.norm == "none":
         adv = returns
     elif cfg.norm == "batch":
-        adv = _standardize(returns, mask, cfg.eps)
+        adv = _standardize(returns, mask, cfg.eps, reduce_sum=reduce_sum)
     elif cfg.norm == "group_then_batch":
-        adv = _standardize(returns, mask, cfg.eps, unbiased=True)
+        adv = _standardize(returns, mask, cfg.eps, unbiased=True, reduce_sum=reduce_sum)
     elif cfg.norm == "rloo":
         adv = returns - _leave_one_out_baseline(shaped, group_ids)[:, None]
     else:
@@ -226,19 +238,27 @@ def _masked_mean(x: np.ndarray, mask: np.ndarray) -> float:
     return float((x * mask).sum() / count) if count else 0.0
 
 
-def _standardize(x: np.ndarray, mask: np.ndarray, eps: float, unbiased: bool = False) -> np.ndarray:
+def _standardize(x: np.ndarray, mask: np.ndarray, eps: float, unbiased: bool = False,
+                 reduce_sum: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
     """(x - mean) / (std + eps) with token-weighted mean and std over mask (biased, or n - 1 with
-    `unbiased`, where one token has std 1 as in AReaL's Normalization)."""
-    count = mask.sum()
-    if count == 0:
+    `unbiased`, where one token has std 1 as in AReaL's Normalization); with `reduce_sum` the
+    count, sum and squared deviations are summed over the processes."""
+    count, x_sum = _summed([mask.sum(), (x * mask).sum()], reduce_sum)
+    if count == 0:  # the global count: every process takes the same branch
         return np.zeros_like(x)
-    mean = (x * mask).sum() / count
-    sq = (((x - mean) * mask) ** 2).sum()
+    mean = x_sum / count
+    [sq] = _summed([(((x - mean) * mask) ** 2).sum()], reduce_sum)
     if unbiased:
         std = np.sqrt(sq / (count - 1)) if count > 1 else 1.0
     else:
         std = np.sqrt(sq / count)
     return (x - mean) / (std + eps)
+
+
+def _summed(values, reduce_sum) -> np.ndarray:
+    """float64 partial sums, summed over the processes when `reduce_sum` is given."""
+    v = np.asarray(values, np.float64)
+    return v if reduce_sum is None else np.asarray(reduce_sum(v), np.float64)
 
 
 def _group_standardize_rewards(rewards: np.ndarray, group_ids: np.ndarray, eps: float) -> np.ndarray:

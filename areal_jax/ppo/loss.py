@@ -11,15 +11,26 @@ Three policies meet in the decoupled objective:
               may mix several versions in one sequence after interrupted generation)
 Per token, with r = pi_theta / pi_prox and w = stop_grad(pi_prox / pi_behav):
     loss_t = w * max(-A * r, -A * clip(r, 1 - eps, 1 + eps_high))
-Naive PPO (the paper's ablation) is the same call with proximal = behavior, so w = 1.
 
-AReaL's loss options (areal/utils/functional/functional.py, `ppo_actor_loss_fn` with its
-token-level rejection sampling on the ratio pi_prox / pi_behav) are keyword arguments whose
-defaults reproduce the plain objective above: the dual clip `c_clip`, what the cap does to a
-token (`behav_imp_weight_mode`) and GSPO's sequence-level ratio (`importance_sampling_level`).
-The order is AReaL's: the behaviour-weight filter first (in "mask" mode it narrows the mask the
-ratio and the sum use), then the ratio, the clip, the dual clip, the weight, and the sum over the
-original valid-token count.
+The three objectives of the staleness ablation are calls of this one function:
+    decoupled        pi_prox recomputed, w applied (the paper's objective; AReaL v1.0.0)
+    naive            proximal = behavior, so r = pi_theta / pi_behav and w = 1: the clip is a
+                     trust region around the policy that sampled each token
+    naive_recompute  pi_prox recomputed, no w (`behav_imp_weight_mode="disabled"`): the clip is
+                     anchored at the pre-step policy and nothing corrects for pi_behav (AReaL
+                     v0.3.0's recomputed-log-prob PPO without decoupling; AReaL HEAD's decoupled
+                     loss when no rejection sampling is configured)
+
+What happens to w is `behav_imp_weight_mode` with `behav_imp_weight_cap`:
+    cap None, "mask"/"clamp"  w applied as is, unbounded (the paper's formula, AReaL v1.0.0)
+    cap c, "mask"             tokens with w > c leave the mask the ratio and the sum use, still
+                              counted in the denominator (AReaL HEAD's token-level rejection
+                              sampling on the ratio, action "mask", upper bound c)
+    cap c, "clamp"            w becomes min(w, c) (the same with action "clamp")
+    "disabled" (cap None)     no w at all (AReaL HEAD without rejection sampling)
+Further options, defaults off: the dual clip `c_clip` and GSPO's sequence-level ratio
+(`importance_sampling_level`). The order of operations: the behaviour-weight filter first, then
+the ratio, the clip, the dual clip, the weight, and the sum over the original valid-token count.
 """
 
 from __future__ import annotations
@@ -32,7 +43,14 @@ from areal_jax.ppo.kl import kl_estimate
 
 # Stats whose cross-micro-batch combination is a max; every other stat is a sum.
 _MAX_STATS = ("imp_weight_max",)
-BEHAV_IMP_WEIGHT_MODES = ("mask", "clamp")
+# Off-policy diagnostics. A token is off-policy when pi_theta / pi_behav leaves this band.
+BEHAV_RATIO_BAND = (0.8, 1.2)
+# Histograms over log w (w = pi_prox / pi_behav before any cap): WEIGHT_HIST_BINS equal bins on
+# [-WEIGHT_HIST_LOG_RANGE, WEIGHT_HIST_LOG_RANGE], values beyond in the end bins. Summed over
+# micro-batches they rank the step's tokens by w without holding them (`weight_top_share`).
+WEIGHT_HIST_BINS = 256
+WEIGHT_HIST_LOG_RANGE = 8.0
+BEHAV_IMP_WEIGHT_MODES = ("mask", "clamp", "disabled")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 
@@ -86,8 +104,10 @@ def decoupled_ppo_loss(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Token-mean decoupled PPO loss and summable statistics.
 
-    Mirrors AReaL's `ppo_actor_loss_fn` (areal/utils/functional/functional.py) with a
-    token-level ratio filter (`metric="ratio"`, `upper=behav_imp_weight_cap`).
+    The semantics of AReaL's `ppo_actor_loss_fn` (areal/utils/functional/functional.py): with a
+    cap, its token-level rejection sampling on the ratio pi_prox / pi_behav; with
+    `behav_imp_weight_mode="disabled"`, its behaviour without rejection sampling (no weight);
+    with neither, the uncapped weight of the paper (module docstring).
 
     Args:
         logprobs: [B, T] log pi_theta of the sampled tokens (differentiated).
@@ -97,7 +117,8 @@ def decoupled_ppo_loss(
         loss_mask: [B, T] bool/0-1, True on tokens that are trained (generated tokens).
         eps_clip: lower clip range, r >= 1 - eps_clip; in (0, 1).
         eps_clip_higher: upper clip range (DAPO's clip-higher); defaults to eps_clip.
-        behav_imp_weight_cap: bound on w = pi_prox / pi_behav; None: w is used as is.
+        behav_imp_weight_cap: bound on w = pi_prox / pi_behav; None: w is used as is (or not
+            at all with mode "disabled").
         denominator: valid-token count to divide by. Pass the count of the whole
             minibatch when it is split into micro-batches, so that the micro-batch losses
             (and gradients) sum to the minibatch token-mean. Default: loss_mask.sum() (the
@@ -106,7 +127,8 @@ def decoupled_ppo_loss(
             loss of negative-advantage tokens whose ratio grew large. None disables.
         behav_imp_weight_mode: what the cap does to a token with w > cap. "mask": the token
             leaves the mask the ratio and the sum use (it still counts in the denominator);
-            "clamp": its weight becomes the cap.
+            "clamp": its weight becomes the cap. "disabled": no behaviour weight at all (w := 1;
+            needs cap None); the stats still report the raw w.
         importance_sampling_level: "token" (PPO) or "sequence" (GSPO): every token of a
             sequence takes the ratio exp(mean log(pi_theta / pi_prox)) and the advantage
             mean over the sequence's (filtered) valid tokens.
@@ -119,10 +141,14 @@ def decoupled_ppo_loss(
             summarize_loss_stats): n_valid, n_clipped (clipped branch active), n_dual_clipped,
             n_capped (w > cap: masked or clamped), imp_weight_sum / imp_weight_max (w before
             the cap, over valid tokens), ratio_sum, approx_kl_sum (k3 estimate of
-            KL(pi_prox || pi_theta) per token), loss_sum.
+            KL(pi_prox || pi_theta) per token), loss_sum, n_behav_ratio_out (pi_theta / pi_behav
+            outside BEHAV_RATIO_BAND), and two [WEIGHT_HIST_BINS] histograms over log w:
+            weight_hist_tokens (valid tokens) and weight_hist_grad (the size of each token's
+            gradient with respect to its log-prob, |w' A r| where the gradient flows and 0 where
+            the clip, the dual clip or the cap stops it; w' the weight applied).
     """
     _check_clip_args(eps_clip, eps_clip_higher, behav_imp_weight_cap)
-    _check_loss_options(c_clip, behav_imp_weight_mode, importance_sampling_level)
+    _check_loss_options(c_clip, behav_imp_weight_mode, importance_sampling_level, behav_imp_weight_cap)
     shapes = {
         "logprobs": logprobs.shape,
         "proximal_logprobs": proximal_logprobs.shape,
@@ -152,7 +178,9 @@ def decoupled_ppo_loss(
     # The behaviour-weight filter comes first. Padding may hold -inf or garbage log-probs:
     # neutralize before exp so that neither values nor gradients see them.
     raw_weight = jnp.exp(jnp.where(mask, prox - behav, 0.0))  # [B, T], constant
-    if behav_imp_weight_cap is None:
+    if behav_imp_weight_mode == "disabled":
+        kept, imp_weight = mask, jnp.ones_like(raw_weight)
+    elif behav_imp_weight_cap is None:
         kept, imp_weight = mask, raw_weight
     elif behav_imp_weight_mode == "mask":
         kept, imp_weight = mask & (raw_weight <= behav_imp_weight_cap), raw_weight
@@ -186,6 +214,11 @@ def decoupled_ppo_loss(
 
     approx_kl = kl_estimate(prox, jax.lax.stop_gradient(logp), "k3")  # r - 1 - log r
     sg = jax.lax.stop_gradient
+    behav_ratio = jnp.exp(jnp.where(mask, sg(logp) - behav, 0.0))  # pi_theta / pi_behav, [B, T]
+    off_policy = mask & ((behav_ratio < BEHAV_RATIO_BAND[0]) | (behav_ratio > BEHAV_RATIO_BAND[1]))
+    flows = kept & ~clipped & ~dual_clipped
+    grad_size = jnp.where(flows, jnp.abs(imp_weight * adv * sg(ratio)), 0.0)  # [B, T]
+    bins = weight_bins(jnp.where(mask, prox - behav, 0.0)).reshape(-1)
     stats = {
         "n_valid": n_valid,
         "n_clipped": jnp.sum(clipped.astype(dtype)),
@@ -196,8 +229,37 @@ def decoupled_ppo_loss(
         "ratio_sum": sg(jnp.sum(ratio * valid)),
         "approx_kl_sum": jnp.sum(jnp.where(mask, approx_kl, 0.0)),
         "loss_sum": sg(loss_sum),
+        "n_behav_ratio_out": jnp.sum(off_policy.astype(dtype)),
+        "weight_hist_tokens": jax.ops.segment_sum(valid.reshape(-1), bins, num_segments=WEIGHT_HIST_BINS),
+        "weight_hist_grad": jax.ops.segment_sum(grad_size.reshape(-1), bins, num_segments=WEIGHT_HIST_BINS),
     }
     return loss, stats
+
+
+def weight_bins(log_weight):
+    """The WEIGHT_HIST_BINS bin of each log w (NumPy or JAX arrays alike): [...] -> [...] int32."""
+    xp = jnp if isinstance(log_weight, jax.Array) else np
+    scaled = (xp.asarray(log_weight) + WEIGHT_HIST_LOG_RANGE) / (2 * WEIGHT_HIST_LOG_RANGE) * WEIGHT_HIST_BINS
+    return xp.clip(xp.floor(scaled), 0, WEIGHT_HIST_BINS - 1).astype(xp.int32)
+
+
+def weight_top_share(hist_tokens, hist_grad, top: float = 0.01) -> float:
+    """The share of the summed gradient size carried by the `top` fraction of tokens with the
+    largest w, from the histograms of `decoupled_ppo_loss`. Tokens are taken from the highest bin
+    down; of the bin where the count runs out, the share of its gradient in proportion to the
+    tokens taken (exact up to the bin width, a factor exp(1/16) in w). 0 when no gradient flows,
+    NaN when the gradient was not finite."""
+    tokens = np.asarray(hist_tokens, np.float64)[::-1]
+    grad = np.asarray(hist_grad, np.float64)[::-1]
+    if not np.isfinite(grad.sum()):
+        return float("nan")
+    if grad.sum() <= 0 or tokens.sum() <= 0:
+        return 0.0
+    want = top * tokens.sum()
+    before = np.concatenate([[0.0], np.cumsum(tokens)[:-1]])  # tokens in higher bins
+    taken = np.clip(want - before, 0.0, tokens)
+    part = np.divide(taken, tokens, out=np.zeros_like(tokens), where=tokens > 0)
+    return float((grad * part).sum() / grad.sum())
 
 
 def _sequence_mean(x: jax.Array, mask: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
@@ -277,6 +339,8 @@ def summarize_loss_stats(stats: dict[str, jax.Array]) -> dict[str, float]:
         "ratio_mean": float(stats["ratio_sum"]) / per_token,
         "approx_kl": float(stats["approx_kl_sum"]) / per_token,
         "loss_token_mean": float(stats["loss_sum"]) / per_token,
+        "behav_ratio_out_frac": float(stats["n_behav_ratio_out"]) / per_token,
+        "weight_top1pct_grad_share": weight_top_share(stats["weight_hist_tokens"], stats["weight_hist_grad"]),
     }
 
 
@@ -296,10 +360,13 @@ def _check_clip_args(eps_clip, eps_clip_higher, cap) -> None:
         raise ValueError(f"behav_imp_weight_cap must be > 0, got {cap}")
 
 
-def _check_loss_options(c_clip, mode, level) -> None:
+def _check_loss_options(c_clip, mode, level, cap) -> None:
     if isinstance(c_clip, (int, float)) and not c_clip > 1.0:
         raise ValueError(f"c_clip must be > 1 or None, got {c_clip}")
     if mode not in BEHAV_IMP_WEIGHT_MODES:
         raise ValueError(f"behav_imp_weight_mode must be one of {BEHAV_IMP_WEIGHT_MODES}, got {mode!r}")
+    if mode == "disabled" and cap is not None:
+        raise ValueError(f"behav_imp_weight_mode='disabled' applies no behaviour weight, so "
+                         f"behav_imp_weight_cap must be None, got {cap}")
     if level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, got {level!r}")

@@ -11,6 +11,7 @@ from areal_jax.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "math_reward": "areal_jax.reward.math",
+    "gsm8k_reward": "areal_jax.reward.gsm8k",
     "extract_last_boxed": "areal_jax.reward.math",
     "code_reward": "areal_jax.reward.code",
     "extract_last_code_block": "areal_jax.reward.code",

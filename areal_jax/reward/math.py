@@ -1,9 +1,11 @@
-"""Verifiable math reward: the last ``\\boxed{...}`` of a completion against a gold answer.
+"""Verifiable math reward: the final answer of a completion against a gold answer.
 
-Contract (AReaL's): the completion must put its final answer in a box; the last complete
-``\\boxed{...}`` (or ``\\fbox{...}``) counts and every earlier box is ignored. There is no
-fallback to the last number in the text: a completion without a box scores 0.0, so the policy
-is rewarded for the answer format as well as the answer.
+Contract (AReaL's, widened to GSM8K's convention): the completion must mark its final answer,
+either in a box or after ``####`` as GSM8K solutions do. Whichever marker comes last counts:
+the content of the last complete ``\\boxed{...}`` (or ``\\fbox{...}``), or the rest of the
+line after the last ``####``. There is no fallback to the last number in the text: a completion
+with neither marker scores 0.0, so the policy is rewarded for the answer format as well as the
+answer (the `gsm8k` reward, reward/gsm8k.py, has that fallback).
 
 Equivalence is decided by math-verify (numeric and symbolic: fractions vs decimals, radicals,
 percentages, sets, intervals, ...). math-verify's own timeouts use ``signal.alarm``, which
@@ -19,7 +21,7 @@ import re
 
 from math_verify import parse, verify
 
-__all__ = ["extract_last_boxed", "gold_expressions", "math_reward"]
+__all__ = ["extract_final_answer", "extract_last_boxed", "gold_expressions", "math_reward"]
 
 # math-verify warns once per process that its timeouts are off; that is our design, not news.
 logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -58,6 +60,20 @@ def extract_last_boxed(text: str) -> str | None:
     return None
 
 
+def extract_final_answer(text: str) -> str | None:
+    """The marked final answer of `text`: the last box's content or the line after the last
+    ``####``, whichever marker starts later; None when the later marker holds nothing usable
+    (an unterminated box, an empty ``####`` line) or there is no marker."""
+    hashes = text.rfind("####")
+    if hashes > max(text.rfind(cmd) for cmd in _BOX_COMMANDS):
+        line = text[hashes + 4:].strip().split("\n", 1)[0].strip()
+        line = line.rstrip(".").strip().strip("$").strip()
+        if _GSM8K_NUMBER.match(line):
+            line = line.replace(",", "")
+        return line or None
+    return extract_last_boxed(text)
+
+
 def _normalize_gold(answer: str) -> str:
     """Reduce a gold answer to the LaTeX that goes inside a box."""
     answer = answer.strip()
@@ -93,16 +109,17 @@ def gold_expressions(answer: str) -> tuple:
 
 
 def math_reward(completion: str, answer: str) -> float:
-    """1.0 if the last boxed answer of ``completion`` equals ``answer`` mathematically, else 0.0.
+    """1.0 if the marked final answer of ``completion`` (`extract_final_answer`: the last box, or
+    the line after a later ``####``) equals ``answer`` mathematically, else 0.0.
 
-    No box (or an unterminated last box) scores 0.0; there is no last-number fallback.
+    No marker (or an unterminated last box) scores 0.0; there is no last-number fallback.
     Runs without internal timeouts: call it through ``RewardPool`` (or another process-level
     deadline) when completions are untrusted.
     """
     if not isinstance(completion, str):
         raise TypeError(f"completion must be str, got {type(completion).__name__}")
     gold = gold_expressions(answer)
-    boxed = extract_last_boxed(completion)
+    boxed = extract_final_answer(completion)
     if boxed is None or not boxed.strip():
         return 0.0
     pred = parse(f"\\boxed{{{boxed}}}", parsing_timeout=None)

@@ -42,7 +42,7 @@ from typing import Any, Iterable
 
 from areal_jax.reward.registry import resolve_reward_path
 from areal_jax.reward.sandbox import SandboxLimits, sweep_orphaned_sandboxes, sweep_sandboxes_of
-from areal_jax.reward.worker import worker_main
+from areal_jax.reward.containment import guardian_main, kill_tree, own_pymp_dir, sweep_orphaned_pymp_dirs
 
 __all__ = ["RewardFunctionNotFound", "RewardPool", "RewardPoolConfig", "RewardPoolStats"]
 
@@ -72,6 +72,9 @@ class RewardPoolConfig:
     preload: modules every worker imports before it reports ready, so import time is not
         charged to the first call's deadline.
     startup_timeout_s: a worker that is not ready within this time is killed and replaced.
+    memory_mb: address space of each worker (RLIMIT_AS, inherited by what it starts), in MiB; a reward
+        past it fails (MemoryError: an error, or a crash) and scores 0.0, the trainer's memory untouched.
+        None: no cap. Every process a reward starts is killed when its call ends (reward/containment.py).
     """
 
     num_workers: int = 2
@@ -80,6 +83,7 @@ class RewardPoolConfig:
     start_method: str = "forkserver"
     preload: tuple[str, ...] = ("areal_jax.reward.math",)
     startup_timeout_s: float = 120.0
+    memory_mb: int | None = 4096
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_workers, int) or self.num_workers < 1:
@@ -94,6 +98,9 @@ class RewardPoolConfig:
             raise ValueError(f"start_method must be one of {_START_METHODS}, got {self.start_method!r}")
         if isinstance(self.preload, str) or not all(isinstance(m, str) and m for m in self.preload):
             raise ValueError(f"preload must be a tuple of module names, got {self.preload!r}")
+        if self.memory_mb is not None and (not isinstance(self.memory_mb, int) or isinstance(self.memory_mb, bool)
+                                           or self.memory_mb < 256):
+            raise ValueError(f"RewardPoolConfig.memory_mb must be None or an int >= 256 (MiB), got {self.memory_mb!r}")
         if not _positive_finite(self.startup_timeout_s):
             raise ValueError(f"startup_timeout_s must be a positive finite number, got {self.startup_timeout_s!r}")
 
@@ -144,6 +151,7 @@ class _Worker:
     task: _Task | None = None
     deadline: float = math.inf
     tasks_done: int = 0
+    pid: int | None = None  # of the process that runs the calls (below `process`, its guardian)
 
 
 class RewardPool:
@@ -160,6 +168,7 @@ class RewardPool:
         self._sandbox = sandbox
         self._ctx = multiprocessing.get_context(self.config.start_method)
         if self.config.start_method == "forkserver":
+            own_pymp_dir()  # the fork server's socket directory, attributable after a SIGKILL
             # Ignored if this process's fork server already runs; workers then import themselves.
             self._ctx.set_forkserver_preload(["__main__", __name__, *self.config.preload])
         self._lock = threading.Lock()
@@ -257,6 +266,7 @@ class RewardPool:
     def _supervise(self) -> None:
         try:
             sweep_orphaned_sandboxes()  # left by a pool whose process was SIGKILLed
+            sweep_orphaned_pymp_dirs()
             self._workers = [self._start_worker() for _ in range(self.config.num_workers)]
             while self._step():
                 pass
@@ -310,7 +320,7 @@ class RewardPool:
             while worker.conn.poll():
                 kind_or_id, status, payload = worker.conn.recv()
                 if kind_or_id == "ready":
-                    worker.ready = True
+                    worker.ready, worker.pid = True, status
                     self._startup_failures = 0
                     continue
                 self._complete(worker, kind_or_id, status, payload)
@@ -382,8 +392,8 @@ class RewardPool:
 
     def _start_worker(self) -> _Worker:
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
-        process = self._ctx.Process(target=worker_main, args=(child_conn, self.config.preload, self._sandbox),
-                                    name="reward-worker", daemon=True)
+        process = self._ctx.Process(target=guardian_main, name="reward-worker", daemon=True,
+                                    args=(child_conn, self.config.preload, self._sandbox, self.config.memory_mb))
         process.start()
         child_conn.close()
         self._count("workers_started")
@@ -402,12 +412,12 @@ class RewardPool:
             except OSError:
                 pass
             worker.process.join(2.0)
-        if worker.process.is_alive():
-            worker.process.kill()
+        if worker.process.is_alive():  # the worker, its guardian and all below them, frozen then killed
+            kill_tree(worker.process.pid)
         worker.process.join(5.0)
         worker.conn.close()
         if worker.process.exitcode != 0:  # killed or died: its sandboxes had no chance to clean up
-            sweep_sandboxes_of(worker.process.pid)
+            sweep_sandboxes_of(worker.pid or worker.process.pid)
 
     def _shutdown(self) -> None:
         """Resolve every remaining future (cancelled) and stop all workers."""

@@ -18,10 +18,14 @@ import dataclasses
 import importlib
 import importlib.util
 import re
+import subprocess
+import sys
 from typing import Callable
 
-__all__ = ["REWARDS", "RewardSpec", "register_reward", "resolve_reward_path", "reward_spec", "load_reward_function",
-           "runs_in_process"]
+from areal_jax.user_code import import_hint
+
+__all__ = ["REWARDS", "RewardSpec", "check_reward_function", "probe_reward", "register_reward", "resolve_reward_path", "reward_spec",
+           "load_reward_function", "runs_in_process"]
 
 _PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
@@ -47,6 +51,8 @@ class RewardSpec:
 
 REWARDS: dict[str, RewardSpec] = {
     "math": RewardSpec("areal_jax.reward.math:math_reward"),
+    # GSM8K's "#### N" or the last number: two linear regular expressions and a decimal compare.
+    "gsm8k": RewardSpec("areal_jax.reward.gsm8k:gsm8k_reward", in_process=True),
     "code": RewardSpec("areal_jax.reward.code:code_reward", runs_code=True),
     # A regular expression without nested quantifiers over the text, then an int compare.
     "arithmetic": RewardSpec("areal_jax.tasks.reward:arithmetic_reward", in_process=True),
@@ -87,10 +93,60 @@ def reward_spec(name_or_path: str) -> RewardSpec:
     try:
         found = importlib.util.find_spec(module)
     except ImportError as exc:  # a parent package is missing
-        raise ValueError(f"reward function {name_or_path!r}: cannot find module {module!r}: {exc}") from exc
+        raise ValueError(f"reward function {name_or_path!r}: cannot find module {module!r}: {exc}; "
+                         f"{import_hint(module)}") from exc
     if found is None:
-        raise ValueError(f"reward function {name_or_path!r}: no module named {module!r}")
+        raise ValueError(f"reward function {name_or_path!r}: no module named {module!r}; {import_hint(module)}")
     return spec
+
+
+def check_reward_function(name_or_path: str, field: str) -> None:
+    """Resolves the reward fully before any work: a registered name, or a user's path whose
+    module imports and holds a callable of that name. ValueError of one line naming `field`.
+
+    A user's module is imported in a short-lived child process with this process's sys.path, as a
+    worker would import it: its import-time effects (heavy imports, even an exit) stay out of the
+    trainer. Registered rewards are not imported, so math-verify and sympy stay out too."""
+    try:
+        spec = reward_spec(name_or_path)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{field}: {e}") from None
+    if spec in REWARDS.values():
+        return
+    code = ("import sys; sys.path[:] = sys.argv[2:]; from areal_jax.reward.registry import probe_reward; "
+            "sys.exit(probe_reward(sys.argv[1]))")
+    try:
+        done = subprocess.run([sys.executable, "-c", code, spec.path, *sys.path], capture_output=True, text=True,
+                              timeout=_PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise ValueError(f"{field} = {name_or_path!r}: importing {spec.path.split(':')[0]!r} took more than "
+                         f"{_PROBE_TIMEOUT_S:.0f} s") from None
+    if done.returncode != 0:
+        lines = done.stdout.strip().splitlines()
+        why = lines[-1] if done.returncode == 1 and lines else (
+            f"importing {spec.path.split(':')[0]!r} ended the process (exit code {done.returncode})")
+        raise ValueError(f"{field} = {name_or_path!r}: {why}")
+
+
+_PROBE_TIMEOUT_S = 120.0
+
+
+def probe_reward(path: str) -> int:
+    """`check_reward_function`'s child: loads `path`; prints one line saying why and returns 1 if
+    it cannot. An exit of the module's own making returns its code."""
+    module = path.split(":", 1)[0]
+    try:
+        load_reward_function(path)
+    except ModuleNotFoundError as e:
+        print(f"importing {module!r} failed: {e}; {import_hint(e.name or module)}")
+        return 1
+    except LookupError as e:
+        print(str(e).replace("\n", " "))
+        return 1
+    except Exception as e:  # the user's module itself is broken: say how
+        print(f"importing {module!r} failed: {type(e).__name__}: {' '.join(str(e).split())}")
+        return 1
+    return 0
 
 
 def resolve_reward_path(name_or_path: str) -> str:

@@ -16,10 +16,11 @@ import signal
 import traceback
 from typing import Any
 
+from areal_jax.reward.containment import has_children, kill_descendants
 from areal_jax.reward.registry import load_reward_function
 from areal_jax.reward.sandbox import SandboxLimits, set_default_limits
 
-__all__ = ["worker_main"]
+__all__ = ["release_fork_server", "worker_main"]
 
 
 def _die_with_parent() -> None:
@@ -32,7 +33,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _release_fork_server() -> None:
+def release_fork_server() -> None:
     # A forkserver child inherits the write end of the pipe on which the fork server waits for the
     # pool's process to die (multiprocessing keeps it so a child could start processes itself).
     # Held by a worker stuck in a call, the server never sees that end and never exits, so the
@@ -60,7 +61,7 @@ def worker_main(conn: multiprocessing.connection.Connection, preload: tuple[str,
                 sandbox: SandboxLimits | None = None) -> None:
     """Worker loop: receive (task_id, path, args, kwargs), reply (task_id, status, payload)."""
     _die_with_parent()
-    _release_fork_server()
+    release_fork_server()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # shutdown is the parent's job
     if sandbox is not None:
         set_default_limits(sandbox)
@@ -86,8 +87,17 @@ def worker_main(conn: multiprocessing.connection.Connection, preload: tuple[str,
                 conn.send((task_id, "not_found", traceback.format_exc()))
                 continue
         fn = functions[path]
+        out_of_memory = False
         try:
             reply = (task_id, "ok", _coerce_reward(fn(*args, **kwargs)))
+        except MemoryError:  # past RewardPoolConfig.memory_mb: an error; the worker starts afresh
+            out_of_memory = True
+            reply = (task_id, "error", "MemoryError: the reward exceeded RewardPoolConfig.memory_mb")
         except Exception:
             reply = (task_id, "error", traceback.format_exc())
+        # Whatever the call started ends with it (this process is their subreaper: reward/containment.py).
+        if has_children():
+            kill_descendants()
         conn.send(reply)
+        if out_of_memory:
+            return

@@ -94,6 +94,8 @@ class ControllerStats:
     # biased: the all-equal filter drops groups that are all right or all wrong).
     finished_trajectories: int = 0
     finished_reward_sum: float = 0.0
+    # Samples the engine preempted so far (paged KV pool dry; recomputed later).
+    generation_preempted_samples: int = 0
 
     @property
     def rejected_total(self) -> int:
@@ -278,7 +280,8 @@ class RolloutController:
 
     def stats(self) -> ControllerStats:
         """Counters now, plus the channel depth and the engine's generation throughput."""
-        tokens_per_s = self.engine.stats().tokens_per_s
+        engine = self.engine.stats()
+        tokens_per_s = engine.tokens_per_s
         with self._cond:
             return ControllerStats(
                 admitted=self._admitted, accepted=self._accepted, rejected=dict(self._rejected),
@@ -286,7 +289,8 @@ class RolloutController:
                 peak_in_flight=self._peak_in_flight, outbox=len(self._outbox), channel_depth=self.channel.qsize(),
                 paused=self._paused.is_set(), data_exhausted=self._exhausted,
                 admission_version=self._admission_version, generation_tokens_per_s=tokens_per_s, error=self._error,
-                finished_trajectories=self._finished_trajectories, finished_reward_sum=self._finished_reward_sum)
+                finished_trajectories=self._finished_trajectories, finished_reward_sum=self._finished_reward_sum,
+                generation_preempted_samples=engine.preempted_samples)
 
     # ---- the loop -----------------------------------------------------------------------------
 

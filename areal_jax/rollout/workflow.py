@@ -53,6 +53,7 @@ from areal_jax.generation.sampling import SamplingParams
 from areal_jax.reward.registry import load_reward_function, resolve_reward_path
 from areal_jax.rollout.filters import equal_rewards_filter
 from areal_jax.rollout.types import Trajectory, TrajectoryGroup
+from areal_jax.user_code import import_hint
 
 __all__ = [
     "Detokenizer", "GenerationAborted", "RLVRConfig", "RLVRWorkflow", "RewardTimeout", "RolloutClient",
@@ -264,8 +265,8 @@ def resolve_workflow_class(path: str, field: str = "RLConfig.workflow") -> type:
         obj: Any = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            raise ValueError(f"{where}: cannot import module {module_name!r}: no module named {exc.name!r} "
-                             "(is its package installed, or on PYTHONPATH?)") from None
+            raise ValueError(f"{where}: cannot import module {module_name!r}: no module named {exc.name!r}; "
+                             f"{import_hint(exc.name)}") from None
         raise ValueError(f"{where}: importing {module_name!r} failed: {type(exc).__name__}: {exc}") from exc
     except Exception as exc:  # the user's module itself is broken: say so, keep the cause
         raise ValueError(f"{where}: importing {module_name!r} failed: {type(exc).__name__}: {exc}") from exc

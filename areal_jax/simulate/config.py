@@ -35,6 +35,10 @@ class Workload:
         max_group_age: RLConfig.max_group_age (None: no per-group age filter).
         max_new_tokens: RLVRConfig.max_new_tokens (the completion cap).
         minibatch_seed: PPOConfig.minibatch_seed (the groups' order before the minibatch split).
+        kv_pool_pages: pages of one generation replica's paged KV pool (EngineConfig.pool_pages);
+            0: the dense KV cache (num_slots x max_seq_len, every slot read up to the window).
+        page_size: tokens per page (EngineConfig.page_size).
+        block_tokens: tokens the paged decode kernel reads at a time (kernels/: 128 on GPU, 256 on TPU).
     """
 
     hosts: int
@@ -53,6 +57,9 @@ class Workload:
     max_group_age: int | None = None
     max_new_tokens: int = 512
     minibatch_seed: int = 0
+    kv_pool_pages: int = 0
+    page_size: int = 16
+    block_tokens: int = 128
 
     def __post_init__(self):
         for name in ("hosts", "devices_per_host", "batch_groups", "samples_per_group", "max_concurrent",
@@ -61,6 +68,10 @@ class Workload:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Workload.{name} must be an int >= 1, got {value!r}")
+        for name in ("kv_pool_pages", "page_size", "block_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "kv_pool_pages" else 1):
+                raise ValueError(f"Workload.{name} must be an int >= {0 if name == 'kv_pool_pages' else 1}, got {value!r}")
         if self.batch_groups % self.hosts:
             raise ValueError(f"RLConfig.batch_size {self.batch_groups} must divide over {self.hosts} hosts")
         if self.channel_capacity < self.local_batch:
@@ -69,6 +80,10 @@ class Workload:
     @property
     def local_batch(self) -> int:
         return self.batch_groups // self.hosts
+
+    @property
+    def paged(self) -> bool:
+        return self.kv_pool_pages > 0
 
     def generation_replicas(self, generation_devices: int) -> int:
         return max(1, generation_devices // self.generation_tensor)

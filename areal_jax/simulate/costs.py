@@ -2,7 +2,11 @@
 planner's roofline of the target's published figures (`roofline_costs`).
 
 One interface, per host engine and for the whole trainer:
-    decode_chunk_s(steps, slot_steps, window)   a decode chunk (slot_steps: active slots summed over its steps)
+    decode_chunk_s(steps, slot_steps, window, live_tokens=None)
+                                                a decode chunk (slot_steps: active slots summed over its
+                                                steps; live_tokens: with a paged KV cache, the cached
+                                                tokens its steps read, summed over steps and slots;
+                                                None: the dense cache, every slot read up to `window`)
     prefill_s(rows, length)                     an admission prefill call (rows of one length bucket)
     insert_s()                                  later samples of a group started from its kept block
     reprefill_s(calls, tokens)                  the packed re-prefill of a weight swap
@@ -16,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import numpy as np
+
 Shapes = Sequence[Sequence[tuple[int, int]]]
 
 
@@ -24,6 +30,7 @@ class LinearCosts:
     """Costs linear in what each program processes (the form the calibration fits).
 
     decode chunk  = steps x decode_step + slot_steps x decode_slot + steps x window x decode_window
+                    (dense; paged: + live tokens x decode_token instead of the window term)
     prefill call  = prefill_call + rows x length x prefill_token
     re-prefill    = reprefill_call x calls + reprefill_token x tokens
     train step    = train_step + minibatches x train_minibatch + micro-batches x train_microbatch
@@ -33,6 +40,7 @@ class LinearCosts:
     decode_step: float = 0.0
     decode_slot: float = 0.0
     decode_window: float = 0.0
+    decode_token: float = 0.0  # per cached token a paged decode step reads (not fitted: 0 on dense runs)
     prefill_call: float = 0.0
     prefill_token: float = 0.0
     insert_call: float = 0.0
@@ -53,7 +61,9 @@ class LinearCosts:
             if f.name != "label" and not (isinstance(value, (int, float)) and value >= 0):
                 raise ValueError(f"LinearCosts.{f.name} must be a number >= 0, got {value!r}")
 
-    def decode_chunk_s(self, steps: int, slot_steps: int, window: int) -> float:
+    def decode_chunk_s(self, steps: int, slot_steps: int, window: int, live_tokens=None) -> float:
+        if live_tokens is not None:
+            return steps * self.decode_step + slot_steps * self.decode_slot + live_tokens * self.decode_token
         return steps * (self.decode_step + window * self.decode_window) + slot_steps * self.decode_slot
 
     def prefill_s(self, rows: int, length: int) -> float:
@@ -129,8 +139,23 @@ class RooflineCosts:
         accessed = (self.generation_weight_bytes + slots * window * self.kv_bytes_per_token) / self.generation_tensor
         return self._time(flops, accessed)
 
-    def decode_chunk_s(self, steps: int, slot_steps: int, window: int) -> float:
-        return steps * self.decode_step_s(window)
+    def decode_chunk_s(self, steps: int, slot_steps: int, window: int, live_tokens=None) -> float:
+        if live_tokens is None:
+            return steps * self.decode_step_s(window)
+        return self.paged_decode_s(steps, live_tokens)
+
+    def paged_decode_s(self, steps, live_tokens):
+        """`steps` decode steps of every slot of a replica (the program computes every slot) that
+        read `live_tokens` cached tokens over the host (summed over steps and slots): the weights
+        once per step plus the live keys and values, each replica its share. Arrays work too."""
+        m = self.model
+        flops = self._flops(f"generation/prefill[rows={self.slots_per_replica},len=1]", "generation",
+                            self.generation_tensor) * steps
+        flops = flops + 4.0 * m.num_layers * m.num_heads * m.head_dim * live_tokens / self.replicas \
+            / self.generation_tensor
+        accessed = (self.generation_weight_bytes * steps + live_tokens / self.replicas * self.kv_bytes_per_token) \
+            / self.generation_tensor
+        return np.maximum(flops / self.target.peak_flops_per_device, accessed / self.target.bandwidth_per_device)
 
     def prefill_s(self, rows: int, length: int) -> float:
         flops = self._flops(f"generation/prefill[rows={rows},len={length}]", "generation",

@@ -4,9 +4,10 @@ or from a recorded run, printed as a table or JSON.
     areal-jax simulate --gin_file=CONFIG [--gin_param ...] [--target NAME | --calibrate RUN_DIR]
                        [--lengths PATH | --length-dist SPEC] [--sweep FIELD=v1,v2,...] [--seed S] [--json]
 
-Rows: the config's own (mode, eta, split) and, for an async config, the synchronous colocated
-baseline; `--sweep` replaces a field's value by each of the listed ones (fields: mode, eta, split =
-generation devices per host; several --sweep flags multiply).
+Rows: the config's own (mode, eta, split), or with `--sweep` a field's value replaced by each of
+the listed ones (fields: mode, eta, split = generation devices per host; several --sweep flags
+multiply), and always the synchronous colocated baseline that "vs sync" compares with. Each row
+states its step time and the run's wall time and device-hours for RLConfig.steps.
 """
 
 from __future__ import annotations
@@ -105,6 +106,28 @@ def build_workload(job, *, hosts: int, devices_per_host: int):
     return wl, generation, split.colocated
 
 
+def paged_workload(job, plan_cfg, gin_files, target, workload):
+    """The workload with the engine's paged KV pool where the engine pages on `target`
+    (EngineConfig.kv_layout; "auto" pages on accelerators): pool pages per replica from
+    EngineConfig.kv_pool_pages / kv_pool_bytes (default: the dense cache's bytes), and the decode
+    kernel's block (kernels/paged_gpu.py reads 128 tokens at a time, kernels/paged_tpu.py 256)."""
+    import jax.numpy as jnp
+
+    from areal_jax.plan.job import gen_dtype, model_config_for
+
+    engine = job.engine
+    layout = getattr(engine, "layout", None)
+    if layout is None or layout(target.platform) != "paged":
+        return workload
+    model = model_config_for(job, plan_cfg, gin_files)
+    cache_itemsize = jnp.dtype(engine.cache_dtype or gen_dtype(job)).itemsize
+    page_bytes = engine.page_size * 2 * model.num_layers * model.num_kv_heads * model.head_dim * cache_itemsize
+    replicas = workload.generation_replicas(workload.config_generation_devices)
+    block = 256 if target.platform == "tpu" else 128
+    return dataclasses.replace(workload, kv_pool_pages=engine.pool_pages(page_bytes, replicas),
+                               page_size=engine.page_size, block_tokens=max(engine.page_size, block))
+
+
 def roofline_costs(job, plan_cfg, gin_files, target, workload, row, *, transfer_bytes_per_s, reward_s):
     """`RooflineCosts` of a row's split on `target` (plan/: the model's shapes, analytic FLOPs, published peaks)."""
     import jax.numpy as jnp
@@ -132,11 +155,14 @@ def roofline_costs(job, plan_cfg, gin_files, target, workload, row, *, transfer_
 
 
 def _rows(base, sweeps, *, include_sync: bool) -> list:
-    if not sweeps:
-        rows = [base]
-        if include_sync and base.mode == "async":
-            rows.append(dataclasses.replace(base, mode="sync", eta=0, colocated=False))
-        return rows
+    """The config's row, or the sweep's; with `include_sync` always a synchronous baseline too."""
+    rows = [base] if not sweeps else _swept_rows(base, sweeps)
+    if include_sync and not any(r.mode == "sync" for r in rows):  # "vs sync" needs its baseline
+        rows.append(dataclasses.replace(base, mode="sync", eta=0, colocated=False))
+    return rows
+
+
+def _swept_rows(base, sweeps) -> list:
     rows = []
     names = [f for f, _ in sweeps]
     for values in itertools.product(*(v for _, v in sweeps)):
@@ -153,8 +179,10 @@ def _rows(base, sweeps, *, include_sync: bool) -> list:
     return rows
 
 
-def simulate_rows(args) -> dict[str, Any]:
-    """Every row of the command; returns {"rows": [...], "assumptions": {...}}."""
+def simulate_rows(args, *, adjust_workload=None) -> dict[str, Any]:
+    """Every row of the command; returns {"rows": [...], "assumptions": {...}}. `adjust_workload`
+    (Python callers: bench/simulate_scale.py) maps the Workload built from the configs to the one
+    simulated, e.g. a paged KV pool the configs do not state."""
     from areal_jax import config_system as cs
     from areal_jax.jobs.configs import load_job_configs
     from areal_jax.plan.config import PlanConfig
@@ -163,6 +191,7 @@ def simulate_rows(args) -> dict[str, Any]:
     from areal_jax.simulate.config import RowConfig
     from areal_jax.simulate.lengths import LengthSampler, parse_length_spec, read_rollout_lengths
     from areal_jax.simulate.system import Simulation
+    from areal_jax.plan.report import STEP_TIME_NOTE, run_totals
 
     job = load_job_configs(args.gin_file, args.gin_param, run_dir="simulate")
     plan_cfg = cs.build(PlanConfig)
@@ -181,6 +210,10 @@ def simulate_rows(args) -> dict[str, Any]:
         devices = args.devices_per_host or target.devices_per_host
         hosts = args.hosts or target.hosts
     workload, generation, colocated = build_workload(job, hosts=hosts, devices_per_host=devices)
+    if target is not None:
+        workload = paged_workload(job, plan_cfg, args.gin_file, target, workload)
+    if adjust_workload is not None:
+        workload = adjust_workload(workload)
 
     # Lengths: a dump, a spec, or the planner's assumption as a lognormal long tail.
     longest_prompt = (job.data.max_prompt_tokens if job.data is not None and job.data.max_prompt_tokens
@@ -218,6 +251,7 @@ def simulate_rows(args) -> dict[str, Any]:
         d["split"] = f"{r.generation_devices}:{r.train_devices}" if r.mode == "async" and not (
             r.generation_devices == r.train_devices == workload.devices_per_host) else "colocated"
         d["vs_sync"] = r.trained_tokens_per_s / sync.trained_tokens_per_s if sync and sync.trained_tokens_per_s else None
+        d["run"] = run_totals(r.step_s, job.rl.steps, workload.hosts * workload.devices_per_host)
         out_rows.append(d)
     assumptions = {
         "costs": (fit.costs.label + f" (steps used {fit.steps_used}, fit error per family "
@@ -231,12 +265,17 @@ def simulate_rows(args) -> dict[str, Any]:
         "batch": f"{workload.batch_groups} groups x {workload.samples_per_group} samples per step",
         "engine": f"{workload.engine.num_slots} slots per host at the config's split, decode chunk "
                   f"{workload.engine.decode_chunk}, max_seq_len {workload.engine.max_seq_len}"
+                  + (f"; paged KV: {workload.kv_pool_pages} pages of {workload.page_size} tokens per replica, "
+                     f"decode by live tokens (kernel blocks of {workload.block_tokens})" if workload.paged
+                     else "; dense KV cache, decode over the window of the longest sequence")
                   + ("; slots per replica kept when the split changes, a sync row's slots capped at one "
                      "batch's samples per host" if fit is None else ""),
         "transfer": (f"{args.transfer_gbps:g} GB/s per host (generation weights)" if fit is None
                      else f"{fit.costs.transfer_s:.3f} s per step (recorded)"),
         "reward_s": args.reward_s,
-        "steps": f"{args.steps} simulated, first {args.warmup} left out",
+        "steps": f"{args.steps} simulated, first {args.warmup} left out; run h and device-h: the mean step "
+                 f"times RLConfig.steps = {job.rl.steps} on {workload.hosts * workload.devices_per_host} devices",
+        "step time": STEP_TIME_NOTE,
         "seed": args.seed,
     }
     return {"rows": out_rows, "assumptions": assumptions}
@@ -244,14 +283,19 @@ def simulate_rows(args) -> dict[str, Any]:
 
 def format_rows(report: dict[str, Any]) -> str:
     head = (f"{'mode':6s} {'eta':>3s} {'split':>9s} {'trained tok/s':>14s} {'vs sync':>7s} {'gen busy':>8s} "
-            f"{'train busy':>10s} {'slots':>6s} {'re-prefill':>10s} {'stale max/mean':>14s} {'step s':>8s}")
+            f"{'train busy':>10s} {'slots':>6s} {'re-prefill':>10s} {'stale max/mean':>14s} {'step s':>8s} "
+            f"{'run h':>7s} {'device-h':>9s}")
+    paged = any(r.get("decode_bytes_ratio") for r in report["rows"])
+    if paged:  # preempted samples per step and host; decode bytes over (weights + live KV)
+        head += f" {'preempted':>9s} {'bytes/live':>10s}"
     lines = [head]
     for r in report["rows"]:
         vs = f"{r['vs_sync']:.2f}x" if r["vs_sync"] is not None else "-"
         lines.append(f"{r['mode']:6s} {r['eta']:3d} {r['split']:>9s} {r['trained_tokens_per_s']:14,.0f} {vs:>7s} "
                      f"{r['generation_busy']:8.0%} {r['train_busy']:10.0%} {r['slot_occupancy']:6.0%} "
                      f"{r['reprefill_per_trained_token']:10.2f} {r['staleness_max']:>6d} / {r['staleness_mean']:5.2f} "
-                     f"{r['step_s']:8.2f}")
+                     f"{r['step_s']:8.2f} {r['run']['wall_hours']:7.2f} {r['run']['device_hours']:9,.1f}"
+                     + (f" {r['preempted_per_step']:9.1f} {r['decode_bytes_ratio']:10.3f}" if paged else ""))
     lines.append("")
     lines += [f"{k}: {v}" for k, v in report["assumptions"].items() if k != "cost_model"]
     return "\n".join(lines)
@@ -259,8 +303,10 @@ def format_rows(report: dict[str, Any]) -> str:
 
 def main(args) -> int:
     from areal_jax.config_system import ConfigError
+    from areal_jax.simulate.flags import check_flags
 
     try:
+        check_flags(args)
         report = simulate_rows(args)
     except (SimulateError, ConfigError, ValueError, FileNotFoundError) as e:
         print(f"areal-jax: simulate: {' '.join(str(e).split())}", file=sys.stderr)

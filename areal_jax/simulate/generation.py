@@ -4,6 +4,13 @@
     -> admit from the queue head into free slots (one prefill call per bucket batch)
     -> decode chunks of `decode_chunk` steps over every slot, at the window of the longest sequence
 
+With a paged KV cache (`pool_pages` > 0) as the paged engine schedules it: admission needs free pages
+(a sample's prompt and its first chunk, leaving a 1% watermark), every slot's pages grow to cover
+each chunk, and when the pool runs dry the sample admitted last is preempted (its KV dropped) and
+resumed before new work by a prefill of its history (vLLM's recompute). A decode step then costs the
+weights plus the cached tokens it reads, each slot's rounded up to the kernel's block of pages; the
+replicas of a host share one pool here (the engine's per-replica pools fragment slightly more).
+
 Rows, buckets, windows and pack widths come from the real `EngineConfig`; the costs from a cost
 model (simulate/costs.py). A run of chunks in which no sample finishes is one event (a segment);
 weights arriving mid-segment cut it at the next chunk boundary, as the engine swaps only there.
@@ -56,6 +63,10 @@ class EngineCounters:
     generated_tokens: int = 0
     reprefill_tokens: int = 0
     swaps: int = 0
+    preemptions: int = 0  # paged: samples whose KV was dropped for want of pages
+    recomputed_tokens: int = 0  # paged: history tokens prefilled again when they resumed
+    live_tokens: int = 0  # paged: cached tokens the decode steps attended over (sum over steps and slots)
+    read_tokens: int = 0  # paged: the same rounded up to the kernel's block per slot (what it reads)
 
 
 @dataclasses.dataclass
@@ -69,13 +80,16 @@ class _Segment:
     windows: np.ndarray  # [chunks]
     active: np.ndarray  # [chunks] active slots at each chunk's start
     event: Event | None = None
+    live: np.ndarray | None = None  # [chunks] paged: cached tokens attended over
+    read: np.ndarray | None = None  # [chunks] paged: cached tokens the kernel reads
 
 
 class SimEngine:
     """The engine of one host. `data`: its generation replicas (row counts are multiples of it)."""
 
     def __init__(self, config: EngineConfig, data: int, costs, clock: EventQueue, *,
-                 on_group_done: Callable[[SimGroup], None], on_swap: Callable[[], None]) -> None:
+                 on_group_done: Callable[[SimGroup], None], on_swap: Callable[[], None],
+                 pool_pages: int = 0, page_size: int = 16, block_tokens: int = 128) -> None:
         self.config = config
         self.data = data
         self.costs = costs
@@ -100,6 +114,38 @@ class SimEngine:
         self._round_scheduled = False
         self._in_round = False
         self._windows = np.asarray(config.decode_windows)
+        # Paged KV cache (pool_pages 0: the dense cache). block_tokens: what the decode kernel reads
+        # at a time (pages per block x page size), a slot's last block read whole.
+        self.pool_pages, self.page_size, self.block_tokens = pool_pages, page_size, block_tokens
+        if pool_pages and pool_pages * page_size < config.max_seq_len:
+            raise ValueError(f"a pool of {pool_pages} pages of {page_size} holds less than one sequence of "
+                             f"max_seq_len = {config.max_seq_len}")
+        self.watermark = max(1, pool_pages // 100)
+        self.started = np.zeros(B, np.int64)  # admission order (the last admitted is preempted first)
+        self._starts = 0
+        self.resumes: collections.deque[tuple[SimGroup, int, int, int]] = collections.deque()  # preempted samples
+        self._pending_tokens: tuple[np.ndarray, np.ndarray] | None = None
+
+    @property
+    def paged(self) -> bool:
+        return self.pool_pages > 0
+
+    def _pages(self, tokens) -> np.ndarray:
+        return -(-np.minimum(tokens, self.config.max_seq_len) // self.page_size)
+
+    def _pages_in_use(self, ahead: int) -> int:
+        """Pages the active samples hold once grown to cover `ahead` more tokens each."""
+        active = self.active
+        return int(self._pages(self.prompt[active] + self.generated[active] + ahead).sum())
+
+    def _room(self, prompt: int) -> int:
+        """Samples of a `prompt`-token prompt the pool admits now (each: its prompt and first chunk)."""
+        if not self.paged:
+            return self.config.num_slots
+        # The watermark keeps room for the running samples to grow; an empty engine admits without it.
+        watermark = self.watermark if self.active.any() else 0
+        free = self.pool_pages - watermark - self._pages_in_use(self.config.decode_chunk)
+        return max(0, free // int(self._pages(prompt + self.config.decode_chunk)))
 
     # ---- inputs ---------------------------------------------------------------------------------
 
@@ -157,6 +203,7 @@ class SimEngine:
                 self.on_swap()  # the controller admits at the new version: those groups start now
         if not draining:
             setup += self._admit(t + setup)
+        self._make_room()
         self.counters.busy_s += setup
         self._in_round = False
         if self.active_samples:
@@ -185,8 +232,15 @@ class SimEngine:
             seconds = self.costs.reprefill_s(calls, sum(packed))
             self.timings.add("reprefill", shape_key(rows), calls=calls, tokens=sum(packed), s=seconds)
             cost += seconds
+        cost += self._prefill_histories(sorted(h for h in histories if h > ec.pack_width))
+        self.counters.reprefill_tokens += sum(histories)
+        return cost
+
+    def _prefill_histories(self, histories: list[int]) -> float:
+        """Seconds of prefilling histories by length bucket (the long-history path)."""
+        ec, cost = self.config, 0.0
         by_bucket: dict[int, list[int]] = collections.defaultdict(list)
-        for h in sorted(h for h in histories if h > ec.pack_width):
+        for h in histories:
             by_bucket[ec.bucket(h)].append(h)
         for bucket, lengths in by_bucket.items():
             most = ec.max_prefill_prompts(bucket, self.data)
@@ -196,25 +250,30 @@ class SimEngine:
                 seconds = self.costs.reprefill_long_s(rows, bucket)
                 self.timings.add("reprefill_long", shape_key(rows, bucket), calls=1, tokens=sum(part), s=seconds)
                 cost += seconds
-        self.counters.reprefill_tokens += sum(histories)
         return cost
 
     def _admit(self, t: float) -> float:
-        """Fills free slots from the queue head as the engine does; returns the calls' seconds.
-        Samples that stop at their first token finish at `t` plus the calls so far."""
+        """Fills free slots from the queue head as the engine does (preempted samples first, when
+        paged); returns the calls' seconds. Samples that stop at their first token finish at `t`
+        plus the calls so far."""
         ec, cost = self.config, 0.0
         free = np.flatnonzero(~self.active).tolist()
-        while free and self.queue:
+        if self.resumes:
+            cost, free = self._resume(t, free)
+        while free and self.queue and not self.resumes:
             head = self.queue[0]
+            usable = free[:self._room(head.prompt)]
+            if not usable:
+                break
             if head.prefix_kept:
                 seconds = self.costs.insert_s()
-                self.timings.add("insert", shape_key(min(len(free), head.n - head.next_sample)), calls=1, s=seconds)
+                self.timings.add("insert", shape_key(min(len(usable), head.n - head.next_sample)), calls=1, s=seconds)
                 cost += seconds
-                free = self._start(head, free, t + cost)
+                free = self._start(head, usable, t + cost) + free[len(usable):]
                 continue
             bucket = ec.bucket(head.prompt)
             most = ec.max_prefill_prompts(head.prompt, self.data)
-            batch, room = [], len(free)
+            batch, room = [], len(usable)
             for group in self.queue:
                 if len(batch) == most or room <= 0 or group.prefix_kept or ec.bucket(group.prompt) != bucket:
                     break
@@ -226,10 +285,43 @@ class SimEngine:
                              s=seconds)
             cost += seconds
             for group in batch:
-                free = self._start(group, free, t + cost)
+                usable = free[:self._room(group.prompt)]
+                free = self._start(group, usable, t + cost) + free[len(usable):]
                 if group.next_sample < group.n:
                     group.prefix_kept = True
         return cost
+
+    def _resume(self, t: float, free: list[int]) -> tuple[float, list[int]]:
+        """Restarts preempted samples (oldest first) while slots and pages allow, their histories
+        prefilled by length bucket; returns (seconds, slots still free)."""
+        started = []
+        while self.resumes and free:
+            group, index, generated, target = self.resumes[0]
+            history = group.prompt + generated - 1
+            if self._room(history + 1) < 1:
+                break
+            self.resumes.popleft()
+            slot = free.pop(0)
+            self.slot_group[slot], self.slot_index[slot] = group, index
+            self.target[slot], self.generated[slot], self.since_swap[slot] = target, generated, generated
+            self.prompt[slot], self.active[slot] = group.prompt, True
+            self._starts += 1
+            self.started[slot] = self._starts
+            started.append(history)
+        self.counters.recomputed_tokens += sum(started)
+        return self._prefill_histories(started), free
+
+    def _make_room(self) -> None:
+        """Preempts the samples admitted last until every active one's pages cover the next chunk."""
+        while self.paged and self._pages_in_use(self.config.decode_chunk) > self.pool_pages:
+            active = np.flatnonzero(self.active)
+            slot = int(active[np.argmax(self.started[active])])
+            self._close_segment(slot)
+            self.resumes.append((self.slot_group[slot], int(self.slot_index[slot]), int(self.generated[slot]),
+                                 int(self.target[slot])))
+            self.slot_group[slot] = None
+            self.active[slot] = False
+            self.counters.preemptions += 1
 
     def _start(self, group: SimGroup, free: list[int], t: float) -> list[int]:
         take = min(len(free), group.n - group.next_sample)
@@ -240,6 +332,8 @@ class SimEngine:
             self.slot_group[slot], self.slot_index[slot] = group, index
             self.target[slot], self.generated[slot], self.since_swap[slot] = group.lengths[index], 1, 0
             self.prompt[slot] = group.prompt
+            self._starts += 1
+            self.started[slot] = self._starts
             if self.target[slot] <= 1:
                 self._finish(slot, t)
             else:
@@ -282,26 +376,65 @@ class SimEngine:
             if ec.refill_after <= left.size:
                 last_steps = min(last_steps, int(left[ec.refill_after - 1]))
         chunks = k + 1
+        lengths = self.prompt[active] + self.generated[active]
+        if self.paged:  # end the segment before the chunk the pool cannot cover (preemption there)
+            covered = self._chunks_covered(lengths, chunks)
+            if covered < chunks:
+                chunks, last_steps = covered, C
         steps = np.full(chunks, C, np.int64)
         steps[-1] = last_steps
         slot_steps = steps * len(active)
-        slot_steps[-1] = int(np.minimum(remaining - k * C, last_steps).sum())
+        slot_steps[-1] = int(np.minimum(remaining - (chunks - 1) * C, last_steps).sum())
         needed = positions_max + C * np.arange(1, chunks + 1)
         index = np.minimum(np.searchsorted(self._windows, needed, side="left"), self._windows.size - 1)
         windows = self._windows[index]
         seconds = np.zeros(chunks)
-        for w in np.unique(windows):
+        if self.paged:
+            live, read = self._live_tokens(lengths, remaining, steps)
+            self._pending_tokens = (live, read)
+            seconds[:] = self.costs.decode_chunk_s(steps, slot_steps, 0, live_tokens=read)
+        for w in np.unique(windows) if not self.paged else ():
             at = windows == w
             seconds[at] = self.costs.decode_chunk_s(steps[at], slot_steps[at], int(w))
         active_at_start = np.full(chunks, len(active))
         seg = _Segment(start, start + np.cumsum(seconds), steps, slot_steps, windows, active_at_start)
+        if self.paged:
+            seg.live, seg.read = self._pending_tokens
         seg.event = self.clock.at(float(seg.ends[-1]), self._segment_end)
         self._segment = seg
 
+    def _chunks_covered(self, lengths: np.ndarray, chunks: int) -> int:
+        """How many of the next `chunks` chunks the pool covers with every active sample growing
+        (the first is covered: `_make_room` saw to it)."""
+        C = self.config.decode_chunk
+        lo, hi = 1, chunks  # covered(lo) holds; find the largest
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if int(self._pages(lengths + mid * C).sum()) <= self.pool_pages:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _live_tokens(self, lengths: np.ndarray, remaining: np.ndarray, steps: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        """Per chunk: cached tokens the steps attend over (each active slot, each of its steps), and
+        the same with each slot's last kernel block read whole (half a block more per slot-step on
+        average)."""
+        C = self.config.decode_chunk
+        offsets = C * np.arange(steps.size)
+        # Slot i runs m = clip(remaining_i - offset, 0, steps) steps of the chunk at lengths
+        # lengths_i + offset + 0 .. m - 1.
+        m = np.clip(remaining[None, :] - offsets[:, None], 0, steps[:, None])  # [chunks, slots]
+        live = (m * (lengths[None, :] + offsets[:, None]) + m * (m - 1) // 2).sum(axis=1)
+        read = live + m.sum(axis=1) * (self.block_tokens // 2)
+        return live.astype(np.float64), read.astype(np.float64)
+
     def _truncate(self, chunks: int) -> None:
         seg = self._segment
-        for name in ("ends", "steps", "slot_steps", "windows", "active"):
-            setattr(seg, name, getattr(seg, name)[:chunks])
+        for name in ("ends", "steps", "slot_steps", "windows", "active", "live", "read"):
+            if getattr(seg, name) is not None:
+                setattr(seg, name, getattr(seg, name)[:chunks])
 
     def _segment_end(self) -> None:
         seg, self._segment = self._segment, None
@@ -310,6 +443,9 @@ class SimEngine:
         self.counters.busy_s += t - seg.start
         self.counters.decode_steps += total_steps
         self.counters.slot_steps += int(seg.slot_steps.sum())
+        if seg.live is not None:
+            self.counters.live_tokens += int(seg.live.sum())
+            self.counters.read_tokens += int(seg.read.sum())
         durations = np.diff(np.concatenate([[seg.start], seg.ends]))
         for w, a, st, ss, d in zip(seg.windows, seg.active, seg.steps, seg.slot_steps, durations):
             self.timings.add("decode", decode_key(int(w), int(a), self.config.num_slots), steps=int(st),

@@ -45,6 +45,9 @@ class RowResult:
     staleness_max: int
     staleness_mean: float
     step_s: float
+    preempted_per_step: float = 0.0  # paged: samples whose KV was dropped and recomputed, per step per host
+    decode_read_over_live: float = 0.0  # paged: KV tokens the kernel reads / live tokens (1 = only live pages)
+    decode_bytes_ratio: float = 0.0  # paged: decode bytes per step / (weights + live KV), when costs know both
     records: tuple[dict[str, Any], ...] = dataclasses.field(repr=False, default=())
 
     def as_json(self) -> dict[str, Any]:
@@ -74,8 +77,10 @@ class _Host:
         self.staleness = StalenessManager(row.eta, wl.local_batch, max_concurrent)
         self.channel = TrajectoryChannel(wl.channel_capacity)
         self.backlog: collections.deque[TrajectoryGroup] = collections.deque()  # accepted, channel full
+        wl = sim.workload
         self.engine = SimEngine(engine_config, data, sim.costs, sim.clock, on_group_done=self._group_done,
-                                on_swap=self._swapped)
+                                on_swap=self._swapped, pool_pages=wl.kv_pool_pages * data, page_size=wl.page_size,
+                                block_tokens=wl.block_tokens)
         self._ids = 0
 
     def admit(self) -> None:
@@ -197,6 +202,9 @@ class Simulation:
                                "decode_steps": sum(h.engine.counters.decode_steps for h in self.hosts),
                                "slot_steps": sum(h.engine.counters.slot_steps for h in self.hosts),
                                "reprefill": sum(h.engine.counters.reprefill_tokens for h in self.hosts),
+                               "preemptions": sum(h.engine.counters.preemptions for h in self.hosts),
+                               "live_tokens": sum(h.engine.counters.live_tokens for h in self.hosts),
+                               "read_tokens": sum(h.engine.counters.read_tokens for h in self.hosts),
                                "train_busy": self.train_busy_s})
         self._record(step_s, shapes)
         for h in self.hosts:
@@ -242,7 +250,14 @@ class Simulation:
         lags = sum(self.lag_hist[w:], collections.Counter())
         counted = sum(lags.values())
         num_slots = self.hosts[0].engine.config.num_slots
+        live, read, steps = delta("live_tokens"), delta("read_tokens"), delta("decode_steps")
+        weights, kv = getattr(self.costs, "generation_weight_bytes", 0.0), getattr(self.costs, "kv_bytes_per_token", 0.0)
+        replicas = getattr(self.costs, "replicas", 1)
+        bytes_ratio = ((steps * weights + read / replicas * kv) / (steps * weights + live / replicas * kv)
+                       if live and weights and kv else 0.0)
         return RowResult(
+            preempted_per_step=delta("preemptions") / (self.row.steps - w) / self.workload.hosts,
+            decode_read_over_live=read / live if live else 0.0, decode_bytes_ratio=bytes_ratio,
             mode=self.row.mode, eta=self.row.eta, generation_devices=self.row.generating_devices(self.workload),
             train_devices=self.row.train_devices(self.workload),
             trained_tokens_per_s=tokens / wall if wall > 0 else 0.0,

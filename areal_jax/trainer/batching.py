@@ -7,9 +7,10 @@ T = row length (a bucket size).
    `Trajectory.training_row`) plus `advantages [L_i]` from `compute_advantages` (nonzero only
    on loss-mask tokens, i.e. generated tokens).
 2. `make_microbatches`: split the sequences into M token-balanced minibatches (one optimizer
-   update each) as AReaL does: the step's prompt groups in a seeded random order
-   (`minibatch_indices`), cut where the running token count crosses each k/M of the total, so
-   the stalest groups do not always share the first update; inside each, bins of at most `max_tokens_per_microbatch`
+   update each) by this project's own rule (`minibatch_indices`; AReaL's split differs, see
+   there): the step's prompt groups in a seeded random order, cut where the running token count
+   crosses each k/M of the total, so the stalest groups do not always share the first update;
+   inside each, bins of at most `max_tokens_per_microbatch`
    tokens (one micro-batch each, never splitting a sequence), filled longest first so that
    each packs into at most `rows_for_bucket(T)` rows of the bucket T of its longest sequence;
    each bin is then packed at the smallest bucket that holds it in that many rows. Short
@@ -84,7 +85,8 @@ class PackedBatch:
 
 def build_sequences(groups: Sequence[TrajectoryGroup], adv_cfg: AdvantageConfig, *,
                     logprobs: Sequence[np.ndarray] | None = None,
-                    ref_logprobs: Sequence[np.ndarray] | None = None) -> list[dict[str, np.ndarray]]:
+                    ref_logprobs: Sequence[np.ndarray] | None = None,
+                    reduce_sum: Callable[[np.ndarray], np.ndarray] | None = None) -> list[dict[str, np.ndarray]]:
     """Per-token training arrays `[L_i]` of every trajectory, groups in order.
 
     The group id of each trajectory (for group-normalized advantages) is its group's index in
@@ -94,6 +96,9 @@ def build_sequences(groups: Sequence[TrajectoryGroup], adv_cfg: AdvantageConfig,
         logprobs, ref_logprobs: with `adv_cfg.kl_coef > 0`, one `[L_i]` array per trajectory (in
             the order above, aligned like `behavior_logprobs`): the targets' log-probs under the
             policy and under the frozen reference (trainer/reference.py computes both).
+        reduce_sum: cross-process float sum (`parallel.agree_sum_array`) when several processes
+            each hold part of the step's groups: batch-level advantage statistics then cover the
+            global batch (`compute_advantages`). Every process calls this at the same point.
     """
     if not groups:
         raise ValueError("build_sequences needs at least one trajectory group")
@@ -118,7 +123,7 @@ def build_sequences(groups: Sequence[TrajectoryGroup], adv_cfg: AdvantageConfig,
         kl_inputs = {name: _padded_per_token(name, values, lengths)
                      for name, values in (("logprobs", logprobs), ("ref_logprobs", ref_logprobs))}
     adv = compute_advantages(np.asarray(rewards, np.float64), np.asarray(group_ids, np.int64), mask, adv_cfg,
-                             no_eos=np.asarray(no_eos, bool), **kl_inputs)
+                             no_eos=np.asarray(no_eos, bool), reduce_sum=reduce_sum, **kl_inputs)
     for i, row in enumerate(rows):
         row["advantages"] = adv[i, :lengths[i]].astype(np.float32)
     return rows
@@ -218,13 +223,16 @@ def minibatch_indices(lengths: Sequence[int], num_minibatches: int, group_ids: S
     """The sequences (indices into `lengths`) of each minibatch `make_microbatches` forms: every
     sequence in exactly one.
 
-    AReaL shuffles a step's data (seeded) and splits it token-balanced
-    (realhf/impl/model/interface/ppo_interface.py at v0.3.0 shuffles sequences and splits them
-    by count; areal/utils/data.py at HEAD splits by tokens). Here the units are prompt groups
-    (single sequences when there are fewer groups than minibatches, so M updates still happen):
-    their order is permuted by `np.random.default_rng(shuffle_seed)` (kept as given when None),
-    then cut into M non-empty contiguous runs whose token counts are nearest total * k / M. A
-    run's tokens differ from total / M by at most the largest unit's tokens.
+    This rule is the project's own. The units are prompt groups (single sequences when there are
+    fewer groups than minibatches, so M updates still happen): a group's answers, which share one
+    baseline, then share one update. Their order is permuted by
+    `np.random.default_rng(shuffle_seed)` (kept as given when None): the trainer receives groups
+    oldest first, and an unshuffled cut would always put the stalest tokens in the first update,
+    the one whose ratio to the proximal policy is exactly 1 and never clipped. The order is then
+    cut into M non-empty contiguous runs whose token counts are nearest total * k / M; a run's
+    tokens differ from total / M by at most the largest unit's tokens. (AReaL HEAD does neither:
+    it keeps the batch's order and splits individual sequences, not whole groups, into minibatches
+    of balanced size.)
     """
     n = len(lengths)
     m = _positive_int("num_minibatches", num_minibatches)

@@ -34,7 +34,7 @@ from areal_jax.generation.timings import timings_delta
 from areal_jax.metrics import batch_metrics
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.transformer import Params
-from areal_jax.parallel.distributed import agree_max, agree_sum
+from areal_jax.parallel.distributed import agree_max, agree_sum, agree_sum_array
 from areal_jax.parallel.meshes import MeshConfig, Meshes, build_meshes
 from areal_jax.parallel.weight_sync import DEFAULT_GROUP_BYTES, WeightSync
 from areal_jax.ppo.advantages import AdvantageConfig
@@ -70,7 +70,8 @@ class RLConfig:
     # one group's staging buffers beside the fp32 weights and optimizer state during a transfer.
     transfer_group_bytes: int = DEFAULT_GROUP_BYTES
     eval_every: int = 0  # steps between held-out evaluations (0: only at the start and end)
-    eval_max_new_tokens: int = 64
+    # Completion budget of held-out checks. None: RLVRConfig.max_new_tokens (the rollouts' budget).
+    eval_max_new_tokens: int | None = None
     dump_rollouts_every: int = 0  # write the step's trajectories to rollouts/step_N.jsonl every N steps
     batch_timeout_s: float = 600.0  # waiting longer than this for a batch is an error
     # A custom rollout workflow, "package.module:Class" (the contract: areal_jax/rollout/workflow.py;
@@ -96,6 +97,9 @@ class RLConfig:
             raise ValueError(f"RLConfig.mode must be 'async' or 'sync', got {self.mode!r}")
         if self.mode == "sync" and self.max_staleness != 0:
             raise ValueError("RLConfig.mode = 'sync' needs max_staleness = 0")
+        if self.eval_max_new_tokens is not None and (isinstance(self.eval_max_new_tokens, bool) or not isinstance(
+                self.eval_max_new_tokens, int) or self.eval_max_new_tokens < 1):
+            raise ValueError(f"RLConfig.eval_max_new_tokens must be None or an int >= 1, got {self.eval_max_new_tokens!r}")
         if self.channel_capacity < 0 or self.eval_every < 0 or self.dump_rollouts_every < 0:
             raise ValueError("RLConfig.channel_capacity, eval_every and dump_rollouts_every must be >= 0")
         if (not isinstance(self.transfer_group_bytes, int) or isinstance(self.transfer_group_bytes, bool)
@@ -142,10 +146,14 @@ class RLLoop:
                  checkpointer: Checkpointer | None = None, resume: bool = False,
                  checkpoint_extra: Callable[[], dict[str, Any]] | None = None,
                  on_rollouts: Callable[[int, list[dict[str, Any]]], None] | None = None,
-                 donate_params: bool = False, weight_sync: WeightSync | None = None):
+                 on_export: Callable[[Any], None] | None = None,
+                 donate_params: bool = False, weight_sync: WeightSync | None = None,
+                 should_stop: Callable[[], bool] | None = None):
         # A custom workflow samples with the RLVRConfig it was built with (its `rollout`).
         rollout = workflow if isinstance(workflow, RLVRConfig) else getattr(workflow, "rollout", None)
         rollout = rollout if isinstance(rollout, RLVRConfig) else None
+        if rollout is not None and ppo.temperature is None:  # derived: the sampling temperature
+            ppo = dataclasses.replace(ppo, temperature=rollout.temperature)
         if rollout is not None and rollout.temperature != ppo.temperature:
             # The trainer's log-probs must be of the distribution that sampled the tokens, or the
             # importance weights pi_prox / pi_behav measure the temperature, not the staleness.
@@ -188,12 +196,19 @@ class RLLoop:
         self.checkpointer = checkpointer
         self.checkpoint_extra = checkpoint_extra
         self.on_rollouts = on_rollouts
+        self.on_export = on_export  # called on process 0 with each HF export's directory (the run adds its files)
         self.first_step = 0
         self.trained_tokens = 0.0  # over the whole run, resumes included
         self._run_tokens = 0.0  # by this process since it started
         self.resumed_meta: dict[str, Any] | None = None
         self.resume_report: dict[str, int] | None = None  # after a resume: step, lost groups, capacity
         self._pending_save: dict[str, Any] | None = None  # a due checkpoint, saved once the step is logged
+        # A stop request (jobs/shutdown.py): polled between steps and while waiting for a batch; the
+        # loop then checkpoints its last completed step (`_last_point`) and returns early.
+        self.should_stop = should_stop
+        self.stopped_early = False
+        self._last_point: dict[str, Any] | None = None
+        self._saved_step: int | None = None
         if resume and checkpointer is not None and checkpointer.latest_step() is not None:
             self._restore()
         self.controller = RolloutController(self.engine, wf, self.staleness, self.channel, self.data_iter,
@@ -222,7 +237,12 @@ class RLLoop:
         t_start = time.perf_counter()
         try:
             for step in range(self.first_step, self.rl.steps):
-                metrics = self._train_one_step(step)
+                if self._stop_requested():
+                    break
+                try:
+                    metrics = self._train_one_step(step)
+                except _Abandoned:  # stopped while waiting for the batch: nothing of this step happened
+                    break
                 metrics["time/wall_s"] = time.perf_counter() - t_start
                 metrics["train/trained_tokens_total"] = self.trained_tokens
                 metrics["throughput/trained_tokens_per_s"] = self._run_tokens / metrics["time/wall_s"]
@@ -235,7 +255,9 @@ class RLLoop:
                 # After the step's records, so a checkpoint never holds a step its records lack (a
                 # resumed run drops records past its checkpoint: each step is recorded once).
                 self._save_pending()
-            if self._last_applied is not None:  # leave the generator serving the final weights
+            if self.stopped_early:
+                self._save_on_stop()
+            elif self._last_applied is not None:  # leave the generator serving the final weights
                 self._last_applied.result(timeout=self.rl.batch_timeout_s)
         finally:
             report = self.controller.shutdown(timeout=30.0)
@@ -258,6 +280,8 @@ class RLLoop:
                 batch.sort(key=lambda g: (g.admitted_version, g.query_id))
                 return batch, time.perf_counter() - t0
             except TimeoutError:
+                if jax.process_count() == 1 and self._stop_requested():  # with several, only between steps
+                    raise _Abandoned() from None
                 if time.perf_counter() > deadline:
                     raise TimeoutError(f"no batch of {self.local_batch} groups within {self.rl.batch_timeout_s} s; "
                                        f"rollout stats: {self.controller.stats()}") from None
@@ -269,15 +293,16 @@ class RLLoop:
         ppo = self.trainer.ppo_config
         multi = jax.process_count() > 1
         # KL against the frozen reference (off by default) shapes the advantages; with it off this
-        # is exactly build_sequences.
+        # is exactly build_sequences. Batch-level advantage statistics span every process's groups.
         buckets = ppo.row_buckets or None  # () = make_microbatches' default lengths
         shaped = sequences_with_kl(groups, self.advantages, self.trainer, self.reference,
                                    row_multiple=self.rows_per_process, buckets=buckets,
-                                   agree_max=agree_max if multi else None)
+                                   agree_max=agree_max if multi else None,
+                                   reduce_sum=agree_sum_array if multi else None)
         seqs = shaped.sequences
         # Every process must run the same programs in the same order: agree on micro-batch counts
         # and shapes, and on the minibatch token count that divides the loss. The groups are split
-        # into minibatches in a seeded order of their own (AReaL's shuffle), reproducible by step.
+        # into minibatches in a seeded order of their own, reproducible by step.
         minibatches = make_microbatches(seqs, max_tokens_per_microbatch=ppo.max_tokens_per_microbatch,
                                         buckets=buckets,
                                         num_minibatches=min(ppo.num_minibatches, len(seqs)),
@@ -291,7 +316,8 @@ class RLLoop:
         # The resume point is taken before the new weights reach the generator: in "sync" mode
         # nothing is in flight or queued here, so the data position is exactly what the trained
         # steps consumed. It is written once the step is recorded (run).
-        self._pending_save = self._resume_point(step)
+        self._last_point = self._resume_point(step, always=self.should_stop is not None)
+        self._pending_save = self._last_point if self._last_point and self._last_point["due"] else None
         t0 = time.perf_counter()
         generation_params = self.weight_sync.transfer(self.trainer.params)
         applied = self._last_applied = self.engine.update_weights(generation_params, self.version)
@@ -331,6 +357,7 @@ class RLLoop:
             "rollout/accepted": counters.accepted,
             "rollout/rejected": counters.rejected,
             "throughput/generated_tokens_per_s": ctl.generation_tokens_per_s,
+            "rollout/preempted_samples": ctl.generation_preempted_samples,  # cumulative (paged KV cache)
             "throughput/tokens_per_s": train.get("trained_tokens", 0.0) / max(train.get("time_step_s", 1e-9), 1e-9),
             "time/wait_batch_s": wait_s,
             "time/train_step_s": train.get("time_step_s", math.nan),
@@ -344,7 +371,8 @@ class RLLoop:
                 timeouts, failures = agree_sum(timeouts), agree_sum(failures)
             out["reward/timeouts"], out["reward/failures"] = timeouts, failures
         for k in ("loss", "grad_norm", "clip_frac", "imp_weight_mean", "imp_weight_max", "capped_frac", "entropy",
-                  "approx_kl", "skipped_updates", "trained_tokens", "lr"):
+                  "approx_kl", "skipped_updates", "trained_tokens", "lr", "behav_ratio_out_frac",
+                  "weight_top1pct_grad_share"):
             if k in train:
                 out[f"train/{k}"] = train[k]
         return out
@@ -374,30 +402,54 @@ class RLLoop:
 
     # ---- checkpoints --------------------------------------------------------------------------
 
-    def _resume_point(self, step: int) -> dict[str, Any] | None:
-        """What a checkpoint after `step` records of the loop, taken now if one is due (else None)."""
+    def _resume_point(self, step: int, always: bool = False) -> dict[str, Any] | None:
+        """What a checkpoint after `step` records of the loop, taken now if one is due or `always`
+        (a stop may need it; "due" says which); else None."""
         ckpt = self.checkpointer
         if ckpt is None:
             return None
         last = step == self.rl.steps - 1
-        if not (last or ckpt.should_save(step + 1)):  # a collective with a time trigger: decided here
+        due = last or ckpt.should_save(step + 1)  # a collective with a time trigger: decided here
+        if not (due or always):
             return None
         meta = {"step": step, "version": self.version, "staleness": self.staleness.state_dict(),
                 "engine_seed": self.engine.config.seed, "trained_tokens": self.trained_tokens}
         data = _FrozenPosition(self.data_iter.get_state()) if hasattr(self.data_iter, "get_state") else None
-        return {"step": step, "meta": meta, "data": data}
+        return {"step": step, "meta": meta, "data": data, "due": due}
+
+    def _stop_requested(self) -> bool:
+        """Whether to stop now; with several processes all agree (a collective: call it on every one)."""
+        if self.should_stop is None:
+            return False
+        stop = bool(self.should_stop())
+        if jax.process_count() > 1:
+            stop = bool(agree_max(int(stop)))
+        self.stopped_early = self.stopped_early or stop
+        return stop
+
+    def _save_on_stop(self) -> None:
+        """A stop's checkpoint: the last completed step, unless already saved (or none ran here)."""
+        point, self._last_point = self._last_point, None
+        if point is None or point["step"] == self._saved_step:
+            return
+        self._pending_save = point
+        self._save_pending()
+        logger.warning("stopped after step %d: checkpoint %d written", point["step"], point["step"] + 1)
 
     def _save_pending(self) -> None:
         """Writes the checkpoint `_resume_point` prepared (the trainer's state has not moved since)."""
         point, self._pending_save = self._pending_save, None
         if point is None:
             return
+        self._saved_step = point["step"]
         ckpt, step, meta = self.checkpointer, point["step"], point["meta"]
         if self.checkpoint_extra is not None:
             meta["extra"] = self.checkpoint_extra()
         ckpt.save(step + 1, state=self.trainer.state_dict(), meta=meta, data_iterator=point["data"], force=True)
         if ckpt.should_export_hf(step + 1):
-            ckpt.export_hf(self.trainer.params, self.model_config, step + 1)
+            target = ckpt.export_hf(self.trainer.params, self.model_config, step + 1)
+            if target is not None and self.on_export is not None and jax.process_index() == 0:
+                self.on_export(target)
 
     def _restore(self) -> None:
         """Continues from the latest checkpoint: weights, optimizer, version, counters, data position."""
@@ -429,7 +481,8 @@ class RLLoop:
         scorer = RewardScorer(rollout.reward if rollout else "math", self.reward_pool,
                               timeout_s=rollout.reward_timeout_s if rollout else 10.0)
         stop = self.workflow_config.stop_token_ids if self.workflow_config else ()
-        sp = SamplingParams(max_new_tokens=self.rl.eval_max_new_tokens, temperature=0.0, stop_token_ids=stop)
+        budget = self.rl.eval_max_new_tokens or (rollout.max_new_tokens if rollout else 64)
+        sp = SamplingParams(max_new_tokens=budget, temperature=0.0, stop_token_ids=stop)
         handles = [self.engine.submit(row["prompt_ids"], sp) for row in self.eval_rows]
         calls = []
         for row, h in zip(self.eval_rows, handles):
@@ -441,6 +494,10 @@ class RLLoop:
         if jax.process_count() > 1:  # each host evaluates its own shard of the held-out rows
             correct, total = agree_sum(int(correct)), agree_sum(total)
         return correct / max(total, 1)
+
+
+class _Abandoned(Exception):
+    """A step given up before it trained anything, on a stop request."""
 
 
 class _LockedIterator:

@@ -61,14 +61,19 @@ class PPOConfig:
     Attributes:
         eps_clip: clip range of r = pi_theta / pi_prox (paper: 0.2).
         eps_clip_higher: upper clip range (DAPO clip-higher); None = eps_clip.
-        behav_imp_weight_cap: bound on w = pi_prox / pi_behav; None = off.
-        behav_imp_weight_mode: "mask" (tokens with w > cap leave the loss, still counted in the
-            denominator) or "clamp" (their w becomes the cap); AReaL's rejection-sampling action.
+        behav_imp_weight_cap: bound on w = pi_prox / pi_behav; None = w applied unbounded (the
+            paper's and AReaL v1.0.0's objective), or not at all with mode "disabled".
+        behav_imp_weight_mode: with a cap, "mask" (tokens with w > cap leave the loss, still
+            counted in the denominator) or "clamp" (their w becomes the cap): AReaL HEAD's
+            rejection-sampling actions. "disabled" (cap must be None): no behaviour weight at
+            all, AReaL HEAD's loss without rejection sampling; with decoupled = True this is the
+            "naive_recompute" objective (`OBJECTIVES`).
         c_clip: dual clip (> 1): a token's loss is at most c_clip * |A|; None = off.
         importance_sampling_level: "token" (PPO) or "sequence" (GSPO: one ratio per packed
             sequence, the exp of its mean log-ratio, with its mean advantage).
         decoupled: True = decoupled PPO (proximal recomputed with pre-step weights);
-            False = naive PPO (proximal := behavior, the paper's ablation).
+            False = naive PPO (proximal := behavior, the paper's ablation). `objective` names
+            the combination with behav_imp_weight_mode.
         prox_logp_method: "recompute" (a forward with the pre-step weights) or "loglinear"
             (A-3PO, AReaL HEAD: pi_prox interpolated in log space between pi_behav and the
             current pi_theta by token version, `ppo.loglinear_alpha`; no proximal forward).
@@ -76,7 +81,9 @@ class PPOConfig:
             used whatever the method.
         minibatch_seed: seeds the order of a step's groups before the minibatch split (with the
             step: `batching.minibatch_indices`).
-        temperature: sampling temperature the log-probs are taken at (match the generator).
+        temperature: sampling temperature the log-probs are taken at. None (the default): the
+            rollout's, RLVRConfig.temperature, which the job and RLLoop fill in (one field, so
+            the two cannot differ); 1.0 for a trainer used alone.
         num_minibatches: optimizer updates per training step.
         max_tokens_per_microbatch: token budget of one micro-batch (for make_microbatches).
         row_buckets: row lengths micro-batches may use (for make_microbatches); () = powers of
@@ -104,13 +111,13 @@ class PPOConfig:
     eps_clip: float = 0.2
     eps_clip_higher: float | None = None
     behav_imp_weight_cap: float | None = None
-    behav_imp_weight_mode: Literal["mask", "clamp"] = "mask"
+    behav_imp_weight_mode: Literal["mask", "clamp", "disabled"] = "mask"
     c_clip: float | None = None
     importance_sampling_level: Literal["token", "sequence"] = "token"
     decoupled: bool = True
     prox_logp_method: Literal["recompute", "loglinear"] = "recompute"
     minibatch_seed: int = 0
-    temperature: float = 1.0
+    temperature: float | None = None
     num_minibatches: int = 4
     max_tokens_per_microbatch: int = 4096
     row_buckets: tuple[int, ...] = ()
@@ -120,6 +127,11 @@ class PPOConfig:
     attention_impl: Literal["auto", "reference", "pallas", "blocked"] = "auto"
     skip_nonfinite: bool = True
     logit_chunk_tokens: int = DEFAULT_LOGIT_CHUNK_TOKENS
+
+    @property
+    def logit_temperature(self) -> float:
+        """The temperature log-probs are taken at (`temperature`, 1.0 when unset)."""
+        return 1.0 if self.temperature is None else self.temperature
 
     def __post_init__(self) -> None:
         if not _is_number(self.eps_clip) or not 0.0 < self.eps_clip < 1.0:
@@ -132,6 +144,9 @@ class PPOConfig:
         if self.behav_imp_weight_mode not in BEHAV_IMP_WEIGHT_MODES:
             raise ValueError(f"PPOConfig.behav_imp_weight_mode must be one of {BEHAV_IMP_WEIGHT_MODES}, "
                              f"got {self.behav_imp_weight_mode!r}")
+        if self.behav_imp_weight_mode == "disabled" and self.behav_imp_weight_cap is not None:
+            raise ValueError(f"PPOConfig.behav_imp_weight_cap must be None with behav_imp_weight_mode = 'disabled' "
+                             f"(no behaviour weight to cap), got {self.behav_imp_weight_cap!r}")
         if self.c_clip is not None and not (_is_number(self.c_clip) and self.c_clip > 1):
             raise ValueError(f"PPOConfig.c_clip must be > 1 or None, got {self.c_clip!r}")
         if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
@@ -145,8 +160,8 @@ class PPOConfig:
                              "decoupled PPO; it needs decoupled = True")
         if isinstance(self.minibatch_seed, bool) or not isinstance(self.minibatch_seed, int) or self.minibatch_seed < 0:
             raise ValueError(f"PPOConfig.minibatch_seed must be an int >= 0, got {self.minibatch_seed!r}")
-        if not _is_number(self.temperature) or not self.temperature > 0:
-            raise ValueError(f"PPOConfig.temperature must be > 0, got {self.temperature!r}")
+        if self.temperature is not None and (not _is_number(self.temperature) or not self.temperature > 0):
+            raise ValueError(f"PPOConfig.temperature must be > 0 or None, got {self.temperature!r}")
         for name in ("num_minibatches", "max_tokens_per_microbatch", "logit_chunk_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -170,6 +185,27 @@ class PPOConfig:
         for name in ("decoupled", "skip_nonfinite"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"PPOConfig.{name} must be a bool, got {getattr(self, name)!r}")
+
+
+    @property
+    def objective(self) -> str:
+        """The staleness ablation's name for this objective (`OBJECTIVES`, ppo/loss.py): "naive"
+        (clip anchored at pi_behav), "naive_recompute" (clip anchored at the recomputed pi_prox,
+        no behaviour weight) or "decoupled" (anchored at pi_prox, weighted by pi_prox / pi_behav,
+        capped or not)."""
+        if not self.decoupled:
+            return "naive"
+        return "naive_recompute" if self.behav_imp_weight_mode == "disabled" else "decoupled"
+
+
+# The PPOConfig fields that select each objective of the staleness ablation (PPOConfig.objective):
+# decoupled PPO, naive PPO anchored at the behaviour policy, and naive PPO anchored at the
+# recomputed pre-step policy (AReaL v0.3.0 with recomputed log-probs and decoupling off).
+OBJECTIVES: dict[str, dict[str, Any]] = {
+    "decoupled": {"decoupled": True},
+    "naive": {"decoupled": False},
+    "naive_recompute": {"decoupled": True, "behav_imp_weight_mode": "disabled", "behav_imp_weight_cap": None},
+}
 
 
 def _is_number(x) -> bool:
@@ -256,14 +292,14 @@ def build_train_programs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, optimizer: 
     def logprobs(params, batch):
         counts["logprobs"] += 1  # runs once per trace, i.e. per compilation
         hidden, head = hidden_of(params, batch)
-        return hidden_logprobs(hidden, head, batch["targets"], ppo.temperature, chunk_tokens=ppo.logit_chunk_tokens)
+        return hidden_logprobs(hidden, head, batch["targets"], ppo.logit_temperature, chunk_tokens=ppo.logit_chunk_tokens)
 
     def grad_step(params, grad_acc, stats_acc, batch, denominator):
         counts["grad"] += 1
 
         def loss_fn(p):
             hidden, head = hidden_of(p, batch)
-            logp, entropy = hidden_logprobs_and_entropy(hidden, head, batch["targets"], ppo.temperature,
+            logp, entropy = hidden_logprobs_and_entropy(hidden, head, batch["targets"], ppo.logit_temperature,
                                                         chunk_tokens=ppo.logit_chunk_tokens)
             if PROXIMAL_KEY in batch:
                 prox = batch[PROXIMAL_KEY]

@@ -111,6 +111,7 @@ def sequences_with_kl(
     row_multiple: int = 1,
     buckets: Sequence[int] | None = None,
     agree_max: Callable[[int], int] | None = None,
+    reduce_sum: Callable[[np.ndarray], np.ndarray] | None = None,
     attach_proximal: bool = True,
 ) -> KLSequences:
     """Training sequences whose advantages carry the KL penalty against `reference`.
@@ -130,12 +131,14 @@ def sequences_with_kl(
         agree_max: cross-process max (areal_jax.parallel.agree_max) when several processes
             train: every process then packs into the same number and shapes of micro-batches
             and runs the same programs. Called the same number of times on every process.
+        reduce_sum: cross-process float sum for the batch-level advantage statistics
+            (`build_sequences`), when several processes train.
         attach_proximal: with decoupled PPO, store the policy log-probs as `proximal_logprobs`
             so `train_step` skips recomputing them. Valid only while the trainer's weights are
             unchanged, i.e. when these sequences feed the very next `train_step`.
     """
     if adv_cfg.kl_coef == 0:
-        return KLSequences(build_sequences(groups, adv_cfg))
+        return KLSequences(build_sequences(groups, adv_cfg, reduce_sum=reduce_sum))
     if not isinstance(reference, ReferencePolicy):
         raise TypeError(f"kl_coef={adv_cfg.kl_coef} needs a ReferencePolicy, got {type(reference).__name__}")
     if reference.trainer is not trainer:
@@ -143,7 +146,7 @@ def sequences_with_kl(
     rows = build_sequences(groups, dataclasses.replace(adv_cfg, kl_coef=0.0))  # token arrays; advantages redone
     logprobs, ref_logprobs = _per_sequence_logprobs(rows, trainer, reference, row_multiple=row_multiple,
                                                     buckets=buckets, agree_max=agree_max)
-    seqs = build_sequences(groups, adv_cfg, logprobs=logprobs, ref_logprobs=ref_logprobs)
+    seqs = build_sequences(groups, adv_cfg, logprobs=logprobs, ref_logprobs=ref_logprobs, reduce_sum=reduce_sum)
     if attach_proximal and trainer.ppo_config.decoupled:
         for seq, logp in zip(seqs, logprobs):
             seq[PROXIMAL_KEY] = np.where(seq["loss_mask"] > 0, logp, 0.0).astype(np.float32)

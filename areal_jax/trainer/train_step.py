@@ -2,7 +2,8 @@
 
 One training step, given M minibatches of packed micro-batches (trainer/batching.py):
 1. Proximal log-probs: one forward per micro-batch with the weights *before* the step; they
-   stay fixed for all M minibatches (AReaL semantics). Naive PPO uses the behavior log-probs.
+   stay fixed for all M minibatches (AReaL semantics). Naive PPO uses the behavior log-probs
+   (naive_recompute, `PPOConfig.objective`, keeps the recomputed ones and drops the weight).
    With M = 1 the pre-step weights are the weights the loss differentiates, so the loss takes
    pi_prox as the stop-gradient of its own log-probs and the extra forward is skipped (a quarter
    of the step's compute; ratio r = 1 exactly, as the separate forward gives up to rounding).

@@ -1,0 +1,106 @@
+"""The paged KV cache's device side: pools, the per-replica decode attention, and page writes.
+
+Shapes (as kernels/paged_attention.py): B slots, L layers, K kv heads, N query heads, H head dim,
+P pages in one layer's pool (all replicas), S tokens per page, M page-table width, R block rows.
+
+Engine state is one `PagePool` per layer. On a generation mesh the pool's pages lie over "data"
+(replica r holds pages [r * P/data, (r + 1) * P/data), generation/pages.py hands its slots only
+those) and its kv heads over "tensor". Decode attention runs under `shard_map` over the mesh:
+each replica writes and reads only its own pages with page ids made local, so no page moves
+between devices. Prefill writes (a prefill block into its slots' pages, packed re-prefill) use
+global page ids on the whole pool, as the dense cache's inserts do; XLA routes them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from areal_jax.kernels.paged_attention import PagePool, flat_index, paged_attention, pool_layout, write_tokens
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.transformer import KVCache, PagedAttend
+
+
+def page_bytes(cfg: ModelConfig, page_size: int, dtype) -> int:
+    """Bytes of one page over every layer, keys and values."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
+def _axis(mesh: Mesh | None, name: str) -> str | None:
+    """`name` where the mesh has that axis with more than one device, else None (whole)."""
+    return name if mesh is not None and mesh.shape.get(name, 1) > 1 else None
+
+
+def pool_spec(mesh: Mesh | None, layout: str = "heads") -> PagePool:
+    """PartitionSpecs of one layer's pool: kv heads over "tensor", pages over "data"."""
+    return PagePool.partition_spec(heads=_axis(mesh, "tensor"), pages=_axis(mesh, "data"), layout=layout)
+
+
+def _zeros(cfg: ModelConfig, num_pages: int, page_size: int, dtype, impl: str, platform: str | None) -> PagePool:
+    """One layer's empty pool, laid out for the kernel `impl` resolves to on `platform`."""
+    return PagePool.zeros(cfg.num_kv_heads, num_pages, page_size, cfg.head_dim, dtype, impl=impl, platform=platform)
+
+
+def pool_structs(cfg: ModelConfig, num_pages: int, page_size: int, dtype, mesh: Mesh | None, *,
+                 impl: str = "auto", platform: str | None = None) -> tuple[PagePool, ...]:
+    """ShapeDtypeStructs of the L per-layer pools of `num_pages` pages (laid out on `mesh`)."""
+    shape = jax.eval_shape(lambda: _zeros(cfg, num_pages, page_size, dtype, impl, platform))
+    if mesh is None:
+        return (shape,) * cfg.num_layers
+    spec = pool_spec(mesh, shape.layout)
+    one = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
+                       shape, spec)
+    return (one,) * cfg.num_layers
+
+
+def zero_pools(cfg: ModelConfig, num_pages: int, page_size: int, dtype, sharding, *, impl: str = "auto",
+               platform: str | None = None) -> tuple[PagePool, ...]:
+    """L per-layer pools of zeros. `sharding`: a Mesh (laid out by `pool_spec`) or one Sharding."""
+    layout = pool_layout(impl, platform)
+    if isinstance(sharding, Mesh):
+        out = jax.tree.map(lambda s: NamedSharding(sharding, s), pool_spec(sharding, layout))
+    else:
+        out = jax.tree.map(lambda _: sharding, pool_spec(None, layout))
+    make = jax.jit(lambda: _zeros(cfg, num_pages, page_size, dtype, impl, platform), out_shardings=out)
+    return tuple(make() for _ in range(cfg.num_layers))
+
+
+def make_attend(page_tables: jax.Array, *, page_size: int, impl: str, platform: str | None, mesh: Mesh | None,
+                pages_per_replica: int) -> PagedAttend:
+    """The decode step's write-and-attend for one call: `page_tables [B, M]` (global page ids)."""
+
+    def local(pool, q, k, v, positions, tables):
+        if _axis(mesh, "data") is not None:  # this replica's pages, ids from 0
+            tables = tables - jax.lax.axis_index("data") * pages_per_replica
+        pool = write_tokens(pool, k, v, flat_index(tables, positions[:, None], page_size)[:, 0])
+        lengths = jnp.where(positions >= 0, positions + 1, 0)
+        return pool, paged_attention(q, pool, lengths, tables, impl=impl, platform=platform)
+
+    if mesh is None:
+        return lambda pool, q, k, v, positions: local(pool, q, k, v, positions, page_tables)
+    data, tensor = _axis(mesh, "data"), _axis(mesh, "tensor")
+    heads = PartitionSpec(data, tensor, None)  # q, k, v [B, *, H]: slots over "data", heads over "tensor"
+    spec = pool_spec(mesh, pool_layout(impl, platform))
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(spec, heads, heads, heads, PartitionSpec(data),
+                                                        PartitionSpec(data, None)),
+                            out_specs=(spec, heads), check_vma=False)
+    return lambda pool, q, k, v, positions: sharded(pool, q, k, v, positions, page_tables)
+
+
+def insert_pages(pools: tuple[PagePool, ...], block: KVCache, rows: jax.Array, slots: jax.Array,
+                 lengths: jax.Array, page_tables: jax.Array) -> tuple[PagePool, ...]:
+    """Block row rows[i] (positions [0, lengths[i])) into the pages of slot slots[i]: block layers
+    `[R, K, Pb, H]`, index arrays `[B']` padded with slot B (out of range: nothing written)."""
+    B, S = page_tables.shape[0], pools[0].page_size
+    Pb = block.k[0].shape[2]
+    lengths = jnp.where(slots < B, lengths, 0)
+    positions = jnp.where(jnp.arange(Pb)[None, :] < lengths[:, None], jnp.arange(Pb)[None, :], -1)  # [B', Pb]
+    index = flat_index(page_tables[jnp.clip(slots, 0, B - 1)], positions, S).reshape(-1)
+
+    def tokens(part):  # [R, K, Pb, H] -> the started rows' tokens [B' * Pb, K, H]
+        picked = part[rows].transpose(0, 2, 1, 3)
+        return picked.reshape(-1, *picked.shape[2:])
+
+    return tuple(write_tokens(pool, tokens(k), tokens(v), index)
+                 for pool, k, v in zip(pools, block.k, block.v, strict=True))

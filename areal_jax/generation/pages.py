@@ -1,0 +1,141 @@
+"""Host-side page management of the paged KV cache: free lists, page tables, what a slot holds.
+
+The pool of each layer has `replicas x pages_per_replica` pages; on a generation mesh with
+`data` replicas the pool's page axis is sharded over "data", so replica r owns the global page ids
+[r * pages_per_replica, (r + 1) * pages_per_replica) and the slots
+[r * slots_per_replica, (r + 1) * slots_per_replica), and a slot's pages always come from its own
+replica. Every layer's pool uses the same page ids, so one table serves all layers.
+
+`tables [B, M]` (B slots, M = pages one max-length sequence holds) lists each slot's pages in
+position order: page j holds positions [j * S, (j + 1) * S). Entries past a slot's last page
+name its replica's first page (never read: attention stops at the slot's length, writes only go
+to allocated positions). The table travels with every jitted call (a few KB).
+
+Pages are taken as a sequence grows (`grow`, before each decode chunk) and all given back when
+it finishes or is preempted (`release`). Freed pages are reused last-in first-out, so a slot's
+pages end up anywhere in its replica's range, in any order.
+
+The engine's policy over them lives here too: admission hands out slots with their pages while a
+busy replica keeps a watermark free (`take_slots`), and before each chunk `reserve` grows the
+running slots oldest first, emptying the newest of a dry replica (vLLM's recompute preemption).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class PageAllocator:
+    """Free pages per replica and the pages of every slot."""
+
+    def __init__(self, num_slots: int, replicas: int, pages_per_replica: int, page_size: int, table_width: int):
+        if num_slots % replicas:
+            raise ValueError(f"num_slots {num_slots} must be a multiple of the replicas {replicas}")
+        self.num_slots, self.replicas, self.page_size = num_slots, replicas, page_size
+        self.pages_per_replica, self.table_width = pages_per_replica, table_width
+        self._slots_per_replica = num_slots // replicas
+        # Free lists as stacks, lowest ids on top at the start.
+        self._free = [list(range((r + 1) * pages_per_replica - 1, r * pages_per_replica - 1, -1))
+                      for r in range(replicas)]
+        self._held: list[list[int]] = [[] for _ in range(num_slots)]
+        self.tables = np.zeros((num_slots, table_width), np.int32)
+        for slot in range(num_slots):
+            self.tables[slot] = self._first_page(slot)
+        # Kept free for the sequences already running when admitting new ones (vLLM's watermark):
+        # admission that would leave fewer would preempt a running sample at the next chunk.
+        self.watermark = max(1, pages_per_replica // 100)
+
+    def replica(self, slot: int) -> int:
+        return slot // self._slots_per_replica
+
+    def _first_page(self, slot: int) -> int:
+        return self.replica(slot) * self.pages_per_replica
+
+    def free_pages(self, replica: int) -> int:
+        return len(self._free[replica])
+
+    def held(self, slot: int) -> int:
+        """Pages the slot holds."""
+        return len(self._held[slot])
+
+    def pages_for(self, tokens: int) -> int:
+        """Pages that hold positions [0, tokens)."""
+        return -(-tokens // self.page_size)
+
+    def missing(self, slot: int, tokens: int) -> int:
+        """Pages the slot still needs to hold positions [0, tokens)."""
+        return max(0, self.pages_for(tokens) - self.held(slot))
+
+    def grow(self, slot: int, tokens: int) -> bool:
+        """Makes the slot hold positions [0, tokens): True, or False with nothing taken when its
+        replica has too few free pages."""
+        need = self.missing(slot, tokens)
+        if need > self.table_width - self.held(slot):
+            raise ValueError(f"{tokens} tokens need more than the {self.table_width} pages of a page table")
+        free = self._free[self.replica(slot)]
+        if need > len(free):
+            return False
+        for _ in range(need):
+            page = free.pop()
+            self.tables[slot, len(self._held[slot])] = page
+            self._held[slot].append(page)
+        return True
+
+    def release(self, slot: int) -> None:
+        """Gives back every page of the slot."""
+        self._free[self.replica(slot)].extend(reversed(self._held[slot]))
+        self._held[slot] = []
+        self.tables[slot] = self._first_page(slot)
+
+    # ---- the engine's policy over pages -----------------------------------------------------------
+
+    def busy(self, replica: int) -> bool:
+        """Whether any slot of the replica holds pages."""
+        return self.free_pages(replica) < self.pages_per_replica
+
+    def admission_budget(self) -> int:
+        """Pages new samples may take now, over all replicas: a busy replica keeps its watermark."""
+        return sum(max(0, self.free_pages(r) - (self.watermark if self.busy(r) else 0)) for r in range(self.replicas))
+
+    def take_slots(self, free: list[int], count: int, tokens: int) -> tuple[list[int], list[int]]:
+        """Up to `count` of the `free` slots, each given the pages for positions [0, tokens): (taken,
+        left). Slots come from the replica with the most free pages; none is taken that would leave
+        a busy replica with less than its watermark (an idle one may be filled)."""
+        taken, left = [], list(free)
+        need = self.pages_for(tokens)
+        while len(taken) < count and left:
+            slot = max(left, key=lambda s: self.free_pages(self.replica(s)))
+            r = self.replica(slot)
+            if self.free_pages(r) - need < (self.watermark if self.busy(r) else 0):
+                break
+            self.grow(slot, tokens)
+            taken.append(slot)
+            left.remove(slot)
+        return taken, left
+
+    def reserve(self, running: list[tuple[int, int]]) -> list[int]:
+        """Grows every running slot, `running` = [(slot, tokens)] oldest first, to hold its tokens.
+        Where a replica runs dry, the newest of its slots still running gives back its pages (the
+        slot itself, when it is the newest) until the older one fits. Returns the slots emptied,
+        in order. Each replica holds at least one full sequence, so its oldest slot always fits."""
+        emptied: list[int] = []
+        for slot, tokens in running:
+            while slot not in emptied and not self.grow(slot, tokens):
+                r = self.replica(slot)
+                victim = [s for s, _ in running if s not in emptied and self.replica(s) == r][-1]
+                self.release(victim)
+                emptied.append(victim)
+        return emptied
+
+    def check(self) -> None:
+        """Raises AssertionError unless every page is either free or held by exactly one slot of its
+        replica, and the tables list exactly the held pages."""
+        for r in range(self.replicas):
+            owned = list(self._free[r])
+            for slot in range(r * self._slots_per_replica, (r + 1) * self._slots_per_replica):
+                held = self._held[slot]
+                assert list(self.tables[slot, :len(held)]) == held, f"slot {slot}: table differs from its pages"
+                assert (self.tables[slot, len(held):] == self._first_page(slot)).all(), f"slot {slot}: stale entries"
+                owned += held
+            want = range(r * self.pages_per_replica, (r + 1) * self.pages_per_replica)
+            assert sorted(owned) == list(want), f"replica {r}: pages lost or owned twice"

@@ -1,0 +1,78 @@
+"""Checks of the job's reward against its data, run before the model loads or any stage starts.
+
+A reward that cannot read the answers the data teaches scores every rollout 0: RL then runs to
+the end with nothing to learn from and no error. Where rows carry reference solutions (GSM8K's
+`answer`, MATH's `solution`, AReaL's `solutions`), the configured reward scores a sample of them
+against their own gold answers; a mean below TaskSource.solution_reward_min refuses the run in
+one line naming the reward, the file and the score.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+
+from areal_jax.data.formats import RowFormatError, parse_record, solution_pair
+from areal_jax.data.sources import iter_records
+from areal_jax.jobs.configs import JobConfigs
+from areal_jax.jobs.inputs import InputError
+
+SAMPLE_ROWS = 64  # reference solutions scored per file: the first ones that parse
+
+
+def solution_samples(path: str, fmt: str, limit: int = SAMPLE_ROWS) -> Iterator[tuple[str, str]]:
+    """(reference solution, gold answer) of the first `limit` rows of `path` that have both;
+    rows without a reference solution (code, chats) or that do not parse are passed over."""
+    found = 0
+    for raw in itertools.islice(iter_records(path), 20 * limit):  # a file of chats is not read to its end
+        if raw.record is None:
+            continue
+        try:
+            _, solution = solution_pair(raw.record, fmt)
+            row = parse_record(raw.record, source=raw.source, fmt=fmt)
+        except (RowFormatError, ValueError):
+            continue
+        if row.answer is None:
+            continue
+        yield solution, row.answer
+        found += 1
+        if found == limit:
+            return
+
+
+def checked_files(cfg: JobConfigs) -> list[str]:
+    """The files the run trains or evaluates on, each once, in the order the run reads them."""
+    if cfg.task.kind != "dataset" or cfg.data is None:
+        return []
+    files: list[str] = []
+    if cfg.stages.sft:
+        files += list(cfg.sft.paths or cfg.data.paths)
+    if cfg.stages.rl:
+        files += list(cfg.data.paths)
+    if cfg.task.eval_size:
+        files += list(cfg.task.eval_paths)
+    return list(dict.fromkeys(files))
+
+
+def check_solution_rewards(cfg: JobConfigs, score: Callable[[Sequence[tuple]], list[float]]) -> dict[str, float]:
+    """Mean reward of each checked file's reference solutions (`score` maps (text, gold) calls to
+    rewards); InputError for the first file below TaskSource.solution_reward_min."""
+    threshold = cfg.task.solution_reward_min
+    means: dict[str, float] = {}
+    if not threshold:
+        return means
+    for path in checked_files(cfg):
+        calls = list(solution_samples(path, cfg.data.format))
+        if not calls:
+            continue
+        rewards = score(calls)
+        means[path] = sum(rewards) / len(rewards)
+        if means[path] < threshold:
+            example = calls[0][0].strip().splitlines()[-1][-60:]
+            raise InputError(
+                f"RLVRConfig.reward = {cfg.rollout.reward!r} scores the reference solutions of {path} "
+                f"{means[path]:.2f} on average ({len(calls)} rows), below TaskSource.solution_reward_min = "
+                f"{threshold}: it cannot read the answers these rows teach (a solution ends {example!r}). "
+                f"Use a reward that reads them (e.g. RLVRConfig.reward = 'gsm8k' for '#### N'), or set "
+                f"TaskSource.solution_reward_min = 0 to train anyway")
+    return means

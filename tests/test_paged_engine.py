@@ -1,0 +1,239 @@
+"""The engine on a paged KV cache: the same tokens, log-probs and versions as the dense cache, with
+pages out of order, slots reused, pools too small for every sequence (preemption), weight swaps
+and data replicas that each own their pages."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+
+from areal_jax.generation import EngineConfig, GenerationEngine, SamplingParams, engine_program_specs
+from areal_jax.generation.programs import param_shardings, placed_like
+from areal_jax.kernels.paged_attention import PagePool
+from areal_jax.models import ModelConfig, forward, init_params
+
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=8, qkv_bias=True, family="qwen2")
+PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [4], [9, 8, 7, 6, 5]]
+BASE = dict(num_slots=4, max_seq_len=64, decode_chunk=4, prefill_buckets=(8, 16, 32, 64), reprefill_pack_width=24)
+
+
+def _params(seed: int):
+    return init_params(CFG, seed, std=0.3)
+
+
+def _run(params, *, prompts=PROMPTS, sp=None, n=1, swap=None, steps_before_swap=2, **config):
+    """Completions of every request ((tokens, logprobs, versions) per sample) and the engine."""
+    engine = GenerationEngine((CFG, params), EngineConfig(**{**BASE, **config}))
+    sp = sp or SamplingParams(max_new_tokens=40, temperature=0.0)
+    handles = [engine.submit(p, sp, n=n, seed=i) for i, p in enumerate(prompts)]
+    if swap is not None:
+        for _ in range(steps_before_swap):
+            engine.step()
+        engine.update_weights(swap, version=1)
+    engine.run_until_idle()
+    out = [[(c.tokens, c.logprobs, c.versions, c.stop_reason) for c in h.result().completions] for h in handles]
+    return engine, out
+
+
+def _assert_same(got, want):
+    for g, w in zip(got, want, strict=True):
+        for (t1, l1, v1, r1), (t2, l2, v2, r2) in zip(g, w, strict=True):
+            np.testing.assert_array_equal(t1, t2)
+            np.testing.assert_allclose(l1, l2, atol=2e-5)  # fp32 sums in another order
+            np.testing.assert_array_equal(v1, v2)
+            assert r1 == r2
+
+
+def _all_free(engine):
+    pages = engine._pages
+    pages.check()
+    assert all(pages.free_pages(r) == pages.pages_per_replica for r in range(pages.replicas))
+
+
+@pytest.mark.parametrize(("page_size", "temperature", "n"), [(3, 0.0, 1), (16, 1.0, 3)])
+def test_paged_equals_dense_greedy_and_sampled(page_size, temperature, n):
+    """Greedy, and sampled groups (larger than the slots: later samples start from the kept
+    prefill): same tokens and log-probs on both layouts; every page is free once idle."""
+    params = _params(0)
+    sp = SamplingParams(max_new_tokens=40, temperature=temperature)
+    _, want = _run(params, sp=sp, n=n, kv_layout="dense")
+    engine, got = _run(params, sp=sp, n=n, kv_layout="paged", page_size=page_size)
+    _assert_same(got, want)
+    assert engine._programs.layout == "paged" and isinstance(engine._cache[0], PagePool)
+    _all_free(engine)
+
+
+@pytest.mark.parametrize("pack_width", [24, 64])
+def test_interrupting_swap_recomputes_pages_and_keeps_versions(pack_width):
+    """update_weights mid-generation: packed (and, at width 24, long-history) re-prefill into the
+    pages; tokens, log-probs and per-token versions equal the dense engine's."""
+    old, new = _params(1), _params(2)
+    sp = SamplingParams(max_new_tokens=40, temperature=1.0)
+    _, want = _run(old, sp=sp, swap=new, kv_layout="dense", reprefill_pack_width=pack_width)
+    engine, got = _run(old, sp=sp, swap=new, kv_layout="paged", page_size=5, reprefill_pack_width=pack_width)
+    _assert_same(got, want)
+    assert all((v == 0).any() and (v == 1).any() for g in got for _, _, v, _ in g if len(v) > 12)
+    assert engine.stats().weight_swaps == 1 and engine.stats().reprefill_tokens > 0
+    _all_free(engine)
+
+
+def test_tiny_pool_preempts_and_recomputes_with_the_same_outputs():
+    """A pool of 8 pages of 8 (one full-length sequence) for 4 slots: samples are preempted when
+    it runs dry, resume later from prompt + tokens so far, and the greedy outputs equal an
+    unconstrained run's."""
+    params = _params(3)
+    _, want = _run(params, kv_layout="dense")
+    engine, got = _run(params, kv_layout="paged", page_size=8, kv_pool_pages=8)
+    _assert_same(got, want)
+    assert engine.stats().preempted_samples > 0
+    _all_free(engine)
+
+
+def test_swap_while_samples_are_preempted_keeps_every_token_exact():
+    """A swap while some samples are out of the pool: each token is the greedy choice (and its
+    log-prob) of the weights its version names, given everything before it, whether the sample
+    was running (re-prefilled in place) or preempted (recomputed when it resumed)."""
+    old, new = _params(3), _params(4)
+    engine, got = _run(old, swap=new, steps_before_swap=4, kv_layout="paged", page_size=8, kv_pool_pages=8)
+    assert engine.stats().preempted_samples > 0
+    _all_free(engine)
+    for prompt, [(tokens, logprobs, versions, _)] in zip(PROMPTS, got, strict=True):
+        assert (np.diff(versions) >= 0).all() and versions[-1] == 1
+        seq = jnp.asarray([prompt + tokens[:-1].tolist()])
+        for version, params in ((0, old), (1, new)):
+            logits = forward(params, CFG, seq)[0][0, len(prompt) - 1:]  # [G, V]: the logits of each token
+            mine = versions == version
+            np.testing.assert_array_equal(tokens[mine], np.argmax(logits, axis=-1)[mine])
+            want = jax.nn.log_softmax(logits, axis=-1)[jnp.arange(len(tokens)), tokens]
+            np.testing.assert_allclose(logprobs[mine], np.asarray(want)[mine], atol=2e-5)
+
+
+def test_pages_out_of_order_and_slots_reused():
+    """Free lists shuffled before any request, one slot serving every request in turn: slot 0's
+    pages are out of order and reused request after request, with the dense engine's outputs."""
+    params = _params(5)
+    _, want = _run(params, kv_layout="dense", num_slots=1)
+    engine = GenerationEngine((CFG, params), EngineConfig(**{**BASE, "num_slots": 1, "kv_layout": "paged",
+                                                              "page_size": 4}))
+    rng = np.random.default_rng(0)
+    engine._pages._free = [list(rng.permutation(f)) for f in engine._pages._free]
+    sp = SamplingParams(max_new_tokens=40, temperature=0.0)
+    handles = [engine.submit(p, sp, seed=i) for i, p in enumerate(PROMPTS)]
+    engine.step()
+    held = engine._pages.tables[0, :engine._pages.held(0)]
+    assert len(held) >= 2 and (np.diff(held) != 1).any()  # not consecutive pages in order
+    engine.run_until_idle()
+    got = [[(c.tokens, c.logprobs, c.versions, c.stop_reason) for c in h.result().completions] for h in handles]
+    _assert_same(got, want)
+    _all_free(engine)
+
+
+def test_admission_by_pages_runs_more_sequences_than_a_dense_cache_holds():
+    """16 slots over a pool of three full-length sequences' pages: short requests run 16 at a time
+    (a dense cache of that memory holds 3 slots), with the dense engine's outputs."""
+    params = _params(6)
+    prompts = [[1 + i, 2 + i] for i in range(16)]
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0)
+    _, want = _run(params, prompts=prompts, sp=sp, kv_layout="dense", num_slots=16)
+    config = EngineConfig(**{**BASE, "num_slots": 16, "kv_layout": "paged", "page_size": 8, "kv_pool_pages": 24})
+    engine = GenerationEngine((CFG, params), config)
+    handles = [engine.submit(p, sp, seed=i) for i, p in enumerate(prompts)]
+    engine.step()
+    assert engine.stats().active_slots == 16
+    engine.run_until_idle()
+    got = [[(c.tokens, c.logprobs, c.versions, c.stop_reason) for c in h.result().completions] for h in handles]
+    _assert_same(got, want)
+    assert engine.stats().preempted_samples == 0
+    _all_free(engine)
+
+
+def test_abort_of_a_preempted_sample_keeps_its_tokens():
+    params = _params(7)
+    engine = GenerationEngine((CFG, params), EngineConfig(**{**BASE, "kv_layout": "paged", "page_size": 8,
+                                                              "kv_pool_pages": 8}))
+    sp = SamplingParams(max_new_tokens=50, temperature=0.0)
+    handles = [engine.submit(p, sp, request_id=f"r{i}") for i, p in enumerate(PROMPTS)]
+    while not engine._preempted:
+        engine.step()
+    victim = engine._preempted[0]
+    rid, kept = victim.request.request_id, len(victim.tokens)
+    engine.abort(rid)
+    engine.run_until_idle()
+    c = next(h for h in handles if h.request_id == rid).result().completions[0]
+    assert c.stop_reason == "aborted" and len(c.tokens) == kept > 0
+    _all_free(engine)
+
+
+def _mesh(data: int, tensor: int):
+    return jax.make_mesh((data, tensor), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2,
+                         devices=jax.devices()[:data * tensor])
+
+
+def test_data_replicas_own_their_pages_and_match_one_device():
+    """(data=2, tensor=2): the pool's pages lie over "data", each replica's slots hold only its own
+    pages (a pool small enough to preempt), a swap re-prefills into them, and every program the
+    engine compiled has a spec; the outputs equal a single device's."""
+    mesh = _mesh(2, 2)
+    old, new = _params(8), _params(9)
+    sp = SamplingParams(max_new_tokens=30, temperature=1.0)
+    config = dict(kv_layout="paged", page_size=4, kv_pool_pages=18, reprefill_pack_width=16)
+    placed = lambda p: placed_like(p, param_shardings(CFG, mesh, split=False))  # noqa: E731
+    sharded, got = _run(placed(old), sp=sp, n=2, swap=placed(new), **config)
+    _, want = _run(old, sp=sp, n=2, swap=new, kv_layout="dense")
+    _assert_same(got, want)
+    pool = sharded._cache[0]
+    assert pool.k.shape[1] == 36 and pool.k.sharding.spec[:2] == ("tensor", "data")
+    assert sharded._pages.replicas == 2 and sharded._pages.pages_per_replica == 18
+    assert sharded.stats().preempted_samples > 0
+    _all_free(sharded)
+    specs = {s.name.removeprefix("generation/"): s for s in
+             engine_program_specs(CFG, EngineConfig(**{**BASE, **config}), mesh=mesh, param_dtype=jnp.float32)}
+    traced = set(sharded._programs.traced)
+    assert traced <= set(specs), traced - set(specs)
+    assert any(n.startswith("reprefill_packed") for n in traced) and any(n.startswith("prefill[") for n in traced)
+
+
+def test_paged_specs_size_the_pool_in_pages_and_compile():
+    """AOT descriptions of the paged programs on a (data=2, tensor=2) mesh: the same program names
+    as the dense layout, pools of data x pool pages, decode page tables as wide as their window."""
+    mesh = _mesh(2, 2)
+    ec = EngineConfig(num_slots=4, max_seq_len=64, decode_chunk=4, prefill_buckets=(16, 32, 64),
+                      decode_windows=(16, 32), reprefill_pack_width=16, kv_layout="paged", page_size=8,
+                      kv_pool_bytes=20 * (2 * CFG.num_layers * CFG.num_kv_heads * 8 * CFG.head_dim * 4))
+    specs = engine_program_specs(CFG, ec, mesh=mesh, param_dtype=jnp.float32)
+    dense = engine_program_specs(CFG, EngineConfig(**{**ec.__dict__, "kv_layout": "dense"}), mesh=mesh,
+                                 param_dtype=jnp.float32)
+    assert [s.name for s in specs] == [s.name for s in dense]
+    for spec in specs:
+        pools = spec.args[1] if spec.name.split("/")[1].startswith(("prefill_start", "reprefill", "decode")) else None
+        if pools is not None:
+            assert pools[0].k.shape == (2, 40, 8, 8) and pools[0].k.sharding.spec[:2] == ("tensor", "data")
+        if "decode" in spec.name:
+            window = int(spec.name.split("window=")[1][:-1])
+            assert spec.args[-1].shape == (4, -(-window // 8))
+        if "first_tokens" not in spec.name:  # every program holding the pool names its fields
+            assert "EngineConfig.page_size" in spec.fields, spec.name
+        if "decode" in spec.name or "prefill_start" in spec.name:
+            assert spec.lower().compile().memory_analysis() is not None, spec.name
+
+
+def test_non_interruptible_swap_drains_preempted_samples_too():
+    """interruptible=False with a pool that preempts: samples in flight at the update, running or
+    preempted, finish on the old weights (the preempted ones resume while the swap waits), and the
+    requests after the swap run on the new ones."""
+    old, new = _params(10), _params(11)
+    engine = GenerationEngine((CFG, old), EngineConfig(**{**BASE, "kv_layout": "paged", "page_size": 8,
+                                                          "kv_pool_pages": 8, "interruptible": False}))
+    sp = SamplingParams(max_new_tokens=40, temperature=0.0)
+    first = [engine.submit(p, sp) for p in PROMPTS]
+    while not engine._preempted:
+        engine.step()
+    swapped = engine.update_weights(new, version=1)
+    later = engine.submit([3, 3, 3], sp)
+    engine.run_until_idle()
+    assert swapped.result() is True and engine.stats().preempted_samples > 0
+    assert all((h.result().completions[0].versions == 0).all() for h in first)
+    assert (later.result().completions[0].versions == 1).all()
+    _all_free(engine)

@@ -1,0 +1,197 @@
+"""The paged decode kernels against `reference_paged_attention`.
+
+GPU: our Pallas Triton kernel, interpreted on CPU (values) and compiled deviceless for H100 (lowering).
+TPU: jax's `ragged_paged_attention` does not run interpreted here, so the arguments our wrapper builds
+are checked through its module's `ref_ragged_paged_attention` (semantics) and the kernel is compiled
+deviceless for v5e (lowering). Both pool layouts are written by the same `write_tokens`.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from areal_jax.kernels.paged_attention import (PagePool, flat_index, kernel_name, paged_attention, pool_layout,
+                                               reference_paged_attention, write_tokens)
+
+HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+# The GPU kernel runs natively on a GPU (bench/accelerator_check.sh runs this file there), else interpreted.
+INTERPRET = jax.default_backend() != "gpu"
+HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None or \
+    importlib.util.find_spec("jax_cuda12_plugin") is not None
+
+
+def _case(seed, *, B, N, K, H, S, P, M, lengths=None, dtype=jnp.float32, layout="heads"):
+    """A pool filled through write_tokens: every slot's pages drawn without replacement from a
+    shuffled pool (so out of order), lengths random in [0, M*S] unless given."""
+    rng = np.random.default_rng(seed)
+    lengths = np.asarray(lengths if lengths is not None else rng.integers(0, M * S + 1, B), np.int32)
+    tables = rng.permutation(P)[:B * M].reshape(B, M).astype(np.int32)
+    pool = PagePool(jnp.zeros((P, S, 2 * K, H), dtype), None, "combined") if layout == "combined" else \
+        PagePool.zeros(K, P, S, H, dtype, impl="reference")
+    pool = write_tokens(pool, *_fill(rng, pool, tables, lengths, S, K, H, dtype))
+    # Garbage in the pages past each length: a kernel that reads them shows it.
+    q = jnp.asarray(rng.normal(size=(B, N, H)), dtype)
+    return q, pool, jnp.asarray(lengths), jnp.asarray(tables)
+
+
+def _fill(rng, pool, tables, lengths, S, K, H, dtype):
+    B, M = tables.shape
+    positions = np.broadcast_to(np.arange(M * S), (B, M * S))
+    index = flat_index(jnp.asarray(tables), jnp.asarray(positions), S).reshape(-1)  # every page, live or not
+    T = index.shape[0]
+    k = rng.normal(size=(T, K, H)) * np.where(positions.reshape(-1) < np.repeat(lengths, M * S), 1.0, 50.0)[:, None, None]
+    v = rng.normal(size=(T, K, H))
+    return jnp.asarray(k, dtype), jnp.asarray(v, dtype), index
+
+
+@pytest.mark.parametrize("seed, B, N, K, H, S, M, splits, block", [
+    (0, 5, 8, 2, 32, 8, 4, 1, 1),  # GQA 4
+    (1, 4, 4, 4, 16, 4, 6, 2, 2),  # no grouping, two splits, a ragged last split
+    (2, 3, 12, 2, 64, 16, 3, 3, None),  # Qwen2-1.5B's grouping (6), one page per split
+    (3, 6, 2, 1, 32, 8, 5, 1, 4),  # one kv head; blocks longer than some slots
+])
+def test_gpu_kernel_matches_the_reference_on_random_lengths(seed, B, N, K, H, S, M, splits, block):
+    q, pool, lengths, tables = _case(seed, B=B, N=N, K=K, H=H, S=S, P=B * M + 3, M=M)
+    want = reference_paged_attention(q, pool, lengths, tables)
+    got = paged_attention(q, pool, lengths, tables, impl="pallas", platform="gpu", interpret=INTERPRET,
+                          splits=splits, pages_per_block=block)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_gpu_kernel_on_page_boundaries_length_one_and_empty_slots():
+    S, M = 8, 4
+    lengths = [1, S, 2 * S, M * S, 0, S + 1, 2 * S - 1]
+    q, pool, lengths, tables = _case(7, B=len(lengths), N=4, K=2, H=32, S=S, P=40, M=M, lengths=lengths)
+    want = reference_paged_attention(q, pool, lengths, tables)
+    for splits in (1, 2):
+        got = paged_attention(q, pool, lengths, tables, impl="pallas", platform="gpu", interpret=INTERPRET, splits=splits)
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    assert not np.any(np.asarray(got[4])), "an empty slot attends to nothing"
+    # A slot of length 1 sees exactly its one value (softmax over one key).
+    k_heads, v_heads = pool.heads_first()
+    np.testing.assert_allclose(got[0].reshape(2, 2, 32), np.repeat(v_heads[:, tables[0, 0], 0][:, None], 2, 1),
+                               atol=1e-6)
+
+
+def test_gpu_kernel_in_bfloat16_stays_within_bfloat16_of_the_fp32_reference():
+    q, pool, lengths, tables = _case(11, B=4, N=8, K=2, H=64, S=16, P=20, M=4, dtype=jnp.bfloat16)
+    want = reference_paged_attention(q.astype(jnp.float32), jax.tree.map(lambda x: x.astype(jnp.float32), pool),
+                                     lengths, tables)
+    got = paged_attention(q, pool, lengths, tables, impl="pallas", platform="gpu", interpret=INTERPRET)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=3e-2, rtol=3e-2)
+
+
+def test_gpu_kernel_refuses_what_triton_cannot_load():
+    q, pool, lengths, tables = _case(0, B=2, N=4, K=2, H=24, S=8, P=8, M=2)
+    with pytest.raises(ValueError, match="powers of two"):
+        paged_attention(q, pool, lengths, tables, impl="pallas", platform="gpu", interpret=INTERPRET)
+    # "auto" takes the reference where the kernel cannot (and on TPU below 128 lanes of head dim).
+    want = reference_paged_attention(q, pool, lengths, tables)
+    np.testing.assert_array_equal(paged_attention(q, pool, lengths, tables, impl="auto", platform="gpu"), want)
+    combined = _case(0, B=2, N=4, K=2, H=32, S=8, P=8, M=2, layout="combined")
+    np.testing.assert_array_equal(paged_attention(*combined, impl="auto", platform="tpu"),
+                                  reference_paged_attention(*combined))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        paged_attention(*combined, impl="pallas", platform="tpu")
+
+
+def test_both_layouts_hold_the_same_tokens_and_the_layout_follows_the_kernel():
+    a = _case(5, B=3, N=4, K=2, H=16, S=4, P=16, M=4)
+    b = _case(5, B=3, N=4, K=2, H=16, S=4, P=16, M=4, layout="combined")
+    for x, y in zip(a[1].heads_first(), b[1].heads_first()):
+        np.testing.assert_array_equal(x, y)
+    np.testing.assert_allclose(reference_paged_attention(*b), reference_paged_attention(*a), atol=1e-6)
+    assert b[1].k[1, 2, 2].tolist() == a[1].k[1, 1, 2].tolist()  # kv head 1's key sits at combined head 2
+    assert (pool_layout("auto", "tpu"), pool_layout("auto", "cuda"), pool_layout("reference", "tpu")) == \
+        ("combined", "heads", "heads")
+    assert (kernel_name("auto", "tpu"), kernel_name("pallas", "gpu"), kernel_name("auto", "cpu")) == \
+        ("ragged_paged", "pallas_triton_paged", "reference")
+    pool = PagePool.zeros(2, 16, 4, 16, jnp.bfloat16, impl="auto", platform="tpu")
+    assert (pool.layout, pool.k.shape, pool.num_pages, pool.page_size, pool.num_kv_heads, pool.nbytes) == \
+        ("combined", (16, 4, 4, 16), 16, 4, 2, 16 * 4 * 4 * 16 * 2)
+    with pytest.raises(ValueError, match="'combined' pool"):
+        paged_attention(*a, impl="pallas", platform="tpu")
+    # "auto" on a pool not laid out for the platform's kernel: the reference, not an error.
+    np.testing.assert_array_equal(paged_attention(*a, impl="auto", platform="tpu"), reference_paged_attention(*a))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tpu_wrapper_arguments_give_the_reference_through_jax_ref_ragged_paged_attention(seed):
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import ref_ragged_paged_attention
+
+    from areal_jax.kernels.paged_tpu import ragged_arguments
+
+    q, pool, lengths, tables = _case(seed, B=5, N=8, K=2, H=32, S=8, P=24, M=4, layout="combined")
+    lengths = lengths.at[0].set(0).at[1].set(1).at[2].set(16)  # empty, one token, a page boundary
+    want = reference_paged_attention(q, pool, lengths, tables)
+    got = ref_ragged_paged_attention(*ragged_arguments(q, pool, lengths, tables), sm_scale=32 ** -0.5)
+    got = jnp.where((lengths > 0)[:, None, None], got, 0)  # what ragged_paged_decode does after the kernel
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+_COMPILE = """
+import sys, jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+from areal_jax.aot import ProgramSpec
+from areal_jax.kernels.paged_attention import PagePool, paged_attention
+from areal_jax.plan.targets import parse_target, topology_devices
+target, tensor = parse_target(sys.argv[1]), int(sys.argv[2])
+mesh = jax.sharding.Mesh(__import__("numpy").array(topology_devices(target, tensor)).reshape(1, tensor), ("data", "tensor"))
+sd = lambda shape, dt, spec=PartitionSpec(): jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))
+B, N, K, H, S, P, M = 32, 12, 2, 128, 16, 1024, 32
+platform = target.platform
+layout = "combined" if platform == "tpu" else "heads"
+specs = PagePool.partition_spec("tensor", layout=layout)
+if layout == "combined":
+    pool = PagePool(sd((P, S, 2 * K, H), jnp.bfloat16, specs.k), None, "combined")
+else:
+    pool = PagePool(sd((K, P, S, H), jnp.bfloat16, specs.k), sd((K, P, S, H), jnp.bfloat16, specs.v))
+fn = jax.jit(lambda q, pool, l, t: paged_attention(q, pool, l, t, impl="pallas", platform=platform,
+                                                   heads_axis="tensor", replica_axis="data"))
+q = sd((B, N, H), jnp.bfloat16, PartitionSpec(None, "tensor"))
+spec = ProgramSpec("decode_attention", "generation", fn, (q, pool, sd((B,), jnp.int32), sd((B, M), jnp.int32)))
+from areal_jax.plan.measure import attention_kernels
+lowered = spec.lower()
+print("ATTENTION", *attention_kernels(lowered.as_text()))
+compiled = lowered.compile()
+text = compiled.as_text()
+print("CUSTOM_CALLS", text.count("tpu_custom_call"), text.count("__gpu$xla.gpu.triton"),
+      text.count("all-gather"), compiled.memory_analysis().argument_size_in_bytes)
+"""
+
+
+def _compile_for(target, tensor):
+    out = subprocess.run([sys.executable, "-c", _COMPILE, target, str(tensor)], capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu", "TPU_SKIP_MDS_QUERY": "1"})
+    if "in use by another process" in out.stderr or "lockfile" in out.stderr:
+        pytest.skip("another process holds libtpu (one at a time)")
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("CUSTOM_CALLS"))
+    attention = next(x for x in out.stdout.splitlines() if x.startswith("ATTENTION")).split()[1:]
+    return tuple(int(n) for n in line.split()[1:]) + (attention,)
+
+
+POOL_BYTES = 2 * 2 * 1024 * 16 * 128 * 2  # k and v, K=2, P, S, H, bf16
+
+
+@pytest.mark.skipif(not HAS_CUDA_PLUGIN, reason="jax-cuda12-plugin not installed (pip install 'areal-jax[plan]')")
+def test_gpu_kernel_compiles_for_h100_without_a_device_and_runs_per_head_shard():
+    # ProgramSpec.lower traces under the abstract mesh of its arguments' devices, which names the
+    # H100: without it Pallas would ask the host's CPU for a compute capability and fail.
+    tpu_calls, triton_calls, gathers, arg_bytes, attention = _compile_for("8xh100", 2)
+    assert triton_calls >= 1 and tpu_calls == 0 and attention == ["pallas_triton_paged"]  # as `plan --json` names it
+    assert gathers == 0 and arg_bytes < POOL_BYTES * 0.6  # each device keeps its kv head's pages
+
+
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed (pip install 'areal-jax[plan]')")
+def test_tpu_kernel_compiles_for_v5e_without_a_device_and_runs_per_head_shard():
+    tpu_calls, triton_calls, gathers, arg_bytes, attention = _compile_for("v5e-4", 2)
+    assert tpu_calls >= 1 and triton_calls == 0 and attention == ["ragged_paged"]
+    assert gathers == 0 and arg_bytes < POOL_BYTES * 0.6
