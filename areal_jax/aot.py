@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
 import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ContextManager, Literal
 
 import jax
 import numpy as np
+
+from areal_jax.kernels import dispatch  # kernels chosen for the target platform while tracing
 
 Role = Literal["train", "generation", "transfer", "eval"]
 ROLES: tuple[str, ...] = ("train", "generation", "transfer", "eval")
@@ -75,10 +76,7 @@ def target_device_context(tree: Any) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         if jax.sharding.get_abstract_mesh().empty:
             stack.enter_context(jax.sharding.use_abstract_mesh(mesh.abstract_mesh))
-        if importlib.util.find_spec("areal_jax.kernels.dispatch") is not None:  # flash attention's (issue 25)
-            from areal_jax.kernels import dispatch
-
-            stack.enter_context(dispatch.target_platform(mesh.devices.flat[0].platform))
+        stack.enter_context(dispatch.target_platform(mesh.devices.flat[0].platform))
         yield
 
 
