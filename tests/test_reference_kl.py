@@ -65,7 +65,7 @@ def teacher_forced(params, groups):
     for i, r in enumerate(rows):
         ids[i, :len(r["input_ids"])], targets[i, :len(r["targets"])] = r["input_ids"], r["targets"]
     logits, _ = forward(params, CFG, jnp.asarray(ids))  # causal: right padding is never attended
-    logp = np.asarray(token_logprobs(logits, jnp.asarray(targets), PPO.temperature), np.float64)
+    logp = np.asarray(token_logprobs(logits, jnp.asarray(targets), PPO.logit_temperature), np.float64)
     return [logp[i, :len(r["input_ids"])] for i, r in enumerate(rows)], rows
 
 

@@ -64,7 +64,7 @@ def reference_loss_and_grads(params, seqs, ppo):
 
     def loss_fn(p):
         logits, _ = forward(p, CFG, batch["input_ids"])  # causal: right padding is never attended
-        logp = token_logprobs(logits, batch["targets"], ppo.temperature)
+        logp = token_logprobs(logits, batch["targets"], ppo.logit_temperature)
         loss, _ = decoupled_ppo_loss(logp, batch["proximal_logprobs"], batch["behavior_logprobs"],
                                      batch["advantages"], batch["loss_mask"], eps_clip=ppo.eps_clip,
                                      behav_imp_weight_cap=ppo.behav_imp_weight_cap, c_clip=ppo.c_clip,
