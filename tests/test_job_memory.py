@@ -133,7 +133,7 @@ def test_rl_loop_keeps_no_initial_copy_of_the_weights(tokenizer, donate):
     # The training devices hold the trainer's weights and optimizer state (and a few scalars);
     # the caller's initial copy only when it was not donated.
     initial = 0 if donate else param_bytes
-    assert state + initial <= held <= state + initial + 1024
+    assert state + initial <= held <= state + initial + 8192
 
 
 def test_evaluation_on_the_generation_mesh_matches_evaluation_where_the_weights_lie(tokenizer):
