@@ -14,6 +14,7 @@ from areal_jax.checkpoint import CheckpointConfig
 from areal_jax.data.pipeline import DataConfig
 from areal_jax.generation.engine import EngineConfig
 from areal_jax.metrics import MetricsConfig
+from areal_jax.models.lora import LoRAConfig
 from areal_jax.parallel.meshes import MeshConfig
 from areal_jax.plan.config import PlanConfig
 from areal_jax.ppo.advantages import AdvantageConfig
@@ -86,7 +87,7 @@ class Stages:
 JOB_CONFIG_CLASSES = (ModelSource, TaskSource, Stages, ArithmeticConfig, DataConfig, SFTConfig, RLConfig, PPOConfig,
                       OptimizerConfig, AdvantageConfig, RLVRConfig, EngineConfig, MeshConfig, CheckpointConfig,
                       RewardPoolConfig, SandboxLimits,
-                      MetricsConfig,
+                      MetricsConfig, LoRAConfig,
                       PlanConfig)  # PlanConfig: read by `areal-jax plan`, accepted (and ignored) by the run
 for _cls in JOB_CONFIG_CLASSES:
     cs.register(_cls)
@@ -112,6 +113,7 @@ class JobConfigs:
     workflow: Any = None  # the config_class instance of RLConfig.workflow's class (None: it has none)
     reward_pool: RewardPoolConfig = RewardPoolConfig()  # the workers of every reward not declared in-process
     sandbox: SandboxLimits = SandboxLimits()  # the code reward's sandbox in those workers
+    lora: LoRAConfig = LoRAConfig()  # RL trains adapters on a frozen base when rank > 0
 
     def as_dict(self) -> dict:
         return {f.name: (None if getattr(self, f.name) is None else dataclasses.asdict(getattr(self, f.name)))
@@ -148,7 +150,7 @@ def load_job_configs(gin_files=(), gin_params=(), *, run_dir: str, num_processes
         optimizer=cs.build(OptimizerConfig), advantages=cs.build(AdvantageConfig), rollout=rollout,
         engine=_engine_config(rollout, data), mesh=cs.build(MeshConfig), checkpoint=_checkpoint_config(stages, run_dir),
         metrics=cs.build(MetricsConfig), workflow=_workflow_config(workflow_class),
-        reward_pool=cs.build(RewardPoolConfig), sandbox=cs.build(SandboxLimits))
+        reward_pool=cs.build(RewardPoolConfig), sandbox=cs.build(SandboxLimits), lora=cs.build(LoRAConfig))
     check_cross_fields(cfg, num_processes)
     return cfg
 

@@ -257,7 +257,7 @@ def _run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: Reward
     summary: dict[str, Any] = {"sft_steps": 0, "sft_time_s": 0.0}
     # Moves weights to this host's generation devices in the generation dtype, per layer; the RL
     # loop reuses it (and its compiled programs).
-    sync = generation_weight_sync(work.model_config, meshes, cfg.rl)
+    sync = generation_weight_sync(work.model_config, meshes, cfg.rl, cfg.lora)
     # Evaluation engines take at most the RL engine's slots: its KV cache is what the config sized
     # to fit the generation devices (64 slots of a 17k-token reasoning budget would not).
     eval_slots = min(EVAL_SLOTS, cfg.engine.num_slots)
@@ -366,7 +366,7 @@ def _run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: Reward
                       on_rollouts=metrics_log.dump_rollouts if jax.process_index() == 0 else None,
                       on_export=lambda out: _complete_export(out, work.tokenizer_dir, cfg.data),
                       donate_params=True, weight_sync=sync, reward_pool=reward_pool,
-                      should_stop=stop and (lambda: stop.requested))
+                      should_stop=stop and (lambda: stop.requested), lora=cfg.lora)
         params = None
         if loop.resume_report is not None:  # carried into later checkpoints by their summary
             summary.setdefault("resumed", []).append(loop.resume_report)

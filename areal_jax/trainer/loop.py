@@ -32,10 +32,13 @@ from areal_jax.generation.engine import EngineConfig, GenerationEngine
 from areal_jax.generation.sampling import SamplingParams
 from areal_jax.generation.timings import timings_delta
 from areal_jax.metrics import batch_metrics
+from areal_jax.models import lora as lora_lib
 from areal_jax.models.config import ModelConfig
+from areal_jax.models.lora import LoRAConfig
 from areal_jax.models.transformer import Params
 from areal_jax.parallel.distributed import agree_max, agree_sum, agree_sum_array
 from areal_jax.parallel.meshes import MeshConfig, Meshes, build_meshes
+from areal_jax.parallel.adapter_sync import AdapterSync
 from areal_jax.parallel.weight_sync import DEFAULT_GROUP_BYTES, WeightSync
 from areal_jax.ppo.advantages import AdvantageConfig
 from areal_jax.reward.scoring import RewardScorer, score_all
@@ -122,9 +125,13 @@ class LoopResult:
     final_params: Params
 
 
-def generation_weight_sync(model_cfg: ModelConfig, meshes: Meshes, rl: RLConfig) -> WeightSync:
+def generation_weight_sync(model_cfg: ModelConfig, meshes: Meshes, rl: RLConfig, lora: LoRAConfig | None = None
+                           ) -> WeightSync | AdapterSync:
     """The train -> generation transfer of a run: the generation dtype and group size of `rl`,
-    weights delivered per layer (the layout the engine holds)."""
+    weights delivered per layer (the layout the engine holds). With LoRA, an `AdapterSync`: the
+    base once, then only the adapters, merged on the generation devices."""
+    if lora is not None and lora.enabled:
+        return AdapterSync(model_cfg, lora, meshes, rl.generation_dtype, group_bytes=rl.transfer_group_bytes)
     return WeightSync.for_model(model_cfg, meshes, rl.generation_dtype, group_bytes=rl.transfer_group_bytes)
 
 
@@ -134,7 +141,9 @@ class RLLoop:
     `params`: the initial weights (any placement; the trainer keeps its own fp32 copy on the train
     mesh). With `donate_params` their buffers are deleted once the trainer holds its copy, so no
     initial copy stays on the devices whatever references the caller keeps (use them no more).
-    `weight_sync`: a `generation_weight_sync` of the same meshes to reuse (its programs compiled).
+    `weight_sync`: a `generation_weight_sync` of the same meshes (and `lora`) to reuse (its
+    programs compiled). `lora`: train adapters on a frozen base (models/lora.py) instead of
+    every weight; the engine serves the merged weights and each swap moves only the adapters.
     """
 
     def __init__(self, model_cfg: ModelConfig, params: Params, *, tokenizer: Any, data_iter: Iterator[Any],
@@ -147,8 +156,8 @@ class RLLoop:
                  checkpoint_extra: Callable[[], dict[str, Any]] | None = None,
                  on_rollouts: Callable[[int, list[dict[str, Any]]], None] | None = None,
                  on_export: Callable[[Any], None] | None = None,
-                 donate_params: bool = False, weight_sync: WeightSync | None = None,
-                 should_stop: Callable[[], bool] | None = None):
+                 donate_params: bool = False, weight_sync: WeightSync | AdapterSync | None = None,
+                 should_stop: Callable[[], bool] | None = None, lora: LoRAConfig = LoRAConfig()):
         # A custom workflow samples with the RLVRConfig it was built with (its `rollout`).
         rollout = workflow if isinstance(workflow, RLVRConfig) else getattr(workflow, "rollout", None)
         rollout = rollout if isinstance(rollout, RLVRConfig) else None
@@ -167,7 +176,7 @@ class RLLoop:
         self.eval_rows = list(eval_rows)
         self.on_step = on_step
         self.meshes: Meshes = build_meshes(mesh, devices)
-        self.trainer = PolicyTrainer(model_cfg, params, optimizer, ppo, mesh=self.meshes.train)
+        self.trainer = PolicyTrainer(model_cfg, params, optimizer, ppo, mesh=self.meshes.train, lora=lora)
         if donate_params:
             _delete_unless_held(params, self.trainer.params)
         del params  # the trainer holds its own copy: nothing below may keep the initial one alive
@@ -176,7 +185,9 @@ class RLLoop:
         if weight_sync is not None and (weight_sync.meshes.train, weight_sync.meshes.generation) != (
                 self.meshes.train, self.meshes.generation):
             raise ValueError("weight_sync was built for other meshes than this loop's")
-        self.weight_sync = weight_sync or generation_weight_sync(model_cfg, self.meshes, rl)
+        if weight_sync is not None and isinstance(weight_sync, AdapterSync) != lora.enabled:
+            raise ValueError("weight_sync must be an AdapterSync exactly when LoRAConfig.rank > 0")
+        self.weight_sync = weight_sync or generation_weight_sync(model_cfg, self.meshes, rl, lora)
         self.version = start_version
         self.engine = GenerationEngine((model_cfg, self.weight_sync.transfer(self.trainer.params)), engine,
                                        version=start_version)
@@ -266,7 +277,12 @@ class RLLoop:
                 self.checkpointer.wait()
         return LoopResult(steps=len(history), version=self.version, wall_time_s=time.perf_counter() - t_start,
                           trained_tokens=self._run_tokens, history=history, rollout_report=report,
-                          final_params=self.trainer.params)
+                          final_params=self._plain_params())
+
+    def _plain_params(self) -> Params:
+        """The policy's weights without adapters (LoRA's merged into the base, in its dtype)."""
+        params = self.trainer.params
+        return params if lora_lib.adapters_of(params) is None else lora_lib.merge(params)
 
     def _take_batch(self) -> tuple[list[TrajectoryGroup], float]:
         t0 = time.perf_counter()
@@ -362,6 +378,8 @@ class RLLoop:
             "time/wait_batch_s": wait_s,
             "time/train_step_s": train.get("time_step_s", math.nan),
             "time/weight_transfer_s": transfer_s,
+            # What the last swap moved to the generation devices (with LoRA: the adapters only).
+            "transfer/bytes": float(self.weight_sync.last_stats.num_bytes) if self.weight_sync.last_stats else 0.0,
         }
         if self.reward_pool is not None:  # calls past their deadline (scored 0.0), and ones that crashed or raised
             stats = self.reward_pool.stats()
@@ -447,7 +465,7 @@ class RLLoop:
             meta["extra"] = self.checkpoint_extra()
         ckpt.save(step + 1, state=self.trainer.state_dict(), meta=meta, data_iterator=point["data"], force=True)
         if ckpt.should_export_hf(step + 1):
-            target = ckpt.export_hf(self.trainer.params, self.model_config, step + 1)
+            target = ckpt.export_hf(self._plain_params(), self.model_config, step + 1)
             if target is not None and self.on_export is not None and jax.process_index() == 0:
                 self.on_export(target)
 
