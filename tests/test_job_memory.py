@@ -19,8 +19,8 @@ from areal_jax.models.tokenizer import Tokenizer
 from areal_jax.parallel import MeshConfig, WeightSync, build_meshes, model_partition_specs
 from areal_jax.ppo import AdvantageConfig
 from areal_jax.rollout.workflow import RLVRConfig
-from areal_jax.trainer import OptimizerConfig, PPOConfig
-from areal_jax.trainer.loop import RLConfig, RLLoop, generation_weight_sync
+from areal_jax.trainer import OptimizerConfig, PPOConfig, RLConfig
+from areal_jax.trainer.loop import RLLoop, generation_weight_sync
 from areal_jax.trainer.sft import GreedyAccuracy
 from tests.test_rl_loop import REWARD, rows
 from tests.tokenizer_fixtures import build_tiny_tokenizer

@@ -56,7 +56,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from areal_jax.generation.engine import GenerationEngine
+from areal_jax import api
 from areal_jax.rollout.channel import ChannelClosed, TrajectoryChannel
 from areal_jax.rollout.filters import GroupFilter, is_too_stale
 from areal_jax.rollout.staleness import StalenessManager, admission_version
@@ -126,7 +126,7 @@ class RolloutController:
     """Keeps the generation engine busy with admitted prompt groups and feeds the channel.
 
     Args:
-        engine: a started GenerationEngine (its own thread drives it).
+        engine: a started api.InferenceEngine (its own thread drives it), e.g. GenerationEngine.
         workflow: RLVRWorkflow or any object with `async def arun(client, row, *, version)`
             (optionally `reject_reason(group) -> str | None`).
         staleness: admission control; its counters are updated here.
@@ -143,7 +143,7 @@ class RolloutController:
             (`notify()` wakes it at once).
     """
 
-    def __init__(self, engine: GenerationEngine, workflow: Any, staleness: StalenessManager,
+    def __init__(self, engine: api.InferenceEngine, workflow: api.RolloutWorkflow, staleness: StalenessManager,
                  channel: TrajectoryChannel, data_iter: Iterator[Any], *, version_fn: Callable[[], int],
                  tokenizer: Detokenizer | None = None, reward_pool: Any = None, max_concurrent: int | None = None,
                  filters: Sequence[GroupFilter] = (), max_group_age: int | None = None,

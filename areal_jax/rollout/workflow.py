@@ -48,7 +48,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from areal_jax.generation.engine import GenerationEngine, GroupResult
+from areal_jax import api
+from areal_jax.generation.requests import GroupResult
 from areal_jax.generation.sampling import SamplingParams
 from areal_jax.reward.registry import load_reward_function, resolve_reward_path
 from areal_jax.rollout.filters import equal_rewards_filter
@@ -96,7 +97,7 @@ class RolloutClient:
     math-verify needs the main thread or a worker process, so use the pool for "math".
     """
 
-    def __init__(self, engine: GenerationEngine, tokenizer: Detokenizer | None, reward_pool: Any = None,
+    def __init__(self, engine: api.InferenceEngine, tokenizer: Detokenizer | None, reward_pool: Any = None,
                  *, reward_threads: int = 4) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -147,8 +148,9 @@ class RolloutClient:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-class RolloutWorkflow(abc.ABC):
-    """One prompt row -> one TrajectoryGroup. Subclass, or match this shape (duck typing works)."""
+class RolloutWorkflow(api.RolloutWorkflow, abc.ABC):
+    """A base class for `api.RolloutWorkflow` (one prompt row -> one TrajectoryGroup) with a default
+    `reject_reason`. Subclass it, or match the protocol's shape (duck typing works)."""
 
     @abc.abstractmethod
     async def arun(self, engine_client: RolloutClient, row: Any, *, version: int) -> TrajectoryGroup | None:

@@ -23,7 +23,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import jax
 
@@ -36,79 +36,21 @@ from areal_jax.models.config import ModelConfig
 from areal_jax.models.transformer import Params
 from areal_jax.parallel.distributed import agree_max, agree_sum, agree_sum_array
 from areal_jax.parallel.meshes import MeshConfig, Meshes, build_meshes
-from areal_jax.parallel.weight_sync import DEFAULT_GROUP_BYTES, WeightSync
+from areal_jax.parallel.weight_sync import WeightSync
 from areal_jax.ppo.advantages import AdvantageConfig
 from areal_jax.reward.scoring import RewardScorer, score_all
 from areal_jax.rollout.channel import TrajectoryChannel
 from areal_jax.rollout.controller import RolloutController, ShutdownReport
 from areal_jax.rollout.staleness import StalenessManager
 from areal_jax.rollout.types import TrajectoryGroup
-from areal_jax.rollout.workflow import RLVRConfig, RLVRWorkflow, resolve_workflow_class
+from areal_jax.rollout.workflow import RLVRConfig, RLVRWorkflow
 from areal_jax.trainer.batching import make_microbatches, sequence_group_ids
 from areal_jax.trainer.reference import ReferencePolicy, sequences_with_kl
 from areal_jax.trainer.optimizer import OptimizerConfig
-from areal_jax.trainer.train_step import PolicyTrainer, PPOConfig
+from areal_jax.trainer.config import PPOConfig, RLConfig
+from areal_jax.trainer.train_step import PolicyTrainer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class RLConfig:
-    """The RL loop. batch_size is in prompt groups per training step (global, all processes)."""
-
-    steps: int = 20
-    batch_size: int = 8
-    max_staleness: int = 4  # eta (AReaL's max_head_offpolicyness); 0 = synchronous
-    max_concurrent: int = 32  # prompt groups in flight on the generator
-    mode: Literal["async", "sync"] = "async"
-    # Reject groups whose oldest token lags more than this behind the trainer when they finish;
-    # then no trained token lags more than max_staleness + max_group_age versions. No AReaL twin.
-    max_group_age: int | None = None
-    channel_capacity: int = 0  # 0: 4 x batch_size
-    generation_dtype: str | None = None  # e.g. "bfloat16": cast on the way to the generator
-    # Generation weights one reshard group moves (whole arrays): the training devices hold at most
-    # one group's staging buffers beside the fp32 weights and optimizer state during a transfer.
-    transfer_group_bytes: int = DEFAULT_GROUP_BYTES
-    eval_every: int = 0  # steps between held-out evaluations (0: only at the start and end)
-    # Completion budget of held-out checks. None: RLVRConfig.max_new_tokens (the rollouts' budget).
-    eval_max_new_tokens: int | None = None
-    dump_rollouts_every: int = 0  # write the step's trajectories to rollouts/step_N.jsonl every N steps
-    batch_timeout_s: float = 600.0  # waiting longer than this for a batch is an error
-    # A custom rollout workflow, "package.module:Class" (the contract: areal_jax/rollout/workflow.py;
-    # an example: areal_jax.workflows.multi_turn_math:MultiTurnMathWorkflow). None: RLVRWorkflow.
-    workflow: str | None = None
-    # AReaL's name for eta, kept only to refuse it: a ported config must not set the age filter by mistake.
-    max_head_offpolicyness: int | None = None
-
-    def __post_init__(self):
-        if self.max_head_offpolicyness is not None:
-            raise ValueError("RLConfig.max_head_offpolicyness is AReaL's name for eta: set RLConfig.max_staleness "
-                             "instead (the per-group age filter here is RLConfig.max_group_age)")
-        for name in ("steps", "batch_size", "max_concurrent"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"RLConfig.{name} must be an int >= 1, got {value!r}")
-        if not isinstance(self.max_staleness, int) or self.max_staleness < 0:
-            raise ValueError(f"RLConfig.max_staleness must be an int >= 0, got {self.max_staleness!r}")
-        if self.max_group_age is not None and (isinstance(self.max_group_age, bool)
-                                               or not isinstance(self.max_group_age, int) or self.max_group_age < 0):
-            raise ValueError(f"RLConfig.max_group_age must be None or an int >= 0, got {self.max_group_age!r}")
-        if self.mode not in ("async", "sync"):
-            raise ValueError(f"RLConfig.mode must be 'async' or 'sync', got {self.mode!r}")
-        if self.mode == "sync" and self.max_staleness != 0:
-            raise ValueError("RLConfig.mode = 'sync' needs max_staleness = 0")
-        if self.eval_max_new_tokens is not None and (isinstance(self.eval_max_new_tokens, bool) or not isinstance(
-                self.eval_max_new_tokens, int) or self.eval_max_new_tokens < 1):
-            raise ValueError(f"RLConfig.eval_max_new_tokens must be None or an int >= 1, got {self.eval_max_new_tokens!r}")
-        if self.channel_capacity < 0 or self.eval_every < 0 or self.dump_rollouts_every < 0:
-            raise ValueError("RLConfig.channel_capacity, eval_every and dump_rollouts_every must be >= 0")
-        if (not isinstance(self.transfer_group_bytes, int) or isinstance(self.transfer_group_bytes, bool)
-                or self.transfer_group_bytes < 1):
-            raise ValueError(f"RLConfig.transfer_group_bytes must be an int >= 1, got {self.transfer_group_bytes!r}")
-        if not self.batch_timeout_s > 0:
-            raise ValueError(f"RLConfig.batch_timeout_s must be > 0, got {self.batch_timeout_s!r}")
-        if self.workflow is not None:
-            resolve_workflow_class(self.workflow)  # imports it: a wrong path fails here, before any work
 
 
 @dataclasses.dataclass
