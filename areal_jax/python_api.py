@@ -75,9 +75,11 @@ class Trainer:
 
             data = dataclasses.replace(data, paths=files) if data is not None else DataConfig(paths=files)
             task = dataclasses.replace(task, kind="dataset", eval_size=task.eval_size if task.eval_paths else 0)
-        if eval_data is not None:
-            task = dataclasses.replace(task, eval_paths=self._data_paths(eval_data, "eval"),
-                                       eval_size=task.eval_size or 1_000_000)
+        if eval_data is not None:  # rows: every one is held out; files: up to TaskSource.eval_size of them
+            files = self._data_paths(eval_data, "eval")
+            rows = self._inputs.get(files[0])
+            task = dataclasses.replace(task, eval_paths=files,
+                                       eval_size=len(rows) if rows is not None else task.eval_size or 1_000_000)
         if task is not cfg.task or data is not cfg.data:
             cfg = dataclasses.replace(cfg, task=task, data=data, bindings="")  # gin text no longer says it all
         self.workflow = workflow
@@ -102,14 +104,19 @@ class Trainer:
         return (target,)
 
     def _write_inputs(self) -> None:
+        """The rows given as data, written by process 0 (every process holds the same rows); all
+        processes wait until they are there."""
         import jax
 
-        if jax.process_index() != 0:
-            return
-        for target, rows in self._inputs.items():
-            path = paths.as_path(target)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            paths.write_whole(path, "".join(json.dumps(r, default=str) + "\n" for r in rows).encode())
+        if jax.process_index() == 0:
+            for target, rows in self._inputs.items():
+                path = paths.as_path(target)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                paths.write_whole(path, "".join(json.dumps(r, default=str) + "\n" for r in rows).encode())
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("areal_jax.python_api.inputs")
 
     def train(self, *, resume: bool = False, overwrite: bool = False, progress: bool = True) -> dict[str, Any]:
         """SFT (if configured) then RL, as `areal-jax train`; returns the summary (summary.json).

@@ -68,11 +68,11 @@ def render() -> str:
     parts.append(f'py_library(\n    name = "test_support",\n    testonly = True,\n    srcs = {_list(support)},\n'
                  f'    deps = {_list(names)},\n)\n')
     examples = sorted(str(p.relative_to(ROOT)) for p in _python_files("examples"))
-    if examples:  # scripts users run; tests/test_examples.py runs each as a user would
+    if examples:  # scripts users run; tests/test_example_scripts.py runs each as a user would
         parts.append(f'filegroup(\n    name = "examples",\n    srcs = {_list(examples)},\n)\n')
     for test in (p for p in tests if p.name.startswith("test_") and p.parent == ROOT / "tests"):
         src = str(test.relative_to(ROOT))
-        data = '    data = [":examples"],\n' if test.stem == "test_examples" and examples else ""
+        data = '    data = [":examples"],\n' if test.stem == "test_example_scripts" and examples else ""
         parts.append(f'py_test(\n    name = "{test.stem}",\n    srcs = ["{src}"],\n    main = "{src}",\n'
                      f'{data}    deps = [":test_support"],\n)\n')
     return "\n".join(parts)
