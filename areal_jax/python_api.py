@@ -58,7 +58,7 @@ class Trainer:
     def __init__(self, config: JobConfigs | str | os.PathLike, *, run_dir: str | os.PathLike,
                  reward_fn: Callable[[str, Any], float] | None = None, train_data: DataInput | None = None,
                  eval_data: DataInput | None = None, workflow: Any = None, overrides: Sequence[str] = ()):
-        cfg = config if isinstance(config, JobConfigs) else load_config(config, overrides)
+        cfg = loaded = config if isinstance(config, JobConfigs) else load_config(config, overrides)
         if overrides and isinstance(config, JobConfigs):
             raise ValueError("overrides apply to a .gin path; set the fields of the JobConfigs instead")
         self.run_dir = str(run_dir)
@@ -81,13 +81,15 @@ class Trainer:
             task = dataclasses.replace(task, eval_paths=files,
                                        eval_size=len(rows) if rows is not None else task.eval_size or 1_000_000)
         if task is not cfg.task or data is not cfg.data:
-            cfg = dataclasses.replace(cfg, task=task, data=data, bindings="")  # gin text no longer says it all
+            cfg = dataclasses.replace(cfg, task=task, data=data)
         self.workflow = workflow
         if workflow is not None:  # a class's own config: the bound one if it is of its config_class
             config_class = getattr(workflow, "config_class", None) if isinstance(workflow, type) else None
             wf_cfg = cfg.workflow if config_class and isinstance(cfg.workflow, config_class) else (
                 config_class() if config_class else None)
             cfg = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, workflow=None), workflow=wf_cfg)
+        if cfg is not loaded and cfg.bindings:  # the gin text no longer says it all: config.gin is the fields'
+            cfg = dataclasses.replace(cfg, bindings="")
         self.config = cfg.for_run(self.run_dir)
         self.summary: dict[str, Any] | None = None
 
