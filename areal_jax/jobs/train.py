@@ -225,7 +225,8 @@ def _run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: Reward
     optimizer, version, counters, data position). config.gin and config.json are written only
     once every check has passed and the model and data have loaded.
     """
-    from areal_jax.trainer.sft import GreedyAccuracy, run_sft
+    from areal_jax.evaluation.held_out import GreedyAccuracy
+    from areal_jax.trainer.sft import run_sft
 
     t0 = time.perf_counter()
     run_dir = paths.as_path(run_dir)  # local or remote (gs://)
@@ -269,7 +270,7 @@ def _run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: Reward
         if not _on_any_process(bool(work.eval_rows)):
             summary["held_out_problems"] = 0
             return None  # no held-out rows: no accuracy (null in summary.json, not NaN)
-        weights = sync.to_generation(p)
+        weights = sync.transfer(p)
         correct, total = 0, 0
         if work.eval_rows:  # a one-off engine: none holds memory during RL
             correct, total = GreedyAccuracy(work.model_config, work.eval_rows, work.tokenizer,
@@ -305,7 +306,7 @@ def _run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: Reward
                 probe = GreedyAccuracy(work.model_config, work.validation_rows, work.tokenizer,
                                        max_new_tokens=cfg.rl.eval_max_new_tokens, reward_fn=reward_fn,
                                        slots=eval_slots)
-                validate = lambda p: probe(sync.transfer_local(p))  # noqa: E731
+                validate = lambda p: probe(sync.transfer(p))  # noqa: E731
             # SFT trains on the RL trainer's mesh (sharded, across hosts); on a single device as is.
             sft_mesh = meshes.train if meshes.train.devices.size > 1 else None
             metrics_log = metrics_logger(cfg, run_dir, progress=False)  # SFT has its own bar, no per-step line

@@ -28,8 +28,9 @@ from typing import Any, Literal
 import jax
 
 from areal_jax.checkpoint import Checkpointer
+from areal_jax.data.examples import prompt_example
+from areal_jax.evaluation.held_out import greedy_correct
 from areal_jax.generation.engine import EngineConfig, GenerationEngine
-from areal_jax.generation.sampling import SamplingParams
 from areal_jax.generation.timings import timings_delta
 from areal_jax.metrics import batch_metrics
 from areal_jax.models.config import ModelConfig
@@ -38,7 +39,7 @@ from areal_jax.parallel.distributed import agree_max, agree_sum, agree_sum_array
 from areal_jax.parallel.meshes import MeshConfig, Meshes, build_meshes
 from areal_jax.parallel.weight_sync import DEFAULT_GROUP_BYTES, WeightSync
 from areal_jax.ppo.advantages import AdvantageConfig
-from areal_jax.reward.scoring import RewardScorer, score_all
+from areal_jax.reward.scoring import RewardScorer
 from areal_jax.rollout.channel import TrajectoryChannel
 from areal_jax.rollout.controller import RolloutController, ShutdownReport
 from areal_jax.rollout.staleness import StalenessManager
@@ -164,7 +165,7 @@ class RLLoop:
         self.rl = rl
         self.advantages = advantages
         self.tokenizer = tokenizer
-        self.eval_rows = list(eval_rows)
+        self.eval_examples = [prompt_example(row) for row in eval_rows]  # a malformed row fails here
         self.on_step = on_step
         self.meshes: Meshes = build_meshes(mesh, devices)
         self.trainer = PolicyTrainer(model_cfg, params, optimizer, ppo, mesh=self.meshes.train)
@@ -247,7 +248,7 @@ class RLLoop:
                 metrics["train/trained_tokens_total"] = self.trained_tokens
                 metrics["throughput/trained_tokens_per_s"] = self._run_tokens / metrics["time/wall_s"]
                 last = step == self.rl.steps - 1
-                if self.eval_rows and self.rl.eval_every and ((step + 1) % self.rl.eval_every == 0 or last):
+                if self.eval_examples and self.rl.eval_every and ((step + 1) % self.rl.eval_every == 0 or last):
                     metrics["eval/accuracy"] = self.evaluate()
                 history.append(metrics)
                 if self.on_step is not None:
@@ -475,22 +476,16 @@ class RLLoop:
     # ---- evaluation ---------------------------------------------------------------------------
 
     def evaluate(self) -> float:
-        """Held-out greedy accuracy with the current weights, on the running engine."""
+        """Held-out greedy accuracy with the current weights, on the running engine (evaluation.held_out)."""
         rollout = self.workflow_config
         # In the rollouts' pool under their deadline (in this process only when no pool was given).
         scorer = RewardScorer(rollout.reward if rollout else "math", self.reward_pool,
                               timeout_s=rollout.reward_timeout_s if rollout else 10.0)
-        stop = self.workflow_config.stop_token_ids if self.workflow_config else ()
         budget = self.rl.eval_max_new_tokens or (rollout.max_new_tokens if rollout else 64)
-        sp = SamplingParams(max_new_tokens=budget, temperature=0.0, stop_token_ids=stop)
-        handles = [self.engine.submit(row["prompt_ids"], sp) for row in self.eval_rows]
-        calls = []
-        for row, h in zip(self.eval_rows, handles):
-            tokens = h.result(timeout=self.rl.batch_timeout_s).completions[0].tokens
-            gold = row["row"].answer if row["row"].task == "math" else row["row"].test_cases
-            calls.append((self.tokenizer.decode(tokens, skip_special_tokens=True), gold))
-        correct = sum(reward >= 1.0 for reward in score_all(scorer, calls))
-        total = len(self.eval_rows)
+        correct = greedy_correct(self.engine, self.eval_examples, scorer, self.tokenizer, max_new_tokens=budget,
+                                 stop_token_ids=rollout.stop_token_ids if rollout else (), drive=False,
+                                 timeout_s=self.rl.batch_timeout_s)
+        total = len(self.eval_examples)
         if jax.process_count() > 1:  # each host evaluates its own shard of the held-out rows
             correct, total = agree_sum(int(correct)), agree_sum(total)
         return correct / max(total, 1)
