@@ -41,6 +41,8 @@ _EXPORTS = {
     "TrainEngine": "areal_jax.api",
     "RolloutWorkflow": "areal_jax.api",
     "RolloutClient": "areal_jax.rollout.workflow",
+    "PromptExample": "areal_jax.data.examples",
+    "prompt_example": "areal_jax.data.examples",
     "Trajectory": "areal_jax.rollout.types",
     "TrajectoryGroup": "areal_jax.rollout.types",
     "SamplingParams": "areal_jax.generation.sampling",

@@ -40,13 +40,13 @@ class RetryOnceWorkflow:
         self.feedback = np.asarray(tokenizer.encode(FEEDBACK, add_special_tokens=False), np.int32)
 
     async def arun(self, client: aj.RolloutClient, row, *, version: int) -> aj.TrajectoryGroup | None:
-        prompt = np.asarray(row["prompt_ids"], np.int32)
-        query_id, gold = str(row["row"].query_id), row["row"].answer
-        seeds = [zlib.crc32(f"{query_id}:{version}:{i}".encode()) for i in range(self.rollout.n_samples)]
-        episodes = await asyncio.gather(*(self._episode(client, prompt, gold, seed) for seed in seeds))
+        example = aj.prompt_example(row)  # the row's prompt ids, query id and gold answer, typed
+        seeds = [zlib.crc32(f"{example.query_id}:{version}:{i}".encode()) for i in range(self.rollout.n_samples)]
+        episodes = await asyncio.gather(*(self._episode(client, example.prompt_ids, example.gold, seed)
+                                          for seed in seeds))
         if any(e.stop_reason == "aborted" for e in episodes):
             return None  # the engine is stopping: the row is rejected (counted, never silent)
-        return aj.TrajectoryGroup(query_id=query_id, trajectories=tuple(episodes),
+        return aj.TrajectoryGroup(query_id=example.query_id, trajectories=tuple(episodes),
                                   admitted_version=version)
 
     async def _episode(self, client, prompt, gold, seed: int) -> aj.Trajectory:

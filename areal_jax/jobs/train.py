@@ -1,6 +1,6 @@
 """`areal-jax train`: (optional) SFT warm start, then asynchronous RL, with a run directory.
 
-The run directory receives: config.gin (operative bindings), config.json (every resolved
+The run directory receives: config.gin (the bindings that rebuild its configs), config.json (every resolved
 config), metrics.jsonl (one object per SFT step, at indices -SFTConfig.steps..-1, then one per RL
 step from 0) and TensorBoard events, summary.json,
 progress.png (reward and held-out accuracy against steps and wall time) and final_model/
@@ -321,13 +321,13 @@ def held_out_accuracy(run: _Run, params: Any) -> float | None:
     """Greedy accuracy on the held-out rows of every process (each holds a shard of them), on
     this host's generation devices with the weights in the generation dtype. All processes
     call it: moving weights from the train mesh is a collective."""
-    from areal_jax.trainer.sft import GreedyAccuracy
+    from areal_jax.evaluation.held_out import GreedyAccuracy
 
     work = run.work
     if not _on_any_process(bool(work.eval_rows)):
         run.summary["held_out_problems"] = 0
         return None  # no held-out rows: no accuracy (null in summary.json, not NaN)
-    weights = run.sync.to_generation(params)
+    weights = run.sync.transfer(params)
     correct, total = 0, 0
     if work.eval_rows:  # a one-off engine: none holds memory during RL
         correct, total = GreedyAccuracy(work.model_config, work.eval_rows, work.tokenizer,
@@ -352,7 +352,8 @@ def _restore_records(run: _Run) -> None:
 
 def _sft_stage(run: _Run, params: Any) -> Any:
     """The SFT warm start (when configured and there are examples); returns the weights after it."""
-    from areal_jax.trainer.sft import GreedyAccuracy, run_sft
+    from areal_jax.evaluation.held_out import GreedyAccuracy
+    from areal_jax.trainer.sft import run_sft
 
     cfg, work, summary = run.cfg, run.work, run.summary
     if not (cfg.stages.sft and work.sft_examples):
@@ -363,7 +364,7 @@ def _sft_stage(run: _Run, params: Any) -> Any:
         probe = GreedyAccuracy(work.model_config, work.validation_rows, work.tokenizer,
                                max_new_tokens=cfg.rl.eval_max_new_tokens, reward_fn=run.reward_fn,
                                slots=run.eval_slots)
-        validate = lambda p: probe(run.sync.transfer_local(p))  # noqa: E731
+        validate = lambda p: probe(run.sync.transfer(p))  # noqa: E731
     # SFT trains on the RL trainer's mesh (sharded, across hosts); on a single device as is.
     sft_mesh = run.meshes.train if run.meshes.train.devices.size > 1 else None
     run.metrics_log = metrics_log = metrics_logger(cfg, run.run_dir, progress=False)  # SFT has its own bar

@@ -38,9 +38,12 @@ batch of B. Let G be accepted when `version_fn()` read v_a, and taken at trainer
   lags at most v_t - oldest <= eta + K versions. Without K, a straggler (admitted long ago,
   finished late) has no per-group bound: admission limits the volume of stale data only.
 * eta = 0: v_t = v_a and every token of every trained group has version v_t (synchronous).
-* For an exact per-token bound at training time, the trainer applies the same pure check
-  `is_too_stale(group, v_t, K)` to each batch it takes (and counts what it drops); the
-  controller's check then only saves the channel space and the trainer's time.
+* The trainer (`trainer/loop.py`) does not check again when it takes a batch: staleness is
+  controlled where AReaL controls it, at admission and (with K) at acceptance, and eta + K is
+  the bound a run guarantees. Dropping groups at training time would throw away finished
+  generation and give the processes of a run batches of different sizes. `is_too_stale` is
+  pure, so a trainer that wants the exact bound K can apply `is_too_stale(group, v_t, K)` to
+  each batch it takes (tests/test_rollout_controller.py does, to check both bounds).
 """
 
 from __future__ import annotations

@@ -193,7 +193,7 @@ _ACTIVATION_FIELDS = ("PPOConfig.logit_chunk_tokens", "PPOConfig.remat", "PPOCon
                       "PPOConfig.scan_layers", "PPOConfig.attention_impl")
 
 
-def microbatch_shapes(ppo_cfg: PPOConfig, fsdp: int, num_processes: int = 1) -> list[tuple[int, int]]:
+def possible_microbatch_shapes(ppo_cfg: PPOConfig, fsdp: int, num_processes: int = 1) -> list[tuple[int, int]]:
     """(R, T) of the largest micro-batch of each row length `make_microbatches` can produce.
 
     R counts the rows of every process: each packs up to `rows_for_bucket(T)` rows, a multiple
@@ -221,7 +221,7 @@ def train_program_specs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, opt_cfg: Opt
                         rules: Rules = TRAIN_RULES, num_processes: int = 1) -> list[ProgramSpec]:
     """Every program a training step runs at this config's shapes, on the train mesh `mesh`.
 
-    Per row length T (`microbatch_shapes`, each at its largest row count, which bounds its
+    Per row length T (`possible_microbatch_shapes`, each at its largest row count, which bounds its
     memory): "train/grad[rows=R,len=T]" and "train/logprobs[rows=R,len=T]"; then "train/update"
     and "train/zeros_like". Arguments are ShapeDtypeStructs sharded as PolicyTrainer places
     them: fp32 params and optimizer state by the rule table, batch rows over "fsdp". The
@@ -248,7 +248,7 @@ def train_program_specs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, opt_cfg: Opt
     micro_fields = (*_MICROBATCH_FIELDS, *_ACTIVATION_FIELDS, *_MESH_FIELDS)
 
     specs = []
-    for R, T in microbatch_shapes(ppo_cfg, mesh.shape.get("fsdp", 1), num_processes):
+    for R, T in possible_microbatch_shapes(ppo_cfg, mesh.shape.get("fsdp", 1), num_processes):
         rows = sharding_for(("batch", "seq"), rules, mesh, (R, T))
         batch = lambda keys: {k: jax.ShapeDtypeStruct((R, T), BATCH_DTYPES[k], sharding=rows)  # noqa: E731
                               for k in keys}
