@@ -33,8 +33,8 @@ class AdapterSync:
 
     `transfer(train_params)` returns merged generation weights (split layout); `last_stats`
     describes the last adapter transfer (its `num_bytes`: the adapters' generation bytes), or
-    the base's on the first call. `to_generation` / `transfer_local` move plain weights (e.g. an
-    SFT result) as `WeightSync` does.
+    the base's on the first call. Plain weights (no adapters, e.g. an SFT result) move as
+    `WeightSync.transfer` moves them, and leave the cached base alone.
     """
 
     def __init__(self, model_cfg: Any, lora: lora_lib.LoRAConfig, meshes: Meshes, generation_dtype: Any = None, *,
@@ -62,6 +62,8 @@ class AdapterSync:
 
     def transfer(self, train_params: PyTree) -> PyTree:
         """Merged generation weights of `train_params` (every process calls it, as `WeightSync.transfer`)."""
+        if lora_lib.adapters_of(train_params) is None:
+            return self.base_sync.transfer(train_params)
         if self._base is None:
             self._base = self.base_sync.transfer(lora_lib.detach(train_params))
             shardings = jax.tree.map(lambda x: x.sharding, self._base)
@@ -77,12 +79,6 @@ class AdapterSync:
         self.last_stats = stats if base_s == 0.0 else self.base_sync.last_stats
         self.last_transfer_s = base_s + stats.total_s
         return merged
-
-    def to_generation(self, params: PyTree) -> PyTree:
-        return self.base_sync.to_generation(params)
-
-    def transfer_local(self, params: PyTree) -> PyTree:
-        return self.base_sync.transfer_local(params)
 
 
 def adapter_bytes(model_cfg: Any, lora: lora_lib.LoRAConfig, dtype: Any = jnp.bfloat16) -> int:

@@ -15,8 +15,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from areal_jax.aot import ProgramSpec, bytes_per_device
-from areal_jax.jobs.configs import JobConfigs
-from areal_jax.jobs.train import EVAL_SLOTS
+from areal_jax.job_config import EVAL_SLOTS, JobConfigs
 from areal_jax.models.config import ModelConfig
 from areal_jax.parallel.meshes import split_local_devices
 from areal_jax.plan.config import PlanConfig

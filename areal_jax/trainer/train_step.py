@@ -44,16 +44,14 @@ from areal_jax.models.sharding import TRAIN_RULES, Rules, activation_rules, shar
 from areal_jax.models.transformer import Params, param_axes
 from areal_jax.ppo import accumulate_loss_stats, loglinear_alpha, summarize_loss_stats
 from areal_jax.trainer.batching import PackedBatch
+from areal_jax.trainer.config import REMATS, PPOConfig
 from areal_jax.trainer.optimizer import OptimizerConfig, build_optimizer, learning_rate_schedule
-# PPOConfig and the layouts live with the programs they size; re-exported for existing importers.
 from areal_jax.trainer.programs import (
     ALPHA_KEY,
     COMPUTE_DTYPES,
     FORWARD_KEYS,
     LOSS_KEYS,
     PROXIMAL_KEY,
-    REMATS,
-    PPOConfig,
     build_train_programs,
     opt_state_shardings,
     param_shardings,
