@@ -36,6 +36,7 @@ def test_gsm8k_rows_with_a_python_reward(tmp_path):
     assert config["data"]["paths"] == [str(tmp_path / "inputs" / "train.jsonl")]
     assert config["rollout"]["reward"].startswith("py_")  # the Python callable, registered in-process
     assert (tmp_path / "final_model" / "config.json").is_file() and "held-out accuracy" in out
+    assert "step 0: reward" in out and "step 1: reward" in out and "policy version 2" in out  # its hook ran
     # The preflight scored the rows' own answers with the Python reward (a reward that could not
     # read them would have refused the run): every step's rewards are the callable's 0/1 values.
     for record in read_jsonl(tmp_path / "metrics.jsonl"):

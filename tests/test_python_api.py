@@ -64,6 +64,8 @@ def test_rows_and_a_python_reward_become_a_dataset_run(tmp_path):
     trainer._write_inputs()
     assert [json.loads(line) for line in (tmp_path / "inputs" / "train.jsonl").read_text().splitlines()] == rows
     assert len((tmp_path / "inputs" / "eval.jsonl").read_text().splitlines()) == 3
+    with pytest.raises(ValueError, match="stage must be one of"):
+        trainer.add_hook(print, stage="later")
     with pytest.raises(TypeError, match="train_data must be a path"):
         aj.Trainer(cfg, run_dir=tmp_path, train_data=[1, 2])
 
