@@ -12,8 +12,9 @@
                    [--tensor_parallel=2]   (prompts encoded as the model's run encoded them: areal_jax_prompt.json)
     areal-jax config [--gin_file=...]   (every configurable field: value, type, one line of doc)
     areal-jax train --run_dir=RUN --resume [--gin_param=...]   (continues RUN with its config.gin)
-    areal-jax export --checkpoint=RUN/checkpoints[/STEP] --out=DIR [--dtype=bfloat16]
-                   (a checkpoint as an HF model directory, tokenizer included; `eval --model=DIR` takes it)
+    areal-jax export --checkpoint=RUN/checkpoints[/STEP] --out=DIR [--dtype=bfloat16] [--adapter]
+                   (a checkpoint as an HF model directory, tokenizer included; `eval --model=DIR` takes it;
+                   a LoRA run's adapters merged in, or with --adapter alone in PEFT's format)
     areal-jax plan --gin_file=configs/qwen2_5_1_5b_gsm8k_tpu.gin [--target=v5e-16] [--json]
                    (compiles every program of the run for the target, without it; exit 1 if one does not fit)
     areal-jax simulate --gin_file=CONFIG [--target NAME | --calibrate RUN_DIR] [--lengths PATH | --length-dist SPEC]
@@ -139,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     ex.add_argument("--run_dir", default=None, help="the checkpoint's run (default: the checkpoint directory's parent)")
     ex.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the run's)")
+    ex.add_argument("--adapter", action="store_true", help="a LoRA run: write only its adapters, in PEFT's format "
+                    "(adapter_config.json + adapter_model.safetensors; default: the model with them merged in)")
     gen = sub.add_parser("generate", help="sample completions from a model directory", parents=[common])
     gen.add_argument("--model", required=True, help="HF model directory; its areal_jax_prompt.json (written by "
                      "train and export) sets the prompt encoding, which the flags below override")
@@ -314,7 +317,8 @@ def _export(args) -> int:
     from areal_jax.jobs.export import ExportConfig, run_export
 
     out, step = run_export(ExportConfig(checkpoint=args.checkpoint, out=args.out, dtype=args.dtype,
-                                        overwrite=args.overwrite, run_dir=args.run_dir, tokenizer=args.tokenizer))
+                                        overwrite=args.overwrite, run_dir=args.run_dir, tokenizer=args.tokenizer,
+                                        adapter=args.adapter))
     print(f"[areal-jax] exported step {step} of {args.checkpoint} -> {out}")
     return 0
 

@@ -20,6 +20,7 @@ from areal_jax.config_system import ConfigError, check_types
 from areal_jax.data.pipeline import DataConfig
 from areal_jax.generation.config import EngineConfig
 from areal_jax.metrics import MetricsConfig
+from areal_jax.models.lora import LoRAConfig
 from areal_jax.parallel.meshes import MeshConfig
 from areal_jax.ppo.advantages import AdvantageConfig
 from areal_jax.reward.pool import RewardPoolConfig
@@ -121,6 +122,7 @@ class JobConfigs:
     workflow: Any = None  # the config_class instance of RLConfig.workflow's class (None: it has none)
     reward_pool: RewardPoolConfig = RewardPoolConfig()  # the workers of every reward not declared in-process
     sandbox: SandboxLimits = SandboxLimits()  # the code reward's sandbox in those workers
+    lora: LoRAConfig = LoRAConfig()  # RL trains adapters on a frozen base when rank > 0
     # The gin bindings these configs were parsed from (the run writes them as config.gin); "" when
     # built in Python: config.gin then holds the fields that differ from their defaults.
     bindings: str = dataclasses.field(default="", compare=False, repr=False)

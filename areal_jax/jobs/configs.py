@@ -17,6 +17,7 @@ from areal_jax.generation.config import EngineConfig
 from areal_jax.job_config import (DEFAULT_SAVE_INTERVAL_S, DEFAULT_SAVE_INTERVAL_STEPS, JobConfigs, ModelSource,
                                   Stages, TaskSource, check_cross_fields)
 from areal_jax.metrics import MetricsConfig
+from areal_jax.models.lora import LoRAConfig
 from areal_jax.parallel.meshes import MeshConfig
 from areal_jax.plan.config import PlanConfig
 from areal_jax.ppo.advantages import AdvantageConfig
@@ -33,7 +34,7 @@ from areal_jax.trainer.sft import SFTConfig
 JOB_CONFIG_CLASSES = (ModelSource, TaskSource, Stages, ArithmeticConfig, DataConfig, SFTConfig, RLConfig, PPOConfig,
                       OptimizerConfig, AdvantageConfig, RLVRConfig, EngineConfig, MeshConfig, CheckpointConfig,
                       RewardPoolConfig, SandboxLimits,
-                      MetricsConfig,
+                      MetricsConfig, LoRAConfig,
                       PlanConfig)  # PlanConfig: read by `areal-jax plan`, accepted (and ignored) by the run
 for _cls in JOB_CONFIG_CLASSES:
     cs.register(_cls)
@@ -69,7 +70,8 @@ def load_job_configs(gin_files=(), gin_params=(), *, run_dir: str, num_processes
         optimizer=cs.build(OptimizerConfig), advantages=cs.build(AdvantageConfig), rollout=rollout,
         engine=_engine_config(rollout, data), mesh=cs.build(MeshConfig), checkpoint=_checkpoint_config(stages, run_dir),
         metrics=cs.build(MetricsConfig), workflow=_workflow_config(workflow_class),
-        reward_pool=cs.build(RewardPoolConfig), sandbox=cs.build(SandboxLimits), bindings=cs.operative_config())
+        reward_pool=cs.build(RewardPoolConfig), sandbox=cs.build(SandboxLimits), lora=cs.build(LoRAConfig),
+        bindings=cs.operative_config())
     check_cross_fields(cfg, num_processes)
     return cfg
 

@@ -304,7 +304,7 @@ def _prepare_run(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: Rewa
                 meshes=meshes, work=work, reward_fn=reward_fn,
                 # Moves weights to this host's generation devices in the generation dtype, per layer;
                 # the RL loop reuses it (and its compiled programs).
-                sync=generation_weight_sync(work.model_config, meshes, cfg.rl),
+                sync=generation_weight_sync(work.model_config, meshes, cfg.rl, cfg.lora),
                 eval_slots=min(EVAL_SLOTS, cfg.engine.num_slots), checkpointer=checkpointer,
                 resuming=bool(resume and checkpointer is not None and checkpointer.latest_step() is not None))
 
@@ -441,7 +441,7 @@ def _rl_stage(run: _Run, params: Any, reward_before: dict[str, int], workflow: A
                   on_rollouts=run.metrics_log.dump_rollouts if writer else None,
                   on_export=lambda out: _complete_export(out, work.tokenizer_dir, cfg.data),
                   donate_params=True, weight_sync=run.sync, reward_pool=run.reward_pool,
-                  should_stop=stop and (lambda: stop.requested))
+                  should_stop=stop and (lambda: stop.requested), lora=cfg.lora)
     params = None
     for hook, stage, every in hooks:
         loop.add_hook(hook, stage=stage, every=every)

@@ -21,7 +21,9 @@ import jax
 from areal_jax import api
 from areal_jax.generation.config import EngineConfig
 from areal_jax.models.config import ModelConfig
+from areal_jax.models.lora import LoRAConfig
 from areal_jax.models.transformer import Params
+from areal_jax.parallel.adapter_sync import AdapterSync
 from areal_jax.parallel.meshes import MeshConfig, Meshes, build_meshes
 from areal_jax.parallel.weight_sync import WeightSync
 from areal_jax.rollout.channel import TrajectoryChannel
@@ -33,9 +35,13 @@ from areal_jax.trainer.optimizer import OptimizerConfig
 __all__ = ["RLCluster", "generation_weight_sync"]
 
 
-def generation_weight_sync(model_cfg: ModelConfig, meshes: Meshes, rl: RLConfig) -> WeightSync:
+def generation_weight_sync(model_cfg: ModelConfig, meshes: Meshes, rl: RLConfig, lora: LoRAConfig | None = None
+                           ) -> WeightSync | AdapterSync:
     """The train -> generation transfer of a run: the generation dtype and group size of `rl`,
-    weights delivered per layer (the layout the engine holds)."""
+    weights delivered per layer (the layout the engine holds). With LoRA, an `AdapterSync`: the
+    base once, then only the adapters, merged on the generation devices."""
+    if lora is not None and lora.enabled:
+        return AdapterSync(model_cfg, lora, meshes, rl.generation_dtype, group_bytes=rl.transfer_group_bytes)
     return WeightSync.for_model(model_cfg, meshes, rl.generation_dtype, group_bytes=rl.transfer_group_bytes)
 
 
@@ -47,7 +53,7 @@ class RLCluster:
     `meshes` and `weight_sync` are the native pair's (None for another pair)."""
 
     def __init__(self, trainer: api.TrainEngine, engine: api.InferenceEngine, to_engine: Callable[[Any], Any], *,
-                 rl: RLConfig, meshes: Meshes | None = None, weight_sync: WeightSync | None = None,
+                 rl: RLConfig, meshes: Meshes | None = None, weight_sync: WeightSync | AdapterSync | None = None,
                  rows_per_process: int = 1):
         local_batch = rl.batch_size // jax.process_count()
         if local_batch * jax.process_count() != rl.batch_size:
@@ -65,23 +71,27 @@ class RLCluster:
     def build(cls, model_cfg: ModelConfig, params: Params, *, rl: RLConfig, ppo: PPOConfig,
               optimizer: OptimizerConfig, engine: EngineConfig, mesh: MeshConfig = MeshConfig(),
               devices: Sequence[jax.Device] | None = None, start_version: int = 0, donate_params: bool = False,
-              weight_sync: WeightSync | None = None) -> RLCluster:
+              weight_sync: WeightSync | AdapterSync | None = None, lora: LoRAConfig = LoRAConfig()) -> RLCluster:
         """The native cluster: meshes from `mesh` over `devices`, a PolicyTrainer on the train mesh
         (its own fp32 copy of `params`; with `donate_params` the given buffers are then deleted),
         a GenerationEngine on this host's generation mesh serving the trainer's weights through a
-        WeightSync (`weight_sync`: one of the same meshes to reuse, its programs compiled)."""
+        WeightSync (`weight_sync`: one of the same meshes to reuse, its programs compiled). `lora`:
+        the trainer trains adapters on a frozen base (models/lora.py) and each swap moves only the
+        adapters (an AdapterSync)."""
         from areal_jax.generation.engine import GenerationEngine
         from areal_jax.trainer.train_step import PolicyTrainer
 
         meshes = build_meshes(mesh, devices)
-        trainer = PolicyTrainer(model_cfg, params, optimizer, ppo, mesh=meshes.train)
+        trainer = PolicyTrainer(model_cfg, params, optimizer, ppo, mesh=meshes.train, lora=lora)
         if donate_params:
             _delete_unless_held(params, trainer.params)
         del params  # the trainer holds its own copy: nothing below may keep the initial one alive
         if weight_sync is not None and (weight_sync.meshes.train, weight_sync.meshes.generation) != (
                 meshes.train, meshes.generation):
             raise ValueError("weight_sync was built for other meshes than this loop's")
-        sync = weight_sync or generation_weight_sync(model_cfg, meshes, rl)
+        if weight_sync is not None and isinstance(weight_sync, AdapterSync) != lora.enabled:
+            raise ValueError("weight_sync must be an AdapterSync exactly when LoRAConfig.rank > 0")
+        sync = weight_sync or generation_weight_sync(model_cfg, meshes, rl, lora)
         served = GenerationEngine((model_cfg, sync.transfer(trainer.params)), engine, version=start_version)
         # Micro-batch rows split over "fsdp": each process contributes a multiple of its share.
         rows = max(meshes.train.shape["fsdp"] // jax.process_count(), 1)

@@ -111,7 +111,7 @@ class CheckpointHook:
             meta["extra"] = self.extra()
         ckpt.save(step + 1, state=loop.trainer.state_dict(), meta=meta, data_iterator=point["data"], force=True)
         if ckpt.should_export_hf(step + 1):
-            target = ckpt.export_hf(loop.trainer.params, loop.model_config, step + 1)
+            target = ckpt.export_hf(loop.plain_params(), loop.model_config, step + 1)
             if target is not None and self.on_export is not None and jax.process_index() == 0:
                 self.on_export(target)
 

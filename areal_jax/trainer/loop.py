@@ -39,8 +39,11 @@ from areal_jax.evaluation.held_out import greedy_correct
 from areal_jax.generation.config import EngineConfig
 from areal_jax.generation.timings import timings_delta
 from areal_jax.metrics import batch_metrics
+from areal_jax.models import lora as lora_lib
 from areal_jax.models.config import ModelConfig
+from areal_jax.models.lora import LoRAConfig
 from areal_jax.models.transformer import Params
+from areal_jax.parallel.adapter_sync import AdapterSync
 from areal_jax.parallel.distributed import agree_max, agree_sum
 from areal_jax.parallel.meshes import MeshConfig, Meshes
 from areal_jax.parallel.weight_sync import WeightSync
@@ -96,12 +99,12 @@ class RLLoop:
                  checkpoint_extra: Callable[[], dict[str, Any]] | None = None,
                  on_rollouts: Callable[[int, list[dict[str, Any]]], None] | None = None,
                  on_export: Callable[[Any], None] | None = None,
-                 donate_params: bool = False, weight_sync: WeightSync | None = None,
-                 should_stop: Callable[[], bool] | None = None):
+                 donate_params: bool = False, weight_sync: WeightSync | AdapterSync | None = None,
+                 should_stop: Callable[[], bool] | None = None, lora: LoRAConfig = LoRAConfig()):
         ppo = _sampling_temperature(workflow, ppo)
         cluster = RLCluster.build(model_cfg, params, rl=rl, ppo=ppo, optimizer=optimizer, engine=engine, mesh=mesh,
                                   devices=devices, start_version=start_version, donate_params=donate_params,
-                                  weight_sync=weight_sync)
+                                  weight_sync=weight_sync, lora=lora)
         del params  # the trainer holds its own copy: nothing below may keep the initial one alive
         # A frozen copy of the initial policy, only when the KL penalty needs it (it costs a copy).
         reference = ReferencePolicy(cluster.trainer) if advantages.kl_coef > 0 else None
@@ -180,7 +183,7 @@ class RLLoop:
         return self.cluster.meshes
 
     @property
-    def weight_sync(self) -> WeightSync | None:
+    def weight_sync(self) -> WeightSync | AdapterSync | None:
         return self.cluster.weight_sync
 
     @property
@@ -221,6 +224,12 @@ class RLLoop:
         self.add_hook(lambda info: checkpoints.save(info.loop), stage="record")
         if resume and checkpoints.checkpointer.latest_step() is not None:
             self._restore()
+
+    def plain_params(self) -> Params:
+        """The policy's weights without adapters (LoRA's merged into the base, in its dtype)."""
+        params = self.trainer.params
+        is_native = isinstance(params, dict) and isinstance(params.get("layers"), dict)
+        return lora_lib.merge(params) if is_native and lora_lib.adapters_of(params) is not None else params
 
     def _run_hooks(self, stage: str, info: StepInfo) -> None:
         for hook, every in self._hooks[stage]:
@@ -272,7 +281,7 @@ class RLLoop:
                 self.checkpoints.wait()
         return LoopResult(steps=len(history), version=self.version, wall_time_s=time.perf_counter() - t_start,
                           trained_tokens=self._run_tokens, history=history, rollout_report=report,
-                          final_params=self.trainer.params)
+                          final_params=self.plain_params())
 
     def _take_batch(self) -> tuple[list[TrajectoryGroup], float]:
         t0 = time.perf_counter()
@@ -345,6 +354,8 @@ class RLLoop:
             "time/wait_batch_s": wait_s,
             "time/train_step_s": train.get("time_step_s", math.nan),
             "time/weight_transfer_s": transfer_s,
+            # What the last swap moved to the generation devices (with LoRA: the adapters only).
+            "transfer/bytes": _last_transfer_bytes(self.cluster.weight_sync),
         }
         if self.reward_pool is not None:  # calls past their deadline (scored 0.0), and ones that crashed or raised
             stats = self.reward_pool.stats()
@@ -430,6 +441,12 @@ class RLLoop:
 
 class _Abandoned(Exception):
     """A step given up before it trained anything, on a stop request."""
+
+
+def _last_transfer_bytes(sync: Any) -> float:
+    """Bytes the last swap moved to the generation devices (0 before any, or for another engine pair)."""
+    stats = getattr(sync, "last_stats", None)
+    return float(stats.num_bytes) if stats is not None else 0.0
 
 
 def _sampling_temperature(workflow: Any, ppo: PPOConfig) -> PPOConfig:

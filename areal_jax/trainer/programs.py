@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from areal_jax.aot import ProgramSpec, abstract
 from areal_jax.models.config import ModelConfig
+from areal_jax.models.lora import LoRAConfig, adapter_axes, adapter_shapes, attach, join_trainable, split_trainable
 from areal_jax.models.sharding import TRAIN_RULES, Rules, activation_rules, sharding_for
 from areal_jax.models.transformer import Params, forward, lm_head, param_axes, param_shapes
 from areal_jax.ppo import accumulate_loss_stats, decoupled_ppo_loss, loglinear_proximal_logprobs
@@ -55,10 +56,14 @@ BATCH_DTYPES = {"input_ids": jnp.int32, "targets": jnp.int32, "segment_ids": jnp
 # ---- layouts -----------------------------------------------------------------------------------------
 
 
-def param_shardings(cfg: ModelConfig, rules: Rules, mesh: Mesh) -> Any:
-    """NamedSharding of every parameter on `mesh` by the rule table."""
-    return jax.tree.map(lambda axes, shape: sharding_for(axes, rules, mesh, shape), param_axes(cfg),
-                        param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+def param_shardings(cfg: ModelConfig, rules: Rules, mesh: Mesh, lora: LoRAConfig | None = None) -> Any:
+    """NamedSharding of every parameter (and adapter, with LoRA) on `mesh` by the rule table."""
+    axes, shapes = param_axes(cfg), param_shapes(cfg)
+    if lora is not None and lora.enabled:
+        axes = attach(axes, adapter_axes(cfg, lora))
+        shapes = attach(shapes, adapter_shapes(cfg, lora))
+    return jax.tree.map(lambda a, shape: sharding_for(a, rules, mesh, shape), axes, shapes,
+                        is_leaf=lambda x: isinstance(x, tuple))
 
 
 def opt_state_shardings(optimizer: optax.GradientTransformation, params: Params, shardings: Any, mesh: Mesh) -> Any:
@@ -99,8 +104,10 @@ class TrainPrograms:
             (stop-gradient) log-probs. Donates grad_acc.
         update: `(params, opt_state, grads) -> (params, opt_state, grad_norm, finite)`; donates
             params and opt_state; a non-finite gradient leaves both unchanged when
-            `skip_nonfinite`.
-        zeros_like: `params -> zeros` laid out like params (a fresh gradient accumulator).
+            `skip_nonfinite`. With LoRA adapters, `params` here is the trainable part only
+            (`models.lora.split_trainable`), as are the gradients `grad` accumulates.
+        zeros_like: `params -> zeros` laid out like params (a fresh gradient accumulator; the
+            trainable part with LoRA).
     """
 
     logprobs: Callable
@@ -157,7 +164,9 @@ def build_train_programs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, optimizer: 
             stats["loss"] = jax.lax.stop_gradient(loss)
             return loss, stats
 
-        (_, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        # LoRA: only the adapters' a and b are differentiated (models/lora.py); else every weight.
+        frozen, trainable = split_trainable(params)
+        (_, stats), grads = jax.value_and_grad(lambda t: loss_fn(join_trainable(frozen, t)), has_aux=True)(trainable)
         grad_acc = jax.tree.map(jnp.add, grad_acc, grads)
         return grad_acc, accumulate_loss_stats(stats_acc, stats)
 
