@@ -67,3 +67,26 @@ def test_swaps_move_only_adapters_and_deliver_the_merged_weights(mesh):
         first = params if i == 0 else first
     assert sync.base_sync.last_stats.index == 1  # the base crossed once
     assert sync.last_stats.num_bytes == adapter_bytes(CFG, lora, jnp.float32)
+
+
+def test_the_planner_counts_adapter_state_not_the_full_optimizer_state():
+    from areal_jax.parallel.weight_sync import transfer_program_specs
+    from areal_jax.trainer.optimizer import OptimizerConfig
+    from areal_jax.trainer.programs import PPOConfig, train_program_specs
+
+    mesh = build_meshes(MeshConfig(num_generation_devices_per_host=4)).train
+    ppo = PPOConfig(max_tokens_per_microbatch=1024, compute_dtype="bfloat16", remat="full")
+    lora = LoRAConfig(rank=16)
+    n, a, L = QWEN25_7B.num_params(), lora_lib.adapter_param_count(QWEN25_7B, lora), QWEN25_7B.num_layers
+    total = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731  (global bytes)
+    specs = {s.name: s for s in train_program_specs(QWEN25_7B, ppo, OptimizerConfig(), mesh, lora=lora)}
+    full = {s.name: s for s in train_program_specs(QWEN25_7B, ppo, OptimizerConfig(), mesh)}
+    grad = next(s for name, s in specs.items() if name.startswith("train/grad"))
+    assert 0 <= total(grad.resident) - 8 * a < 64  # Adam's two fp32 moments of the adapters (+ counters)
+    assert total(grad.args[1]) == 4 * a  # the gradient accumulator: adapters only
+    assert total(grad.args[0]) == 2 * n + 4 * a + 4 * L  # bf16 base, fp32 adapters and their scale
+    assert 0 <= total(full[grad.name].resident) - 8 * n < 64  # full fine-tuning: moments of every weight
+    assert total(specs["train/update"].args) - 16 * a < 64  # adapters, their moments, their gradient
+    moved = [s for s in transfer_program_specs(QWEN25_7B, mesh, num_hosts=1, generation_tensor=1,
+                                               dtype=jnp.bfloat16, lora=lora) if s.name.startswith("transfer/lora/")]
+    assert moved and sum(total(s.args[0]) for s in moved) == 4 * a  # reads the fp32 adapters, nothing else

@@ -81,3 +81,15 @@ def test_resume_from_a_checkpoint_is_exact(tmp_path):
     assert ma["loss"] == mb["loss"] and ma["grad_norm"] == mb["grad_norm"]
     for x, y in zip(jax.tree.leaves(a.state_dict()), jax.tree.leaves(b.state_dict())):
         np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+
+
+def test_kl_reference_shares_the_frozen_base_and_keeps_its_adapters(trainer):
+    from areal_jax.trainer.reference import ReferencePolicy
+
+    ref = ReferencePolicy(trainer)
+    before = jax.tree.map(np.asarray, lora_lib.adapters_of(ref.params))
+    assert lora_lib.detach(ref.params)["layers"]["wq"] is lora_lib.detach(trainer.params)["layers"]["wq"]
+    _step(trainer, 11)  # donates the trainer's adapters, not the reference's copy
+    for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(lora_lib.adapters_of(ref.params))):
+        np.testing.assert_array_equal(np.asarray(y), x)
+    assert not np.array_equal(np.asarray(lora_lib.adapters_of(trainer.params)["wq"]["b"]), before["wq"]["b"])

@@ -358,7 +358,7 @@ class WeightSync:
 
 def transfer_program_specs(model_cfg: Any, train_mesh: Mesh, *, num_hosts: int, generation_tensor: int,
                            dtype: Any, group_bytes: int = DEFAULT_GROUP_BYTES,
-                           optimizer_state: PyTree | None = None) -> list:
+                           optimizer_state: PyTree | None = None, lora: Any = None) -> list:
     """The reshard programs of one transfer of `model_cfg`'s weights, one spec per group run.
 
     Args:
@@ -369,41 +369,85 @@ def transfer_program_specs(model_cfg: Any, train_mesh: Mesh, *, num_hosts: int, 
       group_bytes: RLConfig.transfer_group_bytes.
       optimizer_state: ShapeDtypeStructs (sharded on `train_mesh`) of the optimizer state the
         training devices hold meanwhile; default: AdamW's two fp32 moments laid out like the
-        weights.
+        trained weights.
+      lora: with rank > 0 (models.lora.LoRAConfig), the transfers of parallel/adapter_sync.py:
+        the frozen base once (in `lora.base_dtype`), and the adapters (fp32) at every swap,
+        named "transfer/lora/...".
 
-    Every spec runs on the training devices (role "transfer"): arguments are the fp32 weights
-    it reads; resident are the other fp32 weights and the optimizer state. One spec per group
-    run (runs of equal length lower to the same program), so the planner's sum over transfer
+    Every spec runs on the training devices (role "transfer"): arguments are the weights it
+    reads; resident are the other weights and the optimizer state. One spec per group run
+    (runs of equal length lower to the same program), so the planner's sum over transfer
     specs is one whole transfer. In colocated mode the generation weights placed so far also
     stay on these devices; the planner adds the generation side's state there.
     """
-    from areal_jax.aot import ProgramSpec, abstract
+    from areal_jax.models import lora as lora_lib
     from areal_jax.models.transformer import param_shapes
 
-    train_specs, generation_specs = model_partition_specs(model_cfg, train_mesh, generation_tensor)
+    enabled = lora is not None and lora.enabled
+    base_dtype = jnp.dtype(lora.base_dtype) if enabled else jnp.float32
+    base = _structs(model_partition_specs(model_cfg, train_mesh, generation_tensor), param_shapes(model_cfg),
+                    base_dtype, train_mesh)
+    if not enabled:
+        moments = optimizer_state if optimizer_state is not None else (abstract_like(base), abstract_like(base))
+        return _group_specs(base, model_cfg, train_mesh, num_hosts, generation_tensor, dtype, group_bytes,
+                            (moments,), "transfer/")
+    trainable = lambda t: {LAYERS: {k: v for k, v in t.items() if k != lora_lib.SCALE}}  # noqa: E731
+    adapters = _structs(model_partition_specs(model_cfg, train_mesh, generation_tensor, lora),
+                        trainable(lora_lib.adapter_shapes(model_cfg, lora)), jnp.float32, train_mesh)
+    moments = optimizer_state if optimizer_state is not None else (abstract_like(adapters), abstract_like(adapters))
+    return (_group_specs(base, model_cfg, train_mesh, num_hosts, generation_tensor, dtype, group_bytes,
+                         (jax.tree.leaves(adapters), moments), "transfer/")
+            + _group_specs(adapters, model_cfg, train_mesh, num_hosts, generation_tensor, dtype, group_bytes,
+                           (jax.tree.leaves(base), moments), "transfer/lora/"))
+
+
+def abstract_like(structs: list) -> list:
+    """Fresh ShapeDtypeStructs like `structs` (e.g. an AdamW moment of each weight)."""
+    return [jax.ShapeDtypeStruct(s.shape, jnp.float32, sharding=s.sharding) for s in structs]
+
+
+def _structs(specs: tuple[PyTree, PyTree], shapes: PyTree, dtype: Any, train_mesh: Mesh):
+    """(paths, stacked flags, train specs, generation specs, ShapeDtypeStructs) of a spec tree pair."""
+    train_specs, generation_specs = specs
     is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
     flat = jax.tree_util.tree_leaves_with_path(train_specs, is_leaf=is_spec)
     treedef = jax.tree.structure(train_specs, is_leaf=is_spec)
-    shapes = treedef.flatten_up_to(param_shapes(model_cfg))
-    structs = [jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(train_mesh, spec))
-               for shape, (_, spec) in zip(shapes, flat)]
-    leaves = describe_leaves([jax.tree_util.keystr(p) for p, _ in flat],
-                              [getattr(p[0], "key", None) == LAYERS for p, _ in flat],
-                              [s for _, s in flat], treedef.flatten_up_to(generation_specs), structs,
-                              np.dtype(dtype))
+    structs = [jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(train_mesh, spec))
+               for shape, (_, spec) in zip(treedef.flatten_up_to(shapes), flat)]
+    return _Described([jax.tree_util.keystr(p) for p, _ in flat], [getattr(p[0], "key", None) == LAYERS for p, _ in flat],
+                      [s for _, s in flat], treedef.flatten_up_to(generation_specs), structs)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Described:
+    paths: list
+    stacked: list
+    train_specs: list
+    generation_specs: list
+    structs: list
+
+    def __iter__(self):  # the structs, for residents
+        return iter(self.structs)
+
+
+def _group_specs(described: _Described, model_cfg: Any, train_mesh: Mesh, num_hosts: int, generation_tensor: int,
+                 dtype: Any, group_bytes: int, resident: tuple, prefix: str) -> list:
+    from areal_jax.aot import ProgramSpec
+
+    structs = described.structs
+    leaves = describe_leaves(described.paths, described.stacked, described.train_specs, described.generation_specs,
+                             structs, np.dtype(dtype))
     plan = TransferPlan(leaves, train_mesh, transfer_view(train_mesh, num_hosts, generation_tensor), group_bytes)
-    if optimizer_state is None:
-        optimizer_state = (abstract(structs), abstract(structs))  # AdamW: mu and nu, fp32 like the weights
     start = jax.ShapeDtypeStruct((), jnp.int32, sharding=plan.replicated)
     num_layers = model_cfg.num_layers
     specs = []
     for group in plan.groups:
         read = set(group.leaves)
-        name = ("transfer/" + "+".join(leaves[i].path.strip("[]'") for i in group.leaves) if group.layers is None
-                else f"transfer/layers[{group.layers[0]}:{group.layers[1]} of {num_layers}]")
+        name = (prefix + "+".join(leaves[i].path.strip("[]'") for i in group.leaves) if group.layers is None
+                else f"{prefix}layers[{group.layers[0]}:{group.layers[1]} of {num_layers}]")
         specs.append(ProgramSpec(
             name=f"{name}[{np.dtype(dtype).name}]", role="transfer", fn=group.program,
             args=plan.group_args(group, structs, start),
-            resident=(tuple(s for i, s in enumerate(structs) if i not in read), optimizer_state),
+            resident=(tuple(s for i, s in enumerate(structs) if i not in read), *resident),
             fields=TRANSFER_FIELDS))
     return specs

@@ -13,7 +13,7 @@ dimensions (letters of models/config.py):
   packed row's activations and one causal query block's scores.
 - grad: with remat "full" every layer's input `[R, T, D]` is saved (compute dtype), the
   recomputed layer's activations `[R, T, 4D + 3F]` in fp32, its attention probabilities (the
-  causal half of `[R, N, T, T]`, fp32), a chunk of fp32 logits twice (forward, its gradient), the gradient of the weights (fp32, like the weights) and one layer of weights
+  causal half of `[R, N, T, T]`, fp32), a chunk of fp32 logits twice (forward, its gradient), the gradient of the trained weights (fp32; with LoRA the adapters only) and one layer of weights
   gathered in the compute dtype. Without remat, every layer's activations are saved.
 - logprobs: one chunk of logits and a quarter of a layer's activations: nothing is kept for a
   backward.
@@ -105,13 +105,17 @@ def temporaries(spec: ProgramSpec, ctx: EstimateContext, attention: Sequence[str
         return 2 * bytes_per_device(spec.args) * ctx.compute_bytes // 4
     f, t = ctx.fsdp, ctx.train_tensor
     params = bytes_per_device(spec.args[0]) if spec.args else 0
+    # The gradient (fp32, like the trained weights: the grad program's accumulator argument; with
+    # LoRA the adapters alone) and the weight count (a LoRA base is bf16, not 4 bytes a weight).
+    grads = bytes_per_device(spec.args[1]) if kind == "grad" else params
+    weights = _elements_per_device(spec.args[0]) if spec.args else 0
     if kind == "update":
         return 0  # AdamW updates weights and moments in place (all donated)
     if kind in ("grad", "logprobs"):
         R, T = d.get("rows", 1), d.get("len", 1)
         Rl = max(1, R // f)
         tokens = Rl * T
-        layer_weights = ctx.compute_bytes * (params // 4) * f // max(L, 1)  # one layer gathered
+        layer_weights = ctx.compute_bytes * weights * f // max(L, 1)  # one layer gathered
         recompute = 4 * tokens * (4 * D + 3 * F // t)
         attention = 4 * Rl * (N // t) * T * (2 if flash else T // 2)  # flash: log-sum-exp (and its gradient)
         chunk = min(ctx.logit_chunk_tokens // max(1, R // Rl), Rl * T) if Rl * T > ctx.logit_chunk_tokens else Rl * T
@@ -120,7 +124,7 @@ def temporaries(spec: ProgramSpec, ctx: EstimateContext, attention: Sequence[str
             return logits // 2 + recompute // 4 + 4 * tokens  # nothing kept for a backward
         saved = (L * tokens * D * ctx.compute_bytes if ctx.remat == "full"
                  else L * (recompute + attention) // 2)
-        return saved + recompute + attention + logits + params + layer_weights
+        return saved + recompute + attention + logits + grads + layer_weights
     return 0
 
 
@@ -142,6 +146,16 @@ def _is_paged(tree) -> bool:
     from areal_jax.kernels.paged_attention import PagePool
 
     return any(isinstance(x, PagePool) for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, PagePool)))
+
+
+def _elements_per_device(tree) -> int:
+    import jax
+
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        total += math.prod(sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape)
+    return total
 
 
 def _first_dim(tree) -> int:

@@ -86,11 +86,12 @@ def collect_specs(job: JobConfigs, model_cfg: ModelConfig, target: Target, meshe
 
     data = meshes.generation_replicas_per_host
     longest_row = trained_row_length(job)
-    specs = [s for s in train_program_specs(model_cfg, job.ppo, job.optimizer, meshes.train, num_processes=target.hosts)
+    specs = [s for s in train_program_specs(model_cfg, job.ppo, job.optimizer, meshes.train, num_processes=target.hosts,
+                                            lora=job.lora)
              if _dims(s.name).get("len", 0) <= longest_row]
     specs += transfer_program_specs(model_cfg, meshes.train, num_hosts=target.hosts,
                                     generation_tensor=job.mesh.generation_tensor, dtype=gen_dtype(job),
-                                    group_bytes=job.rl.transfer_group_bytes)
+                                    group_bytes=job.rl.transfer_group_bytes, lora=job.lora)
     # The engine's programs for the target's platform (its KV layout and attention kernel), where
     # the engine takes one (the paged engine of issue 25 does).
     on_target = ({"platform": "tpu" if target.platform == "tpu" else "gpu"}
@@ -199,13 +200,17 @@ def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files
 
     gen_weights = bytes_per_device(param_structs(model_cfg, meshes.generation, gen_dtype(job), split=True))
 
+    # LoRA: the generation devices keep the frozen base beside the merged weights they serve
+    # (parallel/adapter_sync.py), one weight copy more than the engine's own programs hold.
+    lora_base = gen_weights if job.lora.enabled else 0
+
     def extra_resident(spec: ProgramSpec) -> int:
         # Colocated: each side's state stays on the devices while the other side's programs run.
         if split.colocated and spec.role in ("generation", "eval"):
-            return persistent["train"]
+            return persistent["train"] + lora_base
         if split.colocated and spec.role in ("train", "transfer"):
-            return persistent["generation"]
-        return 0
+            return persistent["generation"] + lora_base
+        return lora_base if spec.role in ("generation", "eval") else 0
 
     ctx = EstimateContext(
         model=model_cfg, fsdp=meshes.train.shape["fsdp"], train_tensor=job.mesh.train_tensor,

@@ -227,7 +227,8 @@ def proximal_input_key(ppo_cfg: PPOConfig) -> str:
 
 
 def train_program_specs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, opt_cfg: OptimizerConfig, mesh: Mesh, *,
-                        rules: Rules = TRAIN_RULES, num_processes: int = 1) -> list[ProgramSpec]:
+                        rules: Rules = TRAIN_RULES, num_processes: int = 1, lora: LoRAConfig | None = None
+                        ) -> list[ProgramSpec]:
     """Every program a training step runs at this config's shapes, on the train mesh `mesh`.
 
     Per row length T (`possible_microbatch_shapes`, each at its largest row count, which bounds its
@@ -239,16 +240,27 @@ def train_program_specs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, opt_cfg: Opt
     on, the run also compiles the other variant (one `[R, T]` input more or less).
 
     num_processes: processes sharing the train mesh (rows per micro-batch scale with it).
+    lora: with rank > 0, the weights are the frozen base in `lora.base_dtype` plus fp32 adapters,
+    and gradients, optimizer state and the update cover the adapters alone (as PolicyTrainer).
     """
     if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
         raise ValueError(f"num_processes must be an int >= 1, got {num_processes!r}")
     optimizer = build_optimizer(opt_cfg)
-    p_sh = param_shardings(model_cfg, rules, mesh)
-    params = jax.tree.map(lambda shape, s: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=s),
-                          param_shapes(model_cfg), p_sh, is_leaf=lambda x: isinstance(x, tuple))
-    s_sh = opt_state_shardings(optimizer, params, p_sh, mesh)
-    opt_state = abstract(jax.eval_shape(optimizer.init, params), s_sh)
-    programs = build_train_programs(model_cfg, ppo_cfg, optimizer, param_shardings=p_sh, opt_state_shardings=s_sh)
+    lora = LoRAConfig() if lora is None else lora
+    p_sh = param_shardings(model_cfg, rules, mesh, lora)
+    shapes = param_shapes(model_cfg)
+    base_dtype = COMPUTE_DTYPES[lora.base_dtype] if lora.enabled else jnp.float32
+    dtypes = jax.tree.map(lambda _: base_dtype, shapes, is_leaf=lambda x: isinstance(x, tuple))
+    if lora.enabled:
+        shapes = attach(shapes, adapter_shapes(model_cfg, lora))
+        dtypes = attach(dtypes, jax.tree.map(lambda _: jnp.float32, adapter_shapes(model_cfg, lora),
+                                             is_leaf=lambda x: isinstance(x, tuple)))
+    params = jax.tree.map(lambda shape, d, s: jax.ShapeDtypeStruct(shape, d, sharding=s), shapes, dtypes, p_sh,
+                          is_leaf=lambda x: isinstance(x, tuple))
+    trainable, t_sh = split_trainable(params)[1], split_trainable(p_sh)[1]
+    s_sh = opt_state_shardings(optimizer, trainable, t_sh, mesh)
+    opt_state = abstract(jax.eval_shape(optimizer.init, trainable), s_sh)
+    programs = build_train_programs(model_cfg, ppo_cfg, optimizer, param_shardings=t_sh, opt_state_shardings=s_sh)
     replicated = NamedSharding(mesh, PartitionSpec())
     stats = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated), _loss_stats_shapes())
     denominator = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)
@@ -262,14 +274,16 @@ def train_program_specs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, opt_cfg: Opt
         batch = lambda keys: {k: jax.ShapeDtypeStruct((R, T), BATCH_DTYPES[k], sharding=rows)  # noqa: E731
                               for k in keys}
         specs.append(ProgramSpec(f"train/grad[rows={R},len={T}]", "train", programs.grad,
-                                 args=(params, params, stats, batch(grad_keys), denominator),
+                                 args=(params, trainable, stats, batch(grad_keys), denominator),
                                  resident=(opt_state,), context=context, fields=micro_fields))
         specs.append(ProgramSpec(f"train/logprobs[rows={R},len={T}]", "train", programs.logprobs,
                                  args=(params, batch(FORWARD_KEYS)), resident=(opt_state,), context=context,
                                  fields=micro_fields))
-    specs.append(ProgramSpec("train/update", "train", programs.update, args=(params, opt_state, params),
-                             context=context, fields=_MESH_FIELDS))
-    specs.append(ProgramSpec("train/zeros_like", "train", programs.zeros_like, args=(params,),
-                             resident=(opt_state,), context=context, fields=_MESH_FIELDS))
+    # With LoRA the frozen base stays resident beside the adapters' update.
+    frozen = () if split_trainable(params)[0] is None else (split_trainable(params)[0],)
+    specs.append(ProgramSpec("train/update", "train", programs.update, args=(trainable, opt_state, trainable),
+                             resident=frozen, context=context, fields=_MESH_FIELDS))
+    specs.append(ProgramSpec("train/zeros_like", "train", programs.zeros_like, args=(trainable,),
+                             resident=(opt_state, *frozen), context=context, fields=_MESH_FIELDS))
     return specs
 

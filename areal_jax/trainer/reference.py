@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from areal_jax.models import lora as lora_lib
 from areal_jax.models.transformer import Params
 from areal_jax.packing import unpack
 from areal_jax.ppo import AdvantageConfig, kl_estimate
@@ -43,10 +44,11 @@ class ReferencePolicy:
 
     Args:
         trainer: the PolicyTrainer whose log-prob program and layout are used.
-        params: reference weights (layout of `param_axes(model_cfg)`, any float dtype; stored
-            fp32 like the trainer's). Default: a copy of `trainer.params` now. Always copied:
-            the trainer donates its own buffers on every `train_step`, and the caller's arrays
-            stay the caller's.
+        params: reference weights (the trainer's layout, any float dtype; stored in the
+            trainer's dtypes). Default: a copy of `trainer.params` now. Always copied: the
+            trainer donates its own buffers on every `train_step`, and the caller's arrays stay
+            the caller's. With LoRA the default shares the trainer's frozen base (never
+            donated) and copies only the adapters.
     """
 
     def __init__(self, trainer: PolicyTrainer, params: Params | None = None):
@@ -66,13 +68,22 @@ class ReferencePolicy:
             source = jax.device_put(source, shardings)
         # A jitted copy writes fresh buffers with the trainer's shardings: same dtype and layout
         # means the trainer's compiled log-prob program is reused as is.
-        self._params = jax.jit(lambda p: jax.tree.map(lambda x: jnp.copy(x.astype(jnp.float32)), p),
-                               out_shardings=shardings)(source)
+        frozen, trainable = lora_lib.split_trainable(source)
+        if frozen is not None and params is None:
+            # LoRA: the base is frozen (never updated or donated), so the reference shares it and
+            # copies only the adapters.
+            copied = jax.jit(lambda p: jax.tree.map(jnp.copy, p),
+                             out_shardings=lora_lib.split_trainable(shardings)[1])(trainable)
+            self._params = lora_lib.join_trainable(frozen, copied)
+        else:
+            dtypes = [x.dtype for x in jax.tree.leaves(current)]
+            self._params = jax.jit(lambda p: jax.tree.unflatten(jax.tree.structure(p), [
+                jnp.copy(x.astype(d)) for x, d in zip(jax.tree.leaves(p), dtypes)]), out_shardings=shardings)(source)
         self.trainer = trainer
 
     @property
     def params(self) -> Params:
-        """The frozen fp32 reference weights (never donated)."""
+        """The frozen reference weights, in the trainer's dtypes (never donated)."""
         return self._params
 
     def compute_logprobs(self, microbatch: PackedBatch) -> jax.Array:
