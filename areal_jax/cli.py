@@ -12,8 +12,9 @@
                    [--tensor_parallel=2]   (prompts encoded as the model's run encoded them: areal_jax_prompt.json)
     areal-jax config [--gin_file=...]   (every configurable field: value, type, one line of doc)
     areal-jax train --run_dir=RUN --resume [--gin_param=...]   (continues RUN with its config.gin)
-    areal-jax export --checkpoint=RUN/checkpoints[/STEP] --out=DIR [--dtype=bfloat16]
-                   (a checkpoint as an HF model directory, tokenizer included; `eval --model=DIR` takes it)
+    areal-jax export --checkpoint=RUN/checkpoints[/STEP] --out=DIR [--dtype=bfloat16] [--adapter]
+                   (a checkpoint as an HF model directory, tokenizer included; `eval --model=DIR` takes it;
+                   a LoRA run's adapters merged in, or with --adapter alone in PEFT's format)
     areal-jax plan --gin_file=configs/qwen2_5_1_5b_gsm8k_tpu.gin [--target=v5e-16] [--json]
                    (compiles every program of the run for the target, without it; exit 1 if one does not fit)
     areal-jax simulate --gin_file=CONFIG [--target NAME | --calibrate RUN_DIR] [--lengths PATH | --length-dist SPEC]
@@ -139,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     ex.add_argument("--run_dir", default=None, help="the checkpoint's run (default: the checkpoint directory's parent)")
     ex.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the run's)")
+    ex.add_argument("--adapter", action="store_true", help="a LoRA run: write only its adapters, in PEFT's format "
+                    "(adapter_config.json + adapter_model.safetensors; default: the model with them merged in)")
     gen = sub.add_parser("generate", help="sample completions from a model directory", parents=[common])
     gen.add_argument("--model", required=True, help="HF model directory; its areal_jax_prompt.json (written by "
                      "train and export) sets the prompt encoding, which the flags below override")
@@ -241,20 +244,18 @@ def enable_compile_cache(directory: str) -> None:
 
 
 def _eval(args) -> int:
-    import dataclasses
     import json
     import time
 
     import jax
 
     from areal_jax import config_system as cs
-    from areal_jax.data.pipeline import DataConfig, build_prompt_loader
-    from areal_jax.evaluation import EvalConfig, engine_mesh, run_evaluation
-    from areal_jax.jobs.inputs import InputError, check_data_paths, input_errors
+    from areal_jax.data.pipeline import DataConfig
+    from areal_jax.evaluation import EvalConfig
+    from areal_jax.jobs.evaluate import evaluate_model
+    from areal_jax.jobs.inputs import InputError
     from areal_jax.reward.pool import RewardPoolConfig
-    from areal_jax.reward.registry import check_reward_function
-    from areal_jax.reward.sandbox import SandboxLimits, SandboxUnavailable
-    from areal_jax.reward.scoring import open_reward_pool
+    from areal_jax.reward.sandbox import SandboxLimits
 
     if args.run_dir is None and _wants_distributed(args):
         print("areal-jax: a multi-process eval needs --run_dir (one directory all processes agree on)",
@@ -280,60 +281,13 @@ def _eval(args) -> int:
     cfg = cs.build(EvalConfig, **{k: v for k, v in eval_over.items() if k not in cs.bindings(EvalConfig)})
     data = cs.build(DataConfig, **{k: v for k, v in data_over.items() if k not in cs.bindings(DataConfig)})
     workers = {} if args.reward_workers is None else {"num_workers": args.reward_workers}
-    pool_cfg = cs.build(RewardPoolConfig, **workers)
-    sandbox = cs.build(SandboxLimits)
-    # Every row once, in file order (every process reads them all; run_evaluation shares them out).
-    data = dataclasses.replace(data, shuffle=False, num_epochs=1, even_shards=False)
-    check_data_paths(data.paths, "DataConfig.paths")
-    try:
-        check_reward_function(cfg.reward, "EvalConfig.reward")
-    except ValueError as e:
-        raise cs.ConfigError(str(e)) from None
-    try:  # in worker processes under EvalConfig.reward_timeout_s, unless declared in-process
-        pool = open_reward_pool(cfg.reward, pool_cfg, sandbox)
-    except (SandboxUnavailable, ValueError) as e:
-        raise cs.ConfigError(str(e)) from None
-    try:
-        _maybe_initialize_distributed(args)
-        # On this process's devices: every host of a multi-process eval builds its own mesh.
-        tokenizer, model = _load_model(model_dir, args.tokenizer, dtype=cfg.dtype,
-                                       mesh_for=lambda model_cfg: engine_mesh(model_cfg, cfg.tensor_parallel))
-        with input_errors("--tokenizer" if args.tokenizer else "--model"):
-            data.prompt_encoder(tokenizer)  # a base model needs DataConfig.prompt_template: one line
-        with input_errors("DataConfig.paths"):
-            rows = build_prompt_loader(data, tokenizer)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        report = run_evaluation(model, tokenizer, rows, cfg, reward_pool=pool, out_path=run_dir / "samples.jsonl")
-    finally:
-        if pool is not None:
-            pool.close(wait=False)  # kills workers still busy (an interrupt) and sweeps their sandboxes
+    report = evaluate_model(model_dir, data, cfg, pool_cfg=cs.build(RewardPoolConfig, **workers),
+                            sandbox=cs.build(SandboxLimits), out_dir=run_dir, tokenizer_dir=args.tokenizer,
+                            before_load=lambda: _maybe_initialize_distributed(args))
     if jax.process_index() == 0:
-        (run_dir / "report.json").write_text(report.to_json())
         print(json.dumps(report.overall, indent=2))
         print(f"[areal-jax] per-sample results: {run_dir / 'samples.jsonl'}; report: {run_dir / 'report.json'}")
     return 0
-
-
-def _load_model(model_dir: str, tokenizer_dir: str | None = None, *, dtype: str = "float32", mesh_for=None):
-    """(tokenizer, model) of an HF directory; its problems are InputErrors naming the flag and file.
-
-    The weights are read in `dtype` straight onto `mesh_for(model config)` (each device reads its
-    slice; never the whole float32 model on one device), or onto the first local device when
-    `mesh_for` is None or returns None. `mesh_for` raises ConfigError for an impossible split,
-    before any weight is read."""
-    from areal_jax.jobs.inputs import check_model_dir, check_tokenizer_dir, input_errors
-    from areal_jax.models import load_pretrained
-    from areal_jax.models.hf_io import read_config
-    from areal_jax.models.tokenizer import Tokenizer
-
-    tokenizer_flag = "--tokenizer" if tokenizer_dir else "--model"
-    check_model_dir(model_dir, "--model")
-    check_tokenizer_dir(tokenizer_dir or model_dir, tokenizer_flag)
-    with input_errors(tokenizer_flag):
-        tokenizer = Tokenizer.from_pretrained(tokenizer_dir or model_dir)
-    mesh = mesh_for(read_config(model_dir)) if mesh_for is not None else None  # check_model_dir parsed it
-    with input_errors("--model"):
-        return tokenizer, load_pretrained(model_dir, dtype=dtype, mesh=mesh)
 
 
 def _train(args) -> int:
@@ -341,7 +295,7 @@ def _train(args) -> int:
 
     _maybe_initialize_distributed(args)
     from areal_jax.jobs.configs import load_job_configs
-    from areal_jax.jobs.train import run_train
+    from areal_jax.python_api import Trainer
 
     run_dir = args.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     params, gin_files = list(args.gin_param), list(args.gin_file)
@@ -355,7 +309,7 @@ def _train(args) -> int:
 
     # Every cross-field check, the per-process shares included, before any work starts.
     cfg = load_job_configs(gin_files, params, run_dir=run_dir, num_processes=jax.process_count())
-    run_train(cfg, run_dir, progress=not args.quiet, resume=args.resume, overwrite=args.overwrite)
+    Trainer(cfg, run_dir=run_dir).train(progress=not args.quiet, resume=args.resume, overwrite=args.overwrite)
     return 0
 
 
@@ -363,7 +317,8 @@ def _export(args) -> int:
     from areal_jax.jobs.export import ExportConfig, run_export
 
     out, step = run_export(ExportConfig(checkpoint=args.checkpoint, out=args.out, dtype=args.dtype,
-                                        overwrite=args.overwrite, run_dir=args.run_dir, tokenizer=args.tokenizer))
+                                        overwrite=args.overwrite, run_dir=args.run_dir, tokenizer=args.tokenizer,
+                                        adapter=args.adapter))
     print(f"[areal-jax] exported step {step} of {args.checkpoint} -> {out}")
     return 0
 
@@ -436,9 +391,11 @@ def _generate(args) -> int:
         if not ok:  # before the model loads
             raise InputError(f"{flag} must be {want}, got {value}")
 
-    tok, model = _load_model(args.model, dtype=args.dtype,
-                             mesh_for=lambda model_cfg: engine_mesh(model_cfg, args.tensor_parallel,
-                                                                    field="--tensor_parallel"))
+    from areal_jax.jobs.evaluate import load_model
+
+    tok, model = load_model(args.model, dtype=args.dtype,
+                            mesh_for=lambda model_cfg: engine_mesh(model_cfg, args.tensor_parallel,
+                                                                   field="--tensor_parallel"))
     from areal_jax.jobs.run_settings import encode_prompts, generate_settings
 
     # The model's recorded prompt encoding (a base model with none continues the text as given).

@@ -56,8 +56,8 @@ from areal_jax.parallel import MeshConfig  # noqa: E402
 from areal_jax.ppo import AdvantageConfig  # noqa: E402
 from areal_jax.rollout.workflow import RLVRConfig  # noqa: E402
 from areal_jax.tasks.tokenizer_builder import build_tokenizer  # noqa: E402
-from areal_jax.trainer import OptimizerConfig, PPOConfig  # noqa: E402
-from areal_jax.trainer.loop import RLConfig, RLLoop  # noqa: E402
+from areal_jax.trainer import OptimizerConfig, PPOConfig, RLConfig  # noqa: E402
+from areal_jax.trainer.loop import RLLoop  # noqa: E402
 from bench.common import CompileClock, machine  # noqa: E402
 
 MODES = ("async", "sync", "async-colocated")

@@ -4,7 +4,7 @@ One SFT-only run of the quickstart job (one per seed with `--sft_per_seed`) writ
 every RL configuration then starts from it in a fresh `areal-jax train` subprocess (one at a time: throughput is
 wall time on shared cores). Every configuration runs in "async" mode so only eta changes
 (eta = 0 there is synchronous data with the asynchronous machinery). The objectives
-(`--variants`, `areal_jax.trainer.programs.OBJECTIVES`): "decoupled" is decoupled PPO (proximal
+(`--variants`, `areal_jax.trainer.config.OBJECTIVES`): "decoupled" is decoupled PPO (proximal
 policy recomputed with the pre-step weights, weighted by pi_prox / pi_behav), "naive" is PPO with
 proximal := behavior (`PPOConfig.decoupled = False`: the clip is a trust region around the
 sampling policy), "naive_recompute" anchors the clip at the recomputed pre-step policy with no
@@ -58,7 +58,7 @@ import time
 
 import numpy as np
 
-from areal_jax.trainer.programs import OBJECTIVES
+from areal_jax.trainer.config import OBJECTIVES
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 VARIANTS = tuple(OBJECTIVES)  # "decoupled", "naive", "naive_recompute"

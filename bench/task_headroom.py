@@ -39,7 +39,8 @@ from areal_jax.ppo import decoupled_ppo_loss, token_logprobs  # noqa: E402
 from areal_jax.tasks import arithmetic as ar  # noqa: E402
 from areal_jax.tasks.reward import arithmetic_reward  # noqa: E402
 from areal_jax.tasks.tokenizer_builder import build_tokenizer, task_model_config  # noqa: E402
-from areal_jax.trainer.sft import SFTConfig, evaluate_accuracy, run_sft, sample_rewards  # noqa: E402
+from areal_jax.evaluation.held_out import evaluate_accuracy, sample_rewards  # noqa: E402
+from areal_jax.trainer.sft import SFTConfig, run_sft  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

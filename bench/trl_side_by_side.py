@@ -134,8 +134,8 @@ def run_areal(mode: str, model_dir: pathlib.Path, rows: list[dict], args, clock:
     from areal_jax.models.tokenizer import Tokenizer
     from areal_jax.ppo import AdvantageConfig
     from areal_jax.rollout.workflow import RLVRConfig
-    from areal_jax.trainer import OptimizerConfig, PPOConfig
-    from areal_jax.trainer.loop import RLConfig, RLLoop
+    from areal_jax.trainer import OptimizerConfig, PPOConfig, RLConfig
+    from areal_jax.trainer.loop import RLLoop
 
     sync = mode == "sync"
     tokenizer = Tokenizer.from_pretrained(model_dir)

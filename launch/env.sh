@@ -3,7 +3,7 @@
 #   .venv      Python >= 3.12 with areal_jax installed editable (what users and tests run): the base
 #              package, plus the [test] extra (libtpu, the CUDA plugin, pytest, wandb, datasets) when
 #              AREAL_TEST_EXTRAS=1 (launch/test.sh sets it). A venv holding more extras is kept.
-#   .venv-ref  Python 3.11 with torch (CPU) + transformers: the reference implementation the
+#   .venv-ref  Python 3.11 with torch (CPU) + transformers + peft: the reference implementation the
 #              parity tests compare against. Built only when asked (AREAL_WITH_REFERENCE=1).
 # AREAL_EXTRAS=cuda (or tpu) installs jax for that accelerator into .venv as well.
 # Source it: `source launch/env.sh` leaves .venv activated.
@@ -77,7 +77,7 @@ _ensure_main_venv() {
 }
 
 _ensure_reference_venv() {
-  local venv="$ROOT/.venv-ref" want="torch==${AREAL_REF_TORCH:-2.13.0} transformers>=4.56 numpy safetensors jinja2"
+  local venv="$ROOT/.venv-ref" want="torch==${AREAL_REF_TORCH:-2.13.0} transformers>=4.56 numpy safetensors jinja2 peft>=0.13"
   if [ -f "$venv/.areal_stamp" ] && [ "$(cat "$venv/.areal_stamp")" = "$want" ]; then return 0; fi
   local py
   py="$(_find_python 3 11 1)" || { echo "[env] no Python 3.11 found: reference venv not built" >&2; return 1; }

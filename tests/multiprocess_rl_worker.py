@@ -24,7 +24,7 @@ def main():
 
         from areal_jax.models.tokenizer import Tokenizer
         from areal_jax.parallel import MeshConfig
-        from areal_jax.trainer.loop import RLConfig
+        from areal_jax.trainer.config import RLConfig
         from tests.test_rl_loop import make_loop
 
         tokenizer = Tokenizer.from_pretrained(tokenizer_dir)

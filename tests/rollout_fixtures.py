@@ -14,7 +14,8 @@ def scripted_reward(completion: str, answer: str) -> float:
 
     Directives: "sleep=S" sleeps S seconds; "sleep_rand=S" sleeps uniform(0, S); "raise"
     raises RuntimeError; "const=X" returns X; "text_hash" returns a number in [0, 1) that
-    differs between different completions (so a group's rewards are distinct).
+    differs between different completions (so a group's rewards are distinct); "coin" returns 1.0
+    for about half the completions, 0.0 for the others (right or wrong, by the text alone).
     """
     for directive in answer.split(";"):
         name, _, arg = directive.partition("=")
@@ -28,6 +29,8 @@ def scripted_reward(completion: str, answer: str) -> float:
             return float(arg)
         elif name == "text_hash":
             return text_hash(completion)
+        elif name == "coin":
+            return float(text_hash(completion) >= 0.5)
         else:
             raise ValueError(f"unknown reward directive {directive!r}")
     return text_hash(completion)

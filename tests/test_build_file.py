@@ -1,4 +1,5 @@
-"""BUILD stays in step with the tree: every module is in a py_library, every test has a py_test."""
+"""BUILD stays in step with the tree: every module is in a py_library, every test has a py_test,
+every example script is in the examples filegroup."""
 
 import pathlib
 import subprocess
@@ -20,7 +21,8 @@ def _evaluate_build() -> dict[str, dict]:
         return record
 
     text = "\n".join(line for line in (ROOT / "BUILD").read_text().splitlines() if not line.startswith("load("))
-    exec(text, {"py_library": rule("py_library"), "py_test": rule("py_test"), "package": lambda **kw: None})
+    exec(text, {"py_library": rule("py_library"), "py_test": rule("py_test"), "filegroup": rule("filegroup"),
+                "package": lambda **kw: None})
     return targets
 
 
@@ -34,8 +36,10 @@ def test_every_module_and_test_has_a_target():
              if p.name.startswith("test_") and p.parent == ROOT / "tests"}
     test_srcs = {s for t in targets.values() if t["kind"] == "py_test" for s in t["srcs"]}
     assert tests == test_srcs, "tests missing from (or stale in) BUILD: run tools/update_build.py"
+    examples = {str(p.relative_to(ROOT)) for p in _python_files("examples")}
+    assert examples == {s for t in targets.values() if t["kind"] == "filegroup" for s in t["srcs"]}
     for t in targets.values():
-        for dep in t.get("deps", []):
+        for dep in [*t.get("deps", []), *t.get("data", [])]:
             assert dep.lstrip(":") in targets, f"{t['name']} depends on unknown target {dep}"
         for src in t["srcs"]:
             assert (ROOT / src).exists(), f"{t['name']} lists missing file {src}"

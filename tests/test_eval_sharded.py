@@ -16,7 +16,8 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from areal_jax import config_system as cs
-from areal_jax.cli import _load_model, main
+from areal_jax.cli import main
+from areal_jax.jobs.evaluate import load_model
 from areal_jax.evaluation import EvalConfig, engine_mesh
 from areal_jax.metrics import read_jsonl
 from areal_jax.models.hf_io import read_config
@@ -89,7 +90,7 @@ def test_weights_load_sharded_in_their_dtype(setup, dtype):
     generation rules (whole per data replica), in the configured dtype."""
     model_dir = setup[0]
     mesh_for = lambda model_cfg: engine_mesh(model_cfg, 2, devices=jax.devices()[:4])  # noqa: E731
-    _, model = _load_model(str(model_dir), dtype=dtype, mesh_for=mesh_for)
+    _, model = load_model(str(model_dir), dtype=dtype, mesh_for=mesh_for)
     params = model.params
     wq = params["layers"]["wq"]  # [L, D, N, H]: heads over "tensor"
     assert dict(wq.sharding.mesh.shape) == {"data": 2, "tensor": 2}

@@ -118,6 +118,9 @@ def test_bad_input_is_one_line_naming_the_flag_and_path(run_dir, tmp_path, capsy
     assert (full / "keep.txt").read_text() == "mine"  # nothing was touched
     assert main(["export", f"--checkpoint={ckpts}", f"--out={full}", "--dtype=int8"]) == 2
     assert "--dtype" in _error_line(capsys)
+    assert main(["export", f"--checkpoint={ckpts}", f"--out={tmp_path / 'o'}", "--adapter"]) == 2
+    line = _error_line(capsys)
+    assert "--adapter" in line and "no LoRA adapters" in line, line
     assert not (tmp_path / "o").exists()
     # --overwrite replaces the directory whole.
     assert main(["export", f"--checkpoint={ckpts}", f"--out={full}", "--overwrite"]) == 0

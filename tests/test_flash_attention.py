@@ -14,7 +14,7 @@ from areal_jax.kernels import flash_attention as fa
 from areal_jax.models import ModelConfig, forward, init_params
 from areal_jax.models import sharding as shd
 from areal_jax.models.attention import causal_attention
-from areal_jax.trainer.programs import PPOConfig
+from areal_jax.trainer.config import PPOConfig
 from areal_jax.trainer.sft import SFTConfig
 from tests.test_attention import causal_segment_mask, numpy_attention, packed_segments, random_qkv
 

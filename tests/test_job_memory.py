@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
+from areal_jax.evaluation.held_out import GreedyAccuracy
 from areal_jax.generation import EngineConfig
 from areal_jax.models import ModelConfig, init_params
 from areal_jax.models.tokenizer import Tokenizer
 from areal_jax.parallel import MeshConfig, WeightSync, build_meshes, model_partition_specs
 from areal_jax.ppo import AdvantageConfig
 from areal_jax.rollout.workflow import RLVRConfig
-from areal_jax.trainer import OptimizerConfig, PPOConfig
-from areal_jax.trainer.loop import RLConfig, RLLoop, generation_weight_sync
-from areal_jax.trainer.sft import GreedyAccuracy
+from areal_jax.trainer import OptimizerConfig, PPOConfig, RLConfig
+from areal_jax.trainer.loop import RLLoop, generation_weight_sync
 from tests.test_rl_loop import REWARD, rows
 from tests.tokenizer_fixtures import build_tiny_tokenizer
 
@@ -152,7 +152,7 @@ def test_evaluation_on_the_generation_mesh_matches_evaluation_where_the_weights_
                        reward_fn=lambda text, gold: texts.append(text) or 0.0).count(weights)
         return texts
 
-    on_generation = sync.to_generation(params)
+    on_generation = sync.transfer(params)
     assert isinstance(on_generation["layers"], tuple)  # per layer, as the engine holds them
     assert on_generation["embed"].sharding.mesh == meshes.generation
     np.testing.assert_array_equal(np.asarray(on_generation["layers"][1]["wq"]), np.asarray(params["layers"]["wq"][1]))

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from areal_jax.ppo import decoupled_ppo_loss
-from areal_jax.trainer.programs import OBJECTIVES, PPOConfig
+from areal_jax.trainer.config import OBJECTIVES, PPOConfig
 
 
 def head_actor_loss(logp, prox, old, adv, mask, eps, eps_high=None, c_clip=None, rejection=None,

@@ -82,17 +82,18 @@ def test_a_sigkilled_owner_leaves_no_reward_process_and_no_pymp_directory(tmp_pa
     assert not os.path.exists(os.path.join(tempfile.gettempdir(), pymp[0]))
 
 
-# Flaky on a clean clone (2026-12-02): the worker is not recycled after a MemoryError, so the heap a
-# failed reward grew can leave its next call near the cap. Out of the default run until the pool
-# replaces a worker after MemoryError; `launch/test.sh --slow` still runs it.
-@pytest.mark.slow
 def test_a_reward_past_its_memory_cap_fails_alone(tmp_path):
     with RewardPool(RewardPoolConfig(num_workers=1, timeout_s=60.0, memory_mb=1024)) as pool:
         assert pool.submit("tests.reward_fixtures:hog_memory", 256).result() == 1.0
-        assert pool.submit("tests.reward_fixtures:hog_memory", 4096).result() == 0.0
+        started = pool.stats().workers_started
+        # Submitted together: the second must not reach the worker that is exiting after its MemoryError.
+        failing = pool.submit("tests.reward_fixtures:hog_memory", 4096)
+        after = pool.submit("tests.reward_fixtures:hog_memory", 256)
+        assert failing.result() == 0.0
+        assert after.result() == 1.0  # a fresh worker
         stats = pool.stats()
-        assert stats.errors + stats.crashes == 1 and stats.succeeded == 1
-        assert pool.submit("tests.reward_fixtures:hog_memory", 256).result() == 1.0  # a fresh worker
+        assert (stats.errors, stats.crashes, stats.succeeded) == (1, 0, 2)
+        assert stats.workers_started == started + 1
 
 
 @pytest.mark.slow  # ~40 s: a two-step run whose reward leaves processes behind at every call

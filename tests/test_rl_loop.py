@@ -15,8 +15,8 @@ from areal_jax.models.tokenizer import Tokenizer
 from areal_jax.parallel import MeshConfig
 from areal_jax.ppo import AdvantageConfig
 from areal_jax.rollout.workflow import RLVRConfig
-from areal_jax.trainer import OptimizerConfig, PPOConfig
-from areal_jax.trainer.loop import RLConfig, RLLoop
+from areal_jax.trainer import OptimizerConfig, PPOConfig, RLConfig
+from areal_jax.trainer.loop import RLLoop
 from tests.multiprocess import run_processes
 from tests.tokenizer_fixtures import build_tiny_tokenizer
 

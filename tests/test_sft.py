@@ -12,16 +12,14 @@ from areal_jax.packing import unpack
 from areal_jax.tasks import arithmetic as ar
 from areal_jax.tasks.tokenizer_builder import build_tokenizer, task_model_config
 from areal_jax.data import SFTExample
+from areal_jax.evaluation.held_out import GreedyAccuracy, evaluate_accuracy, sample_rewards
 from areal_jax.trainer.sft import (
     PackedBatches,
     SFTConfig,
     completion_loss,
-    GreedyAccuracy,
-    evaluate_accuracy,
     learning_rate_schedule,
     packed_eval_batches,
     run_sft,
-    sample_rewards,
     sequence_arrays,
 )
 

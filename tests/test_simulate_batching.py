@@ -1,9 +1,9 @@
-"""The simulator costs a training step from `microbatch_shapes`: it must be the trainer's layout."""
+"""The simulator costs a training step from `microbatch_shapes_for_lengths`: it must be the trainer's layout."""
 
 import numpy as np
 import pytest
 
-from areal_jax.trainer.batching import make_microbatches, microbatch_shapes
+from areal_jax.trainer.batching import make_microbatches, microbatch_shapes_for_lengths
 
 
 def _seqs(lengths):
@@ -16,7 +16,7 @@ def test_shapes_are_make_microbatches_shapes(seed, row_multiple, minibatches):
     lengths = [int(x) for x in np.minimum(rng.geometric(1 / 90, size=96) + 20, 1000)]
     built = make_microbatches(_seqs(lengths), max_tokens_per_microbatch=1024, num_minibatches=minibatches,
                               row_multiple=row_multiple)
-    shapes = microbatch_shapes(lengths, max_tokens_per_microbatch=1024, num_minibatches=minibatches,
-                               row_multiple=row_multiple)
+    shapes = microbatch_shapes_for_lengths(lengths, max_tokens_per_microbatch=1024, num_minibatches=minibatches,
+                                           row_multiple=row_multiple)
     assert shapes == [[mb.shape for mb in minibatch] for minibatch in built]
     assert sum(len(m) for m in shapes) > minibatches  # several micro-batches: the comparison means something

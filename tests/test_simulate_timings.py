@@ -48,7 +48,7 @@ def test_delta_and_keys():
 
 def test_rl_loop_records_what_the_calibration_fits(tokenizer):
     from areal_jax.parallel import MeshConfig
-    from areal_jax.trainer.loop import RLConfig
+    from areal_jax.trainer.config import RLConfig
 
     rl = RLConfig(steps=2, batch_size=2, max_staleness=0, max_concurrent=4, mode="sync")
     loop = make_loop(tokenizer, rl=rl, mesh=MeshConfig(colocated=True), devices=jax.devices()[:2])

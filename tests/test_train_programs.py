@@ -21,7 +21,7 @@ from areal_jax.trainer.programs import (
     FORWARD_KEYS,
     LOSS_KEYS,
     PROXIMAL_KEY,
-    microbatch_shapes,
+    possible_microbatch_shapes,
     train_program_specs,
 )
 from areal_jax.trainer.train_step import PolicyTrainer, PPOConfig
@@ -76,7 +76,7 @@ def random_microbatch(shape, seed) -> PackedBatch:
 def test_names_cover_every_row_length_at_its_largest_row_count(specs):
     # fsdp = 2, one process: rows are a multiple of 2, as many as the 64-token budget allows.
     want = {16: 4, 32: 2, 64: 2}
-    assert microbatch_shapes(PPO, fsdp=2) == [(R, T) for T, R in want.items()]
+    assert possible_microbatch_shapes(PPO, fsdp=2) == [(R, T) for T, R in want.items()]
     names = {f"train/{kind}[rows={R},len={T}]" for T, R in want.items() for kind in ("grad", "logprobs")}
     assert set(specs) == names | {"train/update", "train/zeros_like"}
     for name, spec in specs.items():
@@ -90,12 +90,12 @@ def test_rows_scale_with_processes_as_the_loop_packs_them():
     # fsdp 8 over 2 processes: each packs rows in multiples of 4 (its share of fsdp); the
     # program sees both processes' rows.
     cfg = PPOConfig(max_tokens_per_microbatch=1024, row_buckets=(128, 512, 1024))
-    assert microbatch_shapes(cfg, fsdp=8, num_processes=2) == [(16, 128), (8, 512), (8, 1024)]
-    assert microbatch_shapes(cfg, fsdp=8, num_processes=1) == [(8, 128), (8, 512), (8, 1024)]
+    assert possible_microbatch_shapes(cfg, fsdp=8, num_processes=2) == [(16, 128), (8, 512), (8, 1024)]
+    assert possible_microbatch_shapes(cfg, fsdp=8, num_processes=1) == [(8, 128), (8, 512), (8, 1024)]
 
 
 def test_make_microbatches_never_exceeds_the_described_shapes():
-    largest = {T: R for R, T in microbatch_shapes(PPO, fsdp=2)}
+    largest = {T: R for R, T in possible_microbatch_shapes(PPO, fsdp=2)}
     seen = set()
     for seed, (lo, hi) in enumerate([(2, 16), (2, BUDGET + 1), (16, BUDGET + 1), (30, 40)]):
         rng = np.random.default_rng(seed)

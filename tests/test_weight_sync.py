@@ -160,7 +160,7 @@ def test_transfer_is_exact_and_lands_on_generation_mesh(cfg, staged, dtype, layo
 @pytest.mark.parametrize("cfg, _staged", [SPLITS[0], SPLITS[1], SPLITS[3]])
 def test_groups_stream_the_same_weights(cfg, _staged):
     """Small groups: layers in runs of 3 (3 + 3 + 2: two programs), whole leaves one or two at a
-    time; the result is the one-group transfer's, bitwise, and so is `transfer_local`'s."""
+    time; the result is the one-group transfer's, bitwise, and so is that of whole weights on one device."""
     meshes = build_meshes(cfg)
     values = _host_values()
     train_params = _on_train_mesh(meshes, values)
@@ -176,9 +176,11 @@ def test_groups_stream_the_same_weights(cfg, _staged):
     assert stats.groups == 5 and seen == [0, 1, 2, 3, 4]
     assert stats.max_group_bytes == 3 * layer_bytes
     assert sync.compiled_programs() == 4  # the runs of 3 layers share one program
-    _assert_transferred(meshes, sync.transfer_local(jax.tree.map(jnp.asarray, values)), values, jnp.bfloat16)
-    _assert_transferred(meshes, sync.to_generation(train_params), values, jnp.bfloat16)
-    assert sync.compiled_programs() == 4
+    # The one entry point takes whole weights on one device too: put piece by piece, no reshard group.
+    _assert_transferred(meshes, sync.transfer(jax.tree.map(jnp.asarray, values)), values, jnp.bfloat16)
+    assert sync.last_stats is stats
+    _assert_transferred(meshes, sync.transfer(train_params), values, jnp.bfloat16)
+    assert sync.last_stats.index == 2 and sync.compiled_programs() == 4
 
 
 def _partitioned_collectives(program, args, tmp_path) -> list[str]:

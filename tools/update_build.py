@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Writes BUILD from the committed source tree (a tiny gazelle): one py_library per package directory
-of areal_jax/, a test-support library, and one py_test per tests/test_*.py.
+of areal_jax/, a test-support library, the examples/ scripts (data of the test that runs them), and
+one py_test per tests/test_*.py.
 
 Run `python3 tools/update_build.py` after adding or removing modules; tests/test_build_file.py
 fails when BUILD is out of step with the tree.
@@ -66,10 +67,14 @@ def render() -> str:
     support = sorted(str(p.relative_to(ROOT)) for p in tests if not p.name.startswith("test_"))
     parts.append(f'py_library(\n    name = "test_support",\n    testonly = True,\n    srcs = {_list(support)},\n'
                  f'    deps = {_list(names)},\n)\n')
+    examples = sorted(str(p.relative_to(ROOT)) for p in _python_files("examples"))
+    if examples:  # scripts users run; tests/test_example_scripts.py runs each as a user would
+        parts.append(f'filegroup(\n    name = "examples",\n    srcs = {_list(examples)},\n)\n')
     for test in (p for p in tests if p.name.startswith("test_") and p.parent == ROOT / "tests"):
         src = str(test.relative_to(ROOT))
+        data = '    data = [":examples"],\n' if test.stem == "test_example_scripts" and examples else ""
         parts.append(f'py_test(\n    name = "{test.stem}",\n    srcs = ["{src}"],\n    main = "{src}",\n'
-                     f'    deps = [":test_support"],\n)\n')
+                     f'{data}    deps = [":test_support"],\n)\n')
     return "\n".join(parts)
 
 

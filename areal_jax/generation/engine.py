@@ -25,8 +25,9 @@ smallest cache window holding its sequences (`decode_windows`) and ends early wh
 up while requests wait (`refill_after`).
 
 The compiled programs are built in generation/programs.py (which also describes them for
-ahead-of-time planning) and called, on the cache they write, by generation/engine_cache.py; this
-module is the host-side scheduler around them. On a generation
+ahead-of-time planning) and called, on the cache they write, by generation/engine_cache.py. The
+slots, what each holds and the decode chunk over them are generation/slots.py's; this module is the
+engine's front (requests, threads, weights) and its admission from the queue. On a generation
 mesh every batch dimension is a multiple of its "data" size (EngineConfig's row counts).
 """
 
@@ -39,7 +40,6 @@ import dataclasses
 import itertools
 import threading
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -48,15 +48,16 @@ import numpy as np
 from areal_jax.generation.config import EngineConfig
 from areal_jax.generation.engine_cache import EngineCache
 from areal_jax.generation.pages import PageAllocator
-from areal_jax.generation.programs import (EnginePrograms, check_mesh, mesh_of, mesh_sizes, param_shardings,
-                                           placed_like)
+from areal_jax.generation.programs import (EnginePrograms, check_mesh, layout_mismatch, mesh_of, mesh_sizes,
+                                           param_shardings, placed_like, weight_layout)
 from areal_jax.generation.requests import (Completion, EngineStats, GroupResult, Request, RequestHandle, Sample,
                                            StopReason)
-from areal_jax.generation.sampling import MAX_STOP_IDS, SamplingParams
-from areal_jax.generation.timings import CallTimings, decode_key
+from areal_jax.generation.sampling import SamplingParams
+from areal_jax.generation.slots import SlotTable, Start
+from areal_jax.generation.timings import CallTimings
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.sharding import GENERATION_RULES, activation_rules
-from areal_jax.models.transformer import Params, Transformer, split_layers
+from areal_jax.models.transformer import Params, Transformer
 
 __all__ = ["Completion", "EngineConfig", "EngineStats", "GenerationEngine", "GroupResult", "RequestHandle"]
 
@@ -89,16 +90,7 @@ class GenerationEngine:
         self._timings = CallTimings()  # seconds per program and shape, for the simulator's cost fit
         self._kv = EngineCache(cfg, ec, dtype, mesh=self._mesh, device=next(iter(home.device_set)),
                                counts=self.compile_counts, stats=self._stats, timings=self._timings)
-        B = ec.num_slots
-        self._slot_sample: list[Sample | None] = [None] * B
-        self._tokens = np.zeros(B, np.int32)  # next input token of each slot
-        self._positions = np.zeros(B, np.int32)  # its position (= sequence length - 1)
-        self._remaining = np.zeros(B, np.int32)  # tokens the slot may still generate
-        self._temperature = np.ones(B, np.float32)
-        self._top_p = np.ones(B, np.float32)
-        self._top_k = np.zeros(B, np.int32)
-        self._stop_ids = np.full((B, MAX_STOP_IDS), -1, np.int32)
-        self._slot_keys = np.zeros((B, 2), np.uint32)  # threefry key data of each slot's sample
+        self._slots = SlotTable(ec, self._kv, self._stats, self._timings, on_done=self._complete_sample)
         self._lock = threading.Condition()
         self._queue: collections.deque[Request] = collections.deque()
         self._requests: dict[str, Request] = {}
@@ -106,14 +98,12 @@ class GenerationEngine:
         self._pending_weights: tuple[Params, int, concurrent.futures.Future] | None = None
         self._ids = itertools.count()
         self._seeds = itertools.count()
-        self._stamps = itertools.count()  # start order of samples
-        self._preempted: list[Sample] = []  # out of the pool, oldest first: resumed before new admissions
         self._thread: threading.Thread | None = None
         self._stop_event = threading.Event()
         self._paused = False
         # Shapes and dtypes of the per-layer weights: every later swap must match them (a mismatch
         # would silently compile every program again, at other sizes).
-        self._param_avals = _shapes(params)
+        self._param_avals = weight_layout(params)
         self._params: Params | None = None
         with self._placement():
             self._install_weights(params)
@@ -140,6 +130,15 @@ class GenerationEngine:
     @property
     def _pages(self) -> PageAllocator | None:
         return self._kv.pages
+
+    # The slots and the samples in them live in `self._slots` (generation/slots.py).
+    @property
+    def _slot_sample(self) -> list[Sample | None]:
+        return self._slots.samples
+
+    @property
+    def _preempted(self) -> list[Sample]:
+        return self._slots.preempted
 
     def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams, n: int = 1,
                request_id: str | None = None, seed: int | None = None) -> RequestHandle:
@@ -195,7 +194,7 @@ class GenerationEngine:
         laid out as the engine holds them are used as they are, so a swap holds the old copy and the
         incoming one, never more; stacked weights are split after the old copy is gone (the engine
         then holds the split copy while the caller may still hold the stacked one)."""
-        problem = _mismatch(_shapes(params), self._param_avals)
+        problem = layout_mismatch(weight_layout(params), self._param_avals)
         if problem:  # here, on the caller's thread: the engine thread would fail every request
             raise ValueError(f"new weights do not match the served ones ({problem}); stacked or split weights "
                              "of the same model and dtype are expected")
@@ -294,10 +293,10 @@ class GenerationEngine:
         with self._placement():
             self._apply_aborts()
             draining = self._maybe_swap_weights()
-            self._resume_preempted()  # in flight already: resumed even while draining for a swap
+            self._slots.resume_preempted(self._params)  # in flight already: resumed even while draining for a swap
             if not draining and not self._preempted:
                 self._admit()
-            if any(s is not None for s in self._slot_sample):
+            if self._slots.busy():
                 self._decode_chunk()
         return self.has_work()
 
@@ -314,12 +313,7 @@ class GenerationEngine:
                     req.aborted = True
                     if req in self._queue:
                         self._queue.remove(req)
-        for slot, sample in enumerate(self._slot_sample):
-            if sample is not None and sample.request.aborted:
-                self._finish(slot, "aborted")
-        for sample in [s for s in self._preempted if s.request.aborted]:
-            self._preempted.remove(sample)
-            self._complete_sample(sample, "aborted")
+        self._slots.abort_requests()
         for rid in aborts:
             req = self._requests.get(rid)
             if req is None:
@@ -337,7 +331,7 @@ class GenerationEngine:
             pending = self._pending_weights
         if pending is None:
             return False
-        active = [i for i, s in enumerate(self._slot_sample) if s is not None]
+        active = self._slots.running()
         if (active or self._preempted) and not self.config.interruptible:
             return True  # let in-flight samples finish on the old weights first
         params, version, done = pending
@@ -367,11 +361,13 @@ class GenerationEngine:
         else:
             self._params = self._programs.split(params)
 
+    # ---- admission -----------------------------------------------------------------------------
+
     def _admit(self) -> None:
         """Fills free slots from the queue head: one program per prefill call prefills the prompts,
         copies each into the slots of its samples and samples their first tokens. Paged: only as
         many samples as the pool has pages for (prompt and first chunk, plus a watermark)."""
-        free = [i for i, s in enumerate(self._slot_sample) if s is None]
+        free = self._slots.free()
         while free:
             with self._lock:
                 if not self._queue:
@@ -388,11 +384,11 @@ class GenerationEngine:
     def _assign(self, req: Request, free: list[int]) -> tuple[list[tuple[int, Request, int]], list[int]]:
         """Gives the request's next samples free slots (and their pages): ([(slot, request, sample
         index)], slots left)."""
-        slots, free = self._take_slots(free, req.n - req.next_sample,
-                                       self.config.chunk_tokens(req.prompt.size, req.sampling.max_new_tokens - 1))
+        slots, free = self._slots.take(free, req.n - req.next_sample,
+                                      self.config.chunk_tokens(req.prompt.size, req.sampling.max_new_tokens - 1))
         started = [(slot, req, req.next_sample + j) for j, slot in enumerate(slots)]
         for slot, _, index in started:
-            self._slot_keys[slot] = self._sample_key(req.seed, index)
+            self._slots.set_key(slot, req.seed, index)
         req.next_sample += len(slots)
         if req.next_sample == req.n:
             req.prefix = None  # the group's prefill block is no longer needed
@@ -400,61 +396,6 @@ class GenerationEngine:
                 if self._queue and self._queue[0] is req:
                     self._queue.popleft()
         return started, free
-
-    # ---- pages (paged layout) ------------------------------------------------------------------
-
-    def _take_slots(self, free: list[int], count: int, tokens: int) -> tuple[list[int], list[int]]:
-        """Up to `count` free slots for samples holding `tokens` positions: (taken, left); paged,
-        only with their pages (`PageAllocator.take_slots`)."""
-        if self._pages is None:
-            return free[:count], free[count:]
-        return self._pages.take_slots(free, count, tokens)
-
-    def _admission_pages(self, req: Request) -> int:
-        """Pages a new sample of `req` takes: its prompt and first decode chunk."""
-        return self._pages.pages_for(self.config.chunk_tokens(req.prompt.size, req.sampling.max_new_tokens - 1))
-
-    def _reserve_chunk(self) -> None:
-        """Paged: gives every running sample the pages the next chunk may write, oldest first; when
-        a replica runs dry, preempts its most recently started samples (recomputed later)."""
-        if self._pages is None:
-            return
-        running = sorted((s for s, x in enumerate(self._slot_sample) if x is not None),
-                         key=lambda s: self._slot_sample[s].stamp)
-        for slot in self._pages.reserve([(s, self.config.chunk_tokens(int(self._positions[s]),
-                                                                       int(self._remaining[s]))) for s in running]):
-            self._preempt(slot)
-
-    def _preempt(self, slot: int) -> None:
-        """Takes a running sample out of its slot (its pages already given back), keeping what it
-        generated."""
-        sample = self._slot_sample[slot]
-        self._slot_sample[slot] = None
-        self._preempted.append(sample)
-        self._preempted.sort(key=lambda x: x.stamp)
-        self._stats.preempted_samples += 1
-
-    def _resume_preempted(self) -> None:
-        """Puts preempted samples back into free slots, oldest first, while the pool has room:
-        their KV cache is recomputed from prompt + generated tokens (under the current weights;
-        the tokens keep their versions)."""
-        free = [i for i, s in enumerate(self._slot_sample) if s is None]
-        histories = {}
-        while self._preempted and free:
-            sample = self._preempted[0]
-            position = sample.request.prompt.size + len(sample.tokens) - 1
-            remaining = sample.request.sampling.max_new_tokens - len(sample.tokens)
-            taken, free = self._take_slots(free, 1, self.config.chunk_tokens(position, remaining))
-            if not taken:
-                break
-            self._preempted.pop(0)
-            self._slot_keys[taken[0]] = self._sample_key(sample.request.seed, sample.index)
-            self._bind(taken[0], sample)
-            histories[taken[0]] = sample.history()
-        if histories:
-            self._kv.recompute(self._params, histories)
-
-    # ---- admission -----------------------------------------------------------------------------
 
     def _queue_head_batch(self, free_slots: int) -> list[Request]:
         """The queued requests, from the head, to prefill in one call: while their samples fit in
@@ -472,7 +413,7 @@ class GenerationEngine:
                     break
                 want = req.n - req.next_sample
                 if pages is not None:  # samples the free pages can start
-                    need = self._admission_pages(req)
+                    need = self._slots.admission_pages(req)
                     if budget < need:
                         break
                     budget -= min(want, budget // need) * need
@@ -484,17 +425,17 @@ class GenerationEngine:
         batch = self._queue_head_batch(len(free))
         if not batch:
             return free
-        plan: list[tuple[int, Request, int, int]] = []  # slot, request, sample index, prefill row
+        plan: list[Start] = []
         for row, req in enumerate(batch):
             started, free = self._assign(req, free)
             plan += [(slot, r, index, row) for slot, r, index in started]
         block, logits, tokens, logprobs = self._kv.prefill_start(self._params, [req.prompt for req in batch],
-                                                                 self._start_arrays(plan))
+                                                                 self._slots.start_arrays(plan))
         for row, req in enumerate(batch):
             if req.next_sample < req.n:
                 req.prefix = (block, row, logits)
         for (slot, req, index, _), token, logprob in zip(plan, tokens, logprobs):
-            self._start_sample(slot, req, index, int(token), float(logprob))
+            self._slots.start(slot, req, index, int(token), float(logprob), self._version)
         return free
 
     def _start_from_prefix(self, req: Request, free: list[int]) -> list[int]:
@@ -503,99 +444,22 @@ class GenerationEngine:
         if not started:
             return free
         plan = [(slot, r, index, row) for slot, r, index in started]
-        tokens, logprobs = self._kv.start_from_block(block, logits, self._start_arrays(plan), len(plan))
+        tokens, logprobs = self._kv.start_from_block(block, logits, self._slots.start_arrays(plan), len(plan))
         for (slot, _, index, _), token, logprob in zip(plan, tokens, logprobs):
-            self._start_sample(slot, req, index, int(token), float(logprob))
+            self._slots.start(slot, req, index, int(token), float(logprob), self._version)
         return free
-
-    def _start_arrays(self, plan: list[tuple[int, Request, int, int]]) -> tuple[np.ndarray, ...]:
-        """Per started sample (slot, request, index, prefill row), padded to num_slots: prefill rows,
-        cache slots (padding: num_slots, dropped), key data, prompt's last position, temperature,
-        top_p, top_k (padding: greedy, no filter). One compiled program per prefill row count."""
-        B = self.config.num_slots
-        rows, slots = np.zeros(B, np.int32), np.full(B, B, np.int32)
-        positions, top_k = np.zeros(B, np.int32), np.zeros(B, np.int32)
-        keys = np.zeros((B, 2), np.uint32)
-        temperature, top_p = np.zeros(B, np.float32), np.ones(B, np.float32)
-        for i, (slot, req, _, row) in enumerate(plan):
-            sp = req.sampling
-            rows[i], slots[i], positions[i], keys[i] = row, slot, req.prompt.size - 1, self._slot_keys[slot]
-            temperature[i], top_p[i], top_k[i] = sp.temperature, sp.top_p, sp.top_k
-        return rows, slots, keys, positions, temperature, top_p, top_k
-
-    def _start_sample(self, slot: int, req: Request, index: int, token: int, logprob: float) -> None:
-        self._stats.generated_tokens += 1
-        self._bind(slot, Sample(req, index, [token], [logprob], [self._version], stamp=next(self._stamps)))
-        if token in req.sampling.stop_token_ids:
-            self._finish(slot, "stop")
-        elif self._remaining[slot] <= 0 or self._positions[slot] >= self.config.max_seq_len - 1:
-            self._finish(slot, "length")
-
-    def _bind(self, slot: int, sample: Sample) -> None:
-        """Puts a sample (its key already in `_slot_keys`) into a slot: its next input token is its
-        last generated one."""
-        sp = sample.request.sampling
-        self._slot_sample[slot] = sample
-        self._tokens[slot] = sample.tokens[-1]
-        self._positions[slot] = sample.request.prompt.size + len(sample.tokens) - 1
-        self._remaining[slot] = sp.max_new_tokens - len(sample.tokens)
-        self._temperature[slot] = sp.temperature
-        self._top_p[slot] = sp.top_p
-        self._top_k[slot] = sp.top_k
-        self._stop_ids[slot] = -1
-        self._stop_ids[slot, :len(sp.stop_token_ids)] = sp.stop_token_ids
 
     # ---- decoding ------------------------------------------------------------------------------
 
     def _decode_chunk(self) -> None:
-        self._reserve_chunk()
-        active = np.array([s is not None for s in self._slot_sample])
-        if not active.any():
-            return
         with self._lock:
             waiting = bool(self._queue)
-        # Exit early once `refill_after` more slots are free, but only if there is work to refill them with.
-        ec = self.config
-        exit_free = (int((~active).sum()) + ec.refill_after if waiting and ec.refill_after
-                     else ec.num_slots + 1)
-        # Positions reached by the end of the chunk: the attention window (paged: the pages of the
-        # page tables) must hold them.
-        window = ec.decode_window(int(self._positions[active].max()) + ec.decode_chunk)
-        tokens, logprobs, valid, steps, elapsed = self._kv.decode(self._params, (
-            self._tokens, self._positions, active, self._remaining, self._temperature, self._top_p, self._top_k,
-            self._stop_ids, self._slot_keys, np.int32(exit_free)), window)
-        self._stats.decode_s += elapsed
-        self._stats.chunks += 1
-        self._stats.decode_steps += steps
-        self._stats.busy_slot_steps += int(valid.sum())
-        self._timings.add("decode", decode_key(window, int(active.sum()), ec.num_slots), steps=steps,
-                          slot_steps=int(valid.sum()), s=elapsed)
-        for slot in np.flatnonzero(active):
-            sample = self._slot_sample[slot]
-            got = int(valid[slot].sum())  # valid steps form a prefix of the chunk
-            if got == 0:
-                continue
-            new = tokens[slot, :got]
-            sample.tokens.extend(new.tolist())
-            sample.logprobs.extend(logprobs[slot, :got].tolist())
-            sample.versions.extend([self._version] * got)
-            self._stats.generated_tokens += got
-            self._tokens[slot] = new[-1]
-            self._positions[slot] += got
-            self._remaining[slot] -= got
-            if new[-1] in sample.request.sampling.stop_token_ids:
-                self._finish(slot, "stop")
-            elif self._remaining[slot] <= 0 or self._positions[slot] >= self.config.max_seq_len - 1:
-                self._finish(slot, "length")
+        self._slots.decode_chunk(self._params, self._version, waiting)
 
-    def _finish(self, slot: int, reason: StopReason) -> None:
-        sample = self._slot_sample[slot]
-        self._slot_sample[slot] = None
-        if self._pages is not None:
-            self._pages.release(slot)
-        self._complete_sample(sample, reason)
+    # ---- finishing -----------------------------------------------------------------------------
 
     def _complete_sample(self, sample: Sample, reason: StopReason) -> None:
+        """Records a sample the slots are done with; its request completes with its last sample."""
         req = sample.request
         req.results[sample.index] = Completion(
             np.asarray(sample.tokens, np.int32), np.asarray(sample.logprobs, np.float32),
@@ -626,24 +490,3 @@ class GenerationEngine:
                 req.future.set_exception(error)
             except concurrent.futures.InvalidStateError:
                 pass
-
-    def _sample_key(self, request_seed: int, index: int) -> np.ndarray:
-        return np.random.SeedSequence([self.config.seed, request_seed & 0xFFFFFFFF, request_seed >> 32, index]
-                                      ).generate_state(2, np.uint32)
-
-
-def _shapes(params: Params) -> Any:
-    """"dtype[shape]" of every weight in the per-layer layout, whichever layout `params` has."""
-    return jax.tree.map(lambda a: f"{jnp.dtype(a.dtype)}{list(a.shape)}", jax.eval_shape(split_layers, params))
-
-
-def _mismatch(got: Any, want: Any) -> str:
-    """The first difference between two `_shapes` trees, or "" when they are equal."""
-    got_leaves, got_def = jax.tree_util.tree_flatten_with_path(got)
-    want_leaves, want_def = jax.tree_util.tree_flatten_with_path(want)
-    if got_def != want_def:
-        return f"layout {got_def} instead of {want_def}"
-    for (path, g), (_, w) in zip(got_leaves, want_leaves):
-        if g != w:
-            return f"params{jax.tree_util.keystr(path)} is {g} instead of {w}"
-    return ""

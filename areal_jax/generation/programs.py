@@ -439,3 +439,20 @@ def placed_like(params: Params, shardings: Any) -> Params:
     def place(x: jax.Array, s: Sharding) -> jax.Array:
         return x if x.sharding.is_equivalent_to(s, x.ndim) else jax.device_put(x, s)
     return jax.tree.map(place, params, shardings)
+
+
+def weight_layout(params: Params) -> Any:
+    """"dtype[shape]" of every weight in the per-layer layout, whichever layout `params` has."""
+    return jax.tree.map(lambda a: f"{jnp.dtype(a.dtype)}{list(a.shape)}", jax.eval_shape(split_layers, params))
+
+
+def layout_mismatch(got: Any, want: Any) -> str:
+    """The first difference between two `weight_layout` trees, or "" when they are equal."""
+    got_leaves, got_def = jax.tree_util.tree_flatten_with_path(got)
+    want_leaves, want_def = jax.tree_util.tree_flatten_with_path(want)
+    if got_def != want_def:
+        return f"layout {got_def} instead of {want_def}"
+    for (path, g), (_, w) in zip(got_leaves, want_leaves):
+        if g != w:
+            return f"params{jax.tree_util.keystr(path)} is {g} instead of {w}"
+    return ""

@@ -1,6 +1,6 @@
 """`areal-jax export`: a training checkpoint as a Hugging Face model directory.
 
-    areal-jax export --checkpoint=RUN/checkpoints[/STEP] --out=DIR [--dtype=bfloat16] [--overwrite]
+    areal-jax export --checkpoint=RUN/checkpoints[/STEP] --out=DIR [--dtype=bfloat16] [--overwrite] [--adapter]
 
 Without a STEP the latest finished one is taken. The weights are read from the checkpoint's
 Orbax `state` item one tensor at a time as host arrays (`checkpoint.SavedParams`: no optimizer
@@ -12,6 +12,11 @@ from RUN/tokenizer (every run keeps a copy there), else from the ModelSource's d
 --tokenizer. The generation config travels with the tokenizer files (one is written from the
 model's bos/eos ids when the source has none), and so does the run's prompt encoding
 (areal_jax_prompt.json: `eval` and `generate` read it). Locally DIR appears complete or not at all.
+
+A LoRA run's checkpoint (models/lora.py: adapters under params/layers/lora) exports merged into
+the base (`W + scale * a @ b`, in fp32 before the cast), a plain HF model; with --adapter, only
+the adapters in PEFT's format (adapter_config.json, adapter_model.safetensors: models/peft_io.py),
+which `peft.PeftModel.from_pretrained` loads on the run's base model.
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ from areal_jax.checkpoint_validation import step_problem
 from areal_jax.jobs.inputs import InputError
 from areal_jax.jobs.run_settings import write_prompt_settings
 from areal_jax.models.config import ModelConfig
+from areal_jax.models import lora as lora_lib
 from areal_jax.models.hf_io import copy_tokenizer_files, leaf_keys, read_config, write_params
+from areal_jax.models.peft_io import save_adapter
 from areal_jax.models.transformer import param_shapes
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -48,6 +55,7 @@ class ExportConfig:
     dtype: of the stored weights (the checkpoint holds fp32 master weights).
     run_dir: the run the checkpoint belongs to (default: the checkpoint directory's parent).
     tokenizer: a tokenizer directory (default: the run's).
+    adapter: write a LoRA run's adapters alone, in PEFT's format (default: the merged model).
     """
 
     checkpoint: str
@@ -56,6 +64,7 @@ class ExportConfig:
     overwrite: bool = False
     run_dir: str | None = None
     tokenizer: str | None = None
+    adapter: bool = False
 
     def __post_init__(self):
         for name in ("checkpoint", "out"):
@@ -188,11 +197,45 @@ def _quiet_orbax():
         absl.setLevel(level)
 
 
+def saved_lora(saved: SavedParams) -> lora_lib.LoRAConfig | None:
+    """The LoRAConfig of a checkpoint's adapters (rank, alpha, targets from what it holds), or None."""
+    prefix = ("layers", lora_lib.LORA)
+    weights = {leaf[2] for leaf in saved.shapes if leaf[:2] == prefix and len(leaf) == 4}
+    if not weights:
+        return None
+    targets = tuple(t for t, (w, _) in lora_lib.TARGETS.items() if w in weights)
+    rank = saved.shapes[(*prefix, lora_lib.TARGETS[targets[0]][0], "a")][0][-1]
+    scale = float(np.asarray(saved.read((*prefix, lora_lib.SCALE)), np.float32)[0])
+    return lora_lib.LoRAConfig(rank=rank, alpha=scale * rank, targets=targets)
+
+
+def merged_reader(saved: SavedParams, lora: lora_lib.LoRAConfig):
+    """`saved.read` with each targeted weight read merged: `W + scale * a @ b` (fp32)."""
+    def read(leaf: tuple[str, ...]) -> np.ndarray:
+        w = saved.read(leaf)
+        if leaf[0] != "layers" or leaf[1] not in lora.weights:
+            return w
+        a, b = (np.asarray(saved.read(("layers", lora_lib.LORA, leaf[1], k)), np.float32) for k in ("a", "b"))
+        L, R = a.shape[0], a.shape[-1]
+        delta = np.matmul(a.reshape(L, -1, R), b.reshape(L, R, -1)).reshape(w.shape)
+        return np.asarray(w, np.float32) + np.float32(lora.scale) * delta
+    return read
+
+
 def _write(cfg: ExportConfig, out: paths.Path, model_cfg: ModelConfig, tokenizer_dir: paths.Path, saved: SavedParams,
            directory: paths.Path, step: int, run_dir: paths.Path) -> paths.Path:
     _check_shapes(saved, model_cfg, f"{directory}/{step}")
+    lora = saved_lora(saved)
+    if cfg.adapter:
+        if lora is None:
+            raise InputError(f"--adapter: step {step} under {directory} holds no LoRA adapters (LoRAConfig.rank was 0)")
+        adapters = {w: {k: saved.read(("layers", lora_lib.LORA, w, k)) for k in ("a", "b")} for w in lora.weights}
+        with paths.staged_dir(out) as staged, _unreadable(directory, step):
+            save_adapter(adapters, model_cfg, lora, staged, base_model=(_run_config(run_dir).get("model") or {}).get("path"))
+        return out
+    read = saved.read if lora is None else merged_reader(saved, lora)
     with paths.staged_dir(out) as staged, _unreadable(directory, step):
-        write_params(saved.read, model_cfg, staged, dtype=np.dtype(_NUMPY_DTYPES[cfg.dtype]))
+        write_params(read, model_cfg, staged, dtype=np.dtype(_NUMPY_DTYPES[cfg.dtype]))
         copied = copy_tokenizer_files(tokenizer_dir, staged)
         if "generation_config.json" not in copied:
             (staged / "generation_config.json").write_text(json.dumps(

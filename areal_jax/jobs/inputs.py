@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 import jax
 
-from areal_jax.jobs.configs import JobConfigs
+from areal_jax.job_config import JobConfigs
 from areal_jax.models.hf_io import read_config
 from areal_jax.parallel.distributed import agree_max
 

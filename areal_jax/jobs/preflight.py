@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from areal_jax.data.formats import RowFormatError, parse_record, solution_pair
 from areal_jax.data.sources import iter_records
-from areal_jax.jobs.configs import JobConfigs
+from areal_jax.job_config import JobConfigs
 from areal_jax.jobs.inputs import InputError
 
 SAMPLE_ROWS = 64  # reference solutions scored per file: the first ones that parse

@@ -13,7 +13,7 @@ from jax.experimental import multihost_utils
 from areal_jax import paths
 from areal_jax.checkpoint import clear_checkpoints, finalized_steps
 from areal_jax.checkpoint_validation import NoIntactCheckpoint, intact_resume_step
-from areal_jax.jobs.configs import JobConfigs
+from areal_jax.job_config import JobConfigs
 from areal_jax.jobs.inputs import InputError
 
 logger = logging.getLogger(__name__)

@@ -71,22 +71,23 @@ def run_config(run_dir: str) -> dict[str, Any]:
         raise InputError(f"--run_dir_of: {file} is not JSON ({e})") from None
 
 
-def eval_defaults(run_dir: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
+def eval_defaults(run_dir: str, *, require_eval_paths: bool = True) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """(model directory, EvalConfig overrides, DataConfig overrides) that evaluate the run as it
-    evaluated itself: its final model, reward, held-out files and format, and completion budget."""
+    evaluated itself: its final model, reward, held-out files and format, and completion budget.
+    Without `require_eval_paths` a run without held-out files is accepted (the caller names files)."""
     cfg = run_config(run_dir)
     model = paths.as_path(run_dir) / "final_model"
     if not (model / "config.json").is_file():
         raise InputError(f"--run_dir_of {run_dir}: no final_model/ (the run has not finished: export a checkpoint "
                          "and pass --model=DIR)")
     task, data, rollout = cfg.get("task") or {}, cfg.get("data") or {}, cfg.get("rollout") or {}
-    if not task.get("eval_paths"):
+    if not task.get("eval_paths") and require_eval_paths:
         raise InputError(f"--run_dir_of {run_dir}: the run has no held-out files (TaskSource.eval_paths): bind "
                          "DataConfig.paths")
     rl, engine = cfg.get("rl") or {}, cfg.get("engine") or {}
     budget = rl.get("eval_max_new_tokens") or rollout.get("max_new_tokens")
     evals = {"reward": rollout.get("reward"), "max_new_tokens": budget, "max_seq_len": engine.get("max_seq_len")}
-    datas = {"paths": tuple(task["eval_paths"]), "format": data.get("format"),
+    datas = {"paths": tuple(task.get("eval_paths") or ()), "format": data.get("format"),
              "max_prompt_tokens": data.get("max_prompt_tokens")}
     return (str(model), {k: v for k, v in evals.items() if v is not None},
             {k: v for k, v in datas.items() if v is not None})

@@ -12,6 +12,8 @@ Conventions (see ModelConfig for the dimension letters B T S D N K H F V L):
   key/value at cache index p and attends to cache indices <= p of its own row. Or paged
   (kernels/paged_attention.py): per-layer pools of pages, a slot's positions on the pages its
   page table lists; `paged_decode_step` and `prefill_into_pages` write and read them.
+- LoRA: a layer holding adapters (`params["layers"]["lora"]`, models/lora.py) adds their update to
+  each targeted projection (`adapt`); without them every path is the plain decoder's.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from areal_jax.kernels.paged_attention import PagePool, flat_index, write_tokens
 from areal_jax.models import moe
 from areal_jax.models.attention import cached_attention, causal_attention, chunk_attention, training_attention
 from areal_jax.models.config import ModelConfig, rope_inverse_frequencies
+from areal_jax.models.lora import adapt
 from areal_jax.models.sharding import constrain
 
 Params = dict[str, Any]
@@ -224,9 +227,9 @@ def _attention_inputs(cfg: ModelConfig, rope: Rotary, x, p, compute_dtype):
     """Queries `[B, T, N, H]`, keys and values `[B, T, K, H]` of one layer (normed, biased, rotated)."""
     cast = lambda a: a.astype(compute_dtype)  # noqa: E731
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-    q = project(h, cast(p["wq"]))  # [B, T, N, H]
-    k = project(h, cast(p["wk"]))  # [B, T, K, H]
-    v = project(h, cast(p["wv"]))
+    q = adapt(project(h, cast(p["wq"])), h, p, "wq")  # [B, T, N, H]
+    k = adapt(project(h, cast(p["wk"])), h, p, "wk")  # [B, T, K, H]
+    v = adapt(project(h, cast(p["wv"])), h, p, "wv")
     if cfg.qkv_bias:
         q, k, v = q + cast(p["bq"]), k + cast(p["bk"]), v + cast(p["bv"])
     if cfg.qk_norm:
@@ -243,7 +246,8 @@ def _layer_output(cfg: ModelConfig, x, attn, p, compute_dtype, layer=0, forced=N
     traced), `forced` `[B, T, k]` (replayed experts) and `valid` `[B, T]` feed the expert block."""
     cast = lambda a: a.astype(compute_dtype)  # noqa: E731
     # One contraction axis (N*H): with two, XLA CPU transposes wo and the activations per call.
-    out = project(attn.reshape(*attn.shape[:2], -1), cast(p["wo"]).reshape(-1, x.shape[-1]))
+    attn = attn.reshape(*attn.shape[:2], -1)
+    out = adapt(project(attn, cast(p["wo"]).reshape(-1, x.shape[-1])), attn, p, "wo")
     if cfg.o_bias:
         out = out + cast(p["bo"])
     x = x + out
@@ -251,12 +255,12 @@ def _layer_output(cfg: ModelConfig, x, attn, p, compute_dtype, layer=0, forced=N
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
 
     def dense(h):
-        gate = project(h, cast(p["w_gate"]))
-        up = project(h, cast(p["w_up"]))
+        gate = adapt(project(h, cast(p["w_gate"])), h, p, "w_gate")
+        up = adapt(project(h, cast(p["w_up"])), h, p, "w_up")
         if cfg.mlp_bias:
             gate, up = gate + cast(p["b_gate"]), up + cast(p["b_up"])
         act = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
-        down = project(act, cast(p["w_down"]))
+        down = adapt(project(act, cast(p["w_down"])), act, p, "w_down")
         return down + cast(p["b_down"]) if cfg.mlp_bias else down
 
     routing = None

@@ -97,21 +97,29 @@ def transfer_view(train_mesh: Mesh, num_hosts: int, generation_tensor: int) -> M
                 axis_types=(AxisType.Auto,) * 3)
 
 
-def model_partition_specs(model_cfg: Any, train_mesh: Mesh, generation_tensor: int) -> tuple[PyTree, PyTree]:
-    """(train specs, generation specs) of a model's parameters by the two rule tables.
+def model_partition_specs(model_cfg: Any, train_mesh: Mesh, generation_tensor: int, lora: Any = None
+                          ) -> tuple[PyTree, PyTree]:
+    """(train specs, generation specs) of a model's parameters by the two rule tables; with an
+    enabled `lora` (models.lora.LoRAConfig), of its trainable adapters instead, as
+    `{"layers": {weight: {"a", "b"}}}` (what parallel/adapter_sync.py moves per swap).
 
     Parameters never shard over the generation mesh's "data" axis, so only its tensor size
     matters here (the planner has no generation mesh of this host to hand).
     """
+    from areal_jax.models import lora as lora_lib
     from areal_jax.models.sharding import GENERATION_RULES, TRAIN_RULES, spec_for
     from areal_jax.models.transformer import param_axes, param_shapes
 
     generation = AbstractMesh((1, generation_tensor), GENERATION_AXES)
     is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x)  # noqa: E731
+    axes, shapes = param_axes(model_cfg), param_shapes(model_cfg)
+    if lora is not None and lora.enabled:
+        trainable = lambda tree: {LAYERS: {k: v for k, v in tree.items() if k != lora_lib.SCALE}}  # noqa: E731
+        axes = trainable(lora_lib.adapter_axes(model_cfg, lora))
+        shapes = trainable(lora_lib.adapter_shapes(model_cfg, lora))
 
     def specs(rules, mesh):
-        return jax.tree.map(lambda axes, shape: spec_for(axes, rules, mesh, shape), param_axes(model_cfg),
-                            param_shapes(model_cfg), is_leaf=is_axes)
+        return jax.tree.map(lambda a, shape: spec_for(a, rules, mesh, shape), axes, shapes, is_leaf=is_axes)
 
     return specs(TRAIN_RULES, train_mesh), specs(GENERATION_RULES, generation)
 

@@ -34,9 +34,11 @@ parameters through host memory; `host_staged_leaves` names them and a warning is
 In colocated mode the view of each host *is* its generation mesh, so (c) is skipped and
 each group is a single reshard (+ cast) on the same devices.
 
-Only the trainer thread may call `transfer`: step (a) spans every process, so all
-processes must issue the groups in the same order (the plan is a function of the shapes).
-`transfer_local` moves weights one process holds whole (no collective), and
+`WeightSync.transfer` is the one entry point: a params pytree in, this host's generation weights
+out. Weights laid out on the train mesh take the steps above; that is a collective, so only the
+trainer thread may call it and every process must issue the groups in the same order (the plan is
+a function of the shapes). Weights one process holds whole (SFT's result on its default device) are
+put onto the generation devices one piece at a time instead, with no collective.
 `transfer_program_specs` describes the reshard programs for ahead-of-time planning.
 """
 
@@ -231,12 +233,24 @@ class WeightSync:
         """Number of reshard executables compiled so far (one per distinct group shape)."""
         return sum(p._cache_size() for plan, _, _ in self._plans.values() for p in plan.programs)
 
-    def transfer(self, train_params: PyTree) -> PyTree:
-        """Returns `train_params` laid out on this host's generation mesh with the generation specs.
+    def transfer(self, params: PyTree) -> PyTree:
+        """`params` laid out on this host's generation mesh with the generation specs, in the
+        generation dtype and layout; the input is untouched.
 
-        Every process must call this at the same point of its trainer thread. The input is
-        untouched; each group's staging buffers are freed before the next group starts.
+        Weights on the train mesh (every leaf placed by its train spec) move in reshard groups
+        (`_transfer_train`): a collective, called by every process at the same point of its
+        trainer thread. Any other placement must be whole on this process (`_transfer_local`:
+        no collective, any process may call it alone).
         """
+        leaves = self._treedef.flatten_up_to(params)
+        on_train = all(isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding)
+                       and x.sharding.mesh == self._meshes.train
+                       and x.sharding.is_equivalent_to(NamedSharding(self._meshes.train, spec), x.ndim)
+                       for x, spec in zip(leaves, self._train_specs))
+        return self._transfer_train(params) if on_train else self._transfer_local(params)
+
+    def _transfer_train(self, train_params: PyTree) -> PyTree:
+        """Steps (a)-(c) group by group; each group's staging buffers are freed before the next."""
         start = time.perf_counter()
         leaves = self._treedef.flatten_up_to(train_params)
         compiled_before = self.compiled_programs()
@@ -319,18 +333,15 @@ class WeightSync:
             self._stack_programs[i] = jax.jit(jnp.stack, out_shardings=sharding)
         return self._stack_programs[i]
 
-    def transfer_local(self, params: PyTree) -> PyTree:
-        """Weights this process holds whole (e.g. SFT's result on its default device) onto this
-        host's generation mesh, in the same dtype and layout as `transfer`.
-
-        No collective: any process may call it alone. One piece (a leaf, or one layer of a
-        stacked leaf) at a time is put onto the generation devices and cast there, so the
-        source device holds one piece of extra bytes at most.
-        """
+    def _transfer_local(self, params: PyTree) -> PyTree:
+        """Weights this process holds whole onto its generation mesh, in the same dtype and layout
+        as `_transfer_train`. One piece (a leaf, or one layer of a stacked leaf) at a time is put
+        onto the generation devices and cast there, so the source device holds one piece of extra
+        bytes at most."""
         leaves = self._treedef.flatten_up_to(params)
         for path, x in zip(self._paths, leaves):
             if isinstance(x, jax.Array) and not x.is_fully_addressable:
-                raise ValueError(f"{path} spans processes: use transfer() for weights on the train mesh")
+                raise ValueError(f"{path} spans processes but is not laid out by its train spec on the train mesh")
         plan, _, shardings = self._plan(leaves)
         pieces: dict[tuple[int, int | None], jax.Array] = {}
         for i, leaf in enumerate(plan.leaves):
@@ -340,16 +351,6 @@ class WeightSync:
                 jax.block_until_ready(pieces[(i, layer)])
                 del put
         return self._assemble(plan, pieces)
-
-    def to_generation(self, params: PyTree) -> PyTree:
-        """`transfer` for weights laid out on the train mesh, `transfer_local` for weights this
-        process holds whole. On the train mesh this is a collective: call it on every process."""
-        leaves = self._treedef.flatten_up_to(params)
-        on_train = all(isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding)
-                       and x.sharding.mesh == self._meshes.train
-                       and x.sharding.is_equivalent_to(NamedSharding(self._meshes.train, spec), x.ndim)
-                       for x, spec in zip(leaves, self._train_specs))
-        return self.transfer(params) if on_train else self.transfer_local(params)
 
 
 # ---- ahead-of-time descriptions -----------------------------------------------------------------

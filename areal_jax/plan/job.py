@@ -15,8 +15,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from areal_jax.aot import ProgramSpec, bytes_per_device
-from areal_jax.jobs.configs import JobConfigs
-from areal_jax.jobs.train import EVAL_SLOTS
+from areal_jax.job_config import EVAL_SLOTS, JobConfigs
 from areal_jax.models.config import ModelConfig
 from areal_jax.parallel.meshes import split_local_devices
 from areal_jax.plan.config import PlanConfig
@@ -36,7 +35,8 @@ def model_config_for(job: JobConfigs, plan_cfg: PlanConfig, gin_files: Sequence[
     if path is None:
         from areal_jax.tasks.tokenizer_builder import task_model_config
 
-        return task_model_config(hidden_size=job.model.hidden_size, num_layers=job.model.num_layers)
+        return task_model_config(hidden_size=job.model.hidden_size, num_layers=job.model.num_layers,
+                                 num_experts=job.model.num_experts, num_experts_per_tok=job.model.num_experts_per_tok)
     search = [pathlib.Path(f).resolve().parent for f in gin_files]
     try:
         return read_model_config(path, search=search)

@@ -25,6 +25,7 @@ _EXPORTS = {
     "REWARDS": "areal_jax.reward.registry",
     "RewardSpec": "areal_jax.reward.registry",
     "register_reward": "areal_jax.reward.registry",
+    "register_reward_callable": "areal_jax.reward.registry",
     "runs_in_process": "areal_jax.reward.registry",
 }
 

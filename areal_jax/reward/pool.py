@@ -316,6 +316,7 @@ class RewardPool:
 
     def _receive(self, index: int, worker: _Worker, died: bool) -> None:
         """Drain the worker's replies; handle its death (a call in flight yields 0.0)."""
+        retiring = False
         try:
             while worker.conn.poll():
                 kind_or_id, status, payload = worker.conn.recv()
@@ -324,8 +325,14 @@ class RewardPool:
                     self._startup_failures = 0
                     continue
                 self._complete(worker, kind_or_id, status, payload)
+                # A worker that ran out of memory exits after its reply (its heap may stay near the
+                # cap): replaced now, so no task is sent to it while it exits.
+                retiring = retiring or status == "out_of_memory"
         except (EOFError, OSError):
             died = True
+        if retiring and worker.task is None:
+            self._replace(index)
+            return
         if not died:
             if self.config.max_tasks_per_worker is not None and worker.task is None \
                     and worker.tasks_done >= self.config.max_tasks_per_worker:
@@ -358,7 +365,7 @@ class RewardPool:
         elif status == "not_found":
             self._count("errors")
             task.future.set_exception(RewardFunctionNotFound(f"cannot load reward function {task.path!r}:\n{payload}"))
-        else:
+        else:  # "error" or "out_of_memory"
             logger.warning("reward function %s raised; reward 0.0\n%s", task.path, payload)
             self._finish(task, 0.0, "errors")
 

@@ -20,12 +20,13 @@ import importlib.util
 import re
 import subprocess
 import sys
+import types
 from typing import Callable
 
 from areal_jax.user_code import import_hint
 
-__all__ = ["REWARDS", "RewardSpec", "check_reward_function", "probe_reward", "register_reward", "resolve_reward_path", "reward_spec",
-           "load_reward_function", "runs_in_process"]
+__all__ = ["REWARDS", "RewardSpec", "check_reward_function", "probe_reward", "register_reward", "register_reward_callable",
+           "resolve_reward_path", "reward_spec", "load_reward_function", "runs_in_process"]
 
 _PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
@@ -70,6 +71,29 @@ def register_reward(name: str, path: str, *, in_process: bool = False, runs_code
     if not name or not isinstance(name, str) or ":" in name:
         raise ValueError(f"reward name {name!r} must be non-empty and contain no ':'")
     REWARDS[name] = RewardSpec(path, in_process=in_process, runs_code=runs_code)
+
+
+# Python callables registered by `register_reward_callable`, addressed by path like any reward
+# ("areal_jax.reward.registry:PYTHON_REWARDS.<name>"): found in this process only.
+PYTHON_REWARDS = types.SimpleNamespace()
+
+
+def register_reward_callable(fn: Callable[..., object], name: str | None = None) -> str:
+    """Registers the callable `fn(completion, gold) -> float` (a lambda or closure will do) as an
+    in-process reward and returns its name, for RLVRConfig.reward.
+
+    It runs in this process: rollouts call it on the reward threads under
+    RLVRConfig.reward_timeout_s, but a call stuck in C code cannot be cut off there. A reward that
+    may hang (sympy, user code) is better named by "package.module:function", run in worker processes.
+    Default name: from the function's module and qualified name, the same in every process."""
+    if not callable(fn):
+        raise TypeError(f"reward_fn must be callable, got {type(fn).__name__}")
+    name = name or re.sub(r"\W", "_", f"py_{getattr(fn, '__module__', 'fn')}_{getattr(fn, '__qualname__', 'fn')}")
+    if not re.fullmatch(r"[A-Za-z_]\w*", name):
+        raise ValueError(f"reward name {name!r} must be a Python identifier")
+    setattr(PYTHON_REWARDS, name, fn)
+    REWARDS[name] = RewardSpec(f"{__name__}:PYTHON_REWARDS.{name}", in_process=True)
+    return name
 
 
 def reward_spec(name_or_path: str) -> RewardSpec:

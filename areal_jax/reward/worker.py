@@ -90,9 +90,9 @@ def worker_main(conn: multiprocessing.connection.Connection, preload: tuple[str,
         out_of_memory = False
         try:
             reply = (task_id, "ok", _coerce_reward(fn(*args, **kwargs)))
-        except MemoryError:  # past RewardPoolConfig.memory_mb: an error; the worker starts afresh
+        except MemoryError:  # past RewardPoolConfig.memory_mb: an error, and this worker retires
             out_of_memory = True
-            reply = (task_id, "error", "MemoryError: the reward exceeded RewardPoolConfig.memory_mb")
+            reply = (task_id, "out_of_memory", "MemoryError: the reward exceeded RewardPoolConfig.memory_mb")
         except Exception:
             reply = (task_id, "error", traceback.format_exc())
         # Whatever the call started ends with it (this process is their subreaper: reward/containment.py).

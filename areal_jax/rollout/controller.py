@@ -38,9 +38,12 @@ batch of B. Let G be accepted when `version_fn()` read v_a, and taken at trainer
   lags at most v_t - oldest <= eta + K versions. Without K, a straggler (admitted long ago,
   finished late) has no per-group bound: admission limits the volume of stale data only.
 * eta = 0: v_t = v_a and every token of every trained group has version v_t (synchronous).
-* For an exact per-token bound at training time, the trainer applies the same pure check
-  `is_too_stale(group, v_t, K)` to each batch it takes (and counts what it drops); the
-  controller's check then only saves the channel space and the trainer's time.
+* The trainer (`trainer/loop.py`) does not check again when it takes a batch: staleness is
+  controlled where AReaL controls it, at admission and (with K) at acceptance, and eta + K is
+  the bound a run guarantees. Dropping groups at training time would throw away finished
+  generation and give the processes of a run batches of different sizes. `is_too_stale` is
+  pure, so a trainer that wants the exact bound K can apply `is_too_stale(group, v_t, K)` to
+  each batch it takes (tests/test_rollout_controller.py does, to check both bounds).
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from areal_jax.generation.engine import GenerationEngine
+from areal_jax import api
 from areal_jax.rollout.channel import ChannelClosed, TrajectoryChannel
 from areal_jax.rollout.filters import GroupFilter, is_too_stale
 from areal_jax.rollout.staleness import StalenessManager, admission_version
@@ -126,7 +129,7 @@ class RolloutController:
     """Keeps the generation engine busy with admitted prompt groups and feeds the channel.
 
     Args:
-        engine: a started GenerationEngine (its own thread drives it).
+        engine: a started api.InferenceEngine (its own thread drives it), e.g. GenerationEngine.
         workflow: RLVRWorkflow or any object with `async def arun(client, row, *, version)`
             (optionally `reject_reason(group) -> str | None`).
         staleness: admission control; its counters are updated here.
@@ -143,7 +146,7 @@ class RolloutController:
             (`notify()` wakes it at once).
     """
 
-    def __init__(self, engine: GenerationEngine, workflow: Any, staleness: StalenessManager,
+    def __init__(self, engine: api.InferenceEngine, workflow: api.RolloutWorkflow, staleness: StalenessManager,
                  channel: TrajectoryChannel, data_iter: Iterator[Any], *, version_fn: Callable[[], int],
                  tokenizer: Detokenizer | None = None, reward_pool: Any = None, max_concurrent: int | None = None,
                  filters: Sequence[GroupFilter] = (), max_group_age: int | None = None,

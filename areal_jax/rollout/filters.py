@@ -45,8 +45,9 @@ def is_too_stale(group: TrajectoryGroup, trainer_version: int, max_staleness: in
     `max_staleness` versions old, i.e. `oldest_version < trainer_version - max_staleness`.
 
     `trainer_version` is the version of the weights the update is computed with (a token
-    sampled by exactly those weights lags 0). Pure, so the trainer can apply the same check
-    when it takes a batch (see RolloutController for what holds without it).
+    sampled by exactly those weights lags 0). The controller applies it when a group finishes
+    (RLConfig.max_group_age); the trainer does not apply it again (see RolloutController for the
+    bound that holds).
     """
     if max_staleness < 0:
         raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")

@@ -48,7 +48,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from areal_jax.generation.engine import GenerationEngine, GroupResult
+from areal_jax import api
+from areal_jax.data.examples import gold_answer, prompt_example
+from areal_jax.generation.requests import GroupResult
 from areal_jax.generation.sampling import SamplingParams
 from areal_jax.reward.registry import load_reward_function, resolve_reward_path
 from areal_jax.rollout.filters import equal_rewards_filter
@@ -57,7 +59,7 @@ from areal_jax.user_code import import_hint
 
 __all__ = [
     "Detokenizer", "GenerationAborted", "RLVRConfig", "RLVRWorkflow", "RewardTimeout", "RolloutClient",
-    "RolloutWorkflow", "load_workflow", "make_workflow", "resolve_workflow_class", "row_source",
+    "RolloutWorkflow", "gold_answer", "load_workflow", "make_workflow", "resolve_workflow_class", "row_source",
 ]
 
 
@@ -96,7 +98,7 @@ class RolloutClient:
     math-verify needs the main thread or a worker process, so use the pool for "math".
     """
 
-    def __init__(self, engine: GenerationEngine, tokenizer: Detokenizer | None, reward_pool: Any = None,
+    def __init__(self, engine: api.InferenceEngine, tokenizer: Detokenizer | None, reward_pool: Any = None,
                  *, reward_threads: int = 4) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -147,8 +149,9 @@ class RolloutClient:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-class RolloutWorkflow(abc.ABC):
-    """One prompt row -> one TrajectoryGroup. Subclass, or match this shape (duck typing works)."""
+class RolloutWorkflow(api.RolloutWorkflow, abc.ABC):
+    """A base class for `api.RolloutWorkflow` (one prompt row -> one TrajectoryGroup) with a default
+    `reject_reason`. Subclass it, or match the protocol's shape (duck typing works)."""
 
     @abc.abstractmethod
     async def arun(self, engine_client: RolloutClient, row: Any, *, version: int) -> TrajectoryGroup | None:
@@ -207,12 +210,6 @@ def stable_seed(*parts: object) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def gold_answer(row: Any) -> Any:
-    """The reward's reference for a loader row: the answer (math) or the test cases (code)."""
-    prompt_row = row["row"]
-    return prompt_row.answer if prompt_row.task == "math" else prompt_row.test_cases
-
-
 class RLVRWorkflow(RolloutWorkflow):
     """Sample n completions of the row's prompt, score each, return them as one group."""
 
@@ -223,19 +220,20 @@ class RLVRWorkflow(RolloutWorkflow):
 
     async def arun(self, engine_client: RolloutClient, row: Any, *, version: int) -> TrajectoryGroup | None:
         cfg = self.config
-        prompt = np.asarray(row["prompt_ids"], np.int32)
+        example = prompt_example(row)
+        prompt = example.prompt_ids
         t0 = time.perf_counter()
         # The samples' randomness follows from the row and the admission version alone, so a run
         # is reproducible however the engine batches requests (and after a resume).
-        seed = stable_seed(str(row["row"].query_id), version)
+        seed = stable_seed(example.query_id, version)
         result = await engine_client.generate(prompt, cfg.sampling, cfg.n_samples, seed=seed)
         gen_s = time.perf_counter() - t0
         if any(c.stop_reason == "aborted" for c in result.completions):
-            raise GenerationAborted(f"generation for {row_source(row)} was aborted")
-        gold = gold_answer(row)
+            raise GenerationAborted(f"generation for {example.source} was aborted")
         # return_exceptions: wait for every call, so no failed call is left unobserved
         rewards = await asyncio.gather(*(
-            engine_client.reward(cfg.reward, engine_client.decode(c.tokens), gold, timeout_s=cfg.reward_timeout_s)
+            engine_client.reward(cfg.reward, engine_client.decode(c.tokens), example.gold,
+                                 timeout_s=cfg.reward_timeout_s)
             for c in result.completions), return_exceptions=True)
         for r in rewards:
             if isinstance(r, BaseException):
@@ -244,9 +242,8 @@ class RLVRWorkflow(RolloutWorkflow):
             Trajectory(prompt_ids=prompt, completion_ids=c.tokens, behavior_logprobs=c.logprobs, versions=c.versions,
                        reward=float(r), stop_reason=c.stop_reason)
             for c, r in zip(result.completions, rewards))
-        prompt_row = row["row"]
-        return TrajectoryGroup(query_id=str(prompt_row.query_id), trajectories=trajectories, admitted_version=version,
-                               info={"source": prompt_row.source, "task": prompt_row.task, "generation_s": gen_s,
+        return TrajectoryGroup(query_id=example.query_id, trajectories=trajectories, admitted_version=version,
+                               info={"source": example.source, "task": example.row.task, "generation_s": gen_s,
                                      "reward_s": time.perf_counter() - t0 - gen_s})
 
     def reject_reason(self, group: TrajectoryGroup) -> str | None:

@@ -1,7 +1,7 @@
 """The whole system on the simulated clock: per host a controller (the package's own
 `StalenessManager`, `admission_version` and `TrajectoryChannel`, the age filter `is_too_stale`) and
 an engine (simulate/generation.py); one trainer that takes each host's oldest groups, forms
-minibatches and micro-batches with the trainer's own `microbatch_shapes`, steps, bumps the version
+minibatches and micro-batches with the trainer's own `microbatch_shapes_for_lengths`, steps, bumps the version
 and transfers the weights.
 
 Modes as `trainer/loop.py` runs them: "async" overlaps generation and training (eta bounds how far
@@ -26,7 +26,7 @@ from areal_jax.simulate.events import EventQueue
 from areal_jax.simulate.generation import SimEngine, SimGroup
 from areal_jax.simulate.lengths import LengthSampler
 from areal_jax.generation.timings import timings_delta
-from areal_jax.trainer.batching import microbatch_shapes
+from areal_jax.trainer.batching import microbatch_shapes_for_lengths
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,11 +171,11 @@ class Simulation:
         for batch in batches:
             groups = [g.info["sim"] for g in batch]
             lengths = [g.prompt + int(n) for g in groups for n in g.lengths]
-            shapes = microbatch_shapes(lengths, max_tokens_per_microbatch=wl.max_tokens_per_microbatch,
-                                       num_minibatches=min(wl.num_minibatches, len(lengths)),
-                                       buckets=wl.row_buckets or None, row_multiple=self.rows_per_process,
-                                       group_ids=[i for i, g in enumerate(groups) for _ in range(g.n)],
-                                       shuffle_seed=(wl.minibatch_seed, self.steps_done))
+            shapes = microbatch_shapes_for_lengths(
+                lengths, max_tokens_per_microbatch=wl.max_tokens_per_microbatch,
+                num_minibatches=min(wl.num_minibatches, len(lengths)), buckets=wl.row_buckets or None,
+                row_multiple=self.rows_per_process, group_ids=[i for i, g in enumerate(groups) for _ in range(g.n)],
+                shuffle_seed=(wl.minibatch_seed, self.steps_done))
             host0_shapes = host0_shapes or shapes
             # Processes step together: the slowest one's micro-batches bound the step.
             step_s = max(step_s, self.costs.train_step_s(shapes))

@@ -9,7 +9,8 @@ from areal_jax.trainer.batching import (
     rows_for_bucket,
 )
 from areal_jax.trainer.optimizer import OptimizerConfig, build_optimizer, learning_rate_schedule
-from areal_jax.trainer.train_step import PolicyTrainer, PPOConfig
+from areal_jax.trainer.config import PPOConfig, RLConfig
+from areal_jax.trainer.train_step import PolicyTrainer
 
 __all__ = [
     "SEQUENCE_KEYS",
@@ -17,6 +18,7 @@ __all__ = [
     "PPOConfig",
     "PackedBatch",
     "PolicyTrainer",
+    "RLConfig",
     "build_optimizer",
     "build_sequences",
     "learning_rate_schedule",

@@ -255,10 +255,10 @@ def minibatch_indices(lengths: Sequence[int], num_minibatches: int, group_ids: S
     return [[i for unit in members[lo:hi] for i in unit] for lo, hi in _balanced_chunks(unit_tokens, m)]
 
 
-def microbatch_shapes(lengths: Sequence[int], *, max_tokens_per_microbatch: int, num_minibatches: int,
-                      buckets: Sequence[int] | None = None, row_multiple: int = 1,
-                      group_ids: Sequence[int] | None = None, shuffle_seed: int | Sequence[int] | None = None,
-                      ) -> list[list[tuple[int, int]]]:
+def microbatch_shapes_for_lengths(lengths: Sequence[int], *, max_tokens_per_microbatch: int,
+                                  num_minibatches: int, buckets: Sequence[int] | None = None, row_multiple: int = 1,
+                                  group_ids: Sequence[int] | None = None,
+                                  shuffle_seed: int | Sequence[int] | None = None) -> list[list[tuple[int, int]]]:
     """(rows R, row length T) of each micro-batch of each minibatch that `make_microbatches` builds
     on one process from sequences of these lengths, without building any array (the simulator
     costs a training step from them)."""

@@ -19,9 +19,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,16 +29,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from areal_jax.aot import ProgramSpec, abstract
 from areal_jax.models.config import ModelConfig
+from areal_jax.models.lora import LoRAConfig, adapter_axes, adapter_shapes, attach, join_trainable, split_trainable
 from areal_jax.models.sharding import TRAIN_RULES, Rules, activation_rules, sharding_for
-from areal_jax.models.transformer import ATTENTION_IMPLS, Params, forward, lm_head, param_axes, param_shapes
+from areal_jax.models.transformer import Params, forward, lm_head, param_axes, param_shapes
 from areal_jax.ppo import accumulate_loss_stats, decoupled_ppo_loss, loglinear_proximal_logprobs
-from areal_jax.ppo.loss import BEHAV_IMP_WEIGHT_MODES, IMPORTANCE_SAMPLING_LEVELS
-from areal_jax.ppo.logprobs import DEFAULT_LOGIT_CHUNK_TOKENS, hidden_logprobs, hidden_logprobs_and_entropy
+from areal_jax.ppo.logprobs import hidden_logprobs, hidden_logprobs_and_entropy
 from areal_jax.trainer.batching import candidate_row_lengths, rows_for_bucket
+from areal_jax.trainer.config import PPOConfig
 from areal_jax.trainer.optimizer import OptimizerConfig, build_optimizer
 
+# The device dtypes of PPOConfig.compute_dtype (trainer/config.py names them).
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-REMATS = ("none", "full", "save_dots")
 FORWARD_KEYS = ("input_ids", "targets", "segment_ids", "positions")
 LOSS_KEYS = (*FORWARD_KEYS, "loss_mask", "behavior_logprobs", "advantages")
 PROXIMAL_KEY = "proximal_logprobs"
@@ -49,7 +49,6 @@ MOE_ROUTING_KEY = "moe_routing"
 # A-3PO: per-token weight of the log-linear proximal approximation (ppo.loglinear_alpha), computed on
 # the host from the token versions in place of a proximal forward.
 ALPHA_KEY = "proximal_alpha"
-PROX_LOGP_METHODS = ("recompute", "loglinear")
 # Device dtypes of a micro-batch's arrays (trainer/batching.py packs these; proximal log-probs
 # come from the log-prob program).
 BATCH_DTYPES = {"input_ids": jnp.int32, "targets": jnp.int32, "segment_ids": jnp.int32, "positions": jnp.int32,
@@ -57,178 +56,17 @@ BATCH_DTYPES = {"input_ids": jnp.int32, "targets": jnp.int32, "segment_ids": jnp
                 PROXIMAL_KEY: jnp.float32, ALPHA_KEY: jnp.float32}
 
 
-@dataclasses.dataclass(frozen=True)
-class PPOConfig:
-    """PPO step hyperparameters.
-
-    Attributes:
-        eps_clip: clip range of r = pi_theta / pi_prox (paper: 0.2).
-        eps_clip_higher: upper clip range (DAPO clip-higher); None = eps_clip.
-        behav_imp_weight_cap: bound on w = pi_prox / pi_behav; None = w applied unbounded (the
-            paper's and AReaL v1.0.0's objective), or not at all with mode "disabled".
-        behav_imp_weight_mode: with a cap, "mask" (tokens with w > cap leave the loss, still
-            counted in the denominator) or "clamp" (their w becomes the cap): AReaL HEAD's
-            rejection-sampling actions. "disabled" (cap must be None): no behaviour weight at
-            all, AReaL HEAD's loss without rejection sampling; with decoupled = True this is the
-            "naive_recompute" objective (`OBJECTIVES`).
-        c_clip: dual clip (> 1): a token's loss is at most c_clip * |A|; None = off.
-        importance_sampling_level: "token" (PPO) or "sequence" (GSPO: one ratio per packed
-            sequence, the exp of its mean log-ratio, with its mean advantage).
-        decoupled: True = decoupled PPO (proximal recomputed with pre-step weights);
-            False = naive PPO (proximal := behavior, the paper's ablation). `objective` names
-            the combination with behav_imp_weight_mode.
-        prox_logp_method: "recompute" (a forward with the pre-step weights) or "loglinear"
-            (A-3PO, AReaL HEAD: pi_prox interpolated in log space between pi_behav and the
-            current pi_theta by token version, `ppo.loglinear_alpha`; no proximal forward).
-            Decoupled only. With one minibatch the exact pi_prox costs no forward either and is
-            used whatever the method.
-        minibatch_seed: seeds the order of a step's groups before the minibatch split (with the
-            step: `batching.minibatch_indices`).
-        temperature: sampling temperature the log-probs are taken at. None (the default): the
-            rollout's, RLVRConfig.temperature, which the job and RLLoop fill in (one field, so
-            the two cannot differ); 1.0 for a trainer used alone.
-        num_minibatches: optimizer updates per training step.
-        max_tokens_per_microbatch: token budget of one micro-batch (for make_microbatches).
-        row_buckets: row lengths micro-batches may use (for make_microbatches); () = powers of
-            two from 128 up to the budget. Adding a size near the common sequence length (e.g.
-            96 for ~70-token samples that do not pair in 128) cuts padding and attention cost.
-        compute_dtype: "float32", or "bfloat16" compute on fp32 master weights.
-        remat: rematerialization of the decoder layers ("none", "full", "save_dots").
-        scan_layers: run the layers as a scan (one compiled layer body, the choice for deep
-            models) or unrolled: on CPU ~15% faster per step for small models, whose compile
-            is then also shorter (the scan's saved activations are stacked and sliced back).
-        attention_impl: self-attention of the training forwards (policy gradient, proximal and
-            reference log-probs): "auto" (flash attention: the platform's Pallas kernel, splash
-            on TPU and Triton on GPU, else the jnp reference), "reference", "pallas", or "blocked"
-            (the blocked formula under autodiff, whose backward keeps O(T^2) scores per layer).
-            kernels/flash_attention.py.
-        skip_nonfinite: skip (and count) updates whose gradient has a NaN/inf.
-        logit_chunk_tokens: tokens of a micro-batch (all its rows, every process's) whose
-            logits exist at once; longer micro-batches take log-probs and entropy chunk by chunk
-            along the sequence, recomputing each chunk's logits in the backward. The default
-            4096 keeps one fp32 copy at 2.5 GB for a 151,936-token vocabulary (divided over the
-            devices holding rows and vocabulary), where a 16k-token micro-batch's whole logits
-            would be 10 GB per copy; micro-batches of at most this many tokens run dense.
-        moe_routing: for a mixture-of-experts policy, how the proximal and current log-probs
-            route tokens: "recompute" (the trainer's router chooses afresh) or "replay" (the
-            experts the generation engine chose, batch key MOE_ROUTING_KEY, are used; the router
-            still weighs them and learns). Ignored for dense policies.
-    """
-
-    eps_clip: float = 0.2
-    eps_clip_higher: float | None = None
-    behav_imp_weight_cap: float | None = None
-    behav_imp_weight_mode: Literal["mask", "clamp", "disabled"] = "mask"
-    c_clip: float | None = None
-    importance_sampling_level: Literal["token", "sequence"] = "token"
-    decoupled: bool = True
-    prox_logp_method: Literal["recompute", "loglinear"] = "recompute"
-    minibatch_seed: int = 0
-    temperature: float | None = None
-    num_minibatches: int = 4
-    max_tokens_per_microbatch: int = 4096
-    row_buckets: tuple[int, ...] = ()
-    compute_dtype: Literal["float32", "bfloat16"] = "float32"
-    remat: Literal["none", "full", "save_dots"] = "none"
-    scan_layers: bool = True
-    attention_impl: Literal["auto", "reference", "pallas", "blocked"] = "auto"
-    skip_nonfinite: bool = True
-    logit_chunk_tokens: int = DEFAULT_LOGIT_CHUNK_TOKENS
-    moe_routing: Literal["recompute", "replay"] = "recompute"
-
-    @property
-    def logit_temperature(self) -> float:
-        """The temperature log-probs are taken at (`temperature`, 1.0 when unset)."""
-        return 1.0 if self.temperature is None else self.temperature
-
-    def __post_init__(self) -> None:
-        if not _is_number(self.eps_clip) or not 0.0 < self.eps_clip < 1.0:
-            raise ValueError(f"PPOConfig.eps_clip must be in (0, 1), got {self.eps_clip!r}")
-        if self.eps_clip_higher is not None and not (_is_number(self.eps_clip_higher) and self.eps_clip_higher > 0):
-            raise ValueError(f"PPOConfig.eps_clip_higher must be > 0 or None, got {self.eps_clip_higher!r}")
-        if self.behav_imp_weight_cap is not None and not (
-                _is_number(self.behav_imp_weight_cap) and self.behav_imp_weight_cap > 0):
-            raise ValueError(f"PPOConfig.behav_imp_weight_cap must be > 0 or None, got {self.behav_imp_weight_cap!r}")
-        if self.behav_imp_weight_mode not in BEHAV_IMP_WEIGHT_MODES:
-            raise ValueError(f"PPOConfig.behav_imp_weight_mode must be one of {BEHAV_IMP_WEIGHT_MODES}, "
-                             f"got {self.behav_imp_weight_mode!r}")
-        if self.behav_imp_weight_mode == "disabled" and self.behav_imp_weight_cap is not None:
-            raise ValueError(f"PPOConfig.behav_imp_weight_cap must be None with behav_imp_weight_mode = 'disabled' "
-                             f"(no behaviour weight to cap), got {self.behav_imp_weight_cap!r}")
-        if self.c_clip is not None and not (_is_number(self.c_clip) and self.c_clip > 1):
-            raise ValueError(f"PPOConfig.c_clip must be > 1 or None, got {self.c_clip!r}")
-        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-            raise ValueError(f"PPOConfig.importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
-                             f"got {self.importance_sampling_level!r}")
-        if self.prox_logp_method not in PROX_LOGP_METHODS:
-            raise ValueError(f"PPOConfig.prox_logp_method must be one of {PROX_LOGP_METHODS}, "
-                             f"got {self.prox_logp_method!r}")
-        if self.prox_logp_method == "loglinear" and self.decoupled is False:
-            raise ValueError("PPOConfig.prox_logp_method = 'loglinear' approximates the proximal policy of "
-                             "decoupled PPO; it needs decoupled = True")
-        if isinstance(self.minibatch_seed, bool) or not isinstance(self.minibatch_seed, int) or self.minibatch_seed < 0:
-            raise ValueError(f"PPOConfig.minibatch_seed must be an int >= 0, got {self.minibatch_seed!r}")
-        if self.temperature is not None and (not _is_number(self.temperature) or not self.temperature > 0):
-            raise ValueError(f"PPOConfig.temperature must be > 0 or None, got {self.temperature!r}")
-        for name in ("num_minibatches", "max_tokens_per_microbatch", "logit_chunk_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"PPOConfig.{name} must be a positive int, got {value!r}")
-        if not isinstance(self.row_buckets, tuple):
-            raise ValueError(f"PPOConfig.row_buckets must be a tuple of ints, got {self.row_buckets!r}")
-        if self.row_buckets:  # the check make_microbatches would run at the first step
-            try:
-                candidate_row_lengths(self.max_tokens_per_microbatch, self.row_buckets)
-            except ValueError as e:
-                raise ValueError(f"PPOConfig.row_buckets {self.row_buckets}: {e}") from None
-        if self.compute_dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"PPOConfig.compute_dtype must be one of {tuple(COMPUTE_DTYPES)}, "
-                             f"got {self.compute_dtype!r}")
-        if not isinstance(self.scan_layers, bool):
-            raise ValueError(f"PPOConfig.scan_layers must be a bool, got {self.scan_layers!r}")
-        if self.remat not in REMATS:
-            raise ValueError(f"PPOConfig.remat must be one of {REMATS}, got {self.remat!r}")
-        if self.moe_routing not in ("recompute", "replay"):
-            raise ValueError(f"PPOConfig.moe_routing must be 'recompute' or 'replay', got {self.moe_routing!r}")
-        if self.attention_impl not in ATTENTION_IMPLS:
-            raise ValueError(f"PPOConfig.attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
-        for name in ("decoupled", "skip_nonfinite"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"PPOConfig.{name} must be a bool, got {getattr(self, name)!r}")
-
-
-    @property
-    def objective(self) -> str:
-        """The staleness ablation's name for this objective (`OBJECTIVES`, ppo/loss.py): "naive"
-        (clip anchored at pi_behav), "naive_recompute" (clip anchored at the recomputed pi_prox,
-        no behaviour weight) or "decoupled" (anchored at pi_prox, weighted by pi_prox / pi_behav,
-        capped or not)."""
-        if not self.decoupled:
-            return "naive"
-        return "naive_recompute" if self.behav_imp_weight_mode == "disabled" else "decoupled"
-
-
-# The PPOConfig fields that select each objective of the staleness ablation (PPOConfig.objective):
-# decoupled PPO, naive PPO anchored at the behaviour policy, and naive PPO anchored at the
-# recomputed pre-step policy (AReaL v0.3.0 with recomputed log-probs and decoupling off).
-OBJECTIVES: dict[str, dict[str, Any]] = {
-    "decoupled": {"decoupled": True},
-    "naive": {"decoupled": False},
-    "naive_recompute": {"decoupled": True, "behav_imp_weight_mode": "disabled", "behav_imp_weight_cap": None},
-}
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
 # ---- layouts -----------------------------------------------------------------------------------------
 
 
-def param_shardings(cfg: ModelConfig, rules: Rules, mesh: Mesh) -> Any:
-    """NamedSharding of every parameter on `mesh` by the rule table."""
-    return jax.tree.map(lambda axes, shape: sharding_for(axes, rules, mesh, shape), param_axes(cfg),
-                        param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+def param_shardings(cfg: ModelConfig, rules: Rules, mesh: Mesh, lora: LoRAConfig | None = None) -> Any:
+    """NamedSharding of every parameter (and adapter, with LoRA) on `mesh` by the rule table."""
+    axes, shapes = param_axes(cfg), param_shapes(cfg)
+    if lora is not None and lora.enabled:
+        axes = attach(axes, adapter_axes(cfg, lora))
+        shapes = attach(shapes, adapter_shapes(cfg, lora))
+    return jax.tree.map(lambda a, shape: sharding_for(a, rules, mesh, shape), axes, shapes,
+                        is_leaf=lambda x: isinstance(x, tuple))
 
 
 def opt_state_shardings(optimizer: optax.GradientTransformation, params: Params, shardings: Any, mesh: Mesh) -> Any:
@@ -274,8 +112,10 @@ class TrainPrograms:
             (stop-gradient) log-probs. Donates grad_acc.
         update: `(params, opt_state, grads) -> (params, opt_state, grad_norm, finite)`; donates
             params and opt_state; a non-finite gradient leaves both unchanged when
-            `skip_nonfinite`.
-        zeros_like: `params -> zeros` laid out like params (a fresh gradient accumulator).
+            `skip_nonfinite`. With LoRA adapters, `params` here is the trainable part only
+            (`models.lora.split_trainable`), as are the gradients `grad` accumulates.
+        zeros_like: `params -> zeros` laid out like params (a fresh gradient accumulator; the
+            trainable part with LoRA).
     """
 
     logprobs: Callable
@@ -352,7 +192,9 @@ def build_train_programs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, optimizer: 
             stats["loss"] = jax.lax.stop_gradient(loss)
             return loss, stats
 
-        (_, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        # LoRA: only the adapters' a and b are differentiated (models/lora.py); else every weight.
+        frozen, trainable = split_trainable(params)
+        (_, stats), grads = jax.value_and_grad(lambda t: loss_fn(join_trainable(frozen, t)), has_aux=True)(trainable)
         grad_acc = jax.tree.map(jnp.add, grad_acc, grads)
         return grad_acc, accumulate_loss_stats(stats_acc, stats)
 
@@ -388,7 +230,7 @@ _ACTIVATION_FIELDS = ("PPOConfig.logit_chunk_tokens", "PPOConfig.remat", "PPOCon
                       "PPOConfig.scan_layers", "PPOConfig.attention_impl")
 
 
-def microbatch_shapes(ppo_cfg: PPOConfig, fsdp: int, num_processes: int = 1) -> list[tuple[int, int]]:
+def possible_microbatch_shapes(ppo_cfg: PPOConfig, fsdp: int, num_processes: int = 1) -> list[tuple[int, int]]:
     """(R, T) of the largest micro-batch of each row length `make_microbatches` can produce.
 
     R counts the rows of every process: each packs up to `rows_for_bucket(T)` rows, a multiple
@@ -416,7 +258,7 @@ def train_program_specs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, opt_cfg: Opt
                         rules: Rules = TRAIN_RULES, num_processes: int = 1) -> list[ProgramSpec]:
     """Every program a training step runs at this config's shapes, on the train mesh `mesh`.
 
-    Per row length T (`microbatch_shapes`, each at its largest row count, which bounds its
+    Per row length T (`possible_microbatch_shapes`, each at its largest row count, which bounds its
     memory): "train/grad[rows=R,len=T]" and "train/logprobs[rows=R,len=T]"; then "train/update"
     and "train/zeros_like". Arguments are ShapeDtypeStructs sharded as PolicyTrainer places
     them: fp32 params and optimizer state by the rule table, batch rows over "fsdp". The
@@ -443,7 +285,7 @@ def train_program_specs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, opt_cfg: Opt
     micro_fields = (*_MICROBATCH_FIELDS, *_ACTIVATION_FIELDS, *_MESH_FIELDS)
 
     specs = []
-    for R, T in microbatch_shapes(ppo_cfg, mesh.shape.get("fsdp", 1), num_processes):
+    for R, T in possible_microbatch_shapes(ppo_cfg, mesh.shape.get("fsdp", 1), num_processes):
         rows = sharding_for(("batch", "seq"), rules, mesh, (R, T))
         batch = lambda keys: {k: jax.ShapeDtypeStruct((R, T), BATCH_DTYPES[k], sharding=rows)  # noqa: E731
                               for k in keys}

@@ -35,7 +35,6 @@ from areal_jax.models.sharding import TRAIN_RULES, activation_rules, sharding_fo
 from areal_jax.packing import ffd_allocate, pack_sequences
 from areal_jax.parallel.distributed import fully_local
 from areal_jax.ppo.logprobs import DEFAULT_LOGIT_CHUNK_TOKENS, hidden_logprobs
-from areal_jax.trainer.accuracy import GreedyAccuracy, evaluate_accuracy, sample_rewards  # noqa: F401  (their home was here)
 from areal_jax.trainer.train_step import opt_state_shardings, param_shardings
 
 Example = tuple[Sequence[int], Sequence[int]] | SFTExample  # (prompt_ids, completion_ids), or ids + trained mask

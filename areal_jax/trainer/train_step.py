@@ -37,13 +37,15 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from areal_jax.models import lora as lora_lib
 from areal_jax.models.config import ModelConfig
+from areal_jax.models.lora import LoRAConfig
 from areal_jax.models.sharding import TRAIN_RULES, Rules, activation_rules, sharding_for
 from areal_jax.models.transformer import Params, param_axes
 from areal_jax.ppo import accumulate_loss_stats, loglinear_alpha, summarize_loss_stats
 from areal_jax.trainer.batching import PackedBatch
+from areal_jax.trainer.config import REMATS, PPOConfig
 from areal_jax.trainer.optimizer import OptimizerConfig, build_optimizer, learning_rate_schedule
-# PPOConfig and the layouts live with the programs they size; re-exported for existing importers.
 from areal_jax.trainer.programs import (
     ALPHA_KEY,
     COMPUTE_DTYPES,
@@ -51,8 +53,6 @@ from areal_jax.trainer.programs import (
     LOSS_KEYS,
     MOE_ROUTING_KEY,
     PROXIMAL_KEY,
-    REMATS,
-    PPOConfig,
     build_train_programs,
     opt_state_shardings,
     param_shardings,
@@ -74,17 +74,23 @@ class PolicyTrainer:
         ppo_cfg: PPOConfig.
         mesh: the train mesh (axes "fsdp", "tensor"); None = default device.
         rules: logical-axis rules for params and activations on `mesh`.
+        lora: with rank > 0, LoRA: the base weights are frozen in `lora.base_dtype` (no fp32
+            copy, no optimizer state, no gradients) and only the adapters train; `params` may
+            hold adapters already (`params["layers"]["lora"]`), else fresh ones are drawn.
+            `self.params` then holds base and adapters (models/lora.py).
     """
 
     def __init__(self, model_cfg: ModelConfig, params: Params, opt_cfg: OptimizerConfig, ppo_cfg: PPOConfig,
-                 *, mesh: Mesh | None = None, rules: Rules = TRAIN_RULES):
+                 *, mesh: Mesh | None = None, rules: Rules = TRAIN_RULES, lora: LoRAConfig | None = None):
+        lora = LoRAConfig() if lora is None else lora
         for name, value, cls in (("model_cfg", model_cfg, ModelConfig), ("opt_cfg", opt_cfg, OptimizerConfig),
-                                 ("ppo_cfg", ppo_cfg, PPOConfig)):
+                                 ("ppo_cfg", ppo_cfg, PPOConfig), ("lora", lora, LoRAConfig)):
             if not isinstance(value, cls):
                 raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
         self.model_config = model_cfg
         self.opt_config = opt_cfg
         self.ppo_config = ppo_cfg
+        self.lora_config = lora
         self.mesh = mesh
         self.rules = rules
         self.compile_counts: collections.Counter[str] = collections.Counter()
@@ -92,11 +98,16 @@ class PolicyTrainer:
         self._optimizer = build_optimizer(opt_cfg)
         self._schedule = learning_rate_schedule(opt_cfg)
         self._axes = param_axes(model_cfg)
+        if lora.enabled:
+            self._axes = lora_lib.attach(self._axes, lora_lib.adapter_axes(model_cfg, lora))
+            if lora_lib.adapters_of(params) is None:
+                params = lora_lib.attach(params, lora_lib.init_adapters(model_cfg, lora))
         self._check_params(params)
         self._param_shardings = self._make_param_shardings()
         self._params = self._place_params(params)
         self._opt_state_shardings = self._make_opt_state_shardings()
-        self._opt_state = jax.jit(self._optimizer.init, out_shardings=self._opt_state_shardings)(self._params)
+        self._opt_state = jax.jit(self._optimizer.init, out_shardings=self._opt_state_shardings)(
+            self._trainable(self._params))
         self._step = 0
         # On the mesh, like the stats the grad program returns: an unplaced first accumulator
         # would be a different input type and compile every micro-batch shape twice.
@@ -107,8 +118,9 @@ class PolicyTrainer:
 
     @property
     def params(self) -> Params:
-        """Current fp32 weights. The next `train_step` donates these buffers: use (or copy) them
-        before calling it again."""
+        """Current weights (fp32; with LoRA the frozen base in its dtype plus fp32 adapters).
+        The next `train_step` donates the trained buffers: use (or copy) them before calling it
+        again."""
         return self._params
 
     @property
@@ -202,7 +214,7 @@ class PolicyTrainer:
         update."""
         if not microbatches:
             raise ValueError("a minibatch needs at least one micro-batch")
-        grads = self._zeros_like_params(self._params)
+        grads = self._zeros_like_params(self._trainable(self._params))
         stats = dict(self._zero_stats)
         with self._activation_rules():
             for micro in microbatches:
@@ -251,7 +263,9 @@ class PolicyTrainer:
         total, per_mb, skipped, trained_tokens, norms = None, [], 0, 0.0, []
         for mb in minibatches:
             grads, stats = self.minibatch_gradients(mb, self_proximal=self_proximal)
-            self._params, self._opt_state, grad_norm, finite = self._update_fn(self._params, self._opt_state, grads)
+            frozen, trainable = lora_lib.split_trainable(self._params)
+            trainable, self._opt_state, grad_norm, finite = self._update_fn(trainable, self._opt_state, grads)
+            self._params = lora_lib.join_trainable(frozen, trainable)
             del grads
             finite = bool(finite)
             summary = summarize_loss_stats(stats)
@@ -300,19 +314,33 @@ class PolicyTrainer:
         if got != want:
             raise ValueError(f"params layout {got} does not match param_axes(model_cfg) {want}")
 
+    @staticmethod
+    def _trainable(tree):
+        """The part of a params-shaped tree the optimizer updates (all of it without LoRA)."""
+        return lora_lib.split_trainable(tree)[1]
+
     def _make_param_shardings(self):
-        return None if self.mesh is None else param_shardings(self.model_config, self.rules, self.mesh)
+        return None if self.mesh is None else param_shardings(self.model_config, self.rules, self.mesh,
+                                                              self.lora_config)
 
     def _make_opt_state_shardings(self):
         if self.mesh is None:
             return None
-        return opt_state_shardings(self._optimizer, self._params, self._param_shardings, self.mesh)
+        return opt_state_shardings(self._optimizer, self._trainable(self._params),
+                                   self._trainable(self._param_shardings), self.mesh)
 
     def _place_params(self, params: Params) -> Params:
         if self._param_shardings is not None:
             params = jax.device_put(params, self._param_shardings)
+        # Trained weights fp32; a LoRA base stays in its (frozen) dtype.
+        frozen, trainable = lora_lib.split_trainable(params)
+        base_dtype = COMPUTE_DTYPES[self.lora_config.base_dtype]
+        dtypes = lora_lib.join_trainable(
+            None if frozen is None else lora_lib.attach(jax.tree.map(lambda _: base_dtype, lora_lib.detach(frozen)),
+                                                        {lora_lib.SCALE: jnp.float32}),
+            jax.tree.map(lambda _: jnp.float32, trainable))
         # A jitted cast always writes fresh buffers: updates donate ours, never the caller's.
-        return jax.jit(lambda p: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), p),
+        return jax.jit(lambda p: jax.tree.map(lambda x, d: jnp.asarray(x, d), p, dtypes),
                        out_shardings=self._param_shardings)(params)
 
     def _activation_rules(self):
@@ -338,7 +366,8 @@ class PolicyTrainer:
 
     def _build_programs(self) -> None:
         programs = build_train_programs(self.model_config, self.ppo_config, self._optimizer,
-                                        param_shardings=self._param_shardings,
+                                        param_shardings=(None if self._param_shardings is None
+                                                         else self._trainable(self._param_shardings)),
                                         opt_state_shardings=self._opt_state_shardings, counts=self.compile_counts)
         self._logprobs_fn = programs.logprobs
         self._grad_fn = programs.grad

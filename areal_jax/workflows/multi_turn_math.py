@@ -38,9 +38,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from areal_jax.data.examples import PromptExample, prompt_example
 from areal_jax.rollout.types import Trajectory, TrajectoryGroup
-from areal_jax.rollout.workflow import (GenerationAborted, RLVRConfig, RolloutClient, RolloutWorkflow, gold_answer,
-                                        row_source, stable_seed)
+from areal_jax.rollout.workflow import GenerationAborted, RLVRConfig, RolloutClient, RolloutWorkflow, stable_seed
 from areal_jax.rollout.filters import equal_rewards_filter
 
 if TYPE_CHECKING:  # the encoder is only handed in (the data package needs grain)
@@ -161,26 +161,24 @@ class MultiTurnMathWorkflow(RolloutWorkflow):
         self.turn_end, self.feedback_ids = turn_tokens(tokenizer, config.feedback, prompt_encoder)
 
     async def arun(self, engine_client: RolloutClient, row: Any, *, version: int) -> TrajectoryGroup | None:
-        prompt = np.asarray(row["prompt_ids"], np.int32)
+        example = prompt_example(row)
         t0 = time.perf_counter()
-        query_id = str(row["row"].query_id)
+        query_id = example.query_id
         results = await asyncio.gather(*(
-            self._episode(engine_client, row, prompt, stable_seed(query_id, version, sample))
+            self._episode(engine_client, example, stable_seed(query_id, version, sample))
             for sample in range(self.rollout.n_samples)), return_exceptions=True)
         for r in results:  # every episode waited for, so no failure is left unobserved
             if isinstance(r, BaseException):
                 raise r
-        prompt_row = row["row"]
         turns = [episode.turns for episode, _ in results]
         return TrajectoryGroup(query_id=query_id, trajectories=tuple(t for _, t in results), admitted_version=version,
-                               info={"source": prompt_row.source, "task": prompt_row.task, "turns": turns,
+                               info={"source": example.source, "task": example.row.task, "turns": turns,
                                      "episode_s": time.perf_counter() - t0})
 
-    async def _episode(self, client: RolloutClient, row: Any, prompt: np.ndarray,
-                       seed: int) -> tuple[Episode, Trajectory]:
+    async def _episode(self, client: RolloutClient, example: PromptExample, seed: int) -> tuple[Episode, Trajectory]:
         cfg, rollout = self.config, self.rollout
         limit = client.engine.config.prompt_limit
-        gold = gold_answer(row)
+        prompt, gold = example.prompt_ids, example.gold
         episode = Episode()
         context = prompt
         while True:
@@ -188,7 +186,7 @@ class MultiTurnMathWorkflow(RolloutWorkflow):
             result = await client.generate(context, rollout.sampling, 1, seed=stable_seed(seed, episode.turns))
             (answer,) = result.completions
             if answer.stop_reason == "aborted":
-                raise GenerationAborted(f"generation for {row_source(row)} was aborted")
+                raise GenerationAborted(f"generation for {example.source} was aborted")
             episode.add_generated(answer.tokens, answer.logprobs, answer.versions)
             reward = await client.reward(rollout.reward, client.decode(answer.tokens), gold,
                                          timeout_s=rollout.reward_timeout_s)

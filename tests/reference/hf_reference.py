@@ -5,6 +5,9 @@ Reads one JSON request on stdin, writes one JSON reply line on stdout. Ops:
   logits         {model, sequences, out}: fp32 logits of each unpadded sequence -> out (.npz)
   chat_template  {tokenizer, conversations, add_generation_prompt}: rendered text and ids
   generate       {model, prompts, max_new_tokens}: greedy continuation of each prompt
+  make_adapter   {model, out, rank, alpha, targets, seed}: random PEFT LoRA adapter (B nonzero) saved
+                 by PeftModel.save_pretrained
+  adapter_logits {model, adapter, sequences, out}: `logits` of PeftModel.from_pretrained(base, adapter)
   many           {requests}: several of the above in one process
 """
 
@@ -112,6 +115,32 @@ def tokenizer_parity(requests):
 
 
 OPS["tokenizer_parity"] = tokenizer_parity
+
+
+def make_adapter(model, out, rank, alpha, targets, seed=0):
+    import peft
+
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0,
+                             init_lora_weights=False)  # False: B random too, so the update is not zero
+    m = peft.get_peft_model(_load(model), config)
+    m.save_pretrained(out)
+    return {"trainable": sum(p.numel() for p in m.parameters() if p.requires_grad)}
+
+
+@torch.no_grad()
+def adapter_logits(model, adapter, sequences, out):
+    import peft
+
+    m = peft.PeftModel.from_pretrained(_load(model), adapter).eval()
+    arrays = {}
+    for i, seq in enumerate(sequences):
+        arrays[f"logits_{i}"] = m(input_ids=torch.tensor([seq], dtype=torch.long)).logits[0].float().numpy()
+    np.savez(out, **arrays)
+    return {"n": len(sequences)}
+
+
+OPS.update(make_adapter=make_adapter, adapter_logits=adapter_logits)
 
 if __name__ == "__main__":
     torch.set_num_threads(2)

@@ -37,7 +37,6 @@ Decisions worth knowing:
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -53,16 +52,19 @@ from jax.sharding import Mesh
 
 from areal_jax import paths
 from areal_jax.config_system import ConfigError
+from areal_jax.data.examples import PromptExample, prompt_example
 from areal_jax.data.formats import extract_last_boxed
 from areal_jax.data.pipeline import PromptLoader
 from areal_jax.eval_metrics import PromptSamples, summarize
-from areal_jax.generation import EngineConfig, GenerationEngine, GroupResult, SamplingParams
+from areal_jax.evaluation.held_out import SampledGroup, rewards, sample
+from areal_jax.generation import EngineConfig, GenerationEngine, SamplingParams
 from areal_jax.generation.programs import slots_for_replicas, unsplit_tensor_axes
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.transformer import Params, Transformer
 from areal_jax.parallel.distributed import gather_json
 from areal_jax.parallel.meshes import generation_mesh
-from areal_jax.reward.registry import load_reward_function, resolve_reward_path
+from areal_jax.reward.registry import load_reward_function
+from areal_jax.reward.scoring import RewardScorer
 
 __all__ = ["EvalConfig", "EvalReport", "dataset_of", "engine_mesh", "run_evaluation"]
 
@@ -252,40 +254,32 @@ def run_evaluation(model: Transformer | tuple[ModelConfig, Params], tokenizer: A
         raise TypeError(f"config must be an EvalConfig, got {type(config).__name__}")
     if isinstance(rows, PromptLoader) and rows.dataset.config.num_epochs is None:
         raise ValueError("rows is a PromptLoader that repeats forever (num_epochs=None); build it with num_epochs=1")
-    examples = list(rows)
+    model_cfg, params = (model.config, model.params) if isinstance(model, Transformer) else model
+    examples = [_checked_example(i, row, model_cfg, config) for i, row in enumerate(rows)]
     if not examples:
         raise ValueError("run_evaluation: no rows to evaluate")
-    model_cfg, params = (model.config, model.params) if isinstance(model, Transformer) else model
-    for i, example in enumerate(examples):
-        _check_example(i, example, model_cfg, config)
-    # Name problems (unknown reward, bad extractor) before minutes of generation.
-    reward_path = resolve_reward_path(config.reward)
-    reward_fn = load_reward_function(reward_path) if reward_pool is None else None
+    # Name problems (unknown reward, bad extractor) before minutes of generation; with a pool the
+    # calls run there under the deadline, else in this process after generation.
+    scorer = RewardScorer(config.reward, reward_pool, timeout_s=config.reward_timeout_s)
     extract = _load_extractor(config.answer_extractor)
     failures_before = _pool_failures(reward_pool)
 
     t_start = time.perf_counter()
     process, processes = jax.process_index(), jax.process_count()
     mine = list(range(process, len(examples), processes))
-    local, generation_s, engine_tokens = _generate_and_decode(
-        model_cfg, params, tokenizer, {i: examples[i] for i in mine}, config, reward_pool, reward_path)
+    local, generation_s, engine_tokens = _generate(model_cfg, params, tokenizer, [examples[i] for i in mine],
+                                                   config, scorer)
 
     t_scoring = time.perf_counter()
     samples_of: dict[int, list[_Sample]] = {}
-    for i in mine:
-        result, texts, futures = local[i]
-        row = examples[i]["row"]
-        gold = _gold(row)
-        if futures is not None:
-            rewards = [float(f.result()) for f in futures]
-        else:
-            rewards = [float(reward_fn(text, gold)) for text in texts]
+    for i, group, group_rewards in zip(mine, local, rewards(local, scorer), strict=True):
+        row = group.example.row
         samples_of[i] = [
-            _Sample(query_id=str(row.query_id), source=row.source, dataset=dataset_of(row.source), sample=j,
+            _Sample(query_id=group.example.query_id, source=row.source, dataset=dataset_of(row.source), sample=j,
                     completion=text, answer=extract(text), gold=row.answer, reward=reward,
                     correct=reward >= config.correct_threshold, stop_reason=c.stop_reason,
                     num_tokens=int(len(c.tokens)))
-            for j, (c, text, reward) in enumerate(zip(result.completions, texts, rewards))]
+            for j, (c, text, reward) in enumerate(zip(group.result.completions, group.texts, group_rewards))]
     scoring_s = time.perf_counter() - t_scoring
     failures = _pool_failures(reward_pool) - failures_before
     if processes > 1:
@@ -317,14 +311,12 @@ def run_evaluation(model: Transformer | tuple[ModelConfig, Params], tokenizer: A
     return EvalReport(overall=overall, per_dataset=per_dataset, config=dataclasses.asdict(config))
 
 
-def _generate_and_decode(model_cfg: ModelConfig, params: Params, tokenizer: Any, examples: dict[int, Any],
-                         config: EvalConfig, reward_pool: Any, reward_path: str
-                         ) -> tuple[dict[int, tuple[GroupResult, list[str], list | None]], float, int]:
-    """Generate `config.n_samples` completions for each of `examples` (by row index) on one engine
-    driven to idle here; each finished group is decoded and, with a pool, sent to scoring at once.
-    Returns {index: (result, texts, reward futures or None)}, generation seconds, engine tokens."""
+def _generate(model_cfg: ModelConfig, params: Params, tokenizer: Any, examples: list[PromptExample],
+              config: EvalConfig, scorer: RewardScorer) -> tuple[list[SampledGroup], float, int]:
+    """`held_out.sample` of `config.n_samples` completions per example on one engine of its own;
+    returns the groups, the generation seconds and the engine's generated tokens."""
     if not examples:  # a process with no rows (fewer rows than processes)
-        return {}, 0.0, 0
+        return [], 0.0, 0
     t_start = time.perf_counter()
     n = config.n_samples
     # num_slots, or fewer when fewer samples need them, as an equal share per data replica.
@@ -335,58 +327,26 @@ def _generate_and_decode(model_cfg: ModelConfig, params: Params, tokenizer: Any,
     sampling = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=float(config.temperature),
                               top_p=config.top_p, top_k=config.top_k,
                               stop_token_ids=tuple(tokenizer.stop_token_ids))
-    groups: dict[int, tuple[GroupResult, list[str], list[concurrent.futures.Future] | None]] = {}
-    callback_errors: list[BaseException] = []
-
-    def on_generated(index: int, handle: concurrent.futures.Future) -> None:
-        # Runs on this thread inside run_until_idle; concurrent.futures would swallow an exception.
-        try:
-            result = handle.result()
-            texts = [tokenizer.decode([int(t) for t in c.tokens], skip_special_tokens=True)
-                     for c in result.completions]
-            futures = None
-            if reward_pool is not None:
-                gold = _gold(examples[index]["row"])
-                futures = [reward_pool.submit_call(reward_path, (text, gold), timeout_s=config.reward_timeout_s)
-                           for text in texts]
-            groups[index] = (result, texts, futures)
-        except BaseException as exc:  # noqa: BLE001 - re-raised after the engine is idle
-            callback_errors.append(exc)
-
-    for i, example in examples.items():
-        handle = engine.submit(example["prompt_ids"], sampling, n, request_id=f"eval-{i}")
-        handle.add_done_callback(lambda h, i=i: on_generated(i, h))
-    engine.run_until_idle()
+    groups = sample(engine, examples, sampling, scorer, tokenizer, n=n)
     generation_s = time.perf_counter() - t_start
     engine_tokens = engine.stats().generated_tokens
     del engine  # frees its KV cache before scoring
-    if callback_errors:
-        raise callback_errors[0]
-    if len(groups) != len(examples):
-        raise RuntimeError(f"the engine went idle with {len(examples) - len(groups)} of {len(examples)} "
-                           "prompts unfinished")
     return groups, generation_s, engine_tokens
 
 
-def _check_example(index: int, example: Any, model_cfg: ModelConfig, config: EvalConfig) -> None:
-    if not isinstance(example, Mapping) or "prompt_ids" not in example or "row" not in example:
-        raise TypeError(f"row {index}: expected a loader example {{'prompt_ids', 'row'}}, got {type(example).__name__}")
-    row = example["row"]
-    for attr in ("query_id", "source", "task", "answer", "test_cases"):
-        if not hasattr(row, attr):
-            raise TypeError(f"row {index}: 'row' must be a PromptRow (missing .{attr}), got {type(row).__name__}")
-    length = len(example["prompt_ids"])
+def _checked_example(index: int, row: Any, model_cfg: ModelConfig, config: EvalConfig) -> PromptExample:
+    try:
+        example = prompt_example(row)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"row {index}: {e}") from None
+    length = len(example.prompt_ids)
     if not 1 <= length < config.max_seq_len:
-        raise ValueError(f"row {index} ({row.source}): prompt of {length} tokens does not fit max_seq_len="
+        raise ValueError(f"row {index} ({example.source}): prompt of {length} tokens does not fit max_seq_len="
                          f"{config.max_seq_len} (prompt + at least one generated token)")
-    if max(int(t) for t in example["prompt_ids"]) >= model_cfg.vocab_size or min(example["prompt_ids"]) < 0:
-        raise ValueError(f"row {index} ({row.source}): prompt token ids outside the model's vocabulary "
+    if example.prompt_ids.max() >= model_cfg.vocab_size or example.prompt_ids.min() < 0:
+        raise ValueError(f"row {index} ({example.source}): prompt token ids outside the model's vocabulary "
                          f"[0, {model_cfg.vocab_size})")
-
-
-def _gold(row: Any) -> Any:
-    """The reward's reference: the answer (math) or the test cases (code), as in RLVR training."""
-    return row.answer if row.task == "math" else row.test_cases
+    return example
 
 
 def _load_extractor(name: str) -> Callable[[str], str | None]:

@@ -1,0 +1,218 @@
+"""The engine's decode slots on the host: the sample each slot holds, the per-slot scalars that
+travel with every chunk call, and what happens to a sample once it has a slot.
+
+`SlotTable` starts samples in slots, runs a decode chunk and folds its tokens into the samples,
+finishes them (stop token, length, abort), and in the paged layout gives every running sample the
+pages its next chunk may write, preempting the newest when a replica's pool runs dry and resuming
+preempted samples, oldest first, by re-prefill. Its device calls go through generation/engine_cache.py;
+the queue, the requests' futures and the weights are the engine's (generation/engine.py), told of
+each finished sample through `on_done`.
+
+Shapes: B slots, C decode chunk, X stop ids per slot.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import numpy as np
+
+from areal_jax.generation.config import EngineConfig
+from areal_jax.generation.engine_cache import EngineCache
+from areal_jax.generation.requests import EngineStats, Request, Sample, StopReason
+from areal_jax.generation.sampling import MAX_STOP_IDS
+from areal_jax.generation.timings import CallTimings, decode_key
+from areal_jax.models.transformer import Params
+
+# A started sample: (slot, request, sample index, prefill row).
+Start = tuple[int, Request, int, int]
+
+
+class SlotTable:
+    """The B decode slots of one engine and the samples preempted out of them."""
+
+    def __init__(self, config: EngineConfig, kv: EngineCache, stats: EngineStats, timings: CallTimings,
+                 on_done: Callable[[Sample, StopReason], None]):
+        self.config, self._kv, self._stats, self._timings, self._on_done = config, kv, stats, timings, on_done
+        B = config.num_slots
+        self.samples: list[Sample | None] = [None] * B
+        self.tokens = np.zeros(B, np.int32)  # next input token of each slot
+        self.positions = np.zeros(B, np.int32)  # its position (= sequence length - 1)
+        self.remaining = np.zeros(B, np.int32)  # tokens the slot may still generate
+        self.temperature = np.ones(B, np.float32)
+        self.top_p = np.ones(B, np.float32)
+        self.top_k = np.zeros(B, np.int32)
+        self.stop_ids = np.full((B, MAX_STOP_IDS), -1, np.int32)  # [B, X]
+        self.keys = np.zeros((B, 2), np.uint32)  # threefry key data of each slot's sample
+        self.preempted: list[Sample] = []  # out of the pool, oldest first: resumed before new admissions
+        self._stamps = itertools.count()  # start order of samples
+
+    def free(self) -> list[int]:
+        return [i for i, s in enumerate(self.samples) if s is None]
+
+    def running(self) -> list[int]:
+        return [i for i, s in enumerate(self.samples) if s is not None]
+
+    def busy(self) -> bool:
+        return any(s is not None for s in self.samples)
+
+    # ---- starting samples ----------------------------------------------------------------------
+
+    def take(self, free: list[int], count: int, tokens: int) -> tuple[list[int], list[int]]:
+        """Up to `count` free slots for samples holding `tokens` positions: (taken, left); paged,
+        only with their pages (`PageAllocator.take_slots`)."""
+        if self._kv.pages is None:
+            return free[:count], free[count:]
+        return self._kv.pages.take_slots(free, count, tokens)
+
+    def admission_pages(self, req: Request) -> int:
+        """Pages a new sample of `req` takes: its prompt and first decode chunk."""
+        return self._kv.pages.pages_for(self.config.chunk_tokens(req.prompt.size, req.sampling.max_new_tokens - 1))
+
+    def set_key(self, slot: int, request_seed: int, index: int) -> None:
+        """The slot's key data: sample `index` of a request draws from (engine seed, request seed,
+        index) alone, however the engine batches it."""
+        self.keys[slot] = np.random.SeedSequence(
+            [self.config.seed, request_seed & 0xFFFFFFFF, request_seed >> 32, index]).generate_state(2, np.uint32)
+
+    def start_arrays(self, plan: list[Start]) -> tuple[np.ndarray, ...]:
+        """Per started sample, padded to B: prefill rows, cache slots (padding: B, dropped), key
+        data, prompt's last position, temperature, top_p, top_k (padding: greedy, no filter). One
+        compiled program per prefill row count."""
+        B = self.config.num_slots
+        rows, slots = np.zeros(B, np.int32), np.full(B, B, np.int32)
+        positions, top_k = np.zeros(B, np.int32), np.zeros(B, np.int32)
+        keys = np.zeros((B, 2), np.uint32)
+        temperature, top_p = np.zeros(B, np.float32), np.ones(B, np.float32)
+        for i, (slot, req, _, row) in enumerate(plan):
+            sp = req.sampling
+            rows[i], slots[i], positions[i], keys[i] = row, slot, req.prompt.size - 1, self.keys[slot]
+            temperature[i], top_p[i], top_k[i] = sp.temperature, sp.top_p, sp.top_k
+        return rows, slots, keys, positions, temperature, top_p, top_k
+
+    def start(self, slot: int, req: Request, index: int, token: int, logprob: float, version: int) -> None:
+        """Puts a new sample with its first token into `slot` (finished at once by a stop token or
+        its length)."""
+        self._stats.generated_tokens += 1
+        self._bind(slot, Sample(req, index, [token], [logprob], [version], stamp=next(self._stamps)))
+        self._finish_if_done(slot, token)
+
+    def _bind(self, slot: int, sample: Sample) -> None:
+        """Puts a sample (its key already set) into a slot: its next input token is its last
+        generated one."""
+        sp = sample.request.sampling
+        self.samples[slot] = sample
+        self.tokens[slot] = sample.tokens[-1]
+        self.positions[slot] = sample.request.prompt.size + len(sample.tokens) - 1
+        self.remaining[slot] = sp.max_new_tokens - len(sample.tokens)
+        self.temperature[slot] = sp.temperature
+        self.top_p[slot] = sp.top_p
+        self.top_k[slot] = sp.top_k
+        self.stop_ids[slot] = -1
+        self.stop_ids[slot, :len(sp.stop_token_ids)] = sp.stop_token_ids
+
+    # ---- pages (paged layout) ------------------------------------------------------------------
+
+    def reserve_chunk(self) -> None:
+        """Paged: gives every running sample the pages the next chunk may write, oldest first; when
+        a replica runs dry, preempts its most recently started samples (recomputed later)."""
+        if self._kv.pages is None:
+            return
+        running = sorted(self.running(), key=lambda s: self.samples[s].stamp)
+        for slot in self._kv.pages.reserve([(s, self.config.chunk_tokens(int(self.positions[s]),
+                                                                         int(self.remaining[s]))) for s in running]):
+            self._preempt(slot)
+
+    def _preempt(self, slot: int) -> None:
+        """Takes a running sample out of its slot (its pages already given back), keeping what it
+        generated."""
+        sample = self.samples[slot]
+        self.samples[slot] = None
+        self.preempted.append(sample)
+        self.preempted.sort(key=lambda x: x.stamp)
+        self._stats.preempted_samples += 1
+
+    def resume_preempted(self, params: Params) -> None:
+        """Puts preempted samples back into free slots, oldest first, while the pool has room:
+        their KV cache is recomputed from prompt + generated tokens (under the current weights;
+        the tokens keep their versions)."""
+        free = self.free()
+        histories = {}
+        while self.preempted and free:
+            sample = self.preempted[0]
+            position = sample.request.prompt.size + len(sample.tokens) - 1
+            remaining = sample.request.sampling.max_new_tokens - len(sample.tokens)
+            taken, free = self.take(free, 1, self.config.chunk_tokens(position, remaining))
+            if not taken:
+                break
+            self.preempted.pop(0)
+            self.set_key(taken[0], sample.request.seed, sample.index)
+            self._bind(taken[0], sample)
+            histories[taken[0]] = sample.history()
+        if histories:
+            self._kv.recompute(params, histories)
+
+    # ---- decoding ------------------------------------------------------------------------------
+
+    def decode_chunk(self, params: Params, version: int, waiting: bool) -> None:
+        """One decode chunk over every running slot; its tokens carry `version`. With requests
+        `waiting`, the chunk ends early once `refill_after` more slots are free."""
+        self.reserve_chunk()
+        active = np.array([s is not None for s in self.samples])
+        if not active.any():
+            return
+        ec = self.config
+        exit_free = (int((~active).sum()) + ec.refill_after if waiting and ec.refill_after
+                     else ec.num_slots + 1)
+        # Positions reached by the end of the chunk: the attention window (paged: the pages of the
+        # page tables) must hold them.
+        window = ec.decode_window(int(self.positions[active].max()) + ec.decode_chunk)
+        tokens, logprobs, valid, steps, elapsed = self._kv.decode(params, (  # [B, C] each but steps
+            self.tokens, self.positions, active, self.remaining, self.temperature, self.top_p, self.top_k,
+            self.stop_ids, self.keys, np.int32(exit_free)), window)
+        self._stats.decode_s += elapsed
+        self._stats.chunks += 1
+        self._stats.decode_steps += steps
+        self._stats.busy_slot_steps += int(valid.sum())
+        self._timings.add("decode", decode_key(window, int(active.sum()), ec.num_slots), steps=steps,
+                          slot_steps=int(valid.sum()), s=elapsed)
+        for slot in np.flatnonzero(active):
+            sample = self.samples[slot]
+            got = int(valid[slot].sum())  # valid steps form a prefix of the chunk
+            if got == 0:
+                continue
+            new = tokens[slot, :got]
+            sample.tokens.extend(new.tolist())
+            sample.logprobs.extend(logprobs[slot, :got].tolist())
+            sample.versions.extend([version] * got)
+            self._stats.generated_tokens += got
+            self.tokens[slot] = new[-1]
+            self.positions[slot] += got
+            self.remaining[slot] -= got
+            self._finish_if_done(slot, int(new[-1]))
+
+    # ---- finishing -----------------------------------------------------------------------------
+
+    def _finish_if_done(self, slot: int, last: int) -> None:
+        if last in self.samples[slot].request.sampling.stop_token_ids:
+            self.finish(slot, "stop")
+        elif self.remaining[slot] <= 0 or self.positions[slot] >= self.config.max_seq_len - 1:
+            self.finish(slot, "length")
+
+    def finish(self, slot: int, reason: StopReason) -> None:
+        """Frees the slot (and its pages) and hands its sample to the engine."""
+        sample = self.samples[slot]
+        self.samples[slot] = None
+        if self._kv.pages is not None:
+            self._kv.pages.release(slot)
+        self._on_done(sample, reason)
+
+    def abort_requests(self) -> None:
+        """Ends, 'aborted', every running or preempted sample of an aborted request."""
+        for slot, sample in enumerate(self.samples):
+            if sample is not None and sample.request.aborted:
+                self.finish(slot, "aborted")
+        for sample in [s for s in self.preempted if s.request.aborted]:
+            self.preempted.remove(sample)
+            self._on_done(sample, "aborted")

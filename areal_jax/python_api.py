@@ -1,0 +1,179 @@
+"""The Python API: a whole run from a script or a notebook, the same run `areal-jax train` makes.
+
+    import areal_jax as aj
+    cfg = aj.load_config("configs/quickstart.gin", overrides=["RLConfig.steps = 20"])
+    trainer = aj.Trainer(cfg, run_dir="runs/nb", reward_fn=my_reward, train_data=rows, eval_data=held_out)
+    summary = trainer.train()        # run directory, records, checkpoints and resume as the CLI's
+    trainer.evaluate()               # pass@k of the final model on eval_data (`areal-jax eval`)
+    trainer.export("hf/out")         # the final model, or the latest checkpoint, as an HF directory
+
+Configs come from gin (`load_config`) or are built in Python, `aj.JobConfigs(rl=aj.RLConfig(...))`.
+Data is a list or iterable of dicts (rows in any DataConfig format: GSM8K's question/answer,
+MATH's problem/solution, ...), written once to RUN/inputs/*.jsonl so that the run reads, shards,
+checkpoints and resumes it as it does files; or a path (a file or a list of files). `reward_fn` is
+any callable(completion_text, gold) -> float, run in this process
+(`reward.registry.register_reward_callable`); a workflow is an `api.RolloutWorkflow` instance, a
+workflow class (built as RLConfig.workflow's are) or a callable(rollout_config, tokenizer) -> workflow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from areal_jax import paths
+from areal_jax.job_config import JobConfigs
+
+__all__ = ["Trainer", "load_config"]
+
+DataInput = str | os.PathLike | Sequence[str | os.PathLike] | Iterable[Mapping[str, Any]]
+
+
+def load_config(path: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
+                overrides: Sequence[str] = (), *, run_dir: str = "{run_dir}") -> JobConfigs:
+    """Typed configs from .gin files (one path or several) and gin-style `overrides`
+    ("RLConfig.steps = 20"); ConfigError (one line naming the field) for any mistake. Paths that
+    depend on the run directory (checkpoints) hold "{run_dir}" until a run fills it in."""
+    from areal_jax.jobs.configs import load_job_configs
+
+    files = [] if path is None else [path] if isinstance(path, (str, os.PathLike)) else list(path)
+    return load_job_configs([str(f) for f in files], list(overrides), run_dir=run_dir)
+
+
+class Trainer:
+    """One run: `train`, then `evaluate` and `export` its model.
+
+    config: JobConfigs, or a .gin path (then `overrides` apply as in `load_config`).
+    run_dir: the run directory (local or gs://), laid out as `areal-jax train --run_dir` lays it out.
+    reward_fn: callable(completion, gold) -> float; replaces RLVRConfig.reward.
+    train_data / eval_data: the prompts and the held-out prompts (see the module docstring);
+        replace DataConfig.paths / TaskSource.eval_paths. Without eval_data a run on train_data
+        reports no held-out accuracy.
+    workflow: the rollout workflow (see the module docstring); replaces RLConfig.workflow.
+    """
+
+    def __init__(self, config: JobConfigs | str | os.PathLike, *, run_dir: str | os.PathLike,
+                 reward_fn: Callable[[str, Any], float] | None = None, train_data: DataInput | None = None,
+                 eval_data: DataInput | None = None, workflow: Any = None, overrides: Sequence[str] = ()):
+        cfg = loaded = config if isinstance(config, JobConfigs) else load_config(config, overrides)
+        if overrides and isinstance(config, JobConfigs):
+            raise ValueError("overrides apply to a .gin path; set the fields of the JobConfigs instead")
+        self.run_dir = str(run_dir)
+        if reward_fn is not None:
+            from areal_jax.reward.registry import register_reward_callable
+
+            cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout,
+                                                                       reward=register_reward_callable(reward_fn)))
+        self._inputs: dict[str, Any] = {}  # inputs/<name>.jsonl -> rows still to write
+        task, data = cfg.task, cfg.data
+        if train_data is not None:
+            files = self._data_paths(train_data, "train")
+            from areal_jax.data.pipeline import DataConfig
+
+            data = dataclasses.replace(data, paths=files) if data is not None else DataConfig(paths=files)
+            task = dataclasses.replace(task, kind="dataset", eval_size=task.eval_size if task.eval_paths else 0)
+        if eval_data is not None:  # rows: every one is held out; files: up to TaskSource.eval_size of them
+            files = self._data_paths(eval_data, "eval")
+            rows = self._inputs.get(files[0])
+            task = dataclasses.replace(task, eval_paths=files,
+                                       eval_size=len(rows) if rows is not None else task.eval_size or 1_000_000)
+        if task is not cfg.task or data is not cfg.data:
+            cfg = dataclasses.replace(cfg, task=task, data=data)
+        self.workflow = workflow
+        if workflow is not None:  # a class's own config: the bound one if it is of its config_class
+            config_class = getattr(workflow, "config_class", None) if isinstance(workflow, type) else None
+            wf_cfg = cfg.workflow if config_class and isinstance(cfg.workflow, config_class) else (
+                config_class() if config_class else None)
+            cfg = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, workflow=None), workflow=wf_cfg)
+        if cfg is not loaded and cfg.bindings:  # the gin text no longer says it all: config.gin is the fields'
+            cfg = dataclasses.replace(cfg, bindings="")
+        self.config = cfg.for_run(self.run_dir)
+        self.summary: dict[str, Any] | None = None
+
+    def _data_paths(self, data: DataInput, name: str) -> tuple[str, ...]:
+        if isinstance(data, (str, os.PathLike)):
+            return (str(data),)
+        if isinstance(data, Sequence) and data and all(isinstance(d, (str, os.PathLike)) for d in data):
+            return tuple(str(d) for d in data)
+        rows = list(data)  # a finite iterable of dicts: written once the run starts
+        if not all(isinstance(r, Mapping) for r in rows):
+            raise TypeError(f"{name}_data must be a path, a list of paths, or an iterable of dicts (rows)")
+        target = str(paths.as_path(self.run_dir) / "inputs" / f"{name}.jsonl")
+        self._inputs[target] = rows
+        return (target,)
+
+    def _write_inputs(self) -> None:
+        """The rows given as data, written by process 0 (every process holds the same rows); all
+        processes wait until they are there."""
+        import jax
+
+        if jax.process_index() == 0:
+            for target, rows in self._inputs.items():
+                path = paths.as_path(target)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                paths.write_whole(path, "".join(json.dumps(r, default=str) + "\n" for r in rows).encode())
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("areal_jax.python_api.inputs")
+
+    def train(self, *, resume: bool = False, overwrite: bool = False, progress: bool = True) -> dict[str, Any]:
+        """SFT (if configured) then RL, as `areal-jax train`; returns the summary (summary.json).
+        `resume`: continue from the run directory's latest checkpoint; `overwrite`: replace a
+        finished or failed run there. Every config check runs before any work."""
+        import jax
+
+        from areal_jax.job_config import check_cross_fields
+        from areal_jax.jobs.train import run_train
+
+        check_cross_fields(self.config, jax.process_count())
+        ppo, engine = self.config.ppo, self.config.engine
+        if self.workflow is not None and engine.max_seq_len > ppo.max_tokens_per_microbatch:
+            from areal_jax.config_system import ConfigError
+
+            # A custom workflow may grow an episode turn by turn, up to the engine's limit.
+            raise ConfigError(f"PPOConfig.max_tokens_per_microbatch ({ppo.max_tokens_per_microbatch}) is below "
+                              f"EngineConfig.max_seq_len ({engine.max_seq_len}), the longest sequence the workflow "
+                              "may build; such a sequence could not be trained")
+        self._write_inputs()
+        self.summary = run_train(self.config, self.run_dir, progress=progress, resume=resume, overwrite=overwrite,
+                                 workflow=self.workflow)
+        return self.summary
+
+    def evaluate(self, data: DataInput | None = None, *, n_samples: int = 1, temperature: float = 0.0,
+                 out_dir: str | os.PathLike | None = None) -> dict[str, Any]:
+        """pass@k and accuracy of the run's final model on `data` (default: eval_data), with the
+        run's reward and prompt encoding, as `areal-jax eval --run_dir_of=RUN`; the per-sample
+        results and report land in `out_dir` (default RUN/eval). Returns the report's overall figures."""
+        from areal_jax.jobs.evaluate import evaluate_run
+
+        files = self._data_paths(data, "evaluate") if data is not None else self.config.task.eval_paths
+        if not files:
+            raise ValueError("evaluate needs data: pass it, or eval_data to the Trainer")
+        self._write_inputs()
+        out = out_dir if out_dir is not None else paths.as_path(self.run_dir) / "eval"
+        return evaluate_run(self.run_dir, files, out_dir=out, n_samples=n_samples, temperature=temperature,
+                            reward=self.config.rollout.reward, reward_pool=self.config.reward_pool,
+                            sandbox=self.config.sandbox)
+
+    def export(self, out: str | os.PathLike, *, dtype: str = "float32", overwrite: bool = False) -> str:
+        """The run's model as an HF directory `out`: final_model/ when the run finished, else the
+        latest checkpoint (as `areal-jax export`). Returns `out`."""
+        final = paths.as_path(self.run_dir) / "final_model"
+        if final.exists() and dtype == "float32":
+            target = paths.as_path(out)
+            if target.exists() and any(target.iterdir()) and not overwrite:
+                raise FileExistsError(f"{out} holds files: pass overwrite=True to replace them")
+            with paths.staged_dir(target) as staged:  # final_model/ is flat: weights, configs, tokenizer
+                paths.copy_files(final, staged)
+            return str(out)
+        from areal_jax.jobs.export import ExportConfig, run_export
+
+        if self.config.checkpoint is None:
+            raise FileNotFoundError(f"{self.run_dir} has no final_model/ and the run keeps no checkpoints")
+        run_export(ExportConfig(checkpoint=str(self.config.checkpoint.directory), out=str(out), dtype=dtype,
+                                overwrite=overwrite, run_dir=self.run_dir))
+        return str(out)

@@ -1,0 +1,168 @@
+"""The cluster of an RL run: the meshes, the trainer and engine on them, the weight path between them,
+and the rollout side; built together, started and shut down together.
+
+`RLCluster` holds an `api.TrainEngine` (the train mesh), an `api.InferenceEngine` (this host's
+generation mesh), `to_engine` (the trainer's weights -> what the engine serves: a `WeightSync`
+transfer for the native pair) and the rollout side that feeds the trainer: the staleness manager
+(admission), the channel (finished groups, oldest first) and the controller (its thread runs the
+workflow per prompt row). `RLCluster.build` makes the native one from configs; any other pair of
+engines plugs in through the constructor (tests/test_api_seams.py runs the loop on one).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+
+from areal_jax import api
+from areal_jax.generation.config import EngineConfig
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.lora import LoRAConfig
+from areal_jax.models.transformer import Params
+from areal_jax.parallel.adapter_sync import AdapterSync
+from areal_jax.parallel.meshes import MeshConfig, Meshes, build_meshes
+from areal_jax.parallel.weight_sync import WeightSync
+from areal_jax.rollout.channel import TrajectoryChannel
+from areal_jax.rollout.controller import RolloutController, ShutdownReport
+from areal_jax.rollout.staleness import StalenessManager
+from areal_jax.trainer.config import PPOConfig, RLConfig
+from areal_jax.trainer.optimizer import OptimizerConfig
+
+__all__ = ["RLCluster", "generation_weight_sync"]
+
+
+def generation_weight_sync(model_cfg: ModelConfig, meshes: Meshes, rl: RLConfig, lora: LoRAConfig | None = None
+                           ) -> WeightSync | AdapterSync:
+    """The train -> generation transfer of a run: the generation dtype and group size of `rl`,
+    weights delivered per layer (the layout the engine holds). With LoRA, an `AdapterSync`: the
+    base once, then only the adapters, merged on the generation devices."""
+    if lora is not None and lora.enabled:
+        return AdapterSync(model_cfg, lora, meshes, rl.generation_dtype, group_bytes=rl.transfer_group_bytes)
+    return WeightSync.for_model(model_cfg, meshes, rl.generation_dtype, group_bytes=rl.transfer_group_bytes)
+
+
+class RLCluster:
+    """The parts of a run and their lifetimes (see the module docstring).
+
+    `rl` sizes the rollout side: each process admits its share of `rl.batch_size` groups per step
+    (`local_batch`), at most `rl.max_concurrent` in flight, `rl.max_staleness` versions ahead.
+    `meshes` and `weight_sync` are the native pair's (None for another pair)."""
+
+    def __init__(self, trainer: api.TrainEngine, engine: api.InferenceEngine, to_engine: Callable[[Any], Any], *,
+                 rl: RLConfig, meshes: Meshes | None = None, weight_sync: WeightSync | AdapterSync | None = None,
+                 rows_per_process: int = 1):
+        local_batch = rl.batch_size // jax.process_count()
+        if local_batch * jax.process_count() != rl.batch_size:
+            raise ValueError(f"RLConfig.batch_size {rl.batch_size} must divide over {jax.process_count()} processes")
+        self.trainer, self.engine, self.to_engine = trainer, engine, to_engine
+        self.meshes, self.weight_sync = meshes, weight_sync
+        self.local_batch = local_batch
+        self.rows_per_process = rows_per_process
+        self.staleness = StalenessManager(rl.max_staleness, local_batch, rl.max_concurrent)
+        self.channel = TrajectoryChannel(rl.channel_capacity or 4 * local_batch)
+        self.max_group_age = rl.max_group_age
+        self.controller: RolloutController | None = None
+
+    @classmethod
+    def build(cls, model_cfg: ModelConfig, params: Params, *, rl: RLConfig, ppo: PPOConfig,
+              optimizer: OptimizerConfig, engine: EngineConfig, mesh: MeshConfig = MeshConfig(),
+              devices: Sequence[jax.Device] | None = None, start_version: int = 0, donate_params: bool = False,
+              weight_sync: WeightSync | AdapterSync | None = None, lora: LoRAConfig = LoRAConfig()) -> RLCluster:
+        """The native cluster: meshes from `mesh` over `devices`, a PolicyTrainer on the train mesh
+        (its own fp32 copy of `params`; with `donate_params` the given buffers are then deleted),
+        a GenerationEngine on this host's generation mesh serving the trainer's weights through a
+        WeightSync (`weight_sync`: one of the same meshes to reuse, its programs compiled). `lora`:
+        the trainer trains adapters on a frozen base (models/lora.py) and each swap moves only the
+        adapters (an AdapterSync)."""
+        from areal_jax.generation.engine import GenerationEngine
+        from areal_jax.trainer.train_step import PolicyTrainer
+
+        meshes = build_meshes(mesh, devices)
+        trainer = PolicyTrainer(model_cfg, params, optimizer, ppo, mesh=meshes.train, lora=lora)
+        if donate_params:
+            _delete_unless_held(params, trainer.params)
+        del params  # the trainer holds its own copy: nothing below may keep the initial one alive
+        if weight_sync is not None and (weight_sync.meshes.train, weight_sync.meshes.generation) != (
+                meshes.train, meshes.generation):
+            raise ValueError("weight_sync was built for other meshes than this loop's")
+        if weight_sync is not None and isinstance(weight_sync, AdapterSync) != lora.enabled:
+            raise ValueError("weight_sync must be an AdapterSync exactly when LoRAConfig.rank > 0")
+        sync = weight_sync or generation_weight_sync(model_cfg, meshes, rl, lora)
+        served = GenerationEngine((model_cfg, sync.transfer(trainer.params)), engine, version=start_version)
+        # Micro-batch rows split over "fsdp": each process contributes a multiple of its share.
+        rows = max(meshes.train.shape["fsdp"] // jax.process_count(), 1)
+        return cls(trainer, served, sync.transfer, rl=rl, meshes=meshes, weight_sync=sync, rows_per_process=rows)
+
+    def connect(self, workflow: api.RolloutWorkflow, data_iter: Iterator[Any], *, version_fn: Callable[[], int],
+                tokenizer: Any = None, reward_pool: Any = None) -> Iterator[Any]:
+        """Builds the rollout side: the controller runs `workflow` over `data_iter`'s rows. Returns
+        the iterator it reads (a checkpointable one is wrapped so that a position snapshot never lands
+        halfway through a read); call before `start`."""
+        # The controller thread reads rows while the trainer thread snapshots the position for a
+        # checkpoint: a lock keeps a snapshot from landing halfway through a read.
+        data = _LockedIterator(data_iter) if hasattr(data_iter, "get_state") else data_iter
+        self.controller = RolloutController(self.engine, workflow, self.staleness, self.channel, data,
+                                            version_fn=version_fn, tokenizer=tokenizer, reward_pool=reward_pool,
+                                            max_group_age=self.max_group_age)
+        return data
+
+    def push_weights(self, version: int) -> concurrent.futures.Future:
+        """The trainer's current weights to the engine as `version`; resolves once they serve."""
+        return self.engine.update_weights(self.to_engine(self.trainer.params), version)
+
+    def start(self) -> None:
+        self.engine.start()
+        self.controller.start()
+
+    def shutdown(self, timeout: float = 30.0) -> ShutdownReport:
+        """Stops the rollout side, then the engine; where every admitted group ended."""
+        try:
+            return self.controller.shutdown(timeout=timeout)
+        finally:
+            self.engine.stop()
+
+    def close(self) -> None:
+        """Drops the engine (KV cache, served weights), the rollout side and the trainer (optimizer
+        state), freeing both sides' devices."""
+        self.controller = self.engine = self.trainer = None
+
+
+class _LockedIterator:
+    """A checkpointable iterator whose reads and position snapshots exclude each other."""
+
+    def __init__(self, inner: Any):
+        self._inner, self._lock = inner, threading.Lock()
+
+    def __iter__(self) -> _LockedIterator:
+        return self
+
+    def __next__(self) -> Any:
+        with self._lock:
+            return next(self._inner)
+
+    def get_state(self) -> Any:
+        with self._lock:
+            return self._inner.get_state()
+
+    def set_state(self, state: Any) -> None:
+        with self._lock:
+            self._inner.set_state(state)
+
+    def __getattr__(self, name: str) -> Any:  # e.g. start_prefetch, which a restore calls
+        return getattr(self._inner, name)
+
+
+def _delete_unless_held(given: Params, held: Params) -> None:
+    """Frees the buffers of `given` that `held` does not use (the trainer may keep an input as is)."""
+
+    def buffers(x: jax.Array) -> set[tuple[Any, int]]:
+        return {(s.device, s.data.unsafe_buffer_pointer()) for s in x.addressable_shards}
+
+    kept = set().union(*(buffers(x) for x in jax.tree.leaves(held) if isinstance(x, jax.Array)))
+    for x in jax.tree.leaves(given):
+        if isinstance(x, jax.Array) and not x.is_deleted() and not buffers(x) & kept:
+            x.delete()

@@ -1,0 +1,69 @@
+"""AdapterSync (parallel/adapter_sync.py): the base once, then only adapters, merged on the
+generation mesh; and the size of an adapter transfer at a 7B shape."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from areal_jax.models import lora as lora_lib
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.lora import LoRAConfig
+from areal_jax.models.sharding import TRAIN_RULES
+from areal_jax.models.transformer import init_params, split_layers
+from areal_jax.parallel import MeshConfig, build_meshes
+from areal_jax.parallel.adapter_sync import AdapterSync, adapter_bytes
+from areal_jax.parallel.transfer_plan import model_partition_specs
+from areal_jax.trainer.programs import param_shardings
+
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
+                  head_dim=8, qkv_bias=True, family="qwen2")
+# Qwen2.5-7B's shapes (config.json of Qwen/Qwen2.5-7B).
+QWEN25_7B = ModelConfig(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
+                        num_kv_heads=4, head_dim=128, qkv_bias=True, family="qwen2", max_position_embeddings=32768)
+
+
+def test_a_rank_16_transfer_of_a_7b_model_is_under_one_percent_of_a_full_one():
+    lora = LoRAConfig(rank=16)  # every projection
+    train, _ = model_partition_specs(QWEN25_7B, build_meshes(MeshConfig()).train, 1, lora)
+    shapes = lora_lib.adapter_shapes(QWEN25_7B, lora)
+    moved = sum(int(np.prod(shapes[w][k])) for w in train["layers"] for k in train["layers"][w]) * 2  # bf16
+    full = QWEN25_7B.num_params() * 2
+    assert moved == adapter_bytes(QWEN25_7B, lora, jnp.bfloat16)
+    # 28 layers x 16 x (2 x (3584 + 3584) + 2 x (3584 + 512) + 3 x (3584 + 18944)) = 40.4M of 7.6B
+    assert moved == 28 * 16 * (2 * 7168 + 2 * 4096 + 3 * 22528) * 2
+    assert moved / full < 0.01, moved / full
+
+
+def _adapted(meshes, lora, seed):
+    adapters = lora_lib.init_adapters(CFG, lora)
+    rng = np.random.default_rng(seed)
+    adapters = {k: v if k == lora_lib.SCALE else {n: jnp.asarray(rng.normal(0, 0.3, x.shape), jnp.float32)
+                                                  for n, x in v.items()} for k, v in adapters.items()}
+    params = lora_lib.attach(jax.tree.map(lambda x: x.astype(jnp.bfloat16), init_params(CFG, seed)), adapters)
+    return jax.device_put(params, param_shardings(CFG, TRAIN_RULES, meshes.train, lora))
+
+
+@pytest.mark.parametrize("mesh", [MeshConfig(train_tensor=2, generation_tensor=2),
+                                  MeshConfig(colocated=True, train_tensor=2, generation_tensor=2)],
+                         ids=["split", "colocated"])
+def test_swaps_move_only_adapters_and_deliver_the_merged_weights(mesh):
+    meshes = build_meshes(mesh)
+    lora = LoRAConfig(rank=2, alpha=3.0, targets=("q", "o", "up", "down"))
+    sync = AdapterSync(CFG, lora, meshes, None)  # generation dtype = the trained dtypes: exact comparison
+    for i, seed in enumerate((0, 1)):
+        params = _adapted(meshes, lora, 0 if i == 0 else seed)
+        if i == 1:  # same base, new adapters
+            params = lora_lib.attach(lora_lib.detach(first), lora_lib.adapters_of(params))
+        got = sync.transfer(params)
+        want = split_layers(lora_lib.merge(jax.tree.map(np.asarray, params)))
+        for (path, x), y in zip(jax.tree.leaves_with_path(want), jax.tree.leaves(got)):
+            assert y.sharding.mesh == meshes.generation and y.dtype == x.dtype, path
+            # bf16 base: the fp32 sums of two programs may round one bf16 ulp apart
+            np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(x, np.float32), rtol=2 ** -8, atol=1e-6,
+                                       err_msg=str(path))
+        first = params if i == 0 else first
+    assert sync.base_sync.last_stats.index == 1  # the base crossed once
+    assert sync.last_stats.num_bytes == adapter_bytes(CFG, lora, jnp.float32)

@@ -1,0 +1,83 @@
+"""The scripts in examples/ run as a user runs them (a fresh process, this machine's devices) and
+leave the run directory, records and models they promise."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from areal_jax.metrics import read_jsonl
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _run(script: str, *args: str) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)  # one CPU device, as on a laptop (the tests' fake devices are not the user's)
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_gsm8k_rows_with_a_python_reward(tmp_path):
+    out = _run("gsm8k_python_reward.py", f"--run_dir={tmp_path}")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["sft_steps"] == 10 and summary["trained_tokens"] > 0
+    assert summary["held_out_problems"] == 8 and 0.0 <= summary["final_accuracy"] <= 1.0
+    # The rows were written once into the run directory and read as files are.
+    rows = read_jsonl(tmp_path / "inputs" / "train.jsonl")
+    assert len(rows) == 200 and rows[0]["answer"].split("####")[1].strip().isdigit()
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["data"]["paths"] == [str(tmp_path / "inputs" / "train.jsonl")]
+    assert config["rollout"]["reward"].startswith("py_")  # the Python callable, registered in-process
+    assert (tmp_path / "final_model" / "config.json").is_file() and "held-out accuracy" in out
+    # The preflight scored the rows' own answers with the Python reward (a reward that could not
+    # read them would have refused the run): every step's rewards are the callable's 0/1 values.
+    for record in read_jsonl(tmp_path / "metrics.jsonl"):
+        if record["step"] >= 0:
+            assert record["metrics"]["reward/mean"] in (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+@pytest.mark.slow
+def test_custom_multi_turn_workflow_trains_only_the_model_tokens(tmp_path):
+    _run("custom_multi_turn_workflow.py", f"--run_dir={tmp_path}")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["trained_tokens"] > 0
+    feedback = "<|user|>Wrong. Again.<|end|><|assistant|>"
+    records = [r for step in (0, 1) for r in read_jsonl(tmp_path / "rollouts" / f"step_{step}.jsonl")]
+    assert len(records) == 2 * 2 * 2  # steps x groups x samples
+    retried = [r for r in records if "loss_mask" in r]
+    assert retried, "a random policy is wrong at first: some episodes take the second turn"
+    for r in records:
+        mask = r.get("loss_mask", [1] * len(r["versions"]))
+        # Inserted tokens: loss mask 0, version -1, no behaviour log-prob; the model's: a real version.
+        assert all((m == 0) == (v == -1) for m, v in zip(mask, r["versions"]))
+        assert all(lp == 0.0 for m, lp in zip(mask, r["behavior_logprobs"]) if m == 0)
+        if "loss_mask" in r:
+            # The feedback turn: its 13 characters and 3 role tokens (the task tokenizer is per character).
+            assert mask.count(0) == len("Wrong. Again.") + 3 and feedback in r["completion"]
+            assert r["reward"] in (0.0, 0.5)  # the second answer earns half
+
+
+@pytest.mark.slow
+def test_evaluate_and_export_from_python_built_configs(tmp_path):
+    out = _run("evaluate_and_export.py", f"--run_dir={tmp_path / 'run'}", f"--out={tmp_path / 'hf'}")
+    report = json.loads((tmp_path / "run" / "eval" / "report.json").read_text())["overall"]
+    assert report["num_prompts"] == 4 and report["num_samples"] == 8 and report["pass@1"] <= report["pass@2"]
+    assert '"pass@2"' in out
+    # config.gin of a run configured in Python: the fields that differ from the defaults.
+    gin_text = (tmp_path / "run" / "config.gin").read_text()
+    assert "RLConfig.steps = 2" in gin_text and "ModelSource.hidden_size = 32" in gin_text
+    from areal_jax.models import load_pretrained
+    from areal_jax.models.tokenizer import Tokenizer
+
+    exported, final = tmp_path / "hf", tmp_path / "run" / "final_model"
+    assert sorted(p.name for p in exported.iterdir()) == sorted(p.name for p in final.iterdir())
+    assert (exported / "model.safetensors").read_bytes() == (final / "model.safetensors").read_bytes()
+    load_pretrained(exported)
+    Tokenizer.from_pretrained(exported)

@@ -1,0 +1,71 @@
+"""One held-out evaluator (evaluation/held_out.py): RL's `eval/accuracy`, SFT's stopping probe and
+`areal-jax eval` report the same accuracy of the same weights on the same rows, and it is the
+accuracy of the greedy completions a separate generator writes, scored by the reward directly."""
+
+import itertools
+
+import jax
+import pytest
+
+from areal_jax.evaluation import EvalConfig, GreedyAccuracy, run_evaluation
+from areal_jax.generation import EngineConfig
+from areal_jax.generation.offline import generate
+from areal_jax.models import ModelConfig, init_params
+from areal_jax.models.tokenizer import Tokenizer
+from areal_jax.models.transformer import Transformer
+from areal_jax.parallel import MeshConfig
+from areal_jax.ppo import AdvantageConfig
+from areal_jax.reward.pool import RewardPool, RewardPoolConfig
+from areal_jax.reward.scoring import RewardScorer
+from areal_jax.rollout.workflow import RLVRConfig
+from areal_jax.trainer import OptimizerConfig, PPOConfig
+from areal_jax.trainer.loop import RLConfig, RLLoop
+from tests.rollout_fixtures import scripted_reward
+from tests.test_rl_loop import REWARD, rows
+from tests.tokenizer_fixtures import build_tiny_tokenizer
+
+BUDGET = 8  # completion tokens of every held-out check
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return Tokenizer.from_pretrained(build_tiny_tokenizer(tmp_path_factory.mktemp("tok"), "chatml"))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_rl_sft_and_eval_report_the_same_held_out_accuracy(tokenizer, seed):
+    cfg = ModelConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8)
+    params = init_params(cfg, seed, std=0.3)
+    held_out = list(itertools.islice(rows(tokenizer, "coin", offset=100 * seed), 24))  # reward 1 for ~half the texts
+    stop = tuple(tokenizer.stop_token_ids)
+
+    # The reference: greedy completions of the offline generator, scored by calling the reward.
+    completions = generate(Transformer(cfg, params), [r["prompt_ids"].tolist() for r in held_out],
+                           max_new_tokens=BUDGET, temperature=0.0, stop_token_ids=stop)
+    texts = [tokenizer.decode([int(t) for t in c[0].tokens], skip_special_tokens=True) for c in completions]
+    want = sum(scripted_reward(text, "coin") >= 1.0 for text in texts) / len(texts)
+    assert 0.0 < want < 1.0 and len(set(texts)) > 1  # the comparison can tell evaluators apart
+
+    # SFT's stopping probe (and the job's accuracy before and after RL).
+    probe = GreedyAccuracy(cfg, held_out, tokenizer, max_new_tokens=BUDGET,
+                           reward_fn=RewardScorer(REWARD, None, timeout_s=10.0))
+    assert probe(params) == want
+    # `areal-jax eval`, greedy: accuracy and pass@1.
+    report = run_evaluation((cfg, params), tokenizer, held_out,
+                            EvalConfig(max_new_tokens=BUDGET, reward=REWARD, num_slots=8, max_seq_len=64))
+    assert report.overall["accuracy"] == report.overall["pass@1"] == want
+    # RL: the loop's own engine running on its thread, rewards in the rollouts' worker pool.
+    with RewardPool(RewardPoolConfig(num_workers=2, preload=("tests.rollout_fixtures",))) as pool:
+        loop = RLLoop(cfg, params, tokenizer=tokenizer, data_iter=rows(tokenizer), reward_pool=pool,
+                      rl=RLConfig(steps=1, batch_size=2, eval_max_new_tokens=BUDGET),
+                      ppo=PPOConfig(), optimizer=OptimizerConfig(), advantages=AdvantageConfig(),
+                      workflow=RLVRConfig(n_samples=2, max_new_tokens=4, reward=REWARD, stop_token_ids=stop),
+                      engine=EngineConfig(num_slots=8, max_seq_len=48, decode_chunk=2), eval_rows=held_out,
+                      mesh=MeshConfig(colocated=True), devices=jax.devices()[:1])
+        loop.engine.start()
+        try:
+            assert loop.evaluate() == want
+        finally:
+            loop.engine.stop()
+        assert pool.stats().succeeded == len(held_out)  # scored in the pool, not in this process

@@ -1,0 +1,76 @@
+"""The Python API's configs and inputs (areal_jax/python_api.py, job_config.py): configs built in
+Python and from gin are the same configs, rows and rewards become what a file-configured run reads,
+and the package stays light to import. Whole runs: tests/test_example_scripts.py."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import areal_jax as aj
+from areal_jax.jobs.configs import load_job_configs
+
+
+def test_configs_built_in_python_round_trip_through_their_gin_text(tmp_path):
+    cfg = aj.JobConfigs(model=aj.ModelSource(hidden_size=32, num_layers=1), task=aj.TaskSource(train_size=300),
+                        rl=aj.RLConfig(steps=3, batch_size=2, max_concurrent=4),
+                        rollout=aj.RLVRConfig(n_samples=2, max_new_tokens=8, reward="arithmetic", temperature=0.7),
+                        ppo=aj.PPOConfig(num_minibatches=1, max_tokens_per_microbatch=512),
+                        engine=aj.EngineConfig(num_slots=8, max_seq_len=64)).for_run(tmp_path)
+    # Derived as the gin front end derives them: the task, the training temperature, the eval budget.
+    assert cfg.task.kind == "arithmetic" and cfg.ppo.temperature == 0.7 and cfg.rl.eval_max_new_tokens == 8
+    assert cfg.checkpoint.directory == f"{tmp_path}/checkpoints"
+    text = cfg.gin_text()
+    assert "RLConfig.steps = 3" in text and "OptimizerConfig" not in text  # only what differs from defaults
+    loaded = load_job_configs((), text.splitlines(), run_dir=str(tmp_path))
+    assert loaded.as_dict() == cfg.as_dict() and loaded == cfg
+
+
+def test_gin_configs_leave_the_run_directory_to_the_run(tmp_path):
+    cfg = aj.load_config("configs/quickstart.gin", overrides=["RLConfig.steps = 7"])
+    assert cfg.rl.steps == 7 and cfg.checkpoint.directory == "{run_dir}/checkpoints"
+    assert cfg.for_run(tmp_path).checkpoint.directory == f"{tmp_path}/checkpoints"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"rl": aj.PPOConfig()}, "JobConfigs.rl must be a RLConfig, got PPOConfig"),
+    ({"ppo": aj.PPOConfig(temperature=0.5)}, "PPOConfig.temperature (0.5) is derived from RLVRConfig.temperature"),
+    ({"task": aj.TaskSource(kind="arithmetic"), "data": aj.DataConfig(paths=("a.jsonl",))},
+     "DataConfig.paths is set, but TaskSource.kind = 'arithmetic'"),
+    ({"model": aj.ModelSource(hidden_size="32")}, "ModelSource.hidden_size = '32' does not match its type int"),
+])
+def test_a_bad_python_config_is_one_line_naming_the_field(kwargs, message):
+    with pytest.raises((aj.ConfigError, ValueError)) as info:
+        aj.JobConfigs(**kwargs)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_rows_and_a_python_reward_become_a_dataset_run(tmp_path):
+    rows = [{"question": f"{i} + 1?", "answer": f"#### {i + 1}"} for i in range(5)]
+    held_out = ({"question": "9 + 1?", "answer": "#### 10"} for _ in range(3))  # any finite iterable
+    trainer = aj.Trainer("configs/quickstart.gin", run_dir=tmp_path, overrides=["RLConfig.steps = 2"],
+                         reward_fn=lambda text, gold: float(text.strip() == gold), train_data=rows,
+                         eval_data=held_out)
+    cfg = trainer.config
+    assert cfg.task.kind == "dataset" and cfg.data.paths == (str(tmp_path / "inputs" / "train.jsonl"),)
+    assert cfg.task.eval_paths == (str(tmp_path / "inputs" / "eval.jsonl"),) and cfg.task.eval_size == 3
+    assert cfg.checkpoint.directory == f"{tmp_path}/checkpoints" and cfg.rl.steps == 2
+    assert "DataConfig.paths" in cfg.gin_text()  # written as config.gin: not the .gin file's text any more
+    from areal_jax.reward.registry import load_reward_function, resolve_reward_path, runs_in_process
+
+    assert runs_in_process(cfg.rollout.reward)
+    assert load_reward_function(resolve_reward_path(cfg.rollout.reward))(" 4", "4") == 1.0
+    trainer._write_inputs()
+    assert [json.loads(line) for line in (tmp_path / "inputs" / "train.jsonl").read_text().splitlines()] == rows
+    assert len((tmp_path / "inputs" / "eval.jsonl").read_text().splitlines()) == 3
+    with pytest.raises(TypeError, match="train_data must be a path"):
+        aj.Trainer(cfg, run_dir=tmp_path, train_data=[1, 2])
+
+
+def test_import_is_light_and_plan_reads_no_jobs():
+    code = ("import sys, areal_jax as aj; assert 'jax' not in sys.modules, 'jax'; aj.InferenceEngine; "
+            "assert 'jax' not in sys.modules, 'api'; import areal_jax.plan.job; "
+            "assert not [m for m in sys.modules if m.startswith('areal_jax.jobs')], 'jobs'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
