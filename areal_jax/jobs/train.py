@@ -118,7 +118,9 @@ def prepare_workload(cfg: JobConfigs, run_dir: paths.Path, *, mesh: Mesh | None 
         tokenizer_dir = build_tokenizer(pathlib.Path(tempfile.mkdtemp(prefix="areal-jax-tokenizer-"))
                                         if paths.is_remote(run_dir) else run_dir / "tokenizer")
         tokenizer = Tokenizer.from_pretrained(tokenizer_dir)
-        model_cfg = task_model_config(hidden_size=cfg.model.hidden_size, num_layers=cfg.model.num_layers)
+        model_cfg = task_model_config(hidden_size=cfg.model.hidden_size, num_layers=cfg.model.num_layers,
+                                      num_experts=cfg.model.num_experts,
+                                      num_experts_per_tok=cfg.model.num_experts_per_tok)
         params = init_params(model_cfg, cfg.model.init_seed, dtype=cfg.model.dtype)
         if mesh is not None:  # a small built-in model: drawn whole, then placed
             params = _place_on_train_mesh(model_cfg, mesh, jax.device_get(params))
