@@ -37,4 +37,4 @@ def _megablox_gmm(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
     return out[:A]
 
 
-GROUPED_MATMUL.register("tpu", _megablox_gmm)
+GROUPED_MATMUL.register("tpu", _megablox_gmm, name="megablox_gmm")
