@@ -35,6 +35,7 @@ _EXPORTS = {
     "MeshConfig": "areal_jax.parallel.meshes",
     "CheckpointConfig": "areal_jax.checkpoint",
     "MetricsConfig": "areal_jax.metrics",
+    "LoRAConfig": "areal_jax.models.lora",
     "ConfigError": "areal_jax.config_system",
     # the seams (Protocols) and what a custom workflow builds
     "InferenceEngine": "areal_jax.api",

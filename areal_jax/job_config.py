@@ -52,6 +52,17 @@ class ModelSource:
     init_seed: int = 0  # built-in model only
     hidden_size: int = 128  # built-in model only
     num_layers: int = 4  # built-in model only
+    # Built-in model only: > 0 makes it a Qwen2-MoE of this many experts (configs/quickstart_moe.gin),
+    # `num_experts_per_tok` of them per token; 0 = dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+
+    def __post_init__(self):
+        if self.num_experts < 0:
+            raise ValueError(f"ModelSource.num_experts must be >= 0, got {self.num_experts!r}")
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"ModelSource.num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                             f"got {self.num_experts_per_tok!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -92,6 +92,17 @@ class Trainer:
             cfg = dataclasses.replace(cfg, bindings="")
         self.config = cfg.for_run(self.run_dir)
         self.summary: dict[str, Any] | None = None
+        self._hooks: list[tuple[Callable[[Any], None], str, int]] = []
+
+    def add_hook(self, hook: Callable[[Any], None], *, stage: str = "record", every: int = 1) -> None:
+        """Runs `hook(info)` after every `every`-th RL step (`trainer.hooks.StepInfo`: step, groups,
+        metrics, loop) at `stage`: "update" (after the update, before the weights reach the
+        generator), "metrics" (the step's metrics may be added to) or "record" (they are final)."""
+        from areal_jax.trainer.hooks import STAGES
+
+        if stage not in STAGES or not isinstance(every, int) or every < 1:
+            raise ValueError(f"add_hook: stage must be one of {STAGES} and every an int >= 1, got {stage!r}, {every!r}")
+        self._hooks.append((hook, stage, every))
 
     def _data_paths(self, data: DataInput, name: str) -> tuple[str, ...]:
         if isinstance(data, (str, os.PathLike)):
@@ -140,7 +151,7 @@ class Trainer:
                               "may build; such a sequence could not be trained")
         self._write_inputs()
         self.summary = run_train(self.config, self.run_dir, progress=progress, resume=resume, overwrite=overwrite,
-                                 workflow=self.workflow)
+                                 workflow=self.workflow, hooks=self._hooks)
         return self.summary
 
     def evaluate(self, data: DataInput | None = None, *, n_samples: int = 1, temperature: float = 0.0,

@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = aj.load_config(QUICKSTART, overrides=SMALL)
     trainer = aj.Trainer(cfg, run_dir=args.run_dir, reward_fn=last_number_reward,
                          train_data=word_problems(200, seed=0), eval_data=word_problems(8, seed=1))
+    # A hook on every RL step, once its metrics are final (trainer/hooks.py: "update", "metrics", "record").
+    trainer.add_hook(lambda info: print(f"step {info.step}: reward {info.metrics['reward/mean']:.3f}, "
+                                        f"policy version {info.metrics['version']}", flush=True), stage="record")
     summary = trainer.train(overwrite=args.overwrite, progress=False)
     print(f"held-out accuracy {summary['sft_accuracy']} -> {summary['final_accuracy']} after {summary['steps']} "
           f"RL steps; records in {args.run_dir}")

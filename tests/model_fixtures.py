@@ -27,3 +27,18 @@ def make_models(reference, root: pathlib.Path, configs: dict[str, tuple[str, dic
                          "seed": seed, **extra})
     reference.run("many", requests=requests)
     return dirs
+
+
+def models_with_logits(reference, root: pathlib.Path, configs: dict[str, tuple[str, dict]], sequences: list
+                       ) -> dict[str, tuple[pathlib.Path, list]]:
+    """`make_models`, then transformers' fp32 logits of each sequence: name -> (directory, logits)."""
+    import numpy as np
+
+    dirs = make_models(reference, root, configs)
+    reference.run("many", requests=[{"op": "logits", "model": str(d), "sequences": sequences,
+                                     "out": str(d / "ref.npz")} for d in dirs.values()])
+    out = {}
+    for name, d in dirs.items():
+        ref = np.load(d / "ref.npz")
+        out[name] = (d, [ref[f"logits_{i}"] for i in range(len(sequences))])
+    return out

@@ -15,8 +15,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _run(script: str, *args: str) -> str:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)  # one CPU device, as on a laptop (the tests' fake devices are not the user's)
+    # One CPU device, as on a laptop (conftest's 8 fake devices are the tests', not the user's).
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"}
     done = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -36,6 +36,7 @@ def test_gsm8k_rows_with_a_python_reward(tmp_path):
     assert config["data"]["paths"] == [str(tmp_path / "inputs" / "train.jsonl")]
     assert config["rollout"]["reward"].startswith("py_")  # the Python callable, registered in-process
     assert (tmp_path / "final_model" / "config.json").is_file() and "held-out accuracy" in out
+    assert "step 0: reward" in out and "step 1: reward" in out and "policy version 2" in out  # its hook ran
     # The preflight scored the rows' own answers with the Python reward (a reward that could not
     # read them would have refused the run): every step's rewards are the callable's 0/1 values.
     for record in read_jsonl(tmp_path / "metrics.jsonl"):

@@ -9,7 +9,7 @@ import pytest
 
 from areal_jax.models import load_pretrained, read_config, save_pretrained
 from areal_jax.models import sharding as shd
-from tests.model_fixtures import FAMILY_CONFIGS, TINY, make_models
+from tests.model_fixtures import FAMILY_CONFIGS, TINY, models_with_logits
 
 RNG = np.random.default_rng(0)
 SEQS = [RNG.integers(0, TINY["vocab_size"], size=n).tolist() for n in (13, 5, 1, 9, 20)]
@@ -29,16 +29,7 @@ VARIANT_CONFIGS = {
 @pytest.fixture(scope="module")
 def checkpoints(reference, tmp_path_factory):
     """name -> (directory, reference logits per sequence of SEQS)."""
-    root = tmp_path_factory.mktemp("hf")
-    configs = {**FAMILY_CONFIGS, **VARIANT_CONFIGS}
-    dirs = make_models(reference, root, configs)
-    reference.run("many", requests=[{"op": "logits", "model": str(d), "sequences": SEQS, "out": str(d / "ref.npz")}
-                                    for d in dirs.values()])
-    out = {}
-    for name, d in dirs.items():
-        ref = np.load(d / "ref.npz")
-        out[name] = (d, [ref[f"logits_{i}"] for i in range(len(SEQS))])
-    return out
+    return models_with_logits(reference, tmp_path_factory.mktemp("hf"), {**FAMILY_CONFIGS, **VARIANT_CONFIGS}, SEQS)
 
 
 def _tol(ref_logits) -> float:
@@ -52,8 +43,12 @@ def _tol(ref_logits) -> float:
 @pytest.mark.parametrize("name", list(FAMILY_CONFIGS) + list(VARIANT_CONFIGS))
 def test_unpadded_logits_match_transformers(checkpoints, name):
     path, refs = checkpoints[name]
-    model = load_pretrained(path)
-    for seq, ref in zip(SEQS, refs):
+    assert_each_sequence_matches(load_pretrained(path), refs)
+
+
+def assert_each_sequence_matches(model, refs, seqs=SEQS):
+    """The model's logits of each sequence alone (unpadded) against the reference's."""
+    for seq, ref in zip(seqs, refs):
         out = np.asarray(model(jnp.asarray([seq])))[0]
         np.testing.assert_allclose(out, ref, atol=_tol(refs), rtol=0)
 
@@ -74,25 +69,28 @@ def test_left_padded_batch_matches_per_sequence_reference(checkpoints, name):
         np.testing.assert_allclose(out[b, T - len(s):], ref, atol=_tol(refs), rtol=0)
 
 
-@pytest.mark.parametrize("name", list(FAMILY_CONFIGS))
-def test_packed_rows_match_per_sequence_reference(checkpoints, name):
-    path, refs = checkpoints[name]
-    model = load_pretrained(path)
-    rows = [[0, 1, 2], [3, 4]]  # indices into SEQS; row 1 also ends in padding
-    T = 32
-    ids = np.zeros((2, T), np.int32)
-    seg = np.zeros((2, T), np.int32)
-    pos = np.zeros((2, T), np.int32)
+def packed_rows(seqs, rows=((0, 1, 2), (3, 4)), T=32):
+    """Rows packing several of `seqs` (indices per row; row 1 also ends in padding) -> input ids,
+    segment ids, positions `[R, T]` and each sequence's (row, start, length)."""
+    ids, seg, pos = (np.zeros((len(rows), T), np.int32) for _ in range(3))
     spans = {}
     for r, members in enumerate(rows):
         start = 0
         for k, i in enumerate(members):
-            n = len(SEQS[i])
-            ids[r, start:start + n] = SEQS[i]
+            n = len(seqs[i])
+            ids[r, start:start + n] = seqs[i]
             seg[r, start:start + n] = k + 1
             pos[r, start:start + n] = np.arange(n)
             spans[i] = (r, start, n)
             start += n
+    return ids, seg, pos, spans
+
+
+@pytest.mark.parametrize("name", list(FAMILY_CONFIGS))
+def test_packed_rows_match_per_sequence_reference(checkpoints, name):
+    path, refs = checkpoints[name]
+    model = load_pretrained(path)
+    ids, seg, pos, spans = packed_rows(SEQS)
     out_default = np.asarray(model(ids, segment_ids=seg))
     out_explicit = np.asarray(model(ids, positions=pos, segment_ids=seg))
     np.testing.assert_array_equal(out_default, out_explicit)  # positions default to within-segment
@@ -100,22 +98,27 @@ def test_packed_rows_match_per_sequence_reference(checkpoints, name):
         np.testing.assert_allclose(out_default[r, start:start + n], refs[i], atol=_tol(refs), rtol=0)
 
 
+def assert_round_trip(path, refs, reference, out_dir, seqs=SEQS):
+    """Saves the checkpoint at `path` through our writer (sharded), checks transformers' logits of
+    the copy against `refs` and that it loads back bit for bit."""
+    model = load_pretrained(path)
+    save_pretrained(model, out_dir, max_shard_bytes=20_000)  # force a sharded checkpoint + index
+    assert (out_dir / "model.safetensors.index.json").exists()
+    reference.run("logits", model=str(out_dir), sequences=seqs, out=str(out_dir / "ref.npz"))
+    again = np.load(out_dir / "ref.npz")
+    for i in range(len(seqs)):
+        # Two transformers processes: torch's CPU reductions may differ in the last bits between runs.
+        np.testing.assert_allclose(again[f"logits_{i}"], refs[i], atol=_tol(refs), rtol=0)
+    reloaded = load_pretrained(out_dir)
+    assert read_config(out_dir) == model.config
+    for a, b in zip(jax.tree.leaves(reloaded.params), jax.tree.leaves(model.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_round_trip_save_load_transformers(checkpoints, reference, tmp_path):
     for name in FAMILY_CONFIGS:
         path, refs = checkpoints[name]
-        model = load_pretrained(path)
-        out_dir = tmp_path / name
-        save_pretrained(model, out_dir, max_shard_bytes=20_000)  # force a sharded checkpoint + index
-        assert (out_dir / "model.safetensors.index.json").exists()
-        reference.run("logits", model=str(out_dir), sequences=SEQS, out=str(out_dir / "ref.npz"))
-        again = np.load(out_dir / "ref.npz")
-        for i in range(len(SEQS)):
-            # Two transformers processes: torch's CPU reductions may differ in the last bits between runs.
-            np.testing.assert_allclose(again[f"logits_{i}"], refs[i], atol=_tol(refs), rtol=0)
-        reloaded = load_pretrained(out_dir)
-        assert read_config(out_dir) == model.config
-        for a, b in zip(jax.tree.leaves(reloaded.params), jax.tree.leaves(model.params)):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert_round_trip(path, refs, reference, tmp_path / name)
 
 
 @pytest.mark.parametrize("mesh_axes,rules", [

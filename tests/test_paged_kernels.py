@@ -122,6 +122,30 @@ def test_both_layouts_hold_the_same_tokens_and_the_layout_follows_the_kernel():
     np.testing.assert_array_equal(paged_attention(*a, impl="auto", platform="tpu"), reference_paged_attention(*a))
 
 
+def test_flash_and_paged_kernels_are_chosen_by_one_dispatch():
+    from areal_jax.kernels import dispatch
+    from areal_jax.kernels import flash_attention as fa
+    from areal_jax.kernels import paged_attention as pa
+
+    for table, names in ((fa.KERNELS, {"gpu": "pallas_triton_flash", "tpu": "splash"}),
+                         (pa.KERNELS, {"gpu": "pallas_triton_paged", "tpu": "ragged_paged"})):
+        assert isinstance(table, dispatch.KernelTable)
+        assert {p: table.kernel_name("auto", p) for p in names} == names
+        assert table.kernel_name("pallas", "cuda") == names["gpu"]  # the planner's GPU targets say "cuda"
+        assert table.resolve("auto", "cpu") == "reference" and table.kernel_name("auto", "cpu") == "reference"
+        with dispatch.target_platform("tpu"):  # a deviceless compile for TPU chooses TPU kernels for both
+            assert table.resolve("auto") == "pallas" and table.kernel_name("auto") == names["tpu"]
+        with pytest.raises(ValueError, match="no kernel for platform 'cpu'"):
+            table.resolve("pallas", "cpu")
+        with pytest.raises(ValueError, match="must be one of"):
+            table.resolve("cudnn", "gpu")
+    with dispatch.target_platform("tpu"):
+        assert pool_layout("auto") == "combined"
+    assert (pa.KERNELS.entry("tpu").layout, pa.KERNELS.entry("cuda").layout) == ("combined", "heads")
+    assert "multiple of 128" in pa.KERNELS.unfit("tpu", 64, 16) and pa.KERNELS.unfit("tpu", 128, 16) is None
+    assert "powers of two" in pa.KERNELS.unfit("gpu", 96, 16) and pa.KERNELS.unfit("gpu", 128, 16) is None
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_tpu_wrapper_arguments_give_the_reference_through_jax_ref_ragged_paged_attention(seed):
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import ref_ragged_paged_attention

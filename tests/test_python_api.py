@@ -17,12 +17,14 @@ def test_configs_built_in_python_round_trip_through_their_gin_text(tmp_path):
                         rl=aj.RLConfig(steps=3, batch_size=2, max_concurrent=4),
                         rollout=aj.RLVRConfig(n_samples=2, max_new_tokens=8, reward="arithmetic", temperature=0.7),
                         ppo=aj.PPOConfig(num_minibatches=1, max_tokens_per_microbatch=512),
-                        engine=aj.EngineConfig(num_slots=8, max_seq_len=64)).for_run(tmp_path)
+                        engine=aj.EngineConfig(num_slots=8, max_seq_len=64),
+                        lora=aj.LoRAConfig(rank=4, targets=("q", "v"))).for_run(tmp_path)
     # Derived as the gin front end derives them: the task, the training temperature, the eval budget.
     assert cfg.task.kind == "arithmetic" and cfg.ppo.temperature == 0.7 and cfg.rl.eval_max_new_tokens == 8
     assert cfg.checkpoint.directory == f"{tmp_path}/checkpoints"
     text = cfg.gin_text()
-    assert "RLConfig.steps = 3" in text and "OptimizerConfig" not in text  # only what differs from defaults
+    assert "RLConfig.steps = 3" in text and "LoRAConfig.targets = ('q', 'v')" in text
+    assert "OptimizerConfig" not in text  # only what differs from the defaults
     loaded = load_job_configs((), text.splitlines(), run_dir=str(tmp_path))
     assert loaded.as_dict() == cfg.as_dict() and loaded == cfg
 
@@ -64,6 +66,8 @@ def test_rows_and_a_python_reward_become_a_dataset_run(tmp_path):
     trainer._write_inputs()
     assert [json.loads(line) for line in (tmp_path / "inputs" / "train.jsonl").read_text().splitlines()] == rows
     assert len((tmp_path / "inputs" / "eval.jsonl").read_text().splitlines()) == 3
+    with pytest.raises(ValueError, match="stage must be one of"):
+        trainer.add_hook(print, stage="later")
     with pytest.raises(TypeError, match="train_data must be a path"):
         aj.Trainer(cfg, run_dir=tmp_path, train_data=[1, 2])
 

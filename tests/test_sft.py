@@ -13,11 +13,11 @@ from areal_jax.tasks import arithmetic as ar
 from areal_jax.tasks.tokenizer_builder import build_tokenizer, task_model_config
 from areal_jax.data import SFTExample
 from areal_jax.evaluation.held_out import GreedyAccuracy, evaluate_accuracy, sample_rewards
+from areal_jax.trainer.optimizer import OptimizerConfig, build_optimizer, learning_rate_schedule
 from areal_jax.trainer.sft import (
     PackedBatches,
     SFTConfig,
     completion_loss,
-    learning_rate_schedule,
     packed_eval_batches,
     run_sft,
     sequence_arrays,
@@ -91,12 +91,45 @@ def test_config_validation_names_the_culprit(kwargs, culprit):
 @pytest.mark.parametrize("steps, warmup", [(10, 10), (10, 0), (10, 3), (1, 1)])
 def test_schedule_warms_up_to_the_peak_and_decays_to_the_floor(steps, warmup):
     cfg = SFTConfig(steps=steps, warmup=warmup, lr=1e-2, min_lr_ratio=0.1)
-    lr = [float(learning_rate_schedule(cfg)(s)) for s in range(steps + 1)]
+    lr = [float(learning_rate_schedule(cfg.optimizer_config())(s)) for s in range(steps + 1)]
     assert lr[warmup] == pytest.approx(1e-2, rel=1e-6)
     assert all(a <= b + 1e-12 for a, b in zip(lr[:warmup], lr[1:warmup + 1]))  # rising warm-up
     if warmup < steps:
         assert lr[steps] == pytest.approx(1e-3, rel=1e-6)
         assert all(a >= b - 1e-12 for a, b in zip(lr[warmup:], lr[warmup + 1:]))  # then decaying
+
+
+def test_sft_updates_with_the_rl_trainers_optimizer():
+    """SFT's steps are AdamW steps of trainer/optimizer.py (the RL trainer's) with SFTConfig's fields:
+    the weights after SFT equal plain gradient steps of the completion loss through `build_optimizer`
+    of the OptimizerConfig written out by hand, and the logged lr is that schedule's."""
+    cfg = task_model_config(vocab_size=50, **TINY)
+    params = init_params(cfg, jax.random.key(1), std=0.2)
+    examples = _random_examples(np.random.default_rng(11), 10)
+    sft = SFTConfig(steps=4, batch_size=2, max_len=24, lr=3e-3, warmup=2, min_lr_ratio=0.2, weight_decay=0.05,
+                    grad_clip=0.5, log_every=1, seed=3, scan_layers=False, attention_impl="reference")
+    trained, metrics = run_sft(cfg, params, examples, sft, progress=False)
+    opt_cfg = OptimizerConfig(lr=3e-3, warmup_steps=2, schedule="cosine", total_steps=4, min_lr_ratio=0.2,
+                              weight_decay=0.05, b2=0.98, max_grad_norm=0.5)
+    assert sft.optimizer_config() == opt_cfg
+    optimizer = build_optimizer(opt_cfg)
+    want, state = jax.tree.map(jnp.asarray, params), None
+    state = optimizer.init(want)
+    batches = PackedBatches(examples, batch_size=2, max_len=24, seed=3)
+    for _ in range(4):
+        batch = {k: jnp.asarray(v) for k, v in next(batches).items()}
+        grads = jax.grad(lambda p: completion_loss(p, cfg, batch, scan_layers=False,
+                                                   attention_impl="reference")[0])(want)
+        updates, state = optimizer.update(grads, state, want)
+        want = jax.tree.map(lambda p, u: p + u, want, updates)
+    # Adam normalizes each update, so the jitted step's float rounding in tiny gradients shows up to
+    # ~1e-5; one update of another optimizer or schedule moves weights by ~lr = 3e-3.
+    for got, ref, start in zip(jax.tree.leaves(trained), jax.tree.leaves(want), jax.tree.leaves(params)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0, atol=3e-5)
+        assert np.abs(np.asarray(ref) - np.asarray(start)).max() > 3e-3  # SFT moved them
+    schedule = learning_rate_schedule(opt_cfg)
+    assert [m["lr"] for m in metrics] == pytest.approx([float(schedule(s)) for s in range(4)], rel=1e-6)
+    assert metrics[0]["lr"] == pytest.approx(3e-3 / 2, rel=1e-6)  # the first update already moves the weights
 
 
 def test_packed_loss_equals_per_sequence_reference():

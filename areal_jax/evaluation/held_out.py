@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import NamedSharding
 
+from areal_jax import api
 from areal_jax.data.examples import PromptExample, prompt_example
 from areal_jax.generation.engine import EngineConfig, GenerationEngine, GroupResult
 from areal_jax.generation.programs import slots_for_replicas
@@ -52,11 +53,12 @@ class SampledGroup:
     futures: tuple[concurrent.futures.Future, ...] | None
 
 
-def sample(engine: GenerationEngine, examples: Sequence[PromptExample], sampling: SamplingParams, reward: Reward,
+def sample(engine: api.InferenceEngine, examples: Sequence[PromptExample], sampling: SamplingParams, reward: Reward,
            tokenizer: Any, *, n: int = 1, drive: bool = True, timeout_s: float | None = None) -> list[SampledGroup]:
     """`n` samples of each example on `engine`, decoded, in example order.
 
-    drive: run the engine from this thread until idle (an engine nobody else runs); False waits on
+    Any `api.InferenceEngine` serves with drive False. drive: run the engine from this thread until
+    idle (an engine nobody else runs; needs the native engine's `run_until_idle`); False waits on
     an engine running on its own thread, `timeout_s` per example. Request seeds are the engine's
     counter, so a fresh engine samples a list the same way every time.
     """
@@ -100,7 +102,7 @@ def rewards(groups: Sequence[SampledGroup], reward: Reward) -> list[list[float]]
             for g in groups]
 
 
-def greedy_correct(engine: GenerationEngine, examples: Sequence[PromptExample], reward: Reward, tokenizer: Any, *,
+def greedy_correct(engine: api.InferenceEngine, examples: Sequence[PromptExample], reward: Reward, tokenizer: Any, *,
                    max_new_tokens: int, stop_token_ids: Sequence[int], drive: bool = True,
                    timeout_s: float | None = None) -> int:
     """How many `examples` the greedy completion gets right (reward >= 1)."""

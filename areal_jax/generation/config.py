@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from areal_jax.kernels.paged_attention import ATTENTION_IMPLS
+from areal_jax.kernels.dispatch import IMPLS as ATTENTION_IMPLS
 
 KV_LAYOUTS = ("auto", "paged", "dense")
 

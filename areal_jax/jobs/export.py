@@ -123,7 +123,9 @@ def model_config(run_dir: paths.Path) -> ModelConfig:
             raise InputError(f"--run_dir {run_dir}: the run's ModelSource.path: {e}") from None
     from areal_jax.tasks.tokenizer_builder import task_model_config
 
-    return task_model_config(hidden_size=source.get("hidden_size", 128), num_layers=source.get("num_layers", 4))
+    return task_model_config(hidden_size=source.get("hidden_size", 128), num_layers=source.get("num_layers", 4),
+                             num_experts=source.get("num_experts", 0),
+                             num_experts_per_tok=source.get("num_experts_per_tok", 2))
 
 
 def tokenizer_source(run_dir: paths.Path, override: str | None) -> paths.Path:

@@ -24,6 +24,7 @@ import logging
 import pathlib
 import tempfile
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -117,7 +118,9 @@ def prepare_workload(cfg: JobConfigs, run_dir: paths.Path, *, mesh: Mesh | None 
         tokenizer_dir = build_tokenizer(pathlib.Path(tempfile.mkdtemp(prefix="areal-jax-tokenizer-"))
                                         if paths.is_remote(run_dir) else run_dir / "tokenizer")
         tokenizer = Tokenizer.from_pretrained(tokenizer_dir)
-        model_cfg = task_model_config(hidden_size=cfg.model.hidden_size, num_layers=cfg.model.num_layers)
+        model_cfg = task_model_config(hidden_size=cfg.model.hidden_size, num_layers=cfg.model.num_layers,
+                                      num_experts=cfg.model.num_experts,
+                                      num_experts_per_tok=cfg.model.num_experts_per_tok)
         params = init_params(model_cfg, cfg.model.init_seed, dtype=cfg.model.dtype)
         if mesh is not None:  # a small built-in model: drawn whole, then placed
             params = _place_on_train_mesh(model_cfg, mesh, jax.device_get(params))
@@ -184,7 +187,8 @@ def _sft_data(cfg: JobConfigs, tokenizer: Tokenizer) -> tuple[list, list]:
 
 
 def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = True, resume: bool = False,
-              overwrite: bool = False, workflow: Any = None) -> dict[str, Any]:
+              overwrite: bool = False, workflow: Any = None, hooks: Sequence[tuple[Any, str, int]] = ()
+              ) -> dict[str, Any]:
     """Runs the configured stages; returns the summary also written to summary.json.
 
     The reward runs where its registration allows (`reward.scoring.open_reward_pool`): in
@@ -192,24 +196,25 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
     in-process. The pool is closed however the run ends (an exception, SIGINT or SIGTERM turned
     into one by the CLI): workers with calls in flight are killed and their sandboxes swept.
     `workflow`: the rollouts' workflow, an api.RolloutWorkflow instance, a class or a factory
-    (`_rollout_workflow`); None: RLConfig.workflow's class, else RLVR.
+    (`_rollout_workflow`); None: RLConfig.workflow's class, else RLVR. `hooks`: (hook, stage, every)
+    for the RL loop (`RLLoop.add_hook`).
     """
     cfg = cfg.for_run(run_dir)  # its checkpoints: "{run_dir}" in CheckpointConfig.directory, or the default
     # The run directory is held for the run's whole life, before anything is written (jobs/run_lock.py).
     with hold_run_dir(run_dir), stop_on_signal(cfg.checkpoint and cfg.checkpoint.save_on_signal_s) as stop:
         return _run_with_pool(cfg, run_dir, stop, progress=progress, resume=resume, overwrite=overwrite,
-                              workflow=workflow)
+                              workflow=workflow, hooks=hooks)
 
 
 def _run_with_pool(cfg: JobConfigs, run_dir: str | pathlib.Path, stop: StopRequest | None, *, progress: bool,
-                   resume: bool, overwrite: bool, workflow: Any = None) -> dict[str, Any]:
+                   resume: bool, overwrite: bool, workflow: Any = None, hooks: Sequence = ()) -> dict[str, Any]:
     try:
         pool = open_reward_pool(cfg.rollout.reward, cfg.reward_pool, cfg.sandbox)
     except (SandboxUnavailable, ValueError) as e:  # before any work, like every other config problem
         raise cs.ConfigError(str(e)) from None
     try:
         return _run_train(cfg, run_dir, pool, stop, progress=progress, resume=resume, overwrite=overwrite,
-                          workflow=workflow)
+                          workflow=workflow, hooks=hooks)
     finally:
         if pool is not None:
             pool.close(wait=False)
@@ -246,7 +251,7 @@ class _Run:
 
 def _run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: RewardPool | None,
                stop: StopRequest | None, *, progress: bool, resume: bool, overwrite: bool,
-               workflow: Any = None) -> dict[str, Any]:
+               workflow: Any = None, hooks: Sequence = ()) -> dict[str, Any]:
     """The stages of `run_train`, scoring with `reward_pool` (None: the reward is declared in-process);
     `stop`, armed for the RL stage, turns a signal into a checkpoint of the last step and a stop.
 
@@ -268,7 +273,7 @@ def _run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: Reward
               flush=True)
     reward_before = dict(run.summary.get("reward", {}))  # reward calls of a resumed run's earlier segments
     if cfg.stages.rl:
-        params = _rl_stage(run, params, reward_before, workflow)
+        params = _rl_stage(run, params, reward_before, workflow, hooks)
     run.summary["final_accuracy"] = held_out_accuracy(run, params)
     return _finish(run, params, reward_before)
 
@@ -405,9 +410,11 @@ class _StepRecorder:
                                  stale=m["staleness/max"], acc=f"{m.get('eval/accuracy', float('nan')):.2f}")
 
 
-def _rl_stage(run: _Run, params: Any, reward_before: dict[str, int], workflow: Any = None) -> Any:
+def _rl_stage(run: _Run, params: Any, reward_before: dict[str, int], workflow: Any = None,
+              hooks: Sequence = ()) -> Any:
     """Asynchronous RL from `params` (donated); returns the final weights, sharded on the train mesh.
-    `workflow`: as `_rollout_workflow` takes it (None: RLConfig.workflow's, else RLVR)."""
+    `workflow`: as `_rollout_workflow` takes it (None: RLConfig.workflow's, else RLVR); `hooks`:
+    (hook, stage, every) added to the loop (`RLLoop.add_hook`)."""
     cfg, work, summary = run.cfg, run.work, run.summary
     writer = jax.process_index() == 0  # one process writes the run directory's records
     if run.resuming and writer:  # steps logged after the checkpoint are trained again: recorded once
@@ -438,6 +445,8 @@ def _rl_stage(run: _Run, params: Any, reward_before: dict[str, int], workflow: A
                   donate_params=True, weight_sync=run.sync, reward_pool=run.reward_pool,
                   should_stop=stop and (lambda: stop.requested), lora=cfg.lora)
     params = None
+    for hook, stage, every in hooks:
+        loop.add_hook(hook, stage=stage, every=every)
     if loop.resume_report is not None:  # carried into later checkpoints by their summary
         summary.setdefault("resumed", []).append(loop.resume_report)
     if bar is not None and loop.first_step:

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from areal_jax.kernels import flash_pallas
 from areal_jax.kernels.dispatch import IMPLS as FLASH_IMPLS
-from areal_jax.kernels.dispatch import KernelTable, current_platform
+from areal_jax.kernels.dispatch import KernelTable
 
 # Query blocks as models/attention.py chooses them (32 tokens, at most 32 blocks: the fastest
 # on the 2-core CPU), so rows up to 512 tokens meet all their keys in one block and the
@@ -243,18 +243,12 @@ def reference_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_
 
 # Platform -> kernel with `reference_flash_attention`'s signature (plus keyword options).
 KERNELS = KernelTable("flash attention")
-KERNELS.register("gpu", flash_pallas.gpu_flash_attention)
-KERNELS.register("tpu", flash_pallas.tpu_flash_attention)
+KERNELS.register("gpu", flash_pallas.gpu_flash_attention, name="pallas_triton_flash")
+KERNELS.register("tpu", flash_pallas.tpu_flash_attention, name="splash")
 resolve_impl = KERNELS.resolve
-
-
-def kernel_name(impl: str, platform: str | None = None) -> str:
-    """What `flash_attention` compiles for `impl` on `platform`: "reference", "pallas_triton_flash"
-    (GPU) or "splash" (TPU); the name `plan --json` reports."""
-    platform = current_platform(platform)
-    if resolve_impl(impl, platform) == "reference":
-        return "reference"
-    return {"gpu": "pallas_triton_flash", "tpu": "splash"}.get(platform, f"pallas_{platform}")
+# What `flash_attention` compiles for `impl` on a platform: "reference", "pallas_triton_flash" (GPU)
+# or "splash" (TPU); the name `plan --json` reports.
+kernel_name = KERNELS.kernel_name
 
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, *,

@@ -18,24 +18,25 @@ A token's place in the pool is its *flat index* `page * S + offset`. A slot's pa
 page are ignored (any value in [0, P)). Pages of different slots may lie anywhere in the pool and
 in any order.
 
-`paged_attention` is the one function the engine calls; `impl` chooses the kernel:
+`paged_attention` is the one function the engine calls; `impl` chooses the kernel (through
+`KERNELS`, a kernels.dispatch table, as flash attention chooses its own):
   "reference"  a gather of each slot's pages in jnp (CPU, and the semantics every kernel matches)
-  "pallas"     the accelerator's Pallas kernel (areal_jax/kernels/ registers them by platform)
-  "auto"       "pallas" where a kernel is registered for the default backend, else "reference"
+  "pallas"     the accelerator's Pallas kernel (paged_gpu.py, paged_tpu.py register theirs)
+  "auto"       "pallas" where a kernel is registered for the platform, else "reference"
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-ATTENTION_IMPLS = ("auto", "reference", "pallas")
+from areal_jax.kernels.dispatch import KernelTable, current_platform
+
 LAYOUTS = ("heads", "combined")
 
 _NEG = float(jnp.finfo(jnp.float32).min)
@@ -155,17 +156,14 @@ def reference_paged_attention(q: jax.Array, pool: PagePool, lengths: jax.Array, 
     return out.reshape(B, N, H).astype(q.dtype)
 
 
-# Platform -> kernel with `reference_paged_attention`'s signature (plus keyword options). Kernel
-# modules register themselves here; the engine never imports a kernel directly. The modules below
-# are imported on first use (they import this one).
-_PALLAS_KERNELS: dict[str, Callable[..., jax.Array]] = {}
-_KERNEL_LAYOUTS: dict[str, str] = {}
-_KERNEL_NAMES: dict[str, str] = {}  # platform -> the name `plan --json` gives the kernel
-_KERNEL_MODULES = {"gpu": "areal_jax.kernels.paged_gpu", "cuda": "areal_jax.kernels.paged_gpu",
-                   "tpu": "areal_jax.kernels.paged_tpu"}
-
-
-_KERNEL_LIMITS: dict[str, Callable[[int, int], str | None]] = {}  # platform -> shapes it cannot take
+# Platform -> kernel with `reference_paged_attention`'s signature (plus keyword options), the pool
+# layout it reads (`Kernel.layout`) and `limits(head_dim, page_size)`. Kernel modules register
+# themselves here, imported on first use (they import this one); the engine never imports a kernel.
+KERNELS = KernelTable("paged attention", modules={"gpu": "areal_jax.kernels.paged_gpu",
+                                                  "tpu": "areal_jax.kernels.paged_tpu"})
+resolve_impl = KERNELS.resolve
+# What `paged_attention` compiles into a program: "reference", "pallas_triton_paged", "ragged_paged".
+kernel_name = KERNELS.kernel_name
 
 
 def register_pallas_kernel(platform: str, kernel: Callable[..., jax.Array], *, layout: str = "heads",
@@ -173,44 +171,12 @@ def register_pallas_kernel(platform: str, kernel: Callable[..., jax.Array], *, l
     """`limits(head_dim, page_size)`: why the kernel cannot take those shapes, or None."""
     if layout not in LAYOUTS:
         raise ValueError(f"register_pallas_kernel: layout must be one of {LAYOUTS}, got {layout!r}")
-    _PALLAS_KERNELS[platform] = kernel
-    _KERNEL_LAYOUTS[platform] = layout
-    _KERNEL_NAMES[platform] = name
-    _KERNEL_LIMITS[platform] = limits or (lambda head_dim, page_size: None)
-
-
-def _registered(platform: str) -> bool:
-    if platform not in _PALLAS_KERNELS and platform in _KERNEL_MODULES:
-        importlib.import_module(_KERNEL_MODULES[platform])
-    return platform in _PALLAS_KERNELS
-
-
-def resolve_impl(impl: str, platform: str | None = None) -> str:
-    """"auto" -> "pallas" where a kernel is registered for `platform` (default: jax's default
-    backend), else "reference"; "pallas" with none registered is a one-line error."""
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
-    platform = platform or jax.default_backend()
-    if impl == "auto":
-        return "pallas" if _registered(platform) else "reference"
-    if impl == "pallas" and not _registered(platform):
-        raise ValueError(f"attention_impl 'pallas': no paged attention kernel for platform {platform!r} "
-                         f"(have: {sorted(_PALLAS_KERNELS) or 'none'}); use 'reference' or 'auto'")
-    return impl
+    KERNELS.register(platform, kernel, name=name, limits=limits, layout=layout)
 
 
 def pool_layout(impl: str, platform: str | None = None) -> str:
     """The pool layout the kernel `impl` resolves to on `platform` reads."""
-    if resolve_impl(impl, platform) == "reference":
-        return "heads"
-    return _KERNEL_LAYOUTS[platform or jax.default_backend()]
-
-
-def kernel_name(impl: str, platform: str | None = None) -> str:
-    """What `paged_attention` compiles into a program: "reference", "pallas_triton_paged", "ragged_paged"."""
-    if resolve_impl(impl, platform) == "reference":
-        return "reference"
-    return _KERNEL_NAMES[platform or jax.default_backend()]
+    return "heads" if resolve_impl(impl, platform) == "reference" else KERNELS.entry(platform).layout
 
 
 def paged_attention(q: jax.Array, pool: PagePool, lengths: jax.Array, page_tables: jax.Array, *,
@@ -226,16 +192,16 @@ def paged_attention(q: jax.Array, pool: PagePool, lengths: jax.Array, page_table
     it runs per shard (shard_map) instead of on gathered operands; the reference needs neither."""
     if resolve_impl(impl, platform) == "reference":
         return reference_paged_attention(q, pool, lengths, page_tables)
-    platform = platform or jax.default_backend()
-    unfit = _KERNEL_LIMITS[platform](q.shape[-1], pool.page_size)
-    if pool.layout != _KERNEL_LAYOUTS[platform]:
-        unfit = (f"the {platform} kernel reads a {_KERNEL_LAYOUTS[platform]!r} pool, got {pool.layout!r}: build it "
-                 "with PagePool.zeros(..., impl=, platform=) as attention runs")
+    entry = KERNELS.entry(platform)
+    unfit = KERNELS.unfit(platform, q.shape[-1], pool.page_size)
+    if pool.layout != entry.layout:
+        unfit = (f"the {current_platform(platform)} kernel reads a {entry.layout!r} pool, got {pool.layout!r}: "
+                 "build it with PagePool.zeros(..., impl=, platform=) as attention runs")
     if unfit is not None:
         if impl == "auto":  # the best this pool and these shapes allow
             return reference_paged_attention(q, pool, lengths, page_tables)
         raise ValueError(f"paged_attention: {unfit}")
-    kernel = functools.partial(_PALLAS_KERNELS[platform], **options)
+    kernel = functools.partial(entry.fn, **options)
     mesh = jax.sharding.get_abstract_mesh()
     heads_axis, replica_axis = (a if a is not None and not mesh.empty and mesh.shape.get(a, 1) > 1 else None
                                 for a in (heads_axis, replica_axis))

@@ -136,6 +136,5 @@ def pallas_triton_paged_attention(q: jax.Array, pool: PagePool, lengths: jax.Arr
     return out[:, :, :G].reshape(B, N, H).astype(q.dtype)
 
 
-for _platform in ("gpu", "cuda"):  # jax.default_backend() says "gpu"; the planner's targets say "cuda"
-    register_pallas_kernel(_platform, pallas_triton_paged_attention, layout="heads", name="pallas_triton_paged",
-                           limits=limits)
+# Also the planner's "cuda" targets: kernels.dispatch takes "cuda" for "gpu".
+register_pallas_kernel("gpu", pallas_triton_paged_attention, layout="heads", name="pallas_triton_paged", limits=limits)

@@ -1,4 +1,5 @@
-"""Decoder configuration: one frozen dataclass for the Llama 3 / Qwen2 / Qwen3 family.
+"""Decoder configuration: one frozen dataclass for the Llama 3 / Qwen2 / Qwen3 family and its
+mixture-of-experts variants (Qwen2-MoE, Qwen3-MoE: `ModelConfig.moe`).
 
 `ModelConfig.from_hf` reads a Hugging Face `config.json` dict (both the older top-level
 `rope_theta` + `rope_scaling` spelling and transformers 5's `rope_parameters`) and
@@ -11,12 +12,16 @@ import dataclasses
 import math
 from typing import Any, Literal
 
-Family = Literal["llama", "qwen2", "qwen3"]
+Family = Literal["llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe"]
 FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe")
+GROUPED_MATMULS = ("auto", "ragged_dot", "gmm")
 RopeType = Literal["default", "linear", "llama3"]
 
 
@@ -38,6 +43,53 @@ class RopeConfig:
             raise ValueError(f"rope theta and factor must be positive, got theta={self.theta}, factor={self.factor}")
         if self.type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
             raise ValueError("llama3 rope needs high_freq_factor > low_freq_factor")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """The sparse MLP of a mixture-of-experts decoder (models/moe.py). Letters: E experts,
+    k experts per token, Fe one expert's hidden size, Fs the shared expert's.
+
+    A layer is sparse unless listed in `mlp_only_layers` or `(layer + 1) % decoder_sparse_step != 0`
+    (HF's rule); dense layers use ModelConfig.intermediate_size. Routing is dropless: every token
+    reaches all k of its experts (no capacity factor, no dropped tokens).
+    """
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool = False  # renormalize the k chosen probabilities to sum to one
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a shared expert with a sigmoid gate; 0 = none
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    # Weight of the load-balancing loss (Switch-style, as HF's) added to the training loss; 0 = off.
+    router_aux_loss_coef: float = 0.0
+    # Grouped matmul over tokens sorted by expert: "ragged_dot" (jax.lax.ragged_dot), "gmm" (megablox
+    # Pallas kernel, TPU only) or "auto" (gmm on TPU, else ragged_dot).
+    grouped_matmul: str = "auto"
+
+    def __post_init__(self):
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"MoEConfig.{name} must be a positive int, got {value!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"MoEConfig.num_experts_per_tok ({self.num_experts_per_tok}) exceeds "
+                             f"num_experts ({self.num_experts})")
+        if self.shared_expert_intermediate_size < 0:
+            raise ValueError(f"MoEConfig.shared_expert_intermediate_size must be >= 0, "
+                             f"got {self.shared_expert_intermediate_size}")
+        if any(not isinstance(i, int) or i < 0 for i in self.mlp_only_layers):
+            raise ValueError(f"MoEConfig.mlp_only_layers must hold layer indices >= 0, got {self.mlp_only_layers!r}")
+        if not self.router_aux_loss_coef >= 0:
+            raise ValueError(f"MoEConfig.router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
+        if self.grouped_matmul not in GROUPED_MATMULS:
+            raise ValueError(f"MoEConfig.grouped_matmul must be one of {GROUPED_MATMULS}, got {self.grouped_matmul!r}")
+
+    def sparse_layers(self, num_layers: int) -> tuple[bool, ...]:
+        """Per layer: True where its MLP is the expert block."""
+        return tuple(i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+                     for i in range(num_layers))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +118,7 @@ class ModelConfig:
     family: Family = "llama"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    moe: MoEConfig | None = None  # the qwen2_moe / qwen3_moe families' experts
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -79,12 +132,26 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if not (self.rms_norm_eps > 0):
             raise ValueError(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
-        if self.family not in ("llama", "qwen2", "qwen3"):
+        if self.family not in FAMILIES.values():
             raise ValueError(f"unknown family {self.family!r}")
+        if (self.moe is not None) != (self.family in MOE_FAMILIES):
+            raise ValueError(f"ModelConfig.moe must be set exactly for the families {MOE_FAMILIES}, "
+                             f"got family={self.family!r} with moe={'set' if self.moe else 'None'}")
+        if self.moe is not None:
+            if any(i >= self.num_layers for i in self.moe.mlp_only_layers):
+                raise ValueError(f"MoEConfig.mlp_only_layers {self.moe.mlp_only_layers} names layers past "
+                                 f"num_layers ({self.num_layers})")
+            if self.mlp_bias:
+                raise ValueError("ModelConfig.mlp_bias: the MoE families have no MLP biases")
+            if (self.moe.shared_expert_intermediate_size > 0) != (self.family == "qwen2_moe"):
+                raise ValueError(f"MoEConfig.shared_expert_intermediate_size: qwen2_moe has a shared expert "
+                                 f"(> 0) and qwen3_moe none (0); got {self.moe.shared_expert_intermediate_size} "
+                                 f"for {self.family!r}")
         # What each family's HF class can express, so a saved checkpoint loads back as it was.
+        qwen2 = self.qkv_bias and not (self.o_bias or self.mlp_bias or self.qk_norm)
+        qwen3 = self.qk_norm and not self.mlp_bias and self.qkv_bias == self.o_bias
         rules = {
-            "qwen2": self.qkv_bias and not (self.o_bias or self.mlp_bias or self.qk_norm),
-            "qwen3": self.qk_norm and not self.mlp_bias and self.qkv_bias == self.o_bias,
+            "qwen2": qwen2, "qwen2_moe": qwen2, "qwen3": qwen3, "qwen3_moe": qwen3,
             "llama": not self.qk_norm and self.qkv_bias == self.o_bias,
         }
         if not rules[self.family]:
@@ -104,7 +171,19 @@ class ModelConfig:
         per_layer = d * (n + 2 * k) * h + n * h * d + 3 * d * f + 2 * d
         per_layer += (n + 2 * k) * h * self.qkv_bias + d * self.o_bias + (2 * f + d) * self.mlp_bias
         per_layer += 2 * h * self.qk_norm
-        return l * per_layer + v * d * (1 if self.tie_word_embeddings else 2) + d
+        total = l * per_layer + v * d * (1 if self.tie_word_embeddings else 2) + d
+        if self.moe is not None:  # sparse layers: experts, router and shared expert instead of the MLP
+            m = self.moe
+            sparse = sum(m.sparse_layers(l))
+            expert = 3 * d * m.moe_intermediate_size * m.num_experts + d * m.num_experts
+            shared = 3 * d * m.shared_expert_intermediate_size + d if m.shared_expert_intermediate_size else 0
+            total += sparse * (expert + shared - 3 * d * f)
+        return total
+
+    @property
+    def sparse_layers(self) -> tuple[bool, ...]:
+        """Per layer: True where its MLP is the expert block (all False for a dense model)."""
+        return self.moe.sparse_layers(self.num_layers) if self.moe is not None else (False,) * self.num_layers
 
     # ---- Hugging Face config.json -------------------------------------------------------------
 
@@ -114,7 +193,7 @@ class ModelConfig:
         archs = hf.get("architectures") or []
         family = next((FAMILIES[a] for a in archs if a in FAMILIES), None)
         if family is None:
-            family = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}.get(hf.get("model_type", ""))
+            family = {f: f for f in FAMILIES.values()}.get(hf.get("model_type", ""))
         if family is None:
             raise ValueError(
                 f"{source}: unsupported architecture {archs or hf.get('model_type')!r}; "
@@ -138,14 +217,15 @@ class ModelConfig:
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                 rope=_rope_from_hf(hf, source),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                qkv_bias=True if family == "qwen2" else attention_bias,
-                o_bias=False if family == "qwen2" else attention_bias,
+                qkv_bias=True if family in ("qwen2", "qwen2_moe") else attention_bias,
+                o_bias=False if family in ("qwen2", "qwen2_moe") else attention_bias,
                 mlp_bias=bool(hf.get("mlp_bias", False)),
-                qk_norm=family == "qwen3",
+                qk_norm=family in ("qwen3", "qwen3_moe"),
                 max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
                 family=family,
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_id=hf.get("eos_token_id"),
+                moe=_moe_from_hf(hf, family) if family in MOE_FAMILIES else None,
             )
         except KeyError as e:
             raise ValueError(f"{source}: missing required field {e.args[0]!r}") from None
@@ -180,15 +260,39 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
         }
-        if self.family != "qwen2":
+        if self.family not in ("qwen2", "qwen2_moe"):
             hf["attention_bias"] = self.qkv_bias
         if self.family == "llama":
             hf["mlp_bias"] = self.mlp_bias
-        if self.family in ("qwen2", "qwen3"):
+        if self.family != "llama":
             hf["use_sliding_window"] = False
+        if self.moe is not None:
+            m = self.moe
+            hf.update(num_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
+                      moe_intermediate_size=m.moe_intermediate_size, norm_topk_prob=m.norm_topk_prob,
+                      decoder_sparse_step=m.decoder_sparse_step, mlp_only_layers=list(m.mlp_only_layers),
+                      router_aux_loss_coef=m.router_aux_loss_coef)
+            if self.family == "qwen2_moe":
+                hf["shared_expert_intermediate_size"] = m.shared_expert_intermediate_size
         if self.rope.type != "default":
             hf["rope_scaling"] = rope
         return hf
+
+
+def _moe_from_hf(hf: dict[str, Any], family: Family) -> MoEConfig:
+    """The expert block of a qwen2_moe / qwen3_moe config (transformers names the expert count
+    `num_experts` or `num_local_experts`); Qwen3-MoE has no shared expert."""
+    shared = int(hf.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else 0
+    return MoEConfig(
+        num_experts=int(hf.get("num_experts") or hf["num_local_experts"]),
+        num_experts_per_tok=int(hf["num_experts_per_tok"]),
+        moe_intermediate_size=int(hf["moe_intermediate_size"]),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=shared,
+        decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
+        mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
+        router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)),
+    )
 
 
 def _rope_from_hf(hf: dict[str, Any], source: str) -> RopeConfig:

@@ -25,6 +25,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save, save_file
 
+from areal_jax.models import moe
 from areal_jax.models import sharding as shd
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.transformer import Params, Transformer, param_axes, param_shapes
@@ -128,7 +129,17 @@ _LAYER_MAPS: dict[str, tuple[str, _TensorMap]] = {
     "b_gate": ("mlp.gate_proj.bias", _same),
     "b_up": ("mlp.up_proj.bias", _same),
     "b_down": ("mlp.down_proj.bias", _same),
+    # Expert blocks (Qwen2-MoE, Qwen3-MoE): "{e}" tensors are one per expert, stacked on our axis 1.
+    "router": ("mlp.gate.weight", _transpose),
+    "we_gate": ("mlp.experts.{e}.gate_proj.weight", _transpose),
+    "we_up": ("mlp.experts.{e}.up_proj.weight", _transpose),
+    "we_down": ("mlp.experts.{e}.down_proj.weight", _transpose),
+    "ws_gate": ("mlp.shared_expert.gate_proj.weight", _transpose),
+    "ws_up": ("mlp.shared_expert.up_proj.weight", _transpose),
+    "ws_down": ("mlp.shared_expert.down_proj.weight", _transpose),
+    "ws_router": ("mlp.shared_expert_gate.weight", _transpose),
 }
+_DENSE_MLP = ("w_gate", "w_up", "w_down")
 _TOP_MAPS: dict[str, tuple[str, _TensorMap]] = {
     "embed": ("model.embed_tokens.weight", _same),
     "final_norm": ("model.norm.weight", _same),
@@ -141,6 +152,27 @@ def hf_name(ours: str, layer: int | None = None) -> str:
     if layer is None:
         return _TOP_MAPS[ours][0]
     return f"model.layers.{layer}.{_LAYER_MAPS[ours][0]}"
+
+
+def _is_expert(key: str) -> bool:
+    return "{e}" in _LAYER_MAPS[key][0]
+
+
+def layer_hf_names(cfg: ModelConfig, key: str, layer: int) -> list[str]:
+    """HF tensors holding layer `layer` of our stacked parameter `key`: one, one per expert, or
+    none where a MoE model's layer does not use it (a dense MLP in a sparse layer or the experts
+    of a dense one: our stacked slice is unused and loads as zeros)."""
+    if cfg.moe is not None:
+        sparse = cfg.sparse_layers[layer]
+        if (key in _DENSE_MLP and sparse) or (not sparse and key not in _DENSE_MLP and key in moe_keys(cfg)):
+            return []
+        if _is_expert(key):
+            return [f"model.layers.{layer}.{_LAYER_MAPS[key][0].format(e=e)}" for e in range(cfg.moe.num_experts)]
+    return [hf_name(key, layer)]
+
+
+def moe_keys(cfg: ModelConfig) -> tuple[str, ...]:
+    return tuple(moe.layer_axes(cfg)) if cfg.moe is not None else ()
 
 
 # ---- reading ----------------------------------------------------------------------------------
@@ -206,22 +238,33 @@ def _leaf_reader(ckpt: _Checkpoint, cfg: ModelConfig, key: str, stacked: bool, s
     """Returns a callback giving the slice `index` of our (possibly stacked) tensor `key`."""
     _, tmap = (_LAYER_MAPS if stacked else _TOP_MAPS)[key]
     per_layer_shape = shape[1:] if stacked else shape
-    names = [hf_name(key, i) for i in range(cfg.num_layers)] if stacked else [hf_name(key)]
+    expert = stacked and _is_expert(key)
+    tensor_shape = per_layer_shape[1:] if expert else per_layer_shape  # of one HF tensor, in our layout
+    groups = ([layer_hf_names(cfg, key, i) for i in range(cfg.num_layers)] if stacked else [[hf_name(key)]])
     tensors = []
-    for name in names:
-        tensor = ckpt.tensor(name)
-        hf_shape = tuple(tensor.get_shape())
-        if tmap.our_shape(hf_shape, cfg) != per_layer_shape:
-            raise ValueError(f"{ckpt.file_of(name).name}: tensor {name!r} has shape {hf_shape}, "
-                             f"expected {tmap.hf_shape(per_layer_shape)} for this config")
-        tensors.append(tensor)
+    for names in groups:
+        tensors.append([])
+        for name in names:
+            tensor = ckpt.tensor(name)
+            hf_shape = tuple(tensor.get_shape())
+            if tmap.our_shape(hf_shape, cfg) != tensor_shape:
+                raise ValueError(f"{ckpt.file_of(name).name}: tensor {name!r} has shape {hf_shape}, "
+                                 f"expected {tmap.hf_shape(tensor_shape)} for this config")
+            tensors[-1].append(tensor)
+
+    def read_layer(layer_tensors, index: tuple[slice, ...]) -> np.ndarray:
+        if not layer_tensors:  # a slice this layer does not use
+            return np.zeros([len(range(*s.indices(d))) for s, d in zip(index, per_layer_shape)], dtype)
+        if expert:
+            return np.stack([np.asarray(tmap.read(layer_tensors[e], index[1:], tensor_shape, cfg), dtype=dtype)
+                             for e in range(per_layer_shape[0])[index[0]]])
+        return np.asarray(tmap.read(layer_tensors[0], index, tensor_shape, cfg), dtype=dtype)
 
     def read(index: tuple[slice, ...]) -> np.ndarray:
         if not stacked:
-            return np.asarray(tmap.read(tensors[0], index, shape, cfg), dtype=dtype)
+            return read_layer(tensors[0], index)
         layers = range(cfg.num_layers)[index[0]]
-        return np.stack([np.asarray(tmap.read(tensors[i], index[1:], per_layer_shape, cfg), dtype=dtype)
-                         for i in layers])
+        return np.stack([read_layer(tensors[i], index[1:]) for i in layers])
 
     return read
 
@@ -284,7 +327,8 @@ def load_pretrained(path: str | pathlib.Path, *, dtype=jnp.float32, mesh: Mesh |
                     rules: shd.Rules | None = None) -> Transformer:
     """Loads an HF directory (config.json + *.safetensors) as a `Transformer`.
 
-    Supports LlamaForCausalLM (incl. llama3 rope scaling), Qwen2ForCausalLM and Qwen3ForCausalLM.
+    Supports LlamaForCausalLM (incl. llama3 rope scaling), Qwen2ForCausalLM, Qwen3ForCausalLM,
+    Qwen2MoeForCausalLM and Qwen3MoeForCausalLM.
     """
     cfg, params = load_params(path, dtype=dtype, mesh=mesh, rules=rules)
     return Transformer(cfg, params)
@@ -308,17 +352,24 @@ def _leaf_hf(cfg: ModelConfig, leaf: LeafKey) -> list[tuple[str, tuple[int, ...]
     """(HF name, HF shape) of the tensors one leaf becomes (one per layer for a stacked leaf)."""
     shapes = param_shapes(cfg)
     if leaf[0] == "layers":
-        tmap = _LAYER_MAPS[leaf[1]][1]
-        per_layer = tmap.hf_shape(shapes["layers"][leaf[1]][1:])
-        return [(hf_name(leaf[1], i), per_layer) for i in range(cfg.num_layers)]
+        key = leaf[1]
+        tmap = _LAYER_MAPS[key][1]
+        ours = shapes["layers"][key][2 if _is_expert(key) else 1:]
+        return [(name, tmap.hf_shape(ours)) for i in range(cfg.num_layers) for name in layer_hf_names(cfg, key, i)]
     return [(hf_name(leaf[0]), _TOP_MAPS[leaf[0]][1].hf_shape(shapes[leaf[0]]))]
 
 
 def _leaf_to_hf(cfg: ModelConfig, leaf: LeafKey, host: np.ndarray, dtype) -> list[tuple[str, np.ndarray]]:
     if leaf[0] == "layers":
-        tmap = _LAYER_MAPS[leaf[1]][1]
-        return [(hf_name(leaf[1], i), np.ascontiguousarray(tmap.to_hf(host[i]).astype(dtype, copy=False)))
-                for i in range(cfg.num_layers)]
+        key = leaf[1]
+        tmap = _LAYER_MAPS[key][1]
+        out = []
+        for i in range(cfg.num_layers):
+            names = layer_hf_names(cfg, key, i)
+            parts = host[i] if _is_expert(key) else [host[i]] * len(names)  # one tensor per expert
+            out += [(name, np.ascontiguousarray(tmap.to_hf(part).astype(dtype, copy=False)))
+                    for name, part in zip(names, parts)]
+        return out
     return [(hf_name(leaf[0]), np.ascontiguousarray(_TOP_MAPS[leaf[0]][1].to_hf(host).astype(dtype, copy=False)))]
 
 

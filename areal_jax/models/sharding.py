@@ -35,6 +35,13 @@ TRAIN_RULES: Rules = {
     "act_heads": "tensor",
     "act_mlp": "tensor",
     "act_vocab": "tensor",
+    # Mixture of experts (models/moe.py): experts split over an "expert" mesh axis where the mesh
+    # has one (each shard computes its experts' tokens), each expert's hidden units over tensor.
+    "experts": "expert",
+    "moe_mlp": "tensor",
+    "shared_mlp": "tensor",
+    "router": None,
+    "shared_gate": None,
 }
 
 GENERATION_RULES: Rules = {

@@ -28,6 +28,7 @@ from flax import nnx
 
 from areal_jax.kernels.flash_attention import FLASH_IMPLS
 from areal_jax.kernels.paged_attention import PagePool, flat_index, write_tokens
+from areal_jax.models import moe
 from areal_jax.models.attention import cached_attention, causal_attention, chunk_attention, training_attention
 from areal_jax.models.config import ModelConfig, rope_inverse_frequencies
 from areal_jax.models.lora import adapt
@@ -63,6 +64,11 @@ def param_axes(cfg: ModelConfig) -> dict[str, Any]:
         layers.update(b_gate=("layers", "mlp"), b_up=("layers", "mlp"), b_down=("layers", "norm"))
     if cfg.qk_norm:
         layers.update(q_norm=("layers", "head_dim"), k_norm=("layers", "head_dim"))
+    if cfg.moe is not None:  # expert block; the dense MLP only where some layer is dense
+        layers.update(moe.layer_axes(cfg))
+        if all(cfg.sparse_layers):
+            for name in ("w_gate", "w_up", "w_down"):
+                del layers[name]
     axes: dict[str, Any] = {"embed": ("vocab", "embed"), "layers": layers, "final_norm": ("norm",)}
     if not cfg.tie_word_embeddings:
         axes["lm_head"] = ("embed", "vocab")
@@ -74,7 +80,7 @@ def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
     L, D, N, K, H, F, V = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                            cfg.intermediate_size, cfg.vocab_size)
     sizes = {"layers": L, "embed": D, "q_heads": N, "kv_heads": K, "head_dim": H, "mlp": F, "vocab": V,
-             "norm": D}
+             "norm": D, **(moe.axis_sizes(cfg) if cfg.moe is not None else {})}
     return jax.tree.map(lambda axes: tuple(sizes[a] for a in axes), param_axes(cfg),
                         is_leaf=lambda x: isinstance(x, tuple))
 
@@ -234,8 +240,10 @@ def _attention_inputs(cfg: ModelConfig, rope: Rotary, x, p, compute_dtype):
     return constrain(q, ("batch", "seq", "act_heads", "head_dim")), k, v
 
 
-def _layer_output(cfg: ModelConfig, x, attn, p, compute_dtype):
-    """The rest of a layer after attention (`attn [B, T, N, H]`): output projection, residual, MLP."""
+def _layer_output(cfg: ModelConfig, x, attn, p, compute_dtype, layer=0, forced=None, valid=None):
+    """The rest of a layer after attention (`attn [B, T, N, H]`): output projection, residual, MLP.
+    Returns x and, for a MoE model, the layer's `moe.LayerRouting` (else None); `layer` (int or
+    traced), `forced` `[B, T, k]` (replayed experts) and `valid` `[B, T]` feed the expert block."""
     cast = lambda a: a.astype(compute_dtype)  # noqa: E731
     # One contraction axis (N*H): with two, XLA CPU transposes wo and the activations per call.
     attn = attn.reshape(*attn.shape[:2], -1)
@@ -245,22 +253,31 @@ def _layer_output(cfg: ModelConfig, x, attn, p, compute_dtype):
     x = x + out
     x = constrain(x, ("batch", "seq", "act_embed"))
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    gate = adapt(project(h, cast(p["w_gate"])), h, p, "w_gate")
-    up = adapt(project(h, cast(p["w_up"])), h, p, "w_up")
-    if cfg.mlp_bias:
-        gate, up = gate + cast(p["b_gate"]), up + cast(p["b_up"])
-    act = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
-    down = adapt(project(act, cast(p["w_down"])), act, p, "w_down")
-    if cfg.mlp_bias:
-        down = down + cast(p["b_down"])
-    return constrain(x + down, ("batch", "seq", "act_embed"))
+
+    def dense(h):
+        gate = adapt(project(h, cast(p["w_gate"])), h, p, "w_gate")
+        up = adapt(project(h, cast(p["w_up"])), h, p, "w_up")
+        if cfg.mlp_bias:
+            gate, up = gate + cast(p["b_gate"]), up + cast(p["b_up"])
+        act = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
+        down = adapt(project(act, cast(p["w_down"])), act, p, "w_down")
+        return down + cast(p["b_down"]) if cfg.mlp_bias else down
+
+    routing = None
+    if cfg.moe is None:
+        down = dense(h)
+    else:
+        down, routing = moe.mlp(cfg, h, p, compute_dtype, layer, dense, forced, valid)
+    return constrain(x + down, ("batch", "seq", "act_embed")), routing
 
 
-def _layer(cfg: ModelConfig, rope: Rotary, x, p, mask, cache_kv, write_index, compute_dtype, attend=None):
+def _layer(cfg: ModelConfig, rope: Rotary, x, p, mask, cache_kv, write_index, compute_dtype, attend=None,
+           layer=0, forced=None, valid=None):
     """One decoder layer. x `[B, T, D]`; cache_kv = (k, v) `[B, K, S, H]` of this layer or None;
-    with a cache, attention reads its first `mask.shape[-1]` positions. Returns the new x and the
-    updated cache layer, or without a cache this layer's keys and values `[B, T, K, H]`. Without a
-    cache, `attend(q, k, v)` (if given) replaces the blocked attention under `mask`."""
+    with a cache, attention reads its first `mask.shape[-1]` positions. Returns the new x, the
+    updated cache layer (or without a cache this layer's keys and values `[B, T, K, H]`) and the
+    MoE routing (`_layer_output`). Without a cache, `attend(q, k, v)` (if given) replaces the
+    blocked attention under `mask`."""
     q, k, v = _attention_inputs(cfg, rope, x, p, compute_dtype)
     if cache_kv is None:
         attn = causal_attention(q, k, v, mask) if attend is None else attend(q, k, v)
@@ -273,7 +290,8 @@ def _layer(cfg: ModelConfig, rope: Rotary, x, p, mask, cache_kv, write_index, co
         W = mask.shape[-1]  # keys past the window are never attended to: not read at all
         attn = cached_attention(q, ck[:, :, :W].astype(compute_dtype), cv[:, :, :W].astype(compute_dtype), mask)
         new_kv = (ck, cv)
-    return _layer_output(cfg, x, attn, p, compute_dtype), new_kv
+    x, routing = _layer_output(cfg, x, attn, p, compute_dtype, layer, forced, valid)
+    return x, new_kv, routing
 
 
 _REMAT_POLICIES = {
@@ -296,8 +314,11 @@ def forward(
     cache_window: int | None = None,
     scan_layers: bool = True,
     attention_impl: str = "blocked",
-) -> tuple[jax.Array, KVCache | None]:
-    """Logits `[B, T, V]` (fp32) and the updated cache.
+    moe_routing: jax.Array | None = None,
+    return_routing: bool = False,
+):
+    """Logits `[B, T, V]` (fp32) and the updated cache (and with `return_routing`, a third value:
+    the pass's `moe.Routing`, None for a dense model).
 
     Without a cache: positions default to 0..T-1, or to the position within each segment when
     `segment_ids` is given; attention is causal within segments. With a cache: `positions [B, T]`
@@ -313,6 +334,8 @@ def forward(
     part of the cache they use.
     `attention_impl` (no cache only; one of ATTENTION_IMPLS) picks the self-attention: "blocked",
     or flash attention ("auto", "reference", "pallas"; kernels/flash_attention.py).
+    `moe_routing` `[L, B, T, k]` (MoE models): replay these experts instead of routing afresh
+    (routing replay, e.g. the generation engine's choices; dense layers' entries are ignored).
     """
     B, T = input_ids.shape
     if attention_impl not in ATTENTION_IMPLS:
@@ -324,6 +347,7 @@ def forward(
         positions = (jnp.broadcast_to(jnp.arange(T), (B, T)) if segment_ids is None
                      else segment_positions(segment_ids))
     positions = positions.astype(jnp.int32)
+    valid = (segment_ids > 0) if segment_ids is not None else (positions >= 0) if cache is not None else None
 
     attend = None
     if cache is None and attention_impl != "blocked":
@@ -344,47 +368,58 @@ def forward(
 
     rope = Rotary.at(cfg, positions)
     x = _embed(params, input_ids, compute_dtype)
-    layer_fn = lambda x, p, kv: _layer(cfg, rope, x, p, mask, kv, write_index, compute_dtype, attend)  # noqa: E731
+    layer_fn = lambda x, p, kv, i, r: _layer(cfg, rope, x, p, mask, kv, write_index, compute_dtype, attend,  # noqa: E731
+                                             i, r, valid)
     if remat != "none":
         layer_fn = jax.checkpoint(layer_fn, policy=_REMAT_POLICIES[remat])
+    forced = lambda i: None if moe_routing is None else moe_routing[i]  # noqa: E731
+    xs_routing = None if moe_routing is None else moe_routing  # scanned beside the layers
 
     if cache is None and not scan_layers:
-        for p in split_layers(params)["layers"]:
-            x, _ = layer_fn(x, p, None)
+        routings = []
+        for i, p in enumerate(split_layers(params)["layers"]):
+            x, _, r = layer_fn(x, p, None, i, forced(i))
+            routings.append(r)
         new_cache = None
     elif cache is None:
-        def body(x, p):
-            x, _ = layer_fn(x, p, None)
-            return x, None
+        def body(x, xs):
+            p, i, r = xs
+            x, _, routing = layer_fn(x, p, None, i, r)
+            return x, routing
 
-        x, _ = jax.lax.scan(body, x, params["layers"])
+        x, routings = jax.lax.scan(body, x, (params["layers"], jnp.arange(cfg.num_layers), xs_routing))
         new_cache = None
     elif cache.is_per_layer:  # a decode step: layers unrolled, each cache layer updated in place
         layers = split_layers(params)["layers"]
-        new_k, new_v = [], []
-        for p, ck, cv in zip(layers, cache.k, cache.v, strict=True):
-            x, (ck, cv) = layer_fn(x, p, (ck, cv))
+        new_k, new_v, routings = [], [], []
+        for i, (p, ck, cv) in enumerate(zip(layers, cache.k, cache.v, strict=True)):
+            x, (ck, cv), r = layer_fn(x, p, (ck, cv), i, forced(i))
             new_k.append(ck)
             new_v.append(cv)
+            routings.append(r)
         new_cache = KVCache(tuple(new_k), tuple(new_v))
     else:  # prefill: one compiled layer body, whatever the depth
-        def body(carry, p_and_index):
+        def body(carry, xs):
             x, ck, cv = carry
-            p, i = p_and_index
-            x, (k_i, v_i) = layer_fn(x, p, (ck[i], cv[i]))
+            p, i, r = xs
+            x, (k_i, v_i), routing = layer_fn(x, p, (ck[i], cv[i]), i, r)
             ck = jax.lax.dynamic_update_index_in_dim(ck, k_i, i, 0)
             cv = jax.lax.dynamic_update_index_in_dim(cv, v_i, i, 0)
-            return (x, ck, cv), None
+            return (x, ck, cv), routing
 
-        (x, ck, cv), _ = jax.lax.scan(body, (x, cache.k, cache.v),
-                                      (params["layers"], jnp.arange(cfg.num_layers)))
+        (x, ck, cv), routings = jax.lax.scan(body, (x, cache.k, cache.v),
+                                             (params["layers"], jnp.arange(cfg.num_layers), xs_routing))
         new_cache = KVCache(ck, cv)
 
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    if return_hidden:
-        return x, new_cache
-    logits = lm_head(params, cfg, x)
-    return logits, new_cache
+    out = x if return_hidden else lm_head(params, cfg, x)
+    if not return_routing:
+        return out, new_cache
+    if cfg.moe is None:
+        return out, new_cache, None
+    if isinstance(routings, list):
+        routings = jax.tree.map(lambda *a: jnp.stack(a), *routings)
+    return out, new_cache, moe.combine(cfg, routings)
 
 
 def _packed_kv(params: Params, cfg: ModelConfig, input_ids: jax.Array, segment_ids: jax.Array, compute_dtype
@@ -398,8 +433,8 @@ def _packed_kv(params: Params, cfg: ModelConfig, input_ids: jax.Array, segment_i
     x = _embed(params, input_ids, compute_dtype)
     out = []
     # The last layer's attention output and MLP feed nothing returned, so XLA drops them.
-    for p in split_layers(params)["layers"]:
-        x, kv = _layer(cfg, rope, x, p, mask, None, None, compute_dtype)
+    for i, p in enumerate(split_layers(params)["layers"]):
+        x, kv, _ = _layer(cfg, rope, x, p, mask, None, None, compute_dtype, layer=i, valid=segment_ids > 0)
         out.append(kv)
     return positions, out
 
@@ -454,11 +489,12 @@ def paged_decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, posit
     rope = Rotary.at(cfg, jnp.maximum(positions, 0)[:, None])
     x = _embed(params, tokens[:, None], compute_dtype)
     new = []
-    for p, pool in zip(split_layers(params)["layers"], pools, strict=True):
+    for i, (p, pool) in enumerate(zip(split_layers(params)["layers"], pools, strict=True)):
         q, k, v = _attention_inputs(cfg, rope, x, p, compute_dtype)
         pool, attn = attend(pool, q[:, 0], k[:, 0], v[:, 0], positions)
         new.append(pool)
-        x = _layer_output(cfg, x, attn[:, None].astype(compute_dtype), p, compute_dtype)
+        x, _ = _layer_output(cfg, x, attn[:, None].astype(compute_dtype), p, compute_dtype, i,
+                             valid=(positions >= 0)[:, None])
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     return lm_head(params, cfg, x)[:, 0], tuple(new)
 
@@ -493,14 +529,14 @@ def prefill_block(params: Params, cfg: ModelConfig, input_ids: jax.Array, length
         rope = Rotary.at(cfg, positions)
         x = _embed(params, ids, compute_dtype)
         new_k, new_v = [], []
-        for p, ck, cv in zip(layers, block_k, block_v, strict=True):
+        for i, (p, ck, cv) in enumerate(zip(layers, block_k, block_v, strict=True)):
             q, k, v = _attention_inputs(cfg, rope, x, p, compute_dtype)
             # Rounded to the cache dtype first: the chunk attends to its keys as they will be stored.
             k, v = (jnp.where(valid, a, 0).astype(cache_dtype) for a in (k, v))  # padding stores zeros
             attn = chunk_attention(q, k.astype(compute_dtype), v.astype(compute_dtype), ck, cv, start, C)
             new_k.append(jax.lax.dynamic_update_slice_in_dim(ck, k.transpose(0, 2, 1, 3), start, axis=2))
             new_v.append(jax.lax.dynamic_update_slice_in_dim(cv, v.transpose(0, 2, 1, 3), start, axis=2))
-            x = _layer_output(cfg, x, attn, p, compute_dtype)
+            x, _ = _layer_output(cfg, x, attn, p, compute_dtype, i, valid=valid[:, :, 0, 0])
         at = lengths - 1 - start  # the row's last token, if this chunk holds it
         here = (at >= 0) & (at < Cq)
         picked = jnp.take_along_axis(x, jnp.clip(at, 0, Cq - 1)[:, None, None], axis=1)[:, 0]

@@ -19,7 +19,11 @@ dimensions (letters of models/config.py):
   backward.
 - update: nothing beyond its arguments (weights and moments are donated and updated in place).
 - transfer: the group being moved, in the generation dtype, twice (cast and gathered).
-Everything per device: sharded dimensions divided by their mesh axis.
+Everything per device: sharded dimensions divided by their mesh axis. For a mixture-of-experts
+model the MLP terms are those of its widest layer (`mlp_acts`): a sparse layer's k routed experts
+and shared expert in place of 3F, plus the token-sorted copies of its k assignments per token
+(gathered inputs, outputs and their unsorted copy, `[k, D]` each) and the fp32 router
+probabilities `[E]`; the expert weights themselves are arguments, counted exactly.
 
 The test suite holds the estimate within 25% of XLA's figure on small shapes; at real shapes the
 difference says how much the compiler's scheduling and fusion save or cost.
@@ -66,6 +70,29 @@ FLASH_KERNELS = ("splash", "pallas_triton_flash", "cudnn")
 PAGED_KERNELS = ("ragged_paged", "pallas_triton_paged")
 
 
+def mlp_acts(m: ModelConfig, t: int = 1) -> int:
+    """Elements per token of one layer's MLP activations (tensor size `t`): 3F for a dense MLP;
+    for the widest layer of a MoE model, see the module docstring."""
+    dense = 3 * m.intermediate_size // t if not all(m.sparse_layers) else 0
+    if m.moe is None:
+        return dense
+    e = m.moe
+    sparse = (3 * (e.num_experts_per_tok * e.moe_intermediate_size + e.shared_expert_intermediate_size) // t
+              + 3 * e.num_experts_per_tok * m.hidden_size + e.num_experts)
+    return max(dense, sparse)
+
+
+def mlp_flops(m: ModelConfig) -> int:
+    """Multiply-adds per token of all layers' MLPs (routed experts, shared expert and router where sparse)."""
+    sparse = sum(m.sparse_layers)
+    dense = (m.num_layers - sparse) * 3 * m.hidden_size * m.intermediate_size
+    if m.moe is None:
+        return dense
+    e = m.moe
+    return dense + sparse * m.hidden_size * (
+        3 * (e.num_experts_per_tok * e.moe_intermediate_size + e.shared_expert_intermediate_size) + e.num_experts)
+
+
 def temporaries(spec: ProgramSpec, ctx: EstimateContext, attention: Sequence[str] = ()) -> int:
     """Modelled temporaries (and new outputs) of one program on one device, in bytes.
     `attention`: the kernels compiled into it; a flash or paged kernel keeps no score tensor."""
@@ -73,8 +100,7 @@ def temporaries(spec: ProgramSpec, ctx: EstimateContext, attention: Sequence[str
     paged = any(k in PAGED_KERNELS for k in attention)
     m, d = ctx.model, _dims(spec.name)
     kind = _kind(spec.name)
-    D, F, N, K, H, V, L = (m.hidden_size, m.intermediate_size, m.num_heads, m.num_kv_heads, m.head_dim,
-                           m.vocab_size, m.num_layers)
+    D, N, K, H, V, L = m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, m.vocab_size, m.num_layers
     if spec.role in ("generation", "eval"):
         t = ctx.generation_tensor
         if kind == "decode":
@@ -86,18 +112,18 @@ def temporaries(spec: ProgramSpec, ctx: EstimateContext, attention: Sequence[str
             else:
                 B, gather = _first_dim(spec.args[1]), 0  # the dense cache's slots on this device
             scores = 0 if paged else 2 * (N // t) * W
-            return 4 * B * (3 * V // t + scores + 3 * F // t + 4 * D) + gather
+            return 4 * B * (3 * V // t + scores + mlp_acts(m, t) + 4 * D) + gather
         if kind in ("prefill_start", "prefill"):  # chunked: `prefill_chunk` queries at a time
             R, P = d.get("rows", 1), d.get("len", 1)
             C = min(ctx.prefill_chunk, P)
             block = 2 * L * R * max(K // t, 1) * P * H * ctx.cache_bytes  # the new KV block (an output)
-            acts = ctx.cache_bytes * R * C * (2 * D + 3 * F // t)  # in the weights' dtype
+            acts = ctx.cache_bytes * R * C * (2 * D + mlp_acts(m, t))  # in the weights' dtype
             scores = 4 * R * (N // t) * C * (1 if flash else C)
             return block + acts + scores + 4 * R * V
         if kind == "reprefill_packed":  # causal blocks over packed rows, written straight into slots
             R, W = d.get("rows", 1), _last_dim(spec.args[-1])
             bq = max(32, -(-W // 32))
-            return ctx.cache_bytes * R * W * (2 * D + 3 * F // t) + 4 * R * (N // t) * bq * (1 if flash else W)
+            return ctx.cache_bytes * R * W * (2 * D + mlp_acts(m, t)) + 4 * R * (N // t) * bq * (1 if flash else W)
         if kind == "split_weights":
             return bytes_per_device(spec.args)  # the per-layer copy of the stacked weights
         return 0  # insert, first_tokens: in place or small
@@ -116,7 +142,7 @@ def temporaries(spec: ProgramSpec, ctx: EstimateContext, attention: Sequence[str
         Rl = max(1, R // f)
         tokens = Rl * T
         layer_weights = ctx.compute_bytes * weights * f // max(L, 1)  # one layer gathered
-        recompute = 4 * tokens * (4 * D + 3 * F // t)
+        recompute = 4 * tokens * (4 * D + mlp_acts(m, t))
         attention = 4 * Rl * (N // t) * T * (2 if flash else T // 2)  # flash: log-sum-exp (and its gradient)
         chunk = min(ctx.logit_chunk_tokens // max(1, R // Rl), Rl * T) if Rl * T > ctx.logit_chunk_tokens else Rl * T
         logits = 4 * chunk * V // t * 2  # the chunk's logits and, in the backward, their gradient
@@ -183,9 +209,8 @@ def analytic_flops(spec: ProgramSpec, ctx: EstimateContext, num_devices: int) ->
     planner takes the larger of XLA's figure and this one. Decode chunks count one step either way
     (XLA's figure is used: their layers are unrolled)."""
     m, d, kind = ctx.model, _dims(spec.name), _kind(spec.name)
-    D, F, N, K, H, V, L = (m.hidden_size, m.intermediate_size, m.num_heads, m.num_kv_heads, m.head_dim,
-                           m.vocab_size, m.num_layers)
-    layers = 2 * L * (D * (N + 2 * K) * H + N * H * D + 3 * D * F)  # per token
+    D, N, K, H, V, L = m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, m.vocab_size, m.num_layers
+    layers = 2 * (L * (D * (N + 2 * K) * H + N * H * D) + mlp_flops(m))  # per token
     head = 2 * D * V
 
     def attention(queries: float, keys: float) -> float:  # QK^T and PV over every layer

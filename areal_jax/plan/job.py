@@ -35,7 +35,8 @@ def model_config_for(job: JobConfigs, plan_cfg: PlanConfig, gin_files: Sequence[
     if path is None:
         from areal_jax.tasks.tokenizer_builder import task_model_config
 
-        return task_model_config(hidden_size=job.model.hidden_size, num_layers=job.model.num_layers)
+        return task_model_config(hidden_size=job.model.hidden_size, num_layers=job.model.num_layers,
+                                 num_experts=job.model.num_experts, num_experts_per_tok=job.model.num_experts_per_tok)
     search = [pathlib.Path(f).resolve().parent for f in gin_files]
     try:
         return read_model_config(path, search=search)

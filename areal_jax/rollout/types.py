@@ -7,6 +7,8 @@ Token alignment used by the trainer (one row per trajectory, length L = P + G):
                          multi-turn workflow's inserted tokens, e.g. feedback turns, are 0)
   behavior_logprobs[i] = log-prob the generator assigned to target i (0 elsewhere)
   versions[i]          = policy version that sampled target i (-1 for prompt targets / padding)
+  moe_routing[i]       = experts `[L, k]` the generator's router chose for input token i (MoE
+                         policies recording it; zeros where the engine never fed the token in)
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ class Trajectory:
     reward: float
     stop_reason: str = "stop"
     loss_mask: np.ndarray | None = None
+    # MoE policies: the engine's chosen experts `[P + G, L, k]` per input token and layer (int8
+    # where the expert ids fit, else int16), replayed by PPOConfig.moe_routing = "replay".
+    moe_routing: np.ndarray | None = None
 
     def __post_init__(self):
         g = len(self.completion_ids)
@@ -48,6 +53,9 @@ class Trajectory:
                 raise ValueError(f"Trajectory.loss_mask must be [{g}] zeros and ones (one per completion token), "
                                  f"got shape {mask.shape}")
             object.__setattr__(self, "loss_mask", mask.astype(np.float32))
+        if self.moe_routing is not None and (np.ndim(self.moe_routing) != 3 or len(self.moe_routing) != self.length):
+            raise ValueError(f"Trajectory.moe_routing must be [{self.length}, layers, k] (one row per input token), "
+                             f"got shape {np.shape(self.moe_routing)}")
 
     @property
     def generated_tokens(self) -> int:
@@ -77,8 +85,11 @@ class Trajectory:
         versions[P - 1:L - 1] = np.where(generated > 0, self.versions, -1)
         targets = np.zeros(L, np.int32)
         targets[:-1] = ids[1:]
-        return {"input_ids": ids, "targets": targets, "loss_mask": loss_mask, "behavior_logprobs": behav,
-                "versions": versions}
+        row = {"input_ids": ids, "targets": targets, "loss_mask": loss_mask, "behavior_logprobs": behav,
+               "versions": versions}
+        if self.moe_routing is not None:
+            row["moe_routing"] = np.asarray(self.moe_routing)
+        return row
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from areal_jax.paths import write_whole
-from areal_jax.models.config import ModelConfig
+from areal_jax.models.config import ModelConfig, MoEConfig
 from areal_jax.models.hf_io import save_params
 from areal_jax.models.transformer import init_params
 
@@ -85,14 +85,26 @@ def build_tokenizer(directory: str | pathlib.Path) -> pathlib.Path:
 
 def task_model_config(vocab_size: int | None = None, *, hidden_size: int = 128, num_layers: int = 4,
                       num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 384,
-                      max_position_embeddings: int = 256) -> ModelConfig:
-    """A small Qwen2-style decoder for the task (defaults: ~0.8M parameters, tied embeddings)."""
+                      max_position_embeddings: int = 256, num_experts: int = 0,
+                      num_experts_per_tok: int = 2) -> ModelConfig:
+    """A small Qwen2-style decoder for the task (defaults: ~0.8M parameters, tied embeddings).
+
+    num_experts > 0: its Qwen2-MoE variant, every MLP an expert block of `num_experts` experts
+    (`num_experts_per_tok` per token) of intermediate_size / 4 hidden units beside a shared expert
+    of intermediate_size / 3, so a token's active MLP (2 experts + shared) matches the dense one.
+    """
     vocab = vocabulary()
+    moe = None
+    if num_experts:
+        moe = MoEConfig(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+                        moe_intermediate_size=intermediate_size // 4,
+                        shared_expert_intermediate_size=intermediate_size // 3, router_aux_loss_coef=0.001)
     return ModelConfig(
         vocab_size=vocab_size or len(vocab), hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
         head_dim=hidden_size // num_heads, rms_norm_eps=1e-6, tie_word_embeddings=True, qkv_bias=True,
-        max_position_embeddings=max_position_embeddings, family="qwen2", eos_token_id=vocab[EOS])
+        max_position_embeddings=max_position_embeddings, family="qwen2_moe" if moe else "qwen2",
+        eos_token_id=vocab[EOS], moe=moe)
 
 
 def build_task_model_dir(directory: str | pathlib.Path, cfg: ModelConfig | None = None, *, seed: int = 0,

@@ -136,6 +136,10 @@ class PPOConfig:
             4096 keeps one fp32 copy at 2.5 GB for a 151,936-token vocabulary (divided over the
             devices holding rows and vocabulary), where a 16k-token micro-batch's whole logits
             would be 10 GB per copy; micro-batches of at most this many tokens run dense.
+        moe_routing: for a mixture-of-experts policy, how the proximal and current log-probs
+            route tokens: "recompute" (the trainer's router chooses afresh) or "replay" (the
+            experts the generation engine chose, batch key `moe_routing`, are used; the router
+            still weighs them and learns). Ignored for dense policies.
     """
 
     eps_clip: float = 0.2
@@ -157,6 +161,7 @@ class PPOConfig:
     attention_impl: Literal["auto", "reference", "pallas", "blocked"] = "auto"
     skip_nonfinite: bool = True
     logit_chunk_tokens: int = DEFAULT_LOGIT_CHUNK_TOKENS
+    moe_routing: Literal["recompute", "replay"] = "recompute"
 
     @property
     def logit_temperature(self) -> float:
@@ -210,6 +215,8 @@ class PPOConfig:
             raise ValueError(f"PPOConfig.scan_layers must be a bool, got {self.scan_layers!r}")
         if self.remat not in REMATS:
             raise ValueError(f"PPOConfig.remat must be one of {REMATS}, got {self.remat!r}")
+        if self.moe_routing not in ("recompute", "replay"):
+            raise ValueError(f"PPOConfig.moe_routing must be 'recompute' or 'replay', got {self.moe_routing!r}")
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"PPOConfig.attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
         for name in ("decoupled", "skip_nonfinite"):

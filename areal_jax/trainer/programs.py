@@ -43,6 +43,9 @@ COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 FORWARD_KEYS = ("input_ids", "targets", "segment_ids", "positions")
 LOSS_KEYS = (*FORWARD_KEYS, "loss_mask", "behavior_logprobs", "advantages")
 PROXIMAL_KEY = "proximal_logprobs"
+# The engine's chosen experts `[R, T, L, k]` (int; MoE policies), replayed when PPOConfig.moe_routing
+# is "replay"; the entries of prompt and padding tokens are the engine's prefill choices or zeros.
+MOE_ROUTING_KEY = "moe_routing"
 # A-3PO: per-token weight of the log-linear proximal approximation (ppo.loglinear_alpha), computed on
 # the host from the token versions in place of a proximal forward.
 ALPHA_KEY = "proximal_alpha"
@@ -83,7 +86,12 @@ def _loss_stats_shapes() -> dict[str, jax.ShapeDtypeStruct]:
     x = jax.ShapeDtypeStruct((1, 1), jnp.float32)
     shapes = dict(jax.eval_shape(lambda a: decoupled_ppo_loss(a, a, a, a, a)[1], x))
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
-    return {**shapes, "entropy_sum": scalar, "loss": scalar}
+    # MoE models (zeros for dense ones): the load-balancing loss and the busiest expert's load over
+    # its fair share, each summed as micro-batch value x valid tokens; assignments dropped (0).
+    return {**shapes, "entropy_sum": scalar, "loss": scalar, **{k: scalar for k in MOE_STATS}}
+
+
+MOE_STATS = ("moe_aux_loss_sum", "moe_load_max_sum", "moe_dropped")
 
 
 # ---- the programs ----------------------------------------------------------------------------------------
@@ -130,11 +138,22 @@ def build_train_programs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, optimizer: 
     counts = collections.Counter() if counts is None else counts
     compute_dtype = COMPUTE_DTYPES[ppo.compute_dtype]
 
-    def hidden_of(params, batch):
-        hidden, _ = forward(params, cfg, batch["input_ids"], batch["positions"], batch["segment_ids"],
-                            compute_dtype=compute_dtype, remat=ppo.remat, return_hidden=True,
-                            scan_layers=ppo.scan_layers, attention_impl=ppo.attention_impl)
-        return hidden, functools.partial(lm_head, params, cfg)  # [R, T, D], its head -> fp32 logits
+    def replayed(batch):
+        """The engine's experts `[L, R, T, k]` to replay, or None (route afresh)."""
+        if cfg.moe is None or ppo.moe_routing != "replay":
+            return None
+        if MOE_ROUTING_KEY not in batch:
+            raise ValueError(f"PPOConfig.moe_routing='replay' needs the engine's experts (batch key "
+                             f"{MOE_ROUTING_KEY!r}); this batch has none")
+        return jnp.moveaxis(batch[MOE_ROUTING_KEY].astype(jnp.int32), 2, 0)
+
+    def hidden_of(params, batch, with_routing=False):
+        hidden, _, routing = forward(params, cfg, batch["input_ids"], batch["positions"], batch["segment_ids"],
+                                     compute_dtype=compute_dtype, remat=ppo.remat, return_hidden=True,
+                                     scan_layers=ppo.scan_layers, attention_impl=ppo.attention_impl,
+                                     return_routing=True, moe_routing=replayed(batch))
+        head = functools.partial(lm_head, params, cfg)  # [R, T, D], its head -> fp32 logits
+        return (hidden, head, routing) if with_routing else (hidden, head)
 
     def logprobs(params, batch):
         counts["logprobs"] += 1  # runs once per trace, i.e. per compilation
@@ -145,7 +164,7 @@ def build_train_programs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, optimizer: 
         counts["grad"] += 1
 
         def loss_fn(p):
-            hidden, head = hidden_of(p, batch)
+            hidden, head, routing = hidden_of(p, batch, with_routing=True)
             logp, entropy = hidden_logprobs_and_entropy(hidden, head, batch["targets"], ppo.logit_temperature,
                                                         chunk_tokens=ppo.logit_chunk_tokens)
             if PROXIMAL_KEY in batch:
@@ -161,6 +180,15 @@ def build_train_programs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, optimizer: 
                 behav_imp_weight_mode=ppo.behav_imp_weight_mode,
                 importance_sampling_level=ppo.importance_sampling_level, segment_ids=batch["segment_ids"])
             stats["entropy_sum"] = jnp.sum(jnp.where(batch["loss_mask"] > 0, entropy, 0.0))
+            stats.update({k: jnp.zeros((), jnp.float32) for k in MOE_STATS})
+            if routing is not None:
+                # The micro-batch's aux loss weighted by its share of the minibatch's tokens, so
+                # the minibatch's total is their token-weighted mean.
+                tokens = jnp.sum(batch["loss_mask"] > 0).astype(jnp.float32)
+                loss = loss + cfg.moe.router_aux_loss_coef * routing.aux_loss * tokens / denominator
+                stats.update(moe_aux_loss_sum=jax.lax.stop_gradient(routing.aux_loss) * tokens,
+                             moe_load_max_sum=routing.load_max * tokens,
+                             moe_dropped=routing.dropped.astype(jnp.float32))
             stats["loss"] = jax.lax.stop_gradient(loss)
             return loss, stats
 

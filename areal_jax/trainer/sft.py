@@ -35,6 +35,7 @@ from areal_jax.models.sharding import TRAIN_RULES, activation_rules, sharding_fo
 from areal_jax.packing import ffd_allocate, pack_sequences
 from areal_jax.parallel.distributed import fully_local
 from areal_jax.ppo.logprobs import DEFAULT_LOGIT_CHUNK_TOKENS, hidden_logprobs
+from areal_jax.trainer.optimizer import OptimizerConfig, build_optimizer, learning_rate_schedule
 from areal_jax.trainer.train_step import opt_state_shardings, param_shardings
 
 Example = tuple[Sequence[int], Sequence[int]] | SFTExample  # (prompt_ids, completion_ids), or ids + trained mask
@@ -48,7 +49,8 @@ class SFTConfig:
     steps: optimizer steps. batch_size: packed rows per step (B). max_len: tokens per row (T);
     every example must fit in one row. lr: peak AdamW learning rate (the default suits a pretrained
     model, as TRL's; the built-in task's tiny model wants ~3e-3, as configs/quickstart.gin sets),
-    reached after `warmup` linear steps, then cosine decay to `lr * min_lr_ratio`. compute_dtype: "float32" or
+    reached after `warmup` linear steps, then cosine decay to `lr * min_lr_ratio`; weight_decay and
+    grad_clip (a global norm) as OptimizerConfig's (`optimizer_config`: the RL trainer's optimizer). compute_dtype: "float32" or
     "bfloat16" for matmuls (weights and optimizer state stay float32). log_every: steps between
     metric read-backs (reading forces a device sync). scan_layers: run the layers as a scan (one
     compiled layer body) or unrolled (faster per step on CPU, longer compile for deep models).
@@ -124,11 +126,25 @@ class SFTConfig:
             raise ValueError(f"SFTConfig.stop_accuracy must be in [0, 1] (0 = off), got {self.stop_accuracy!r}")
         if self.stop_accuracy > 0 and self.eval_every == 0:
             raise ValueError("SFTConfig.stop_accuracy needs validation checks: set SFTConfig.eval_every > 0")
+        try:  # what SFTConfig's checks above let through and the shared optimizer would refuse
+            self.optimizer_config()
+        except ValueError as e:
+            raise ValueError(f"SFTConfig (lr, warmup, weight_decay, grad_clip, min_lr_ratio): {e}") from None
         # The first check: the first multiple of eval_every at or after eval_from (steps count from 1).
         if self.eval_every and -(-max(self.eval_from, 1) // self.eval_every) * self.eval_every > self.steps:
             raise ValueError(f"SFTConfig.eval_every = {self.eval_every} with eval_from = {self.eval_from} runs no "
                              f"validation check within steps = {self.steps}: lower SFTConfig.eval_from, or set "
                              f"SFTConfig.eval_every = 0 and SFTConfig.stop_accuracy = 0.0 to train all steps")
+
+    def optimizer_config(self) -> OptimizerConfig:
+        """SFT's optimizer as the RL trainer's (trainer/optimizer.py, one AdamW and schedule for
+        both): global-norm clipping at `grad_clip`, AdamW (b2 0.98, `weight_decay`), linear warmup
+        over `warmup` updates (update s at lr * (s + 1) / warmup), then cosine decay to
+        lr * min_lr_ratio at update `steps`."""
+        return OptimizerConfig(lr=self.lr, warmup_steps=self.warmup, schedule="cosine",
+                               total_steps=max(self.steps, self.warmup + 1),  # warmup == steps: warmup only
+                               min_lr_ratio=self.min_lr_ratio, weight_decay=self.weight_decay, b2=0.98,
+                               max_grad_norm=self.grad_clip)
 
     def validates_at(self, step: int) -> bool:
         """Whether step `step` (1-based) ends with a validation check."""
@@ -238,21 +254,6 @@ def completion_loss(params: Params, model_cfg: ModelConfig, batch: Mapping[str, 
     return -jnp.sum(logp * mask) / jnp.maximum(n, 1.0), n
 
 
-def learning_rate_schedule(cfg: SFTConfig) -> optax.Schedule:
-    """Linear warm-up from 0 to `lr` over `warmup` steps, then cosine decay to `lr * min_lr_ratio`
-    at `steps`."""
-    # optax needs a decay phase of at least one step; warmup == steps is a valid (warmup-only) config.
-    decay_end = max(cfg.steps, cfg.warmup + 1)
-    return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, decay_end, cfg.lr * cfg.min_lr_ratio)
-
-
-def make_optimizer(cfg: SFTConfig) -> optax.GradientTransformation:
-    """AdamW with linear warm-up, cosine decay and global-norm clipping."""
-    schedule = learning_rate_schedule(cfg)
-    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
-                       optax.adamw(schedule, b1=0.9, b2=0.98, weight_decay=cfg.weight_decay))
-
-
 def make_train_step(model_cfg: ModelConfig, optimizer: optax.GradientTransformation, compute_dtype=None,
                     scan_layers: bool = True, out_shardings: Any = None, attention_impl: str = "auto"
                     ) -> Callable[..., tuple[Params, Any, dict[str, jax.Array]]]:
@@ -330,7 +331,8 @@ def run_sft(model_cfg: ModelConfig, params: Params, examples: Sequence[Example],
     if cfg.eval_every and validate is None:
         raise ValueError("SFTConfig.eval_every > 0 needs a `validate` function (validation prompts)")
     compute_dtype = _DTYPES[cfg.compute_dtype]
-    optimizer = make_optimizer(cfg)
+    opt_cfg = cfg.optimizer_config()
+    optimizer = build_optimizer(opt_cfg)
     placement = _MeshPlacement(model_cfg, mesh, (cfg.batch_size, cfg.max_len)) if mesh is not None else None
     if placement is None:
         params = jax.tree.map(lambda a: jnp.array(a, jnp.float32), params)  # own copy: the step donates it
@@ -344,7 +346,7 @@ def run_sft(model_cfg: ModelConfig, params: Params, examples: Sequence[Example],
         step_fn = make_train_step(model_cfg, optimizer, compute_dtype, cfg.scan_layers,
                                   out_shardings=(placement.params, opt_shardings, placement.replicated),
                                   attention_impl=cfg.attention_impl)
-    schedule = learning_rate_schedule(cfg)
+    schedule = learning_rate_schedule(opt_cfg)
     batches = PackedBatches(examples, cfg.batch_size, cfg.max_len, cfg.seed)
     val_batches = packed_eval_batches(val_examples, cfg.batch_size, cfg.max_len) if val_examples else []
     loss_fn = jax.jit(functools.partial(completion_loss, model_cfg=model_cfg, compute_dtype=compute_dtype,

@@ -51,6 +51,7 @@ from areal_jax.trainer.programs import (
     COMPUTE_DTYPES,
     FORWARD_KEYS,
     LOSS_KEYS,
+    MOE_ROUTING_KEY,
     PROXIMAL_KEY,
     build_train_programs,
     opt_state_shardings,
@@ -160,7 +161,7 @@ class PolicyTrainer:
         `params` (default: the current weights) may be another set laid out like `self.params`
         (same dtype and shardings, e.g. a frozen reference copy): the same compiled program runs.
         """
-        batch = self._to_device(microbatch, FORWARD_KEYS)
+        batch = self._to_device(microbatch, self._with_routing(microbatch, FORWARD_KEYS))
         with self._activation_rules():
             return self._logprobs_fn(self._params if params is None else params, batch)
 
@@ -187,6 +188,21 @@ class PolicyTrainer:
                  else m.with_arrays(**{ALPHA_KEY: loglinear_alpha(np.asarray(m.arrays["versions"]), current_version)})
                  for m in mb] for mb in minibatches]
 
+    def _with_routing(self, micro: PackedBatch, keys: Sequence[str]) -> tuple[str, ...]:
+        """`keys` plus the engine's experts where a MoE policy replays them (PPOConfig.moe_routing);
+        the program refuses a replay without them."""
+        replay = self.model_config.moe is not None and self.ppo_config.moe_routing == "replay"
+        return (*keys, MOE_ROUTING_KEY) if replay and MOE_ROUTING_KEY in micro.arrays else tuple(keys)
+
+    def _moe_metrics(self, total: dict, n_valid: float) -> dict[str, float]:
+        """A MoE policy's router metrics over the step: load-balancing loss and busiest expert's
+        load over its fair share (token-weighted means), dropped assignments (always 0: dropless)."""
+        if self.model_config.moe is None:
+            return {}
+        return {"moe_aux_loss": float(total["moe_aux_loss_sum"]) / n_valid,
+                "moe_load_max": float(total["moe_load_max_sum"]) / n_valid,
+                "moe_dropped": float(total["moe_dropped"])}
+
     def minibatch_gradients(self, microbatches: Sequence[PackedBatch], *, self_proximal: bool = False
                             ) -> tuple[Params, dict[str, jax.Array]]:
         """Summed gradients of one minibatch's loss and its summed loss stats (incl. "loss",
@@ -209,7 +225,7 @@ class PolicyTrainer:
                         raise ValueError("micro-batch has no proximal_logprobs; call with_proximal_logprobs "
                                          "(or with_proximal_alpha) first")
                     keys = (*LOSS_KEYS, given[0])  # the exact log-probs win over the approximation
-                batch = self._to_device(micro, keys)
+                batch = self._to_device(micro, self._with_routing(micro, keys))
                 denom = np.float32(micro.minibatch_valid_tokens)
                 grads, stats = self._grad_fn(self._params, grads, stats, batch, denom)
         return grads, stats
@@ -281,6 +297,7 @@ class PolicyTrainer:
             step=float(self._step),
             num_minibatches=float(len(minibatches)),
             num_microbatches=float(sum(len(mb) for mb in minibatches)),
+            **self._moe_metrics(total, n_valid),
             time_proximal_s=t_prox - t_start,
             time_update_s=t_end - t_prox,
             time_step_s=t_end - t_start,

@@ -22,6 +22,8 @@ CONFIG_CLASSES = {
     "llama": transformers.LlamaConfig,
     "qwen2": transformers.Qwen2Config,
     "qwen3": transformers.Qwen3Config,
+    "qwen2_moe": transformers.Qwen2MoeConfig,
+    "qwen3_moe": transformers.Qwen3MoeConfig,
 }
 
 

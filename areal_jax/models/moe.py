@@ -1,0 +1,223 @@
+"""The sparse MLP of Qwen2-MoE / Qwen3-MoE decoders: top-k softmax router, experts run as grouped
+matmuls over tokens sorted by expert, optional shared expert behind a sigmoid gate.
+
+Dimension letters (beside ModelConfig's): M tokens of a layer call (B*T), E experts (E_l of them
+held by one expert-parallel shard), k experts per token, Fe one expert's hidden size, Fs the
+shared expert's, A = M*k token-expert assignments.
+
+Routing is dropless: every assignment is computed (the grouped matmul takes per-expert group
+sizes, so no capacity is reserved and no token is dropped; `LayerRouting.dropped` counts the
+assignments the grouped matmuls did not cover, which must be 0). Expert parallelism: when the
+active sharding rules put the "experts" axis on a mesh axis of size > 1, each shard receives
+every token of the layer (GSPMD gathers them at the shard_map boundary), computes the
+assignments of the experts it holds, and the partial outputs are summed over the axis
+(docs/architecture.md, "Mixture of experts").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from areal_jax.kernels.grouped_matmul import grouped_matmul
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.sharding import active, constrain
+
+EXPERT_AXIS = "expert"  # the mesh axis expert weights shard over (models/sharding.py rules)
+
+
+
+def layer_axes(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """Logical axes of the expert-block parameters of every layer (stacked on "layers")."""
+    m = cfg.moe
+    axes = {
+        "router": ("layers", "embed", "router"),  # [L, D, E]: replicated over E, every shard routes
+        "we_gate": ("layers", "experts", "embed", "moe_mlp"),  # [L, E, D, Fe]
+        "we_up": ("layers", "experts", "embed", "moe_mlp"),
+        "we_down": ("layers", "experts", "moe_mlp", "embed"),  # [L, E, Fe, D]
+    }
+    if m.shared_expert_intermediate_size:
+        axes.update(ws_gate=("layers", "embed", "shared_mlp"), ws_up=("layers", "embed", "shared_mlp"),
+                    ws_down=("layers", "shared_mlp", "embed"),
+                    ws_router=("layers", "embed", "shared_gate"))  # [L, D, 1]: the gate's one logit
+    return axes
+
+
+def axis_sizes(cfg: ModelConfig) -> dict[str, int]:
+    m = cfg.moe
+    return {"experts": m.num_experts, "router": m.num_experts, "moe_mlp": m.moe_intermediate_size,
+            "shared_mlp": m.shared_expert_intermediate_size, "shared_gate": 1}
+
+
+class LayerRouting(NamedTuple):
+    """What one layer's router did. experts `[B, T, k]` int32 (chosen ids, by falling probability);
+    load `[E]`: share of valid tokens sent to each expert (sums to k); importance `[E]`: mean router
+    probability; entropy: mean router entropy (nats); dropped: assignments not computed (0)."""
+
+    experts: jax.Array
+    load: jax.Array
+    importance: jax.Array
+    entropy: jax.Array
+    dropped: jax.Array
+
+    @classmethod
+    def none(cls, cfg: ModelConfig, B: int, T: int) -> "LayerRouting":
+        """A dense layer's entry (so a scan over mixed layers yields one structure)."""
+        E, k = cfg.moe.num_experts, cfg.moe.num_experts_per_tok
+        return cls(jnp.zeros((B, T, k), jnp.int32), jnp.zeros((E,), jnp.float32), jnp.zeros((E,), jnp.float32),
+                   jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+
+
+def route(cfg: ModelConfig, h: jax.Array, router: jax.Array, forced: jax.Array | None = None
+          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """h `[M, D]` -> (weights `[M, k]` fp32, experts `[M, k]` int32, probabilities `[M, E]` fp32).
+
+    Softmax over all experts in fp32, the k most probable chosen (renormalized when
+    norm_topk_prob). `forced` `[M, k]` (routing replay) fixes the choice; the weights are then
+    the current router's probabilities of the forced experts, so the router still learns.
+    """
+    logits = jnp.dot(h, router.astype(h.dtype), preferred_element_type=jnp.float32)  # [M, E]
+    probs = jax.nn.softmax(logits, axis=-1)
+    if forced is None:
+        weights, experts = jax.lax.top_k(probs, cfg.moe.num_experts_per_tok)
+    else:
+        experts = forced.astype(jnp.int32)
+        weights = jnp.take_along_axis(probs, experts, axis=-1)
+    if cfg.moe.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32), probs
+
+
+def expert_mlp(x: jax.Array, experts: jax.Array, weights: jax.Array, wg: jax.Array, wu: jax.Array,
+               wd: jax.Array, impl: str, expert_offset: jax.Array | int = 0) -> tuple[jax.Array, jax.Array]:
+    """Sum over each token's experts of weight * SwiGLU expert output, for the experts held here.
+
+    x `[M, D]`; experts, weights `[M, k]`; wg, wu `[E_l, D, Fe]`, wd `[E_l, Fe, D]` hold global
+    experts [expert_offset, expert_offset + E_l); assignments to other experts add nothing.
+    Returns (`[M, D]` in x's dtype, number of local assignments computed).
+    """
+    M, k = experts.shape
+    E_l = wg.shape[0]
+    flat = experts.reshape(-1) - expert_offset  # [A]
+    key = jnp.where((flat >= 0) & (flat < E_l), flat, E_l)  # other shards' experts sort last
+    order = jnp.argsort(key, stable=True)  # [A]: assignments grouped by local expert
+    sizes = jnp.bincount(key, length=E_l + 1)[:E_l].astype(jnp.int32)  # [E_l]
+    covered = jnp.arange(M * k) < jnp.sum(sizes)  # rows the groups hold; the rest are other shards'
+    # Zeroed past the groups, so the unspecified rows' gradients never reach x.
+    xs = jnp.where(covered[:, None], x[order // k], 0)  # [A, D]
+    act = jax.nn.silu(grouped_matmul(xs, wg, sizes, impl)) * grouped_matmul(xs, wu, sizes, impl)  # [A, Fe]
+    ys = grouped_matmul(act, wd, sizes, impl)  # [A, D]
+    ws = jnp.where(covered, weights.reshape(-1)[order], 0).astype(x.dtype)
+    ys = jnp.where(covered[:, None], ys, 0) * ws[:, None]
+    unsorted = jnp.zeros_like(ys).at[order].set(ys)  # back to token-major order
+    return unsorted.reshape(M, k, -1).sum(axis=1), jnp.sum(sizes)
+
+
+def _experts_sharded() -> tuple[Any, int] | None:
+    """(mesh, shards) when the active rules split experts over a mesh axis of size > 1."""
+    rules_mesh = active()
+    if rules_mesh is None:
+        return None
+    rules, mesh = rules_mesh
+    if rules.get("experts") != EXPERT_AXIS or mesh.shape.get(EXPERT_AXIS, 1) == 1:
+        return None
+    return mesh, mesh.shape[EXPERT_AXIS]
+
+
+def _experts(x, experts, weights, p, impl, cast):
+    """expert_mlp over all experts: on one device, or split over the expert mesh axis."""
+    wg, wu, wd = cast(p["we_gate"]), cast(p["we_up"]), cast(p["we_down"])
+    sharded = _experts_sharded()
+    if sharded is None:
+        return expert_mlp(x, experts, weights, wg, wu, wd, impl)
+    mesh, shards = sharded
+    if wg.shape[0] % shards:
+        raise ValueError(f"{wg.shape[0]} experts do not split over expert={shards} shards "
+                         f"(MeshConfig expert size must divide MoEConfig.num_experts)")
+
+    def local(x, experts, weights, wg, wu, wd):
+        offset = jax.lax.axis_index(EXPERT_AXIS) * wg.shape[0]
+        out, done = expert_mlp(x, experts, weights, wg, wu, wd, impl, offset)
+        return jax.lax.psum(out, EXPERT_AXIS), jax.lax.psum(done, EXPERT_AXIS)
+
+    spec = P(EXPERT_AXIS)
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), spec, spec, spec), out_specs=(P(), P()),
+                         axis_names={EXPERT_AXIS}, check_vma=False)(x, experts, weights, wg, wu, wd)
+
+
+def sparse_block(cfg: ModelConfig, h: jax.Array, p: dict[str, jax.Array], compute_dtype,
+                 forced: jax.Array | None = None, valid: jax.Array | None = None
+                 ) -> tuple[jax.Array, LayerRouting]:
+    """The expert block on normed hidden states `h [B, T, D]` -> (`[B, T, D]`, LayerRouting).
+    forced `[B, T, k]`: replay these experts; valid `[B, T]`: tokens counted in the statistics."""
+    m = cfg.moe
+    B, T, D = h.shape
+    cast = lambda a: a.astype(compute_dtype)  # noqa: E731
+    x = h.reshape(B * T, D)
+    weights, experts, probs = route(cfg, x, p["router"], None if forced is None else forced.reshape(B * T, -1))
+    out, done = _experts(x, experts, weights, p, m.grouped_matmul, cast)
+    if m.shared_expert_intermediate_size:
+        act = jax.nn.silu(jnp.dot(x, cast(p["ws_gate"]))) * jnp.dot(x, cast(p["ws_up"]))
+        shared = jnp.dot(act, cast(p["ws_down"]))
+        gate = jax.nn.sigmoid(jnp.dot(x, cast(p["ws_router"])))  # [M, 1]
+        out = out + gate * shared
+    mask = jnp.ones((B * T,), jnp.float32) if valid is None else valid.reshape(-1).astype(jnp.float32)
+    count = jnp.maximum(jnp.sum(mask), 1.0)
+    onehot = jax.nn.one_hot(experts, m.num_experts, dtype=jnp.float32).sum(axis=1)  # [M, E]
+    stats = LayerRouting(
+        experts=experts.reshape(B, T, -1),
+        load=jax.lax.stop_gradient(mask @ onehot) / count,
+        importance=(mask @ probs) / count,
+        entropy=jax.lax.stop_gradient(-jnp.sum(mask @ (probs * jnp.log(probs + 1e-20))) / count),
+        dropped=(B * T * m.num_experts_per_tok - done).astype(jnp.int32),
+    )
+    return constrain(out.reshape(B, T, D), ("batch", "seq", "act_embed")), stats
+
+
+def mlp(cfg: ModelConfig, h: jax.Array, p: dict[str, jax.Array], compute_dtype, layer: jax.Array | int,
+        dense: Callable[[jax.Array], jax.Array], forced: jax.Array | None = None, valid: jax.Array | None = None
+        ) -> tuple[jax.Array, LayerRouting]:
+    """The MLP of layer `layer` of a MoE model: the expert block where the layer is sparse, else
+    `dense(h)` (the decoder's SwiGLU). A mixed pattern picks per layer with `lax.cond` (the layer
+    index may be a scan's traced counter): only the chosen branch runs."""
+    sparse = cfg.sparse_layers
+    B, T, _ = h.shape
+    run_sparse = lambda h: sparse_block(cfg, h, p, compute_dtype, forced, valid)  # noqa: E731
+    run_dense = lambda h: (dense(h), LayerRouting.none(cfg, B, T))  # noqa: E731
+    if all(sparse):
+        return run_sparse(h)
+    if isinstance(layer, int):
+        return run_sparse(h) if sparse[layer] else run_dense(h)
+    return jax.lax.cond(jnp.asarray(sparse)[layer], run_sparse, run_dense, h)
+
+
+class Routing(NamedTuple):
+    """Routing of a whole forward pass: experts `[L, B, T, k]` int32 (dense layers: zeros) and the
+    load-balancing loss over the sparse layers (HF's: E * sum_e load_e * importance_e, each
+    averaged over the sparse layers), with statistics for the metrics."""
+
+    experts: jax.Array
+    aux_loss: jax.Array
+    load_max: jax.Array  # most-loaded expert's share of tokens over its fair share k/E (1 = balanced)
+    entropy: jax.Array
+    dropped: jax.Array
+
+
+def combine(cfg: ModelConfig, per_layer: LayerRouting) -> Routing:
+    """Per-layer routing stacked on a leading `[L]` axis -> the pass's Routing."""
+    m = cfg.moe
+    sparse = jnp.asarray(cfg.sparse_layers, jnp.float32)  # [L]
+    n = jnp.maximum(jnp.sum(sparse), 1.0)
+    load = (sparse @ per_layer.load) / n  # [E]
+    importance = (sparse @ per_layer.importance) / n
+    return Routing(
+        experts=per_layer.experts,
+        aux_loss=m.num_experts * jnp.sum(load * importance),
+        load_max=jnp.max(load) * m.num_experts / m.num_experts_per_tok,
+        entropy=(sparse @ per_layer.entropy) / n,
+        dropped=jnp.sum(per_layer.dropped),
+    )
