@@ -27,9 +27,7 @@ from areal_jax.reward.pool import RewardPoolConfig
 from areal_jax.reward.sandbox import SandboxLimits
 from areal_jax.rollout.workflow import RLVRConfig
 from areal_jax.tasks.arithmetic import ArithmeticConfig
-from areal_jax.trainer.config import PPOConfig, RLConfig
-from areal_jax.trainer.optimizer import OptimizerConfig
-from areal_jax.trainer.sft import SFTConfig
+from areal_jax.trainer.config import OptimizerConfig, PPOConfig, RLConfig, SFTConfig
 
 __all__ = ["DEFAULT_SAVE_INTERVAL_S", "DEFAULT_SAVE_INTERVAL_STEPS", "EVAL_SLOTS", "JobConfigs", "ModelSource",
            "RUN_DIR", "Stages", "TaskSource", "check_cross_fields"]

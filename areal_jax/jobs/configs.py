@@ -26,9 +26,7 @@ from areal_jax.reward.registry import check_reward_function
 from areal_jax.reward.sandbox import SandboxLimits
 from areal_jax.rollout.workflow import RLVRConfig, resolve_workflow_class
 from areal_jax.tasks.arithmetic import ArithmeticConfig
-from areal_jax.trainer.config import PPOConfig, RLConfig
-from areal_jax.trainer.optimizer import OptimizerConfig
-from areal_jax.trainer.sft import SFTConfig
+from areal_jax.trainer.config import OptimizerConfig, PPOConfig, RLConfig, SFTConfig
 
 
 JOB_CONFIG_CLASSES = (ModelSource, TaskSource, Stages, ArithmeticConfig, DataConfig, SFTConfig, RLConfig, PPOConfig,

@@ -29,8 +29,7 @@ from areal_jax.parallel.weight_sync import WeightSync
 from areal_jax.rollout.channel import TrajectoryChannel
 from areal_jax.rollout.controller import RolloutController, ShutdownReport
 from areal_jax.rollout.staleness import StalenessManager
-from areal_jax.trainer.config import PPOConfig, RLConfig
-from areal_jax.trainer.optimizer import OptimizerConfig
+from areal_jax.trainer.config import OptimizerConfig, PPOConfig, RLConfig
 
 __all__ = ["RLCluster", "generation_weight_sync"]
 

@@ -1,4 +1,5 @@
-"""The RL stage's configs: the loop (RLConfig) and the PPO step (PPOConfig).
+"""The trainers' configs: the RL loop (RLConfig), the PPO step (PPOConfig), the optimizer both
+trainers share (OptimizerConfig) and SFT (SFTConfig).
 
 Plain frozen dataclasses, validated in __post_init__, with no program or device state: a job
 builds them from gin bindings (jobs/configs.py) or directly in Python (`areal_jax.JobConfigs`).
@@ -17,7 +18,8 @@ from areal_jax.ppo.loss import BEHAV_IMP_WEIGHT_MODES, IMPORTANCE_SAMPLING_LEVEL
 from areal_jax.rollout.workflow import resolve_workflow_class
 from areal_jax.trainer.batching import candidate_row_lengths
 
-__all__ = ["COMPUTE_DTYPE_NAMES", "OBJECTIVES", "PPOConfig", "PROX_LOGP_METHODS", "REMATS", "RLConfig"]
+__all__ = ["COMPUTE_DTYPE_NAMES", "OBJECTIVES", "OptimizerConfig", "PPOConfig", "PROX_LOGP_METHODS", "REMATS", "RLConfig",
+           "SCHEDULES", "SFTConfig"]
 
 COMPUTE_DTYPE_NAMES = ("float32", "bfloat16")
 REMATS = ("none", "full", "save_dots")
@@ -247,3 +249,177 @@ OBJECTIVES: dict[str, dict[str, Any]] = {
 
 def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+Schedule = Literal["constant", "cosine", "linear"]
+SCHEDULES: tuple[str, ...] = ("constant", "cosine", "linear")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW hyperparameters.
+
+    Attributes:
+        lr: peak learning rate (paper: Adam 2e-5).
+        warmup_steps: linear warmup over this many updates: update s uses lr * (s + 1) / W,
+            so the first update already moves the weights.
+        schedule: after warmup, "constant", or "cosine"/"linear" decay to lr * min_lr_ratio
+            at update `total_steps` (held there afterwards).
+        total_steps: total optimizer updates; required by "cosine" and "linear".
+        min_lr_ratio: final lr as a fraction of `lr`, in [0, 1].
+        weight_decay: decoupled (AdamW) weight decay, applied to every parameter.
+        b1, b2, eps: Adam moments and denominator epsilon.
+        max_grad_norm: clip the gradient to this global L2 norm; None disables clipping.
+    """
+
+    lr: float = 2e-5
+    warmup_steps: int = 0
+    schedule: Schedule = "constant"
+    total_steps: int | None = None
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    max_grad_norm: float | None = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("lr", "min_lr_ratio", "weight_decay", "b1", "b2", "eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"OptimizerConfig.{name} must be a finite number, got {value!r}")
+        if self.lr <= 0:
+            raise ValueError(f"OptimizerConfig.lr must be > 0, got {self.lr}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"OptimizerConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"OptimizerConfig.warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
+        if self.total_steps is not None and (
+                isinstance(self.total_steps, bool) or not isinstance(self.total_steps, int)
+                or self.total_steps <= self.warmup_steps):
+            raise ValueError(f"OptimizerConfig.total_steps must be an int > warmup_steps ({self.warmup_steps}), "
+                             f"got {self.total_steps!r}")
+        if self.schedule != "constant" and self.total_steps is None:
+            raise ValueError(f"OptimizerConfig.schedule={self.schedule!r} needs total_steps")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"OptimizerConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.weight_decay < 0:
+            raise ValueError(f"OptimizerConfig.weight_decay must be >= 0, got {self.weight_decay}")
+        for name in ("b1", "b2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"OptimizerConfig.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.eps <= 0:
+            raise ValueError(f"OptimizerConfig.eps must be > 0, got {self.eps}")
+        if self.max_grad_norm is not None and not (
+                isinstance(self.max_grad_norm, (int, float)) and not isinstance(self.max_grad_norm, bool)
+                and math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
+            raise ValueError(f"OptimizerConfig.max_grad_norm must be > 0 or None, got {self.max_grad_norm!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+    """SFT hyper-parameters.
+
+    steps: optimizer steps. batch_size: packed rows per step (B). max_len: tokens per row (T);
+    every example must fit in one row. lr: peak AdamW learning rate (the default suits a pretrained
+    model, as TRL's; the built-in task's tiny model wants ~3e-3, as configs/quickstart.gin sets),
+    reached after `warmup` linear steps, then cosine decay to `lr * min_lr_ratio`; weight_decay and
+    grad_clip (a global norm) as OptimizerConfig's (`optimizer_config`: the RL trainer's optimizer). compute_dtype: "float32" or
+    "bfloat16" for matmuls (weights and optimizer state stay float32). log_every: steps between
+    metric read-backs (reading forces a device sync). scan_layers: run the layers as a scan (one
+    compiled layer body) or unrolled (faster per step on CPU, longer compile for deep models).
+    attention_impl: self-attention of the SFT forward, as `PPOConfig.attention_impl` ("auto" =
+    flash attention by platform; "blocked" = the blocked formula under autodiff).
+
+    Validation (needs validation prompts, e.g. TaskSource.validation_size for the built-in task):
+    eval_every: steps between greedy-accuracy checks on them (0 = none), from step `eval_from`
+    on. stop_accuracy: end SFT at the first check whose accuracy reaches it (0 = run all `steps`;
+    the schedule stays the one over `steps`). Stopping on accuracy rather than a step count gives
+    RL the same kind of start on any machine: where a small policy lands after a fixed number of
+    steps moves with the numerics (docs/benchmarks.md, quickstart).
+
+    Files (TaskSource.kind = "dataset"; read with DataConfig's format and templates):
+    paths: SFT rows (GSM8K, MATH, AReaL, or chat `messages`); default DataConfig.paths.
+    eval_paths: held-out rows of the same kinds: their completion loss is `val_loss`.
+    val_every: steps between held-out loss passes over eval_paths (0: once, after the last step).
+    """
+
+    steps: int = 1000
+    batch_size: int = 16
+    lr: float = 2e-5
+    warmup: int = 50
+    max_len: int = 256
+    seed: int = 0
+    compute_dtype: str = "float32"
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    min_lr_ratio: float = 0.1
+    log_every: int = 10
+    scan_layers: bool = True
+    attention_impl: str = "auto"
+    eval_every: int = 0
+    eval_from: int = 0
+    stop_accuracy: float = 0.0
+    paths: tuple[str, ...] = ()
+    eval_paths: tuple[str, ...] = ()
+    val_every: int = 0
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "max_len", "log_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"SFTConfig.{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.warmup, int) or not 0 <= self.warmup <= self.steps:
+            raise ValueError(f"SFTConfig.warmup must be an int in [0, steps={self.steps}], got {self.warmup!r}")
+        if not self.lr > 0:
+            raise ValueError(f"SFTConfig.lr must be positive, got {self.lr!r}")
+        if not isinstance(self.scan_layers, bool):
+            raise ValueError(f"SFTConfig.scan_layers must be a bool, got {self.scan_layers!r}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"SFTConfig.attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+        if self.compute_dtype not in COMPUTE_DTYPE_NAMES:
+            raise ValueError(f"SFTConfig.compute_dtype must be one of {COMPUTE_DTYPE_NAMES}, got {self.compute_dtype!r}")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"SFTConfig.weight_decay must be >= 0, got {self.weight_decay!r}")
+        if not self.grad_clip > 0:
+            raise ValueError(f"SFTConfig.grad_clip must be positive, got {self.grad_clip!r}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"SFTConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        for name in ("paths", "eval_paths"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not all(isinstance(p, str) and p for p in value):
+                raise ValueError(f"SFTConfig.{name} must be a tuple of paths, got {value!r}")
+            object.__setattr__(self, name, tuple(value))  # lists from gin become tuples
+        for name in ("eval_every", "eval_from", "val_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"SFTConfig.{name} must be an int >= 0, got {value!r}")
+        if self.val_every and not self.eval_paths:
+            raise ValueError("SFTConfig.val_every needs held-out files: set SFTConfig.eval_paths")
+        if not 0.0 <= self.stop_accuracy <= 1.0:
+            raise ValueError(f"SFTConfig.stop_accuracy must be in [0, 1] (0 = off), got {self.stop_accuracy!r}")
+        if self.stop_accuracy > 0 and self.eval_every == 0:
+            raise ValueError("SFTConfig.stop_accuracy needs validation checks: set SFTConfig.eval_every > 0")
+        try:  # what SFTConfig's checks above let through and the shared optimizer would refuse
+            self.optimizer_config()
+        except ValueError as e:
+            raise ValueError(f"SFTConfig (lr, warmup, weight_decay, grad_clip, min_lr_ratio): {e}") from None
+        # The first check: the first multiple of eval_every at or after eval_from (steps count from 1).
+        if self.eval_every and -(-max(self.eval_from, 1) // self.eval_every) * self.eval_every > self.steps:
+            raise ValueError(f"SFTConfig.eval_every = {self.eval_every} with eval_from = {self.eval_from} runs no "
+                             f"validation check within steps = {self.steps}: lower SFTConfig.eval_from, or set "
+                             f"SFTConfig.eval_every = 0 and SFTConfig.stop_accuracy = 0.0 to train all steps")
+
+    def optimizer_config(self) -> OptimizerConfig:
+        """SFT's optimizer as the RL trainer's (trainer/optimizer.py, one AdamW and schedule for
+        both): global-norm clipping at `grad_clip`, AdamW (b2 0.98, `weight_decay`), linear warmup
+        over `warmup` updates (update s at lr * (s + 1) / warmup), then cosine decay to
+        lr * min_lr_ratio at update `steps`."""
+        return OptimizerConfig(lr=self.lr, warmup_steps=self.warmup, schedule="cosine",
+                               total_steps=max(self.steps, self.warmup + 1),  # warmup == steps: warmup only
+                               min_lr_ratio=self.min_lr_ratio, weight_decay=self.weight_decay, b2=0.98,
+                               max_grad_norm=self.grad_clip)
+
+    def validates_at(self, step: int) -> bool:
+        """Whether step `step` (1-based) ends with a validation check."""
+        return self.eval_every > 0 and step >= self.eval_from and step % self.eval_every == 0

@@ -54,9 +54,8 @@ from areal_jax.rollout.types import TrajectoryGroup
 from areal_jax.rollout.workflow import RLVRConfig, RLVRWorkflow
 from areal_jax.trainer.algorithm import PPOStep
 from areal_jax.trainer.cluster import RLCluster, generation_weight_sync
-from areal_jax.trainer.config import PPOConfig, RLConfig
+from areal_jax.trainer.config import OptimizerConfig, PPOConfig, RLConfig
 from areal_jax.trainer.hooks import STAGES, CheckpointHook, StepInfo, evaluation_hook
-from areal_jax.trainer.optimizer import OptimizerConfig
 from areal_jax.trainer.reference import ReferencePolicy
 
 logger = logging.getLogger(__name__)

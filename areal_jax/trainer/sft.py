@@ -30,125 +30,17 @@ from tqdm.auto import tqdm
 
 from areal_jax.data.sft_data import SFTExample
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.transformer import ATTENTION_IMPLS, Params, forward, lm_head
+from areal_jax.models.transformer import Params, forward, lm_head
 from areal_jax.models.sharding import TRAIN_RULES, activation_rules, sharding_for
 from areal_jax.packing import ffd_allocate, pack_sequences
 from areal_jax.parallel.distributed import fully_local
 from areal_jax.ppo.logprobs import DEFAULT_LOGIT_CHUNK_TOKENS, hidden_logprobs
-from areal_jax.trainer.optimizer import OptimizerConfig, build_optimizer, learning_rate_schedule
+from areal_jax.trainer.config import SFTConfig
+from areal_jax.trainer.optimizer import build_optimizer, learning_rate_schedule
 from areal_jax.trainer.train_step import opt_state_shardings, param_shardings
 
 Example = tuple[Sequence[int], Sequence[int]] | SFTExample  # (prompt_ids, completion_ids), or ids + trained mask
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-@dataclasses.dataclass(frozen=True)
-class SFTConfig:
-    """SFT hyper-parameters.
-
-    steps: optimizer steps. batch_size: packed rows per step (B). max_len: tokens per row (T);
-    every example must fit in one row. lr: peak AdamW learning rate (the default suits a pretrained
-    model, as TRL's; the built-in task's tiny model wants ~3e-3, as configs/quickstart.gin sets),
-    reached after `warmup` linear steps, then cosine decay to `lr * min_lr_ratio`; weight_decay and
-    grad_clip (a global norm) as OptimizerConfig's (`optimizer_config`: the RL trainer's optimizer). compute_dtype: "float32" or
-    "bfloat16" for matmuls (weights and optimizer state stay float32). log_every: steps between
-    metric read-backs (reading forces a device sync). scan_layers: run the layers as a scan (one
-    compiled layer body) or unrolled (faster per step on CPU, longer compile for deep models).
-    attention_impl: self-attention of the SFT forward, as `PPOConfig.attention_impl` ("auto" =
-    flash attention by platform; "blocked" = the blocked formula under autodiff).
-
-    Validation (needs validation prompts, e.g. TaskSource.validation_size for the built-in task):
-    eval_every: steps between greedy-accuracy checks on them (0 = none), from step `eval_from`
-    on. stop_accuracy: end SFT at the first check whose accuracy reaches it (0 = run all `steps`;
-    the schedule stays the one over `steps`). Stopping on accuracy rather than a step count gives
-    RL the same kind of start on any machine: where a small policy lands after a fixed number of
-    steps moves with the numerics (docs/benchmarks.md, quickstart).
-
-    Files (TaskSource.kind = "dataset"; read with DataConfig's format and templates):
-    paths: SFT rows (GSM8K, MATH, AReaL, or chat `messages`); default DataConfig.paths.
-    eval_paths: held-out rows of the same kinds: their completion loss is `val_loss`.
-    val_every: steps between held-out loss passes over eval_paths (0: once, after the last step).
-    """
-
-    steps: int = 1000
-    batch_size: int = 16
-    lr: float = 2e-5
-    warmup: int = 50
-    max_len: int = 256
-    seed: int = 0
-    compute_dtype: str = "float32"
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    min_lr_ratio: float = 0.1
-    log_every: int = 10
-    scan_layers: bool = True
-    attention_impl: str = "auto"
-    eval_every: int = 0
-    eval_from: int = 0
-    stop_accuracy: float = 0.0
-    paths: tuple[str, ...] = ()
-    eval_paths: tuple[str, ...] = ()
-    val_every: int = 0
-
-    def __post_init__(self):
-        for name in ("steps", "batch_size", "max_len", "log_every"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"SFTConfig.{name} must be an int >= 1, got {value!r}")
-        if not isinstance(self.warmup, int) or not 0 <= self.warmup <= self.steps:
-            raise ValueError(f"SFTConfig.warmup must be an int in [0, steps={self.steps}], got {self.warmup!r}")
-        if not self.lr > 0:
-            raise ValueError(f"SFTConfig.lr must be positive, got {self.lr!r}")
-        if not isinstance(self.scan_layers, bool):
-            raise ValueError(f"SFTConfig.scan_layers must be a bool, got {self.scan_layers!r}")
-        if self.attention_impl not in ATTENTION_IMPLS:
-            raise ValueError(f"SFTConfig.attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
-        if self.compute_dtype not in _DTYPES:
-            raise ValueError(f"SFTConfig.compute_dtype must be one of {sorted(_DTYPES)}, got {self.compute_dtype!r}")
-        if not self.weight_decay >= 0:
-            raise ValueError(f"SFTConfig.weight_decay must be >= 0, got {self.weight_decay!r}")
-        if not self.grad_clip > 0:
-            raise ValueError(f"SFTConfig.grad_clip must be positive, got {self.grad_clip!r}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"SFTConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
-        for name in ("paths", "eval_paths"):
-            value = getattr(self, name)
-            if isinstance(value, str) or not all(isinstance(p, str) and p for p in value):
-                raise ValueError(f"SFTConfig.{name} must be a tuple of paths, got {value!r}")
-            object.__setattr__(self, name, tuple(value))  # lists from gin become tuples
-        for name in ("eval_every", "eval_from", "val_every"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"SFTConfig.{name} must be an int >= 0, got {value!r}")
-        if self.val_every and not self.eval_paths:
-            raise ValueError("SFTConfig.val_every needs held-out files: set SFTConfig.eval_paths")
-        if not 0.0 <= self.stop_accuracy <= 1.0:
-            raise ValueError(f"SFTConfig.stop_accuracy must be in [0, 1] (0 = off), got {self.stop_accuracy!r}")
-        if self.stop_accuracy > 0 and self.eval_every == 0:
-            raise ValueError("SFTConfig.stop_accuracy needs validation checks: set SFTConfig.eval_every > 0")
-        try:  # what SFTConfig's checks above let through and the shared optimizer would refuse
-            self.optimizer_config()
-        except ValueError as e:
-            raise ValueError(f"SFTConfig (lr, warmup, weight_decay, grad_clip, min_lr_ratio): {e}") from None
-        # The first check: the first multiple of eval_every at or after eval_from (steps count from 1).
-        if self.eval_every and -(-max(self.eval_from, 1) // self.eval_every) * self.eval_every > self.steps:
-            raise ValueError(f"SFTConfig.eval_every = {self.eval_every} with eval_from = {self.eval_from} runs no "
-                             f"validation check within steps = {self.steps}: lower SFTConfig.eval_from, or set "
-                             f"SFTConfig.eval_every = 0 and SFTConfig.stop_accuracy = 0.0 to train all steps")
-
-    def optimizer_config(self) -> OptimizerConfig:
-        """SFT's optimizer as the RL trainer's (trainer/optimizer.py, one AdamW and schedule for
-        both): global-norm clipping at `grad_clip`, AdamW (b2 0.98, `weight_decay`), linear warmup
-        over `warmup` updates (update s at lr * (s + 1) / warmup), then cosine decay to
-        lr * min_lr_ratio at update `steps`."""
-        return OptimizerConfig(lr=self.lr, warmup_steps=self.warmup, schedule="cosine",
-                               total_steps=max(self.steps, self.warmup + 1),  # warmup == steps: warmup only
-                               min_lr_ratio=self.min_lr_ratio, weight_decay=self.weight_decay, b2=0.98,
-                               max_grad_norm=self.grad_clip)
-
-    def validates_at(self, step: int) -> bool:
-        """Whether step `step` (1-based) ends with a validation check."""
-        return self.eval_every > 0 and step >= self.eval_from and step % self.eval_every == 0
 
 
 # ---- data -----------------------------------------------------------------------------------------
