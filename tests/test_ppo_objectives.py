@@ -9,6 +9,7 @@ The naive_recompute objective is checked against its direct formula and gradient
 """
 
 import dataclasses
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -200,3 +201,18 @@ def test_ablation_bindings_select_each_objective_over_the_quickstart(variant):
         cs.parse()  # leave no bindings behind for other tests
     assert ppo.objective == variant
     assert ppo.behav_imp_weight_cap == (None if variant == "naive_recompute" else 5.0)
+
+
+def test_the_offpolicy_quickstart_config_is_the_ablation_regime():
+    # configs/quickstart_offpolicy.gin is what bench/staleness_ablation.py runs as --regime offpolicy
+    # at eta 8 over 40 steps: the shipped file and the benchmark's bindings must not drift apart.
+    from areal_jax.jobs.configs import load_job_configs
+    from bench.staleness_ablation import REGIMES
+
+    configs = pathlib.Path(__file__).resolve().parents[1] / "configs"
+    shipped = load_job_configs([configs / "quickstart_offpolicy.gin"], [], run_dir="x", num_processes=1)
+    regime = load_job_configs([configs / "quickstart.gin"],
+                              [*REGIMES["offpolicy"], "RLConfig.max_staleness = 8", "RLConfig.steps = 40"],
+                              run_dir="x", num_processes=1)
+    assert shipped == regime
+    assert shipped.ppo.temperature == 1.0 and shipped.rl.max_staleness == 8 and shipped.ppo.objective == "decoupled"
