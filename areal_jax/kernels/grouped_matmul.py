@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
 
 from areal_jax.kernels.dispatch import KernelTable
 
@@ -29,6 +28,9 @@ def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, impl: str = "au
 
 def _megablox_gmm(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
     """megablox `gmm` with rows padded to a whole number of tiles (the padding lies past every group)."""
+    # Imported here, not with the model: the Pallas TPU package is only needed when tracing for TPU.
+    from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
+
     A, I = x.shape
     tm = TILE if A >= TILE else max(8, -(-A // 8) * 8)
     padded = -(-A // tm) * tm
