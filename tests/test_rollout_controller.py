@@ -101,7 +101,8 @@ class Version:
         return self.value
 
 
-def wait_until(predicate, timeout=20.0, interval=0.01):
+def wait_until(predicate, timeout=90.0, interval=0.01):
+    # A liveness bound, not a speed check: generous, because CI hosts can be loaded many times over.
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
