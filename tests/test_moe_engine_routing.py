@@ -4,6 +4,7 @@ trainer replaying it reproduces the behaviour log-probs."""
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -12,9 +13,12 @@ import pytest
 from areal_jax.generation import EngineConfig, GenerationEngine, SamplingParams
 from areal_jax.models import forward, init_params, moe
 from areal_jax.packing import ffd_allocate, pack_sequences, unpack
-from areal_jax.rollout.types import Trajectory
+from areal_jax.ppo import AdvantageConfig
+from areal_jax.rollout.types import Trajectory, TrajectoryGroup
+from areal_jax.trainer.batching import build_sequences, make_microbatches
 from areal_jax.tasks.tokenizer_builder import task_model_config
-from areal_jax.trainer.programs import MOE_ROUTING_KEY, PPOConfig, build_train_programs
+from areal_jax.trainer.optimizer import OptimizerConfig
+from areal_jax.trainer.programs import MOE_ROUTING_KEY, PPOConfig, build_train_programs, train_program_specs
 
 # Layers 0 and 2 sparse, 1 dense (Qwen2-MoE's mlp_only_layers): the record holds L_moe = 2 layers.
 _SPARSE = task_model_config(hidden_size=32, num_layers=3, num_heads=4, intermediate_size=48, num_experts=8)
@@ -140,3 +144,38 @@ def test_packing_round_trips_the_record(num_experts):
         np.testing.assert_array_equal(back[MOE_ROUTING_KEY], row[MOE_ROUTING_KEY])
     replay = moe.replay_layers(cfg, jnp.asarray(packed[MOE_ROUTING_KEY]))  # [L, R, T, k]
     np.testing.assert_array_equal(np.asarray(replay[1]), packed[MOE_ROUTING_KEY][:, :, 1].astype(np.int32))
+
+
+def test_trainer_micro_batches_carry_the_record_padding_ones_too():
+    """Through build_sequences and make_microbatches (with a peer holding more micro-batches, so
+    all-padding ones are added): every micro-batch's record is `[R, T, L_moe, k]` in its dtype."""
+    rng = np.random.default_rng(1)
+    groups = []
+    for q, (P, G) in enumerate([(3, 5), (4, 6)]):
+        trajectories = tuple(Trajectory(np.arange(1, P + 1), np.arange(G), np.zeros(G, np.float32), np.zeros(G, np.int32),
+                                        float(i), moe_routing=rng.integers(0, 8, (P + G, 2, 2)).astype(np.uint8))
+                             for i in range(2))
+        groups.append(TrajectoryGroup(str(q), trajectories, 0))
+    seqs = build_sequences(groups, AdvantageConfig())
+    (minibatch,) = make_microbatches(seqs, max_tokens_per_microbatch=32, num_minibatches=1, buckets=(16, 32),
+                                     agree_max=lambda n: max(n, 3), agree_sum=lambda n: n)
+    assert len(minibatch) == 3 and minibatch[-1].rows == ()
+    for micro in minibatch:
+        record = micro.arrays[MOE_ROUTING_KEY]
+        assert record.shape == (*micro.arrays["input_ids"].shape, 2, 2) and record.dtype == np.uint8
+
+
+def test_planned_replay_programs_take_the_record():
+    """The ahead-of-time specs of a replaying MoE trainer give every forward the record `[R, T,
+    L_moe, k]` (uint8), and they lower; a recomputing one takes none."""
+    mesh = jax.make_mesh((1, 1), ("fsdp", "tensor"), devices=jax.devices()[:1])
+    ppo = dict(max_tokens_per_microbatch=64, row_buckets=(32, 64))
+    replay = train_program_specs(CFG, PPOConfig(moe_routing="replay", **ppo), OptimizerConfig(), mesh)
+    recompute = train_program_specs(CFG, PPOConfig(**ppo), OptimizerConfig(), mesh)
+    for spec in (s for s in replay if s.name.startswith(("train/grad", "train/logprobs"))):
+        batch = spec.args[-2] if spec.name.startswith("train/grad") else spec.args[-1]
+        R, T = batch["input_ids"].shape
+        assert batch[MOE_ROUTING_KEY].shape == (R, T, 2, 2) and batch[MOE_ROUTING_KEY].dtype == jnp.uint8
+    assert not any(MOE_ROUTING_KEY in a for s in recompute for a in s.args if isinstance(a, dict))
+    logprobs = next(s for s in replay if s.name.startswith("train/logprobs"))
+    logprobs.lower()

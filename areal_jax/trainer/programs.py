@@ -296,12 +296,17 @@ def train_program_specs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, opt_cfg: Opt
     context = functools.partial(activation_rules, rules, mesh)
     grad_keys = LOSS_KEYS if self_proximal(ppo_cfg) else (*LOSS_KEYS, proximal_input_key(ppo_cfg))
     micro_fields = (*_MICROBATCH_FIELDS, *_ACTIVATION_FIELDS, *_MESH_FIELDS)
+    replays = model_cfg.moe is not None and ppo_cfg.moe_routing == "replay"
 
     specs = []
     for R, T in possible_microbatch_shapes(ppo_cfg, mesh.shape.get("fsdp", 1), num_processes):
         rows = sharding_for(("batch", "seq"), rules, mesh, (R, T))
         batch = lambda keys: {k: jax.ShapeDtypeStruct((R, T), BATCH_DTYPES[k], sharding=rows)  # noqa: E731
                               for k in keys}
+        if replays:  # the engine's record `[R, T, L_moe, k]` rides with every forward's batch
+            record = jax.ShapeDtypeStruct((R, T, len(moe.sparse_layer_ids(model_cfg)), model_cfg.moe.num_experts_per_tok),
+                                          moe.record_dtype(model_cfg), sharding=rows)
+            batch = functools.partial(lambda plain, keys: {**plain(keys), MOE_ROUTING_KEY: record}, batch)
         specs.append(ProgramSpec(f"train/grad[rows={R},len={T}]", "train", programs.grad,
                                  args=(params, trainable, stats, batch(grad_keys), denominator),
                                  resident=(opt_state,), context=context, fields=micro_fields))
