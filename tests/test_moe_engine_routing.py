@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import AxisType
 
 from areal_jax.generation import EngineConfig, GenerationEngine, SamplingParams
 from areal_jax.models import forward, init_params, moe
@@ -168,7 +169,7 @@ def test_trainer_micro_batches_carry_the_record_padding_ones_too():
 def test_planned_replay_programs_take_the_record():
     """The ahead-of-time specs of a replaying MoE trainer give every forward the record `[R, T,
     L_moe, k]` (uint8), and they lower; a recomputing one takes none."""
-    mesh = jax.make_mesh((1, 1), ("fsdp", "tensor"), devices=jax.devices()[:1])
+    mesh = jax.make_mesh((1, 1), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:1])
     ppo = dict(max_tokens_per_microbatch=64, row_buckets=(32, 64))
     replay = train_program_specs(CFG, PPOConfig(moe_routing="replay", **ppo), OptimizerConfig(), mesh)
     recompute = train_program_specs(CFG, PPOConfig(**ppo), OptimizerConfig(), mesh)
