@@ -1,6 +1,6 @@
 """The generation engine's record of MoE routing (routing replay, issue 29): what it records, that
-the record survives weight swaps and preemption as per-token history, how it packs, and that the
-trainer replaying it reproduces the behaviour log-probs."""
+the record survives weight swaps, preemption and multi-turn episodes as per-token history, how it
+packs, and that the trainer replaying it reproduces the behaviour log-probs."""
 
 import dataclasses
 
@@ -16,10 +16,11 @@ from areal_jax.models import forward, init_params, moe
 from areal_jax.packing import ffd_allocate, pack_sequences, unpack
 from areal_jax.ppo import AdvantageConfig
 from areal_jax.rollout.types import Trajectory, TrajectoryGroup
-from areal_jax.trainer.batching import build_sequences, make_microbatches
 from areal_jax.tasks.tokenizer_builder import task_model_config
+from areal_jax.trainer.batching import build_sequences, make_microbatches
 from areal_jax.trainer.optimizer import OptimizerConfig
 from areal_jax.trainer.programs import MOE_ROUTING_KEY, PPOConfig, build_train_programs, train_program_specs
+from areal_jax.workflows.multi_turn_math import Episode
 
 # Layers 0 and 2 sparse, 1 dense (Qwen2-MoE's mlp_only_layers): the record holds L_moe = 2 layers.
 _SPARSE = task_model_config(hidden_size=32, num_layers=3, num_heads=4, intermediate_size=48, num_experts=8)
@@ -180,3 +181,22 @@ def test_planned_replay_programs_take_the_record():
     assert not any(MOE_ROUTING_KEY in a for s in recompute for a in s.args if isinstance(a, dict))
     logprobs = next(s for s in replay if s.name.startswith("train/logprobs"))
     logprobs.lower()
+
+
+def test_a_multi_turn_episode_keeps_each_tokens_first_routing():
+    """Two turns: the second request re-prefills the whole context (prompt, answer 1, feedback);
+    the episode keeps turn 1's rows for the tokens turn 1 fed in, and takes turn 2's for the rest
+    (answer 1's last token, the feedback, answer 2), so the trajectory's record covers every token."""
+    P, G1, F, G2 = 3, 4, 2, 5
+    first = np.full((P + G1, 2, 2), 1, np.uint8)
+    first[-1] = 0  # answer 1's last token: never fed in by turn 1
+    second = np.full((P + G1 + F + G2, 2, 2), 2, np.uint8)
+    second[-1] = 0
+    episode = Episode()
+    episode.add_generated(np.arange(G1), np.zeros(G1), np.zeros(G1, np.int32), first)
+    episode.add_inserted([7] * F)
+    episode.add_generated(np.arange(G2), np.zeros(G2), np.ones(G2, np.int32), second)
+    t = episode.trajectory(np.arange(1, P + 1), 1.0, "stop")
+    assert t.moe_routing.shape == (P + G1 + F + G2, 2, 2)
+    np.testing.assert_array_equal(t.moe_routing[:P + G1 - 1], first[:-1])
+    np.testing.assert_array_equal(t.moe_routing[P + G1 - 1:], second[P + G1 - 1:])
