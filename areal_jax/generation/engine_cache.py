@@ -82,7 +82,7 @@ class EngineCache:
         self.cache, block, logits, tokens, logprobs, chosen = self.programs.prefill_start(
             params, self.cache, *self.put(padded, lengths, *starts, *self.tables()))
         tokens, logprobs, chosen = jax.device_get((tokens, logprobs, chosen))
-        routing = [None if chosen is None else chosen[i, :p.size] for i, p in enumerate(prompts)]
+        routing = [None if chosen is None else chosen[i, :p.size].copy() for i, p in enumerate(prompts)]
         elapsed = time.perf_counter() - t0
         self._stats.prefill_s += elapsed
         self._stats.prefill_tokens += sum(p.size for p in prompts)

@@ -190,7 +190,7 @@ class SlotTable:
             sample.logprobs.extend(logprobs[slot, :got].tolist())
             sample.versions.extend([version] * got)
             if sample.routing is not None:  # the experts of the chunk's input tokens [got, L_moe, k]
-                sample.routing.append(chosen[slot, :got])
+                sample.routing.append(chosen[slot, :got].copy())  # a copy: the chunk's [B, C, ..] is freed
             self._stats.generated_tokens += got
             self.tokens[slot] = new[-1]
             self.positions[slot] += got
