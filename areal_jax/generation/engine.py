@@ -429,24 +429,24 @@ class GenerationEngine:
         for row, req in enumerate(batch):
             started, free = self._assign(req, free)
             plan += [(slot, r, index, row) for slot, r, index in started]
-        block, logits, tokens, logprobs = self._kv.prefill_start(self._params, [req.prompt for req in batch],
-                                                                 self._slots.start_arrays(plan))
+        block, logits, tokens, logprobs, routing = self._kv.prefill_start(
+            self._params, [req.prompt for req in batch], self._slots.start_arrays(plan))
         for row, req in enumerate(batch):
             if req.next_sample < req.n:
-                req.prefix = (block, row, logits)
-        for (slot, req, index, _), token, logprob in zip(plan, tokens, logprobs):
-            self._slots.start(slot, req, index, int(token), float(logprob), self._version)
+                req.prefix = (block, row, logits, routing[row])
+        for (slot, req, index, row), token, logprob in zip(plan, tokens, logprobs):
+            self._slots.start(slot, req, index, int(token), float(logprob), self._version, routing[row])
         return free
 
     def _start_from_prefix(self, req: Request, free: list[int]) -> list[int]:
-        block, row, logits = req.prefix
+        block, row, logits, routing = req.prefix
         started, free = self._assign(req, free)
         if not started:
             return free
         plan = [(slot, r, index, row) for slot, r, index in started]
         tokens, logprobs = self._kv.start_from_block(block, logits, self._slots.start_arrays(plan), len(plan))
         for (slot, _, index, _), token, logprob in zip(plan, tokens, logprobs):
-            self._slots.start(slot, req, index, int(token), float(logprob), self._version)
+            self._slots.start(slot, req, index, int(token), float(logprob), self._version, routing)
         return free
 
     # ---- decoding ------------------------------------------------------------------------------
@@ -463,7 +463,7 @@ class GenerationEngine:
         req = sample.request
         req.results[sample.index] = Completion(
             np.asarray(sample.tokens, np.int32), np.asarray(sample.logprobs, np.float32),
-            np.asarray(sample.versions, np.int32), reason)
+            np.asarray(sample.versions, np.int32), reason, sample.moe_routing())
         if reason == "aborted":
             self._stats.aborted_samples += 1
         else:

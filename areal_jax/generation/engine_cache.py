@@ -75,18 +75,20 @@ class EngineCache:
     def prefill_start(self, params: Params, prompts: list[np.ndarray], starts: tuple[np.ndarray, ...]):
         """Prefills `prompts` (one row each), writes row starts[0][i] into slot starts[1][i] and samples
         each started sample's first token (`starts`: the engine's per-sample arrays, padded to B).
-        Returns (KV block, last-position logits `[R, V]`, first tokens `[B]`, their log-probs `[B]`)."""
+        Returns (KV block, last-position logits `[R, V]`, first tokens `[B]`, their log-probs `[B]`,
+        each prompt's experts `[P_i, L_moe, k]` (MoE; else None per prompt))."""
         t0 = time.perf_counter()
         padded, lengths = self.padded_rows(prompts)
-        self.cache, block, logits, tokens, logprobs = self.programs.prefill_start(
+        self.cache, block, logits, tokens, logprobs, chosen = self.programs.prefill_start(
             params, self.cache, *self.put(padded, lengths, *starts, *self.tables()))
-        tokens, logprobs = jax.device_get((tokens, logprobs))
+        tokens, logprobs, chosen = jax.device_get((tokens, logprobs, chosen))
+        routing = [None if chosen is None else chosen[i, :p.size].copy() for i, p in enumerate(prompts)]
         elapsed = time.perf_counter() - t0
         self._stats.prefill_s += elapsed
         self._stats.prefill_tokens += sum(p.size for p in prompts)
         self._timings.add("prefill", shape_key(padded.shape[0], padded.shape[1]), calls=1,
                           tokens=sum(p.size for p in prompts), s=elapsed)
-        return block, logits, tokens, logprobs
+        return block, logits, tokens, logprobs, routing
 
     def start_from_block(self, block: KVCache, logits: jax.Array, starts: tuple[np.ndarray, ...], started: int):
         """Later samples of a group from its kept prefill: writes their rows into their slots and
@@ -191,9 +193,11 @@ class EngineCache:
     def decode(self, params: Params, state: tuple[np.ndarray, ...], window: int):
         """One decode chunk over every slot (`state`: the per-slot arrays and exit_free) attending over
         `window` positions (paged: the page tables cut to the window's pages). Returns host
-        (tokens, logprobs, valid) `[B, C]` each, steps taken, and the call's wall time."""
+        (tokens, logprobs, valid) `[B, C]` each, steps taken, the call's wall time and (MoE; else
+        None) the experts of each step's input token `[B, C, L_moe, k]`."""
         t0 = time.perf_counter()
         self.cache, out = self.programs.decode(
             params, self.cache, *self.put(*state, *self.tables(self.config.decode_pages(window))), window=window)
-        tokens, logprobs, valid, steps = (np.asarray(x) for x in jax.device_get(out))
-        return tokens, logprobs, valid, int(steps), time.perf_counter() - t0
+        tokens, logprobs, valid, steps, chosen = jax.device_get(out)
+        return (np.asarray(tokens), np.asarray(logprobs), np.asarray(valid), int(steps), time.perf_counter() - t0,
+                chosen)

@@ -17,8 +17,9 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_to
              decode_chunk: int = 8) -> list[list[Completion]]:
     """Samples `n` completions for each prompt (lists of token ids); `temperature=0` is greedy.
 
-    Returns, per prompt, `n` `Completion`s with `.tokens`, `.logprobs`, `.versions` and
-    `.stop_reason` ('stop' when a stop token ended it, which is included, else 'length').
+    Returns, per prompt, `n` `Completion`s with `.tokens`, `.logprobs`, `.versions`,
+    `.stop_reason` ('stop' when a stop token ended it, which is included, else 'length') and, for
+    a MoE model, `.moe_routing` (the experts each input token was routed to; requests.Completion).
     """
     if not prompts:
         return []

@@ -32,6 +32,7 @@ from areal_jax.aot import ProgramSpec, Role
 from areal_jax.generation.config import EngineConfig
 from areal_jax.generation.paged import insert_pages, make_attend, page_bytes, pool_structs
 from areal_jax.generation.sampling import MAX_STOP_IDS, sample_tokens
+from areal_jax.models import moe
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.sharding import GENERATION_RULES, activation_rules, constrain, sharding_for
 from areal_jax.models.transformer import (KVCache, Params, forward, lm_head, paged_decode_step, param_axes,
@@ -178,11 +179,17 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
     counts = collections.Counter() if counts is None else counts
     traced: collections.Counter = collections.Counter()
 
+    # MoE models: prefill and decode also return the experts each token was routed to, `[..., L_moe,
+    # k]` (models/moe.py `record`), which the engine keeps per token for routing replay.
+    record = cfg.moe is not None
+
     def prefill_logits(params, tokens, lengths):
-        """KV block (L x `[R, K, P, H]`) and last-prompt-position logits `[R, V]`: only the last
-        position needs logits (the LM head over all P would be ~40% of a small model's prefill)."""
-        block, last = prefill_block(params, cfg, tokens, lengths, chunk=ec.prefill_chunk, cache_dtype=cache_dtype)
-        return block, constrain(lm_head(params, cfg, last[:, None])[:, 0], LOGITS_AXES)
+        """KV block (L x `[R, K, P, H]`), last-prompt-position logits `[R, V]` and (MoE) the prompt
+        tokens' experts `[R, P, L_moe, k]` (else None): only the last position needs logits (the
+        LM head over all P would be ~40% of a small model's prefill)."""
+        block, last, *chosen = prefill_block(params, cfg, tokens, lengths, chunk=ec.prefill_chunk,
+                                             cache_dtype=cache_dtype, return_routing=record)
+        return block, constrain(lm_head(params, cfg, last[:, None])[:, 0], LOGITS_AXES), (chosen or [None])[0]
 
     def insert(cache, block, rows, slots):
         traced[program_name("insert", rows=block.k[0].shape[0], len=block.k[0].shape[2])] += 1
@@ -194,12 +201,13 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
 
     def prefill_start(params, cache, tokens, lengths, rows, slots, key_data, positions, temperature, top_p, top_k):
         """Prefill, copy row rows[i] into slot slots[i] and sample that sample's first token:
-        admission in one program (three calls and host round trips otherwise)."""
+        admission in one program (three calls and host round trips otherwise). Last: the prompt
+        rows' experts `[R, P, L_moe, k]` (MoE) or None."""
         counts["prefill"] += 1
         traced[program_name("prefill_start", rows=tokens.shape[0], len=tokens.shape[1])] += 1
-        block, logits = prefill_logits(params, tokens, lengths)
+        block, logits, chosen = prefill_logits(params, tokens, lengths)
         first, logprobs = sample_rows(logits, rows, key_data, positions, temperature, top_p, top_k)
-        return insert_rows(cache, block, rows, slots), block, logits, first, logprobs
+        return insert_rows(cache, block, rows, slots), block, logits, first, logprobs, chosen
 
     def prefill(params, tokens, lengths):
         traced[program_name("prefill", rows=tokens.shape[0], len=tokens.shape[1])] += 1
@@ -215,14 +223,15 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
                     key_data, exit_free):
         """Up to `decode_chunk` steps for all slots; stops after the step that leaves every slot
         done or at least `exit_free` slots free. Outputs `[B, C]`; steps past the exit are invalid.
-        `model_step(cache, tokens [B], positions [B]) -> (logits [B, V], cache)`, position -1 for
-        an inactive slot (nothing written)."""
+        `model_step(cache, tokens [B], positions [B]) -> (logits [B, V], cache, experts)`, position
+        -1 for an inactive slot (nothing written); experts `[B, L_moe, k]` of the input tokens (MoE;
+        else None) come out as a fifth output `[B, C, L_moe, k]` (else None)."""
         B, C, S = tokens.shape[0], ec.decode_chunk, ec.max_seq_len
         slot_keys = jax.random.wrap_key_data(key_data)
 
         def step(carry):
             cache, tokens, positions, active, remaining, i, out = carry
-            logits, cache = model_step(cache, tokens, jnp.where(active, positions, -1))
+            logits, cache, chosen = model_step(cache, tokens, jnp.where(active, positions, -1))
             # The token sampled from the input at position p uses the slot's key folded with p.
             keys = jax.vmap(jax.random.fold_in)(slot_keys, positions)
             new, lp = sample_tokens(logits, keys, temperature, top_p, top_k)
@@ -232,7 +241,8 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
             hit_stop = jnp.any(new[:, None] == stop_ids, axis=-1)
             done = hit_stop | (remaining <= 0) | (positions >= S - 1)
             tokens = jnp.where(valid, new, tokens)
-            out = tuple(jax.lax.dynamic_update_index_in_dim(buf, x, i, axis=0) for buf, x in zip(out, (new, lp, valid)))
+            step_out = (new, lp, valid) + ((chosen,) if record else ())
+            out = tuple(jax.lax.dynamic_update_index_in_dim(buf, x, i, axis=0) for buf, x in zip(out, step_out))
             return cache, tokens, positions, active & ~done, remaining, i + 1, out
 
         def keep_going(carry):
@@ -240,9 +250,14 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
             return (i < C) & jnp.any(active) & (jnp.sum(~active) < exit_free)
 
         out = (jnp.zeros((C, B), jnp.int32), jnp.zeros((C, B), jnp.float32), jnp.zeros((C, B), bool))
+        if record:  # [C, B, L_moe, k]
+            out += (jnp.zeros((C, B, len(moe.sparse_layer_ids(cfg)), cfg.moe.num_experts_per_tok),
+                              moe.record_dtype(cfg)),)
         carry = (cache, tokens, positions, active, remaining, jnp.int32(0), out)
-        cache, *_, steps, (new, lp, valid) = jax.lax.while_loop(keep_going, step, carry)
-        return cache, (new.T, lp.T, valid.T, steps)  # [B, C] each, []
+        cache, *_, steps, out = jax.lax.while_loop(keep_going, step, carry)
+        new, lp, valid, *chosen = out
+        chosen = jnp.swapaxes(chosen[0], 0, 1) if record else None  # [B, C, L_moe, k]
+        return cache, (new.T, lp.T, valid.T, steps, chosen)  # [B, C] each, []
 
     def decode(params, cache, *state, window):
         """`decode_loop` attending over cache positions [0, window) (static; every position
@@ -251,9 +266,10 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
         traced[program_name("decode", window=window)] += 1
 
         def model_step(cache, tokens, positions):
-            logits, cache = forward(params, cfg, tokens[:, None], positions[:, None], cache=cache,
-                                    cache_window=window)
-            return logits[:, 0], cache
+            logits, cache, routing = forward(params, cfg, tokens[:, None], positions[:, None], cache=cache,
+                                             cache_window=window, return_routing=True)
+            chosen = moe.record(cfg, routing.experts[:, :, 0]) if record else None  # [B, L_moe, k]
+            return logits[:, 0], cache, chosen
 
         return decode_loop(model_step, cache, *state)
 
@@ -267,7 +283,7 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
                              mesh=mesh, pages_per_replica=pools[0].num_pages // data)
 
         def model_step(pools, tokens, positions):
-            return paged_decode_step(params, cfg, tokens, positions, pools, attend)
+            return paged_decode_step(params, cfg, tokens, positions, pools, attend, return_routing=True)
 
         return decode_loop(model_step, pools, *state)
 
@@ -276,10 +292,10 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
         """`prefill_start` writing each started sample's prompt (positions + 1 tokens) into its pages."""
         counts["prefill"] += 1
         traced[program_name("prefill_start", rows=tokens.shape[0], len=tokens.shape[1])] += 1
-        block, logits = prefill_logits(params, tokens, lengths)
+        block, logits, chosen = prefill_logits(params, tokens, lengths)
         first, logprobs = sample_rows(logits, rows, key_data, positions, temperature, top_p, top_k)
         pools = insert_pages(pools, block, rows, slots, positions + 1, page_tables)
-        return pools, block, logits, first, logprobs
+        return pools, block, logits, first, logprobs, chosen
 
     def paged_insert(pools, block, rows, slots, lengths, page_tables):
         traced[program_name("insert", rows=block.k[0].shape[0], len=block.k[0].shape[2])] += 1

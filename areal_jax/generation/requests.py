@@ -16,12 +16,17 @@ StopReason = Literal["stop", "length", "aborted"]
 
 @dataclasses.dataclass(frozen=True)
 class Completion:
-    """One sample: generated `tokens [G]`, behavior `logprobs [G]`, policy `versions [G]`."""
+    """One sample: generated `tokens [G]`, behavior `logprobs [G]`, policy `versions [G]`; for a
+    MoE model `moe_routing [P + G, L_moe, k]` (uint8/uint16): the experts each input token (prompt
+    then completion) was routed to when the engine fed it in, per sparse layer (the last generated
+    token, never fed in, has zeros). Like the versions, it is the routing under which each token's
+    successor was sampled: a weight swap or preemption re-prefills the cache but keeps the record."""
 
     tokens: np.ndarray
     logprobs: np.ndarray
     versions: np.ndarray
     stop_reason: StopReason
+    moe_routing: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +77,10 @@ class Request:
     future: concurrent.futures.Future
     results: list[Completion | None]
     next_sample: int = 0  # samples [0, next_sample) have been inserted
-    # (KV block [L, R, K, P, H], row of this prompt in it, last-position logits [R, V]): one
-    # prefill shared by the group's samples (and by other prompts prefilled in the same call).
-    prefix: tuple[Any, int, jax.Array] | None = None
+    # (KV block [L, R, K, P, H], row of this prompt in it, last-position logits [R, V], the prompt's
+    # experts [P, L_moe, k] or None): one prefill shared by the group's samples (and by other
+    # prompts prefilled in the same call).
+    prefix: tuple[Any, int, jax.Array, np.ndarray | None] | None = None
     aborted: bool = False
     seed: int = 0
 
@@ -90,6 +96,21 @@ class Sample:
     logprobs: list[float]
     versions: list[int]
     stamp: int = 0
+    # MoE: the experts of the input tokens fed in so far, in order (`[n_i, L_moe, k]` pieces: the
+    # prompt's from its prefill, then each decode chunk's); None for a dense model.
+    routing: list[np.ndarray] | None = None
+
+    def moe_routing(self) -> np.ndarray | None:
+        """The record `[P + G, L_moe, k]`: every input token but the last generated one (never fed
+        in: zeros) was routed once, by the program that sampled its successor."""
+        if self.routing is None:
+            return None
+        fed = np.concatenate(self.routing)
+        expected = self.request.prompt.size + len(self.tokens) - 1
+        if len(fed) != expected:
+            raise AssertionError(f"sample {self.request.request_id}/{self.index} recorded the routing of "
+                                 f"{len(fed)} input tokens, {expected} were fed in")
+        return np.concatenate([fed, np.zeros((1, *fed.shape[1:]), fed.dtype)])
 
     def history(self) -> np.ndarray:
         """Prompt + generated tokens but the last (the next decode input): what a re-prefill writes."""

@@ -91,11 +91,14 @@ class SlotTable:
             temperature[i], top_p[i], top_k[i] = sp.temperature, sp.top_p, sp.top_k
         return rows, slots, keys, positions, temperature, top_p, top_k
 
-    def start(self, slot: int, req: Request, index: int, token: int, logprob: float, version: int) -> None:
+    def start(self, slot: int, req: Request, index: int, token: int, logprob: float, version: int,
+              prompt_routing: np.ndarray | None = None) -> None:
         """Puts a new sample with its first token into `slot` (finished at once by a stop token or
-        its length)."""
+        its length); `prompt_routing` `[P, L_moe, k]`: its prompt's experts (MoE)."""
         self._stats.generated_tokens += 1
-        self._bind(slot, Sample(req, index, [token], [logprob], [version], stamp=next(self._stamps)))
+        routing = None if prompt_routing is None else [prompt_routing]
+        self._bind(slot, Sample(req, index, [token], [logprob], [version], stamp=next(self._stamps),
+                                routing=routing))
         self._finish_if_done(slot, token)
 
     def _bind(self, slot: int, sample: Sample) -> None:
@@ -168,7 +171,7 @@ class SlotTable:
         # Positions reached by the end of the chunk: the attention window (paged: the pages of the
         # page tables) must hold them.
         window = ec.decode_window(int(self.positions[active].max()) + ec.decode_chunk)
-        tokens, logprobs, valid, steps, elapsed = self._kv.decode(params, (  # [B, C] each but steps
+        tokens, logprobs, valid, steps, elapsed, chosen = self._kv.decode(params, (  # [B, C] each but steps
             self.tokens, self.positions, active, self.remaining, self.temperature, self.top_p, self.top_k,
             self.stop_ids, self.keys, np.int32(exit_free)), window)
         self._stats.decode_s += elapsed
@@ -186,6 +189,8 @@ class SlotTable:
             sample.tokens.extend(new.tolist())
             sample.logprobs.extend(logprobs[slot, :got].tolist())
             sample.versions.extend([version] * got)
+            if sample.routing is not None:  # the experts of the chunk's input tokens [got, L_moe, k]
+                sample.routing.append(chosen[slot, :got].copy())  # a copy: the chunk's [B, C, ..] is freed
             self._stats.generated_tokens += got
             self.tokens[slot] = new[-1]
             self.positions[slot] += got

@@ -221,3 +221,39 @@ def combine(cfg: ModelConfig, per_layer: LayerRouting) -> Routing:
         entropy=(sparse @ per_layer.entropy) / n,
         dropped=jnp.sum(per_layer.dropped),
     )
+
+
+# ---- the engine's record of its routing (routing replay) -------------------------------------------
+# The generation engine records, per input token, the experts of every sparse layer: `[T, L_moe, k]`
+# (L_moe = sum(cfg.sparse_layers); dense layers route nothing, so they take no room), in the
+# smallest unsigned type holding an expert id. The trainer scatters it back to `[L, ...]`.
+
+
+def sparse_layer_ids(cfg: ModelConfig) -> tuple[int, ...]:
+    """Indices of the layers whose MLP is the expert block (those the engine records)."""
+    return tuple(i for i, s in enumerate(cfg.sparse_layers) if s)
+
+
+def record_dtype(cfg: ModelConfig):
+    """dtype of recorded expert ids: uint8 up to 256 experts, else uint16."""
+    return jnp.uint8 if cfg.moe.num_experts <= 256 else jnp.uint16
+
+
+def record(cfg: ModelConfig, experts: list[jax.Array] | jax.Array) -> jax.Array:
+    """Experts of every layer (a list of L `[..., k]` arrays, or one `[L, ..., k]`) -> the record
+    `[..., L_moe, k]` of the sparse layers, in `record_dtype`."""
+    ids = sparse_layer_ids(cfg)
+    picked = jnp.stack([experts[i] for i in ids])  # [L_moe, ..., k]
+    return jnp.moveaxis(picked, 0, -2).astype(record_dtype(cfg))
+
+
+def replay_layers(cfg: ModelConfig, recorded: jax.Array) -> jax.Array:
+    """A record `[R, T, L_moe, k]` -> experts to replay `[L, R, T, k]` int32 (dense layers: zeros,
+    ignored by the forward)."""
+    ids = sparse_layer_ids(cfg)
+    if recorded.shape[2] != len(ids):
+        raise ValueError(f"recorded routing has {recorded.shape[2]} layers, the model {len(ids)} sparse ones "
+                         f"(moe_routing must be [R, T, L_moe, k])")
+    per_layer = jnp.moveaxis(recorded.astype(jnp.int32), 2, 0)  # [L_moe, R, T, k]
+    out = jnp.zeros((cfg.num_layers, *per_layer.shape[1:]), jnp.int32)
+    return out.at[jnp.asarray(ids)].set(per_layer)

@@ -479,28 +479,33 @@ PagedAttend = Callable[[PagePool, jax.Array, jax.Array, jax.Array, jax.Array], t
 
 
 def paged_decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
-                      pools: tuple[PagePool, ...], attend: PagedAttend, *, compute_dtype=None
-                      ) -> tuple[jax.Array, tuple[PagePool, ...]]:
+                      pools: tuple[PagePool, ...], attend: PagedAttend, *, compute_dtype=None,
+                      return_routing: bool = False):
     """One decode step over a paged cache: tokens, positions `[B]` (position < 0: an inactive slot)
     -> logits `[B, V]` (fp32) and the pools with each token's key and value written. The layers
     run unrolled over per-layer pools (each updated in place); `attend` writes and reads a layer's
-    pages (generation/ builds it from the page tables, per data replica on a mesh)."""
+    pages (generation/ builds it from the page tables, per data replica on a mesh). With `return_routing` (MoE models) a third value: the tokens'
+    experts `[B, L_moe, k]` (`moe.record`)."""
     compute_dtype = compute_dtype or params["embed"].dtype
     rope = Rotary.at(cfg, jnp.maximum(positions, 0)[:, None])
     x = _embed(params, tokens[:, None], compute_dtype)
-    new = []
+    new, experts = [], []
     for i, (p, pool) in enumerate(zip(split_layers(params)["layers"], pools, strict=True)):
         q, k, v = _attention_inputs(cfg, rope, x, p, compute_dtype)
         pool, attn = attend(pool, q[:, 0], k[:, 0], v[:, 0], positions)
         new.append(pool)
-        x, _ = _layer_output(cfg, x, attn[:, None].astype(compute_dtype), p, compute_dtype, i,
-                             valid=(positions >= 0)[:, None])
+        x, routing = _layer_output(cfg, x, attn[:, None].astype(compute_dtype), p, compute_dtype, i,
+                                   valid=(positions >= 0)[:, None])
+        experts.append(None if routing is None else routing.experts[:, 0])  # [B, k]
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    return lm_head(params, cfg, x)[:, 0], tuple(new)
+    out = lm_head(params, cfg, x)[:, 0], tuple(new)
+    if not return_routing:
+        return out
+    return (*out, moe.record(cfg, experts) if cfg.moe is not None else None)
 
 
 def prefill_block(params: Params, cfg: ModelConfig, input_ids: jax.Array, lengths: jax.Array, *, chunk: int,
-                  cache_dtype, compute_dtype=None) -> tuple[KVCache, jax.Array]:
+                  cache_dtype, compute_dtype=None, return_routing: bool = False):
     """Prefills rows into a fresh per-layer KV block, `chunk` query tokens at a time.
 
     input_ids `[R, P]` (row r holds `lengths[r]` tokens at positions 0.. and padding after) ->
@@ -511,6 +516,8 @@ def prefill_block(params: Params, cfg: ModelConfig, input_ids: jax.Array, length
     than `[R, chunk, ...]` activations and `[R, K, G*chunk, chunk]` scores: a dense prefill's
     `[R, K, G*P, P]` fp32 scores are tens of GB for a 16k-token history. Equals the cached
     `forward` over the whole row (cache and last-token hidden state) within fp32 rounding.
+    With `return_routing` (MoE models) a third value: the experts of every token `[R, P, L_moe, k]`
+    (`moe.record`; zeros past a row's length), what the engine records for routing replay.
     """
     R, P = input_ids.shape
     compute_dtype = compute_dtype or params["embed"].dtype
@@ -520,15 +527,17 @@ def prefill_block(params: Params, cfg: ModelConfig, input_ids: jax.Array, length
     shape = (R, cfg.num_kv_heads, P, cfg.head_dim)
     zeros = lambda: constrain(jnp.zeros(shape, cache_dtype), ("batch", "kv_heads", None, "head_dim"))  # noqa: E731
 
+    record = return_routing and cfg.moe is not None
+
     def run(carry, ids, start):
         """One chunk `ids [R, Cq]` at positions [start, start + Cq) (start: int or traced)."""
-        block_k, block_v, last = carry
+        block_k, block_v, last, chosen = carry
         Cq = ids.shape[1]
         positions = jnp.broadcast_to(start + jnp.arange(Cq, dtype=jnp.int32), (R, Cq))
         valid = (positions < lengths[:, None])[:, :, None, None]
         rope = Rotary.at(cfg, positions)
         x = _embed(params, ids, compute_dtype)
-        new_k, new_v = [], []
+        new_k, new_v, experts = [], [], []
         for i, (p, ck, cv) in enumerate(zip(layers, block_k, block_v, strict=True)):
             q, k, v = _attention_inputs(cfg, rope, x, p, compute_dtype)
             # Rounded to the cache dtype first: the chunk attends to its keys as they will be stored.
@@ -536,14 +545,20 @@ def prefill_block(params: Params, cfg: ModelConfig, input_ids: jax.Array, length
             attn = chunk_attention(q, k.astype(compute_dtype), v.astype(compute_dtype), ck, cv, start, C)
             new_k.append(jax.lax.dynamic_update_slice_in_dim(ck, k.transpose(0, 2, 1, 3), start, axis=2))
             new_v.append(jax.lax.dynamic_update_slice_in_dim(cv, v.transpose(0, 2, 1, 3), start, axis=2))
-            x, _ = _layer_output(cfg, x, attn, p, compute_dtype, i, valid=valid[:, :, 0, 0])
+            x, routing = _layer_output(cfg, x, attn, p, compute_dtype, i, valid=valid[:, :, 0, 0])
+            experts.append(None if routing is None else routing.experts)  # [R, Cq, k]
         at = lengths - 1 - start  # the row's last token, if this chunk holds it
         here = (at >= 0) & (at < Cq)
         picked = jnp.take_along_axis(x, jnp.clip(at, 0, Cq - 1)[:, None, None], axis=1)[:, 0]
-        return tuple(new_k), tuple(new_v), jnp.where(here[:, None], picked, last)
+        if record:  # padding positions record zeros
+            part = jnp.where(valid[:, :, :, :1], moe.record(cfg, experts), 0).astype(chosen.dtype)  # [R, Cq, L_moe, k]
+            chosen = jax.lax.dynamic_update_slice_in_dim(chosen, part, start, axis=1)
+        return tuple(new_k), tuple(new_v), jnp.where(here[:, None], picked, last), chosen
 
+    chosen = (jnp.zeros((R, P, len(moe.sparse_layer_ids(cfg)), cfg.moe.num_experts_per_tok), moe.record_dtype(cfg))
+              if record else None)  # [R, P, L_moe, k]
     carry = (tuple(zeros() for _ in layers), tuple(zeros() for _ in layers),
-             jnp.zeros((R, cfg.hidden_size), compute_dtype))
+             jnp.zeros((R, cfg.hidden_size), compute_dtype), chosen)
     if full == 1:
         carry = run(carry, input_ids[:, :C], 0)
     else:  # one compiled chunk, whatever the length
@@ -556,8 +571,9 @@ def prefill_block(params: Params, cfg: ModelConfig, input_ids: jax.Array, length
         carry, _ = jax.lax.scan(body, carry, (chunks, jnp.arange(full, dtype=jnp.int32)))
     if tail:
         carry = run(carry, input_ids[:, full * C:], full * C)
-    block_k, block_v, last = carry
-    return KVCache(block_k, block_v), rms_norm(last, params["final_norm"], cfg.rms_norm_eps)
+    block_k, block_v, last, chosen = carry
+    out = KVCache(block_k, block_v), rms_norm(last, params["final_norm"], cfg.rms_norm_eps)
+    return (*out, chosen) if return_routing else out
 
 
 def lm_head(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:

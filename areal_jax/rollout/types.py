@@ -7,8 +7,9 @@ Token alignment used by the trainer (one row per trajectory, length L = P + G):
                          multi-turn workflow's inserted tokens, e.g. feedback turns, are 0)
   behavior_logprobs[i] = log-prob the generator assigned to target i (0 elsewhere)
   versions[i]          = policy version that sampled target i (-1 for prompt targets / padding)
-  moe_routing[i]       = experts `[L, k]` the generator's router chose for input token i (MoE
-                         policies recording it; zeros where the engine never fed the token in)
+  moe_routing[i]       = experts `[L_moe, k]` (sparse layers only) the generator's router chose
+                         for input token i (MoE policies; zeros where the engine never fed the
+                         token in: the last completion token)
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ class Trajectory:
     reward: float
     stop_reason: str = "stop"
     loss_mask: np.ndarray | None = None
-    # MoE policies: the engine's chosen experts `[P + G, L, k]` per input token and layer (int8
-    # where the expert ids fit, else int16), replayed by PPOConfig.moe_routing = "replay".
+    # MoE policies: the engine's chosen experts `[P + G, L_moe, k]` per input token and sparse layer
+    # (models/moe.py `record`: uint8 up to 256 experts), replayed by PPOConfig.moe_routing = "replay".
     moe_routing: np.ndarray | None = None
 
     def __post_init__(self):
@@ -54,7 +55,7 @@ class Trajectory:
                                  f"got shape {mask.shape}")
             object.__setattr__(self, "loss_mask", mask.astype(np.float32))
         if self.moe_routing is not None and (np.ndim(self.moe_routing) != 3 or len(self.moe_routing) != self.length):
-            raise ValueError(f"Trajectory.moe_routing must be [{self.length}, layers, k] (one row per input token), "
+            raise ValueError(f"Trajectory.moe_routing must be [{self.length}, L_moe, k] (one row per input token), "
                              f"got shape {np.shape(self.moe_routing)}")
 
     @property

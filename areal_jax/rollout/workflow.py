@@ -240,7 +240,7 @@ class RLVRWorkflow(RolloutWorkflow):
                 raise r
         trajectories = tuple(
             Trajectory(prompt_ids=prompt, completion_ids=c.tokens, behavior_logprobs=c.logprobs, versions=c.versions,
-                       reward=float(r), stop_reason=c.stop_reason)
+                       reward=float(r), stop_reason=c.stop_reason, moe_routing=c.moe_routing)
             for c, r in zip(result.completions, rewards))
         return TrajectoryGroup(query_id=example.query_id, trajectories=trajectories, admitted_version=version,
                                info={"source": example.source, "task": example.row.task, "generation_s": gen_s,

@@ -412,7 +412,9 @@ def _agreed_row_len(lengths, candidates, budget, row_multiple, agree_max) -> int
 def _pack_bin(seqs, members: list[int], lengths, row_len: int, num_rows: int, valid: int) -> PackedBatch:
     """Pack the sequences `members` into `num_rows` rows of `row_len` tokens."""
     if not members:
-        arrays = {k: np.full((num_rows, row_len), PAD_VALUES.get(k, 0), _dtype_of(seqs, k)) for k in seqs[0]}
+        # Per-token arrays keep their trailing shape (a MoE record is `[L_i, L_moe, k]`).
+        arrays = {k: np.full((num_rows, row_len, *np.shape(seqs[0][k])[1:]), PAD_VALUES.get(k, 0), _dtype_of(seqs, k))
+                  for k in seqs[0]}
         arrays["segment_ids"] = np.zeros((num_rows, row_len), np.int32)
         arrays["positions"] = np.zeros((num_rows, row_len), np.int32)
         return PackedBatch(arrays, (), valid)

@@ -28,6 +28,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from areal_jax.aot import ProgramSpec, abstract
+from areal_jax.models import moe
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.lora import LoRAConfig, adapter_axes, adapter_shapes, attach, join_trainable, split_trainable
 from areal_jax.models.sharding import TRAIN_RULES, Rules, activation_rules, sharding_for
@@ -43,8 +44,8 @@ COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 FORWARD_KEYS = ("input_ids", "targets", "segment_ids", "positions")
 LOSS_KEYS = (*FORWARD_KEYS, "loss_mask", "behavior_logprobs", "advantages")
 PROXIMAL_KEY = "proximal_logprobs"
-# The engine's chosen experts `[R, T, L, k]` (int; MoE policies), replayed when PPOConfig.moe_routing
-# is "replay"; the entries of prompt and padding tokens are the engine's prefill choices or zeros.
+# The engine's chosen experts `[R, T, L_moe, k]` (sparse layers, uint8/uint16; MoE policies), replayed
+# when PPOConfig.moe_routing is "replay"; prompt tokens carry the engine's prefill choices, padding zeros.
 MOE_ROUTING_KEY = "moe_routing"
 # A-3PO: per-token weight of the log-linear proximal approximation (ppo.loglinear_alpha), computed on
 # the host from the token versions in place of a proximal forward.
@@ -145,7 +146,7 @@ def build_train_programs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, optimizer: 
         if MOE_ROUTING_KEY not in batch:
             raise ValueError(f"PPOConfig.moe_routing='replay' needs the engine's experts (batch key "
                              f"{MOE_ROUTING_KEY!r}); this batch has none")
-        return jnp.moveaxis(batch[MOE_ROUTING_KEY].astype(jnp.int32), 2, 0)
+        return moe.replay_layers(cfg, batch[MOE_ROUTING_KEY])
 
     def hidden_of(params, batch, with_routing=False):
         hidden, _, routing = forward(params, cfg, batch["input_ids"], batch["positions"], batch["segment_ids"],
@@ -295,12 +296,17 @@ def train_program_specs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, opt_cfg: Opt
     context = functools.partial(activation_rules, rules, mesh)
     grad_keys = LOSS_KEYS if self_proximal(ppo_cfg) else (*LOSS_KEYS, proximal_input_key(ppo_cfg))
     micro_fields = (*_MICROBATCH_FIELDS, *_ACTIVATION_FIELDS, *_MESH_FIELDS)
+    replays = model_cfg.moe is not None and ppo_cfg.moe_routing == "replay"
 
     specs = []
     for R, T in possible_microbatch_shapes(ppo_cfg, mesh.shape.get("fsdp", 1), num_processes):
         rows = sharding_for(("batch", "seq"), rules, mesh, (R, T))
         batch = lambda keys: {k: jax.ShapeDtypeStruct((R, T), BATCH_DTYPES[k], sharding=rows)  # noqa: E731
                               for k in keys}
+        if replays:  # the engine's record `[R, T, L_moe, k]` rides with every forward's batch
+            record = jax.ShapeDtypeStruct((R, T, len(moe.sparse_layer_ids(model_cfg)), model_cfg.moe.num_experts_per_tok),
+                                          moe.record_dtype(model_cfg), sharding=rows)
+            batch = functools.partial(lambda plain, keys: {**plain(keys), MOE_ROUTING_KEY: record}, batch)
         specs.append(ProgramSpec(f"train/grad[rows={R},len={T}]", "train", programs.grad,
                                  args=(params, trainable, stats, batch(grad_keys), denominator),
                                  resident=(opt_state,), context=context, fields=micro_fields))

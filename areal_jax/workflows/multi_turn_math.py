@@ -118,8 +118,17 @@ class Episode:
     versions: list[int] = dataclasses.field(default_factory=list)
     loss_mask: list[int] = dataclasses.field(default_factory=list)
     turns: int = 0
+    # MoE: the engine's record `[P + len(tokens), L_moe, k]` of the whole sequence (Completion.moe_routing).
+    moe_routing: np.ndarray | None = None
 
-    def add_generated(self, tokens, logprobs, versions) -> None:
+    def add_generated(self, tokens, logprobs, versions, moe_routing: np.ndarray | None = None) -> None:
+        """A turn's answer; `moe_routing` `[context + G, L_moe, k]`: its request's record. Tokens fed
+        in by an earlier turn keep that turn's rows (the routing their successors were sampled
+        under, as across a weight swap); this turn adds the rows of the tokens it fed in first: the
+        previous answer's last token, the inserted turn and its own answer."""
+        if moe_routing is not None:
+            kept = self.moe_routing[:-1] if self.moe_routing is not None else moe_routing[:0]  # the last row: unfed
+            self.moe_routing = np.concatenate([kept, moe_routing[len(kept):]])
         self.tokens += [int(t) for t in tokens]
         self.logprobs += [float(x) for x in logprobs]
         self.versions += [int(v) for v in versions]
@@ -136,7 +145,7 @@ class Episode:
         return Trajectory(prompt_ids=prompt, completion_ids=np.asarray(self.tokens, np.int32),
                           behavior_logprobs=np.asarray(self.logprobs, np.float32),
                           versions=np.asarray(self.versions, np.int32), reward=reward, stop_reason=stop_reason,
-                          loss_mask=np.asarray(self.loss_mask, np.float32))
+                          loss_mask=np.asarray(self.loss_mask, np.float32), moe_routing=self.moe_routing)
 
 
 def discounted(reward: float, turns: int, discount: float) -> float:
@@ -187,7 +196,7 @@ class MultiTurnMathWorkflow(RolloutWorkflow):
             (answer,) = result.completions
             if answer.stop_reason == "aborted":
                 raise GenerationAborted(f"generation for {example.source} was aborted")
-            episode.add_generated(answer.tokens, answer.logprobs, answer.versions)
+            episode.add_generated(answer.tokens, answer.logprobs, answer.versions, answer.moe_routing)
             reward = await client.reward(rollout.reward, client.decode(answer.tokens), gold,
                                          timeout_s=rollout.reward_timeout_s)
             if reward > 0 or episode.turns == cfg.max_turns:
