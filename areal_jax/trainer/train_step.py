@@ -6,7 +6,9 @@ One training step, given M minibatches of packed micro-batches (trainer/batching
    (naive_recompute, `PPOConfig.objective`, keeps the recomputed ones and drops the weight).
    With M = 1 the pre-step weights are the weights the loss differentiates, so the loss takes
    pi_prox as the stop-gradient of its own log-probs and the extra forward is skipped (a quarter
-   of the step's compute; ratio r = 1 exactly, as the separate forward gives up to rounding).
+   of the step's compute; ratio r = 1 exactly, as the separate forward gives up to rounding). With
+   LoRA dropout the loss forward is a dropped one, so pi_prox comes from an undropped forward inside
+   the gradient program instead (trainer/programs.py).
    With `PPOConfig.prox_logp_method = "loglinear"` (A-3PO) there is no proximal forward either:
    each micro-batch carries per-token interpolation weights from the token versions
    (`ppo.loglinear_alpha`) and the loss interpolates pi_prox between pi_behav and its own
