@@ -78,6 +78,8 @@ def test_the_planner_counts_adapter_state_not_the_full_optimizer_state():
     ppo = PPOConfig(max_tokens_per_microbatch=1024, compute_dtype="bfloat16", remat="full")
     lora = LoRAConfig(rank=16)
     n, a, L = QWEN25_7B.num_params(), lora_lib.adapter_param_count(QWEN25_7B, lora), QWEN25_7B.num_layers
+    # rank x (in + out) per projection and layer: q, o (3584 + 3584); k, v (3584 + 512); gate, up, down (3584 + 18944)
+    assert a == 28 * 16 * (2 * 7168 + 2 * 4096 + 3 * 22528) == 40_370_176
     total = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731  (global bytes)
     specs = {s.name: s for s in train_program_specs(QWEN25_7B, ppo, OptimizerConfig(), mesh, lora=lora)}
     full = {s.name: s for s in train_program_specs(QWEN25_7B, ppo, OptimizerConfig(), mesh)}
@@ -90,3 +92,17 @@ def test_the_planner_counts_adapter_state_not_the_full_optimizer_state():
     moved = [s for s in transfer_program_specs(QWEN25_7B, mesh, num_hosts=1, generation_tensor=1,
                                                dtype=jnp.bfloat16, lora=lora) if s.name.startswith("transfer/lora/")]
     assert moved and sum(total(s.args[0]) for s in moved) == 4 * a  # reads the fp32 adapters, nothing else
+
+
+def test_the_planned_grad_program_takes_the_dropout_index_with_lora_dropout():
+    from areal_jax.trainer.optimizer import OptimizerConfig
+    from areal_jax.trainer.programs import PPOConfig, train_program_specs
+
+    mesh = build_meshes(MeshConfig(num_generation_devices_per_host=4)).train
+    ppo = PPOConfig(max_tokens_per_microbatch=64)
+    for dropout, extra in ((0.0, 0), (0.1, 1)):
+        lora = LoRAConfig(rank=2, dropout=dropout)
+        grad = next(s for s in train_program_specs(CFG, ppo, OptimizerConfig(), mesh, lora=lora)
+                    if s.name.startswith("train/grad"))
+        assert len(grad.args) == 5 + extra
+        grad.lower()  # traces: the planner compiles what the trainer runs

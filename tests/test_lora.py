@@ -30,7 +30,8 @@ def _tokens(seed, B=2, T=7):
     return jnp.asarray(np.random.default_rng(seed).integers(0, CFG.vocab_size, (B, T)), jnp.int32)
 
 
-@pytest.mark.parametrize("field,value", [("rank", -1), ("rank", 1.5), ("alpha", 0.0), ("dropout", 0.1),
+@pytest.mark.parametrize("field,value", [("rank", -1), ("rank", 1.5), ("alpha", 0.0), ("dropout", 1.0),
+                                         ("dropout", -0.1), ("dropout", True),
                                          ("targets", ("q", "x")), ("targets", ()), ("targets", ("q", "q")),
                                          ("base_dtype", "float16"), ("seed", -1)])
 def test_config_rejects_bad_fields_naming_them(field, value):
@@ -103,12 +104,68 @@ def test_adapter_gradients_are_the_projected_full_gradient(seed):
     assert set(grads) == set(lora.weights)  # scale and base weights get no gradient
 
 
+# ---- adapter dropout ------------------------------------------------------------------------------
+
+
+def test_zero_dropout_leaves_the_params_and_the_forward_as_they_are():
+    lora = LoRAConfig(rank=3, alpha=5.0)
+    adapted = lora_lib.attach(init_params(CFG, 0), _random_adapters(CFG, lora, 0))
+    assert lora_lib.with_dropout(adapted, jax.random.key(1), 0.0) is adapted
+
+
+@pytest.mark.parametrize("name,rate", [("wq", 0.3), ("wo", 0.5), ("w_down", 0.1)])
+def test_dropout_drops_the_adapter_input_only_by_the_documented_mask(name, rate):
+    """y = W x + scale * B A dropout(x): the mask of layer l and projection `name` is
+    bernoulli(fold_in(fold_in(key, l), index of `name` in TARGETS), 1 - rate), kept inputs / (1 - rate)."""
+    lora = LoRAConfig(rank=3, alpha=6.0)
+    layer_index, key = 1, jax.random.key(7)
+    adapters = _random_adapters(CFG, lora, 2)
+    dropped = lora_lib.adapters_of(lora_lib.with_dropout(lora_lib.attach(init_params(CFG, 0), adapters), key, rate))
+    layer = {lora_lib.LORA: jax.tree.map(lambda x: x[layer_index], dropped)}
+    a = np.asarray(adapters[name]["a"][layer_index], np.float64)
+    b = np.asarray(adapters[name]["b"][layer_index], np.float64)
+    I, R = a.size // a.shape[-1], a.shape[-1]
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(2, 5, I)), jnp.float32)
+    out = jnp.asarray(np.random.default_rng(4).normal(size=(2, 5, *b.shape[1:])), jnp.float32)
+    got = np.asarray(lora_lib.adapt(out, x, layer, name), np.float64)
+
+    index = [w for w, _ in lora_lib.TARGETS.values()].index(name)
+    mask = np.asarray(jax.random.bernoulli(jax.random.fold_in(jax.random.fold_in(key, layer_index), index),
+                                           1.0 - rate, x.shape))
+    xd = np.where(mask, np.asarray(x, np.float64) / (1 - rate), 0.0).reshape(-1, I)
+    want = np.asarray(out, np.float64) + (lora.scale * (xd @ a.reshape(I, R)) @ b.reshape(R, -1)).reshape(out.shape)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert abs(1 - mask.mean() - rate) < 0.1  # about `rate` of the inputs dropped
+    undropped = np.asarray(lora_lib.adapt(out, x, {lora_lib.LORA: jax.tree.map(lambda v: v[layer_index], adapters)},
+                                          name))
+    assert np.abs(undropped - got).max() > 1e-3
+
+
+def test_dropout_leaves_the_frozen_base_output_as_it_is():
+    """With B = 0 (a fresh adapter) the adapter path adds zeros whatever its input: the dropped
+    forward is the base's, bit for bit. With random adapters it differs from the undropped one."""
+    lora = LoRAConfig(rank=4, dropout=0.5)
+    base = init_params(CFG, 1)
+    ids = _tokens(1)
+    want, _ = forward(base, CFG, ids)
+    fresh = lora_lib.with_dropout(lora_lib.attach(base, lora_lib.init_adapters(CFG, lora)), jax.random.key(0), 0.5)
+    got, _ = forward(fresh, CFG, ids)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    adapted = lora_lib.attach(base, _random_adapters(CFG, lora, 1))
+    plain, _ = forward(adapted, CFG, ids)
+    dropped, _ = forward(lora_lib.with_dropout(adapted, jax.random.key(0), 0.5), CFG, ids)
+    assert np.abs(np.asarray(dropped) - np.asarray(plain)).max() > 1e-3
+    # Scanned (training) and unrolled layers draw the same masks.
+    unrolled, _ = forward(lora_lib.with_dropout(adapted, jax.random.key(0), 0.5), CFG, ids, scan_layers=False)
+    np.testing.assert_allclose(np.asarray(unrolled), np.asarray(dropped), rtol=1e-5, atol=1e-5)
+
+
 def test_peft_files_round_trip(tmp_path):
-    lora = LoRAConfig(rank=2, alpha=3.0, targets=("k", "gate", "o"))
+    lora = LoRAConfig(rank=2, alpha=3.0, dropout=0.05, targets=("k", "gate", "o"))
     adapters = _random_adapters(CFG, lora, 0)
     save_adapter(adapters, CFG, lora, tmp_path)
     got_cfg, got = load_adapter(tmp_path, CFG)
-    assert (got_cfg.rank, got_cfg.alpha, set(got_cfg.targets)) == (2, 3.0, set(lora.targets))
+    assert (got_cfg.rank, got_cfg.alpha, got_cfg.dropout, set(got_cfg.targets)) == (2, 3.0, 0.05, set(lora.targets))
     for w in lora.weights:
         for k in ("a", "b"):
             np.testing.assert_array_equal(got[w][k], np.asarray(adapters[w][k]))

@@ -3,6 +3,8 @@ exact resume from an Orbax checkpoint."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,9 @@ from areal_jax.models import lora as lora_lib
 from areal_jax.models.lora import LoRAConfig
 from areal_jax.trainer.batching import make_microbatches
 from areal_jax.trainer.train_step import PolicyTrainer
+from areal_jax.models.transformer import forward
+from areal_jax.ppo import decoupled_ppo_loss, token_logprobs
+from areal_jax.trainer.programs import dropout_key
 from tests.test_train_step import BUCKETS, BUDGET, CFG, INIT, OPT, PPO, random_seqs, reference_loss_and_grads
 
 LORA = LoRAConfig(rank=4, alpha=8.0, targets=("q", "v", "o", "up", "down"), seed=3)
@@ -65,13 +70,18 @@ def reference_loss_and_grads_over(frozen, trainable, seqs):
     return jax.value_and_grad(loss)(trainable)
 
 
-def test_resume_from_a_checkpoint_is_exact(tmp_path):
-    a = PolicyTrainer(CFG, INIT, OPT, PPO, lora=LORA)
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_resume_from_a_checkpoint_is_exact(tmp_path, dropout):
+    lora = dataclasses.replace(LORA, dropout=dropout)
+    a = PolicyTrainer(CFG, INIT, OPT, PPO, lora=lora)
     _step(a, 1)
     with Checkpointer(CheckpointConfig(directory=tmp_path / "ckpt", async_save=False)) as ckpt:
         ckpt.save(1, state=a.state_dict(), force=True)
         ckpt.wait()
-        b = PolicyTrainer(CFG, INIT, OPT, PPO, lora=LoRAConfig(rank=4, alpha=8.0, targets=LORA.targets, seed=99))
+        # The adapters come from the checkpoint, whatever the seed; dropout masks from the
+        # run's seed (its config.gin on resume) and the restored step counter.
+        seed = 99 if not dropout else lora.seed
+        b = PolicyTrainer(CFG, INIT, OPT, PPO, lora=dataclasses.replace(lora, seed=seed))
         template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
                                 if isinstance(x, jax.Array) else x, b.state_dict())
         state, _ = ckpt.restore(1, state_template=template)
@@ -93,3 +103,66 @@ def test_kl_reference_shares_the_frozen_base_and_keeps_its_adapters(trainer):
     for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(lora_lib.adapters_of(ref.params))):
         np.testing.assert_array_equal(np.asarray(y), x)
     assert not np.array_equal(np.asarray(lora_lib.adapters_of(trainer.params)["wq"]["b"]), before["wq"]["b"])
+
+
+# ---- adapter dropout ------------------------------------------------------------------------------
+
+DROPOUT = dataclasses.replace(LORA, dropout=0.5)
+
+
+def _adapted_init(seed=4):
+    """INIT with random a and b: a fresh adapter (b = 0) would make dropout invisible."""
+    rng = np.random.default_rng(seed)
+    adapters = lora_lib.init_adapters(CFG, LORA)
+    adapters = {k: v if k == lora_lib.SCALE else {n: jnp.asarray(rng.normal(0, 0.3, x.shape), jnp.float32)
+                                                  for n, x in v.items()} for k, v in adapters.items()}
+    return lora_lib.attach(INIT, adapters)
+
+
+def _hand_loss(params, micro, key):
+    """A micro-batch's loss over packed rows, the adapters' inputs dropped with `key`."""
+    x = {k: jnp.asarray(v) for k, v in micro.arrays.items()}
+    logits, _ = forward(lora_lib.with_dropout(params, key, DROPOUT.dropout), CFG, x["input_ids"], x["positions"],
+                        x["segment_ids"])
+    logp = token_logprobs(logits, x["targets"], PPO.logit_temperature)
+    loss, _ = decoupled_ppo_loss(logp, x["proximal_logprobs"], x["behavior_logprobs"], x["advantages"],
+                                 x["loss_mask"], eps_clip=PPO.eps_clip, behav_imp_weight_cap=PPO.behav_imp_weight_cap,
+                                 c_clip=PPO.c_clip, behav_imp_weight_mode=PPO.behav_imp_weight_mode,
+                                 importance_sampling_level=PPO.importance_sampling_level,
+                                 denominator=micro.minibatch_valid_tokens, segment_ids=x["segment_ids"])
+    return loss
+
+
+def test_dropout_acts_in_the_loss_forward_only():
+    params = _adapted_init()
+    drop, plain = PolicyTrainer(CFG, params, OPT, PPO, lora=DROPOUT), PolicyTrainer(CFG, params, OPT, PPO, lora=LORA)
+    [mb] = make_microbatches(random_seqs(9, proximal=True), max_tokens_per_microbatch=BUDGET, num_minibatches=1,
+                             buckets=BUCKETS)
+    assert len(mb) > 1  # several micro-batches: each draws its own masks
+    for micro in mb:  # the log-prob forward never drops
+        np.testing.assert_array_equal(np.asarray(drop.compute_logprobs(micro)), np.asarray(plain.compute_logprobs(micro)))
+    got, _ = drop.minibatch_gradients(mb, minibatch_index=1)
+    undropped, _ = plain.minibatch_gradients(mb)
+    # The hand loss: micro-batch u dropped with the key of (seed, step 0, minibatch 1, u).
+    frozen, trainable = lora_lib.split_trainable(jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), drop.params))
+    want = jax.tree.map(jnp.zeros_like, trainable)
+    for u, micro in enumerate(mb):
+        key = dropout_key(DROPOUT.seed, jnp.array([0, 1, u], jnp.uint32))
+        g = jax.grad(lambda t: _hand_loss(lora_lib.join_trainable(frozen, t), micro, key))(trainable)
+        want = jax.tree.map(jnp.add, want, g)
+    for (path, x), y, z in zip(jax.tree.leaves_with_path(want), jax.tree.leaves(got), jax.tree.leaves(undropped)):
+        scale = max(np.abs(np.asarray(x)).max(), 1e-3)
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5 * scale, err_msg=str(path))
+        assert np.abs(np.asarray(y) - np.asarray(z)).max() > 1e-3 * scale, path  # dropout did act
+
+
+def test_with_dropout_the_own_proximal_log_probs_stay_deterministic():
+    """One minibatch without pi_prox: the loss takes pi_prox from a forward of its own, undropped,
+    so the gradient equals the one given the log-prob program's pi_prox."""
+    trainer = PolicyTrainer(CFG, _adapted_init(), OPT, PPO, lora=DROPOUT)
+    [mb] = make_microbatches(random_seqs(3), max_tokens_per_microbatch=BUDGET, num_minibatches=1, buckets=BUCKETS)
+    own, _ = trainer.minibatch_gradients(mb, self_proximal=True)
+    given, _ = trainer.minibatch_gradients(trainer.with_proximal_logprobs([mb])[0])
+    for (path, x), y in zip(jax.tree.leaves_with_path(given), jax.tree.leaves(own)):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5 * max(np.abs(np.asarray(x)).max(), 1e-3),
+                                   err_msg=str(path))

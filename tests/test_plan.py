@@ -220,3 +220,29 @@ def test_paged_decode_figures_read_the_weights_and_the_live_tokens():
     many = paged_decode_figures(slots=1024, pool_tokens=128 * 17408, **common)
     assert many["bound_by"] == "pool" and many["in_flight_per_replica"] == int(128 * 17408 // (2800 + 8 + 16))
     assert many["in_flight_per_replica"] > 2 * full["in_flight_per_replica"]
+
+
+def test_a_lora_step_swaps_the_adapters_and_not_the_base():
+    """The step prediction adds one weight swap: with LoRA the "transfer/lora/" programs alone (the
+    base crosses to the generation devices once), else every transfer program."""
+    import types
+
+    from areal_jax.plan.planner import ProgramPlan, predict
+    from areal_jax.plan.targets import parse_target
+
+    def program(name, role, roofline_s):
+        return ProgramPlan(name=name, role=role, peak_bytes_per_device=1, capacity_bytes_per_device=2, fits=True,
+                           flops=1e9, bytes_accessed=1e9, roofline_s=roofline_s, source="test", program_bytes=1,
+                           resident_bytes=0, temp_bytes=0, compile_s=0.0, fields=())
+
+    common = [program("generation/decode[window=2048]", "generation", 0.01),
+              program("train/grad[rows=1,len=2048]", "train", 0.5), program("train/update", "train", 0.05),
+              program("transfer/layers[0:28 of 28][bfloat16]", "transfer", 2.0)]
+    kw = dict(target=parse_target("2xh100"), meshes=types.SimpleNamespace(generation_replicas_per_host=1),
+              model_cfg=None, slots_per_replica=8, batch_groups=4, samples_per_group=2, mean_prompt=512.0,
+              mean_completion=1024.0, decode_chunk=1, decode_window=lambda n: 2048, tokens_per_microbatch=2048,
+              row_length=lambda n: 2048, num_minibatches=1, separate_proximal=False, colocated=True)
+    full = predict(common, **kw)
+    lora = predict([*common, program("transfer/lora/layers[0:28 of 28][bfloat16]", "transfer", 0.003)], **kw)
+    assert full["transfer_s_per_step"] == 2.0 and lora["transfer_s_per_step"] == 0.003
+    assert full["step_train_s"] - lora["step_train_s"] == pytest.approx(2.0 - 0.003)

@@ -12,6 +12,10 @@ weight: `{"scale": [L], "wq": {"a": [L, D, R], "b": [L, R, N, H]}, ...}`. The fo
 leaf (one value repeated per layer) so the scanned layer body sees it without a config argument;
 training differentiates only the `a` and `b` leaves (`split_trainable`).
 
+Adapter dropout (`LoRAConfig.dropout`) exists only in the training loss forward: `with_dropout`
+adds a `dropout` entry (per-layer keys and the rate) beside the adapters for that forward alone,
+and `adapt` drops the adapter's input wherever the entry is present. Stored params never hold it.
+
 Dimension letters as in models/config.py, plus R (adapter rank).
 """
 
@@ -30,6 +34,7 @@ from areal_jax.models.config import ModelConfig
 Params = dict[str, Any]
 LORA = "lora"  # key of the adapters inside params["layers"]
 SCALE = "scale"
+DROPOUT = "dropout"  # {"key": [L] PRNG keys, "rate": [L]}: present only inside the loss forward
 # Target name -> (our weight, PEFT / HF module name under the layer).
 TARGETS: dict[str, tuple[str, str]] = {
     "q": ("wq", "self_attn.q_proj"),
@@ -51,11 +56,13 @@ class LoRAConfig:
             trains adapters only, on a base frozen in `base_dtype`, with optimizer state for
             the adapters alone.
         alpha: the update is scaled by alpha / rank (PEFT's lora_alpha).
-        dropout: dropout on an adapter's input during training (PEFT's lora_dropout). Only 0
-            is implemented (RL recipes use 0; the engine never drops).
+        dropout: probability of zeroing an element of an adapter's input in the training loss
+            forward (PEFT's lora_dropout: `y = W x + scale * B A dropout(x)`, the base path
+            undropped), in [0, 1). Log-prob forwards, the engine, evaluation and export never
+            drop (`with_dropout`).
         targets: projections that get adapters, among q, k, v, o, gate, up, down.
         base_dtype: dtype the frozen base is held in by the trainer ("bfloat16" or "float32").
-        seed: seeds the draw of the `a` matrices (`b` starts at zeros).
+        seed: seeds the draw of the `a` matrices (`b` starts at zeros) and the dropout masks.
     """
 
     rank: int = 0
@@ -71,8 +78,8 @@ class LoRAConfig:
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not (
                 math.isfinite(self.alpha) and self.alpha > 0):
             raise ValueError(f"LoRAConfig.alpha must be a finite number > 0, got {self.alpha!r}")
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or self.dropout != 0:
-            raise ValueError(f"LoRAConfig.dropout must be 0 (adapter dropout is not implemented), got {self.dropout!r}")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            raise ValueError(f"LoRAConfig.dropout must be a number in [0, 1), got {self.dropout!r}")
         if not isinstance(self.targets, tuple) or not self.targets or len(set(self.targets)) != len(self.targets) \
                 or any(t not in TARGETS for t in self.targets):
             raise ValueError(f"LoRAConfig.targets must be a non-empty tuple of distinct names among "
@@ -186,13 +193,42 @@ def join_trainable(frozen: Params | None, trainable: Any) -> Params:
 # ---- the forward hook and merging -----------------------------------------------------------------
 
 
+def with_dropout(params: Params, key: jax.Array, rate: float) -> Params:
+    """Adapted params whose forward drops each adapter's input with probability `rate` (the
+    training loss forward only): layer l draws from `fold_in(key, l)`, its projection `name` from
+    `fold_in` of that with the projection's index in TARGETS (`dropout_mask`). Rate 0: `params`
+    unchanged (the forward is the deterministic one, bit for bit)."""
+    adapters = adapters_of(params)
+    if adapters is None:
+        raise ValueError("with_dropout needs params with adapters")
+    if not rate:
+        return params
+    L = adapters[SCALE].shape[0]
+    keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(L, dtype=jnp.uint32))
+    return attach(params, {**adapters, DROPOUT: {"key": keys, "rate": jnp.full((L,), rate, jnp.float32)}})
+
+
+_WEIGHT_INDEX = {w: i for i, (w, _) in enumerate(TARGETS.values())}
+
+
+def dropout_mask(layer_key: jax.Array, name: str, rate: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """The keep mask (True = kept) of projection `name`'s adapter input in one layer."""
+    return jax.random.bernoulli(jax.random.fold_in(layer_key, _WEIGHT_INDEX[name]), 1.0 - rate, shape)
+
+
 def adapt(out: jax.Array, x: jax.Array, layer: dict[str, Any], name: str) -> jax.Array:
     """`out [B, T, *O]` (the projection `name` of `x [B, T, I]`) plus the layer's adapter update,
-    if it has one for `name`; `out` unchanged otherwise (so B = 0 gives the base bit for bit)."""
+    if it has one for `name`; `out` unchanged otherwise (so B = 0 gives the base bit for bit).
+    With a `dropout` entry (`with_dropout`) the adapter reads `x` dropped (kept elements scaled by
+    1 / (1 - rate), as torch's dropout); `out`, the base's projection, is never dropped."""
     adapters = layer.get(LORA)
     if adapters is None or name not in adapters:
         return out
     a, b = adapters[name]["a"], adapters[name]["b"]
+    if DROPOUT in adapters:
+        drop = adapters[DROPOUT]
+        keep = dropout_mask(drop["key"], name, drop["rate"], x.shape)
+        x = jnp.where(keep, x / (1.0 - drop["rate"]).astype(x.dtype), jnp.zeros((), x.dtype))
     B, T, I = x.shape
     R = a.shape[-1]
     low = jnp.dot(x.reshape(B * T, I), a.reshape(I, R).astype(x.dtype))  # [B*T, R]
@@ -208,7 +244,7 @@ def _merge_layer(layer: dict[str, Any]) -> dict[str, Any]:
         return layer
     out = {k: v for k, v in layer.items() if k != LORA}
     for name, ab in adapters.items():
-        if name == SCALE:
+        if name in (SCALE, DROPOUT):
             continue
         w = layer[name]
         R = ab["a"].shape[-1]

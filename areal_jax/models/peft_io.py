@@ -77,7 +77,8 @@ def load_adapter(path: str | pathlib.Path, cfg: ModelConfig) -> tuple[LoRAConfig
     if unknown:
         raise ValueError(f"{path / CONFIG_FILE}: target_modules {unknown} are not among {sorted(_TARGET_OF_MODULE)}")
     targets = tuple(t for t in TARGETS if TARGETS[t][1].split(".")[-1] in modules)
-    lora = LoRAConfig(rank=int(hf["r"]), alpha=float(hf["lora_alpha"]), dropout=0.0, targets=targets)
+    lora = LoRAConfig(rank=int(hf["r"]), alpha=float(hf["lora_alpha"]),
+                      dropout=float(hf.get("lora_dropout", 0.0)), targets=targets)
     tensors = load_file(str(path / WEIGHTS_FILE))
     shapes = adapter_shapes(cfg, lora)
     out: dict[str, Any] = {SCALE: np.full(shapes[SCALE], lora.scale, np.float32)}

@@ -248,6 +248,12 @@ def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files
         decode_bytes=(lambda window: paged["bytes_per_step"]) if paged else
         (lambda window: gen_weights + replica_engine.num_slots * window * kv_bytes_per_token), paged=paged)
     prediction["model_params"] = model_cfg.num_params()
+    # The bytes each step's weight swap moves: the model in the generation dtype, or with LoRA its
+    # adapters (parallel/adapter_sync.py).
+    from areal_jax.parallel.adapter_sync import adapter_bytes
+
+    prediction["transfer_bytes_per_step"] = (adapter_bytes(model_cfg, job.lora, gen_dtype(job)) if job.lora.enabled
+                                             else model_cfg.num_params() * gen_dtype(job).itemsize)
     return Plan(target=target, split=split, train_devices=split.num_train * target.hosts,
                 generation_devices=split.num_generation * target.hosts, programs=tuple(programs),
                 prediction=prediction, headroom=plan_cfg.headroom)

@@ -284,8 +284,12 @@ def predict(programs: Sequence[ProgramPlan], *, target: Target, meshes: RoleMesh
         out["trained_tokens_per_s_compute"] = train_tps
     step_tokens = batch_groups * samples_per_group * mean_seq
     gen_tokens = batch_groups * samples_per_group * mean_completion
+    # A step's weight swap: the whole model, or with LoRA the adapters alone (the base crosses once).
+    swaps = [p for p in programs if p.role == "transfer"]
+    swaps = [p for p in swaps if p.name.startswith("transfer/lora/")] or swaps
     if gen_tps and train_tps:
-        transfer = sum(p.roofline_s for p in programs if p.role == "transfer")
+        transfer = sum(p.roofline_s for p in swaps)
+        out["transfer_s_per_step"] = transfer
         t_train = step_tokens / train_tps + num_minibatches * (update.roofline_s if update else 0.0) + transfer
         t_gen = gen_tokens / gen_tps
         t_step = t_gen + t_train if colocated else max(t_gen, t_train)

@@ -61,6 +61,10 @@ def format_plan(plan: Plan, steps: int | None = None) -> str:
                      "weights + live KV")
     if "trained_tokens_per_s_compute" in pred:
         lines.append(f"training: {pred['trained_tokens_per_s_compute']:,.0f} tokens/s of gradient micro-batches")
+    if "transfer_bytes_per_step" in pred:
+        lines.append(f"weight swap: {pred['transfer_bytes_per_step'] / 2**20:,.1f} MiB per step"
+                     + (f" ({pred['transfer_s_per_step'] * 1e3:.2f} ms at the roofline)" if "transfer_s_per_step" in pred
+                        else ""))
     if "step_s" in pred:
         lines.append(f"one step: generation {pred['step_generation_s']:.1f} s, training {pred['step_train_s']:.1f} s "
                      f"-> {pred['step_s']:.1f} s, {pred['trained_tokens_per_s']:,.0f} trained tokens/s; "

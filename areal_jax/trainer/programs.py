@@ -30,7 +30,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from areal_jax.aot import ProgramSpec, abstract
 from areal_jax.models import moe
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.lora import LoRAConfig, adapter_axes, adapter_shapes, attach, join_trainable, split_trainable
+from areal_jax.models.lora import (
+    LoRAConfig,
+    adapter_axes,
+    adapter_shapes,
+    attach,
+    join_trainable,
+    split_trainable,
+    with_dropout,
+)
 from areal_jax.models.sharding import TRAIN_RULES, Rules, activation_rules, sharding_for
 from areal_jax.models.transformer import Params, forward, lm_head, param_axes, param_shapes
 from areal_jax.ppo import accumulate_loss_stats, decoupled_ppo_loss, loglinear_proximal_logprobs
@@ -105,12 +113,13 @@ class TrainPrograms:
     Attributes:
         logprobs: `(params, batch) -> [R, T]` fp32 log-probs of `batch["targets"]` at the PPO
             temperature; batch holds FORWARD_KEYS.
-        grad: `(params, grad_acc, stats_acc, batch, denominator) -> (grad_acc, stats_acc)`: one
-            micro-batch's loss gradient (loss divided by `denominator`, the minibatch's valid
-            tokens) and stats added to the accumulators; batch holds LOSS_KEYS, plus
-            PROXIMAL_KEY, or ALPHA_KEY (A-3PO: pi_prox interpolated from pi_behav and the
+        grad: `(params, grad_acc, stats_acc, batch, denominator[, dropout_index]) -> (grad_acc,
+            stats_acc)`: one micro-batch's loss gradient (loss divided by `denominator`, the
+            minibatch's valid tokens) and stats added to the accumulators; batch holds LOSS_KEYS,
+            plus PROXIMAL_KEY, or ALPHA_KEY (A-3PO: pi_prox interpolated from pi_behav and the
             stop-gradient log-probs), or neither: pi_prox is the differentiated weights' own
-            (stop-gradient) log-probs. Donates grad_acc.
+            (stop-gradient) log-probs. Donates grad_acc. With LoRA dropout, `dropout_index`
+            (uint32 [3]: step, minibatch, micro-batch) picks the masks (`dropout_key`).
         update: `(params, opt_state, grads) -> (params, opt_state, grad_norm, finite)`; donates
             params and opt_state; a non-finite gradient leaves both unchanged when
             `skip_nonfinite`. With LoRA adapters, `params` here is the trainable part only
@@ -125,17 +134,28 @@ class TrainPrograms:
     zeros_like: Callable
 
 
+def dropout_key(seed: int, index: jax.Array) -> jax.Array:
+    """The LoRA dropout key of one micro-batch: `LoRAConfig.seed` folded with (step, minibatch,
+    micro-batch), so a resumed run (same step counter) draws the same masks."""
+    key = jax.random.key(seed)
+    for i in range(3):
+        key = jax.random.fold_in(key, index[i])
+    return key
+
+
 def build_train_programs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, optimizer: optax.GradientTransformation, *,
                          param_shardings: Any = None, opt_state_shardings: Any = None,
-                         counts: collections.Counter | None = None) -> TrainPrograms:
+                         counts: collections.Counter | None = None, lora: LoRAConfig | None = None) -> TrainPrograms:
     """The jitted programs of `PolicyTrainer` (see TrainPrograms).
 
     param_shardings / opt_state_shardings: the layouts `update` and `zeros_like` return (None:
     wherever the inputs are). counts: incremented per trace of each program ("logprobs", "grad",
     "update"), i.e. per compilation. Activations follow the rules active while tracing
-    (`models.sharding.activation_rules`).
+    (`models.sharding.activation_rules`). lora: its `dropout` (and `seed`) drive the loss
+    forward's adapter dropout; nothing else of it matters here (the params carry the adapters).
     """
     cfg, ppo = model_cfg, ppo_cfg
+    dropout = lora.dropout if lora is not None and lora.enabled else 0.0
     counts = collections.Counter() if counts is None else counts
     compute_dtype = COMPUTE_DTYPES[ppo.compute_dtype]
 
@@ -156,24 +176,39 @@ def build_train_programs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, optimizer: 
         head = functools.partial(lm_head, params, cfg)  # [R, T, D], its head -> fp32 logits
         return (hidden, head, routing) if with_routing else (hidden, head)
 
-    def logprobs(params, batch):
-        counts["logprobs"] += 1  # runs once per trace, i.e. per compilation
+    def policy_logprobs(params, batch):
         hidden, head = hidden_of(params, batch)
         return hidden_logprobs(hidden, head, batch["targets"], ppo.logit_temperature, chunk_tokens=ppo.logit_chunk_tokens)
 
-    def grad_step(params, grad_acc, stats_acc, batch, denominator):
+    def logprobs(params, batch):
+        counts["logprobs"] += 1  # runs once per trace, i.e. per compilation
+        return policy_logprobs(params, batch)
+
+    def grad_step(params, grad_acc, stats_acc, batch, denominator, dropout_index=None):
         counts["grad"] += 1
+        if dropout and dropout_index is None:
+            raise ValueError(f"LoRAConfig.dropout = {dropout}: the grad program needs dropout_index")
 
         def loss_fn(p):
-            hidden, head, routing = hidden_of(p, batch, with_routing=True)
+            # Adapter dropout acts in this forward only, the one differentiated. Every log-prob
+            # the objective compares against (behaviour from the engine, proximal from the
+            # log-prob program or below) is the policy's own deterministic one: a dropped
+            # forward is a random perturbation of the policy, not the policy that sampled or
+            # will sample, so importance ratios against it would measure the noise.
+            dropped = with_dropout(p, dropout_key(lora.seed, dropout_index), dropout) if dropout else p
+            hidden, head, routing = hidden_of(dropped, batch, with_routing=True)
             logp, entropy = hidden_logprobs_and_entropy(hidden, head, batch["targets"], ppo.logit_temperature,
                                                         chunk_tokens=ppo.logit_chunk_tokens)
+            # The differentiated weights' own log-probs as pi_prox: with dropout a deterministic
+            # forward of its own (no gradient flows through it), else the loss forward's.
+            own = lambda: (jax.lax.stop_gradient(policy_logprobs(jax.lax.stop_gradient(p), batch))  # noqa: E731
+                           if dropout else logp)
             if PROXIMAL_KEY in batch:
                 prox = batch[PROXIMAL_KEY]
             elif ALPHA_KEY in batch:  # A-3PO
-                prox = loglinear_proximal_logprobs(batch["behavior_logprobs"], logp, batch[ALPHA_KEY])
+                prox = loglinear_proximal_logprobs(batch["behavior_logprobs"], own(), batch[ALPHA_KEY])
             else:  # pi_prox = the weights being differentiated
-                prox = jax.lax.stop_gradient(logp)
+                prox = jax.lax.stop_gradient(own())
             loss, stats = decoupled_ppo_loss(
                 logp, prox, batch["behavior_logprobs"], batch["advantages"],
                 batch["loss_mask"], eps_clip=ppo.eps_clip, eps_clip_higher=ppo.eps_clip_higher,
@@ -289,8 +324,12 @@ def train_program_specs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, opt_cfg: Opt
     trainable, t_sh = split_trainable(params)[1], split_trainable(p_sh)[1]
     s_sh = opt_state_shardings(optimizer, trainable, t_sh, mesh)
     opt_state = abstract(jax.eval_shape(optimizer.init, trainable), s_sh)
-    programs = build_train_programs(model_cfg, ppo_cfg, optimizer, param_shardings=t_sh, opt_state_shardings=s_sh)
+    programs = build_train_programs(model_cfg, ppo_cfg, optimizer, param_shardings=t_sh, opt_state_shardings=s_sh,
+                                    lora=lora)
     replicated = NamedSharding(mesh, PartitionSpec())
+    # LoRA dropout: the micro-batch's (step, minibatch, micro-batch) that seeds its masks.
+    dropout_index = ((jax.ShapeDtypeStruct((3,), jnp.uint32, sharding=replicated),)
+                     if lora.enabled and lora.dropout else ())
     stats = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated), _loss_stats_shapes())
     denominator = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)
     context = functools.partial(activation_rules, rules, mesh)
@@ -308,7 +347,7 @@ def train_program_specs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, opt_cfg: Opt
                                           moe.record_dtype(model_cfg), sharding=rows)
             batch = functools.partial(lambda plain, keys: {**plain(keys), MOE_ROUTING_KEY: record}, batch)
         specs.append(ProgramSpec(f"train/grad[rows={R},len={T}]", "train", programs.grad,
-                                 args=(params, trainable, stats, batch(grad_keys), denominator),
+                                 args=(params, trainable, stats, batch(grad_keys), denominator, *dropout_index),
                                  resident=(opt_state,), context=context, fields=micro_fields))
         specs.append(ProgramSpec(f"train/logprobs[rows={R},len={T}]", "train", programs.logprobs,
                                  args=(params, batch(FORWARD_KEYS)), resident=(opt_state,), context=context,

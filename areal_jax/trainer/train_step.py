@@ -6,7 +6,9 @@ One training step, given M minibatches of packed micro-batches (trainer/batching
    (naive_recompute, `PPOConfig.objective`, keeps the recomputed ones and drops the weight).
    With M = 1 the pre-step weights are the weights the loss differentiates, so the loss takes
    pi_prox as the stop-gradient of its own log-probs and the extra forward is skipped (a quarter
-   of the step's compute; ratio r = 1 exactly, as the separate forward gives up to rounding).
+   of the step's compute; ratio r = 1 exactly, as the separate forward gives up to rounding). With
+   LoRA dropout the loss forward is a dropped one, so pi_prox comes from an undropped forward inside
+   the gradient program instead (trainer/programs.py).
    With `PPOConfig.prox_logp_method = "loglinear"` (A-3PO) there is no proximal forward either:
    each micro-batch carries per-token interpolation weights from the token versions
    (`ppo.loglinear_alpha`) and the loss interpolates pi_prox between pi_behav and its own
@@ -203,21 +205,22 @@ class PolicyTrainer:
                 "moe_load_max": float(total["moe_load_max_sum"]) / n_valid,
                 "moe_dropped": float(total["moe_dropped"])}
 
-    def minibatch_gradients(self, microbatches: Sequence[PackedBatch], *, self_proximal: bool = False
-                            ) -> tuple[Params, dict[str, jax.Array]]:
+    def minibatch_gradients(self, microbatches: Sequence[PackedBatch], *, self_proximal: bool = False,
+                            minibatch_index: int = 0) -> tuple[Params, dict[str, jax.Array]]:
         """Summed gradients of one minibatch's loss and its summed loss stats (incl. "loss",
         the minibatch token-mean loss, and "entropy_sum").
 
         Needs proximal_logprobs (or A-3PO's proximal_alpha) present, unless `self_proximal`: then
         pi_prox is the current weights' own log-probs (stop-gradient) from the loss forward, which
         is what a separate proximal forward would compute when this minibatch is the step's first
-        update."""
+        update. With LoRA dropout, micro-batch u draws its masks from (LoRAConfig.seed, the step
+        counter, `minibatch_index`, u): the same on a resumed run, whose step counter is restored."""
         if not microbatches:
             raise ValueError("a minibatch needs at least one micro-batch")
         grads = self._zeros_like_params(self._trainable(self._params))
         stats = dict(self._zero_stats)
         with self._activation_rules():
-            for micro in microbatches:
+            for u, micro in enumerate(microbatches):
                 keys = LOSS_KEYS
                 if not self_proximal:
                     given = [k for k in (PROXIMAL_KEY, ALPHA_KEY) if k in micro.arrays]
@@ -227,7 +230,10 @@ class PolicyTrainer:
                     keys = (*LOSS_KEYS, given[0])  # the exact log-probs win over the approximation
                 batch = self._to_device(micro, self._with_routing(micro, keys))
                 denom = np.float32(micro.minibatch_valid_tokens)
-                grads, stats = self._grad_fn(self._params, grads, stats, batch, denom)
+                extra = ()
+                if self.lora_config.enabled and self.lora_config.dropout:
+                    extra = (np.array([self._step, minibatch_index, u], np.uint32),)
+                grads, stats = self._grad_fn(self._params, grads, stats, batch, denom, *extra)
         return grads, stats
 
     def train_step(self, minibatches: Sequence[Sequence[PackedBatch]], *,
@@ -261,8 +267,8 @@ class PolicyTrainer:
         t_prox = time.perf_counter()
 
         total, per_mb, skipped, trained_tokens, norms = None, [], 0, 0.0, []
-        for mb in minibatches:
-            grads, stats = self.minibatch_gradients(mb, self_proximal=self_proximal)
+        for m, mb in enumerate(minibatches):
+            grads, stats = self.minibatch_gradients(mb, self_proximal=self_proximal, minibatch_index=m)
             frozen, trainable = lora_lib.split_trainable(self._params)
             trainable, self._opt_state, grad_norm, finite = self._update_fn(trainable, self._opt_state, grads)
             self._params = lora_lib.join_trainable(frozen, trainable)
@@ -368,7 +374,8 @@ class PolicyTrainer:
         programs = build_train_programs(self.model_config, self.ppo_config, self._optimizer,
                                         param_shardings=(None if self._param_shardings is None
                                                          else self._trainable(self._param_shardings)),
-                                        opt_state_shardings=self._opt_state_shardings, counts=self.compile_counts)
+                                        opt_state_shardings=self._opt_state_shardings, counts=self.compile_counts,
+                                        lora=self.lora_config)
         self._logprobs_fn = programs.logprobs
         self._grad_fn = programs.grad
         self._update_fn = programs.update
