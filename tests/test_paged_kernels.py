@@ -146,6 +146,29 @@ def test_flash_and_paged_kernels_are_chosen_by_one_dispatch():
     assert "powers of two" in pa.KERNELS.unfit("gpu", 96, 16) and pa.KERNELS.unfit("gpu", 128, 16) is None
 
 
+def test_a_tpu_page_table_past_smem_is_refused_by_name_and_auto_falls_back():
+    # ragged_paged_attention prefetches the page table into the TPU's 1 MiB SMEM; libtpu refused the
+    # 7B v5p engine at 240 slots x 1,152 pages (1,105,920 B). Say so before compiling, and how many fit.
+    from areal_jax.kernels import paged_attention as pa
+    from areal_jax.kernels.paged_tpu import SMEM_BYTES
+
+    why = pa.KERNELS.unfit("tpu", 128, 16, 240, 1152)
+    assert "1,105,920 B" in why and "SMEM" in why and "at most 227 slots" in why and "EngineConfig.num_slots" in why
+    assert pa.KERNELS.unfit("tpu", 128, 16, 224, 1152) is None
+    most = (SMEM_BYTES // 4 - 2) // (1152 + 2)
+    assert 4 * (most * 1152 + 2 * most + 2) <= SMEM_BYTES < 4 * ((most + 1) * 1152 + 2 * (most + 1) + 2)
+    assert pa.KERNELS.unfit("gpu", 128, 16, 4096, 4096) is None  # Triton reads the table from HBM
+
+    B, M, S, K, N, H = 240, 1152, 16, 2, 4, 128  # traced abstractly: no 1 MB table is materialised
+    q = jax.ShapeDtypeStruct((B, N, H), jnp.bfloat16)
+    pool = PagePool(jax.ShapeDtypeStruct((64, S, 2 * K, H), jnp.bfloat16), None, "combined")
+    lengths, tables = jax.ShapeDtypeStruct((B,), jnp.int32), jax.ShapeDtypeStruct((B, M), jnp.int32)
+    with pytest.raises(ValueError, match="SMEM"):
+        jax.eval_shape(lambda *a: paged_attention(*a, impl="pallas", platform="tpu"), q, pool, lengths, tables)
+    out = jax.eval_shape(lambda *a: paged_attention(*a, impl="auto", platform="tpu"), q, pool, lengths, tables)
+    assert out.shape == (B, N, H)  # the reference gather, with a warning naming the limit
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_tpu_wrapper_arguments_give_the_reference_through_jax_ref_ragged_paged_attention(seed):
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import ref_ragged_paged_attention

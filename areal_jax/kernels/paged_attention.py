@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable
 
 import jax
@@ -36,6 +37,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from areal_jax.kernels.dispatch import KernelTable, current_platform
+
+logger = logging.getLogger(__name__)
 
 LAYOUTS = ("heads", "combined")
 
@@ -193,18 +196,21 @@ def paged_attention(q: jax.Array, pool: PagePool, lengths: jax.Array, page_table
     if resolve_impl(impl, platform) == "reference":
         return reference_paged_attention(q, pool, lengths, page_tables)
     entry = KERNELS.entry(platform)
-    unfit = KERNELS.unfit(platform, q.shape[-1], pool.page_size)
+    mesh = jax.sharding.get_abstract_mesh()
+    heads_axis, replica_axis = (a if a is not None and not mesh.empty and mesh.shape.get(a, 1) > 1 else None
+                                for a in (heads_axis, replica_axis))
+    slots_per_call = page_tables.shape[0] // (mesh.shape[replica_axis] if replica_axis is not None else 1)
+    unfit = KERNELS.unfit(platform, q.shape[-1], pool.page_size, slots_per_call, page_tables.shape[1])
     if pool.layout != entry.layout:
         unfit = (f"the {current_platform(platform)} kernel reads a {entry.layout!r} pool, got {pool.layout!r}: "
                  "build it with PagePool.zeros(..., impl=, platform=) as attention runs")
     if unfit is not None:
-        if impl == "auto":  # the best this pool and these shapes allow
+        if impl == "auto":  # the best this pool and these shapes allow, said once per trace
+            logger.warning("paged_attention: the %s kernel cannot serve this engine, decoding with the "
+                           "reference gather: %s", entry.name, unfit)
             return reference_paged_attention(q, pool, lengths, page_tables)
         raise ValueError(f"paged_attention: {unfit}")
     kernel = functools.partial(entry.fn, **options)
-    mesh = jax.sharding.get_abstract_mesh()
-    heads_axis, replica_axis = (a if a is not None and not mesh.empty and mesh.shape.get(a, 1) > 1 else None
-                                for a in (heads_axis, replica_axis))
     if heads_axis is None and replica_axis is None:
         return kernel(q, pool, lengths, page_tables)
     slots = PartitionSpec(replica_axis)

@@ -69,8 +69,8 @@ def _kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *
     l_ref[...] = l
 
 
-def limits(head_dim: int, page_size: int) -> str | None:
-    """Triton loads blocks whose sizes are powers of two."""
+def limits(head_dim: int, page_size: int, slots: int = 0, pages_per_slot: int = 0) -> str | None:
+    """Triton loads blocks whose sizes are powers of two (the page table stays in HBM: any size)."""
     if not (_pow2(page_size) and _pow2(head_dim)):
         return f"page_size {page_size} and head_dim {head_dim} must be powers of two (Triton's loads)"
     return None

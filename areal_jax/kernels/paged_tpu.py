@@ -60,10 +60,24 @@ def ragged_paged_decode(q: jax.Array, pool: PagePool, lengths: jax.Array, page_t
     return jnp.where((lengths > 0)[:, None, None], out, 0).astype(q.dtype)
 
 
-def limits(head_dim: int, page_size: int) -> str | None:
-    """The kernel's running max and sum are 128 lanes wide, broadcast over the head dim."""
+# Scalar memory per TensorCore, as libtpu reports it when a program overflows it (v5e, v5p).
+SMEM_BYTES = 1 << 20
+
+
+def limits(head_dim: int, page_size: int, slots: int = 0, pages_per_slot: int = 0) -> str | None:
+    """The kernel's running max and sum are 128 lanes wide, broadcast over the head dim; and it
+    prefetches its scalar operands (the page table, lengths, query offsets) into SMEM, which libtpu
+    refuses to overflow (`RESOURCE_EXHAUSTED ... prefetched SMEM operand`). `slots` are those of
+    one kernel call (one replica's shard)."""
     if head_dim % 128:
         return f"head_dim {head_dim} must be a multiple of 128 (ragged_paged_attention's lanes)"
+    scalars = 4 * (slots * pages_per_slot + 2 * slots + 2)  # page table, kv lens, cu_q_lens, num_seqs
+    if scalars > SMEM_BYTES:
+        most = (SMEM_BYTES // 4 - 2) // (pages_per_slot + 2)
+        return (f"its page table ({slots} slots x {pages_per_slot} pages of {page_size} tokens x 4 B = "
+                f"{4 * slots * pages_per_slot:,} B) and lengths must fit the TPU's {SMEM_BYTES:,}-byte SMEM: "
+                f"at most {most} slots per replica at this page_size (EngineConfig.num_slots), or larger pages "
+                f"(EngineConfig.page_size)")
     return None
 
 
