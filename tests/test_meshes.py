@@ -16,8 +16,8 @@ def _ids(devices):
 
 def test_default_split_is_three_quarters_generation():
     meshes = build_meshes(MeshConfig())
-    assert dict(meshes.train.shape) == {"fsdp": 2, "tensor": 1}
-    assert dict(meshes.generation.shape) == {"data": 6, "tensor": 1}
+    assert dict(meshes.train.shape) == {"fsdp": 2, "expert": 1, "tensor": 1}
+    assert dict(meshes.generation.shape) == {"data": 6, "expert": 1, "tensor": 1}
     assert _ids(meshes.train_devices_local) == [0, 1]
     assert _ids(meshes.generation_devices_local) == [2, 3, 4, 5, 6, 7]
     assert not meshes.colocated
@@ -37,8 +37,8 @@ def test_default_split_is_three_quarters_generation():
 )
 def test_split_shapes(cfg, train_shape, generation_shape):
     meshes = build_meshes(cfg)
-    assert meshes.train.axis_names == ("fsdp", "tensor")
-    assert meshes.generation.axis_names == ("data", "tensor")
+    assert meshes.train.axis_names == ("fsdp", "expert", "tensor")
+    assert meshes.generation.axis_names == ("data", "expert", "tensor")
     assert meshes.train.devices.shape == train_shape
     assert meshes.generation.devices.shape == generation_shape
     train, generation = set(meshes.train_devices_local), set(meshes.generation_devices_local)
@@ -52,8 +52,8 @@ def test_split_shapes(cfg, train_shape, generation_shape):
 def test_colocated_uses_every_device_in_the_same_order():
     meshes = build_meshes(MeshConfig(colocated=True, train_tensor=2, generation_tensor=4))
     assert meshes.colocated
-    assert dict(meshes.train.shape) == {"fsdp": 4, "tensor": 2}
-    assert dict(meshes.generation.shape) == {"data": 2, "tensor": 4}
+    assert dict(meshes.train.shape) == {"fsdp": 4, "expert": 1, "tensor": 2}
+    assert dict(meshes.generation.shape) == {"data": 2, "expert": 1, "tensor": 4}
     assert list(meshes.train.devices.flat) == list(meshes.generation.devices.flat) == jax.devices()
 
 

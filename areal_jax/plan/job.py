@@ -13,11 +13,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 from areal_jax.aot import ProgramSpec, bytes_per_device
 from areal_jax.job_config import EVAL_SLOTS, JobConfigs
 from areal_jax.models.config import ModelConfig
-from areal_jax.parallel.meshes import split_local_devices
+from areal_jax.parallel.meshes import check_model_fits_mesh, split_local_devices
 from areal_jax.plan.config import PlanConfig
 from areal_jax.plan.estimate import EstimateContext, analytic_flops, estimate_peak, lower_bound_peak
 from areal_jax.plan.planner import (Plan, ProgramPlan, measure_programs, paged_decode_figures, predict,
@@ -91,7 +92,8 @@ def collect_specs(job: JobConfigs, model_cfg: ModelConfig, target: Target, meshe
                                             lora=job.lora)
              if _dims(s.name).get("len", 0) <= longest_row]
     specs += transfer_program_specs(model_cfg, meshes.train, num_hosts=target.hosts,
-                                    generation_tensor=job.mesh.generation_tensor, dtype=gen_dtype(job),
+                                    generation_tensor=job.mesh.generation_tensor,
+                                    generation_expert=job.mesh.generation_expert, dtype=gen_dtype(job),
                                     group_bytes=job.rl.transfer_group_bytes, lora=job.lora)
     # The engine's programs for the target's platform (its KV layout and attention kernel), where
     # the engine takes one (the paged engine of issue 25 does).
@@ -165,11 +167,14 @@ def check_weight_layouts(model_cfg: ModelConfig, meshes) -> None:
                 continue
             for i, (w, g) in enumerate(zip(tuple(want) + (None,) * len(shape), tuple(got) + (None,) * len(shape))):
                 if w != g and i < len(shape):
-                    axis = w if isinstance(w, str) else "/".join(w)
-                    field = {"tensor": f"MeshConfig.{role}_tensor", "fsdp": "MeshConfig (the training devices)",
+                    names_w = (w,) if isinstance(w, str) else tuple(w)
+                    axis, ways = "/".join(names_w), int(np.prod([mesh.shape[n] for n in names_w]))
+                    field = {"tensor": f"MeshConfig.{role}_tensor", "expert": f"MeshConfig.{role}_expert",
+                             "fsdp": "MeshConfig (the training devices)",
+                             "fsdp/expert": f"MeshConfig (the training devices, with {role}_expert)",
                              "data": "MeshConfig (the generation devices)"}.get(axis, "MeshConfig")
                     raise PlanError(
-                        f"{field}: the {role} mesh's {axis!r} axis ({mesh.shape[axis] if axis in mesh.shape else '?'}) "
+                        f"{field}: the {role} mesh's {axis!r} axis ({ways}) "
                         f"does not divide dimension {names[i]!r} = {shape[i]} of weight "
                         f"{jax.tree_util.keystr(path)}: it would be replicated instead of sharded")
 
@@ -182,7 +187,12 @@ def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files
         split = split_local_devices(job.mesh, target.devices_per_host)
     except ValueError as e:
         raise PlanError(f"MeshConfig on {target.name} ({target.devices_per_host} devices per host): {e}") from None
-    meshes = role_meshes(target, split, job.mesh.train_tensor, job.mesh.generation_tensor)
+    try:
+        check_model_fits_mesh(model_cfg, job.mesh)
+        meshes = role_meshes(target, split, job.mesh.train_tensor, job.mesh.generation_tensor,
+                             job.mesh.train_expert, job.mesh.generation_expert)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
     check_weight_layouts(model_cfg, meshes)
     mean_prompt, mean_completion, longest_prompt = generation_lengths(job, plan_cfg)
     specs = collect_specs(job, model_cfg, target, meshes, longest_prompt=longest_prompt)

@@ -37,6 +37,7 @@ from areal_jax.ppo.logprobs import hidden_logprobs, hidden_logprobs_and_entropy
 from areal_jax.trainer.batching import candidate_row_lengths, rows_for_bucket
 from areal_jax.trainer.config import PPOConfig
 from areal_jax.trainer.optimizer import OptimizerConfig, build_optimizer
+from areal_jax.parallel.meshes import batch_shards
 
 # The device dtypes of PPOConfig.compute_dtype (trainer/config.py names them).
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -297,7 +298,7 @@ def train_program_specs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, opt_cfg: Opt
     micro_fields = (*_MICROBATCH_FIELDS, *_ACTIVATION_FIELDS, *_MESH_FIELDS)
 
     specs = []
-    for R, T in possible_microbatch_shapes(ppo_cfg, mesh.shape.get("fsdp", 1), num_processes):
+    for R, T in possible_microbatch_shapes(ppo_cfg, batch_shards(mesh), num_processes):
         rows = sharding_for(("batch", "seq"), rules, mesh, (R, T))
         batch = lambda keys: {k: jax.ShapeDtypeStruct((R, T), BATCH_DTYPES[k], sharding=rows)  # noqa: E731
                               for k in keys}
