@@ -22,17 +22,20 @@ def test_default_split_is_three_quarters_generation():
     assert _ids(meshes.generation_devices_local) == [2, 3, 4, 5, 6, 7]
     assert not meshes.colocated
     assert meshes.num_hosts == 1 and meshes.host_index == 0
-    assert meshes.train.axis_types == (AxisType.Auto, AxisType.Auto)
-    assert meshes.generation.axis_types == (AxisType.Auto, AxisType.Auto)
+    assert meshes.train.axis_types == (AxisType.Auto,) * 3
+    assert meshes.generation.axis_types == (AxisType.Auto,) * 3
 
 
 @pytest.mark.parametrize(
     "cfg, train_shape, generation_shape",
     [
-        (MeshConfig(train_tensor=2, generation_tensor=2), (1, 2), (3, 2)),
-        (MeshConfig(num_generation_devices_per_host=4, train_tensor=2, generation_tensor=4), (2, 2), (1, 4)),
-        (MeshConfig(generation_fraction=0.5, generation_tensor=2), (4, 1), (2, 2)),
-        (MeshConfig(num_generation_devices_per_host=5), (3, 1), (5, 1)),
+        (MeshConfig(train_tensor=2, generation_tensor=2), (1, 1, 2), (3, 1, 2)),
+        (MeshConfig(num_generation_devices_per_host=4, train_tensor=2, generation_tensor=4), (2, 1, 2), (1, 1, 4)),
+        (MeshConfig(generation_fraction=0.5, generation_tensor=2), (4, 1, 1), (2, 1, 2)),
+        (MeshConfig(num_generation_devices_per_host=5), (3, 1, 1), (5, 1, 1)),
+        (MeshConfig(num_generation_devices_per_host=4, train_expert=2, generation_expert=2), (2, 2, 1), (2, 2, 1)),
+        (MeshConfig(num_generation_devices_per_host=4, train_expert=4, generation_expert=2, generation_tensor=2),
+         (1, 4, 1), (1, 2, 2)),
     ],
 )
 def test_split_shapes(cfg, train_shape, generation_shape):
