@@ -20,7 +20,8 @@ from areal_jax.job_config import EVAL_SLOTS, JobConfigs
 from areal_jax.models.config import ModelConfig
 from areal_jax.parallel.meshes import check_model_fits_mesh, split_local_devices
 from areal_jax.plan.config import PlanConfig
-from areal_jax.plan.estimate import EstimateContext, analytic_flops, estimate_peak, lower_bound_peak
+from areal_jax.plan.estimate import (EstimateContext, analytic_flops, estimate_peak, lower_bound_peak,
+                                     weight_share_read)
 from areal_jax.plan.planner import (Plan, ProgramPlan, measure_programs, paged_decode_figures, predict,
                                     read_model_config, role_meshes)
 from areal_jax.plan.targets import Target
@@ -225,7 +226,8 @@ def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files
 
     ctx = EstimateContext(
         model=model_cfg, fsdp=meshes.train.shape["fsdp"], train_tensor=job.mesh.train_tensor,
-        generation_tensor=job.mesh.generation_tensor, compute_bytes=2 if job.ppo.compute_dtype == "bfloat16" else 4,
+        generation_tensor=job.mesh.generation_tensor, train_expert=job.mesh.train_expert,
+        generation_expert=job.mesh.generation_expert, compute_bytes=2 if job.ppo.compute_dtype == "bfloat16" else 4,
         cache_bytes=jnp.dtype(job.engine.cache_dtype or gen_dtype(job)).itemsize, remat=job.ppo.remat,
         logit_chunk_tokens=job.ppo.logit_chunk_tokens, decode_chunk=job.engine.decode_chunk,
         prefill_chunk=job.engine.prefill_chunk)
@@ -237,6 +239,8 @@ def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files
     cache_itemsize = jnp.dtype(job.engine.cache_dtype or gen_dtype(job)).itemsize
     kv_bytes_per_token = (2 * model_cfg.num_layers * (model_cfg.num_kv_heads // job.mesh.generation_tensor)
                           * model_cfg.head_dim * cache_itemsize)  # k and v, every layer, on one device
+    # A decode step of a MoE model reads only the experts its slots touch (plan/estimate.py).
+    decode_weights = gen_weights * weight_share_read(model_cfg, replica_engine.num_slots)
     paged = None
     layout = getattr(job.engine, "layout", None)  # the paged engine's EngineConfig (issue 25)
     if layout is not None and layout(target.platform) == "paged":
@@ -246,7 +250,7 @@ def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files
             mean_prompt=mean_prompt, mean_completion=mean_completion, page_size=replica_engine.page_size,
             decode_chunk=job.engine.decode_chunk, block_tokens=max(replica_engine.page_size,
                                                                     256 if target.platform == "tpu" else 128),
-            weight_bytes=gen_weights, kv_bytes_per_token=kv_bytes_per_token)
+            weight_bytes=decode_weights, kv_bytes_per_token=kv_bytes_per_token)
     prediction = predict(
         programs, target=target, meshes=meshes, model_cfg=model_cfg,
         slots_per_replica=paged["in_flight_per_replica"] if paged else replica_engine.num_slots,
@@ -256,7 +260,7 @@ def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files
         row_length=lambda n: _row_for(job, n), num_minibatches=job.ppo.num_minibatches,
         separate_proximal=job.ppo.decoupled and job.ppo.num_minibatches > 1, colocated=split.colocated,
         decode_bytes=(lambda window: paged["bytes_per_step"]) if paged else
-        (lambda window: gen_weights + replica_engine.num_slots * window * kv_bytes_per_token), paged=paged)
+        (lambda window: decode_weights + replica_engine.num_slots * window * kv_bytes_per_token), paged=paged)
     prediction["model_params"] = model_cfg.num_params()
     return Plan(target=target, split=split, train_devices=split.num_train * target.hosts,
                 generation_devices=split.num_generation * target.hosts, programs=tuple(programs),
