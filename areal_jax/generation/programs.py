@@ -328,7 +328,7 @@ _PREFILL_FIELDS = ("EngineConfig.prefill_buckets", "EngineConfig.max_prompt_len"
 def engine_program_specs(model_cfg: ModelConfig, engine_cfg: EngineConfig, *, mesh: Mesh, param_dtype,
                          cache_dtype=None, role: Role = "generation", platform: str | None = None
                          ) -> list[ProgramSpec]:
-    """Every program the engine can run at the config's shapes on the ("data", "tensor") `mesh`.
+    """Every program the engine can run at the config's shapes on the ("data", "expert", "tensor") `mesh`.
 
     Names (prefixed with `role`): prefill_start[rows=R,len=P] for every prompt bucket (up to
     max_prompt_len) and row count; first_tokens[rows=R] and insert[rows=R,len=P] for the later

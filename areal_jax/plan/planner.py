@@ -2,7 +2,7 @@
 
 The meshes are built as the run builds them (MeshConfig's per-host split of the target's devices),
 on fake devices of the target's kind:
-- train: one topology of every host's training devices, ("fsdp", "tensor") as parallel/meshes.py
+- train: one topology of every host's training devices, ("fsdp", "expert", "tensor") as parallel/meshes.py
   lays them out (tensor parallelism within a host).
 - generation: the generation mesh is host-local and its "data" replicas are independent (each
   decodes its own slots; no collective crosses replicas), so one replica is compiled, on a
