@@ -318,7 +318,7 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
 # ---- ahead-of-time descriptions ----------------------------------------------------------------------
 
 _CACHE_FIELDS = ("EngineConfig.num_slots", "EngineConfig.max_seq_len", "EngineConfig.cache_dtype",
-                 "MeshConfig.generation_tensor")
+                 "MeshConfig.generation_tensor", "MeshConfig.generation_expert")
 _PAGED_FIELDS = ("EngineConfig.kv_layout", "EngineConfig.page_size", "EngineConfig.kv_pool_pages",
                  "EngineConfig.kv_pool_bytes", "EngineConfig.attention_impl")
 _PREFILL_FIELDS = ("EngineConfig.prefill_buckets", "EngineConfig.max_prompt_len", "EngineConfig.max_prefill_batch",

@@ -223,8 +223,8 @@ def build_train_programs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, optimizer: 
 
 # ---- ahead-of-time descriptions ----------------------------------------------------------------------------
 
-# Config fields that size the train mesh (fsdp = training devices / train_tensor).
-_MESH_FIELDS = ("MeshConfig.train_tensor", "MeshConfig.generation_fraction",
+# Config fields that size the train mesh (fsdp = training devices / (train_expert x train_tensor)).
+_MESH_FIELDS = ("MeshConfig.train_tensor", "MeshConfig.train_expert", "MeshConfig.generation_fraction",
                 "MeshConfig.num_generation_devices_per_host")
 _MICROBATCH_FIELDS = ("PPOConfig.max_tokens_per_microbatch", "PPOConfig.row_buckets")
 _ACTIVATION_FIELDS = ("PPOConfig.logit_chunk_tokens", "PPOConfig.remat", "PPOConfig.compute_dtype",
