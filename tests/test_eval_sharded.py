@@ -93,7 +93,7 @@ def test_weights_load_sharded_in_their_dtype(setup, dtype):
     _, model = load_model(str(model_dir), dtype=dtype, mesh_for=mesh_for)
     params = model.params
     wq = params["layers"]["wq"]  # [L, D, N, H]: heads over "tensor"
-    assert dict(wq.sharding.mesh.shape) == {"data": 2, "tensor": 2}
+    assert dict(wq.sharding.mesh.shape) == {"data": 2, "expert": 1, "tensor": 2}
     assert wq.sharding.spec == PartitionSpec(None, None, "tensor")
     assert {s.data.shape for s in wq.addressable_shards} == {(1, 32, 2, 8)}  # half the 4 heads on each device
     assert params["embed"].sharding.spec == PartitionSpec("tensor")  # [V, D]: vocabulary split

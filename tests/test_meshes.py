@@ -16,29 +16,32 @@ def _ids(devices):
 
 def test_default_split_is_three_quarters_generation():
     meshes = build_meshes(MeshConfig())
-    assert dict(meshes.train.shape) == {"fsdp": 2, "tensor": 1}
-    assert dict(meshes.generation.shape) == {"data": 6, "tensor": 1}
+    assert dict(meshes.train.shape) == {"fsdp": 2, "expert": 1, "tensor": 1}
+    assert dict(meshes.generation.shape) == {"data": 6, "expert": 1, "tensor": 1}
     assert _ids(meshes.train_devices_local) == [0, 1]
     assert _ids(meshes.generation_devices_local) == [2, 3, 4, 5, 6, 7]
     assert not meshes.colocated
     assert meshes.num_hosts == 1 and meshes.host_index == 0
-    assert meshes.train.axis_types == (AxisType.Auto, AxisType.Auto)
-    assert meshes.generation.axis_types == (AxisType.Auto, AxisType.Auto)
+    assert meshes.train.axis_types == (AxisType.Auto,) * 3
+    assert meshes.generation.axis_types == (AxisType.Auto,) * 3
 
 
 @pytest.mark.parametrize(
     "cfg, train_shape, generation_shape",
     [
-        (MeshConfig(train_tensor=2, generation_tensor=2), (1, 2), (3, 2)),
-        (MeshConfig(num_generation_devices_per_host=4, train_tensor=2, generation_tensor=4), (2, 2), (1, 4)),
-        (MeshConfig(generation_fraction=0.5, generation_tensor=2), (4, 1), (2, 2)),
-        (MeshConfig(num_generation_devices_per_host=5), (3, 1), (5, 1)),
+        (MeshConfig(train_tensor=2, generation_tensor=2), (1, 1, 2), (3, 1, 2)),
+        (MeshConfig(num_generation_devices_per_host=4, train_tensor=2, generation_tensor=4), (2, 1, 2), (1, 1, 4)),
+        (MeshConfig(generation_fraction=0.5, generation_tensor=2), (4, 1, 1), (2, 1, 2)),
+        (MeshConfig(num_generation_devices_per_host=5), (3, 1, 1), (5, 1, 1)),
+        (MeshConfig(num_generation_devices_per_host=4, train_expert=2, generation_expert=2), (2, 2, 1), (2, 2, 1)),
+        (MeshConfig(num_generation_devices_per_host=4, train_expert=4, generation_expert=2, generation_tensor=2),
+         (1, 4, 1), (1, 2, 2)),
     ],
 )
 def test_split_shapes(cfg, train_shape, generation_shape):
     meshes = build_meshes(cfg)
-    assert meshes.train.axis_names == ("fsdp", "tensor")
-    assert meshes.generation.axis_names == ("data", "tensor")
+    assert meshes.train.axis_names == ("fsdp", "expert", "tensor")
+    assert meshes.generation.axis_names == ("data", "expert", "tensor")
     assert meshes.train.devices.shape == train_shape
     assert meshes.generation.devices.shape == generation_shape
     train, generation = set(meshes.train_devices_local), set(meshes.generation_devices_local)
@@ -52,8 +55,8 @@ def test_split_shapes(cfg, train_shape, generation_shape):
 def test_colocated_uses_every_device_in_the_same_order():
     meshes = build_meshes(MeshConfig(colocated=True, train_tensor=2, generation_tensor=4))
     assert meshes.colocated
-    assert dict(meshes.train.shape) == {"fsdp": 4, "tensor": 2}
-    assert dict(meshes.generation.shape) == {"data": 2, "tensor": 4}
+    assert dict(meshes.train.shape) == {"fsdp": 4, "expert": 1, "tensor": 2}
+    assert dict(meshes.generation.shape) == {"data": 2, "expert": 1, "tensor": 4}
     assert list(meshes.train.devices.flat) == list(meshes.generation.devices.flat) == jax.devices()
 
 

@@ -295,7 +295,7 @@ def test_sft_on_a_sharded_train_mesh_equals_sft_on_one_device(tokenizer, six_pro
     sft = SFTConfig(steps=12, batch_size=2, max_len=96, lr=1e-2, warmup=2, log_every=4, seed=0,
                     eval_every=6, eval_from=6)
     mesh = build_meshes(MeshConfig(num_generation_devices_per_host=4, train_tensor=2), jax.devices()[:8]).train
-    assert dict(mesh.shape) == {"fsdp": 2, "tensor": 2}
+    assert dict(mesh.shape) == {"fsdp": 2, "expert": 1, "tensor": 2}
     seen = []
 
     def probe(p):  # validation sees whole weights on one device

@@ -334,7 +334,7 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
 # ---- ahead-of-time descriptions ----------------------------------------------------------------------
 
 _CACHE_FIELDS = ("EngineConfig.num_slots", "EngineConfig.max_seq_len", "EngineConfig.cache_dtype",
-                 "MeshConfig.generation_tensor")
+                 "MeshConfig.generation_tensor", "MeshConfig.generation_expert")
 _PAGED_FIELDS = ("EngineConfig.kv_layout", "EngineConfig.page_size", "EngineConfig.kv_pool_pages",
                  "EngineConfig.kv_pool_bytes", "EngineConfig.attention_impl")
 _PREFILL_FIELDS = ("EngineConfig.prefill_buckets", "EngineConfig.max_prompt_len", "EngineConfig.max_prefill_batch",
@@ -344,7 +344,7 @@ _PREFILL_FIELDS = ("EngineConfig.prefill_buckets", "EngineConfig.max_prompt_len"
 def engine_program_specs(model_cfg: ModelConfig, engine_cfg: EngineConfig, *, mesh: Mesh, param_dtype,
                          cache_dtype=None, role: Role = "generation", platform: str | None = None
                          ) -> list[ProgramSpec]:
-    """Every program the engine can run at the config's shapes on the ("data", "tensor") `mesh`.
+    """Every program the engine can run at the config's shapes on the ("data", "expert", "tensor") `mesh`.
 
     Names (prefixed with `role`): prefill_start[rows=R,len=P] for every prompt bucket (up to
     max_prompt_len) and row count; first_tokens[rows=R] and insert[rows=R,len=P] for the later

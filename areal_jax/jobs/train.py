@@ -47,6 +47,7 @@ from areal_jax.models.hf_io import copy_tokenizer_files, load_params, save_param
 from areal_jax.models.tokenizer import Tokenizer
 from areal_jax.models.transformer import init_params
 from areal_jax.parallel.distributed import agree_max, agree_sum, gather_json
+from areal_jax.parallel.meshes import check_model_fits_mesh
 from areal_jax.parallel.meshes import build_meshes
 from areal_jax.parallel.transfer_plan import model_partition_specs
 from areal_jax.rollout.workflow import make_workflow, resolve_workflow_class
@@ -130,6 +131,10 @@ def prepare_workload(cfg: JobConfigs, run_dir: paths.Path, *, mesh: Mesh | None 
             tokenizer = Tokenizer.from_pretrained(tokenizer_dir)
         with input_errors("ModelSource.path"):
             model_cfg, params = load_params(cfg.model.path, dtype=cfg.model.dtype, mesh=mesh)
+    try:
+        check_model_fits_mesh(model_cfg, cfg.mesh)
+    except ValueError as e:
+        raise cs.ConfigError(str(e)) from None
     if cfg.task.kind == "arithmetic":
         from areal_jax.tasks import arithmetic as ar
 

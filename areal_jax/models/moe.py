@@ -8,10 +8,10 @@ shared expert's, A = M*k token-expert assignments.
 Routing is dropless: every assignment is computed (the grouped matmul takes per-expert group
 sizes, so no capacity is reserved and no token is dropped; `LayerRouting.dropped` counts the
 assignments the grouped matmuls did not cover, which must be 0). Expert parallelism: when the
-active sharding rules put the "experts" axis on a mesh axis of size > 1, each shard receives
-every token of the layer (GSPMD gathers them at the shard_map boundary), computes the
-assignments of the experts it holds, and the partial outputs are summed over the axis
-(docs/architecture.md, "Mixture of experts").
+active sharding rules put the "experts" axis on a mesh axis of size > 1, each shard of an
+expert group gathers the group's tokens, computes the assignments of the experts it holds,
+and the partial outputs are reduce-scattered back to the rows' owners (`_experts`;
+docs/architecture.md, "Mixture of experts").
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from areal_jax.kernels.grouped_matmul import grouped_matmul
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.sharding import active, constrain
+from areal_jax.models.sharding import active, constrain, spec_for
 
 EXPERT_AXIS = "expert"  # the mesh axis expert weights shard over (models/sharding.py rules)
 
@@ -117,36 +117,54 @@ def expert_mlp(x: jax.Array, experts: jax.Array, weights: jax.Array, wg: jax.Arr
     return unsorted.reshape(M, k, -1).sum(axis=1), jnp.sum(sizes)
 
 
-def _experts_sharded() -> tuple[Any, int] | None:
-    """(mesh, shards) when the active rules split experts over a mesh axis of size > 1."""
-    rules_mesh = active()
-    if rules_mesh is None:
-        return None
-    rules, mesh = rules_mesh
-    if rules.get("experts") != EXPERT_AXIS or mesh.shape.get(EXPERT_AXIS, 1) == 1:
-        return None
-    return mesh, mesh.shape[EXPERT_AXIS]
+def _axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _experts(x, experts, weights, p, impl, cast):
-    """expert_mlp over all experts: on one device, or split over the expert mesh axis."""
+    """expert_mlp over all experts: on one device, or as a shard_map over the whole active mesh.
+
+    Manual over every mesh axis (libtpu cannot partition the megablox kernel itself): rows come in
+    sharded like the batch; where they shard over the expert axis too (training), each expert
+    group first gathers its members' rows, every member computes the assignments of the experts
+    it holds, and a reduce-scatter returns each member the sums for its own rows. Where rows are
+    whole over the expert axis (generation), the partial sums are summed over it. Each expert's
+    hidden units may split over "tensor" (moe_mlp), summed after the down projection.
+    """
     wg, wu, wd = cast(p["we_gate"]), cast(p["we_up"]), cast(p["we_down"])
-    sharded = _experts_sharded()
-    if sharded is None:
+    rules_mesh = active()
+    if rules_mesh is None or rules_mesh[1].size == 1:
         return expert_mlp(x, experts, weights, wg, wu, wd, impl)
-    mesh, shards = sharded
+    rules, mesh = rules_mesh
+    ep = EXPERT_AXIS if rules.get("experts") == EXPERT_AXIS and mesh.shape.get(EXPERT_AXIS, 1) > 1 else None
+    shards = mesh.shape[ep] if ep else 1
     if wg.shape[0] % shards:
         raise ValueError(f"{wg.shape[0]} experts do not split over expert={shards} shards "
                          f"(MeshConfig expert size must divide MoEConfig.num_experts)")
+    rows = spec_for(("batch",), rules, mesh, (x.shape[0],))
+    row_axes = _axes(rows[0] if len(rows) else None)
+    hidden = spec_for(("moe_mlp",), rules, mesh, (wg.shape[-1],))
+    hidden = hidden[0] if len(hidden) else None
+    gather = ep is not None and ep in row_axes
+    sum_axes = tuple(a for a in row_axes if a != ep) + ((ep,) if ep else ())
 
     def local(x, experts, weights, wg, wu, wd):
-        offset = jax.lax.axis_index(EXPERT_AXIS) * wg.shape[0]
+        if gather:  # the expert group's rows, in row order (ep is the minor row axis)
+            x, experts, weights = (jax.lax.all_gather(a, ep, axis=0, tiled=True) for a in (x, experts, weights))
+        offset = jax.lax.axis_index(ep) * wg.shape[0] if ep else 0
         out, done = expert_mlp(x, experts, weights, wg, wu, wd, impl, offset)
-        return jax.lax.psum(out, EXPERT_AXIS), jax.lax.psum(done, EXPERT_AXIS)
+        if hidden is not None:
+            out = jax.lax.psum(out, _axes(hidden))
+        if gather:
+            out = jax.lax.psum_scatter(out, ep, scatter_dimension=0, tiled=True)
+        elif ep:
+            out = jax.lax.psum(out, ep)
+        return out, (jax.lax.psum(done, sum_axes) if sum_axes else done)
 
-    spec = P(EXPERT_AXIS)
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), spec, spec, spec), out_specs=(P(), P()),
-                         axis_names={EXPERT_AXIS}, check_vma=False)(x, experts, weights, wg, wu, wd)
+    row_spec = P(rows[0] if row_axes else None)
+    w_in, w_out = P(ep, None, hidden), P(ep, hidden, None)
+    return jax.shard_map(local, mesh=mesh, in_specs=(row_spec, row_spec, row_spec, w_in, w_in, w_out),
+                         out_specs=(row_spec, P()), check_vma=False)(x, experts, weights, wg, wu, wd)
 
 
 def sparse_block(cfg: ModelConfig, h: jax.Array, p: dict[str, jax.Array], compute_dtype,

@@ -3,8 +3,9 @@
 Every parameter carries a tuple of logical axis names (its `axes` metadata); activations are
 constrained with `constrain(x, names)`. A rule table maps each logical name to a mesh axis (or
 None = replicated). Mesh axes are fixed project-wide:
-  train mesh       ("fsdp", "tensor")   global over every host's training devices
-  generation mesh  ("data", "tensor")   host-local over this host's generation devices
+  train mesh       ("fsdp", "expert", "tensor")   global over every host's training devices
+  generation mesh  ("data", "expert", "tensor")   host-local over this host's generation devices
+("expert" splits a MoE model's experts; in training it also carries data parallelism for the rest.)
 A dimension whose size the mesh axis does not divide is replicated instead (e.g. 2 kv heads on
 tensor=4), so any checkpoint loads onto any mesh.
 """
@@ -21,11 +22,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 Rules = Mapping[str, str | tuple[str, ...] | None]
 
 TRAIN_RULES: Rules = {
-    "batch": "fsdp",
+    # Rows and the non-expert weights shard over "expert" too: for everything but the experts the
+    # expert axis is more data parallelism (parallel/meshes.py); the expert block's shard_map
+    # gathers a layer's tokens over it and sums the experts' outputs back (models/moe.py).
+    "batch": ("fsdp", "expert"),
     "seq": None,
     "layers": None,
     "vocab": "tensor",
-    "embed": "fsdp",
+    "embed": ("fsdp", "expert"),
     "q_heads": "tensor",
     "kv_heads": "tensor",
     "head_dim": None,
@@ -46,6 +50,8 @@ TRAIN_RULES: Rules = {
 
 GENERATION_RULES: Rules = {
     **TRAIN_RULES,
+    # Within a replica only the experts split over "expert"; rows, KV cache and the other weights
+    # are replicated over it (a replica's decode batch is small: gathering it costs little).
     "batch": "data",
     "embed": None,  # generation keeps weights whole per data replica: no per-step all-gathers
     "cache_slots": "data",

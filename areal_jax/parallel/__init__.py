@@ -14,7 +14,9 @@ from areal_jax.parallel.meshes import (
     DeviceSplit,
     Meshes,
     MeshConfig,
+    batch_shards,
     build_meshes,
+    check_model_fits_mesh,
     split_local_devices,
 )
 from areal_jax.parallel.transfer_plan import model_partition_specs, transfer_view
@@ -32,7 +34,9 @@ __all__ = [
     "agree_max",
     "agree_sum",
     "agree_sum_array",
+    "batch_shards",
     "build_meshes",
+    "check_model_fits_mesh",
     "fully_local",
     "gather_json",
     "initialize_distributed",

@@ -44,7 +44,8 @@ class AdapterSync:
         self.lora = lora
         self.base_sync = WeightSync.for_model(model_cfg, meshes, generation_dtype, group_bytes=group_bytes)
         train_specs, generation_specs = model_partition_specs(model_cfg, meshes.train,
-                                                              meshes.generation.shape["tensor"], lora)
+                                                              meshes.generation.shape["tensor"], lora,
+                                                              meshes.generation.shape["expert"])
         self.adapter_sync = WeightSync(meshes, train_specs, generation_specs, generation_dtype, group_bytes=group_bytes)
         self._base: PyTree | None = None
         self._merge = None

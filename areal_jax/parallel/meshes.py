@@ -2,12 +2,17 @@
 
 Conventions (used project-wide; models/sharding.py maps logical axes onto these names):
 
-    train mesh       ("fsdp", "tensor")  GLOBAL: every process's training devices.
+    train mesh       ("fsdp", "expert", "tensor")  GLOBAL: every process's training devices.
                      Each host's devices form a contiguous block of rows along "fsdp",
-                     so tensor parallelism never crosses a host.
-    generation mesh  ("data", "tensor")  HOST-LOCAL: this process's generation devices.
-                     Generation needs no cross-host collective; hosts scale as data
-                     parallelism (one inference server per node, as in AReaL).
+                     so tensor parallelism never crosses a host. "expert" (size
+                     `train_expert`, default 1) splits a MoE model's experts; batch rows and
+                     the other weights shard over "fsdp" and "expert" together, so it is
+                     data parallelism for everything but the experts.
+    generation mesh  ("data", "expert", "tensor")  HOST-LOCAL: this process's generation
+                     devices. Generation needs no cross-host collective; hosts scale as
+                     data parallelism (one inference server per node, as in AReaL). Within
+                     a replica, "expert" (`generation_expert`) splits the experts; the rest
+                     of the replica (attention, KV cache) is replicated over it.
 
 Every host splits its local devices the same way: the first `num_train` local devices
 (by id) train, the rest generate. In colocated mode (the synchronous baseline) both
@@ -26,8 +31,8 @@ from jax.sharding import AxisType, Mesh
 
 logger = logging.getLogger(__name__)
 
-TRAIN_AXES = ("fsdp", "tensor")
-GENERATION_AXES = ("data", "tensor")
+TRAIN_AXES = ("fsdp", "expert", "tensor")
+GENERATION_AXES = ("data", "expert", "tensor")
 
 # Below this many local devices a host cannot give both sides a useful share.
 MIN_DEVICES_FOR_SPLIT = 4
@@ -43,6 +48,10 @@ class MeshConfig:
       num_generation_devices_per_host: explicit generation device count per host.
       train_tensor: tensor-parallel size of the train mesh; fsdp takes the rest.
       generation_tensor: tensor-parallel size of the generation mesh; data takes the rest.
+      train_expert: expert-parallel size of the train mesh (a MoE model's experts split over it;
+        it must divide MoEConfig.num_experts, checked by `check_model_fits_mesh`).
+      generation_expert: expert-parallel size of each generation replica (expert x tensor
+        devices hold one replica).
       colocated: generation and training share every local device. With RLConfig.mode = 'sync'
         they take turns on them (the synchronous baseline); in 'async' both run at once, each
         program waiting for the devices as the other's hold them.
@@ -54,6 +63,8 @@ class MeshConfig:
     num_generation_devices_per_host: int | None = None
     train_tensor: int = 1
     generation_tensor: int = 1
+    train_expert: int = 1
+    generation_expert: int = 1
     colocated: bool = False
 
     def __post_init__(self):
@@ -73,7 +84,7 @@ class MeshConfig:
                     "colocated=True uses every device for both sides; do not also set "
                     "num_generation_devices_per_host"
                 )
-        for name in ("train_tensor", "generation_tensor"):
+        for name in ("train_tensor", "generation_tensor", "train_expert", "generation_expert"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -127,6 +138,12 @@ def split_local_devices(cfg: MeshConfig, num_local: int) -> DeviceSplit:
         raise ValueError(
             f"generation_tensor={cfg.generation_tensor} does not divide the "
             f"{num_generation} generation device(s) per host"
+        )
+    replica = cfg.generation_expert * cfg.generation_tensor
+    if num_generation % replica:
+        raise ValueError(
+            f"generation_expert={cfg.generation_expert} x generation_tensor={cfg.generation_tensor} does not "
+            f"divide the {num_generation} generation device(s) per host (a replica stays within its host)"
         )
     return DeviceSplit(num_local, num_train, num_generation, colocated)
 
@@ -195,12 +212,15 @@ def build_meshes(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -
     train_local = tuple(local[: split.num_train])
     generation_local = tuple(local if split.colocated else local[split.num_train :])
 
-    auto2 = (AxisType.Auto, AxisType.Auto)
     train_grid = np.array([d for devs in train_by_host for d in devs], dtype=object)
-    train_mesh = Mesh(train_grid.reshape(-1, cfg.train_tensor), TRAIN_AXES, axis_types=auto2)
+    if train_grid.size % (cfg.train_expert * cfg.train_tensor):
+        raise ValueError(f"train_expert={cfg.train_expert} x train_tensor={cfg.train_tensor} does not divide the "
+                         f"{train_grid.size} training device(s)")
+    train_mesh = Mesh(train_grid.reshape(-1, cfg.train_expert, cfg.train_tensor), TRAIN_AXES,
+                      axis_types=(AxisType.Auto,) * 3)
     return Meshes(
         train=train_mesh,
-        generation=generation_mesh(generation_local, cfg.generation_tensor),
+        generation=generation_mesh(generation_local, cfg.generation_tensor, cfg.generation_expert),
         train_devices_local=train_local,
         generation_devices_local=generation_local,
         train_devices_by_host=train_by_host,
@@ -208,11 +228,36 @@ def build_meshes(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -
     )
 
 
-def generation_mesh(devices: Sequence[jax.Device], tensor: int) -> Mesh:
-    """The ("data", "tensor") mesh over `devices` in their order: consecutive groups of `tensor`
-    devices hold one model replica each, and the replicas form "data". `tensor` must divide
-    len(devices) (callers check it and name their field)."""
-    if tensor < 1 or len(devices) % tensor:
-        raise ValueError(f"tensor size {tensor} does not divide the {len(devices)} device(s)")
-    grid = np.array(list(devices), dtype=object).reshape(-1, tensor)  # [data, tensor]
-    return Mesh(grid, GENERATION_AXES, axis_types=(AxisType.Auto, AxisType.Auto))
+def generation_mesh(devices: Sequence[jax.Device], tensor: int, expert: int = 1) -> Mesh:
+    """The ("data", "expert", "tensor") mesh over `devices` in their order: consecutive groups of
+    `expert * tensor` devices hold one model replica each, and the replicas form "data".
+    `expert * tensor` must divide len(devices) (callers check it and name their field)."""
+    if tensor < 1 or expert < 1 or len(devices) % (tensor * expert):
+        raise ValueError(f"expert x tensor size {expert} x {tensor} does not divide the {len(devices)} device(s)")
+    grid = np.array(list(devices), dtype=object).reshape(-1, expert, tensor)  # [data, expert, tensor]
+    return Mesh(grid, GENERATION_AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def batch_shards(mesh: Mesh) -> int:
+    """How many ways a train mesh splits micro-batch rows ("fsdp" x "expert", the rule table's
+    "batch" axes): the row multiple that keeps rows evenly sharded."""
+    return mesh.shape.get("fsdp", 1) * mesh.shape.get("expert", 1)
+
+
+def check_model_fits_mesh(model_cfg, cfg: MeshConfig) -> None:
+    """Where the model config meets the mesh config: the expert axes must divide the experts.
+
+    A dense model with an expert axis > 1 is refused rather than ignored: its devices along the
+    axis would only repeat the data parallelism "fsdp" gives, so the config surely meant something else.
+    """
+    moe = getattr(model_cfg, "moe", None)
+    for name in ("train_expert", "generation_expert"):
+        size = getattr(cfg, name)
+        if size == 1:
+            continue
+        if moe is None:
+            raise ValueError(f"MeshConfig.{name} = {size} needs a mixture-of-experts model; "
+                             f"this one (family {model_cfg.family!r}) is dense")
+        if moe.num_experts % size:
+            raise ValueError(f"MeshConfig.{name} = {size} does not divide the model's "
+                             f"{moe.num_experts} experts (MoEConfig.num_experts)")

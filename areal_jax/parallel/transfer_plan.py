@@ -80,37 +80,38 @@ def copies_whole_buffers(src: NamedSharding, dst: NamedSharding, shape: tuple[in
     return blocks(dst) <= blocks(src)
 
 
-def transfer_view(train_mesh: Mesh, num_hosts: int, generation_tensor: int) -> Mesh:
-    """The ("hosts", "data", "tensor") view of the train devices that step (a) writes to.
+def transfer_view(train_mesh: Mesh, num_hosts: int, generation_tensor: int, generation_expert: int = 1) -> Mesh:
+    """The ("hosts", "data", "expert", "tensor") view of the train devices that step (a) writes to.
 
     Same devices in the same order as the train mesh (each host a contiguous block of it), so
     one jitted program may take inputs on the train mesh and produce outputs on the view. Its
-    tensor size divides both sides: any dimension the generation mesh splits over "tensor"
-    then also splits evenly on the view.
+    tensor and expert sizes divide both sides: any dimension the generation mesh splits over
+    "tensor" or "expert" then also splits evenly on the view.
     """
     devices = np.asarray(train_mesh.devices, dtype=object).reshape(-1)
     if num_hosts < 1 or devices.size % num_hosts:
         raise ValueError(f"{devices.size} training devices do not split over {num_hosts} hosts")
     per_host = devices.size // num_hosts
     tensor = math.gcd(per_host, generation_tensor)
-    return Mesh(devices.reshape(num_hosts, per_host // tensor, tensor), VIEW_AXES,
-                axis_types=(AxisType.Auto,) * 3)
+    expert = math.gcd(per_host // tensor, generation_expert)
+    return Mesh(devices.reshape(num_hosts, per_host // (tensor * expert), expert, tensor), VIEW_AXES,
+                axis_types=(AxisType.Auto,) * 4)
 
 
-def model_partition_specs(model_cfg: Any, train_mesh: Mesh, generation_tensor: int, lora: Any = None
-                          ) -> tuple[PyTree, PyTree]:
+def model_partition_specs(model_cfg: Any, train_mesh: Mesh, generation_tensor: int, lora: Any = None,
+                          generation_expert: int = 1) -> tuple[PyTree, PyTree]:
     """(train specs, generation specs) of a model's parameters by the two rule tables; with an
     enabled `lora` (models.lora.LoRAConfig), of its trainable adapters instead, as
     `{"layers": {weight: {"a", "b"}}}` (what parallel/adapter_sync.py moves per swap).
 
-    Parameters never shard over the generation mesh's "data" axis, so only its tensor size
-    matters here (the planner has no generation mesh of this host to hand).
+    Parameters never shard over the generation mesh's "data" axis, so only its tensor and
+    expert sizes matter here (the planner has no generation mesh of this host to hand).
     """
     from areal_jax.models import lora as lora_lib
     from areal_jax.models.sharding import GENERATION_RULES, TRAIN_RULES, spec_for
     from areal_jax.models.transformer import param_axes, param_shapes
 
-    generation = AbstractMesh((1, generation_tensor), GENERATION_AXES)
+    generation = AbstractMesh((1, generation_expert, generation_tensor), GENERATION_AXES)
     is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x)  # noqa: E731
     axes, shapes = param_axes(model_cfg), param_shapes(model_cfg)
     if lora is not None and lora.enabled:

@@ -5,7 +5,7 @@ jitted program cannot read one mesh and write another. So moving one group of we
 three steps:
 
   (a) reshard: one jitted program on the train devices. Its outputs live on a *view* of
-      the train devices with axes ("hosts", "data", "tensor"): replicated over "hosts",
+      the train devices with axes ("hosts", "data", "expert", "tensor"): replicated over "hosts",
       laid out like the generation spec within a host. The dtype cast runs first, on the
       train layout (pinned there), so the gathers move generation-dtype bytes, not fp32.
   (b) re-wrap: each process wraps its addressable shards of that output as an array on a
@@ -76,7 +76,7 @@ DEFAULT_GROUP_BYTES = 256 << 20  # ~2 layers of a 1.5B model in bf16 per group
 Layout = Literal["split", "stacked"]
 # Config fields that size the transfer programs (named by the planner when one does not fit).
 TRANSFER_FIELDS = ("RLConfig.transfer_group_bytes", "RLConfig.generation_dtype", "MeshConfig.train_tensor",
-                   "MeshConfig.generation_tensor", "MeshConfig.generation_fraction",
+                   "MeshConfig.generation_tensor", "MeshConfig.train_expert", "MeshConfig.generation_expert", "MeshConfig.generation_fraction",
                    "MeshConfig.num_generation_devices_per_host")
 
 
@@ -102,8 +102,8 @@ class WeightSync:
 
     Args:
       meshes: from `build_meshes`.
-      train_specs: pytree of PartitionSpecs over ("fsdp", "tensor"), one per parameter.
-      generation_specs: same structure, PartitionSpecs over ("data", "tensor").
+      train_specs: pytree of PartitionSpecs over ("fsdp", "expert", "tensor"), one per parameter.
+      generation_specs: same structure, PartitionSpecs over ("data", "expert", "tensor").
       generation_dtype: cast floating parameters to this dtype on the way (None: keep).
       group_bytes: generation-dtype bytes (whole arrays) one reshard group may move; the
         training devices hold at most one group of staging buffers at a time.
@@ -153,7 +153,8 @@ class WeightSync:
                 if stacked and len(spec) and spec[0] is not None:
                     raise ValueError(f"generation spec {spec} at {path} shards the layer axis, which the split "
                                      "layout (one array per layer) cannot keep; use layout='stacked'")
-        self._view = transfer_view(meshes.train, meshes.num_hosts, meshes.generation.shape["tensor"])
+        self._view = transfer_view(meshes.train, meshes.num_hosts, meshes.generation.shape["tensor"],
+                                   meshes.generation.shape["expert"])
         self._local_view = self._build_local_view(meshes, self._view)
         self._plans: dict[tuple, tuple[TransferPlan, list[Any], dict]] = {}
         self._stack_programs: dict[int, Any] = {}
@@ -171,7 +172,8 @@ class WeightSync:
                   group_bytes: int = DEFAULT_GROUP_BYTES, layout: Layout = "split") -> WeightSync:
         """The transfer of a decoder's parameters, laid out by the train and generation rule tables."""
         train_specs, generation_specs = model_partition_specs(model_cfg, meshes.train,
-                                                              meshes.generation.shape["tensor"])
+                                                              meshes.generation.shape["tensor"],
+                                                              generation_expert=meshes.generation.shape["expert"])
         return cls(meshes, train_specs, generation_specs, generation_dtype, group_bytes=group_bytes, layout=layout)
 
     @property
@@ -186,7 +188,7 @@ class WeightSync:
             if not np.array_equal(row, meshes.generation.devices):
                 raise AssertionError("colocated generation mesh must match the train device order")
             return meshes.generation
-        return Mesh(row, GENERATION_AXES, axis_types=(AxisType.Auto,) * 2)
+        return Mesh(row, GENERATION_AXES, axis_types=(AxisType.Auto,) * 3)
 
     def _plan(self, leaves: list[Any]) -> tuple[TransferPlan, list[Any], dict]:
         """(plan, the start argument of each group, piece shardings), built on first use per signature."""
@@ -358,13 +360,14 @@ class WeightSync:
 
 def transfer_program_specs(model_cfg: Any, train_mesh: Mesh, *, num_hosts: int, generation_tensor: int,
                            dtype: Any, group_bytes: int = DEFAULT_GROUP_BYTES,
-                           optimizer_state: PyTree | None = None, lora: Any = None) -> list:
+                           optimizer_state: PyTree | None = None, lora: Any = None,
+                           generation_expert: int = 1) -> list:
     """The reshard programs of one transfer of `model_cfg`'s weights, one spec per group run.
 
     Args:
-      train_mesh: the ("fsdp", "tensor") train mesh, e.g. over a fake topology's devices; its
+      train_mesh: the ("fsdp", "expert", "tensor") train mesh, e.g. over a fake topology's devices; its
         devices in order, `num_hosts` contiguous blocks, one per host.
-      generation_tensor: MeshConfig.generation_tensor.
+      generation_tensor, generation_expert: MeshConfig.generation_tensor, .generation_expert.
       dtype: the generation dtype (RLConfig.generation_dtype, or the weights' own).
       group_bytes: RLConfig.transfer_group_bytes.
       optimizer_state: ShapeDtypeStructs (sharded on `train_mesh`) of the optimizer state the
@@ -385,19 +388,20 @@ def transfer_program_specs(model_cfg: Any, train_mesh: Mesh, *, num_hosts: int, 
 
     enabled = lora is not None and lora.enabled
     base_dtype = jnp.dtype(lora.base_dtype) if enabled else jnp.float32
-    base = _structs(model_partition_specs(model_cfg, train_mesh, generation_tensor), param_shapes(model_cfg),
-                    base_dtype, train_mesh)
+    view = (generation_tensor, generation_expert)
+    base = _structs(model_partition_specs(model_cfg, train_mesh, generation_tensor, generation_expert=generation_expert),
+                    param_shapes(model_cfg), base_dtype, train_mesh)
     if not enabled:
         moments = optimizer_state if optimizer_state is not None else (abstract_like(base), abstract_like(base))
-        return _group_specs(base, model_cfg, train_mesh, num_hosts, generation_tensor, dtype, group_bytes,
+        return _group_specs(base, model_cfg, train_mesh, num_hosts, view, dtype, group_bytes,
                             (moments,), "transfer/")
     trainable = lambda t: {LAYERS: {k: v for k, v in t.items() if k != lora_lib.SCALE}}  # noqa: E731
-    adapters = _structs(model_partition_specs(model_cfg, train_mesh, generation_tensor, lora),
+    adapters = _structs(model_partition_specs(model_cfg, train_mesh, generation_tensor, lora, generation_expert),
                         trainable(lora_lib.adapter_shapes(model_cfg, lora)), jnp.float32, train_mesh)
     moments = optimizer_state if optimizer_state is not None else (abstract_like(adapters), abstract_like(adapters))
-    return (_group_specs(base, model_cfg, train_mesh, num_hosts, generation_tensor, dtype, group_bytes,
+    return (_group_specs(base, model_cfg, train_mesh, num_hosts, view, dtype, group_bytes,
                          (jax.tree.leaves(adapters), moments), "transfer/")
-            + _group_specs(adapters, model_cfg, train_mesh, num_hosts, generation_tensor, dtype, group_bytes,
+            + _group_specs(adapters, model_cfg, train_mesh, num_hosts, view, dtype, group_bytes,
                            (jax.tree.leaves(base), moments), "transfer/lora/"))
 
 
@@ -430,14 +434,15 @@ class _Described:
         return iter(self.structs)
 
 
-def _group_specs(described: _Described, model_cfg: Any, train_mesh: Mesh, num_hosts: int, generation_tensor: int,
-                 dtype: Any, group_bytes: int, resident: tuple, prefix: str) -> list:
+def _group_specs(described: _Described, model_cfg: Any, train_mesh: Mesh, num_hosts: int,
+                 generation: tuple[int, int], dtype: Any, group_bytes: int, resident: tuple, prefix: str) -> list:
+    """generation: (tensor, expert) sizes of a generation replica."""
     from areal_jax.aot import ProgramSpec
 
     structs = described.structs
     leaves = describe_leaves(described.paths, described.stacked, described.train_specs, described.generation_specs,
                              structs, np.dtype(dtype))
-    plan = TransferPlan(leaves, train_mesh, transfer_view(train_mesh, num_hosts, generation_tensor), group_bytes)
+    plan = TransferPlan(leaves, train_mesh, transfer_view(train_mesh, num_hosts, *generation), group_bytes)
     start = jax.ShapeDtypeStruct((), jnp.int32, sharding=plan.replicated)
     num_layers = model_cfg.num_layers
     specs = []

@@ -21,9 +21,11 @@ dimensions (letters of models/config.py):
 - transfer: the group being moved, in the generation dtype, twice (cast and gathered).
 Everything per device: sharded dimensions divided by their mesh axis. For a mixture-of-experts
 model the MLP terms are those of its widest layer (`mlp_acts`): a sparse layer's k routed experts
-and shared expert in place of 3F, plus the token-sorted copies of its k assignments per token
-(gathered inputs, outputs and their unsorted copy, `[k, D]` each) and the fp32 router
-probabilities `[E]`; the expert weights themselves are arguments, counted exactly.
+and shared expert in place of 3F, plus the token buffers that place tokens with their experts
+(`expert_buffers`: dispatch and combine, tokens x k x D, over the expert group's tokens when
+training rows shard over the expert axis) and the fp32 router probabilities `[E]`; the expert
+weights (all experts resident, split over the expert axis) and the router are arguments, counted
+exactly. FLOPs count the k active experts, the shared expert and the router (`mlp_flops`).
 
 The test suite holds the estimate within 25% of XLA's figure on small shapes; at real shapes the
 difference says how much the compiler's scheduling and fusion save or cost.
@@ -47,6 +49,8 @@ class EstimateContext:
     fsdp: int = 1  # train mesh
     train_tensor: int = 1
     generation_tensor: int = 1
+    train_expert: int = 1  # rows shard over fsdp x expert; a MoE layer gathers its expert group's rows
+    generation_expert: int = 1  # rows whole per replica: nothing gathered
     compute_bytes: int = 2  # bf16 compute (4: fp32)
     cache_bytes: int = 2
     remat: str = "full"
@@ -70,15 +74,28 @@ FLASH_KERNELS = ("splash", "pallas_triton_flash", "cudnn")
 PAGED_KERNELS = ("ragged_paged", "pallas_triton_paged")
 
 
-def mlp_acts(m: ModelConfig, t: int = 1) -> int:
+def expert_buffers(m: ModelConfig, group: int = 1) -> int:
+    """Elements per (local) token of a sparse layer's token buffers, the all-to-all's equivalent
+    (models/moe.py `_experts`): dispatch, the k assignments' inputs sorted by expert `[k, D]`, and
+    combine, their outputs and its unsorted copy `[2k, D]`, for every token of the expert group
+    (`group` = the expert axis when rows shard over it, as in training; 1 in generation); with
+    group > 1 also the gathered rows and the sums reduce-scattered back (`[2, D]` per group token)."""
+    if m.moe is None:
+        return 0
+    k, D = m.moe.num_experts_per_tok, m.hidden_size
+    return group * (3 * k * D + (2 * D if group > 1 else 0))
+
+
+def mlp_acts(m: ModelConfig, t: int = 1, group: int = 1) -> int:
     """Elements per token of one layer's MLP activations (tensor size `t`): 3F for a dense MLP;
-    for the widest layer of a MoE model, see the module docstring."""
+    for the widest layer of a MoE model the k routed experts' `[3 Fe]` over the expert group's
+    tokens, the shared expert's `[3 Fs]`, the fp32 router probabilities `[E]` and `expert_buffers`."""
     dense = 3 * m.intermediate_size // t if not all(m.sparse_layers) else 0
     if m.moe is None:
         return dense
     e = m.moe
-    sparse = (3 * (e.num_experts_per_tok * e.moe_intermediate_size + e.shared_expert_intermediate_size) // t
-              + 3 * e.num_experts_per_tok * m.hidden_size + e.num_experts)
+    sparse = (group * 3 * e.num_experts_per_tok * e.moe_intermediate_size // t
+              + 3 * e.shared_expert_intermediate_size // t + e.num_experts + expert_buffers(m, group))
     return max(dense, sparse)
 
 
@@ -91,6 +108,37 @@ def mlp_flops(m: ModelConfig) -> int:
     e = m.moe
     return dense + sparse * m.hidden_size * (
         3 * (e.num_experts_per_tok * e.moe_intermediate_size + e.shared_expert_intermediate_size) + e.num_experts)
+
+
+def experts_touched(num_experts: int, k: int, tokens: float) -> float:
+    """Expected distinct experts a layer runs for `tokens` tokens routed k of E each (uniformly):
+    E * (1 - (1 - k/E)^tokens). One token: k; many: all E."""
+    return num_experts * (1.0 - (1.0 - k / num_experts) ** max(tokens, 0.0))
+
+
+def expert_params(m: ModelConfig) -> int:
+    """Parameters of every routed expert of every sparse layer (gate, up and down projections)."""
+    if m.moe is None:
+        return 0
+    return sum(m.sparse_layers) * m.moe.num_experts * 3 * m.hidden_size * m.moe.moe_intermediate_size
+
+
+def active_params(m: ModelConfig) -> int:
+    """Parameters one token's forward uses: all but the routed experts it is not sent to."""
+    if m.moe is None:
+        return m.num_params()
+    return m.num_params() - expert_params(m) * (m.moe.num_experts - m.moe.num_experts_per_tok) // m.moe.num_experts
+
+
+def weight_share_read(m: ModelConfig, tokens: float) -> float:
+    """Share of the weights' bytes a forward over `tokens` tokens (one decode step of that many
+    slots) reads: all of a dense model; of a MoE model the non-expert weights and, per sparse
+    layer, the experts touched (`experts_touched`)."""
+    if m.moe is None:
+        return 1.0
+    e, total, experts = m.moe, m.num_params(), expert_params(m)
+    touched = experts_touched(e.num_experts, e.num_experts_per_tok, tokens) / e.num_experts
+    return (total - experts + experts * touched) / total
 
 
 def temporaries(spec: ProgramSpec, ctx: EstimateContext, attention: Sequence[str] = ()) -> int:
@@ -129,7 +177,7 @@ def temporaries(spec: ProgramSpec, ctx: EstimateContext, attention: Sequence[str
         return 0  # insert, first_tokens: in place or small
     if spec.role == "transfer":
         return 2 * bytes_per_device(spec.args) * ctx.compute_bytes // 4
-    f, t = ctx.fsdp, ctx.train_tensor
+    f, t, ex = ctx.fsdp, ctx.train_tensor, ctx.train_expert
     params = bytes_per_device(spec.args[0]) if spec.args else 0
     # The gradient (fp32, like the trained weights: the grad program's accumulator argument; with
     # LoRA the adapters alone) and the weight count (a LoRA base is bf16, not 4 bytes a weight).
@@ -139,10 +187,11 @@ def temporaries(spec: ProgramSpec, ctx: EstimateContext, attention: Sequence[str
         return 0  # AdamW updates weights and moments in place (all donated)
     if kind in ("grad", "logprobs"):
         R, T = d.get("rows", 1), d.get("len", 1)
-        Rl = max(1, R // f)
+        Rl = max(1, R // (f * ex))  # rows shard over fsdp x expert
+        group = ex if R % (f * ex) == 0 else 1  # a sparse layer gathers its expert group's rows
         tokens = Rl * T
-        layer_weights = ctx.compute_bytes * weights * f // max(L, 1)  # one layer gathered
-        recompute = 4 * tokens * (4 * D + mlp_acts(m, t))
+        layer_weights = ctx.compute_bytes * weights * f // max(L, 1)  # one layer gathered (over fsdp)
+        recompute = 4 * tokens * (4 * D + mlp_acts(m, t, group))
         attention = 4 * Rl * (N // t) * T * (2 if flash else T // 2)  # flash: log-sum-exp (and its gradient)
         chunk = min(ctx.logit_chunk_tokens // max(1, R // Rl), Rl * T) if Rl * T > ctx.logit_chunk_tokens else Rl * T
         logits = 4 * chunk * V // t * 2  # the chunk's logits and, in the backward, their gradient

@@ -13,13 +13,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 from areal_jax.aot import ProgramSpec, bytes_per_device
 from areal_jax.job_config import EVAL_SLOTS, JobConfigs
 from areal_jax.models.config import ModelConfig
-from areal_jax.parallel.meshes import split_local_devices
+from areal_jax.parallel.meshes import check_model_fits_mesh, split_local_devices
 from areal_jax.plan.config import PlanConfig
-from areal_jax.plan.estimate import EstimateContext, analytic_flops, estimate_peak, lower_bound_peak
+from areal_jax.plan.estimate import (EstimateContext, analytic_flops, estimate_peak, lower_bound_peak,
+                                     weight_share_read)
 from areal_jax.plan.planner import (Plan, ProgramPlan, measure_programs, paged_decode_figures, predict,
                                     read_model_config, role_meshes)
 from areal_jax.plan.targets import Target
@@ -91,7 +93,8 @@ def collect_specs(job: JobConfigs, model_cfg: ModelConfig, target: Target, meshe
                                             lora=job.lora)
              if _dims(s.name).get("len", 0) <= longest_row]
     specs += transfer_program_specs(model_cfg, meshes.train, num_hosts=target.hosts,
-                                    generation_tensor=job.mesh.generation_tensor, dtype=gen_dtype(job),
+                                    generation_tensor=job.mesh.generation_tensor,
+                                    generation_expert=job.mesh.generation_expert, dtype=gen_dtype(job),
                                     group_bytes=job.rl.transfer_group_bytes, lora=job.lora)
     # The engine's programs for the target's platform (its KV layout and attention kernel), where
     # the engine takes one (the paged engine of issue 25 does).
@@ -165,11 +168,14 @@ def check_weight_layouts(model_cfg: ModelConfig, meshes) -> None:
                 continue
             for i, (w, g) in enumerate(zip(tuple(want) + (None,) * len(shape), tuple(got) + (None,) * len(shape))):
                 if w != g and i < len(shape):
-                    axis = w if isinstance(w, str) else "/".join(w)
-                    field = {"tensor": f"MeshConfig.{role}_tensor", "fsdp": "MeshConfig (the training devices)",
+                    names_w = (w,) if isinstance(w, str) else tuple(w)
+                    axis, ways = "/".join(names_w), int(np.prod([mesh.shape[n] for n in names_w]))
+                    field = {"tensor": f"MeshConfig.{role}_tensor", "expert": f"MeshConfig.{role}_expert",
+                             "fsdp": "MeshConfig (the training devices)",
+                             "fsdp/expert": f"MeshConfig (the training devices, with {role}_expert)",
                              "data": "MeshConfig (the generation devices)"}.get(axis, "MeshConfig")
                     raise PlanError(
-                        f"{field}: the {role} mesh's {axis!r} axis ({mesh.shape[axis] if axis in mesh.shape else '?'}) "
+                        f"{field}: the {role} mesh's {axis!r} axis ({ways}) "
                         f"does not divide dimension {names[i]!r} = {shape[i]} of weight "
                         f"{jax.tree_util.keystr(path)}: it would be replicated instead of sharded")
 
@@ -182,7 +188,12 @@ def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files
         split = split_local_devices(job.mesh, target.devices_per_host)
     except ValueError as e:
         raise PlanError(f"MeshConfig on {target.name} ({target.devices_per_host} devices per host): {e}") from None
-    meshes = role_meshes(target, split, job.mesh.train_tensor, job.mesh.generation_tensor)
+    try:
+        check_model_fits_mesh(model_cfg, job.mesh)
+        meshes = role_meshes(target, split, job.mesh.train_tensor, job.mesh.generation_tensor,
+                             job.mesh.train_expert, job.mesh.generation_expert)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
     check_weight_layouts(model_cfg, meshes)
     mean_prompt, mean_completion, longest_prompt = generation_lengths(job, plan_cfg)
     specs = collect_specs(job, model_cfg, target, meshes, longest_prompt=longest_prompt)
@@ -215,7 +226,8 @@ def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files
 
     ctx = EstimateContext(
         model=model_cfg, fsdp=meshes.train.shape["fsdp"], train_tensor=job.mesh.train_tensor,
-        generation_tensor=job.mesh.generation_tensor, compute_bytes=2 if job.ppo.compute_dtype == "bfloat16" else 4,
+        generation_tensor=job.mesh.generation_tensor, train_expert=job.mesh.train_expert,
+        generation_expert=job.mesh.generation_expert, compute_bytes=2 if job.ppo.compute_dtype == "bfloat16" else 4,
         cache_bytes=jnp.dtype(job.engine.cache_dtype or gen_dtype(job)).itemsize, remat=job.ppo.remat,
         logit_chunk_tokens=job.ppo.logit_chunk_tokens, decode_chunk=job.engine.decode_chunk,
         prefill_chunk=job.engine.prefill_chunk)
@@ -227,6 +239,8 @@ def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files
     cache_itemsize = jnp.dtype(job.engine.cache_dtype or gen_dtype(job)).itemsize
     kv_bytes_per_token = (2 * model_cfg.num_layers * (model_cfg.num_kv_heads // job.mesh.generation_tensor)
                           * model_cfg.head_dim * cache_itemsize)  # k and v, every layer, on one device
+    # A decode step of a MoE model reads only the experts its slots touch (plan/estimate.py).
+    decode_weights = gen_weights * weight_share_read(model_cfg, replica_engine.num_slots)
     paged = None
     layout = getattr(job.engine, "layout", None)  # the paged engine's EngineConfig (issue 25)
     if layout is not None and layout(target.platform) == "paged":
@@ -236,7 +250,7 @@ def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files
             mean_prompt=mean_prompt, mean_completion=mean_completion, page_size=replica_engine.page_size,
             decode_chunk=job.engine.decode_chunk, block_tokens=max(replica_engine.page_size,
                                                                     256 if target.platform == "tpu" else 128),
-            weight_bytes=gen_weights, kv_bytes_per_token=kv_bytes_per_token)
+            weight_bytes=decode_weights, kv_bytes_per_token=kv_bytes_per_token)
     prediction = predict(
         programs, target=target, meshes=meshes, model_cfg=model_cfg,
         slots_per_replica=paged["in_flight_per_replica"] if paged else replica_engine.num_slots,
@@ -246,7 +260,7 @@ def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files
         row_length=lambda n: _row_for(job, n), num_minibatches=job.ppo.num_minibatches,
         separate_proximal=job.ppo.decoupled and job.ppo.num_minibatches > 1, colocated=split.colocated,
         decode_bytes=(lambda window: paged["bytes_per_step"]) if paged else
-        (lambda window: gen_weights + replica_engine.num_slots * window * kv_bytes_per_token), paged=paged)
+        (lambda window: decode_weights + replica_engine.num_slots * window * kv_bytes_per_token), paged=paged)
     prediction["model_params"] = model_cfg.num_params()
     # The bytes each step's weight swap moves: the model in the generation dtype, or with LoRA its
     # adapters (parallel/adapter_sync.py).

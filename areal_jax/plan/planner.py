@@ -2,7 +2,7 @@
 
 The meshes are built as the run builds them (MeshConfig's per-host split of the target's devices),
 on fake devices of the target's kind:
-- train: one topology of every host's training devices, ("fsdp", "tensor") as parallel/meshes.py
+- train: one topology of every host's training devices, ("fsdp", "expert", "tensor") as parallel/meshes.py
   lays them out (tensor parallelism within a host).
 - generation: the generation mesh is host-local and its "data" replicas are independent (each
   decodes its own slots; no collective crosses replicas), so one replica is compiled, on a
@@ -131,8 +131,8 @@ def roofline_s(flops: float, accessed: float, target: Target) -> float:
     return max(flops / target.peak_flops_per_device, accessed / target.bandwidth_per_device)
 
 
-def _mesh(devices: Sequence[Any], shape: tuple[int, int], axes: tuple[str, str]) -> Mesh:
-    return Mesh(np.array(devices, dtype=object).reshape(shape), axes, axis_types=(AxisType.Auto,) * 2)
+def _mesh(devices: Sequence[Any], shape: tuple[int, ...], axes: tuple[str, ...]) -> Mesh:
+    return Mesh(np.array(devices, dtype=object).reshape(shape), axes, axis_types=(AxisType.Auto,) * len(axes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,13 +145,19 @@ class RoleMeshes:
     generation_replicas_per_host: int
 
 
-def role_meshes(target: Target, split: DeviceSplit, train_tensor: int, generation_tensor: int) -> RoleMeshes:
+def role_meshes(target: Target, split: DeviceSplit, train_tensor: int, generation_tensor: int,
+                train_expert: int = 1, generation_expert: int = 1) -> RoleMeshes:
     from areal_jax.plan.targets import topology_devices
 
     train_devices = topology_devices(target, split.num_train * target.hosts, hosts=target.hosts)
-    train = _mesh(train_devices, (len(train_devices) // train_tensor, train_tensor), TRAIN_AXES)
-    generation = _mesh(topology_devices(target, generation_tensor), (1, generation_tensor), GENERATION_AXES)
-    return RoleMeshes(split, train, generation, split.num_generation // generation_tensor)
+    if len(train_devices) % (train_expert * train_tensor):
+        raise ValueError(f"MeshConfig.train_expert = {train_expert} x train_tensor = {train_tensor} does not divide "
+                         f"the {len(train_devices)} training devices")
+    train = _mesh(train_devices, (len(train_devices) // (train_expert * train_tensor), train_expert, train_tensor),
+                  TRAIN_AXES)
+    replica = generation_expert * generation_tensor
+    generation = _mesh(topology_devices(target, replica), (1, generation_expert, generation_tensor), GENERATION_AXES)
+    return RoleMeshes(split, train, generation, split.num_generation // replica)
 
 
 SpecSource = Callable[..., list[ProgramSpec]]

@@ -107,7 +107,7 @@ class RooflineCosts:
     slots_per_replica: int
     train_devices: int
     hosts: int
-    generation_weight_bytes: float  # one replica's copy
+    generation_weight_bytes: float  # one replica's copy (every expert of a MoE model)
     kv_bytes_per_token: float  # keys and values of every layer, one token, whole replica
     separate_proximal: bool
     transfer_bytes_per_s: float
@@ -130,13 +130,21 @@ class RooflineCosts:
 
         return analytic_flops(ProgramSpec(name=name, role=role, fn=None), self.estimate_context, devices)
 
+    def weights_read(self, tokens: float) -> float:
+        """Bytes of one replica's weights a forward over `tokens` tokens reads: a MoE model's
+        routed experts only as many as those tokens touch (plan/estimate.weight_share_read);
+        FLOPs count the active experts (analytic_flops)."""
+        from areal_jax.plan.estimate import weight_share_read
+
+        return self.generation_weight_bytes * weight_share_read(self.model, tokens)
+
     def decode_step_s(self, window: int) -> float:
         """One decode step of every slot of a replica (the program computes every slot, active or not)."""
         m, slots = self.model, self.slots_per_replica
         # Weights and head per token as a one-token prefill; attention over the window on top.
         flops = self._flops(f"generation/prefill[rows={slots},len=1]", "generation", self.generation_tensor)
         flops += 4.0 * m.num_layers * m.num_heads * m.head_dim * slots * window / self.generation_tensor
-        accessed = (self.generation_weight_bytes + slots * window * self.kv_bytes_per_token) / self.generation_tensor
+        accessed = (self.weights_read(slots) + slots * window * self.kv_bytes_per_token) / self.generation_tensor
         return self._time(flops, accessed)
 
     def decode_chunk_s(self, steps: int, slot_steps: int, window: int, live_tokens=None) -> float:
@@ -153,15 +161,15 @@ class RooflineCosts:
                             self.generation_tensor) * steps
         flops = flops + 4.0 * m.num_layers * m.num_heads * m.head_dim * live_tokens / self.replicas \
             / self.generation_tensor
-        accessed = (self.generation_weight_bytes * steps + live_tokens / self.replicas * self.kv_bytes_per_token) \
-            / self.generation_tensor
+        accessed = (self.weights_read(self.slots_per_replica) * steps
+                    + live_tokens / self.replicas * self.kv_bytes_per_token) / self.generation_tensor
         return np.maximum(flops / self.target.peak_flops_per_device, accessed / self.target.bandwidth_per_device)
 
     def prefill_s(self, rows: int, length: int) -> float:
         flops = self._flops(f"generation/prefill[rows={rows},len={length}]", "generation",
                             self.replicas * self.generation_tensor)
-        accessed = (self.generation_weight_bytes + rows / self.replicas * length * self.kv_bytes_per_token) \
-            / self.generation_tensor
+        accessed = (self.weights_read(rows / self.replicas * length)
+                    + rows / self.replicas * length * self.kv_bytes_per_token) / self.generation_tensor
         return self._time(flops, accessed)
 
     def insert_s(self) -> float:
@@ -179,7 +187,8 @@ class RooflineCosts:
     def train_step_s(self, shapes: Shapes) -> float:
         total = 0.0
         params = self.model.num_params()
-        # Every micro-batch reads the (gathered) weights and accumulates fp32 gradients.
+        # Every micro-batch reads the (gathered) weights, every expert of a MoE model (its tokens
+        # touch them all), and accumulates fp32 gradients; FLOPs count the active experts only.
         micro_bytes = 3 * 4 * params / self.train_devices
         for minibatch in shapes:
             for rows, length in minibatch:

@@ -98,7 +98,8 @@ def build_workload(job, *, hosts: int, devices_per_host: int):
         hosts=hosts, devices_per_host=devices_per_host, batch_groups=rl.batch_size,
         samples_per_group=job.rollout.n_samples, max_concurrent=rl.max_concurrent,
         channel_capacity=rl.channel_capacity or 4 * (rl.batch_size // hosts), engine=job.engine,
-        generation_tensor=job.mesh.generation_tensor, train_tensor=job.mesh.train_tensor,
+        # Devices per replica: a replica's experts split over generation_expert x tensor devices.
+        generation_tensor=job.mesh.generation_tensor * job.mesh.generation_expert, train_tensor=job.mesh.train_tensor,
         config_generation_devices=generation, max_tokens_per_microbatch=job.ppo.max_tokens_per_microbatch,
         num_minibatches=job.ppo.num_minibatches, row_buckets=tuple(job.ppo.row_buckets or ()),
         max_group_age=rl.max_group_age, max_new_tokens=job.rollout.max_new_tokens,
@@ -144,11 +145,13 @@ def roofline_costs(job, plan_cfg, gin_files, target, workload, row, *, transfer_
     cache_itemsize = jnp.dtype(job.engine.cache_dtype or gen_dtype(job)).itemsize
     kv_bytes = 2 * model.num_layers * model.num_kv_heads * model.head_dim * cache_itemsize
     train_devices = row.train_devices(workload) * workload.hosts
-    ctx = EstimateContext(model=model, fsdp=max(1, train_devices // job.mesh.train_tensor),
+    ctx = EstimateContext(model=model, fsdp=max(1, train_devices // (job.mesh.train_tensor * job.mesh.train_expert)),
                           train_tensor=job.mesh.train_tensor, generation_tensor=job.mesh.generation_tensor,
+                          train_expert=job.mesh.train_expert, generation_expert=job.mesh.generation_expert,
                           compute_bytes=2 if job.ppo.compute_dtype == "bfloat16" else 4, remat=job.ppo.remat)
     return RooflineCosts(model=model, target=target, estimate_context=ctx, replicas=replicas,
-                         generation_tensor=job.mesh.generation_tensor, slots_per_replica=engine.num_slots // replicas,
+                         generation_tensor=job.mesh.generation_tensor * job.mesh.generation_expert,
+                         slots_per_replica=engine.num_slots // replicas,
                          train_devices=train_devices, hosts=workload.hosts, generation_weight_bytes=weight_bytes,
                          kv_bytes_per_token=kv_bytes, separate_proximal=job.ppo.decoupled and job.ppo.num_minibatches > 1,
                          transfer_bytes_per_s=transfer_bytes_per_s, pack_width=engine.pack_width, reward_s=reward_s)

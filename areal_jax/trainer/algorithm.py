@@ -38,7 +38,7 @@ class PPOStep:
     """Decoupled PPO's step on `trainer`: advantages per `advantages` (shaped by the KL to
     `reference` when given), the groups split into `PPOConfig.num_minibatches` minibatches in a
     seeded order reproducible by step, packed into micro-batches whose rows split over the train
-    mesh's "fsdp" axis (`rows_per_process` rows per process at least), then one `train_step`."""
+    mesh's "fsdp" x "expert" axes (`rows_per_process` rows per process at least), then one `train_step`."""
 
     def __init__(self, trainer: api.TrainEngine, advantages: AdvantageConfig, *,
                  reference: ReferencePolicy | None = None, rows_per_process: int = 1):

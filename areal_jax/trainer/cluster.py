@@ -24,7 +24,7 @@ from areal_jax.models.config import ModelConfig
 from areal_jax.models.lora import LoRAConfig
 from areal_jax.models.transformer import Params
 from areal_jax.parallel.adapter_sync import AdapterSync
-from areal_jax.parallel.meshes import MeshConfig, Meshes, build_meshes
+from areal_jax.parallel.meshes import MeshConfig, Meshes, batch_shards, build_meshes, check_model_fits_mesh
 from areal_jax.parallel.weight_sync import WeightSync
 from areal_jax.rollout.channel import TrajectoryChannel
 from areal_jax.rollout.controller import RolloutController, ShutdownReport
@@ -80,6 +80,7 @@ class RLCluster:
         from areal_jax.generation.engine import GenerationEngine
         from areal_jax.trainer.train_step import PolicyTrainer
 
+        check_model_fits_mesh(model_cfg, mesh)
         meshes = build_meshes(mesh, devices)
         trainer = PolicyTrainer(model_cfg, params, optimizer, ppo, mesh=meshes.train, lora=lora)
         if donate_params:
@@ -92,8 +93,8 @@ class RLCluster:
             raise ValueError("weight_sync must be an AdapterSync exactly when LoRAConfig.rank > 0")
         sync = weight_sync or generation_weight_sync(model_cfg, meshes, rl, lora)
         served = GenerationEngine((model_cfg, sync.transfer(trainer.params)), engine, version=start_version)
-        # Micro-batch rows split over "fsdp": each process contributes a multiple of its share.
-        rows = max(meshes.train.shape["fsdp"] // jax.process_count(), 1)
+        # Micro-batch rows split over "fsdp" x "expert": each process contributes a multiple of its share.
+        rows = max(batch_shards(meshes.train) // jax.process_count(), 1)
         return cls(trainer, served, sync.transfer, rl=rl, meshes=meshes, weight_sync=sync, rows_per_process=rows)
 
     def connect(self, workflow: api.RolloutWorkflow, data_iter: Iterator[Any], *, version_fn: Callable[[], int],

@@ -46,6 +46,7 @@ from areal_jax.ppo.logprobs import hidden_logprobs, hidden_logprobs_and_entropy
 from areal_jax.trainer.batching import candidate_row_lengths, rows_for_bucket
 from areal_jax.trainer.config import PPOConfig
 from areal_jax.trainer.optimizer import OptimizerConfig, build_optimizer
+from areal_jax.parallel.meshes import batch_shards
 
 # The device dtypes of PPOConfig.compute_dtype (trainer/config.py names them).
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -258,8 +259,8 @@ def build_train_programs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, optimizer: 
 
 # ---- ahead-of-time descriptions ----------------------------------------------------------------------------
 
-# Config fields that size the train mesh (fsdp = training devices / train_tensor).
-_MESH_FIELDS = ("MeshConfig.train_tensor", "MeshConfig.generation_fraction",
+# Config fields that size the train mesh (fsdp = training devices / (train_expert x train_tensor)).
+_MESH_FIELDS = ("MeshConfig.train_tensor", "MeshConfig.train_expert", "MeshConfig.generation_fraction",
                 "MeshConfig.num_generation_devices_per_host")
 _MICROBATCH_FIELDS = ("PPOConfig.max_tokens_per_microbatch", "PPOConfig.row_buckets")
 _ACTIVATION_FIELDS = ("PPOConfig.logit_chunk_tokens", "PPOConfig.remat", "PPOConfig.compute_dtype",
@@ -338,7 +339,7 @@ def train_program_specs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, opt_cfg: Opt
     replays = model_cfg.moe is not None and ppo_cfg.moe_routing == "replay"
 
     specs = []
-    for R, T in possible_microbatch_shapes(ppo_cfg, mesh.shape.get("fsdp", 1), num_processes):
+    for R, T in possible_microbatch_shapes(ppo_cfg, batch_shards(mesh), num_processes):
         rows = sharding_for(("batch", "seq"), rules, mesh, (R, T))
         batch = lambda keys: {k: jax.ShapeDtypeStruct((R, T), BATCH_DTYPES[k], sharding=rows)  # noqa: E731
                               for k in keys}

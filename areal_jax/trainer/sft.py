@@ -215,7 +215,7 @@ def run_sft(model_cfg: ModelConfig, params: Params, examples: Sequence[Example],
     (required when `cfg.eval_every` > 0; e.g. a `GreedyAccuracy`), with whole weights on this
     process's default device.
 
-    mesh: a train mesh (("fsdp", "tensor"), `parallel.build_meshes(...).train`), possibly spanning
+    mesh: a train mesh (("fsdp", "expert", "tensor"), `parallel.build_meshes(...).train`), possibly spanning
     processes: weights, optimizer state and batch rows are sharded on it, as the RL trainer's are.
     On a multi-host run every process calls run_sft alike (same examples and config). Without it,
     one device. Either way the returned weights are whole, on this process's default device.

@@ -74,7 +74,7 @@ class PolicyTrainer:
             copied, so the caller's arrays stay valid).
         opt_cfg: OptimizerConfig.
         ppo_cfg: PPOConfig.
-        mesh: the train mesh (axes "fsdp", "tensor"); None = default device.
+        mesh: the train mesh (axes "fsdp", "expert", "tensor"); None = default device.
         rules: logical-axis rules for params and activations on `mesh`.
         lora: with rank > 0, LoRA: the base weights are frozen in `lora.base_dtype` (no fp32
             copy, no optimizer state, no gradients) and only the adapters train; `params` may
