@@ -20,6 +20,7 @@ from areal_jax.tasks.tokenizer_builder import task_model_config
 from areal_jax.trainer.batching import build_sequences, make_microbatches
 from areal_jax.trainer.optimizer import OptimizerConfig
 from areal_jax.trainer.programs import MOE_ROUTING_KEY, PPOConfig, build_train_programs, train_program_specs
+from areal_jax.trainer.train_step import PolicyTrainer
 from areal_jax.workflows.multi_turn_math import Episode
 
 # Layers 0 and 2 sparse, 1 dense (Qwen2-MoE's mlp_only_layers): the record holds L_moe = 2 layers.
@@ -169,7 +170,8 @@ def test_trainer_micro_batches_carry_the_record_padding_ones_too():
 
 def test_planned_replay_programs_take_the_record():
     """The ahead-of-time specs of a replaying MoE trainer give every forward the record `[R, T,
-    L_moe, k]` (uint8), and they lower; a recomputing one takes none."""
+    L_moe, k]` (uint8), and they lower; a recomputing one gives it to the loss forward alone (to
+    measure how often its routing differs)."""
     mesh = jax.make_mesh((1, 1), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:1])
     ppo = dict(max_tokens_per_microbatch=64, row_buckets=(32, 64))
     replay = train_program_specs(CFG, PPOConfig(moe_routing="replay", **ppo), OptimizerConfig(), mesh)
@@ -178,7 +180,9 @@ def test_planned_replay_programs_take_the_record():
         batch = spec.args[-2] if spec.name.startswith("train/grad") else spec.args[-1]
         R, T = batch["input_ids"].shape
         assert batch[MOE_ROUTING_KEY].shape == (R, T, 2, 2) and batch[MOE_ROUTING_KEY].dtype == jnp.uint8
-    assert not any(MOE_ROUTING_KEY in a for s in recompute for a in s.args if isinstance(a, dict))
+    for spec in (s for s in recompute if s.name.startswith(("train/grad", "train/logprobs"))):
+        batch = spec.args[-2] if spec.name.startswith("train/grad") else spec.args[-1]
+        assert (MOE_ROUTING_KEY in batch) == spec.name.startswith("train/grad")
     logprobs = next(s for s in replay if s.name.startswith("train/logprobs"))
     logprobs.lower()
 
@@ -200,3 +204,25 @@ def test_a_multi_turn_episode_keeps_each_tokens_first_routing():
     assert t.moe_routing.shape == (P + G1 + F + G2, 2, 2)
     np.testing.assert_array_equal(t.moe_routing[:P + G1 - 1], first[:-1])
     np.testing.assert_array_equal(t.moe_routing[P + G1 - 1:], second[P + G1 - 1:])
+
+
+def _step_metrics(params, samples, **ppo):
+    rows = [_trajectory(p, c) for p, c in samples]
+    seqs = build_sequences([TrajectoryGroup("0", tuple(rows), 0)], AdvantageConfig())
+    minibatches = make_microbatches(seqs, max_tokens_per_microbatch=64, num_minibatches=1, buckets=(32, 64))
+    trainer = PolicyTrainer(CFG, params, OptimizerConfig(), PPOConfig(temperature=1.0, **ppo))
+    return trainer.train_step(minibatches)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "replay"])
+def test_an_fp32_step_reports_no_route_mismatch_and_no_behaviour_gap(mode):
+    """fp32 engine and trainer: the step's loss forward picks the recorded experts on every valid
+    (token, sparse layer) pair and reproduces the behaviour log-probs, in either mode; a bf16
+    trainer's own top-k departs from the fp32 engine's somewhere (reported, replay or not)."""
+    params = _params(0)
+    _, samples = _generate(params, n=2)
+    metrics = _step_metrics(params, samples, moe_routing=mode)
+    assert metrics["moe_route_mismatch"] == 0.0
+    assert metrics["behav_logp_gap"] < 1e-4
+    bf16 = _step_metrics(params, samples, moe_routing=mode, compute_dtype="bfloat16")
+    assert bf16["moe_route_mismatch"] > 0.0 and bf16["behav_logp_gap"] > metrics["behav_logp_gap"]

@@ -83,3 +83,40 @@ def test_trajectory_carries_routing_per_input_token():
 def test_ppo_config_refuses_an_unknown_routing_mode():
     with pytest.raises(ValueError, match="PPOConfig.moe_routing"):
         PPOConfig(moe_routing="sometimes")
+
+
+@pytest.mark.parametrize("mode", ["recompute", "replay"])
+def test_route_mismatch_counts_the_pairs_whose_expert_set_differs_from_the_record(mode):
+    """The loss forward compares its own top-k SET with the record on valid tokens only: a record
+    equal up to order counts 0; one with a known number of changed (valid token, layer) pairs
+    counts exactly those, in either mode. The behaviour gap sums |log pi_behav - log pi_theta|."""
+    params = init_params(CFG, 2, std=0.2)
+    batch = _batch(2)
+    _, programs = _programs(moe_routing=mode)
+    _, _, routing = forward(params, CFG, batch["input_ids"], batch["positions"], batch["segment_ids"],
+                            return_routing=True)
+    own = np.moveaxis(np.asarray(routing.experts), 0, 2).astype(np.uint8)  # [R, T, L, k]
+    record = own[..., ::-1].copy()  # the same sets in the other order: no mismatch
+    changed = [(0, 0, 0), (0, 5, 1), (1, 3, 0), (1, 3, 1), (1, 10, 0)]  # (row, token, layer); the last is padding
+    for r, t, l in changed:
+        record[r, t, l, 0] = next(e for e in range(CFG.moe.num_experts) if e not in own[r, t, l])
+    valid = np.asarray(batch["loss_mask"]) > 0
+    stats = {}
+    for name, rec in (("same", own[..., ::-1].copy()), ("changed", record)):
+        grads = jax.tree.map(jnp.zeros_like, params)  # donated
+        _, stats[name] = programs.grad(params, grads, zero_loss_stats(None), {**batch, MOE_ROUTING_KEY: jnp.asarray(rec)},
+                                       jnp.float32(20.0))
+        assert float(stats[name]["moe_route_pairs"]) == valid.sum() * 2
+    assert float(stats["same"]["moe_route_mismatched"]) == 0.0
+    assert float(stats["changed"]["moe_route_mismatched"]) == sum(valid[r, t] for r, t, _ in changed) == 4
+    logp = np.asarray(_programs()[1].logprobs(params, batch))
+    gap = np.abs(np.asarray(batch["behavior_logprobs"]) - logp)[valid].sum()
+    np.testing.assert_allclose(float(stats["same"]["behav_logp_gap_sum"]), gap, rtol=1e-5)
+
+
+def test_without_a_record_nothing_is_compared():
+    params = init_params(CFG, 3, std=0.2)
+    _, programs = _programs()
+    _, stats = programs.grad(params, jax.tree.map(jnp.zeros_like, params), zero_loss_stats(None), _batch(3),
+                             jnp.float32(20.0))
+    assert float(stats["moe_route_pairs"]) == 0.0 and float(stats["moe_route_mismatched"]) == 0.0

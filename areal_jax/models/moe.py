@@ -55,10 +55,11 @@ def axis_sizes(cfg: ModelConfig) -> dict[str, int]:
 
 class LayerRouting(NamedTuple):
     """What one layer's router did. experts `[B, T, k]` int32 (chosen ids, by falling probability);
-    load `[E]`: share of valid tokens sent to each expert (sums to k); importance `[E]`: mean router
+    own `[B, T, k]` int32: the router's own top-k (differs from experts only under replay); load `[E]`: share of valid tokens sent to each expert (sums to k); importance `[E]`: mean router
     probability; entropy: mean router entropy (nats); dropped: assignments not computed (0)."""
 
     experts: jax.Array
+    own: jax.Array
     load: jax.Array
     importance: jax.Array
     entropy: jax.Array
@@ -68,7 +69,7 @@ class LayerRouting(NamedTuple):
     def none(cls, cfg: ModelConfig, B: int, T: int) -> "LayerRouting":
         """A dense layer's entry (so a scan over mixed layers yields one structure)."""
         E, k = cfg.moe.num_experts, cfg.moe.num_experts_per_tok
-        return cls(jnp.zeros((B, T, k), jnp.int32), jnp.zeros((E,), jnp.float32), jnp.zeros((E,), jnp.float32),
+        return cls(jnp.zeros((B, T, k), jnp.int32), jnp.zeros((B, T, k), jnp.int32), jnp.zeros((E,), jnp.float32), jnp.zeros((E,), jnp.float32),
                    jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
 
 
@@ -178,6 +179,8 @@ def sparse_block(cfg: ModelConfig, h: jax.Array, p: dict[str, jax.Array], comput
     x = h.reshape(B * T, D)
     weights, experts, probs = route(cfg, x, p["router"], None if forced is None else forced.reshape(B * T, -1))
     out, done = _experts(x, experts, weights, p, m.grouped_matmul, cast)
+    # What the router would have chosen itself (the replay metrics compare it with the record).
+    own = experts if forced is None else jax.lax.top_k(probs, m.num_experts_per_tok)[1]
     if m.shared_expert_intermediate_size:
         act = jax.nn.silu(jnp.dot(x, cast(p["ws_gate"]))) * jnp.dot(x, cast(p["ws_up"]))
         shared = jnp.dot(act, cast(p["ws_down"]))
@@ -188,6 +191,7 @@ def sparse_block(cfg: ModelConfig, h: jax.Array, p: dict[str, jax.Array], comput
     onehot = jax.nn.one_hot(experts, m.num_experts, dtype=jnp.float32).sum(axis=1)  # [M, E]
     stats = LayerRouting(
         experts=experts.reshape(B, T, -1),
+        own=jax.lax.stop_gradient(own).reshape(B, T, -1),
         load=jax.lax.stop_gradient(mask @ onehot) / count,
         importance=(mask @ probs) / count,
         entropy=jax.lax.stop_gradient(-jnp.sum(mask @ (probs * jnp.log(probs + 1e-20))) / count),
@@ -214,11 +218,13 @@ def mlp(cfg: ModelConfig, h: jax.Array, p: dict[str, jax.Array], compute_dtype, 
 
 
 class Routing(NamedTuple):
-    """Routing of a whole forward pass: experts `[L, B, T, k]` int32 (dense layers: zeros) and the
+    """Routing of a whole forward pass: experts `[L, B, T, k]` int32 (dense layers: zeros), own
+    `[L, B, T, k]` the router's own top-k (equal to experts unless replayed), and the
     load-balancing loss over the sparse layers (HF's: E * sum_e load_e * importance_e, each
     averaged over the sparse layers), with statistics for the metrics."""
 
     experts: jax.Array
+    own: jax.Array
     aux_loss: jax.Array
     load_max: jax.Array  # most-loaded expert's share of tokens over its fair share k/E (1 = balanced)
     entropy: jax.Array
@@ -234,6 +240,7 @@ def combine(cfg: ModelConfig, per_layer: LayerRouting) -> Routing:
     importance = (sparse @ per_layer.importance) / n
     return Routing(
         experts=per_layer.experts,
+        own=per_layer.own,
         aux_loss=m.num_experts * jnp.sum(load * importance),
         load_max=jnp.max(load) * m.num_experts / m.num_experts_per_tok,
         entropy=(sparse @ per_layer.entropy) / n,
@@ -263,6 +270,18 @@ def record(cfg: ModelConfig, experts: list[jax.Array] | jax.Array) -> jax.Array:
     ids = sparse_layer_ids(cfg)
     picked = jnp.stack([experts[i] for i in ids])  # [L_moe, ..., k]
     return jnp.moveaxis(picked, 0, -2).astype(record_dtype(cfg))
+
+
+def mismatched(cfg: ModelConfig, own: jax.Array, recorded: jax.Array, valid: jax.Array) -> jax.Array:
+    """How many (valid token, sparse layer) pairs route to a different expert SET than the record.
+
+    own `[L, R, T, k]` (Routing.own), recorded `[R, T, L_moe, k]`, valid `[R, T]` bool -> int32 scalar.
+    Order within the top-k is ignored (ties may order the same set differently)."""
+    ids = jnp.asarray(sparse_layer_ids(cfg))
+    mine = jnp.sort(jnp.moveaxis(own[ids], 0, 2), axis=-1)  # [R, T, L_moe, k]
+    theirs = jnp.sort(recorded.astype(jnp.int32), axis=-1)
+    differs = jnp.any(mine != theirs, axis=-1) & valid[:, :, None]  # [R, T, L_moe]
+    return jnp.sum(differs).astype(jnp.int32)
 
 
 def replay_layers(cfg: ModelConfig, recorded: jax.Array) -> jax.Array:

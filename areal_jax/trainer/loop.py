@@ -365,7 +365,7 @@ class RLLoop:
             out["reward/timeouts"], out["reward/failures"] = timeouts, failures
         for k in ("loss", "grad_norm", "clip_frac", "imp_weight_mean", "imp_weight_max", "capped_frac", "entropy",
                   "approx_kl", "skipped_updates", "trained_tokens", "lr", "behav_ratio_out_frac",
-                  "weight_top1pct_grad_share", "moe_aux_loss", "moe_load_max", "moe_dropped"):
+                  "weight_top1pct_grad_share", "moe_aux_loss", "moe_load_max", "moe_dropped", "moe_route_mismatch", "behav_logp_gap"):
             if k in train:
                 out[f"train/{k}"] = train[k]
         return out

@@ -97,11 +97,15 @@ def _loss_stats_shapes() -> dict[str, jax.ShapeDtypeStruct]:
     shapes = dict(jax.eval_shape(lambda a: decoupled_ppo_loss(a, a, a, a, a)[1], x))
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
     # MoE models (zeros for dense ones): the load-balancing loss and the busiest expert's load over
-    # its fair share, each summed as micro-batch value x valid tokens; assignments dropped (0).
-    return {**shapes, "entropy_sum": scalar, "loss": scalar, **{k: scalar for k in MOE_STATS}}
+    # its fair share, each summed as micro-batch value x valid tokens; assignments dropped (0);
+    # (valid token, sparse layer) pairs whose own top-k set differs from the engine's record, and
+    # how many pairs were compared (0 without a record). behav_logp_gap_sum: sum over valid tokens
+    # of |log pi_behav - log pi_theta| (this forward's log-probs).
+    return {**shapes, "entropy_sum": scalar, "loss": scalar, "behav_logp_gap_sum": scalar,
+            **{k: scalar for k in MOE_STATS}}
 
 
-MOE_STATS = ("moe_aux_loss_sum", "moe_load_max_sum", "moe_dropped")
+MOE_STATS = ("moe_aux_loss_sum", "moe_load_max_sum", "moe_dropped", "moe_route_mismatched", "moe_route_pairs")
 
 
 # ---- the programs ----------------------------------------------------------------------------------------
@@ -216,7 +220,10 @@ def build_train_programs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, optimizer: 
                 behav_imp_weight_cap=ppo.behav_imp_weight_cap, denominator=denominator, c_clip=ppo.c_clip,
                 behav_imp_weight_mode=ppo.behav_imp_weight_mode,
                 importance_sampling_level=ppo.importance_sampling_level, segment_ids=batch["segment_ids"])
-            stats["entropy_sum"] = jnp.sum(jnp.where(batch["loss_mask"] > 0, entropy, 0.0))
+            valid = batch["loss_mask"] > 0
+            stats["entropy_sum"] = jnp.sum(jnp.where(valid, entropy, 0.0))
+            gap = jnp.abs(batch["behavior_logprobs"].astype(jnp.float32) - jax.lax.stop_gradient(logp))
+            stats["behav_logp_gap_sum"] = jnp.sum(jnp.where(valid, gap, 0.0))
             stats.update({k: jnp.zeros((), jnp.float32) for k in MOE_STATS})
             if routing is not None:
                 # The micro-batch's aux loss weighted by its share of the minibatch's tokens, so
@@ -226,6 +233,10 @@ def build_train_programs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, optimizer: 
                 stats.update(moe_aux_loss_sum=jax.lax.stop_gradient(routing.aux_loss) * tokens,
                              moe_load_max_sum=routing.load_max * tokens,
                              moe_dropped=routing.dropped.astype(jnp.float32))
+                if MOE_ROUTING_KEY in batch:  # the trainer's own top-k against the engine's (either mode)
+                    stats.update(moe_route_mismatched=moe.mismatched(cfg, routing.own, batch[MOE_ROUTING_KEY],
+                                                                     valid).astype(jnp.float32),
+                                 moe_route_pairs=tokens * len(moe.sparse_layer_ids(cfg)))
             stats["loss"] = jax.lax.stop_gradient(loss)
             return loss, stats
 
@@ -343,12 +354,16 @@ def train_program_specs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, opt_cfg: Opt
         rows = sharding_for(("batch", "seq"), rules, mesh, (R, T))
         batch = lambda keys: {k: jax.ShapeDtypeStruct((R, T), BATCH_DTYPES[k], sharding=rows)  # noqa: E731
                               for k in keys}
-        if replays:  # the engine's record `[R, T, L_moe, k]` rides with every forward's batch
+        grad_batch = batch(grad_keys)
+        if model_cfg.moe is not None:  # the engine's record `[R, T, L_moe, k]`: the loss forward compares
+            # it with its own routing (RL batches carry it); with replay every forward replays it
             record = jax.ShapeDtypeStruct((R, T, len(moe.sparse_layer_ids(model_cfg)), model_cfg.moe.num_experts_per_tok),
                                           moe.record_dtype(model_cfg), sharding=rows)
-            batch = functools.partial(lambda plain, keys: {**plain(keys), MOE_ROUTING_KEY: record}, batch)
+            grad_batch = {**grad_batch, MOE_ROUTING_KEY: record}
+            if replays:
+                batch = functools.partial(lambda plain, keys: {**plain(keys), MOE_ROUTING_KEY: record}, batch)
         specs.append(ProgramSpec(f"train/grad[rows={R},len={T}]", "train", programs.grad,
-                                 args=(params, trainable, stats, batch(grad_keys), denominator, *dropout_index),
+                                 args=(params, trainable, stats, grad_batch, denominator, *dropout_index),
                                  resident=(opt_state,), context=context, fields=micro_fields))
         specs.append(ProgramSpec(f"train/logprobs[rows={R},len={T}]", "train", programs.logprobs,
                                  args=(params, batch(FORWARD_KEYS)), resident=(opt_state,), context=context,

@@ -190,20 +190,27 @@ class PolicyTrainer:
                  else m.with_arrays(**{ALPHA_KEY: loglinear_alpha(np.asarray(m.arrays["versions"]), current_version)})
                  for m in mb] for mb in minibatches]
 
-    def _with_routing(self, micro: PackedBatch, keys: Sequence[str]) -> tuple[str, ...]:
-        """`keys` plus the engine's experts where a MoE policy replays them (PPOConfig.moe_routing);
-        the program refuses a replay without them."""
-        replay = self.model_config.moe is not None and self.ppo_config.moe_routing == "replay"
-        return (*keys, MOE_ROUTING_KEY) if replay and MOE_ROUTING_KEY in micro.arrays else tuple(keys)
+    def _with_routing(self, micro: PackedBatch, keys: Sequence[str], loss: bool = False) -> tuple[str, ...]:
+        """`keys` plus the engine's experts where a MoE policy replays them (PPOConfig.moe_routing;
+        the program refuses a replay without them), and for the `loss` forward whenever the batch
+        has them (it measures how often its own routing differs)."""
+        moe_policy = self.model_config.moe is not None and MOE_ROUTING_KEY in micro.arrays
+        wanted = loss or self.ppo_config.moe_routing == "replay"
+        return (*keys, MOE_ROUTING_KEY) if moe_policy and wanted else tuple(keys)
 
     def _moe_metrics(self, total: dict, n_valid: float) -> dict[str, float]:
         """A MoE policy's router metrics over the step: load-balancing loss and busiest expert's
-        load over its fair share (token-weighted means), dropped assignments (always 0: dropless)."""
+        load over its fair share (token-weighted means), dropped assignments (always 0: dropless),
+        and with the engine's record, the share of (valid token, sparse layer) pairs whose own
+        top-k set differs from it."""
         if self.model_config.moe is None:
             return {}
-        return {"moe_aux_loss": float(total["moe_aux_loss_sum"]) / n_valid,
-                "moe_load_max": float(total["moe_load_max_sum"]) / n_valid,
-                "moe_dropped": float(total["moe_dropped"])}
+        out = {"moe_aux_loss": float(total["moe_aux_loss_sum"]) / n_valid,
+               "moe_load_max": float(total["moe_load_max_sum"]) / n_valid,
+               "moe_dropped": float(total["moe_dropped"])}
+        if float(total["moe_route_pairs"]) > 0:
+            out["moe_route_mismatch"] = float(total["moe_route_mismatched"]) / float(total["moe_route_pairs"])
+        return out
 
     def minibatch_gradients(self, microbatches: Sequence[PackedBatch], *, self_proximal: bool = False,
                             minibatch_index: int = 0) -> tuple[Params, dict[str, jax.Array]]:
@@ -228,7 +235,7 @@ class PolicyTrainer:
                         raise ValueError("micro-batch has no proximal_logprobs; call with_proximal_logprobs "
                                          "(or with_proximal_alpha) first")
                     keys = (*LOSS_KEYS, given[0])  # the exact log-probs win over the approximation
-                batch = self._to_device(micro, self._with_routing(micro, keys))
+                batch = self._to_device(micro, self._with_routing(micro, keys, loss=True))
                 denom = np.float32(micro.minibatch_valid_tokens)
                 extra = ()
                 if self.lora_config.enabled and self.lora_config.dropout:
@@ -266,7 +273,7 @@ class PolicyTrainer:
             jax.block_until_ready([m.arrays["proximal_logprobs"] for mb in minibatches for m in mb])
         t_prox = time.perf_counter()
 
-        total, per_mb, skipped, trained_tokens, norms = None, [], 0, 0.0, []
+        total, first, per_mb, skipped, trained_tokens, norms = None, None, [], 0, 0.0, []
         for m, mb in enumerate(minibatches):
             grads, stats = self.minibatch_gradients(mb, self_proximal=self_proximal, minibatch_index=m)
             frozen, trainable = lora_lib.split_trainable(self._params)
@@ -283,6 +290,7 @@ class PolicyTrainer:
                 trained_tokens += summary["n_valid_tokens"]
             else:
                 skipped += 1
+            first = stats if total is None else first
             total = accumulate_loss_stats(total, stats)
         t_end = time.perf_counter()
         self._step += 1
@@ -297,6 +305,8 @@ class PolicyTrainer:
             grad_norm=float(np.mean(norms)),
             grad_norm_max=float(np.max(norms)),
             entropy=float(total["entropy_sum"]) / n_valid,
+            # The first minibatch's forward runs on the pre-update weights (with one minibatch: all tokens).
+            behav_logp_gap=float(first["behav_logp_gap_sum"]) / max(float(first["n_valid"]), 1.0),
             skipped_updates=float(skipped),
             trained_tokens=float(trained_tokens),
             lr=float(self._schedule(count - 1 if applied else count)),
