@@ -64,8 +64,9 @@ class MoEConfig:
     mlp_only_layers: tuple[int, ...] = ()
     # Weight of the load-balancing loss (Switch-style, as HF's) added to the training loss; 0 = off.
     router_aux_loss_coef: float = 0.0
-    # Grouped matmul over tokens sorted by expert: "ragged_dot" (jax.lax.ragged_dot), "gmm" (megablox
-    # Pallas kernel, TPU only) or "auto" (gmm on TPU, else ragged_dot).
+    # Grouped matmul over tokens sorted by expert: "ragged_dot" (jax.lax.ragged_dot), "gmm" (the
+    # platform's Pallas kernel: megablox gmm on TPU, Mosaic GPU ragged dot on Hopper) or "auto" (the
+    # kernel where it takes the shapes and dtypes, else ragged_dot).
     grouped_matmul: str = "auto"
 
     def __post_init__(self):
