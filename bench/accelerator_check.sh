@@ -24,17 +24,20 @@
 #              same ragged workload; a training step's tokens/s and MFU with flash attention
 #              (PPOConfig.attention_impl "pallas") vs the jnp path. A part whose feature is not in the
 #              tree records why in paged_check.json's "errors" and the others still run.
+#   moe        bench/moe_gpu_check.py (issue 29): the MoE grouped matmul's Mosaic GPU kernels against
+#              XLA's ragged dot on a Qwen3-30B-A3B expert layer: forward and gradients compared,
+#              seconds per forward+backward of each.
 #   tests      tests/test_generation.py + tests/test_train_step.py + tests/test_paged_kernels.py (the
 #              Pallas paged kernel natively against the reference) on the GPU.
 #   quickstart the command launch/quickstart.sh execs (the script itself would build .venv from the
 #              registry), capped by the time left; summary.json and metrics.jsonl are copied to $OUT.
 #
-# $OUT gets at most 6 files (the device tool returns 8): accelerator_check.json (every step's status
-# and figures), accelerator_check.log, probe.json, paged_check.json, quickstart_summary.json,
-# quickstart_metrics.jsonl.
+# $OUT gets at most 7 files (the device tool returns 8): accelerator_check.json (every step's status
+# and figures), accelerator_check.log, probe.json, paged_check.json, moe_gpu_check.json,
+# quickstart_summary.json, quickstart_metrics.jsonl.
 #
 # Environment: OUT, AREAL_WHEELS, AREAL_PYTHON; AREAL_CHECK_BUDGET_S (whole run, default 460),
-# AREAL_CHECK_STEPS (default "probe paged tests quickstart"; setup always runs); AREAL_CHECK_ALLOW_CPU=1 runs on a
+# AREAL_CHECK_STEPS (default "probe paged moe tests quickstart"; setup always runs); AREAL_CHECK_ALLOW_CPU=1 runs on a
 # machine without a GPU (probe --tiny: to try the script itself).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -98,7 +101,7 @@ exec > >(tee -a "$LOG") 2>&1
 TEE_PID=$!
 
 BUDGET_S="${AREAL_CHECK_BUDGET_S:-460}"
-STEPS="${AREAL_CHECK_STEPS:-probe paged tests quickstart}"
+STEPS="${AREAL_CHECK_STEPS:-probe paged moe tests quickstart}"
 START=$(date +%s)
 WORK="${TMPDIR:-/tmp}/areal_accelerator_check"
 SITE="$WORK/site"  # packages the chosen python lacks
@@ -222,7 +225,7 @@ if step_setup; then status=ok; else status=failed; fi
 record setup "$status" "$(( $(date +%s) - t0 ))" "$SETUP_NOTE"
 log "=== setup: $status: $SETUP_NOTE"
 if [ -z "$PY" ]; then
-  for s in probe paged tests quickstart; do record "$s" skipped 0 "no python with jax on a GPU"; done
+  for s in probe paged moe tests quickstart; do record "$s" skipped 0 "no python with jax on a GPU"; done
 else
   if [ "$PLATFORM" = gpu ]; then
     export JAX_PLATFORMS=cuda  # tests/conftest.py sets cpu only when JAX_PLATFORMS is unset
@@ -235,6 +238,8 @@ else
   run_step probe 200 "$PY" -m bench.accelerator_probe "${PROBE_ARGS[@]}" --out "$OUT/probe.json"
 
   run_step paged 200 "$PY" -m bench.paged_check "${PROBE_ARGS[@]}" --out "$OUT/paged_check.json"
+
+  run_step moe 120 "$PY" -m bench.moe_gpu_check "${PROBE_ARGS[@]}" --out "$OUT/moe_gpu_check.json"
 
   # One GPU: the tests that build 2x2 meshes over jax.devices() need several devices. fp32 matmuls
   # at full precision, since the tests compare against fp32 references (GPUs default to TF32).
@@ -282,6 +287,7 @@ result = {
     "total_seconds": int(total), "python": py, "platform": platform, "steps": steps,
     "probe": load("probe.json"),
     "paged": load("paged_check.json"),
+    "moe": load("moe_gpu_check.json"),
     "tests": {"summary": closing[-1] if closing else None, "failed": failed,
               "counts": {o: list(outcomes.values()).count(o) for o in sorted(set(outcomes.values()))}},
     "quickstart": {"summary": load("quickstart_summary.json"),
@@ -314,6 +320,12 @@ if "train" in g:
     print(f"  flash train MFU {t['pallas']['mfu']:.1%} vs {t['reference']['mfu']:.1%} without ({t['flash_speedup']:.2f}x)")
 if g.get("errors"):
     print(f"  paged errors: {g['errors']}")
+m = (result["moe"] or {}).get("grouped_matmul")
+if m:
+    print(f"  moe         {m['kernel']}: {m['kernel_s'] * 1e3:.2f} ms vs ragged_dot {m['ragged_dot_s'] * 1e3:.2f} ms "
+          f"({m['speedup']:.2f}x, {m['kernel_tflops']:.0f} TFLOP/s); largest relative error {max(m['relative_error'].values()):.3g}")
+if (result["moe"] or {}).get("errors"):
+    print(f"  moe errors: {result['moe']['errors']}")
 tests = result["tests"]
 shown = tests["summary"] or (f"cut short after {tests['counts']}" if tests["counts"] else "not run")
 print(f"  tests       {shown}; failed: {failed or 'none'}")

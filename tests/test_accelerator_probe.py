@@ -55,3 +55,16 @@ def test_tiny_paged_check_reports_the_kernel_figures(tmp_path):
         assert math.isfinite(k[key]) and k[key] > 0, key
     assert k["live_kv_bytes"] < k["dense_window_bytes"]  # ragged lengths: the window reads more than is live
     assert math.isclose(k["paged_speedup_over_dense"], k["dense_s"] / k["paged_s"])
+
+
+def test_tiny_moe_gpu_check_compares_and_times_both_paths(tmp_path):
+    # On CPU both sides are ragged_dot (no Mosaic kernel runs here): equal values, finite times.
+    out = tmp_path / "moe.json"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"}
+    proc = subprocess.run([sys.executable, "-m", "bench.moe_gpu_check", "--tiny", "--out", str(out)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = json.loads(out.read_text())["grouped_matmul"]
+    assert m["kernel"] == "reference" and set(m["relative_error"]) == {"out", "d_x", "d_we_gate", "d_we_up", "d_we_down"}
+    assert all(v == 0.0 for v in m["relative_error"].values())
+    assert math.isclose(m["speedup"], m["ragged_dot_s"] / m["kernel_s"]) and m["kernel_tflops"] > 0
