@@ -15,27 +15,16 @@ Usage: python -m bench.moe_gpu_check [--tiny] [--out moe_gpu_check.json]
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from bench.accelerator_probe import run_parts
+from bench.paged_check import _median_s
 
 SHAPES = {"full": dict(tokens=8192, experts=128, k=8, hidden=2048, expert_hidden=384, repeats=10),
           "tiny": dict(tokens=64, experts=8, k=2, hidden=64, expert_hidden=64, repeats=1)}
-
-
-def _median_s(fn, *args, repeats):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def check(s: dict, tiny: bool) -> dict:
