@@ -58,6 +58,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 __all__ = ["RunResult", "SandboxLimits", "SandboxUnavailable", "check_network_isolation", "default_limits",
            "network_isolation_available", "run_program", "set_default_limits", "sweep_orphaned_sandboxes",
@@ -399,9 +400,13 @@ def _tasks_of_uid(uid: int) -> int:
     return total
 
 
-def _kill_matching(match) -> None:
-    """SIGKILL every process `match(pid)` selects until none is left (a fork in flight may add one)."""
-    for _ in range(100):
+def _kill_matching(match, timeout_s: float = 10.0) -> None:
+    """SIGKILL every process `match(pid)` selects until none is left (a fork in flight may add one).
+
+    By time, not by rounds: on a loaded host a fork bomb's children may still be starting after
+    any fixed number of sweeps."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         pids = [int(pid) for pid in _pids() if match(pid)]
         if not pids:
             return
@@ -410,11 +415,41 @@ def _kill_matching(match) -> None:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        time.sleep(0.001)
+    logger.warning("sandbox cleanup: processes still appearing after %.0f s of SIGKILL sweeps", timeout_s)
+
+
+def _await_gone(uids: range, timeout_s: float = 10.0) -> None:
+    """Waits (bounded) until no process of `uids` is left, zombies included: killed processes are
+    reaped by whoever inherited them, later on a loaded host; a caller that checks right after a
+    run, or reuses the uid, must not find them."""
+    deadline = time.monotonic() + timeout_s
+    me = os.getpid()
+    while time.monotonic() < deadline:
+        left = [pid for pid in _pids() if _proc_uid(pid) in uids]
+        if not left:
+            return
+        for pid in left:  # those re-parented to this process (a subreaper) are ours to reap
+            if _proc_parent(pid) == me:
+                try:
+                    os.waitpid(int(pid), os.WNOHANG)
+                except ChildProcessError:
+                    pass
+        time.sleep(0.01)
+
+
+def _proc_parent(pid: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((int(line.split()[1]) for line in f if line.startswith("PPid:")), None)
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _sweep_uids(uids: range) -> None:
     """Kill every process of `uids` and delete their entries in the shared tmp dirs (root mode)."""
     _kill_matching(lambda pid: (uid := _proc_uid(pid, live=True)) is not None and uid in uids)
+    _await_gone(uids)
     for tmp in _SHARED_TMP_DIRS:
         try:
             entries = list(os.scandir(tmp))
