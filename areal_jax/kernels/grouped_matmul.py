@@ -32,7 +32,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, impl: str = "au
             return GROUPED_MATMUL.kernel()(x, w, sizes)
         if impl != "auto":
             raise ValueError(f"MoEConfig.grouped_matmul = {impl!r}: {unfit}")
-        logger.warning("grouped_matmul: %s; using lax.ragged_dot", unfit)  # once per trace
+        logger.warning("grouped_matmul: %s; using lax.ragged_dot", unfit)  # while tracing, not per step
     return jax.lax.ragged_dot(x, w, sizes)
 
 

@@ -366,19 +366,29 @@ def run_program(code: str, stdin: str, limits: SandboxLimits | None = None) -> R
 # ----------------------------------------------------------------------------- cleanup
 
 
+def _proc_status(pid: str) -> dict[str, str]:
+    """The fields of /proc/<pid>/status ({} if the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+    except OSError:
+        return {}
+
+
+def _status_int(status: dict[str, str], key: str) -> int | None:
+    try:
+        return int(status[key].split()[0])
+    except (KeyError, ValueError, IndexError):
+        return None
+
+
 def _proc_uid(pid: str, *, live: bool = False) -> int | None:
     """The real uid of process `pid`; None if it is gone (or, with `live`, a zombie: killing one
     does nothing, and its parent or init reaps it)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if live and line.startswith("State:") and line.split()[1] == "Z":
-                    return None
-                if line.startswith("Uid:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    status = _proc_status(pid)
+    if live and status.get("State", "").startswith("Z"):
+        return None
+    return _status_int(status, "Uid")
 
 
 def _pids() -> list[str]:
@@ -430,20 +440,12 @@ def _await_gone(uids: range, timeout_s: float = 10.0) -> None:
         if not left:
             return
         for pid in left:  # those re-parented to this process (a subreaper) are ours to reap
-            if _proc_parent(pid) == me:
+            if _status_int(_proc_status(pid), "PPid") == me:
                 try:
                     os.waitpid(int(pid), os.WNOHANG)
                 except ChildProcessError:
                     pass
         time.sleep(0.01)
-
-
-def _proc_parent(pid: str) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next((int(line.split()[1]) for line in f if line.startswith("PPid:")), None)
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def _sweep_uids(uids: range) -> None:
