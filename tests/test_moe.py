@@ -268,8 +268,11 @@ p = {k: jax.ShapeDtypeStruct(v, jnp.bfloat16, sharding=sh) for k, v in shapes.it
 h = jax.ShapeDtypeStruct((4, 100, 256), jnp.bfloat16, sharding=sh)
 loss = lambda h, p: jnp.sum(moe.sparse_block(cfg, h, p, jnp.bfloat16)[0].astype(jnp.float32) ** 2)
 with target_platform("tpu"):
-    compiled = jax.jit(jax.grad(loss, (0, 1))).trace(h, p).lower(lowering_platforms=("tpu",)).compile()
+    lowered = jax.jit(jax.grad(loss, (0, 1))).trace(h, p).lower(lowering_platforms=("tpu",))
+    compiled = lowered.compile()
 print("CUSTOM_CALLS", compiled.as_text().count("tpu_custom_call"))
+from areal_jax.plan.measure import grouped_matmul_kernels
+print("GROUPED", *grouped_matmul_kernels(lowered.as_text()))
 """
 
 
@@ -283,3 +286,5 @@ def test_megablox_gmm_compiles_for_tpu_forward_and_backward():
     assert out.returncode == 0, out.stderr[-3000:]
     calls = int(next(x for x in out.stdout.splitlines() if x.startswith("CUSTOM_CALLS")).split()[1])
     assert calls >= 3  # the three expert projections run as Pallas kernels (and their backward)
+    # ... and `plan` names them: megablox's kernels only, no XLA ragged dot left beside them.
+    assert next(x for x in out.stdout.splitlines() if x.startswith("GROUPED")).split()[1:] == ["megablox_gmm"]

@@ -96,6 +96,7 @@ def test_plan_json_names_every_role_and_fits_a_small_model(small_plan):
     assert attention["train/update"] == "none" and attention["train/grad"] != "none"
     assert attention["generation/decode"] in ("reference", "pallas_triton_paged")
     assert not any(p["refused"] for p in plan["programs"])
+    assert {p["grouped_matmul"] for p in plan["programs"]} == {"none"}  # a dense model has no expert blocks
     assert plan["prediction"]["generation_tokens_per_s"] > 0 and plan["prediction"]["bound"] in ("generation", "training")
     # The run's hours at the predicted step: RLConfig.steps (its default, 20) on the node's 8 devices.
     run = plan["run"]
@@ -114,6 +115,25 @@ def test_hand_estimate_agrees_with_xla_within_25_percent_on_small_shapes(small_p
             assert rel <= 0.25, f"{p['name']}: estimate {p['estimate_bytes']} vs XLA {p['peak_bytes_per_device']}"
             checked += 1
     assert checked >= 4
+
+
+SMALL_MOE = {  # Qwen3-MoE-shaped: every layer sparse, 8 experts, 2 per token
+    **SMALL_MODEL, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_attention_heads": 4,
+    "head_dim": 64, "intermediate_size": 512, "moe_intermediate_size": 128, "num_experts": 8, "num_experts_per_tok": 2,
+    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+}
+
+
+@needs_gpu_compiler
+@pytest.mark.parametrize("node, grouped", [("8xh100", "mosaic_ragged_dot"), ("8xa100", "ragged_dot")])
+def test_plan_names_the_grouped_matmul_of_moe_programs(tmp_path, node, grouped):
+    # Hopper gets the Mosaic kernels (bf16, sizes of 64); an A100 keeps XLA's ragged dot, which
+    # XLA:GPU computes densely over every expert: the plan shows which one each program runs.
+    out = _plan(tmp_path, _config(tmp_path, model=SMALL_MOE), f"--target={node}", "--json", "--only=decode")
+    assert out.returncode == 0, out.stderr[-2000:]
+    programs = json.loads(out.stdout)["programs"]
+    assert programs and all(p["name"].startswith("generation/decode") for p in programs)
+    assert {p["grouped_matmul"] for p in programs} == {grouped}
 
 
 @needs_gpu_compiler

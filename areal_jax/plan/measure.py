@@ -101,6 +101,20 @@ _ATTENTION_KERNELS = (
 )
 
 
+# How each grouped matmul of a MoE block shows in a lowered program -> the name `plan --json`
+# reports in a program's "grouped_matmul".
+_GROUPED_MATMULS = (
+    (re.compile(r"@t?gmm(?:_\d+)?\("), "megablox_gmm"),  # TPU Pallas kernels, jitted as gmm / tgmm
+    (re.compile(r"custom_call @mosaic_gpu"), "mosaic_ragged_dot"),  # kernels/grouped_matmul_gpu.py (Hopper)
+    (re.compile(r"chlo\.ragged_dot"), "ragged_dot"),  # XLA's lax.ragged_dot (dense over every group on GPU)
+)
+
+
+def grouped_matmul_kernels(program_text: str) -> tuple[str, ...]:
+    """The grouped-matmul implementations compiled into a program, from its lowered text."""
+    return tuple(name for pattern, name in _GROUPED_MATMULS if pattern.search(program_text))
+
+
 def attention_kernels(program_text: str) -> tuple[str, ...]:
     """The attention kernels compiled into a program, from its lowered text, in a fixed order."""
     found: list[str] = []

@@ -28,7 +28,7 @@ from jax.sharding import AxisType, Mesh
 from areal_jax.aot import ProgramSpec, bytes_per_device
 from areal_jax.models.config import ModelConfig
 from areal_jax.parallel.meshes import GENERATION_AXES, TRAIN_AXES, DeviceSplit
-from areal_jax.plan.measure import Measured, attention_kernels, measure, spec_devices
+from areal_jax.plan.measure import Measured, attention_kernels, grouped_matmul_kernels, measure, spec_devices
 from areal_jax.plan.targets import Target
 
 
@@ -56,6 +56,9 @@ class ProgramPlan:
     # "ragged_paged", "pallas_triton_paged", "pallas_triton_flash", "cudnn"; several joined by "+"),
     # "reference" (jnp attention) or "none" (a program without attention).
     attention: str = "none"
+    # The MoE blocks' grouped matmul: "megablox_gmm" (TPU), "mosaic_ragged_dot" (Hopper),
+    # "ragged_dot" (XLA; on a GPU a dense product over every expert), joined by "+"; "none" (dense model).
+    grouped_matmul: str = "none"
     refused: bool = False  # not compiled: the hand estimate alone exceeds REFUSE_FACTOR x capacity
 
     def as_json(self) -> dict[str, Any]:
@@ -197,7 +200,9 @@ def measure_programs(specs: Sequence[ProgramSpec], target: Target, *, extra_resi
     out = []
     for spec in specs:
         lowered = spec.lower()
-        kernels = attention_kernels(lowered.as_text())
+        text = lowered.as_text()
+        kernels = attention_kernels(text)
+        grouped = "+".join(grouped_matmul_kernels(text)) or "none"
         estimate = (estimator(spec, kernels) + extra_resident(spec)) if estimator is not None else 0
         floor = (lower_bound(spec) + extra_resident(spec)) if lower_bound is not None else 0
         if lower_bound is not None and floor > refuse_factor * capacity:
@@ -208,7 +213,7 @@ def measure_programs(specs: Sequence[ProgramSpec], target: Target, *, extra_resi
                 fits=False, flops=flops, bytes_accessed=0.0, roofline_s=roofline_s(flops, 0.0, target),
                 source="estimate", program_bytes=floor - resident, resident_bytes=resident, temp_bytes=0,
                 compile_s=0.0, fields=tuple(spec.fields), estimate_bytes=estimate,
-                attention=attention_name(spec.name, kernels), refused=True)
+                attention=attention_name(spec.name, kernels), grouped_matmul=grouped, refused=True)
         else:
             m: Measured = measure(spec, target.name, use_cache=use_cache, lowered=lowered)
             resident = bytes_per_device(spec.resident) + extra_resident(spec)
@@ -220,7 +225,7 @@ def measure_programs(specs: Sequence[ProgramSpec], target: Target, *, extra_resi
                 roofline_s=roofline_s(flops, m.bytes_accessed, target), source=source, flops_xla=m.flops,
                 program_bytes=m.program_peak_bytes, resident_bytes=resident, temp_bytes=m.temp_bytes,
                 compile_s=m.compile_s, fields=tuple(spec.fields), estimate_bytes=estimate,
-                attention=attention_name(spec.name, m.attention))
+                attention=attention_name(spec.name, m.attention), grouped_matmul=grouped)
         out.append(plan)
         if on_program is not None:
             on_program(plan)

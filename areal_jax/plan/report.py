@@ -11,11 +11,11 @@ def program_row(p: ProgramPlan) -> str:
     mark = "ok " if p.fits else "NO "
     return (f"{mark} {p.role:<10} {p.name:<46} {p.peak_bytes_per_device / GiB:8.2f} / {p.capacity_bytes_per_device / GiB:6.2f}"
             f" {p.estimate_bytes / GiB:8.2f}  {p.flops / 1e12:9.3f} {p.bytes_accessed / GiB:8.2f} {p.roofline_s * 1e3:9.2f}  {p.source:<8}"
-            f" {p.attention}")
+            f" {p.attention}{'' if p.grouped_matmul == 'none' else ' / ' + p.grouped_matmul}")
 
 
 HEADER = (f"{'fit':<3} {'role':<10} {'program':<46} {'peak/capacity GiB':>17} {'est. GiB':>8}  {'TFLOP':>9} {'GiB moved':>8} "
-          f"{'roofline ms':>9}  {'source':<8} attention")
+          f"{'roofline ms':>9}  {'source':<8} attention [/ MoE grouped matmul]")
 
 
 # Why plan's step time and simulate's differ: said beside each one's figure.
