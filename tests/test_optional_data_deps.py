@@ -1,6 +1,7 @@
 """pyarrow and datasets (the [data] extra) and wandb (the [wandb] extra) are optional: the job imports
 and logs without them, and what needs one names the package and the extra."""
 
+import json
 import pathlib
 import subprocess
 import sys
@@ -50,3 +51,25 @@ except ImportError as e:
     assert out.returncode == 0, out.stderr[-2000:]
     assert "STEPS [0]" in out.stdout
     assert "MESSAGE" in out.stdout and "wandb" in out.stdout and "areal-jax[wandb]" in out.stdout
+
+
+def test_the_quickstart_trains_end_to_end_without_pyarrow_datasets_or_wandb(tmp_path):
+    # The whole job (SFT, asynchronous RL, evaluation, the plot, the saved model) in the short form
+    # of tests/test_cli.py, in a process where importing any of the three fails.
+    from tests.test_cli import QUICKSTART, SHORT
+
+    args = ["train", f"--gin_file={QUICKSTART}", *[f"--gin_param={p}" for p in SHORT],
+            f"--run_dir={tmp_path / 'run'}", "--quiet"]
+    code = BLOCK + f"""
+from areal_jax.cli import main
+rc = main({args!r})
+print("BLOCKED_LOADED", sorted(m for m in sys.modules if m.split(".")[0] in ("pyarrow", "datasets", "wandb")))
+sys.exit(rc)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600,
+                         env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", "HOME": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "BLOCKED_LOADED []" in out.stdout
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["trained_tokens"] > 0
+    assert (tmp_path / "run" / "final_model" / "config.json").exists()
