@@ -207,7 +207,7 @@ def test_compile_cache_flag_stores_the_compiled_programs(tmp_path):
 
 def test_validation_problems_are_neither_trained_on_nor_held_out(tmp_path):
     from areal_jax.jobs.configs import load_job_configs
-    from areal_jax.jobs.train import prepare_workload
+    from areal_jax.jobs.workload import prepare_workload
 
     cfg = load_job_configs([QUICKSTART], SHORT + ["TaskSource.validation_size = 40"], run_dir=str(tmp_path))
     work = prepare_workload(cfg, tmp_path)

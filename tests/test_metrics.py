@@ -240,10 +240,10 @@ def test_metrics_config_is_validated_and_registered():
 
 BAR_AND_LINES = """
 import sys
-from areal_jax.jobs.train import _progress_bar
+from areal_jax.jobs.progress import progress_bar
 from areal_jax.metrics import MetricsLogger
 
-bar = _progress_bar(3, True)
+bar = progress_bar(3, True)
 with MetricsLogger(sys.argv[1], tensorboard=False, jsonl=False, console=True) as log:
     for step in range(3):
         bar.refresh()  # the bar is on screen, as between steps of a run

@@ -328,7 +328,7 @@ def test_make_workflow_passes_the_config(tokenizer):
 def test_multi_turn_workflow_trains_from_the_command_line_with_wandb_offline(tmp_path):
     """A short quickstart run whose rollouts are multi-turn episodes, logged to an offline W&B run."""
     from areal_jax.cli import main
-    from areal_jax.jobs.train import progress_series
+    from areal_jax.jobs.progress import progress_series
     from areal_jax.metrics import flatten_metrics, read_jsonl
     from tests.test_cli import QUICKSTART, SHORT, SPLIT_8
     from tests.wandb_records import finished_runs

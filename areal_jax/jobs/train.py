@@ -18,38 +18,32 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import io
 import json
 import logging
 import pathlib
-import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import jax
-import numpy as np
-from jax.sharding import Mesh, NamedSharding
 
 from areal_jax import config_system as cs
 from areal_jax import paths
 from areal_jax.job_config import EVAL_SLOTS, JobConfigs
-from areal_jax.jobs.inputs import InputError, on_every_process, check_sources, input_errors
+from areal_jax.jobs.inputs import on_every_process, check_sources
 from areal_jax.jobs.preflight import check_solution_rewards
+from areal_jax.jobs.progress import accuracy_text, plot_progress, progress_bar
 from areal_jax.jobs.run_settings import write_prompt_settings
 from areal_jax.jobs.run_dir import check_run_dir, remove_previous_run
 from areal_jax.jobs.run_lock import hold_run_dir
+from areal_jax.jobs.workload import Workload, prepare_workload
 from areal_jax.jobs.shutdown import StopRequest, stop_on_signal
 from areal_jax.jobs.run_records import drop_steps_from, last_wall_time
 from areal_jax.checkpoint import Checkpointer
 from areal_jax.metrics import MetricsLogger
-from areal_jax.models.hf_io import copy_tokenizer_files, load_params, save_params
-from areal_jax.models.tokenizer import Tokenizer
-from areal_jax.models.transformer import init_params
+from areal_jax.models.hf_io import copy_tokenizer_files, save_params
 from areal_jax.parallel.distributed import agree_max, agree_sum, gather_json
-from areal_jax.parallel.meshes import check_model_fits_mesh
 from areal_jax.parallel.meshes import build_meshes
-from areal_jax.parallel.transfer_plan import model_partition_specs
 from areal_jax.rollout.workflow import make_workflow, resolve_workflow_class
 from areal_jax.trainer.loop import RLLoop, generation_weight_sync
 from areal_jax.reward.pool import RewardPool
@@ -57,139 +51,6 @@ from areal_jax.reward.sandbox import SandboxUnavailable
 from areal_jax.reward.scoring import RewardScorer, open_reward_pool, pool_totals
 
 logger = logging.getLogger(__name__)
-
-@dataclasses.dataclass
-class Workload:
-    model_config: Any
-    params: Any
-    tokenizer: Tokenizer
-    tokenizer_dir: pathlib.Path
-    train_rows: Any  # iterator of loader rows
-    eval_rows: list
-    sft_examples: list
-    validation_rows: list = dataclasses.field(default_factory=list)  # SFT's accuracy checks
-    sft_val_examples: list = dataclasses.field(default_factory=list)  # SFT's held-out loss (SFTConfig.eval_paths)
-
-
-class ProblemStream:
-    """Endless loader-style rows over `items`, a fresh permutation per epoch; checkpointable."""
-
-    def __init__(self, tokenizer: Tokenizer, items: list, *, seed: int):
-        if not items:
-            raise ValueError("no training problems for this process")
-        self._tokenizer, self._items, self._seed = tokenizer, items, seed
-        self._epoch, self._index = 0, 0
-        self._order = self._permutation()
-
-    def _permutation(self) -> np.ndarray:
-        return np.random.default_rng([self._seed, self._epoch]).permutation(len(self._items))
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict[str, Any]:
-        from areal_jax.tasks import arithmetic as ar
-
-        if self._index == len(self._items):
-            self._epoch, self._index = self._epoch + 1, 0
-            self._order = self._permutation()
-        item = self._items[self._order[self._index]]
-        self._index += 1
-        return next(ar.prompt_rows(self._tokenizer, [item]))
-
-    def get_state(self) -> dict[str, int]:
-        return {"epoch": self._epoch, "index": self._index}
-
-    def set_state(self, state: dict[str, int]) -> None:
-        self._epoch, self._index = int(state["epoch"]), int(state["index"])
-        self._order = self._permutation()
-
-
-def prepare_workload(cfg: JobConfigs, run_dir: paths.Path, *, mesh: Mesh | None = None) -> Workload:
-    """Tokenizer, initial weights, prompts and held-out rows for the job.
-
-    mesh: the train mesh: the initial weights are laid out on it by the training rule table, each
-    device reading only its slice. Without, they land on this process's first device.
-    """
-    if cfg.model.path is None:
-        from areal_jax.tasks import arithmetic as ar
-        from areal_jax.tasks.tokenizer_builder import build_tokenizer, task_model_config
-
-        # The tokenizer is read from local files: a remote run directory gets a copy (run_train).
-        tokenizer_dir = build_tokenizer(pathlib.Path(tempfile.mkdtemp(prefix="areal-jax-tokenizer-"))
-                                        if paths.is_remote(run_dir) else run_dir / "tokenizer")
-        tokenizer = Tokenizer.from_pretrained(tokenizer_dir)
-        model_cfg = task_model_config(hidden_size=cfg.model.hidden_size, num_layers=cfg.model.num_layers,
-                                      num_experts=cfg.model.num_experts,
-                                      num_experts_per_tok=cfg.model.num_experts_per_tok)
-        params = init_params(model_cfg, cfg.model.init_seed, dtype=cfg.model.dtype)
-        if mesh is not None:  # a small built-in model: drawn whole, then placed
-            params = _place_on_train_mesh(model_cfg, mesh, jax.device_get(params))
-    else:
-        tokenizer_dir = pathlib.Path(cfg.model.tokenizer_path or cfg.model.path)
-        with input_errors("ModelSource.tokenizer_path" if cfg.model.tokenizer_path else "ModelSource.path"):
-            tokenizer = Tokenizer.from_pretrained(tokenizer_dir)
-        with input_errors("ModelSource.path"):
-            model_cfg, params = load_params(cfg.model.path, dtype=cfg.model.dtype, mesh=mesh)
-    try:
-        check_model_fits_mesh(model_cfg, cfg.mesh)
-    except ValueError as e:
-        raise cs.ConfigError(str(e)) from None
-    if cfg.task.kind == "arithmetic":
-        from areal_jax.tasks import arithmetic as ar
-
-        if not tokenizer.has_chat_template:  # its prompts are chats: one line, not the template's traceback
-            raise InputError(f"ModelSource.path: the tokenizer in {tokenizer_dir} has no chat template (a base "
-                             "model?), and the built-in arithmetic task (no DataConfig.paths bound) prompts through "
-                             "one: bind DataConfig.paths to your files and DataConfig.prompt_template, e.g. "
-                             "'Question: {question}\\nAnswer:'")
-        # Validation problems continue the training stream: distinct from every training problem.
-        train_and_val = ar.problems(cfg.arithmetic, "train", cfg.task.train_size + cfg.task.validation_size,
-                                    seed=cfg.task.seed)
-        train, validation = train_and_val[:cfg.task.train_size], train_and_val[cfg.task.train_size:]
-        held_out = ar.problems(cfg.arithmetic, "test", cfg.task.eval_size, seed=cfg.task.seed)
-        shard = slice(jax.process_index(), None, jax.process_count())
-        stream = ProblemStream(tokenizer, train[shard], seed=cfg.task.seed + 1 + jax.process_index())
-        return Workload(model_cfg, params, tokenizer, tokenizer_dir, stream, list(ar.prompt_rows(tokenizer, held_out[shard])),
-                        ar.sft_examples(tokenizer, train), list(ar.prompt_rows(tokenizer, validation)))
-    from areal_jax.data.pipeline import build_prompt_loader
-
-    with input_errors("ModelSource.tokenizer_path" if cfg.model.tokenizer_path else "ModelSource.path"):
-        cfg.data.prompt_encoder(tokenizer)  # no chat template and no DataConfig.prompt_template: one line
-    sft_examples, sft_val = _sft_data(cfg, tokenizer) if cfg.stages.sft else ([], [])
-    loader = None  # `areal-jax sft` reads no RL prompts (its files may hold only chats)
-    if cfg.stages.rl:
-        with input_errors("DataConfig.paths"):
-            loader = build_prompt_loader(cfg.data, tokenizer, process_index=jax.process_index(),
-                                         process_count=jax.process_count())
-    eval_rows: list = []
-    if cfg.task.eval_paths and cfg.task.eval_size:
-        eval_cfg = dataclasses.replace(cfg.data, paths=cfg.task.eval_paths, shuffle=False, num_epochs=1,
-                                       even_shards=False)
-        with input_errors("TaskSource.eval_paths"):
-            eval_loader = build_prompt_loader(eval_cfg, tokenizer, process_index=jax.process_index(),
-                                              process_count=jax.process_count())
-        eval_rows = [r for _, r in zip(range(cfg.task.eval_size), eval_loader)]
-    return Workload(model_cfg, params, tokenizer, tokenizer_dir, loader, eval_rows, sft_examples,
-                    sft_val_examples=sft_val)
-
-
-def _sft_data(cfg: JobConfigs, tokenizer: Tokenizer) -> tuple[list, list]:
-    """SFT's training and held-out examples from SFTConfig.paths (default DataConfig.paths) and
-    SFTConfig.eval_paths; no usable row is an InputError naming the field, the files and why."""
-    from areal_jax.data.sft_data import load_sft_examples
-
-    out = []
-    for field, files in (("SFTConfig.paths" if cfg.sft.paths else "DataConfig.paths", cfg.sft.paths or cfg.data.paths),
-                         ("SFTConfig.eval_paths", cfg.sft.eval_paths)):
-        examples = []
-        if files:
-            with input_errors(field):
-                examples, _ = load_sft_examples(dataclasses.replace(cfg.data, paths=tuple(files)), tokenizer,
-                                                max_len=cfg.sft.max_len)
-        out.append(examples)
-    return out[0], out[1]
-
 
 def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = True, resume: bool = False,
               overwrite: bool = False, workflow: Any = None, hooks: Sequence[tuple[Any, str, int]] = ()
@@ -274,7 +135,7 @@ def _run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: Reward
     else:
         params = _sft_stage(run, params)
         run.summary["sft_accuracy"] = held_out_accuracy(run, params)
-        print(f"[areal-jax] held-out greedy accuracy after SFT: {_accuracy_text(run.summary['sft_accuracy'])}",
+        print(f"[areal-jax] held-out greedy accuracy after SFT: {accuracy_text(run.summary['sft_accuracy'])}",
               flush=True)
     reward_before = dict(run.summary.get("reward", {}))  # reward calls of a resumed run's earlier segments
     if cfg.stages.rl:
@@ -429,7 +290,7 @@ def _rl_stage(run: _Run, params: Any, reward_before: dict[str, int], workflow: A
         run.metrics_log = metrics_logger(cfg, run.run_dir, progress=run.progress)
     else:  # SFT's: RL's steps go on in the same files
         run.metrics_log.console = run.progress and writer
-    bar = _progress_bar(cfg.rl.steps, run.progress)
+    bar = progress_bar(cfg.rl.steps, run.progress)
     t_rl = time.perf_counter()
     stop = run.stop
     if stop is not None:  # SIGTERM/SIGINT from here on: the last completed step is checkpointed, then a stop
@@ -492,12 +353,12 @@ def _finish(run: _Run, params: Any, reward_before: dict[str, int]) -> dict[str, 
     del params
     if jax.process_index() == 0:
         if cfg.stages.plot and run.history:
-            _plot(run.history, summary, run.run_dir / "progress.png")
+            plot_progress(run.history, summary, run.run_dir / "progress.png")
         (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if run.metrics_log is not None:
         run.metrics_log.close()  # an `areal-jax sft` run's (RL closes its own; closing twice is a no-op)
-    print(f"[areal-jax] summary: sft_accuracy={_accuracy_text(summary['sft_accuracy'])} "
-          f"final_accuracy={_accuracy_text(summary['final_accuracy'])} steps={summary['steps']} "
+    print(f"[areal-jax] summary: sft_accuracy={accuracy_text(summary['sft_accuracy'])} "
+          f"final_accuracy={accuracy_text(summary['final_accuracy'])} steps={summary['steps']} "
           f"trained_tokens={summary['trained_tokens']:.0f} wall_time={summary['wall_time_s']:.0f}s -> {run.run_dir}",
           flush=True)
     return summary
@@ -530,10 +391,6 @@ def sft_step_index(sft: Any, step: int) -> int:
     return step - 1 - sft.steps
 
 
-def _accuracy_text(accuracy: float | None) -> str:
-    return "n/a (no held-out rows)" if accuracy is None else f"{accuracy:.3f}"
-
-
 def metrics_logger(cfg: JobConfigs, run_dir: Any, *, progress: bool) -> MetricsLogger:
     """The run directory's metrics sinks as MetricsConfig asks (JSONL always, TensorBoard, W&B), on
     process 0; on the other processes a logger that records nothing. Every stage logs through one of
@@ -558,13 +415,6 @@ def _rollout_workflow(cfg: JobConfigs, rollout: Any, tokenizer: Any, given: Any 
     encoder = None if cfg.data is None else cfg.data.prompt_encoder(tokenizer)
     cls = given if given is not None else resolve_workflow_class(cfg.rl.workflow)
     return make_workflow(cls, rollout, tokenizer, cfg.workflow, prompt_encoder=encoder)
-
-
-def _place_on_train_mesh(model_cfg: Any, mesh: Mesh, host: Any) -> Any:
-    """Host arrays laid out on the train mesh by the training rules (each device takes its slice)."""
-    specs, _ = model_partition_specs(model_cfg, mesh, 1)
-    return jax.tree.map(lambda a, spec: jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec),
-                                                                   lambda index: a[index]), host, specs)
 
 
 def _on_any_process(flag: bool) -> bool:
@@ -607,49 +457,3 @@ def _add_counts(*counts: dict[str, int]) -> dict[str, int]:
         for key, value in c.items():
             total[key] = total.get(key, 0) + int(value)
     return total
-
-
-def _progress_bar(total: int, enabled: bool):
-    if not enabled or jax.process_index() != 0:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="RL steps", unit="step")
-
-
-def progress_series(history: list[dict[str, Any]]) -> tuple[list, list, list, list]:
-    """What progress.png draws: RL steps (the step index of metrics.jsonl, TensorBoard and W&B), wall
-    times, sampled rewards, and (step, wall time, accuracy) of the held-out checks."""
-    steps = [m["step"] for m in history]
-    wall = [m["time/since_start_s"] for m in history]
-    reward = [m.get("rollout/reward_mean", m["reward/mean"]) for m in history]
-    evals = [(m["step"], m["time/since_start_s"], m["eval/accuracy"]) for m in history if "eval/accuracy" in m]
-    return steps, wall, reward, evals
-
-
-def _plot(history: list[dict[str, Any]], summary: dict[str, Any], path: paths.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps, wall, reward, evals = progress_series(history)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, xs, xlabel, col in ((axes[0], steps, "RL step", 0), (axes[1], wall, "wall time (s)", 1)):
-        ax.plot(xs, reward, label="sampled reward (all finished groups)", color="tab:blue")
-        if evals:
-            ax.plot([e[col] for e in evals], [e[2] for e in evals], "o-", label="held-out accuracy (greedy)",
-                    color="tab:orange")
-        if summary["sft_accuracy"] is not None:
-            ax.axhline(summary["sft_accuracy"], ls="--", color="gray", label="held-out accuracy after SFT")
-        ax.set_xlabel(xlabel)
-        ax.set_ylim(0, 1)
-        ax.grid(alpha=0.3)
-    axes[0].legend(loc="lower right", fontsize=8)
-    fig.suptitle(f"areal-jax: held-out accuracy {_accuracy_text(summary['sft_accuracy'])} -> "
-                 f"{_accuracy_text(summary['final_accuracy'])}")
-    fig.tight_layout()
-    image = io.BytesIO()  # matplotlib writes local files only: the bytes go through paths
-    fig.savefig(image, format="png", dpi=100)
-    paths.write_whole(path, image.getvalue())
-    plt.close(fig)
