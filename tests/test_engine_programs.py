@@ -12,7 +12,8 @@ from jax.sharding import AxisType
 from areal_jax.generation import EngineConfig, GenerationEngine, SamplingParams, engine_program_specs
 from areal_jax.generation.programs import EnginePrograms, param_shardings, placed_like
 from areal_jax.models import KVCache, ModelConfig, forward, init_params
-from areal_jax.models.transformer import lm_head, prefill_block, split_layers
+from areal_jax.models.decoding import prefill_block
+from areal_jax.models.transformer import lm_head, split_layers
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=8, qkv_bias=True, family="qwen2")

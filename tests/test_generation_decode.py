@@ -113,7 +113,7 @@ def test_unrolled_layers_equal_the_scan_in_values_and_gradients():
 def test_packed_prefill_into_slots_equals_one_prefill_per_sequence(seed):
     """Random sequences packed several to a row land in their slots exactly as each one's own
     prefill puts them; slots not named keep their old contents."""
-    from areal_jax.models.transformer import prefill_into_slots
+    from areal_jax.models.decoding import prefill_into_slots
 
     rng = np.random.default_rng(seed)
     params = init_params(CFG, seed, std=0.3)

@@ -19,7 +19,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from areal_jax.kernels.paged_attention import PagePool, flat_index, paged_attention, pool_layout, write_tokens
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.transformer import KVCache, PagedAttend
+from areal_jax.models.decoding import PagedAttend
+from areal_jax.models.transformer import KVCache
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, dtype) -> int:

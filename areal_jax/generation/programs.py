@@ -35,9 +35,8 @@ from areal_jax.generation.sampling import MAX_STOP_IDS, sample_tokens
 from areal_jax.models import moe
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.sharding import GENERATION_RULES, activation_rules, constrain, sharding_for
-from areal_jax.models.transformer import (KVCache, Params, forward, lm_head, paged_decode_step, param_axes,
-                                          param_shapes, prefill_block, prefill_into_pages, prefill_into_slots,
-                                          split_layers)
+from areal_jax.models.decoding import paged_decode_step, prefill_block, prefill_into_pages, prefill_into_slots
+from areal_jax.models.transformer import KVCache, Params, forward, lm_head, param_axes, param_shapes, split_layers
 
 CACHE_AXES = ("cache_slots", "kv_heads", "cache_seq", "head_dim")  # one cache layer [B, K, S, H]
 LOGITS_AXES = ("batch", "act_vocab")  # a prefill's last-position logits [R, V]

@@ -1,0 +1,177 @@
+"""The decoder's generation entry points: what the engine runs over a KV cache, dense or paged.
+
+The layers are models/transformer.py's (the same weights and numerics as `forward`); here they
+are driven the ways decoding needs: packed prefills written straight into cache slots or pages,
+one decode step over paged pools, and a chunked prefill into a fresh block whose intermediates
+never exceed one chunk. Dimension letters as in ModelConfig.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from areal_jax.kernels.paged_attention import PagePool, flat_index, write_tokens
+from areal_jax.models import moe
+from areal_jax.models.attention import chunk_attention
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.sharding import constrain
+from areal_jax.models.transformer import (KVCache, Params, Rotary, attention_inputs, decoder_layer, embed_tokens,
+                                          layer_output, lm_head, rms_norm, segment_positions, self_attention_mask,
+                                          split_layers)
+
+
+def packed_kv(params: Params, cfg: ModelConfig, input_ids: jax.Array, segment_ids: jax.Array, compute_dtype
+               ) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
+    """Positions within each segment `[R, W]` and every layer's keys and values `[R, W, K, H]` of
+    packed rows (attention causal within each segment)."""
+    R, W = input_ids.shape
+    positions = segment_positions(segment_ids)
+    rope = Rotary.at(cfg, positions)
+    mask = self_attention_mask(R, W, segment_ids)
+    x = embed_tokens(params, input_ids, compute_dtype)
+    out = []
+    # The last layer's attention output and MLP feed nothing returned, so XLA drops them.
+    for i, p in enumerate(split_layers(params)["layers"]):
+        x, kv, _ = decoder_layer(cfg, rope, x, p, mask, None, None, compute_dtype, layer=i, valid=segment_ids > 0)
+        out.append(kv)
+    return positions, out
+
+
+def prefill_into_slots(params: Params, cfg: ModelConfig, input_ids: jax.Array, segment_ids: jax.Array,
+                       slot_ids: jax.Array, cache: KVCache, *, compute_dtype=None) -> KVCache:
+    """Writes the keys and values of packed sequences straight into a per-layer decode cache.
+
+    input_ids, segment_ids, slot_ids `[R, W]`: rows of several sequences each (segment 0 =
+    padding); every token of a segment goes to cache slot `slot_ids` at its position within the
+    segment, so a sequence must start at position 0 of its slot. Attention is causal within each
+    segment, so each slot receives what a prefill of its sequence alone would give. No logits:
+    this recomputes the cache of sequences already being decoded (after a weight swap), whose
+    next input token is known. cache: `KVCache.per_layer()`, L x `[B, K, S, H]`.
+    """
+    positions, kvs = packed_kv(params, cfg, input_ids, segment_ids, compute_dtype or params["embed"].dtype)
+    B = cache.k[0].shape[0]
+    dest = jnp.where(segment_ids > 0, slot_ids, B)  # slot B is out of range: padding writes nothing
+    new_k, new_v = [], []
+    for (k, v), ck, cv in zip(kvs, cache.k, cache.v, strict=True):  # k, v [R, W, K, H]
+        new_k.append(ck.at[dest, :, positions].set(k.astype(ck.dtype), mode="drop"))
+        new_v.append(cv.at[dest, :, positions].set(v.astype(cv.dtype), mode="drop"))
+    return KVCache(tuple(new_k), tuple(new_v))
+
+
+def prefill_into_pages(params: Params, cfg: ModelConfig, input_ids: jax.Array, segment_ids: jax.Array,
+                       slot_ids: jax.Array, pools: tuple[PagePool, ...], page_tables: jax.Array, *,
+                       compute_dtype=None) -> tuple[PagePool, ...]:
+    """`prefill_into_slots` for a paged cache: each token goes to its slot's page for its position.
+    pools: L per-layer `PagePool`s; page_tables `[B, M]` (every slot's pages, global ids)."""
+    R, W = input_ids.shape
+    positions, kvs = packed_kv(params, cfg, input_ids, segment_ids, compute_dtype or params["embed"].dtype)
+    tables = page_tables[jnp.clip(slot_ids, 0, page_tables.shape[0] - 1)].reshape(R * W, -1)  # [R*W, M]
+    index = flat_index(tables, jnp.where(segment_ids > 0, positions, -1).reshape(R * W, 1), pools[0].page_size)
+    return tuple(write_tokens(pool, k.reshape(R * W, *k.shape[2:]), v.reshape(R * W, *v.shape[2:]), index[:, 0])
+                 for (k, v), pool in zip(kvs, pools, strict=True))
+
+
+# (pool, q [B, N, H], k [B, K, H], v [B, K, H], positions [B]) -> (pool, attention [B, N, H]): writes
+# each slot's new token at its position (< 0: inactive, nothing written) and attends over its pages.
+PagedAttend = Callable[[PagePool, jax.Array, jax.Array, jax.Array, jax.Array], tuple[PagePool, jax.Array]]
+
+
+def paged_decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
+                      pools: tuple[PagePool, ...], attend: PagedAttend, *, compute_dtype=None,
+                      return_routing: bool = False):
+    """One decode step over a paged cache: tokens, positions `[B]` (position < 0: an inactive slot)
+    -> logits `[B, V]` (fp32) and the pools with each token's key and value written. The layers
+    run unrolled over per-layer pools (each updated in place); `attend` writes and reads a layer's
+    pages (generation/ builds it from the page tables, per data replica on a mesh). With `return_routing` (MoE models) a third value: the tokens'
+    experts `[B, L_moe, k]` (`moe.record`)."""
+    compute_dtype = compute_dtype or params["embed"].dtype
+    rope = Rotary.at(cfg, jnp.maximum(positions, 0)[:, None])
+    x = embed_tokens(params, tokens[:, None], compute_dtype)
+    new, experts = [], []
+    for i, (p, pool) in enumerate(zip(split_layers(params)["layers"], pools, strict=True)):
+        q, k, v = attention_inputs(cfg, rope, x, p, compute_dtype)
+        pool, attn = attend(pool, q[:, 0], k[:, 0], v[:, 0], positions)
+        new.append(pool)
+        x, routing = layer_output(cfg, x, attn[:, None].astype(compute_dtype), p, compute_dtype, i,
+                                   valid=(positions >= 0)[:, None])
+        experts.append(None if routing is None else routing.experts[:, 0])  # [B, k]
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    out = lm_head(params, cfg, x)[:, 0], tuple(new)
+    if not return_routing:
+        return out
+    return (*out, moe.record(cfg, experts) if cfg.moe is not None else None)
+
+
+def prefill_block(params: Params, cfg: ModelConfig, input_ids: jax.Array, lengths: jax.Array, *, chunk: int,
+                  cache_dtype, compute_dtype=None, return_routing: bool = False):
+    """Prefills rows into a fresh per-layer KV block, `chunk` query tokens at a time.
+
+    input_ids `[R, P]` (row r holds `lengths[r]` tokens at positions 0.. and padding after) ->
+    (KVCache of L `[R, K, P, H]` blocks holding each row's keys and values, zeros past its length;
+    final-norm hidden state of each row's last token `[R, D]`). Chunk c (a `lax.scan` step; a
+    shorter last chunk runs after the scan) writes its keys into the block and attends to itself
+    and to the earlier positions already there (`chunk_attention`), so no intermediate is larger
+    than `[R, chunk, ...]` activations and `[R, K, G*chunk, chunk]` scores: a dense prefill's
+    `[R, K, G*P, P]` fp32 scores are tens of GB for a 16k-token history. Equals the cached
+    `forward` over the whole row (cache and last-token hidden state) within fp32 rounding.
+    With `return_routing` (MoE models) a third value: the experts of every token `[R, P, L_moe, k]`
+    (`moe.record`; zeros past a row's length), what the engine records for routing replay.
+    """
+    R, P = input_ids.shape
+    compute_dtype = compute_dtype or params["embed"].dtype
+    layers = split_layers(params)["layers"]
+    C = min(chunk, P)
+    full, tail = divmod(P, C)
+    shape = (R, cfg.num_kv_heads, P, cfg.head_dim)
+    zeros = lambda: constrain(jnp.zeros(shape, cache_dtype), ("batch", "kv_heads", None, "head_dim"))  # noqa: E731
+
+    record = return_routing and cfg.moe is not None
+
+    def run(carry, ids, start):
+        """One chunk `ids [R, Cq]` at positions [start, start + Cq) (start: int or traced)."""
+        block_k, block_v, last, chosen = carry
+        Cq = ids.shape[1]
+        positions = jnp.broadcast_to(start + jnp.arange(Cq, dtype=jnp.int32), (R, Cq))
+        valid = (positions < lengths[:, None])[:, :, None, None]
+        rope = Rotary.at(cfg, positions)
+        x = embed_tokens(params, ids, compute_dtype)
+        new_k, new_v, experts = [], [], []
+        for i, (p, ck, cv) in enumerate(zip(layers, block_k, block_v, strict=True)):
+            q, k, v = attention_inputs(cfg, rope, x, p, compute_dtype)
+            # Rounded to the cache dtype first: the chunk attends to its keys as they will be stored.
+            k, v = (jnp.where(valid, a, 0).astype(cache_dtype) for a in (k, v))  # padding stores zeros
+            attn = chunk_attention(q, k.astype(compute_dtype), v.astype(compute_dtype), ck, cv, start, C)
+            new_k.append(jax.lax.dynamic_update_slice_in_dim(ck, k.transpose(0, 2, 1, 3), start, axis=2))
+            new_v.append(jax.lax.dynamic_update_slice_in_dim(cv, v.transpose(0, 2, 1, 3), start, axis=2))
+            x, routing = layer_output(cfg, x, attn, p, compute_dtype, i, valid=valid[:, :, 0, 0])
+            experts.append(None if routing is None else routing.experts)  # [R, Cq, k]
+        at = lengths - 1 - start  # the row's last token, if this chunk holds it
+        here = (at >= 0) & (at < Cq)
+        picked = jnp.take_along_axis(x, jnp.clip(at, 0, Cq - 1)[:, None, None], axis=1)[:, 0]
+        if record:  # padding positions record zeros
+            part = jnp.where(valid[:, :, :, :1], moe.record(cfg, experts), 0).astype(chosen.dtype)  # [R, Cq, L_moe, k]
+            chosen = jax.lax.dynamic_update_slice_in_dim(chosen, part, start, axis=1)
+        return tuple(new_k), tuple(new_v), jnp.where(here[:, None], picked, last), chosen
+
+    chosen = (jnp.zeros((R, P, len(moe.sparse_layer_ids(cfg)), cfg.moe.num_experts_per_tok), moe.record_dtype(cfg))
+              if record else None)  # [R, P, L_moe, k]
+    carry = (tuple(zeros() for _ in layers), tuple(zeros() for _ in layers),
+             jnp.zeros((R, cfg.hidden_size), compute_dtype), chosen)
+    if full == 1:
+        carry = run(carry, input_ids[:, :C], 0)
+    else:  # one compiled chunk, whatever the length
+        chunks = input_ids[:, :full * C].reshape(R, full, C).transpose(1, 0, 2)  # [chunks, R, C]
+
+        def body(carry, xs):
+            ids, c = xs
+            return run(carry, ids, c * C), None
+
+        carry, _ = jax.lax.scan(body, carry, (chunks, jnp.arange(full, dtype=jnp.int32)))
+    if tail:
+        carry = run(carry, input_ids[:, full * C:], full * C)
+    block_k, block_v, last, chosen = carry
+    out = KVCache(block_k, block_v), rms_norm(last, params["final_norm"], cfg.rms_norm_eps)
+    return (*out, chosen) if return_routing else out
