@@ -277,17 +277,19 @@ def plot(regimes: list[tuple[str, list[dict]]], path: pathlib.Path) -> None:
 def cross_regime(regimes: dict[str, list[dict]], spec: str, measure: str = "final") -> str:
     """`compare` of two configurations named "LABEL:ETA:OBJECTIVE,LABEL:ETA:OBJECTIVE" (first minus
     second) in the regimes by label."""
+    # Each side ends in ":ETA:OBJECTIVE", so the split is unambiguous even when a label holds a comma.
+    m = re.fullmatch(r"(.+):(\d+):(\w+),(.+):(\d+):(\w+)", spec)
+    if m is None:
+        raise SystemExit(f"--compare {spec!r}: expected two configurations LABEL:ETA:OBJECTIVE separated by a comma")
     sides = []
-    for part in spec.split(","):
-        label, _, rest = part.rpartition(":")
-        label, _, eta = label.rpartition(":")
-        if label not in regimes or not eta.isdigit():
-            raise SystemExit(f"--compare {spec!r}: {part!r} is not LABEL:ETA:OBJECTIVE of a --regime")
-        sides.append(_by_seed(regimes[label], int(eta), rest, measure))
-    if len(sides) != 2:
-        raise SystemExit(f"--compare {spec!r}: expected two configurations separated by a comma")
+    for label, eta, objective in (m.groups()[:3], m.groups()[3:]):
+        if label not in regimes:
+            raise SystemExit(f"--compare {spec!r}: {label!r} is not the label of a --regime "
+                             f"({', '.join(map(repr, regimes))}); expected LABEL:ETA:OBJECTIVE")
+        sides.append(_by_seed(regimes[label], int(eta), objective, measure))
     c = compare(*sides)
-    return describe(f"{spec.replace(',', ' - ')} ({measure})", c) if c else f"{spec}: fewer than 2 seeds on a side"
+    spec = f"{':'.join(m.groups()[:3])} - {':'.join(m.groups()[3:])}"
+    return describe(f"{spec} ({measure})", c) if c else f"{spec}: fewer than 2 seeds on a side"
 
 
 def main(argv=None) -> None:

@@ -100,3 +100,9 @@ def test_cross_regime_comparison_pairs_by_seed():
     assert line.startswith("cap 5:8:decoupled - no cap:8:decoupled (final): +1") and "paired" in line
     with pytest.raises(SystemExit, match="LABEL:ETA:OBJECTIVE"):
         cross_regime(regimes, "cap 6:8:decoupled,no cap:8:decoupled")
+    # A label may hold a comma: each side ends in ":ETA:OBJECTIVE".
+    regimes["off-policy, 40 steps"] = regimes.pop("no cap")
+    line = cross_regime(regimes, "cap 5:8:decoupled,off-policy, 40 steps:8:decoupled")
+    assert line.startswith("cap 5:8:decoupled - off-policy, 40 steps:8:decoupled (final): +1")
+    with pytest.raises(SystemExit, match="LABEL:ETA:OBJECTIVE"):
+        cross_regime(regimes, "cap 5:8:decoupled")
