@@ -125,11 +125,12 @@ def attention_kernels(program_text: str) -> tuple[str, ...]:
 
 
 def measure(spec: ProgramSpec, target_name: str, *, use_cache: bool = True,
-            lowered: jax.stages.Lowered | None = None) -> Measured:
+            lowered: jax.stages.Lowered | None = None, text: str | None = None) -> Measured:
     """Lowers (unless given `lowered`) and compiles `spec` (its arguments already sit on the
-    target's fake devices)."""
+    target's fake devices). `text`: `lowered.as_text()` where the caller has it (a large
+    program's text takes seconds to print)."""
     lowered = lowered if lowered is not None else spec.lower()
-    text = lowered.as_text()
+    text = text if text is not None else lowered.as_text()
     kernels = attention_kernels(text)
     key = hashlib.sha256(f"{_CACHE_VERSION}\n{target_name}\n{text}".encode()).hexdigest()[:32]
     path = cache_dir() / f"{key}.json"

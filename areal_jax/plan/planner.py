@@ -215,7 +215,7 @@ def measure_programs(specs: Sequence[ProgramSpec], target: Target, *, extra_resi
                 compile_s=0.0, fields=tuple(spec.fields), estimate_bytes=estimate,
                 attention=attention_name(spec.name, kernels), grouped_matmul=grouped, refused=True)
         else:
-            m: Measured = measure(spec, target.name, use_cache=use_cache, lowered=lowered)
+            m: Measured = measure(spec, target.name, use_cache=use_cache, lowered=lowered, text=text)
             resident = bytes_per_device(spec.resident) + extra_resident(spec)
             peak = m.program_peak_bytes + resident
             flops = max(m.flops, flop_counter(spec, m.num_devices) if flop_counter is not None else 0.0)
