@@ -1,15 +1,15 @@
 """Tables, verdicts and a plot from `bench/staleness_ablation.py` run directories (issue 19).
 
-Every `--regime LABEL=DIR` names one ablation output directory (its `eta{E}_{variant}_seed{S}/`
-and `sync_seed{S}/` runs are read from their summary.json and metrics.jsonl, whatever invocation
-made them). Per regime it prints the mean +- std over seeds of the final held-out accuracy for
-each (eta, objective) and its accuracy averaged over the run's evaluations (after step 0: how
-the whole run went, not only its end), the paper's two questions tested on both measures
-(differences with 95% intervals and p-values: paired by seed where two configurations share their
-seeds, Welch otherwise; `verdicts`), and, where a
-regime holds a synchronous baseline, when asynchronous runs first reach the baseline's final
-accuracy in wall time. The PNG has one row per regime: held-out accuracy against RL steps and
-against the RL stage's wall time, means over seeds, shaded min..max (each objective present --
+Every `--regime LABEL=DIR` names one ablation output directory (its `eta{E}_{variant}_seed{S}/` and
+`sync_seed{S}/` runs are read from their summary.json and metrics.jsonl, or metrics.jsonl.gz as kept
+in bench/results/, whatever invocation made them). Per regime it prints the mean +- std over seeds
+of the final held-out accuracy for each (eta, objective) and its accuracy averaged over the run's
+evaluations (after step 0: how the whole run went, not only its end), the paper's two questions
+tested on both measures (differences with 95% intervals and p-values: paired by seed where two
+configurations share their seeds, Welch otherwise; `verdicts`), and, where a regime holds a
+synchronous baseline, when asynchronous runs first reach the baseline's final accuracy in wall time.
+The PNG has one row per regime: held-out accuracy against RL steps and against the RL stage's wall
+time, means over seeds, shaded min..max (each objective present --
 decoupled, naive, naive_recompute -- in panels of its own).
 
     .venv/bin/python -m bench.ablation_report --regime "4 minibatches, no cap=/tmp/abl19/mb4" \\

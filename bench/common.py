@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import pathlib
@@ -14,6 +15,20 @@ import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 REF_PYTHON = ROOT / ".venv-ref" / "bin" / "python"
+
+
+def read_jsonl_records(path: pathlib.Path) -> list[dict]:
+    """The records of a JSONL file at `path` or, when only that is there, at `path` + ".gz": runs write
+    plain JSONL and the raw results kept in bench/results/ are stored gzipped (see its README).
+    NaN/Infinity stay the strings the run wrote; the readers decode them."""
+    gz = path.with_name(path.name + ".gz")
+    if path.exists():
+        text = path.read_text()
+    elif gz.exists():
+        text = gzip.decompress(gz.read_bytes()).decode()
+    else:
+        raise FileNotFoundError(f"{path}: neither it nor {gz.name} exists")
+    return [json.loads(line) for line in text.splitlines() if line]
 
 
 def torch_side(op: str, **request) -> dict:

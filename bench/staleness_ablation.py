@@ -32,13 +32,14 @@ decoupled arm goes in its own `--out` directory, sharing the SFT runs through `-
         --out /tmp/abl31/cap5_clamp --sft_root /tmp/abl31/main \
         --gin_param 'PPOConfig.behav_imp_weight_cap = 5.0' --gin_param 'PPOConfig.behav_imp_weight_mode = "clamp"'
 
-Per configuration, from the run's summary.json and metrics.jsonl: held-out greedy accuracy at
-the start (the checkpoint), during RL (`RLConfig.eval_every`) and at the end; trained tokens per
-second (whole RL stage, and steady state after `--warmup` steps, in-loop evaluations included);
-observed staleness of the trained tokens (max, token-weighted mean); how off-policy the training
-was, per step and averaged: the share of trained tokens whose pi_theta / pi_behav lies outside
-[0.8, 1.2], the clipped share, and the share of the gradient carried by the 1% of tokens with
-the largest behaviour weight (`--per_step` prints them step by step).
+Per configuration, from the run's summary.json and metrics.jsonl (or metrics.jsonl.gz, as kept in
+bench/results/): held-out greedy accuracy at the start (the checkpoint), during RL
+(`RLConfig.eval_every`) and at the end; trained tokens per second (whole RL stage, and steady state
+after `--warmup` steps, in-loop evaluations included); observed staleness of the trained tokens
+(max, token-weighted mean); how off-policy the training was, per step and averaged: the share of
+trained tokens whose pi_theta / pi_behav lies outside [0.8, 1.2], the clipped share, and the share
+of the gradient carried by the 1% of tokens with the largest behaviour weight (`--per_step` prints
+them step by step).
 
     .venv/bin/python -m bench.staleness_ablation --steps 30 --seeds 0
     .venv/bin/python -m bench.staleness_ablation --sft_run /tmp/staleness_ablation/sft --etas 0 4 \\
@@ -59,6 +60,7 @@ import time
 import numpy as np
 
 from areal_jax.trainer.config import OBJECTIVES
+from bench.common import read_jsonl_records
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 VARIANTS = tuple(OBJECTIVES)  # "decoupled", "naive", "naive_recompute"
@@ -124,9 +126,9 @@ def _number(v) -> float:
 
 
 def read_run(run_dir: pathlib.Path, warmup: int) -> dict:
-    """Figures of one RL run from its summary.json and metrics.jsonl."""
+    """Figures of one RL run from its summary.json and metrics.jsonl (or metrics.jsonl.gz)."""
     summary = json.loads((run_dir / "summary.json").read_text())
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    records = read_jsonl_records(run_dir / "metrics.jsonl")  # or metrics.jsonl.gz (bench/results/)
     steps = [r["metrics"] for r in records if r["step"] >= 0]  # RL's (SFT's steps are at negative indices)
     curve = [(0, summary["sft_accuracy"])] + [(m["step"] + 1, _number(m["eval/accuracy"])) for m in steps
                                               if "eval/accuracy" in m]

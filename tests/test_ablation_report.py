@@ -106,3 +106,28 @@ def test_cross_regime_comparison_pairs_by_seed():
     assert line.startswith("cap 5:8:decoupled - off-policy, 40 steps:8:decoupled (final): +1")
     with pytest.raises(SystemExit, match="LABEL:ETA:OBJECTIVE"):
         cross_regime(regimes, "cap 5:8:decoupled")
+
+
+def test_kept_results_are_gzipped_and_read_like_plain_jsonl(tmp_path):
+    # bench/results/ keeps metrics.jsonl gzipped (its README says how); a plain one left there would
+    # put ~10k data lines back in the tree. The report reads both forms to the same figures.
+    import gzip
+    import json
+    import shutil
+
+    from bench.staleness_ablation import ROOT, read_run
+
+    results = ROOT / "bench" / "results"
+    plain_left = sorted(results.rglob("*.jsonl"))
+    assert not plain_left, f"{plain_left}: compress with find bench/results -name '*.jsonl' -exec gzip -n -9 {{}} +"
+    kept = results / "staleness_offpolicy" / "main" / "eta8_decoupled_seed0"
+    plain = tmp_path / "run"
+    plain.mkdir()
+    shutil.copy(kept / "summary.json", plain / "summary.json")
+    (plain / "metrics.jsonl").write_bytes(gzip.decompress((kept / "metrics.jsonl.gz").read_bytes()))
+    from_gz, from_plain = read_run(kept, warmup=3), read_run(plain, warmup=3)
+    assert json.dumps(from_gz, sort_keys=True) == json.dumps(from_plain, sort_keys=True)
+    assert from_gz["steps"] == 40 and from_gz["final_accuracy"] == pytest.approx(0.570)  # docs/benchmarks.md's seed 0
+    (plain / "metrics.jsonl").unlink()
+    with pytest.raises(FileNotFoundError, match="metrics.jsonl.gz"):
+        read_run(plain, warmup=3)
