@@ -216,7 +216,7 @@ def test_task_model_dir_is_a_loadable_checkpoint(tmp_path):
     ("\\boxed{}", 7, 0.0),
     ("the answer is 7", 7, 0.0),
     ("\\boxed{7", 7, 0.0),  # truncated
-    ("\\boxed{7}\\boxed{8", 7, 1.0),  # a truncated box is not a box
+    ("\\boxed{7}\\boxed{8", 7, 0.0),  # a truncated last box: no answer (areal_jax/answers.py)
     ("", 0, 0.0),
 ])
 def test_reward_table(text, answer, expected):

@@ -14,8 +14,6 @@ from areal_jax.data import (
     RowFormatError,
     build_prompt_loader,
     detect_format,
-    extract_gsm8k_answer,
-    extract_last_boxed,
     iter_records,
     parse_record,
 )
@@ -53,29 +51,7 @@ CODE = {
 # ---------------------------------------------------------------- formats
 
 
-@pytest.mark.parametrize(
-    "text,expected",
-    [
-        ("so \\boxed{5}.", "5"),
-        ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
-        ("first \\boxed{1} then \\boxed{2}", "2"),
-        ("\\boxed{\\{1, 2\\}}", "\\{1, 2\\}"),  # escaped braces are text
-        ("\\fbox{x+1}", "x+1"),
-        ("the answer is $\\boxed 7$", "7"),
-        ("\\boxed{3} and a broken \\boxed{4", "3"),  # unbalanced last box: previous one
-        ("no box here", None),
-        ("\\boxedfoo{2}", None),
-    ],
-)
-def test_extract_last_boxed(text, expected):
-    assert extract_last_boxed(text) == expected
-
-
-def test_extract_gsm8k_answer():
-    assert extract_gsm8k_answer("work\n#### 1,234,567") == "1234567"
-    assert extract_gsm8k_answer("a #### 1 #### -3.5 ") == "-3.5"
-    assert extract_gsm8k_answer("no marker") is None
-    assert extract_gsm8k_answer("####   ") is None
+# Answer extraction itself (boxes, ####): tests/test_answers.py.
 
 
 def test_detect_format_treats_null_as_absent():

@@ -1,5 +1,8 @@
 """Prompt datasets: record formats, file readers and the grain pipeline."""
 
+# The answer readers golds are taken with, re-exported from the one place rewards use too.
+from areal_jax.answers import extract_hashes_answer, extract_last_boxed
+
 from areal_jax.data.formats import (
     RECORD_FORMATS,
     PromptRow,
@@ -7,8 +10,6 @@ from areal_jax.data.formats import (
     RowFormatError,
     TemplateFieldError,
     detect_format,
-    extract_gsm8k_answer,
-    extract_last_boxed,
     parse_record,
     solution_pair,
 )
@@ -45,7 +46,7 @@ __all__ = [
     "TokenizedPrompt",
     "build_prompt_loader",
     "detect_format",
-    "extract_gsm8k_answer",
+    "extract_hashes_answer",
     "extract_last_boxed",
     "iter_records",
     "load_sft_examples",

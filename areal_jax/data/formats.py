@@ -2,10 +2,12 @@
 
 Supported record formats (auto-detected from the keys, or forced):
 
-- ``gsm8k``: ``question`` / ``answer``; the gold is the text after the last ``####``,
-  commas removed ("1,234" -> "1234").
+- ``gsm8k``: ``question`` / ``answer``; the gold is the line after the last ``####``,
+  thousands separators removed ("1,234" -> "1234").
 - ``math`` (Hendrycks MATH): ``problem`` / ``solution``; the gold is the content of the
   last ``\\boxed{...}`` of the solution (nested braces handled).
+
+Answers are read by `areal_jax.answers`, the rules the rewards read completions by.
 - ``areal``: AReaL's math format ``{prompt, solutions, query_id}``; ``solutions`` is a
   list of strings with ``\\boxed{}``; the gold is the last box of the first solution.
 - ``code``: ``input_output`` (a JSON string or a dict with equal-length ``inputs`` and
@@ -22,6 +24,8 @@ import json
 import string
 from collections.abc import Mapping
 from typing import Any, Literal
+
+from areal_jax.answers import extract_hashes_answer, extract_last_boxed
 
 Task = Literal["math", "code"]
 RecordFormat = Literal["auto", "gsm8k", "math", "areal", "code"]
@@ -136,61 +140,6 @@ class PromptTemplate:
         return [{"role": "user", "content": self.fill(record, source)}]
 
 
-def extract_last_boxed(text: str) -> str | None:
-    """Content of the last well-formed ``\\boxed{...}`` (or ``\\fbox{...}``) in `text`.
-
-    Braces nest (``\\boxed{\\frac{1}{2}}`` -> ``\\frac{1}{2}``); escaped braces ``\\{``
-    and ``\\}`` are literal text, as in LaTeX. The brace-less form ``\\boxed 5`` yields
-    the token after the space. Returns None when there is no box.
-    """
-    candidates = []
-    for macro in ("\\boxed", "\\fbox"):
-        start = text.find(macro)
-        while start != -1:
-            candidates.append((start, len(macro)))
-            start = text.find(macro, start + 1)
-    # Latest start first: the "last box" is the one that starts last.
-    for start, macro_len in sorted(candidates, reverse=True):
-        content = _box_content(text, start + macro_len)
-        if content is not None:
-            return content
-    return None
-
-
-def _box_content(text: str, pos: int) -> str | None:
-    if pos < len(text) and text[pos] == " ":
-        tokens = text[pos:].split(maxsplit=1)
-        if not tokens:
-            return None
-        return tokens[0].split("$", 1)[0] or None  # "\boxed 5$" ends at the math delimiter
-    if pos >= len(text) or text[pos] != "{":
-        return None  # e.g. "\boxedx": another macro, not a box
-    depth = 0
-    i = pos
-    while i < len(text):
-        ch = text[i]
-        if ch == "\\":
-            i += 2  # skip the escaped character (\{ and \} do not count)
-            continue
-        if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                return text[pos + 1 : i]
-        i += 1
-    return None  # unbalanced
-
-
-def extract_gsm8k_answer(text: str) -> str | None:
-    """GSM8K gold: text after the last ``####``, whitespace trimmed, commas removed."""
-    _, sep, tail = text.rpartition("####")
-    if not sep:
-        return None
-    answer = tail.strip().replace(",", "")
-    return answer or None
-
-
 def detect_format(record: Mapping[str, Any]) -> str:
     """Name the format of `record` from its keys; raises RowFormatError if none fits."""
     # Null counts as absent: Parquet and `datasets` give every row every column of a
@@ -224,7 +173,7 @@ def parse_record(
                          source)
     if fmt == "gsm8k":
         question = _text_field(record, "question")
-        answer = extract_gsm8k_answer(_text_field(record, "answer"))
+        answer = extract_hashes_answer(_text_field(record, "answer"))
         if answer is None:
             raise RowFormatError("field 'answer' has no '#### <gold>' part")
     elif fmt == "math":

@@ -53,7 +53,7 @@ from jax.sharding import Mesh
 from areal_jax import paths
 from areal_jax.config_system import ConfigError
 from areal_jax.data.examples import PromptExample, prompt_example
-from areal_jax.data.formats import extract_last_boxed
+from areal_jax.answers import extract_last_boxed
 from areal_jax.data.pipeline import PromptLoader
 from areal_jax.eval_metrics import PromptSamples, summarize
 from areal_jax.evaluation.held_out import SampledGroup, rewards, sample

@@ -13,12 +13,10 @@ sympy), so it is registered `in_process` and needs no reward workers.
 from __future__ import annotations
 
 import decimal
-import re
+
+from areal_jax.answers import first_number, hashes_line, last_number
 
 __all__ = ["final_number", "gold_number", "gsm8k_reward"]
-
-# A number as GSM8K writes them: "72", "-3.5", "1,234". No nested quantifiers: linear time.
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
 def _to_decimal(text: str) -> decimal.Decimal | None:
@@ -29,19 +27,15 @@ def _to_decimal(text: str) -> decimal.Decimal | None:
 
 
 def final_number(text: str) -> decimal.Decimal | None:
-    """The first number after the last ``####`` of `text`, or (none there) the last number of
-    `text`; None when it holds no number."""
+    """The first number on the line after the last ``####`` of `text`, or (none there) the last
+    number of `text`; None when it holds no number."""
     if not isinstance(text, str):
         raise TypeError(f"text must be a str, got {type(text).__name__}")
-    _, sep, tail = text.rpartition("####")
-    if sep:
-        first = _NUMBER.search(tail)
-        if first is not None:
-            return _to_decimal(first.group())
-    found = None
-    for found in _NUMBER.finditer(text):
-        pass
-    return None if found is None else _to_decimal(found.group())
+    line = hashes_line(text)
+    number = first_number(line) if line else None
+    if number is None:
+        number = last_number(text)
+    return None if number is None else _to_decimal(number)
 
 
 def gold_number(answer: str | int | float) -> decimal.Decimal:

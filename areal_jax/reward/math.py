@@ -17,76 +17,28 @@ from __future__ import annotations
 
 import functools
 import logging
-import re
 
 from math_verify import parse, verify
+
+from areal_jax.answers import extract_final_answer, extract_hashes_answer, extract_last_boxed, ungroup_number
 
 __all__ = ["extract_final_answer", "extract_last_boxed", "gold_expressions", "math_reward"]
 
 # math-verify warns once per process that its timeouts are off; that is our design, not news.
 logging.getLogger("math_verify").setLevel(logging.ERROR)
 
-_BOX_COMMANDS = ("\\boxed", "\\fbox")
-# GSM8K golds: "72", "1,234", "-3.5" (thousands separators are not set delimiters here).
-_GSM8K_NUMBER = re.compile(r"^[-+]?\d{1,3}(,\d{3})+(\.\d+)?$")
-
-
-def extract_last_boxed(text: str) -> str | None:
-    """Return the content of the last complete ``\\boxed{...}``/``\\fbox{...}`` in ``text``.
-
-    Braces are matched with a depth counter, so nested groups such as
-    ``\\boxed{\\frac{\\sqrt{3}}{2}}`` come back whole. If the last box is unterminated
-    (a truncated generation), the result is None rather than an earlier box: the final
-    answer is what is graded.
-    """
-    if not isinstance(text, str):
-        raise TypeError(f"text must be str, got {type(text).__name__}")
-    start = max(text.rfind(cmd) for cmd in _BOX_COMMANDS)
-    if start < 0:
-        return None
-    i = start + (len("\\boxed") if text.startswith("\\boxed", start) else len("\\fbox"))
-    while i < len(text) and text[i] == " ":
-        i += 1
-    if i >= len(text) or text[i] != "{":
-        return None
-    depth = 0
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i + 1 : j]
-    return None
-
-
-def extract_final_answer(text: str) -> str | None:
-    """The marked final answer of `text`: the last box's content or the line after the last
-    ``####``, whichever marker starts later; None when the later marker holds nothing usable
-    (an unterminated box, an empty ``####`` line) or there is no marker."""
-    hashes = text.rfind("####")
-    if hashes > max(text.rfind(cmd) for cmd in _BOX_COMMANDS):
-        line = text[hashes + 4:].strip().split("\n", 1)[0].strip()
-        line = line.rstrip(".").strip().strip("$").strip()
-        if _GSM8K_NUMBER.match(line):
-            line = line.replace(",", "")
-        return line or None
-    return extract_last_boxed(text)
-
 
 def _normalize_gold(answer: str) -> str:
     """Reduce a gold answer to the LaTeX that goes inside a box."""
     answer = answer.strip()
-    if "####" in answer:  # a full GSM8K solution: the answer follows the last "####"
-        answer = answer.rsplit("####", 1)[1].strip()
+    if "####" in answer:  # a full GSM8K solution: its marked answer (thousands separators dropped)
+        return extract_hashes_answer(answer) or ""
     boxed = extract_last_boxed(answer)
     if boxed is not None:
         answer = boxed.strip()
     if answer.startswith("$") and answer.endswith("$") and len(answer) > 1:
         answer = answer.strip("$").strip()
-    if _GSM8K_NUMBER.match(answer):
-        answer = answer.replace(",", "")
-    return answer
+    return ungroup_number(answer)
 
 
 @functools.lru_cache(maxsize=65536)

@@ -9,19 +9,21 @@ from __future__ import annotations
 
 import re
 
+from areal_jax.answers import extract_last_boxed
+
 REWARD_PATH = "areal_jax.tasks.reward:arithmetic_reward"
 
-_BOX = re.compile(r"\\boxed\{([^{}]*)\}")
 _INTEGER = re.compile(r"[+-]?\d+")
 
 
 def parse_boxed_integer(completion_text: str) -> int | None:
-    """Integer in the last well-formed ``\\boxed{...}`` of the text; None when there is no box
+    """Integer in the last ``\\boxed{...}`` of the text (`areal_jax.answers.extract_last_boxed`:
+    the rule every reward reads boxes by); None when there is no box, the last one is unterminated,
     or its content is not exactly an integer (surrounding spaces allowed)."""
-    boxes = _BOX.findall(completion_text)
-    if not boxes:
+    content = extract_last_boxed(completion_text)
+    if content is None:
         return None
-    content = boxes[-1].strip()
+    content = content.strip()
     return int(content) if _INTEGER.fullmatch(content) else None
 
 
