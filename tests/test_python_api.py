@@ -78,3 +78,55 @@ def test_import_is_light_and_plan_reads_no_jobs():
             "assert not [m for m in sys.modules if m.startswith('areal_jax.jobs')], 'jobs'")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_two_closures_of_one_factory_keep_their_own_rewards_in_two_trainers(tmp_path):
+    """Two rewards of one name and module (a notebook's sweep): each Trainer scores with its own."""
+    import asyncio
+
+    from areal_jax.reward.registry import register_reward_callable
+    from areal_jax.reward.scoring import RewardScorer
+    from areal_jax.rollout.workflow import RolloutClient
+
+    def make_reward(value):
+        return lambda text, gold: value
+
+    rows = [{"question": "1 + 1?", "answer": "#### 2"}]
+    trainers = [aj.Trainer("configs/quickstart.gin", run_dir=tmp_path / name, reward_fn=make_reward(value),
+                           train_data=rows) for name, value in (("a", 0.25), ("b", 0.75))]
+    names = [t.config.rollout.reward for t in trainers]
+    assert names[0] != names[1]
+    for trainer, value in zip(trainers, (0.25, 0.75)):
+        reward = trainer.config.rollout.reward
+        assert RewardScorer(reward, None, timeout_s=5.0)("x", "2") == value  # what the run's scorer calls
+        client = RolloutClient(engine=None, tokenizer=None)
+        try:
+            assert asyncio.run(client.reward(reward, "x", "2", timeout_s=5.0)) == value  # what rollouts call
+        finally:
+            client.close()
+    fn = make_reward(1.0)
+    assert register_reward_callable(fn) == register_reward_callable(fn)  # the same callable: the same name
+    with pytest.raises(ValueError, match="taken by another reward"):
+        register_reward_callable(make_reward(0.5), name=names[0])
+
+
+@pytest.mark.parametrize("value, message", [("1.0", "returned str '1.0', expected a real number"),
+                                            (None, "returned NoneType 'None', expected a real number"),
+                                            (float("nan"), "returned a non-finite value nan")])
+def test_an_in_process_reward_that_returns_no_finite_number_is_refused_by_name(value, message):
+    """float("1.0") would pass a str off as a reward; a NaN would stop the run unnamed. Both name it."""
+    import asyncio
+
+    from areal_jax.reward.registry import register_reward_callable
+    from areal_jax.reward.scoring import RewardScorer
+    from areal_jax.rollout.workflow import RolloutClient
+
+    name = register_reward_callable(lambda text, gold: value)
+    with pytest.raises((TypeError, ValueError), match=f"reward '{name}' {message}"):
+        RewardScorer(name, None, timeout_s=5.0)("x", "1")
+    client = RolloutClient(engine=None, tokenizer=None)
+    try:
+        with pytest.raises((TypeError, ValueError), match=f"reward '{name}' {message}"):
+            asyncio.run(client.reward(name, "x", "1", timeout_s=5.0))
+    finally:
+        client.close()

@@ -30,6 +30,7 @@ from areal_jax.rollout import (
     is_too_stale,
     load_workflow,
 )
+from areal_jax.rollout.controller import RolloutsFailed
 from areal_jax.rollout.types import Trajectory, TrajectoryGroup
 from tests.rollout_fixtures import scripted_reward
 from tests.tokenizer_fixtures import build_tiny_tokenizer
@@ -286,7 +287,7 @@ def test_random_timings_keep_accounting_exact_and_the_staleness_bound(engine, to
     if K is not None:  # with the trainer-side check: exact per-token bound
         assert all(v_t - g.oldest_version <= K for v_t, g in trainer.trained)
         assert all(v_t - g.oldest_version > K for v_t, g in trainer.dropped)
-    assert report.failed == report.failed_by_error.get("RuntimeError", 0) and report.failed >= 1
+    assert report.failed == report.failed_by_error.get("RewardError", 0) and report.failed >= 1
     assert report.queued == channel.qsize()
     assert report.accepted == len(taken) + report.queued
     check_report(report, staleness)
@@ -309,7 +310,7 @@ def test_filter_rejection_frees_capacity_and_a_raising_reward_fails_the_group(en
         s = ctl.stats()
         # the filtered and the failed group each freed their slot; the accepted one filled the version
         assert (s.admitted, s.accepted, s.rejected, s.failed) == (3, 1, {"all_equal_rewards": 1}, 1)
-        assert s.failed_by_error == {"RuntimeError": 1}
+        assert s.failed_by_error == {"RewardError": 1}  # RewardError names the reward and the error
         (g,) = channel.get_batch(1)
         assert g.query_id == "q2" and g.info["source"] == "test.jsonl:3"
         assert len({t.reward for t in g.trajectories}) == N
@@ -336,7 +337,8 @@ def test_filter_rejection_frees_capacity_and_a_raising_reward_fails_the_group(en
     assert (report.admitted, report.accepted, report.failed, report.in_flight) == (6, 3, 1, 0)
     assert report.rejected == {"all_equal_rewards": 2} and report.queued == 1
     check_report(report, staleness)
-    assert any("test.jsonl:2" in r.getMessage() and "RuntimeError" in r.getMessage() for r in caplog.records)
+    assert any("test.jsonl:2" in r.getMessage() and f"reward {REWARD!r} raised RuntimeError" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_rewards_through_a_real_reward_pool(engine, tokenizer):
@@ -462,3 +464,37 @@ def test_data_error_stops_admission_loudly_and_drain_settles_in_flight_groups(en
     assert "corrupt shard" in report.error
     check_report(report, staleness)
     assert len(channel.get_batch(3)) == 3 and channel.closed
+
+
+@pytest.mark.parametrize("answer, error", [
+    ("raise", f"reward {REWARD!r} raised RuntimeError: scripted reward failure"),
+    ("const=nan", f"reward {REWARD!r} returned a non-finite value nan"),
+])
+def test_rollouts_that_all_fail_stop_admission_with_the_first_error(engine, tokenizer, answer, error):
+    """A reward that fails on every row stops the run (RolloutsFailed, the first error named) instead
+    of failing row after row until the trainer's batch deadline; a NaN is such a failure, named."""
+    staleness = StalenessManager(0, 2, max_concurrent=2)
+    channel = TrajectoryChannel(8)
+    ctl = RolloutController(engine, rlvr(), staleness, channel, make_rows(tokenizer, [answer] * 1000),
+                            version_fn=Version(), tokenizer=tokenizer, max_failures_in_a_row=6)
+    ctl.start()
+    assert wait_until(lambda: ctl.stats().error is not None)
+    with pytest.raises(RolloutsFailed, match="the last 6 rollouts all failed; the first: test.jsonl:1: ") as info:
+        ctl.check()
+    assert error in str(info.value) and "\n" not in str(info.value)
+    report = ctl.shutdown(timeout=10)
+    assert report.admitted < 12 and report.accepted == 0  # admission stopped at once, not at a deadline
+    check_report(report, staleness)
+
+
+def test_rows_failing_now_and_then_do_not_stop_admission(engine, tokenizer):
+    staleness = StalenessManager(100, 1, max_concurrent=2)
+    channel = TrajectoryChannel(64)
+    answers = ["raise", "raise", "text_hash"] * 8  # two failures in a row, then a success, ...
+    ctl = RolloutController(engine, rlvr(), staleness, channel, make_rows(tokenizer, answers),
+                            version_fn=Version(), tokenizer=tokenizer, max_failures_in_a_row=3)
+    ctl.start()
+    assert wait_until(lambda: ctl.stats().data_exhausted and settled(ctl))
+    ctl.check()  # no error: never 3 failed in a row with nothing finishing in between
+    report = ctl.shutdown(timeout=10)
+    assert (report.admitted, report.accepted, report.failed) == (24, 8, 16) and report.error is None

@@ -2,7 +2,8 @@
 
     2   a problem with what the command was given: configuration (ConfigError), model, data, run or
         checkpoint directory (InputError, RunDirBusy), a missing optional package, a path that cannot
-        be a directory or is not permitted;
+        be a directory or is not permitted, a reward or workflow that failed on every rollout of a
+        step's worth (RolloutsFailed);
     74  storage: the disk is full, over quota or read-only (EX_IOERR of sysexits.h). The line names the
         path and the free space; every checkpoint finished before stays resumable (`--resume`);
     130 / 143  SIGINT / SIGTERM (cli.py).
@@ -68,6 +69,10 @@ def user_error(e: BaseException, run_dir: str | None = None) -> tuple[str, int] 
         return f"error: {_one_line(e)}", 2
     if isinstance(e, ConfigError):
         return f"configuration error: {_one_line(e)}", 2
+    from areal_jax.rollout.controller import RolloutsFailed
+
+    if isinstance(e, RolloutsFailed):  # a reward or workflow that fails on every row: the user's code
+        return f"error: {_one_line(e)}", 2
     for cause in _chain(e):
         if isinstance(cause, OSError) and cause.errno in _STORAGE_ERRNOS:
             path = cause.filename or run_dir

@@ -17,6 +17,9 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import itertools
+import math
+import numbers
 import re
 import subprocess
 import sys
@@ -26,7 +29,7 @@ from typing import Callable
 from areal_jax.user_code import import_hint
 
 __all__ = ["REWARDS", "RewardSpec", "check_reward_function", "probe_reward", "register_reward", "register_reward_callable",
-           "resolve_reward_path", "reward_spec", "load_reward_function", "runs_in_process"]
+           "resolve_reward_path", "reward_spec", "reward_value", "load_reward_function", "runs_in_process"]
 
 _PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
@@ -76,6 +79,9 @@ def register_reward(name: str, path: str, *, in_process: bool = False, runs_code
 # Python callables registered by `register_reward_callable`, addressed by path like any reward
 # ("areal_jax.reward.registry:PYTHON_REWARDS.<name>"): found in this process only.
 PYTHON_REWARDS = types.SimpleNamespace()
+# The name each registered callable got, by id (the callable is held in PYTHON_REWARDS, so its id
+# is never reused while it is here).
+_CALLABLE_NAMES: dict[int, str] = {}
 
 
 def register_reward_callable(fn: Callable[..., object], name: str | None = None) -> str:
@@ -85,13 +91,26 @@ def register_reward_callable(fn: Callable[..., object], name: str | None = None)
     It runs in this process: rollouts call it on the reward threads under
     RLVRConfig.reward_timeout_s, but a call stuck in C code cannot be cut off there. A reward that
     may hang (sympy, user code) is better named by "package.module:function", run in worker processes.
-    Default name: from the function's module and qualified name, the same in every process."""
+    Default name: "py_<module>_<qualname>", with "_2", "_3"... for a different callable of the same
+    module and qualified name (two lambdas, two closures of one factory): each registration keeps
+    its own function, so a second Trainer never redirects the first one's reward. The same callable
+    registered again keeps its name; a script that registers in the same order gets the same names
+    in every process. An explicit `name` already given to another callable is refused."""
     if not callable(fn):
         raise TypeError(f"reward_fn must be callable, got {type(fn).__name__}")
-    name = name or re.sub(r"\W", "_", f"py_{getattr(fn, '__module__', 'fn')}_{getattr(fn, '__qualname__', 'fn')}")
-    if not re.fullmatch(r"[A-Za-z_]\w*", name):
+    if name is None:
+        known = _CALLABLE_NAMES.get(id(fn))
+        if known is not None and getattr(PYTHON_REWARDS, known, None) is fn:
+            return known
+        base = re.sub(r"\W", "_", f"py_{getattr(fn, '__module__', 'fn')}_{getattr(fn, '__qualname__', 'fn')}")
+        name = next(n for n in (base if i == 1 else f"{base}_{i}" for i in itertools.count(1))
+                    if not hasattr(PYTHON_REWARDS, n) and n not in REWARDS)
+    elif not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_]\w*", name):
         raise ValueError(f"reward name {name!r} must be a Python identifier")
+    elif getattr(PYTHON_REWARDS, name, fn) is not fn or (name in REWARDS and not hasattr(PYTHON_REWARDS, name)):
+        raise ValueError(f"reward name {name!r} is taken by another reward: pass another name")
     setattr(PYTHON_REWARDS, name, fn)
+    _CALLABLE_NAMES[id(fn)] = name
     REWARDS[name] = RewardSpec(f"{__name__}:PYTHON_REWARDS.{name}", in_process=True)
     return name
 
@@ -195,3 +214,17 @@ def load_reward_function(path: str) -> Callable[..., object]:
     if not callable(obj):
         raise LookupError(f"reward function {path!r} is not callable (got {type(obj).__name__})")
     return obj
+
+
+def reward_value(value: object, reward: str) -> float:
+    """`value`, which reward `reward` returned, as a float: a finite real number (bool and numpy
+    scalars count as real), else TypeError/ValueError of one line naming the reward. One rule for
+    both places a reward runs: a pool worker (where it makes the call an error scored 0.0) and this
+    process (where it fails the rollout group: `rollout.workflow.RolloutClient`)."""
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"reward {reward!r} returned {type(value).__name__} {str(value)[:40]!r}, "
+                        "expected a real number")
+    result = float(value)
+    if not math.isfinite(result):
+        raise ValueError(f"reward {reward!r} returned a non-finite value {result!r}")
+    return result

@@ -15,7 +15,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from areal_jax.reward.pool import RewardPool, RewardPoolConfig, RewardPoolStats
-from areal_jax.reward.registry import load_reward_function, resolve_reward_path, reward_spec
+from areal_jax.reward.registry import load_reward_function, resolve_reward_path, reward_spec, reward_value
 from areal_jax.reward.sandbox import SandboxLimits, check_network_isolation
 
 __all__ = ["RewardScorer", "open_reward_pool", "pool_totals", "score_all"]
@@ -42,7 +42,7 @@ class RewardScorer:
     `open_reward_pool` gives only rewards declared in-process)."""
 
     def __init__(self, reward: str, pool: RewardPool | None, *, timeout_s: float) -> None:
-        self.path = resolve_reward_path(reward)
+        self.name, self.path = reward, resolve_reward_path(reward)
         self.pool = pool
         self.timeout_s = timeout_s
         self._fn = load_reward_function(self.path) if pool is None else None
@@ -51,7 +51,7 @@ class RewardScorer:
         if self.pool is not None:
             return self.pool.submit_call(self.path, args, timeout_s=self.timeout_s)
         future: Future = Future()
-        future.set_result(float(self._fn(*args)))
+        future.set_result(reward_value(self._fn(*args), self.name))
         return future
 
     def __call__(self, *args: Any) -> float:

@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import math
 import multiprocessing.connection
-import numbers
 import os
 import signal
 import traceback
 from typing import Any
 
 from areal_jax.reward.containment import has_children, kill_descendants
-from areal_jax.reward.registry import load_reward_function
+from areal_jax.reward.registry import load_reward_function, reward_value
 from areal_jax.reward.sandbox import SandboxLimits, set_default_limits
 
 __all__ = ["release_fork_server", "worker_main"]
@@ -45,16 +43,6 @@ def release_fork_server() -> None:
     if fd is not None:
         os.close(fd)
         server._forkserver_alive_fd = None
-
-
-def _coerce_reward(value: object) -> float:
-    # Rewards are real numbers; bool and numpy scalars register as numbers.Real.
-    if not isinstance(value, numbers.Real):
-        raise TypeError(f"reward function returned {type(value).__name__}, expected a real number")
-    result = float(value)
-    if not math.isfinite(result):
-        raise ValueError(f"reward function returned a non-finite value {result!r}")
-    return result
 
 
 def worker_main(conn: multiprocessing.connection.Connection, preload: tuple[str, ...],
@@ -89,7 +77,7 @@ def worker_main(conn: multiprocessing.connection.Connection, preload: tuple[str,
         fn = functions[path]
         out_of_memory = False
         try:
-            reply = (task_id, "ok", _coerce_reward(fn(*args, **kwargs)))
+            reply = (task_id, "ok", reward_value(fn(*args, **kwargs), path))
         except MemoryError:  # past RewardPoolConfig.memory_mb: an error, and this worker retires
             out_of_memory = True
             reply = (task_id, "out_of_memory", "MemoryError: the reward exceeded RewardPoolConfig.memory_mb")

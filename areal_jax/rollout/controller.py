@@ -9,7 +9,9 @@ settles every finished group exactly once:
     accepted  kept by every filter; `on_accept`, then queued for the channel in acceptance order
     rejected  workflow returned None ("workflow"), a filter named a reason, or "stale"; `on_reject`
     failed    the workflow raised (reward error, aborted generation...); logged with the
-              row's source, `on_reject`
+              row's source, `on_reject`. `max_failures_in_a_row` failures with nothing else
+              finishing in between stop admission: `check()` raises RolloutsFailed naming the
+              first one
     in flight still running at shutdown: cancelled (engine request aborted), `on_reject`
 
 so `admitted == accepted + sum(rejected) + failed + in_flight` holds exactly in the
@@ -66,13 +68,21 @@ from areal_jax.rollout.staleness import StalenessManager, admission_version
 from areal_jax.rollout.types import TrajectoryGroup
 from areal_jax.rollout.workflow import Detokenizer, RolloutClient, row_source
 
-__all__ = ["ControllerStats", "RolloutController", "ShutdownReport"]
+__all__ = ["ControllerStats", "RolloutController", "RolloutsFailed", "ShutdownReport"]
 
 logger = logging.getLogger(__name__)
 
 # While the channel is full the pump retries a blocking put with this timeout, so that a
 # shutdown is noticed quickly and a put never completes after the pump gave up on it.
 _PUT_RETRY_S = 0.05
+# Groups failed in a row (none finished otherwise in between) that stop admission: at least a
+# step's worth, and enough that rows failing now and then (1 in 2 would make a streak this long
+# once in 4e9) never stop a run that learns.
+_MIN_FAILURE_STREAK = 32
+
+
+class RolloutsFailed(RuntimeError):
+    """Every rollout of at least a step's worth failed in a row: the message names the first error."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +152,11 @@ class RolloutController:
         filters: extra group filters, `group -> reason | None`, applied after the workflow's.
         max_group_age: K; reject at acceptance groups whose oldest token is more than
             K versions behind `version_fn()` (reason "stale"). None: no such check.
+        max_failures_in_a_row: stop admitting (and `check()` raises RolloutsFailed with the
+            first one's error) once this many groups in a row failed with none accepted or
+            rejected in between: a reward or workflow that fails on every row would otherwise be
+            retried on row after row until the trainer's batch deadline. None: the larger of
+            the staleness batch size and 32.
         poll_interval_s: how often the loop re-reads version_fn when nothing else wakes it
             (`notify()` wakes it at once).
     """
@@ -150,7 +165,8 @@ class RolloutController:
                  channel: TrajectoryChannel, data_iter: Iterator[Any], *, version_fn: Callable[[], int],
                  tokenizer: Detokenizer | None = None, reward_pool: Any = None, max_concurrent: int | None = None,
                  filters: Sequence[GroupFilter] = (), max_group_age: int | None = None,
-                 poll_interval_s: float = 0.02, reward_threads: int = 4) -> None:
+                 poll_interval_s: float = 0.02, reward_threads: int = 4,
+                 max_failures_in_a_row: int | None = None) -> None:
         if not inspect.iscoroutinefunction(getattr(workflow, "arun", None)):
             raise TypeError(f"workflow {type(workflow).__name__} has no `async def arun(client, row, *, version)`")
         if max_concurrent is None:
@@ -160,6 +176,12 @@ class RolloutController:
         if max_group_age is not None and (isinstance(max_group_age, bool) or not isinstance(max_group_age, int)
                                           or max_group_age < 0):
             raise ValueError(f"max_group_age must be None or an int >= 0, got {max_group_age!r}")
+        if max_failures_in_a_row is None:
+            max_failures_in_a_row = max(staleness.batch_size, _MIN_FAILURE_STREAK)
+        if isinstance(max_failures_in_a_row, bool) or not isinstance(max_failures_in_a_row, int) \
+                or max_failures_in_a_row < 1:
+            raise ValueError(f"max_failures_in_a_row must be None or an int >= 1, got {max_failures_in_a_row!r}")
+        self.max_failures_in_a_row = max_failures_in_a_row
         if not poll_interval_s > 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s!r}")
         self.engine = engine
@@ -188,6 +210,9 @@ class RolloutController:
         self._finished_reward_sum = 0.0
         self._error: str | None = None
         self._exhausted = False
+        self._failed_in_a_row = 0
+        self._first_failure: str | None = None  # of the current run of failures
+        self._all_failing = False  # the error is RolloutsFailed's
 
         self._paused = threading.Event()
         self._stop_requested = False
@@ -279,7 +304,8 @@ class RolloutController:
     def check(self) -> None:
         """Raise if the controller hit a fatal error (data iterator or version_fn raised)."""
         if self._error is not None:
-            raise RuntimeError(f"rollout controller stopped admitting: {self._error}")
+            raise (RolloutsFailed if self._all_failing else RuntimeError)(
+                f"rollout controller stopped admitting: {self._error}")
 
     def stats(self) -> ControllerStats:
         """Counters now, plus the channel depth and the engine's generation throughput."""
@@ -366,8 +392,8 @@ class RolloutController:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    def _fatal(self, message: str) -> None:
-        logger.error("rollout controller stops admitting: %s", message, exc_info=True)
+    def _fatal(self, message: str, exc_info: bool = True) -> None:
+        logger.error("rollout controller stops admitting: %s", message, exc_info=exc_info)
         with self._cond:
             self._error = message
             self._exhausted = True
@@ -390,7 +416,7 @@ class RolloutController:
             logger.warning("rollout of %s failed: %s: %s", source, type(exc).__name__, exc,
                            exc_info=logger.isEnabledFor(logging.DEBUG))
             self.staleness.on_reject()
-            self._settle(failed=type(exc).__name__)
+            self._settle(failed=type(exc).__name__, why=f"{source}: {type(exc).__name__}: {exc}")
             return
         if reason is not None:
             self.staleness.on_reject()
@@ -423,8 +449,16 @@ class RolloutController:
         return None
 
     def _settle(self, *, accepted: bool = False, rejected: str | None = None, failed: str | None = None,
-                cancelled: bool = False) -> None:
+                cancelled: bool = False, why: str = "") -> None:
+        streak = None
         with self._cond:
+            if failed is not None:
+                self._failed_in_a_row += 1
+                self._first_failure = self._first_failure or why
+                if self._failed_in_a_row == self.max_failures_in_a_row and self._error is None:
+                    streak = self._first_failure
+            elif not cancelled:
+                self._failed_in_a_row, self._first_failure = 0, None
             self._in_flight -= 1
             if accepted:
                 self._accepted += 1
@@ -435,6 +469,10 @@ class RolloutController:
             elif cancelled:
                 self._cancelled += 1
             self._cond.notify_all()
+        if streak is not None:
+            self._all_failing = True
+            self._fatal(f"the last {self.max_failures_in_a_row} rollouts all failed; the first: {streak}",
+                        exc_info=False)
         self.notify()  # capacity may have been freed
 
     async def _pump(self, loop: asyncio.AbstractEventLoop, ready: asyncio.Event) -> None:

@@ -52,14 +52,14 @@ from areal_jax import api
 from areal_jax.data.examples import gold_answer, prompt_example
 from areal_jax.generation.requests import GroupResult
 from areal_jax.generation.sampling import SamplingParams
-from areal_jax.reward.registry import load_reward_function, resolve_reward_path
+from areal_jax.reward.registry import load_reward_function, resolve_reward_path, reward_value
 from areal_jax.rollout.filters import equal_rewards_filter
 from areal_jax.rollout.types import Trajectory, TrajectoryGroup
 from areal_jax.user_code import import_hint
 
 __all__ = [
     "Detokenizer", "GenerationAborted", "RLVRConfig", "RLVRWorkflow", "RewardTimeout", "RolloutClient",
-    "RolloutWorkflow", "gold_answer", "load_workflow", "make_workflow", "resolve_workflow_class", "row_source",
+    "RewardError", "RolloutWorkflow", "gold_answer", "load_workflow", "make_workflow", "resolve_workflow_class", "row_source",
 ]
 
 
@@ -77,6 +77,10 @@ class RewardTimeout(TimeoutError):
     """An in-process reward call exceeded its deadline."""
 
 
+class RewardError(RuntimeError):
+    """An in-process reward call raised (the message names the reward and the error)."""
+
+
 def row_source(row: Any) -> str:
     """Where a data row came from, for logs ("path:line" for loader rows)."""
     if isinstance(row, Mapping):
@@ -91,11 +95,15 @@ def row_source(row: Any) -> str:
 class RolloutClient:
     """A workflow's handle on the engine, the reward functions and the tokenizer.
 
-    Rewards run in `reward_pool` (worker processes, per-call deadlines; an error or timeout
-    there yields 0.0, the pool's contract) when one is given; otherwise in this process, on a
-    small thread pool so a slow reward does not stall the event loop (an error raises and a
-    timeout raises RewardTimeout: the group fails). In-process is meant for cheap rewards;
-    math-verify needs the main thread or a worker process, so use the pool for "math".
+    Rewards run in `reward_pool` (worker processes, per-call deadlines; an error, a value that is
+    not a finite real number, or a timeout there yields 0.0, counted by the pool: its contract)
+    when one is given; otherwise in this process, on a small thread pool so a slow reward does
+    not stall the event loop. There the same outcomes fail the group instead (RewardError,
+    TypeError/ValueError from `registry.reward_value`, RewardTimeout; each message names the
+    reward), counted by the controller under its error type: no pool counts them as a scored 0,
+    and a run whose every group fails stops with the first error (`RolloutController`). In-process
+    is meant for cheap rewards; math-verify needs the main thread or a worker process, so use the
+    pool for "math".
     """
 
     def __init__(self, engine: api.InferenceEngine, tokenizer: Detokenizer | None, reward_pool: Any = None,
@@ -136,7 +144,9 @@ class RolloutClient:
             value = await asyncio.wait_for(call, timeout_s)
         except TimeoutError:
             raise RewardTimeout(f"reward {fn!r} took longer than {timeout_s} s") from None
-        return float(value)
+        except Exception as exc:  # named here: the controller's log line shows only this message
+            raise RewardError(f"reward {fn!r} raised {type(exc).__name__}: {exc}") from exc
+        return reward_value(value, fn)  # None, a str or a NaN fails the group, naming the reward
 
     def decode(self, tokens: Sequence[int] | np.ndarray) -> str:
         """Completion text for the reward (special tokens such as EOS removed)."""
