@@ -88,6 +88,7 @@ def staged_dir(target: PathLike) -> Iterator[epath.Path]:
         yield target
         return
     target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_stages(target)
     tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
     try:
         tmp.mkdir()
@@ -102,6 +103,28 @@ def staged_dir(target: PathLike) -> Iterator[epath.Path]:
             tmp.rename(target)
     finally:
         remove(tmp)
+
+
+def _remove_stale_stages(target: epath.Path) -> None:
+    """Removes the hidden siblings a killed writer of `target` left (`.NAME.tmp-PID-*`, partial
+    contents; `.NAME.old-PID-*`, a replaced copy not yet removed) whose PID no longer runs here.
+    A live writer's are kept: two writers of one target each finish their own."""
+    prefixes = (f".{target.name}.tmp-", f".{target.name}.old-")
+    for entry in target.parent.iterdir():
+        prefix = next((p for p in prefixes if entry.name.startswith(p)), None)
+        pid = entry.name[len(prefix):].split("-", 1)[0] if prefix else ""
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            remove(entry)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):  # gone; a pid no process can have
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def check_reachable(path: PathLike, field: str) -> None:

@@ -173,9 +173,13 @@ class Trainer:
     def export(self, out: str | os.PathLike, *, dtype: str = "float32", overwrite: bool = False) -> str:
         """The run's model as an HF directory `out`: final_model/ when the run finished, else the
         latest checkpoint (as `areal-jax export`). Returns `out`."""
+        from areal_jax.jobs.run_dir import check_replaceable
+
         final = paths.as_path(self.run_dir) / "final_model"
         if final.exists() and dtype == "float32":
             target = paths.as_path(out)
+            # `out` is replaced whole: never the run, its final model, or a directory holding either.
+            check_replaceable(target, "out", {"the run directory": self.run_dir, "the final model": final})
             if target.exists() and any(target.iterdir()) and not overwrite:
                 raise FileExistsError(f"{out} holds files: pass overwrite=True to replace them")
             with paths.staged_dir(target) as staged:  # final_model/ is flat: weights, configs, tokenizer

@@ -170,3 +170,38 @@ def test_gs_without_gcsfs_is_one_line(tmp_path, capsys, monkeypatch):
     assert main(["export", "--checkpoint=gs://bkt/run/checkpoints", f"--out={tmp_path / 'o'}"]) == 2
     line = _error_line(capsys)
     assert "--checkpoint = gs://bkt/run/checkpoints" in line and "areal-jax[gcs]" in line
+
+
+def test_out_that_is_or_holds_a_run_or_the_checkpoint_is_refused_and_nothing_is_touched(run_dir, tmp_path, capsys):
+    ckpts = run_dir / "checkpoints"
+    before = sorted(str(p.relative_to(run_dir.parent)) for p in run_dir.parent.rglob("*"))
+    cases = [(run_dir, "is the run directory"), (ckpts, "is the checkpoint directory"),
+             (ckpts / "2", "is the checkpoint step"), (run_dir.parent, "contains the run directory"),
+             (run_dir / "tokenizer", "is the tokenizer directory")]
+    for out, phrase in cases:
+        assert main(["export", f"--checkpoint={ckpts}", f"--out={out}", "--overwrite"]) == 2
+        line = _error_line(capsys)
+        assert "--out" in line and phrase in line, line
+    # A copy of the run elsewhere: a run directory by its markers, or one inside --out.
+    other = tmp_path / "other"
+    (other / "deep" / "run").mkdir(parents=True)
+    (other / "deep" / "run" / "config.gin").write_text("RLConfig.steps = 1\n")
+    for out, phrase in ((other / "deep" / "run", "is a run directory (it holds config.gin)"),
+                        (other, f"contains the run directory {other / 'deep' / 'run'}")):
+        assert main(["export", f"--checkpoint={ckpts}", f"--out={out}", "--overwrite"]) == 2
+        assert phrase in _error_line(capsys)
+    assert (other / "deep" / "run" / "config.gin").is_file()
+    assert sorted(str(p.relative_to(run_dir.parent)) for p in run_dir.parent.rglob("*")) == before
+
+
+def test_a_killed_exports_hidden_partial_directory_goes_with_the_next_export(run_dir, tmp_path):
+    import os
+
+    out = tmp_path / "hf"
+    dead = tmp_path / ".hf.tmp-999999999-1"  # a pid no process has: its writer was killed
+    dead.mkdir()
+    (dead / "model.safetensors").write_bytes(b"partial")
+    live = tmp_path / f".hf.tmp-{os.getpid()}-1"  # a writer still running keeps its own
+    live.mkdir()
+    assert main(["export", f"--checkpoint={run_dir / 'checkpoints'}", f"--out={out}"]) == 0
+    assert not dead.exists() and live.is_dir() and (out / "model.safetensors").is_file()

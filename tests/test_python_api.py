@@ -130,3 +130,18 @@ def test_an_in_process_reward_that_returns_no_finite_number_is_refused_by_name(v
             asyncio.run(client.reward(name, "x", "1", timeout_s=5.0))
     finally:
         client.close()
+
+
+def test_export_never_replaces_the_run_or_a_directory_holding_it(tmp_path):
+    from areal_jax.jobs.inputs import InputError
+
+    run = tmp_path / "run"
+    (run / "final_model").mkdir(parents=True)
+    (run / "final_model" / "config.json").write_text("{}")
+    (run / "config.gin").write_text("RLConfig.steps = 1\n")
+    trainer = aj.Trainer("configs/quickstart.gin", run_dir=run)
+    for out, phrase in ((run, "out {} is the run directory"), (tmp_path, "out {} contains the run directory"),
+                        (run / "final_model", "out {} is the final model")):
+        with pytest.raises(InputError, match="^" + phrase.format(out)):
+            trainer.export(out, overwrite=True)
+    assert (run / "config.gin").is_file() and (run / "final_model" / "config.json").is_file()

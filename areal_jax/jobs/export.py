@@ -34,6 +34,7 @@ from areal_jax import paths
 from areal_jax.checkpoint import SavedParams, finalized_steps
 from areal_jax.checkpoint_validation import step_problem
 from areal_jax.jobs.inputs import InputError
+from areal_jax.jobs.run_dir import check_replaceable
 from areal_jax.jobs.run_settings import write_prompt_settings
 from areal_jax.models.config import ModelConfig
 from areal_jax.models import lora as lora_lib
@@ -174,10 +175,14 @@ def run_export(cfg: ExportConfig) -> tuple[paths.Path, int]:
     out = paths.as_path(cfg.out)
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {cfg.out} is a file")
+    tokenizer_dir = tokenizer_source(run_dir, cfg.tokenizer)
+    # --out is replaced whole: never a run, the checkpoint read, or a directory holding either.
+    check_replaceable(out, "--out", {"the run directory": run_dir, "the checkpoint directory": directory,
+                                     "the checkpoint step": directory / str(step),
+                                     "the tokenizer directory": tokenizer_dir})
     if out.is_dir() and any(out.iterdir()) and not cfg.overwrite:
         raise InputError(f"--out {cfg.out} exists and is not empty: pass --overwrite to replace it")
     model_cfg = model_config(run_dir)
-    tokenizer_dir = tokenizer_source(run_dir, cfg.tokenizer)
     with _quiet_orbax():
         with _unreadable(directory, step):
             saved = SavedParams(directory, step)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import jax
 from jax.experimental import multihost_utils
@@ -36,8 +37,57 @@ OLD_RUN_FILES = RUN_RECORDS + ("progress.png", "tensorboard", "rollouts", "wandb
 RESUME_FIELDS: dict[str, tuple[str, ...] | None] = {
     "model": None, "mesh": None, "rl": ("batch_size",), "rollout": ("n_samples",),
     "ppo": ("num_minibatches", "max_tokens_per_microbatch"), "engine": ("seed",)}
+# What marks a directory as a run's (RUN_RECORDS less config.json, which an HF model directory holds
+# too), or a directory of checkpoint steps: what no export or copy may replace.
+RUN_MARKERS = ("config.gin", "summary.json", "metrics.jsonl", "model_config.json", ".areal-jax.lock",
+               ".areal-jax.lease")
+# An output directory replaced whole is searched this far for a run directory inside it; one holding
+# more entries is no model directory, and is refused rather than searched on.
+OUT_SEARCH_LIMIT = 20_000
 
 
+def run_marker(directory: paths.PathLike) -> str | None:
+    """What shows `directory` to be a run directory or a checkpoint directory (a marker file, or
+    finished checkpoint steps), None when nothing does."""
+    directory = paths.as_path(directory)
+    for name in RUN_MARKERS:
+        if (directory / name).exists():
+            return name
+    for name, where in (("checkpoints/", directory / "checkpoints"), ("checkpoint steps", directory)):
+        if finalized_steps(where):
+            return name
+    return None
+
+
+def check_replaceable(out: paths.PathLike, field: str, reads: dict[str, paths.PathLike]) -> None:
+    """Raises InputError unless the directory `out` may be replaced whole by an export: it is not,
+    and does not contain, any path it is made from (`reads`: what -> path), a run directory or a
+    checkpoint directory. Writes nothing."""
+    target = paths.absolute(out)
+    reads = {what: paths.absolute(path) for what, path in reads.items()}
+    for verb, hit in (("is", lambda path: target == path), ("contains", lambda path: target in path.parents)):
+        for what, path in reads.items():
+            if hit(path):
+                raise InputError(f"{field} {out} {verb} {what} {path}, which this export reads: choose another "
+                                 f"{field}")
+    if not target.is_dir():
+        return
+    marker = run_marker(target)
+    if marker is not None:
+        raise InputError(f"{field} {out} is a run directory (it holds {marker}): choose another {field}")
+    if paths.is_remote(target):
+        return
+    seen = 0
+    for root, dirs, _ in os.walk(target):
+        for name in dirs:
+            seen += 1
+            marker = run_marker(os.path.join(root, name))
+            if marker is not None:
+                raise InputError(f"{field} {out} contains the run directory {os.path.join(root, name)} (it holds "
+                                 f"{marker}): choose another {field}")
+        if seen > OUT_SEARCH_LIMIT:
+            raise InputError(f"{field} {out} holds over {OUT_SEARCH_LIMIT} directories, which no model directory "
+                             f"does: choose another {field}")
 
 
 def _checkpoint_dirs(cfg: JobConfigs, run_dir: paths.Path) -> list[paths.Path]:
