@@ -86,6 +86,46 @@ def test_a_reward_that_cannot_read_the_solutions_is_refused_before_any_work(file
     assert not run.exists()
 
 
+def test_a_reward_that_raises_on_the_solutions_is_one_line_naming_it(files):
+    """A pool reward that raises on every reference solution: one line with the reward and its first
+    error (was a traceback per solution, then a line blaming the data's format)."""
+    run = files["root"] / "raising"
+    reward = "tests.reward_fixtures:boom"  # boom(message) called as boom(text, gold): a TypeError
+    done = areal_jax("train", *data_params(files, "base", TEMPLATE, f"RLVRConfig.reward = '{reward}'"),
+                     f"--run_dir={run}", "--quiet")
+    line = one_line_error(done, f"RLVRConfig.reward = '{reward}' failed on a reference solution of {files['train']}",
+                          "raised TypeError: boom() takes")
+    assert "cannot read the answers" not in line and done.stderr.count("boom()") == 1
+    assert not run.exists()
+
+
+def test_the_self_check_gives_an_in_process_reward_a_deadline(files):
+    """An in-process reward that blocks: the self-check refuses after RLVRConfig.reward_timeout_s
+    instead of hanging train() before any output."""
+    import threading
+
+    from areal_jax.jobs.inputs import InputError
+    from areal_jax.jobs.preflight import check_solution_rewards
+    from areal_jax.reward.registry import register_reward_callable
+    from areal_jax.reward.scoring import RewardScorer
+
+    never = threading.Event()
+    blocking = register_reward_callable(lambda text, gold: never.wait() and 1.0)
+    try:
+        cfg = load_job_configs([], [f"DataConfig.paths = ('{files['train']}',)", "TaskSource.eval_size = 0",
+                                    f"RLVRConfig.reward = '{blocking}'", "RLVRConfig.reward_timeout_s = 1.0"],
+                               run_dir="r")
+        scorer = RewardScorer(cfg.rollout.reward, None, timeout_s=cfg.rollout.reward_timeout_s)
+        with pytest.raises(InputError, match=f"reward '{blocking}' took longer than 1 s"):
+            check_solution_rewards(cfg, scorer.checked_map)
+        wrong = register_reward_callable(lambda text, gold: "1")
+        with pytest.raises(InputError, match=f"reward '{wrong}' returned str '1', expected a real number"):
+            check_solution_rewards(cfg, RewardScorer(wrong, None, timeout_s=1.0).checked_map)
+    finally:
+        never.set()
+        cs.parse()
+
+
 @pytest.mark.parametrize("command", ["sft", "train"])
 def test_a_base_model_without_prompt_template_is_one_line_in_every_job(files, command):
     run = files["root"] / f"no-template-{command}"

@@ -16,6 +16,7 @@ from areal_jax.data.formats import RowFormatError, parse_record, solution_pair
 from areal_jax.data.sources import iter_records
 from areal_jax.job_config import JobConfigs
 from areal_jax.jobs.inputs import InputError
+from areal_jax.reward.scoring import RewardCheckFailed
 
 SAMPLE_ROWS = 64  # reference solutions scored per file: the first ones that parse
 
@@ -56,7 +57,9 @@ def checked_files(cfg: JobConfigs) -> list[str]:
 
 def check_solution_rewards(cfg: JobConfigs, score: Callable[[Sequence[tuple]], list[float]]) -> dict[str, float]:
     """Mean reward of each checked file's reference solutions (`score` maps (text, gold) calls to
-    rewards); InputError for the first file below TaskSource.solution_reward_min."""
+    rewards; `RewardScorer.checked_map`); InputError for the first file below
+    TaskSource.solution_reward_min, or for a reward that fails on a solution (raises, returns no
+    finite number, runs past its deadline): one line naming it and its first error."""
     threshold = cfg.task.solution_reward_min
     means: dict[str, float] = {}
     if not threshold:
@@ -65,7 +68,11 @@ def check_solution_rewards(cfg: JobConfigs, score: Callable[[Sequence[tuple]], l
         calls = list(solution_samples(path, cfg.data.format))
         if not calls:
             continue
-        rewards = score(calls)
+        try:
+            rewards = score(calls)
+        except RewardCheckFailed as e:  # the reward's own error, not the data's format
+            raise InputError(f"RLVRConfig.reward = {cfg.rollout.reward!r} failed on a reference solution of "
+                             f"{path}: {e}") from None
         means[path] = sum(rewards) / len(rewards)
         if means[path] < threshold:
             example = calls[0][0].strip().splitlines()[-1][-60:]

@@ -157,7 +157,7 @@ def _prepare_run(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: Rewa
     on_every_process(lambda: check_sources(cfg))
     # Held-out and validation accuracy score in the same pool as the rollouts, under the same deadline.
     reward_fn = RewardScorer(cfg.rollout.reward, reward_pool, timeout_s=cfg.rollout.reward_timeout_s)
-    on_every_process(lambda: check_solution_rewards(cfg, reward_fn.map))  # a reward that cannot read the data
+    on_every_process(lambda: check_solution_rewards(cfg, reward_fn.checked_map))  # a reward that cannot read the data
     # One device: the weights stay unplaced, as SFT then runs without a mesh.
     work = prepare_workload(cfg, run_dir, mesh=meshes.train if meshes.train.devices.size > 1 else None)
     if overwrite:

@@ -44,7 +44,7 @@ from areal_jax.reward.registry import resolve_reward_path
 from areal_jax.reward.sandbox import SandboxLimits, sweep_orphaned_sandboxes, sweep_sandboxes_of
 from areal_jax.reward.containment import guardian_main, kill_tree, own_pymp_dir, sweep_orphaned_pymp_dirs
 
-__all__ = ["RewardFunctionNotFound", "RewardPool", "RewardPoolConfig", "RewardPoolStats"]
+__all__ = ["RewardCallFailed", "RewardFunctionNotFound", "RewardPool", "RewardPoolConfig", "RewardPoolStats"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,11 @@ class _PoolBroken(RuntimeError):
 
 class RewardFunctionNotFound(LookupError):
     """A worker could not import the reward function named by a task."""
+
+
+class RewardCallFailed(RuntimeError):
+    """A call submitted with `raise_errors=True` raised, returned no finite number, timed out or
+    crashed its worker: one line saying which (the self-check's answer instead of a silent 0.0)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +145,7 @@ class _Task:
     timeout_s: float
     future: Future
     started: bool = False  # set_running_or_notify_cancel already called
+    raise_errors: bool = False  # a failed call's future raises RewardCallFailed instead of giving 0.0
 
 
 @dataclasses.dataclass
@@ -158,7 +164,8 @@ class RewardPool:
     """Evaluate reward functions in supervised worker processes.
 
     Thread-safe; ``submit`` never blocks on the workers. Every submitted call's future is
-    resolved: with the reward, with 0.0 on timeout / crash / error, by cancellation on
+    resolved: with the reward, with 0.0 on timeout / crash / error (RewardCallFailed for a call
+    submitted with raise_errors), by cancellation on
     ``close(wait=False)``, or with ``RewardFunctionNotFound``.
     """
 
@@ -196,9 +203,12 @@ class RewardPool:
         return self.submit_call(fn, args, kwargs)
 
     def submit_call(
-        self, fn: str, args: tuple = (), kwargs: dict | None = None, *, timeout_s: float | None = None
+        self, fn: str, args: tuple = (), kwargs: dict | None = None, *, timeout_s: float | None = None,
+        raise_errors: bool = False,
     ) -> Future:
-        """Like ``submit`` with explicit args/kwargs and an optional per-call timeout."""
+        """Like ``submit`` with explicit args/kwargs and an optional per-call timeout.
+        raise_errors: a call that fails (error, timeout, crash) raises RewardCallFailed from its
+        future, one line and no logged traceback, instead of resolving to 0.0 (still counted)."""
         if timeout_s is not None and not _positive_finite(timeout_s):
             raise ValueError(f"timeout_s must be a positive finite number, got {timeout_s!r}")
         path = self._checked_paths.get(fn) if isinstance(fn, str) else None
@@ -210,7 +220,7 @@ class RewardPool:
             if self._closing:
                 raise RuntimeError("RewardPool is closed")
             task = _Task(next(self._task_ids), path, tuple(args), dict(kwargs or {}),
-                         timeout_s or self.config.timeout_s, future)
+                         timeout_s or self.config.timeout_s, future, raise_errors=raise_errors)
             self._inbox.append(task)
             self._counts["submitted"] += 1
         self._wake()
@@ -307,7 +317,7 @@ class RewardPool:
                 logger.warning("reward call %s timed out after %.1fs; killing worker %d",
                                task.path, task.timeout_s, worker.process.pid)
                 self._replace(i)  # killed and its sandboxes swept before the caller sees the 0.0
-                self._finish(task, 0.0, "timeouts")
+                self._finish(task, 0.0, "timeouts", f"took longer than {task.timeout_s:g} s")
             elif not worker.ready and now >= worker.started_at + self.config.startup_timeout_s:
                 logger.warning("reward worker %d not ready after %.0fs; replacing it",
                                worker.process.pid, self.config.startup_timeout_s)
@@ -351,7 +361,7 @@ class RewardPool:
                            worker.process.pid, worker.process.exitcode, task.path)
         self._replace(index)
         if task is not None:
-            self._finish(task, 0.0, "crashes")
+            self._finish(task, 0.0, "crashes", f"crashed its worker (exit code {worker.process.exitcode})")
 
     def _complete(self, worker: _Worker, task_id: int, status: str, payload: Any) -> None:
         task = worker.task
@@ -366,12 +376,16 @@ class RewardPool:
             self._count("errors")
             task.future.set_exception(RewardFunctionNotFound(f"cannot load reward function {task.path!r}:\n{payload}"))
         else:  # "error" or "out_of_memory"
-            logger.warning("reward function %s raised; reward 0.0\n%s", task.path, payload)
-            self._finish(task, 0.0, "errors")
+            if not task.raise_errors:
+                logger.warning("reward function %s raised; reward 0.0\n%s", task.path, payload)
+            self._finish(task, 0.0, "errors", "raised " + str(payload).strip().splitlines()[-1])
 
-    def _finish(self, task: _Task, value: float, outcome: str) -> None:
+    def _finish(self, task: _Task, value: float, outcome: str, why: str = "") -> None:
         self._count(outcome)
-        task.future.set_result(value)
+        if task.raise_errors and outcome != "succeeded":
+            task.future.set_exception(RewardCallFailed(why))
+        else:
+            task.future.set_result(value)
 
     def _dispatch(self) -> None:
         for worker in self._workers:

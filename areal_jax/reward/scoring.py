@@ -10,15 +10,20 @@ not cut it off the network.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from areal_jax.reward.pool import RewardPool, RewardPoolConfig, RewardPoolStats
+from areal_jax.reward.pool import RewardCallFailed, RewardPool, RewardPoolConfig, RewardPoolStats
 from areal_jax.reward.registry import load_reward_function, resolve_reward_path, reward_spec, reward_value
 from areal_jax.reward.sandbox import SandboxLimits, check_network_isolation
 
-__all__ = ["RewardScorer", "open_reward_pool", "pool_totals", "score_all"]
+__all__ = ["RewardCheckFailed", "RewardScorer", "open_reward_pool", "pool_totals", "score_all"]
+
+
+class RewardCheckFailed(ValueError):
+    """A call of `RewardScorer.checked_map` failed: one line naming the reward and what happened."""
 
 
 def open_reward_pool(reward: str, config: RewardPoolConfig, sandbox: SandboxLimits) -> RewardPool | None:
@@ -61,6 +66,49 @@ class RewardScorer:
         """Every call submitted before any is awaited, so the pool's workers share them."""
         futures = [self.submit(*args) for args in calls]
         return [float(f.result()) for f in futures]
+
+
+    def checked_map(self, calls: Sequence[tuple]) -> list[float]:
+        """`map` for a self-check: the first call that raises, returns no finite number or runs
+        past `timeout_s` raises RewardCheckFailed (one line: the reward and its error), with no
+        traceback logged per call. An in-process call runs on a daemon thread under the deadline:
+        one that never returns is left there, and the check refuses instead of hanging."""
+        if self.pool is not None:
+            futures = [self.pool.submit_call(self.path, args, timeout_s=self.timeout_s, raise_errors=True)
+                       for args in calls]
+            try:
+                return [float(f.result()) for f in futures]
+            except RewardCallFailed as e:
+                for f in futures:
+                    f.cancel()
+                raise RewardCheckFailed(f"reward {self.name!r} {_said(e)}") from None
+        return [self._call_by_deadline(args) for args in calls]
+
+    def _call_by_deadline(self, args: tuple) -> float:
+        done: list[Any] = []
+
+        def call() -> None:
+            try:
+                done.append(reward_value(self._fn(*args), self.name))
+            except BaseException as e:  # noqa: BLE001 - reported below, on the caller's thread
+                done.append(e)
+
+        thread = threading.Thread(target=call, name="reward-check", daemon=True)
+        thread.start()
+        thread.join(self.timeout_s)
+        if not done:
+            raise RewardCheckFailed(f"reward {self.name!r} took longer than {self.timeout_s:g} s "
+                                    "(RLVRConfig.reward_timeout_s)")
+        if isinstance(done[0], (TypeError, ValueError)) and str(done[0]).startswith(f"reward {self.name!r}"):
+            raise RewardCheckFailed(str(done[0])) from None  # reward_value's own line
+        if isinstance(done[0], BaseException):
+            raise RewardCheckFailed(f"reward {self.name!r} raised {_said(done[0])}") from None
+        return done[0]
+
+
+def _said(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text if isinstance(e, RewardCallFailed) else f"{type(e).__name__}: {text}"
 
 
 def score_all(reward_fn: Callable[..., float], calls: Sequence[tuple]) -> list[float]:
