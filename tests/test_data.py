@@ -1,6 +1,7 @@
 """Prompt data: record formats, file readers with provenance, and the grain pipeline."""
 
 import json
+import logging
 import pathlib
 
 import grain
@@ -210,6 +211,28 @@ def test_malformed_and_too_long_rows_are_counted_not_fatal(tmp_path, tokenizer):
     assert "invalid JSON" in reasons[f"{path}:2"] and "UTF-8" in reasons[f"{path}:6"]
     assert "max_prompt_tokens" in reasons[f"{path}:7"]
     assert "2/9 prompt rows kept; 6 malformed, 1 over max_prompt_tokens" in stats.summary()
+
+
+def test_prompts_with_no_room_in_the_engine_are_left_out_with_one_warning(tmp_path, tokenizer, caplog):
+    """A prompt of max_seq_len tokens or more would fail at generation on every pass over the data:
+    left out at load, counted, one warning for all of them."""
+    rows = [GSM8K, {"question": "How many? " * 60, "answer": "#### 1"}, MATH,
+            {"question": "How many? " * 90, "answer": "#### 2"}]
+    path = write_jsonl(tmp_path / "long.jsonl", rows)
+    lengths = [prompt_length(tokenizer, r) for r in rows]
+    limit = max(lengths[0], lengths[2]) + 1  # the short prompts leave exactly one position
+    assert min(lengths[1], lengths[3]) >= limit
+    config = DataConfig(paths=(path,), shuffle=False, num_epochs=1)
+    with caplog.at_level(logging.WARNING, logger="areal_jax.data.pipeline"):
+        loader = build_prompt_loader(config, tokenizer, max_seq_len=limit)
+    assert [e["row"].source for e in loader] == [f"{path}:1", f"{path}:3"]
+    assert (loader.stats.rows_kept, loader.stats.num_no_room) == (2, 2)
+    assert "2/4 prompt rows kept; 0 malformed, 0 over max_prompt_tokens, 2 with no room" in loader.stats.summary()
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and warned[0].startswith(f"2 of 4 prompt rows of {path} left out")
+    assert f"EngineConfig.max_seq_len = {limit} (the first: {path}:2; the longest: {lengths[3]} tokens)" in warned[0]
+    with pytest.raises(ValueError, match="no usable prompt rows.*no room for a new token"):
+        build_prompt_loader(config, tokenizer, max_seq_len=min(lengths))
 
 
 def test_no_usable_rows_is_an_error(tmp_path, tokenizer):

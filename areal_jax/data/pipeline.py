@@ -2,7 +2,7 @@
 
 Construction makes one pre-pass over every file: read, parse, tokenize (`PromptEncoder`: the
 chat template, or `prompt_template` for a base model), and keep the rows that parse and fit
-`max_prompt_tokens`. Doing validity up
+`max_prompt_tokens` (and, for a run, leave its engine a position for a new token). Doing validity up
 front (instead of a grain `filter`) is deliberate:
 
 - the counts of malformed and over-long rows are exact and known before training starts
@@ -113,7 +113,8 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RowIssue:
-    """A row left out of the dataset: `kind` is "malformed" or "too_long"."""
+    """A row left out of the dataset: `kind` is "malformed", "too_long" (over the length limit) or
+    "no_room" (its prompt leaves the generation engine no position for a new token)."""
 
     source: str
     kind: str
@@ -140,17 +141,23 @@ class LoadStats:
         """Rows longer than the length limit."""
         return sum(i.kind == "too_long" for i in self.issues)
 
+    @property
+    def num_no_room(self) -> int:
+        """Rows whose prompt fills the engine's EngineConfig.max_seq_len."""
+        return sum(i.kind == "no_room" for i in self.issues)
+
     def summary(self) -> str:
         """One line for logs."""
+        no_room = f", {self.num_no_room} with no room for a new token" if self.num_no_room else ""
         return (
             f"{self.rows_kept}/{self.rows_read} {self.noun} kept; "
-            f"{self.num_malformed} malformed, {self.num_too_long} over {self.limit}"
+            f"{self.num_malformed} malformed, {self.num_too_long} over {self.limit}{no_room}"
         )
 
     def why_unusable(self) -> str:
         """The summary with the first reason of each kind, for the error when nothing is usable."""
         examples = []
-        for kind in ("malformed", "too_long"):
+        for kind in ("malformed", "too_long", "no_room"):
             first = next((i for i in self.issues if i.kind == kind), None)
             if first is not None:
                 examples.append(f"{first.source}: {first.reason}")
@@ -168,9 +175,14 @@ class TokenizedPrompt:
 class PromptDataset:
     """All valid prompt rows of a DataConfig, tokenized once; see the module docstring."""
 
-    def __init__(self, config: DataConfig, tokenizer: ChatTokenizer):
+    def __init__(self, config: DataConfig, tokenizer: ChatTokenizer, *, max_seq_len: int | None = None):
+        """max_seq_len: the generation engine's EngineConfig.max_seq_len; a row whose prompt leaves
+        it no position for a new token is left out, with one warning and a count (each would
+        otherwise fail at generation, on every pass over the data)."""
         self.config = config
         self.prompts, self.stats = _load_prompts(config, tokenizer)
+        if max_seq_len is not None:
+            self.prompts, self.stats = _fitting(self.prompts, self.stats, max_seq_len, config.paths)
         logger.info("prompt data %s: %s", ", ".join(config.paths), self.stats.summary())
         if not self.prompts:
             raise ValueError(f"no usable prompt rows in {', '.join(config.paths)}: {self.stats.why_unusable()}")
@@ -235,10 +247,12 @@ class PromptLoader:
 
 
 def build_prompt_loader(
-    config: DataConfig, tokenizer: ChatTokenizer, *, process_index: int = 0, process_count: int = 1
+    config: DataConfig, tokenizer: ChatTokenizer, *, process_index: int = 0, process_count: int = 1,
+    max_seq_len: int | None = None,
 ) -> PromptLoader:
-    """Load, validate and tokenize the prompts of `config`; iterate this process's shard."""
-    dataset = PromptDataset(config, tokenizer)
+    """Load, validate and tokenize the prompts of `config`; iterate this process's shard.
+    max_seq_len: leave out rows that cannot fit the engine (`PromptDataset`)."""
+    dataset = PromptDataset(config, tokenizer, max_seq_len=max_seq_len)
     return PromptLoader(dataset, dataset.map_dataset(process_index=process_index, process_count=process_count))
 
 
@@ -296,6 +310,22 @@ def _load_prompts(config: DataConfig, tokenizer: ChatTokenizer) -> tuple[list[To
         return f"{n} prompt tokens > max_prompt_tokens={cap}" if cap is not None and n > cap else None
 
     return scan_rows(config.paths, make, too_long, noun="prompt rows", limit="max_prompt_tokens")
+
+
+def _fitting(prompts: list[TokenizedPrompt], stats: LoadStats, max_seq_len: int,
+             files: Sequence[str]) -> tuple[list[TokenizedPrompt], LoadStats]:
+    """The prompts with room for a new token within `max_seq_len`; the rest counted, one warning."""
+    kept = [p for p in prompts if len(p.prompt_ids) < max_seq_len]
+    if len(kept) == len(prompts):
+        return prompts, stats
+    left = [p for p in prompts if len(p.prompt_ids) >= max_seq_len]
+    issues = tuple(RowIssue(p.row.source, "no_room", f"{len(p.prompt_ids)} prompt tokens >= EngineConfig.max_seq_len"
+                            f"={max_seq_len}") for p in left)
+    longest = max(len(p.prompt_ids) for p in left)
+    logger.warning("%d of %d prompt rows of %s left out: their prompt leaves no room for a new token within "
+                   "EngineConfig.max_seq_len = %d (the first: %s; the longest: %d tokens)", len(left), len(prompts),
+                   ", ".join(files), max_seq_len, left[0].row.source, longest)
+    return kept, dataclasses.replace(stats, rows_kept=len(kept), issues=stats.issues + issues)
 
 
 def _tokenize(encoder: PromptEncoder, row: PromptRow) -> np.ndarray:

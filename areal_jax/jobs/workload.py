@@ -126,7 +126,7 @@ def prepare_workload(cfg: JobConfigs, run_dir: paths.Path, *, mesh: Mesh | None 
     if cfg.stages.rl:
         with input_errors("DataConfig.paths"):
             loader = build_prompt_loader(cfg.data, tokenizer, process_index=jax.process_index(),
-                                         process_count=jax.process_count())
+                                         process_count=jax.process_count(), max_seq_len=cfg.engine.max_seq_len)
     eval_rows: list = []
     if cfg.task.eval_paths and cfg.task.eval_size:
         eval_cfg = dataclasses.replace(cfg.data, paths=cfg.task.eval_paths, shuffle=False, num_epochs=1,
