@@ -29,10 +29,11 @@ from areal_jax.rollout.workflow import RLVRConfig
 from areal_jax.tasks.arithmetic import ArithmeticConfig
 from areal_jax.trainer.config import OptimizerConfig, PPOConfig, RLConfig, SFTConfig
 
-__all__ = ["DEFAULT_SAVE_INTERVAL_S", "DEFAULT_SAVE_INTERVAL_STEPS", "EVAL_SLOTS", "JobConfigs", "ModelSource",
-           "RUN_DIR", "Stages", "TaskSource", "check_cross_fields"]
+__all__ = ["DEFAULT_EVAL_SIZE", "DEFAULT_SAVE_INTERVAL_S", "DEFAULT_SAVE_INTERVAL_STEPS", "EVAL_SLOTS", "JobConfigs",
+           "ModelSource", "RUN_DIR", "Stages", "TaskSource", "check_cross_fields", "derived_max_seq_len"]
 
 EVAL_SLOTS = 64  # most slots of a held-out evaluation engine (jobs/train.py and `areal-jax plan` size it so)
+DEFAULT_EVAL_SIZE = 200  # held-out prompts of a job that sets no TaskSource.eval_size (and has some)
 # Checkpoints of a run that binds no interval: every 50 steps or 30 minutes, and after the last step.
 DEFAULT_SAVE_INTERVAL_STEPS = 50
 DEFAULT_SAVE_INTERVAL_S = 1800.0
@@ -71,7 +72,9 @@ class TaskSource:
     # built-in task); "arithmetic" with files bound is refused, as the files would be ignored.
     kind: Literal["arithmetic", "dataset"] | None = None
     train_size: int = 20000  # arithmetic: distinct training problems
-    eval_size: int = 200  # held-out prompts for accuracy (a dataset without eval_paths: 0)
+    # Held-out prompts for accuracy. None: derived by JobConfigs, DEFAULT_EVAL_SIZE for the
+    # arithmetic task or a dataset with eval_paths, 0 for a dataset without (no held-out accuracy).
+    eval_size: int | None = None
     seed: int = 0
     eval_paths: tuple[str, ...] = ()  # dataset: held-out files (same formats as DataConfig.paths)
     # arithmetic: prompts for SFT's validation checks (SFTConfig.eval_every), drawn from the
@@ -83,7 +86,7 @@ class TaskSource:
     solution_reward_min: float = 0.9
 
     def __post_init__(self):
-        if self.train_size < 1 or self.eval_size < 0:
+        if self.train_size < 1 or (self.eval_size is not None and self.eval_size < 0):
             raise ValueError("TaskSource.train_size must be >= 1 and eval_size >= 0")
         if self.validation_size < 0:
             raise ValueError(f"TaskSource.validation_size must be >= 0, got {self.validation_size!r}")
@@ -107,11 +110,14 @@ class Stages:
 
 @dataclasses.dataclass(frozen=True)
 class JobConfigs:
-    """Every config of a job. Parts left out take their defaults; `__post_init__` fills what is
-    derived from other parts, as the gin front end does: TaskSource.kind (files bound: "dataset"),
-    PPOConfig.temperature (RLVRConfig.temperature: one field sets both) and
-    RLConfig.eval_max_new_tokens (the rollouts' budget). `checkpoint` None with Stages.checkpoint:
-    the run's default (`for_run`: RUN/checkpoints)."""
+    """Every config of a job. Parts left out take their defaults; `__post_init__` fills every field
+    derived from other parts, the one place that does, for the gin front end and Python alike:
+    TaskSource.kind (files bound: "dataset") and eval_size, PPOConfig.temperature
+    (RLVRConfig.temperature: one field sets both), RLConfig.eval_max_new_tokens (the rollouts'
+    budget) and, with `engine` left out, EngineConfig.max_seq_len (`derived_max_seq_len`). A field
+    is derived where it is None (`engine`: the part is None). `with_parts` replaces parts and
+    derives again from the parts as given. `checkpoint` None with Stages.checkpoint: the run's
+    default (`for_run`: RUN/checkpoints)."""
 
     model: ModelSource = ModelSource()
     task: TaskSource = TaskSource()
@@ -124,7 +130,7 @@ class JobConfigs:
     optimizer: OptimizerConfig = OptimizerConfig()
     advantages: AdvantageConfig = AdvantageConfig()
     rollout: RLVRConfig = RLVRConfig()
-    engine: EngineConfig = EngineConfig()
+    engine: EngineConfig | None = None  # None: EngineConfig() with max_seq_len derived (`derived_max_seq_len`)
     mesh: MeshConfig = MeshConfig()
     checkpoint: CheckpointConfig | None = None
     metrics: MetricsConfig = MetricsConfig()  # TensorBoard and W&B besides metrics.jsonl
@@ -143,18 +149,21 @@ class JobConfigs:
                 raise ConfigError(f"JobConfigs.{f.name} must be a {cls.__name__}, got {type(value).__name__}")
             if value is not None and dataclasses.is_dataclass(value):
                 check_types(value)  # a field of the wrong type: one line naming it, as a gin binding would
+        # The parts as given, before anything below derives from them: `with_parts` starts from these.
+        object.__setattr__(self, "_given", {f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
         task = self.task
-        if task.kind is None:
+        if task.kind is None or task.eval_size is None:
             files = bool(self.data is not None and self.data.paths) or bool(self.sft.paths)
-            kind = "dataset" if files else "arithmetic"
-            # No held-out files named: no held-out accuracy, not an error (as an unbound eval_size).
-            eval_size = 0 if kind == "dataset" and not task.eval_paths else task.eval_size
+            kind = task.kind or ("dataset" if files else "arithmetic")
+            # A dataset with no held-out files named: no held-out accuracy, not an error.
+            eval_size = task.eval_size if task.eval_size is not None else (
+                DEFAULT_EVAL_SIZE if kind == "arithmetic" or task.eval_paths else 0)
             object.__setattr__(self, "task", dataclasses.replace(task, kind=kind, eval_size=eval_size))
         if self.task.kind == "dataset" and self.data is None and self.sft.paths:
             object.__setattr__(self, "data", DataConfig(paths=tuple(self.sft.paths)))
         if self.task.kind == "arithmetic" and self.data is not None and self.data.paths:
             raise ConfigError("DataConfig.paths is set, but TaskSource.kind = 'arithmetic' (the built-in task) reads "
-                              "no files: leave TaskSource.kind unset to train on them")
+                              "no files: leave TaskSource.kind unset (or 'dataset') to train on them")
         if self.task.kind == "dataset" and self.data is None:
             raise ConfigError("TaskSource.kind = 'dataset' needs JobConfigs.data (a DataConfig with paths)")
         ppo, rollout = self.ppo, self.rollout
@@ -166,8 +175,24 @@ class JobConfigs:
                               "set RLVRConfig.temperature only")
         if self.rl.eval_max_new_tokens is None:  # held-out checks sample as long as the rollouts
             object.__setattr__(self, "rl", dataclasses.replace(self.rl, eval_max_new_tokens=rollout.max_new_tokens))
+        if self.engine is None:
+            max_seq_len = derived_max_seq_len(0, self.data, rollout)
+            object.__setattr__(self, "engine", EngineConfig() if max_seq_len is None else
+                               EngineConfig(max_seq_len=max_seq_len))
         if self.checkpoint is not None and not self.stages.checkpoint:
             raise ConfigError("CheckpointConfig is set, but Stages.checkpoint = False turns checkpoints off")
+
+    def with_parts(self, **parts: Any) -> JobConfigs:
+        """These configs with `parts` replaced, every derived field derived again from the parts as
+        given (a value this instance derived, e.g. PPOConfig.temperature from the old
+        RLVRConfig.temperature, is not carried over). Bindings are dropped: the gin text no longer
+        says it all."""
+        return JobConfigs(**{**self._given, "bindings": "", **parts})
+
+    def given(self, name: str) -> Any:
+        """Part `name` as it was given, before `__post_init__` derived its fields (after a
+        `dataclasses.replace`, the parts it was given: derived ones included)."""
+        return self._given[name]
 
     def as_dict(self) -> dict:
         return {f.name: (None if getattr(self, f.name) is None else dataclasses.asdict(getattr(self, f.name)))
@@ -183,7 +208,11 @@ class JobConfigs:
                                     save_interval_s=DEFAULT_SAVE_INTERVAL_S)
         if ckpt is not None and RUN_DIR in str(ckpt.directory):
             ckpt = dataclasses.replace(ckpt, directory=str(ckpt.directory).replace(RUN_DIR, str(run_dir)))
-        return self if ckpt is self.checkpoint else dataclasses.replace(self, checkpoint=ckpt)
+        if ckpt is self.checkpoint:
+            return self
+        run = dataclasses.replace(self, checkpoint=ckpt)
+        object.__setattr__(run, "_given", {**self._given, "checkpoint": ckpt})  # `with_parts` still derives
+        return run
 
     def gin_text(self) -> str:
         """The bindings that rebuild these configs: the parsed ones, or (built in Python) one line
@@ -206,6 +235,14 @@ class JobConfigs:
         return "\n".join(lines) + "\n"
 
 
+def derived_max_seq_len(max_prompt_len: int, data: DataConfig | None, rollout: RLVRConfig) -> int | None:
+    """EngineConfig.max_seq_len of a job that does not set it: the longest prompt
+    (EngineConfig.max_prompt_len, else DataConfig.max_prompt_tokens) plus RLVRConfig.max_new_tokens;
+    None (the field's default stays) when neither prompt limit is set."""
+    prompt = max_prompt_len or (data.max_prompt_tokens if data is not None else None)
+    return prompt + rollout.max_new_tokens if prompt else None
+
+
 def _default_of(field: dataclasses.Field, instance: Any) -> Any:
     """The default of `field`: `instance`'s value, else the declared one (a required field has none)."""
     if instance is not None:
@@ -219,7 +256,7 @@ def _default_of(field: dataclasses.Field, instance: Any) -> Any:
 
 _NO_DEFAULT = object()
 _PART_TYPES: dict[str, type] = {}  # JobConfigs field -> its config class (filled below)
-_OPTIONAL = ("data", "checkpoint")
+_OPTIONAL = ("data", "checkpoint", "engine")
 
 
 def check_cross_fields(cfg: JobConfigs, num_processes: int | None = None) -> None:
@@ -283,4 +320,5 @@ def _check_rl_processes(cfg: JobConfigs, num_processes: int) -> None:
 
 for _f in dataclasses.fields(JobConfigs):
     if _f.name not in ("workflow", "bindings"):
-        _PART_TYPES[_f.name] = {"data": DataConfig, "checkpoint": CheckpointConfig}.get(_f.name) or type(_f.default)
+        _PART_TYPES[_f.name] = ({"data": DataConfig, "checkpoint": CheckpointConfig, "engine": EngineConfig}.get(_f.name)
+                                or type(_f.default))

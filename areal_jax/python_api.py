@@ -58,38 +58,39 @@ class Trainer:
     def __init__(self, config: JobConfigs | str | os.PathLike, *, run_dir: str | os.PathLike,
                  reward_fn: Callable[[str, Any], float] | None = None, train_data: DataInput | None = None,
                  eval_data: DataInput | None = None, workflow: Any = None, overrides: Sequence[str] = ()):
-        cfg = loaded = config if isinstance(config, JobConfigs) else load_config(config, overrides)
+        cfg = config if isinstance(config, JobConfigs) else load_config(config, overrides)
         if overrides and isinstance(config, JobConfigs):
             raise ValueError("overrides apply to a .gin path; set the fields of the JobConfigs instead")
         self.run_dir = str(run_dir)
+        parts: dict[str, Any] = {}  # the parts replaced, from the parts as given: JobConfigs derives again
         if reward_fn is not None:
             from areal_jax.reward.registry import register_reward_callable
 
-            cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout,
-                                                                       reward=register_reward_callable(reward_fn)))
+            parts["rollout"] = dataclasses.replace(cfg.given("rollout"), reward=register_reward_callable(reward_fn))
         self._inputs: dict[str, Any] = {}  # inputs/<name>.jsonl -> rows still to write
-        task, data = cfg.task, cfg.data
+        task, data = cfg.given("task"), cfg.given("data")
         if train_data is not None:
             files = self._data_paths(train_data, "train")
             from areal_jax.data.pipeline import DataConfig
 
             data = dataclasses.replace(data, paths=files) if data is not None else DataConfig(paths=files)
+            # The rows replace the task; without eval_data they have no held-out part.
             task = dataclasses.replace(task, kind="dataset", eval_size=task.eval_size if task.eval_paths else 0)
         if eval_data is not None:  # rows: every one is held out; files: up to TaskSource.eval_size of them
             files = self._data_paths(eval_data, "eval")
             rows = self._inputs.get(files[0])
             task = dataclasses.replace(task, eval_paths=files,
                                        eval_size=len(rows) if rows is not None else task.eval_size or 1_000_000)
-        if task is not cfg.task or data is not cfg.data:
-            cfg = dataclasses.replace(cfg, task=task, data=data)
+        if task is not cfg.given("task") or data is not cfg.given("data"):
+            parts.update(task=task, data=data)
         self.workflow = workflow
         if workflow is not None:  # a class's own config: the bound one if it is of its config_class
             config_class = getattr(workflow, "config_class", None) if isinstance(workflow, type) else None
             wf_cfg = cfg.workflow if config_class and isinstance(cfg.workflow, config_class) else (
                 config_class() if config_class else None)
-            cfg = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, workflow=None), workflow=wf_cfg)
-        if cfg is not loaded and cfg.bindings:  # the gin text no longer says it all: config.gin is the fields'
-            cfg = dataclasses.replace(cfg, bindings="")
+            parts.update(rl=dataclasses.replace(cfg.given("rl"), workflow=None), workflow=wf_cfg)
+        if parts:  # config.gin then holds the fields that differ from their defaults (`with_parts`)
+            cfg = cfg.with_parts(**parts)
         self.config = cfg.for_run(self.run_dir)
         self.summary: dict[str, Any] | None = None
         self._hooks: list[tuple[Callable[[Any], None], str, int]] = []

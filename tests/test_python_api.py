@@ -29,6 +29,51 @@ def test_configs_built_in_python_round_trip_through_their_gin_text(tmp_path):
     assert loaded.as_dict() == cfg.as_dict() and loaded == cfg
 
 
+# The same job bound in gin and built in Python: JobConfigs derives every derived field (task kind and
+# held-out size, the training temperature, the eval budget, the engine's sequence length), so the
+# two paths cannot drift (EngineConfig.max_seq_len was once derived on the gin path only).
+SAME_JOB = {
+    "arithmetic": ([], {}),
+    "dataset": (["DataConfig.paths = ('a.jsonl',)", "DataConfig.max_prompt_tokens = 100",
+                 "RLVRConfig.max_new_tokens = 64", "RLVRConfig.temperature = 0.7"],
+                {"data": aj.DataConfig(paths=("a.jsonl",), max_prompt_tokens=100),
+                 "rollout": aj.RLVRConfig(max_new_tokens=64, temperature=0.7)}),
+    "sft files": (["SFTConfig.paths = ('s.jsonl',)", "TaskSource.eval_paths = ('e.jsonl',)"],
+                  {"sft": aj.SFTConfig(paths=("s.jsonl",)), "task": aj.TaskSource(eval_paths=("e.jsonl",))}),
+    "engine bound": (["EngineConfig.num_slots = 8", "EngineConfig.max_seq_len = 80", "RLConfig.eval_max_new_tokens = 5",
+                      "TaskSource.eval_size = 7"],
+                     {"engine": aj.EngineConfig(num_slots=8, max_seq_len=80), "rl": aj.RLConfig(eval_max_new_tokens=5),
+                      "task": aj.TaskSource(eval_size=7)}),
+}
+DERIVED = {  # (task kind, eval size, PPO temperature, eval budget, engine max_seq_len)
+    "arithmetic": ("arithmetic", 200, 1.0, 256, 512), "dataset": ("dataset", 0, 0.7, 64, 164),
+    "sft files": ("dataset", 200, 1.0, 256, 512), "engine bound": ("arithmetic", 7, 1.0, 5, 80),
+}
+
+
+@pytest.mark.parametrize("name", SAME_JOB)
+def test_the_same_job_bound_in_gin_and_built_in_python_is_the_same_config(name, tmp_path):
+    params, parts = SAME_JOB[name]
+    gin = load_job_configs((), params, run_dir=str(tmp_path))
+    python = aj.JobConfigs(**parts).for_run(tmp_path)
+    assert gin.as_dict() == python.as_dict() and gin == python
+    derived = (gin.task.kind, gin.task.eval_size, gin.ppo.temperature, gin.rl.eval_max_new_tokens,
+               gin.engine.max_seq_len)
+    assert derived == DERIVED[name]
+    # Replacing a part derives again from the parts as given (nothing derived from the old part stays).
+    hotter = python.with_parts(rollout=aj.RLVRConfig(temperature=0.5, max_new_tokens=32))
+    assert hotter.ppo.temperature == 0.5 and hotter.rl.eval_max_new_tokens == (5 if name == "engine bound" else 32)
+
+
+def test_rows_given_to_the_trainer_make_the_job_gin_makes_from_their_file(tmp_path):
+    no_sft = "Stages.sft = False"  # the quickstart's SFT checks read arithmetic validation prompts
+    trainer = aj.Trainer("configs/quickstart.gin", run_dir=tmp_path, train_data=[str(tmp_path / "a.jsonl")],
+                         overrides=[no_sft])
+    gin = load_job_configs(["configs/quickstart.gin"], [no_sft, f"DataConfig.paths = ('{tmp_path / 'a.jsonl'}',)",
+                                                        "TaskSource.eval_size = 0"], run_dir=str(tmp_path))
+    assert trainer.config.as_dict() == gin.as_dict()
+
+
 def test_gin_configs_leave_the_run_directory_to_the_run(tmp_path):
     cfg = aj.load_config("configs/quickstart.gin", overrides=["RLConfig.steps = 7"])
     assert cfg.rl.steps == 7 and cfg.checkpoint.directory == "{run_dir}/checkpoints"

@@ -7,7 +7,6 @@ before any work starts. The classes themselves live with their parts (job_config
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from areal_jax import config_system as cs
@@ -15,7 +14,7 @@ from areal_jax.checkpoint import CheckpointConfig
 from areal_jax.data.pipeline import DataConfig
 from areal_jax.generation.config import EngineConfig
 from areal_jax.job_config import (DEFAULT_SAVE_INTERVAL_S, DEFAULT_SAVE_INTERVAL_STEPS, JobConfigs, ModelSource,
-                                  Stages, TaskSource, check_cross_fields)
+                                  Stages, TaskSource, check_cross_fields, derived_max_seq_len)
 from areal_jax.metrics import MetricsConfig
 from areal_jax.models.lora import LoRAConfig
 from areal_jax.parallel.meshes import MeshConfig
@@ -49,9 +48,9 @@ def load_job_configs(gin_files=(), gin_params=(), *, run_dir: str, num_processes
     cs.parse(gin_files, gin_params, skip_unknown=True)
     workflow_class = _workflow_class(cs.build(RLConfig))
     cs.parse(gin_files, gin_params)
-    task = _task_source()
+    task, files = _task_source()
     data = None
-    if task.kind == "dataset":
+    if task.kind == "dataset" or files:
         # `areal-jax sft` on its own files reads no RL prompts: DataConfig.paths defaults to SFTConfig.paths.
         sft_paths = cs.gin.get_bindings("SFTConfig").get("paths")
         data = cs.build(DataConfig, **({"paths": sft_paths} if sft_paths and "paths" not in cs.bindings(DataConfig)
@@ -64,7 +63,7 @@ def load_job_configs(gin_files=(), gin_params=(), *, run_dir: str, num_processes
         raise cs.ConfigError(str(e)) from None
     cfg = JobConfigs(
         model=cs.build(ModelSource), task=task, stages=stages, arithmetic=cs.build(ArithmeticConfig),
-        data=data, sft=cs.build(SFTConfig), rl=_rl_config(rollout), ppo=_ppo_config(rollout),
+        data=data, sft=cs.build(SFTConfig), rl=cs.build(RLConfig), ppo=cs.build(PPOConfig),
         optimizer=cs.build(OptimizerConfig), advantages=cs.build(AdvantageConfig), rollout=rollout,
         engine=_engine_config(rollout, data), mesh=cs.build(MeshConfig), checkpoint=_checkpoint_config(stages, run_dir),
         metrics=cs.build(MetricsConfig), workflow=_workflow_config(workflow_class),
@@ -74,45 +73,25 @@ def load_job_configs(gin_files=(), gin_params=(), *, run_dir: str, num_processes
     return cfg
 
 
-def _task_source() -> TaskSource:
-    """TaskSource with its kind resolved: files bound select the dataset task (see TaskSource.kind)."""
-    bound = cs.bindings(TaskSource)
+def _task_source() -> tuple[TaskSource, list[str]]:
+    """TaskSource as bound (JobConfigs derives its kind and eval_size: files bound, "dataset") and
+    the paths fields bound."""
     files = [f"{cls.__name__}.paths" for cls in (DataConfig, SFTConfig) if cs.bindings(cls).get("paths")]
-    kind = bound.get("kind")
-    if kind == "arithmetic" and files:
+    if cs.bindings(TaskSource).get("kind") == "arithmetic" and files:
         raise cs.ConfigError(f"{files[0]} is bound, but TaskSource.kind = 'arithmetic' (the built-in task) reads no "
                              "files: bind TaskSource.kind = 'dataset' (or leave it unbound) to train on them")
-    overrides: dict[str, Any] = {"kind": kind or ("dataset" if files else "arithmetic")}
-    if overrides["kind"] == "dataset" and "eval_size" not in bound and not bound.get("eval_paths"):
-        overrides["eval_size"] = 0  # no held-out files named: no held-out accuracy, not an error
-    return cs.build(TaskSource, **overrides)
+    return cs.build(TaskSource), files
 
 
-def _rl_config(rollout: RLVRConfig) -> RLConfig:
-    rl = cs.build(RLConfig)  # held-out checks sample as long as the rollouts unless bound
-    return rl if rl.eval_max_new_tokens is not None else dataclasses.replace(
-        rl, eval_max_new_tokens=rollout.max_new_tokens)
-
-
-def _ppo_config(rollout: RLVRConfig) -> PPOConfig:
-    """PPOConfig with the sampling temperature: one field (RLVRConfig.temperature) sets both."""
-    bound = cs.bindings(PPOConfig).get("temperature", rollout.temperature)  # an equal binding (older files) is moot
-    if bound != rollout.temperature:
-        raise cs.ConfigError(f"PPOConfig.temperature ({bound}) is derived from RLVRConfig.temperature "
-                             f"({rollout.temperature}): the trainer takes log-probs at the sampling temperature; "
-                             "bind RLVRConfig.temperature only")
-    return cs.build(PPOConfig, temperature=rollout.temperature)
-
-
-def _engine_config(rollout: RLVRConfig, data: DataConfig | None) -> EngineConfig:
-    """EngineConfig with max_seq_len derived from the completion budget when not bound: the
-    longest prompt (EngineConfig.max_prompt_len, else DataConfig.max_prompt_tokens) plus
-    RLVRConfig.max_new_tokens. Without a prompt bound the field's default stays."""
+def _engine_config(rollout: RLVRConfig, data: DataConfig | None) -> EngineConfig | None:
+    """None (JobConfigs derives EngineConfig.max_seq_len) when EngineConfig is not bound; else the
+    bound one, with max_seq_len unbound derived by the same rule (`derived_max_seq_len`)."""
     bound = cs.bindings(EngineConfig)
-    prompt = bound.get("max_prompt_len") or (data.max_prompt_tokens if data is not None else None)
-    if "max_seq_len" in bound or not prompt:
-        return cs.build(EngineConfig)
-    return cs.build(EngineConfig, max_seq_len=prompt + rollout.max_new_tokens)
+    if not bound:
+        return None
+    max_seq_len = None if "max_seq_len" in bound else derived_max_seq_len(bound.get("max_prompt_len", 0), data,
+                                                                         rollout)
+    return cs.build(EngineConfig, **({} if max_seq_len is None else {"max_seq_len": max_seq_len}))
 
 
 def _checkpoint_config(stages: Stages, run_dir: str) -> CheckpointConfig | None:
