@@ -40,13 +40,14 @@ _EXPORTS = {
     # the seams (Protocols) and what a custom workflow builds
     "InferenceEngine": "areal_jax.api",
     "TrainEngine": "areal_jax.api",
-    "RolloutWorkflow": "areal_jax.api",
-    "RolloutClient": "areal_jax.rollout.workflow",
+    "RolloutWorkflow": "areal_jax.rollout.workflow",  # the base class (api.RolloutWorkflow's defaults)
+    "RolloutClient": "areal_jax.api",
+    "StepInfo": "areal_jax.api",
     "PromptExample": "areal_jax.data.examples",
     "prompt_example": "areal_jax.data.examples",
-    "Trajectory": "areal_jax.rollout.types",
-    "TrajectoryGroup": "areal_jax.rollout.types",
-    "SamplingParams": "areal_jax.generation.sampling",
+    "Trajectory": "areal_jax.api",
+    "TrajectoryGroup": "areal_jax.api",
+    "SamplingParams": "areal_jax.api",
 }
 
 __all__ = sorted(_EXPORTS)

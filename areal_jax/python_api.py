@@ -26,6 +26,7 @@ from typing import Any
 
 from areal_jax import paths
 from areal_jax.job_config import JobConfigs
+from areal_jax.rollout.workflow import missing_workflow_members
 
 __all__ = ["Trainer", "load_config"]
 
@@ -85,7 +86,10 @@ class Trainer:
             parts.update(task=task, data=data)
         self.workflow = workflow
         if workflow is not None:  # a class's own config: the bound one if it is of its config_class
-            config_class = getattr(workflow, "config_class", None) if isinstance(workflow, type) else None
+            if isinstance(workflow, type) and missing_workflow_members(workflow):
+                raise TypeError(f"workflow= {workflow.__name__} lacks {', '.join(missing_workflow_members(workflow))} "
+                                "of api.RolloutWorkflow: subclass areal_jax.RolloutWorkflow (it has their defaults)")
+            config_class = workflow.config_class if isinstance(workflow, type) else None
             wf_cfg = cfg.workflow if config_class and isinstance(cfg.workflow, config_class) else (
                 config_class() if config_class else None)
             parts.update(rl=dataclasses.replace(cfg.given("rl"), workflow=None), workflow=wf_cfg)

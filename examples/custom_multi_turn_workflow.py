@@ -29,8 +29,9 @@ SMALL = ["ModelSource.hidden_size = 32", "ModelSource.num_layers = 1", "TaskSour
 FEEDBACK = "<|user|>Wrong. Again.<|end|><|assistant|>"  # a user turn in the task tokenizer's chat format
 
 
-class RetryOnceWorkflow:
-    """n two-turn episodes per prompt row (an `aj.RolloutWorkflow`: only `arun` is required).
+class RetryOnceWorkflow(aj.RolloutWorkflow):
+    """n two-turn episodes per prompt row (an `aj.RolloutWorkflow`: `arun` is the one method to write;
+    the base class gives the defaults of `reject_reason`, `rollout` and `config_class`).
 
     Built by the run as `RetryOnceWorkflow(rollout, tokenizer)`: `rollout` is the job's RLVRConfig
     (samples per row, sampling, reward), `tokenizer` the policy's."""

@@ -99,6 +99,9 @@ class BigramEngine:
 
         return Stats()
 
+    def timings(self) -> dict[str, Any]:
+        return {}  # no compiled programs to time
+
     def start(self) -> None:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="bigram-engine", daemon=True)

@@ -1,4 +1,4 @@
-"""The seams of areal_jax/api.py: the native engine, trainer and workflows implement the Protocols,
+"""The seams of areal_jax/api/: the native engine, trainer and workflows implement the Protocols,
 and a second, independent implementation of both engines (tests/seam_fixtures.py) runs the RL loop."""
 
 import numpy as np
@@ -17,7 +17,7 @@ def test_native_engine_trainer_and_workflows_implement_the_protocols():
 
     from areal_jax.generation import EngineConfig, GenerationEngine
     from areal_jax.models import ModelConfig, init_params
-    from areal_jax.rollout.workflow import RLVRConfig, RLVRWorkflow
+    from areal_jax.rollout.workflow import RLVRConfig, RLVRWorkflow, RolloutClient, missing_workflow_members
     from areal_jax.trainer import OptimizerConfig, PolicyTrainer
     from areal_jax.workflows.multi_turn_math import MultiTurnMathWorkflow
 
@@ -28,7 +28,8 @@ def test_native_engine_trainer_and_workflows_implement_the_protocols():
     trainer = PolicyTrainer(cfg, params, OptimizerConfig(), PPOConfig(), mesh=None)
     assert isinstance(engine, api.InferenceEngine) and isinstance(trainer, api.TrainEngine)
     assert isinstance(RLVRWorkflow(RLVRConfig()), api.RolloutWorkflow)
-    assert issubclass(MultiTurnMathWorkflow, api.RolloutWorkflow)
+    assert missing_workflow_members(MultiTurnMathWorkflow) == []
+    assert isinstance(RolloutClient(engine, None), api.RolloutClient)  # what every workflow receives
     # The seams are structural: the bigram doubles share no code with the native classes.
     table = {"table": np.zeros((V, V), np.float32)}
     assert isinstance(BigramEngine(table, max_seq_len=8), api.InferenceEngine)

@@ -30,7 +30,7 @@ from areal_jax import api
 from areal_jax.data.examples import PromptExample, prompt_example
 from areal_jax.generation.engine import EngineConfig, GenerationEngine, GroupResult
 from areal_jax.generation.programs import slots_for_replicas
-from areal_jax.generation.sampling import SamplingParams
+from areal_jax.api import SamplingParams
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.transformer import Params
 from areal_jax.reward.scoring import RewardScorer, score_all

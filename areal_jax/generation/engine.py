@@ -114,6 +114,11 @@ class GenerationEngine:
     def version(self) -> int:
         return self._version
 
+    @property
+    def seed(self) -> int:
+        """The base of the per-sample randomness (EngineConfig.seed)."""
+        return self.config.seed
+
     # The cache, its programs and its pages live in `self._kv` (generation/engine_cache.py).
     @property
     def _cache(self):

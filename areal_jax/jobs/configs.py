@@ -115,18 +115,18 @@ def _workflow_class(rl: RLConfig) -> type | None:
     if rl.workflow is None:
         return None
     cls = resolve_workflow_class(rl.workflow)
-    if getattr(cls, "config_class", None) is not None:
+    if cls.config_class is not None:
         cs.register(cls.config_class)
         _WORKFLOW_CONFIGS.add(cls.config_class)
     return cls
 
 
 def _workflow_config(cls: type | None) -> Any:
-    config_class = getattr(cls, "config_class", None)
+    config_class = None if cls is None else cls.config_class
     # A workflow config registered earlier in this process (the strict parse then accepts its
     # bindings) that the configured workflow does not read: its bindings would be ignored.
     for other in _WORKFLOW_CONFIGS - {config_class}:
         if cs.bindings(other):
-            raise cs.ConfigError(f"{other.__name__} is bound, but RLConfig.workflow ({getattr(cls, '__name__', None)}) "
+            raise cs.ConfigError(f"{other.__name__} is bound, but RLConfig.workflow ({None if cls is None else cls.__name__}) "
                                  f"does not read it")
     return None if config_class is None else cs.build(config_class)

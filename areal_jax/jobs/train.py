@@ -28,7 +28,7 @@ from typing import Any
 import jax
 
 from areal_jax import config_system as cs
-from areal_jax import paths
+from areal_jax import api, paths
 from areal_jax.job_config import EVAL_SLOTS, JobConfigs
 from areal_jax.jobs.inputs import on_every_process, check_sources
 from areal_jax.jobs.preflight import check_solution_rewards
@@ -44,7 +44,7 @@ from areal_jax.metrics import MetricsLogger
 from areal_jax.models.hf_io import copy_tokenizer_files, save_params
 from areal_jax.parallel.distributed import agree_max, agree_sum, gather_json
 from areal_jax.parallel.meshes import build_meshes
-from areal_jax.rollout.workflow import make_workflow, resolve_workflow_class
+from areal_jax.rollout.workflow import make_workflow, missing_workflow_members, resolve_workflow_class
 from areal_jax.trainer.loop import RLLoop, generation_weight_sync
 from areal_jax.reward.pool import RewardPool
 from areal_jax.reward.sandbox import SandboxUnavailable
@@ -408,7 +408,12 @@ def _rollout_workflow(cfg: JobConfigs, rollout: Any, tokenizer: Any, given: Any 
     its default workflow from. A class gets the prompts' encoder (DataConfig's chat_template_kwargs
     or prompt_template), so the turns it inserts match them."""
     if given is not None and not isinstance(given, type):
-        return given if hasattr(given, "arun") else given(rollout, tokenizer)
+        if isinstance(given, api.RolloutWorkflow):
+            return given
+        if not callable(given):
+            raise TypeError(f"workflow= {type(given).__name__} lacks {', '.join(missing_workflow_members(given))} of "
+                            "api.RolloutWorkflow: subclass areal_jax.RolloutWorkflow (it has their defaults)")
+        return given(rollout, tokenizer)
     if given is None and cfg.rl.workflow is None:
         return rollout
     # None: the arithmetic task, whose prompts are the chat template without variables.

@@ -39,8 +39,8 @@ import sys
 import tempfile
 import time
 
-__all__ = ["become_subreaper", "cap_address_space", "descendants", "guardian_main", "kill_descendants",
-           "kill_tree", "own_pymp_dir", "sweep_orphaned_pymp_dirs"]
+__all__ = ["become_subreaper", "cap_address_space", "descendants", "kill_descendants", "kill_tree", "own_pymp_dir",
+           "signal_on_parent_death", "sweep_orphaned_pymp_dirs"]
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -54,6 +54,11 @@ def _prctl(option: int, value: int) -> bool:
         return ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+def signal_on_parent_death(sig: int) -> bool:
+    """Asks the kernel to send `sig` to this process when its parent dies (PR_SET_PDEATHSIG)."""
+    return _prctl(_PR_SET_PDEATHSIG, sig)
 
 
 def become_subreaper() -> bool:
@@ -164,56 +169,7 @@ def _reap(pids: set[int], timeout_s: float = 5.0) -> None:
             time.sleep(0.005)
 
 
-# ---- the guardian ----------------------------------------------------------------------------
-
-
-class _ParentDied(BaseException):
-    pass
-
-
-def _on_parent_death(signum, frame):
-    raise _ParentDied()
-
-
-def guardian_main(conn, preload, sandbox, memory_mb) -> None:
-    """The pool's worker process: forks the worker W (reward/worker.py) and outlives it only to
-    kill what W leaves. Exits with W's exit code (nonzero when W was killed or crashed)."""
-    from areal_jax.reward.worker import release_fork_server, worker_main
-
-    release_fork_server()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # shutdown is the pool's job
-    signal.signal(signal.SIGTERM, _on_parent_death)
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    become_subreaper()
-    worker = os.fork()
-    if worker == 0:  # W
-        code = 1
-        try:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.setsid()
-            become_subreaper()
-            cap_address_space(memory_mb)
-            worker_main(conn, preload, sandbox)
-            code = 0
-        finally:
-            os._exit(code)
-    conn.close()
-    code = 1
-    try:
-        while True:
-            try:
-                pid, status = os.waitpid(-1, 0)  # W, and orphans adopted from below it
-            except ChildProcessError:
-                break
-            if pid == worker:
-                code = os.waitstatus_to_exitcode(status)
-                break
-    except _ParentDied:
-        pass
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        kill_descendants()
-    os._exit(code if code >= 0 else 128 - code)
+# (the guardian G: reward/guardian.py)
 
 
 # ---- the fork server's temporary directory ---------------------------------------------------

@@ -42,7 +42,8 @@ from typing import Any, Iterable
 
 from areal_jax.reward.registry import resolve_reward_path
 from areal_jax.reward.sandbox import SandboxLimits, sweep_orphaned_sandboxes, sweep_sandboxes_of
-from areal_jax.reward.containment import guardian_main, kill_tree, own_pymp_dir, sweep_orphaned_pymp_dirs
+from areal_jax.reward.containment import kill_tree, own_pymp_dir, sweep_orphaned_pymp_dirs
+from areal_jax.reward.guardian import guardian_main
 
 __all__ = ["RewardCallFailed", "RewardFunctionNotFound", "RewardPool", "RewardPoolConfig", "RewardPoolStats"]
 

@@ -16,7 +16,7 @@ import itertools
 import threading
 import time
 
-from areal_jax.rollout.types import TrajectoryGroup
+from areal_jax.api import TrajectoryGroup
 
 __all__ = ["ChannelClosed", "TrajectoryChannel"]
 

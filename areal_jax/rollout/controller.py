@@ -65,8 +65,8 @@ from areal_jax import api
 from areal_jax.rollout.channel import ChannelClosed, TrajectoryChannel
 from areal_jax.rollout.filters import GroupFilter, is_too_stale
 from areal_jax.rollout.staleness import StalenessManager, admission_version
-from areal_jax.rollout.types import TrajectoryGroup
-from areal_jax.rollout.workflow import Detokenizer, RolloutClient, row_source
+from areal_jax.api import TrajectoryGroup
+from areal_jax.rollout.workflow import Detokenizer, RolloutClient, missing_workflow_members, row_source
 
 __all__ = ["ControllerStats", "RolloutController", "RolloutsFailed", "ShutdownReport"]
 
@@ -169,6 +169,10 @@ class RolloutController:
                  max_failures_in_a_row: int | None = None) -> None:
         if not inspect.iscoroutinefunction(getattr(workflow, "arun", None)):
             raise TypeError(f"workflow {type(workflow).__name__} has no `async def arun(client, row, *, version)`")
+        missing = missing_workflow_members(workflow)
+        if missing:
+            raise TypeError(f"workflow {type(workflow).__name__} lacks {', '.join(missing)} of api.RolloutWorkflow: "
+                            "subclass areal_jax.RolloutWorkflow (it has their defaults) or define them")
         if max_concurrent is None:
             max_concurrent = staleness.max_concurrent
         if isinstance(max_concurrent, bool) or not isinstance(max_concurrent, int) or max_concurrent < 1:
@@ -439,8 +443,7 @@ class RolloutController:
     def _reject_reason(self, group: TrajectoryGroup | None, trainer_version: int) -> str | None:
         if group is None:
             return "workflow"
-        own = getattr(self.workflow, "reject_reason", None)
-        for check in ((own,) if own is not None else ()) + self._filters:
+        for check in (self.workflow.reject_reason, *self._filters):
             reason = check(group)
             if reason is not None:
                 return str(reason)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from areal_jax.rollout.types import TrajectoryGroup
+from areal_jax.api import TrajectoryGroup
 
 __all__ = ["GroupFilter", "all_rewards_equal", "equal_rewards_filter", "is_too_stale", "token_lag"]
 

@@ -44,17 +44,15 @@ import importlib
 import inspect
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
 from areal_jax import api
+from areal_jax.api import GroupResult, SamplingParams, Trajectory, TrajectoryGroup
 from areal_jax.data.examples import gold_answer, prompt_example
-from areal_jax.generation.requests import GroupResult
-from areal_jax.generation.sampling import SamplingParams
 from areal_jax.reward.registry import load_reward_function, resolve_reward_path, reward_value
 from areal_jax.rollout.filters import equal_rewards_filter
-from areal_jax.rollout.types import Trajectory, TrajectoryGroup
 from areal_jax.user_code import import_hint
 
 __all__ = [
@@ -160,8 +158,13 @@ class RolloutClient:
 
 
 class RolloutWorkflow(api.RolloutWorkflow, abc.ABC):
-    """A base class for `api.RolloutWorkflow` (one prompt row -> one TrajectoryGroup) with a default
-    `reject_reason`. Subclass it, or match the protocol's shape (duck typing works)."""
+    """A base class for `api.RolloutWorkflow` (one prompt row -> one TrajectoryGroup) with the
+    defaults of its optional parts: no own filter (`reject_reason`), no RLVRConfig (`rollout`: set
+    it to the one the workflow samples with), no config of its own (`config_class`). Subclass it, or
+    define all of `api.RolloutWorkflow`'s members yourself."""
+
+    rollout: Any = None
+    config_class: ClassVar[type | None] = None
 
     @abc.abstractmethod
     async def arun(self, engine_client: RolloutClient, row: Any, *, version: int) -> TrajectoryGroup | None:
@@ -226,7 +229,7 @@ class RLVRWorkflow(RolloutWorkflow):
     def __init__(self, config: RLVRConfig) -> None:
         if not isinstance(config, RLVRConfig):
             raise TypeError(f"RLVRWorkflow takes an RLVRConfig, got {type(config).__name__}")
-        self.config = config
+        self.config = self.rollout = config
 
     async def arun(self, engine_client: RolloutClient, row: Any, *, version: int) -> TrajectoryGroup | None:
         cfg = self.config
@@ -285,10 +288,21 @@ def resolve_workflow_class(path: str, field: str = "RLConfig.workflow") -> type:
         raise ValueError(f"{where}: is not a class (a {type(obj).__name__})")
     if not inspect.iscoroutinefunction(getattr(obj, "arun", None)):
         raise ValueError(f"{where}: not a workflow: the class has no `async def arun(self, client, row, *, version)`")
-    config_class = getattr(obj, "config_class", None)
+    missing = missing_workflow_members(obj)
+    if missing:
+        raise ValueError(f"{where}: the class lacks {', '.join(missing)} of api.RolloutWorkflow: subclass "
+                         "areal_jax.RolloutWorkflow (it has their defaults) or define them")
+    config_class = obj.config_class
     if config_class is not None and not (inspect.isclass(config_class) and dataclasses.is_dataclass(config_class)):
         raise ValueError(f"{where}: the class's config_class must be a dataclass, got {config_class!r}")
     return obj
+
+
+def missing_workflow_members(obj: Any) -> list[str]:
+    """The members of `api.RolloutWorkflow` that a workflow class or instance lacks (`rollout` only
+    checked on an instance: a constructor may set it)."""
+    names = ["arun", "reject_reason", "config_class"] + ([] if inspect.isclass(obj) else ["rollout"])
+    return [name for name in names if not hasattr(obj, name)]
 
 
 def make_workflow(cls: type, rollout: RLVRConfig, tokenizer: Any, config: Any = None, *,
@@ -301,7 +315,7 @@ def make_workflow(cls: type, rollout: RLVRConfig, tokenizer: Any, config: Any = 
     except (TypeError, ValueError):  # no signature to read: built as the contract's first form says
         takes_encoder = False
     extra = {"prompt_encoder": prompt_encoder} if takes_encoder else {}
-    if getattr(cls, "config_class", None) is None:
+    if cls.config_class is None:
         return cls(rollout, tokenizer, **extra)
     if not isinstance(config, cls.config_class):
         raise TypeError(f"{cls.__name__} takes a {cls.config_class.__name__}, got {type(config).__name__}")

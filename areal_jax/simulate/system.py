@@ -20,7 +20,7 @@ import numpy as np
 from areal_jax.rollout.channel import TrajectoryChannel
 from areal_jax.rollout.filters import is_too_stale
 from areal_jax.rollout.staleness import StalenessManager, admission_version
-from areal_jax.rollout.types import Trajectory, TrajectoryGroup
+from areal_jax.api import Trajectory, TrajectoryGroup
 from areal_jax.simulate.config import RowConfig, Workload
 from areal_jax.simulate.events import EventQueue
 from areal_jax.simulate.generation import SimEngine, SimGroup

@@ -17,7 +17,7 @@ import jax
 from areal_jax import api
 from areal_jax.parallel.distributed import agree_max, agree_sum, agree_sum_array
 from areal_jax.ppo.advantages import AdvantageConfig
-from areal_jax.rollout.types import TrajectoryGroup
+from areal_jax.api import TrajectoryGroup
 from areal_jax.trainer.batching import PackedBatch, make_microbatches, sequence_group_ids
 from areal_jax.trainer.reference import ReferencePolicy, sequences_with_kl
 

@@ -104,7 +104,7 @@ class RLCluster:
         halfway through a read); call before `start`."""
         # The controller thread reads rows while the trainer thread snapshots the position for a
         # checkpoint: a lock keeps a snapshot from landing halfway through a read.
-        data = _LockedIterator(data_iter) if hasattr(data_iter, "get_state") else data_iter
+        data = _LockedIterator(data_iter) if isinstance(data_iter, api.CheckpointableIterator) else data_iter
         self.controller = RolloutController(self.engine, workflow, self.staleness, self.channel, data,
                                             version_fn=version_fn, tokenizer=tokenizer, reward_pool=reward_pool,
                                             max_group_age=self.max_group_age)

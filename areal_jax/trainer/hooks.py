@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import jax
 
+from areal_jax import api
 from areal_jax.checkpoint import Checkpointer
-from areal_jax.rollout.types import TrajectoryGroup
 
 if TYPE_CHECKING:
     from areal_jax.trainer.loop import RLLoop
@@ -33,18 +33,12 @@ Stage = Literal["update", "metrics", "record"]
 STAGES: tuple[Stage, ...] = ("update", "metrics", "record")
 
 
-@dataclasses.dataclass
-class StepInfo:
-    """A step as its hooks see it. `metrics` is the step's record (hooks at "metrics" add to it)."""
+@dataclasses.dataclass(frozen=True)
+class StepInfo(api.StepInfo):
+    """A step as its hooks see it (`api.StepInfo`: step, version, groups, metrics, last), and the loop
+    while the built-in hooks still read it (going: hooks are to receive data only, issue 38)."""
 
-    loop: RLLoop
-    step: int
-    groups: list[TrajectoryGroup]
-    metrics: dict[str, Any]
-
-    @property
-    def last(self) -> bool:
-        return self.step == self.loop.rl.steps - 1
+    loop: RLLoop | None = None
 
 
 def evaluation_hook(info: StepInfo) -> None:
@@ -93,10 +87,10 @@ class CheckpointHook:
         if not (due or self.always_point):
             self.last_point = None
             return
-        engine_seed = getattr(getattr(loop.engine, "config", None), "seed", None)
+        engine_seed = loop.engine.seed
         meta = {"step": info.step, "version": loop.version, "staleness": loop.staleness.state_dict(),
                 "engine_seed": engine_seed, "trained_tokens": loop.trained_tokens}
-        data = _FrozenPosition(loop.data_iter.get_state()) if hasattr(loop.data_iter, "get_state") else None
+        data = _FrozenPosition(loop.data_iter.get_state()) if isinstance(loop.data_iter, api.CheckpointableIterator) else None
         self.last_point = {"step": info.step, "meta": meta, "data": data}
         self._pending = self.last_point if due else None
 
@@ -130,7 +124,7 @@ class CheckpointHook:
         template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
                                 if isinstance(a, jax.Array) else a, loop.trainer.state_dict())
         state, meta = self.checkpointer.restore(
-            state_template=template, data_iterator=loop.data_iter if hasattr(loop.data_iter, "get_state") else None)
+            state_template=template, data_iterator=loop.data_iter if isinstance(loop.data_iter, api.CheckpointableIterator) else None)
         loop.trainer.load_state_dict(state)
         return meta
 

@@ -50,7 +50,7 @@ from areal_jax.parallel.weight_sync import WeightSync
 from areal_jax.ppo.advantages import AdvantageConfig
 from areal_jax.reward.scoring import RewardScorer
 from areal_jax.rollout.controller import ShutdownReport
-from areal_jax.rollout.types import TrajectoryGroup
+from areal_jax.api import TrajectoryGroup
 from areal_jax.rollout.workflow import RLVRConfig, RLVRWorkflow
 from areal_jax.trainer.algorithm import PPOStep
 from areal_jax.trainer.cluster import RLCluster, generation_weight_sync
@@ -142,7 +142,7 @@ class RLLoop:
         self.reward_pool = reward_pool
         # A custom workflow samples with the RLVRConfig it was built with (its `rollout`): held-out
         # evaluation scores with its reward and stop tokens.
-        rollout = workflow if isinstance(workflow, RLVRConfig) else getattr(workflow, "rollout", None)
+        rollout = workflow if isinstance(workflow, RLVRConfig) else workflow.rollout
         self.workflow_config = rollout if isinstance(rollout, RLVRConfig) else None
         self.workflow = RLVRWorkflow(workflow) if isinstance(workflow, RLVRConfig) else workflow
         self.data_iter = data_iter
@@ -263,7 +263,7 @@ class RLLoop:
                 metrics["time/wall_s"] = time.perf_counter() - t_start
                 metrics["train/trained_tokens_total"] = self.trained_tokens
                 metrics["throughput/trained_tokens_per_s"] = self._run_tokens / metrics["time/wall_s"]
-                info = StepInfo(self, step, groups, metrics)
+                info = StepInfo(step, self.version, groups, metrics, step == self.rl.steps - 1, loop=self)
                 self._run_hooks("metrics", info)  # rollout dumps, held-out evaluation
                 history.append(metrics)
                 # The step's records, then (a checkpoint never holds a step its records lack: a
@@ -312,7 +312,7 @@ class RLLoop:
         # Before the new weights reach the generator: a checkpoint's resume point (in "sync" mode
         # nothing is in flight or queued here, so the data position is exactly what the trained
         # steps consumed).
-        self._run_hooks("update", StepInfo(self, step, groups, {}))
+        self._run_hooks("update", StepInfo(step, self.version, groups, {}, step == self.rl.steps - 1, loop=self))
         t0 = time.perf_counter()
         applied = self._last_applied = self.cluster.push_weights(self.version)
         transfer_s = time.perf_counter() - t0
@@ -373,7 +373,7 @@ class RLLoop:
     def _step_timings(self, train: dict[str, Any], minibatches) -> dict[str, Any]:
         """The step's program timings, which `areal-jax simulate --calibrate` fits: the engine's calls
         since the previous record (generation/timings.py) and the training step with the shapes it ran."""
-        now = self.engine.timings() if hasattr(self.engine, "timings") else {}  # not in api.InferenceEngine
+        now = self.engine.timings()
         out = timings_delta(now, self._timings_seen)
         self._timings_seen = now
         shapes = [mb.shape for minibatch in minibatches for mb in minibatch]
@@ -444,7 +444,7 @@ class _Abandoned(Exception):
 
 def _last_transfer_bytes(sync: Any) -> float:
     """Bytes the last swap moved to the generation devices (0 before any, or for another engine pair)."""
-    stats = getattr(sync, "last_stats", None)
+    stats = None if sync is None else sync.last_stats
     return float(stats.num_bytes) if stats is not None else 0.0
 
 
@@ -452,7 +452,7 @@ def _sampling_temperature(workflow: Any, ppo: PPOConfig) -> PPOConfig:
     """`ppo` with the rollouts' sampling temperature, which it must equal when set: the trainer's
     log-probs must be of the distribution that sampled the tokens, or the importance weights
     pi_prox / pi_behav measure the temperature, not the staleness."""
-    rollout = workflow if isinstance(workflow, RLVRConfig) else getattr(workflow, "rollout", None)
+    rollout = workflow if isinstance(workflow, RLVRConfig) else workflow.rollout
     if not isinstance(rollout, RLVRConfig):
         return ppo
     if ppo.temperature is None:  # derived: the sampling temperature

@@ -9,7 +9,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import optax
 
-from areal_jax.trainer.config import SCHEDULES, OptimizerConfig, Schedule  # noqa: F401  (the config lives with the others)
+from areal_jax.trainer.engine_config import SCHEDULES, OptimizerConfig, Schedule  # noqa: F401  (re-exported)
+
 
 def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
     """lr as a function of the number of updates already applied (jit-compatible)."""

@@ -33,7 +33,7 @@ from areal_jax.models import lora as lora_lib
 from areal_jax.models.transformer import Params
 from areal_jax.packing import unpack
 from areal_jax.ppo import AdvantageConfig, kl_estimate
-from areal_jax.rollout.types import TrajectoryGroup
+from areal_jax.api import TrajectoryGroup
 from areal_jax.trainer.batching import PackedBatch, build_sequences, make_microbatches
 from areal_jax.trainer.programs import PROXIMAL_KEY
 from areal_jax.trainer.train_step import PolicyTrainer

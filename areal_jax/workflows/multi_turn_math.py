@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from areal_jax.data.examples import PromptExample, prompt_example
-from areal_jax.rollout.types import Trajectory, TrajectoryGroup
+from areal_jax.api import Trajectory, TrajectoryGroup
 from areal_jax.rollout.workflow import GenerationAborted, RLVRConfig, RolloutClient, RolloutWorkflow, stable_seed
 from areal_jax.rollout.filters import equal_rewards_filter
 
