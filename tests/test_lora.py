@@ -169,3 +169,32 @@ def test_peft_files_round_trip(tmp_path):
     for w in lora.weights:
         for k in ("a", "b"):
             np.testing.assert_array_equal(got[w][k], np.asarray(adapters[w][k]))
+
+
+@pytest.mark.parametrize("key, value", [("alpha_pattern", {"q_proj": 64}), ("rank_pattern", {"k_proj": 8}),
+                                        ("modules_to_save", ["lm_head"]), ("layers_to_transform", [0])])
+def test_peft_fields_that_change_the_adapter_are_refused_not_ignored(tmp_path, key, value):
+    """Honouring them would compute another adapter; ignoring them silently (as before) too."""
+    import json
+
+    lora = LoRAConfig(rank=2, alpha=3.0, targets=("k", "o"))
+    save_adapter(_random_adapters(CFG, lora, 0), CFG, lora, tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**config, key: type(value)()}))
+    assert load_adapter(tmp_path, CFG)[0].rank == 2  # empty, as PEFT writes them: the plain adapter
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**config, key: value}))
+    with pytest.raises(ValueError, match=f"adapter_config.json: {key} = .* is not supported"):
+        load_adapter(tmp_path, CFG)
+
+
+def test_an_all_sparse_moe_model_refuses_dense_mlp_targets():
+    """Every layer a mixture of experts: no w_gate / w_up / w_down to adapt (was KeyError 'w_down')."""
+    from areal_jax.tasks.tokenizer_builder import task_model_config
+
+    cfg = task_model_config(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=48, num_experts=4)
+    assert all(cfg.sparse_layers)
+    with pytest.raises(ValueError, match=r"this model has no gate, down projections .* set LoRAConfig.targets = "
+                                         r"\('q', 'v'\)"):
+        lora_lib.init_adapters(cfg, LoRAConfig(rank=2, targets=("q", "gate", "v", "down")))
+    adapters = lora_lib.init_adapters(cfg, LoRAConfig(rank=2, targets=("q", "v")))
+    assert set(adapters) == {"scale", "wq", "wv"}

@@ -288,3 +288,14 @@ def test_megablox_gmm_compiles_for_tpu_forward_and_backward():
     assert calls >= 3  # the three expert projections run as Pallas kernels (and their backward)
     # ... and `plan` names them: megablox's kernels only, no XLA ragged dot left beside them.
     assert next(x for x in out.stdout.splitlines() if x.startswith("GROUPED")).split()[1:] == ["megablox_gmm"]
+
+
+def test_the_aux_loss_coefficient_follows_output_router_logits_as_in_transformers():
+    """A config.json with output_router_logits false (or absent: transformers' default) adds no
+    load-balancing loss whatever its router_aux_loss_coef; ours round-trips a nonzero coefficient."""
+    hf = _cfg("qwen3_moe", router_aux_loss_coef=0.001).to_hf()
+    assert hf["output_router_logits"] is True and ModelConfig.from_hf(hf).moe.router_aux_loss_coef == 0.001
+    for off in ({"output_router_logits": False}, {}):
+        config = {k: v for k, v in hf.items() if k != "output_router_logits"} | off
+        assert ModelConfig.from_hf(config).moe.router_aux_loss_coef == 0.0
+    assert _cfg("qwen3_moe").to_hf()["output_router_logits"] is False

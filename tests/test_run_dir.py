@@ -101,6 +101,23 @@ def test_resume_with_nothing_to_resume_is_an_error_that_writes_nothing(tmp_path,
     assert not run.exists()
 
 
+@pytest.mark.parametrize("params,phrases", [
+    (["EngineConfig.kv_layout = 'paged'", "EngineConfig.kv_pool_bytes = 1000"],
+     ("EngineConfig: EngineConfig.kv_pool_bytes = 1000 holds 0 pages", "less than one sequence of max_seq_len = 64")),
+    (["EngineConfig.kv_layout = 'paged'", "EngineConfig.attention_impl = 'pallas'"],
+     ("EngineConfig: paged attention impl 'pallas': no kernel for platform 'cpu'", "use 'reference' or 'auto'")),
+    (["ModelSource.num_experts = 4", "LoRAConfig.rank = 4"],  # every layer sparse: no gate, up or down
+     ("LoRAConfig.targets = ('q', 'k', 'v', 'o', 'gate', 'up', 'down'): this model has no gate, up, down",
+      "set LoRAConfig.targets = ('q', 'k', 'v', 'o')")),
+])
+def test_an_engine_or_adapters_that_cannot_be_built_are_refused_before_anything_is_written(tmp_path, params, phrases):
+    """Was a traceback from the engine (LoRA: KeyError 'w_down' in the trainer), after config.json,
+    config.gin and the tokenizer were written."""
+    run = tmp_path / "run"
+    assert_user_error(train(run, params=TINY + params), *phrases)
+    assert not run.exists()
+
+
 def tiny_model(path: pathlib.Path) -> pathlib.Path:
     from tests.test_cli import _tiny_model_dir
 

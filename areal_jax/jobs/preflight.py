@@ -1,4 +1,5 @@
-"""Checks of the job's reward against its data, run before the model loads or any stage starts.
+"""Checks run before the model loads or any stage starts: the job's reward against its data, the
+generation engine's cache and the LoRA targets against the model (`check_model_fit`).
 
 A reward that cannot read the answers the data teaches scores every rollout 0: RL then runs to
 the end with nothing to learn from and no error. Where rows carry reference solutions (GSM8K's
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from areal_jax.data.formats import RowFormatError, parse_record, solution_pair
 from areal_jax.data.sources import iter_records
@@ -83,3 +85,46 @@ def check_solution_rewards(cfg: JobConfigs, score: Callable[[Sequence[tuple]], l
                 f"Use a reward that reads them (e.g. RLVRConfig.reward = 'gsm8k' for '#### N'), or set "
                 f"TaskSource.solution_reward_min = 0 to train anyway")
     return means
+
+
+def check_model_fit(cfg: JobConfigs, platform: str) -> None:
+    """What the trainer or the RL engine would refuse once built, checked from the model's config
+    alone (no weights): LoRA targets the model does not have (`lora.check_targets`), a paged pool
+    (`EngineConfig.kv_pool_bytes`) smaller than one max_seq_len sequence, `attention_impl = "pallas"`
+    where `platform` has no such kernel. ConfigError of one line; run before anything is written.
+    A model on remote storage (gs://) is checked for the kernel only: its config is read later."""
+    import jax.numpy as jnp
+
+    from areal_jax.config_system import ConfigError
+    from areal_jax.generation.paged import page_bytes
+    from areal_jax.kernels.paged_attention import KERNELS
+    from areal_jax.models.lora import check_targets
+
+    local = cfg.model.path is None or "://" not in cfg.model.path
+    engine = cfg.engine
+    if cfg.lora.enabled and local:
+        try:
+            check_targets(_model_config(cfg), cfg.lora)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if not cfg.stages.rl or engine.layout(platform) != "paged":
+        return
+    try:
+        KERNELS.resolve(engine.attention_impl, platform)
+        if engine.kv_pool_bytes and local:
+            engine.pool_pages(page_bytes(_model_config(cfg), engine.page_size,
+                                         jnp.dtype(engine.cache_dtype or cfg.rl.generation_dtype or cfg.model.dtype)))
+    except ValueError as e:
+        raise ConfigError(f"EngineConfig: {e}") from None
+
+
+def _model_config(cfg: JobConfigs) -> Any:
+    """The policy's ModelConfig from its config.json (or the built-in model's fields): no weights."""
+    if cfg.model.path is None:
+        from areal_jax.tasks.tokenizer_builder import task_model_config
+
+        return task_model_config(hidden_size=cfg.model.hidden_size, num_layers=cfg.model.num_layers,
+                                 num_experts=cfg.model.num_experts, num_experts_per_tok=cfg.model.num_experts_per_tok)
+    from areal_jax.models.hf_io import read_config
+
+    return read_config(cfg.model.path)

@@ -31,7 +31,7 @@ from areal_jax import config_system as cs
 from areal_jax import api, paths
 from areal_jax.job_config import EVAL_SLOTS, JobConfigs
 from areal_jax.jobs.inputs import on_every_process, check_sources
-from areal_jax.jobs.preflight import check_solution_rewards
+from areal_jax.jobs.preflight import check_model_fit, check_solution_rewards
 from areal_jax.jobs.progress import accuracy_text, plot_progress, progress_bar
 from areal_jax.jobs.run_settings import write_prompt_settings
 from areal_jax.jobs.run_dir import check_run_dir, remove_previous_run
@@ -155,6 +155,7 @@ def _prepare_run(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: Rewa
         raise cs.ConfigError(f"MeshConfig: {e}") from None
     on_every_process(lambda: check_run_dir(cfg, run_dir, resume=resume, overwrite=overwrite))
     on_every_process(lambda: check_sources(cfg))
+    check_model_fit(cfg, meshes.generation.devices.flat[0].platform)  # the same on every process
     # Held-out and validation accuracy score in the same pool as the rollouts, under the same deadline.
     reward_fn = RewardScorer(cfg.rollout.reward, reward_pool, timeout_s=cfg.rollout.reward_timeout_s)
     on_every_process(lambda: check_solution_rewards(cfg, reward_fn.checked_map))  # a reward that cannot read the data

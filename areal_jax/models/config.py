@@ -63,6 +63,8 @@ class MoEConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     # Weight of the load-balancing loss (Switch-style, as HF's) added to the training loss; 0 = off.
+    # From an HF config.json: its router_aux_loss_coef where output_router_logits is true, else 0
+    # (transformers adds the loss only then); written back with output_router_logits = coef > 0.
     router_aux_loss_coef: float = 0.0
     # Grouped matmul over tokens sorted by expert: "ragged_dot" (jax.lax.ragged_dot), "gmm" (the
     # platform's Pallas kernel: megablox gmm on TPU, Mosaic GPU ragged dot on Hopper) or "auto" (the
@@ -272,7 +274,7 @@ class ModelConfig:
             hf.update(num_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
                       moe_intermediate_size=m.moe_intermediate_size, norm_topk_prob=m.norm_topk_prob,
                       decoder_sparse_step=m.decoder_sparse_step, mlp_only_layers=list(m.mlp_only_layers),
-                      router_aux_loss_coef=m.router_aux_loss_coef)
+                      router_aux_loss_coef=m.router_aux_loss_coef, output_router_logits=m.router_aux_loss_coef > 0)
             if self.family == "qwen2_moe":
                 hf["shared_expert_intermediate_size"] = m.shared_expert_intermediate_size
         if self.rope.type != "default":
@@ -292,7 +294,9 @@ def _moe_from_hf(hf: dict[str, Any], family: Family) -> MoEConfig:
         shared_expert_intermediate_size=shared,
         decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
         mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
-        router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)),
+        # transformers adds the load-balancing loss only where output_router_logits is true (its
+        # default: false); a checkpoint that says false carries a coefficient nothing uses.
+        router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0,
     )
 
 

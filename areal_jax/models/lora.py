@@ -103,6 +103,20 @@ class LoRAConfig:
         return tuple(TARGETS[t][0] for t in self.targets)
 
 
+def check_targets(cfg: ModelConfig, lora: LoRAConfig) -> None:
+    """ValueError (one line) for targets the model does not have: a model whose every layer is a
+    mixture of experts has no dense MLP (gate, up, down); adapters on experts are not supported."""
+    if not lora.enabled or cfg.moe is None or not all(cfg.sparse_layers):
+        return
+    missing = [t for t in lora.targets if t in ("gate", "up", "down")]
+    if missing:
+        kept = tuple(t for t in lora.targets if t not in missing)
+        hint = f"set LoRAConfig.targets = {kept or ('q', 'k', 'v', 'o')}"
+        raise ValueError(f"LoRAConfig.targets = {lora.targets}: this model has no {', '.join(missing)} projections "
+                         f"(every layer is a mixture of experts, with no dense MLP, and adapters on experts are not "
+                         f"supported); {hint}")
+
+
 def _io_axes() -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
     """(input axes, output axes) of every projection, the logical names of param_axes."""
     return {"wq": (("embed",), ("q_heads", "head_dim")), "wk": (("embed",), ("kv_heads", "head_dim")),
@@ -141,6 +155,7 @@ def init_adapters(cfg: ModelConfig, lora: LoRAConfig) -> dict[str, Any]:
     """Fresh fp32 adapters: a ~ U(+-1/sqrt(fan_in)), b = 0, scale = alpha / rank."""
     if not lora.enabled:
         raise ValueError("init_adapters needs LoRAConfig.rank > 0")
+    check_targets(cfg, lora)
     rng = np.random.default_rng(lora.seed)
     shapes = adapter_shapes(cfg, lora)
     out: dict[str, Any] = {SCALE: jnp.full(shapes[SCALE], lora.scale, jnp.float32)}

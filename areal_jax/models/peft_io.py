@@ -71,6 +71,14 @@ def load_adapter(path: str | pathlib.Path, cfg: ModelConfig) -> tuple[LoRAConfig
     for key, plain in (("use_rslora", False), ("use_dora", False), ("fan_in_fan_out", False), ("bias", "none")):
         if hf.get(key, plain) != plain:
             raise ValueError(f"{path / CONFIG_FILE}: {key} = {hf[key]!r} is not supported (only {plain!r})")
+    # Per-module alphas or ranks, fully trained extra modules, a subset of layers: each changes what
+    # the adapter computes, and this loader would silently compute something else.
+    for key, meaning in (("alpha_pattern", "per-module lora_alpha"), ("rank_pattern", "per-module ranks"),
+                         ("modules_to_save", "modules trained in full besides the adapters"),
+                         ("layers_to_transform", "adapters on some layers only")):
+        if hf.get(key):
+            raise ValueError(f"{path / CONFIG_FILE}: {key} = {hf[key]!r} ({meaning}) is not supported: only "
+                             "adapters of one rank and alpha on every layer's target_modules load")
     modules = hf["target_modules"]
     modules = [modules] if isinstance(modules, str) else list(modules)
     unknown = [m for m in modules if m not in _TARGET_OF_MODULE]

@@ -142,7 +142,8 @@ class PPOConfig:
         moe_routing: for a mixture-of-experts policy, how the proximal and current log-probs
             route tokens: "recompute" (the trainer's router chooses afresh) or "replay" (the
             experts the generation engine chose, batch key `moe_routing`, are used; the router
-            still weighs them and learns). Ignored for dense policies.
+            still weighs them and learns). At staleness > 0 replay keeps each token's routing at
+            the behaviour version that sampled it. Ignored for dense policies.
     """
 
     eps_clip: float = 0.2
