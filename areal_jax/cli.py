@@ -392,7 +392,14 @@ def _generate(args) -> int:
             raise InputError(f"{flag} must be {want}, got {value}")
 
     from areal_jax.jobs.evaluate import load_model
+    from areal_jax.jobs.inputs import check_model_dir
+    from areal_jax.models.hf_io import read_config
 
+    check_model_dir(args.model, "--model")
+    limit = read_config(args.model).max_position_embeddings
+    if args.max_new_tokens >= limit:  # before the weights load: a cache of 100,000 positions is minutes
+        raise InputError(f"--max_new_tokens = {args.max_new_tokens} leaves no position for the prompt within "
+                         f"the model's max_position_embeddings = {limit} ({args.model}/config.json)")
     tok, model = load_model(args.model, dtype=args.dtype,
                             mesh_for=lambda model_cfg: engine_mesh(model_cfg, args.tensor_parallel,
                                                                    field="--tensor_parallel"))
@@ -401,6 +408,10 @@ def _generate(args) -> int:
     # The model's recorded prompt encoding (a base model with none continues the text as given).
     settings = generate_settings(args.model, system=args.system, chat_template_kwargs=args.chat_template_kwargs)
     prompts = encode_prompts(tok, list(args.prompt), settings)
+    longest = max(len(p) for p in prompts)
+    if longest + args.max_new_tokens > limit:
+        raise InputError(f"--max_new_tokens = {args.max_new_tokens} after the longest prompt ({longest} tokens) passes "
+                         f"the model's max_position_embeddings = {limit}: at most {limit - longest} new tokens")
     out = generate(model, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature, n=args.n,
                    top_p=args.top_p, top_k=args.top_k, stop_token_ids=tok.stop_token_ids)
     for p, group in zip(args.prompt, out):

@@ -34,6 +34,20 @@ def test_generate_flags(tmp_path, capsys, flag, phrase):
     assert phrase in _one_line(capsys)
 
 
+def test_generate_refuses_more_new_tokens_than_the_model_has_positions(tmp_path, capsys):
+    """Was silent: an engine of 100,000 positions compiling for minutes."""
+    from tests.test_cli import _tiny_model_dir
+
+    model = _tiny_model_dir(tmp_path / "model")
+    limit = json.loads((model / "config.json").read_text())["max_position_embeddings"]
+    assert main(["generate", f"--model={model}", "--prompt=hi", "--max_new_tokens=100000"]) == 2
+    assert (f"--max_new_tokens = 100000 leaves no position for the prompt within the model's "
+            f"max_position_embeddings = {limit}") in _one_line(capsys)
+    assert main(["generate", f"--model={model}", "--prompt=hi", f"--max_new_tokens={limit - 1}"]) == 2
+    line = _one_line(capsys)
+    assert f"--max_new_tokens = {limit - 1} after the longest prompt (" in line and "new tokens" in line
+
+
 def test_a_run_dir_below_a_file(tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     for run_dir in (tmp_path / "file" / "sub", tmp_path / "file"):
