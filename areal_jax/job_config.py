@@ -32,7 +32,7 @@ from areal_jax.trainer.config import OptimizerConfig, PPOConfig, RLConfig, SFTCo
 __all__ = ["DEFAULT_EVAL_SIZE", "DEFAULT_SAVE_INTERVAL_S", "DEFAULT_SAVE_INTERVAL_STEPS", "EVAL_SLOTS", "JobConfigs",
            "ModelSource", "RUN_DIR", "Stages", "TaskSource", "check_cross_fields", "derived_max_seq_len"]
 
-EVAL_SLOTS = 64  # most slots of a held-out evaluation engine (jobs/train.py and `areal-jax plan` size it so)
+EVAL_SLOTS = 64  # most slots of a held-out evaluation engine (`JobConfigs.eval_slots`)
 DEFAULT_EVAL_SIZE = 200  # held-out prompts of a job that sets no TaskSource.eval_size (and has some)
 # Checkpoints of a run that binds no interval: every 50 steps or 30 minutes, and after the last step.
 DEFAULT_SAVE_INTERVAL_STEPS = 50
@@ -181,6 +181,13 @@ class JobConfigs:
                                EngineConfig(max_seq_len=max_seq_len))
         if self.checkpoint is not None and not self.stages.checkpoint:
             raise ConfigError("CheckpointConfig is set, but Stages.checkpoint = False turns checkpoints off")
+
+    @property
+    def eval_slots(self) -> int:
+        """Most slots of a held-out evaluation engine (the run's, and `areal-jax plan`'s account of
+        it): EVAL_SLOTS, and no more than the RL engine's, whose KV cache is what the config sized to
+        fit the generation devices (64 slots of a 17k-token reasoning budget would not)."""
+        return min(EVAL_SLOTS, self.engine.num_slots)
 
     def with_parts(self, **parts: Any) -> JobConfigs:
         """These configs with `parts` replaced, every derived field derived again from the parts as

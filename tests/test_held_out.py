@@ -69,3 +69,41 @@ def test_rl_sft_and_eval_report_the_same_held_out_accuracy(tokenizer, seed):
         finally:
             loop.engine.stop()
         assert pool.stats().succeeded == len(held_out)  # scored in the pool, not in this process
+
+
+@pytest.mark.parametrize("data, eval_size, num_slots", [(1, 200, 48), (2, 5, 48), (4, 37, 8), (4, 300, 128)])
+def test_the_planner_sizes_the_evaluation_engine_the_run_builds(data, eval_size, num_slots):
+    # `areal-jax plan` accounts for the run's evaluation engine by the same sizing (once a copy of
+    # it that rounded slots down where the engine's other uses round up): both are
+    # generation.config.prompts_engine_config, capped by JobConfigs.eval_slots.
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from areal_jax.data.examples import PromptExample
+    from areal_jax.data.formats import PromptRow
+    from areal_jax.generation.config import round_slots
+    from areal_jax.job_config import JobConfigs, TaskSource
+    from areal_jax.plan.job import eval_engine_config
+
+    job = JobConfigs(task=TaskSource(eval_size=eval_size), engine=EngineConfig(num_slots=num_slots, max_seq_len=256),
+                     rollout=RLVRConfig(max_new_tokens=40))
+    longest = 23
+    examples = [PromptExample(np.arange(1, longest + 1 - i % 3, dtype=np.int32), "1",
+                              PromptRow(str(i), [], "1", None, "math", "t")) for i in range(eval_size)]
+    cfg = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=8)
+    mesh = Mesh(np.asarray(jax.devices()[:data]), ("data",))  # the generation mesh's data replicas
+    weights = {"embed": jax.device_put(np.zeros((64, 16), np.float32), NamedSharding(mesh, PartitionSpec()))}
+    built = GreedyAccuracy(cfg, examples, None, max_new_tokens=job.rl.eval_max_new_tokens,
+                           slots=job.eval_slots)._engine_config_for(weights)
+    planned = eval_engine_config(job, longest, data, hosts=1)
+    assert (planned.num_slots * data, planned.max_seq_len) == (built.num_slots, built.max_seq_len)
+    assert built.num_slots == round_slots(min(64, num_slots, eval_size), data) <= num_slots
+    assert built.max_seq_len % 16 == 0 and built.max_seq_len >= longest + 40 + 1
+
+
+def test_one_slot_rounding_rule():
+    from areal_jax.generation.config import round_slots
+
+    assert [round_slots(s, 4) for s in (1, 4, 5, 8, 63, 64)] == [4, 4, 8, 8, 64, 64]
+    assert all(round_slots(s, 1) == s for s in range(1, 9))

@@ -24,13 +24,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from jax.sharding import NamedSharding
 
 from areal_jax import api
 from areal_jax.data.examples import PromptExample, prompt_example
 from areal_jax.generation.engine import EngineConfig, GenerationEngine, GroupResult
-from areal_jax.generation.programs import slots_for_replicas
 from areal_jax.api import SamplingParams
+from areal_jax.generation.config import prompts_engine_config
+from areal_jax.generation.programs import mesh_of, mesh_sizes
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.transformer import Params
 from areal_jax.reward.scoring import RewardScorer, score_all
@@ -135,9 +135,8 @@ class GreedyAccuracy:
         self.examples = [prompt_example(r) for r in rows]
         self.reward = _default_reward(reward_fn)
         self.max_new_tokens = max_new_tokens
-        longest = max(len(ex.prompt_ids) for ex in self.examples)
-        self.engine_config = EngineConfig(num_slots=min(slots, len(self.examples)),
-                                          max_seq_len=-(-(longest + max_new_tokens + 1) // 16) * 16)
+        self.longest_prompt = max(len(ex.prompt_ids) for ex in self.examples)
+        self.slots = slots
         self.engine: GenerationEngine | None = None
         self.calls = 0
 
@@ -146,12 +145,10 @@ class GreedyAccuracy:
         return correct / total
 
     def _engine_config_for(self, params: Params) -> EngineConfig:
-        """The engine config with its slots a multiple of the data size of the (generation) mesh the
-        weights lie on: each data replica holds an equal share of the slots."""
-        sharding = params["embed"].sharding
-        data = sharding.mesh.shape.get("data", 1) if isinstance(sharding, NamedSharding) else 1
-        slots = self.engine_config.num_slots
-        return dataclasses.replace(self.engine_config, num_slots=max(data, slots - slots % data))
+        """The engine for these rows on the (generation) mesh the weights lie on
+        (`prompts_engine_config`: `areal-jax plan` sizes the run's evaluation engine the same way)."""
+        return prompts_engine_config(len(self.examples), self.longest_prompt, self.max_new_tokens, slots=self.slots,
+                                     data=mesh_sizes(mesh_of(params))[0])
 
     def count(self, params: Params) -> tuple[int, int]:
         """(rows right, rows) under `params`."""
@@ -186,9 +183,8 @@ def sample_rewards(model_cfg: ModelConfig, params: Params, rows: Sequence[Mappin
     examples = [prompt_example(r) for r in rows]
     reward = _default_reward(reward_fn)
     longest = max(len(ex.prompt_ids) for ex in examples)
-    engine = GenerationEngine((model_cfg, params), EngineConfig(
-        num_slots=slots_for_replicas(min(batch, len(examples) * n), params),
-        max_seq_len=-(-(longest + max_new_tokens) // 16) * 16, seed=seed))
+    engine = GenerationEngine((model_cfg, params), prompts_engine_config(
+        len(examples) * n, longest, max_new_tokens, slots=batch, data=mesh_sizes(mesh_of(params))[0], seed=seed))
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
                               stop_token_ids=tuple(tokenizer.stop_token_ids))
     groups = sample(engine, examples, sampling, reward, tokenizer, n=n)

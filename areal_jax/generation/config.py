@@ -232,6 +232,25 @@ class EngineConfig:
         return tuple(b for b in self.prefill_buckets if b >= first)
 
 
+def round_slots(slots: int, data: int) -> int:
+    """`slots` rounded up to a multiple of the `data` replicas: the one rule every engine's slots
+    follow on a data-parallel mesh. Each replica gets the same share, ceil(slots / data), which is
+    never more than `slots` would hold on one device; a count already a multiple (an RL engine's
+    EngineConfig.num_slots, which `programs.check_mesh` requires) stays, so a smaller request
+    rounded up never exceeds it."""
+    return -(-slots // data) * data
+
+
+def prompts_engine_config(prompts: int, longest_prompt: int, max_new_tokens: int, *, slots: int, data: int = 1,
+                          **fields) -> EngineConfig:
+    """The engine of a fixed set of `prompts` generations (held-out evaluation, one-off sampling):
+    min(`slots`, prompts) slots rounded to the `data` replicas (`round_slots`), and room for the
+    longest prompt, `max_new_tokens` and the stop token, rounded up to 16 (fewer distinct programs).
+    The run's evaluation engine and `areal-jax plan`'s account of it are both this config."""
+    return EngineConfig(num_slots=round_slots(min(slots, prompts), data),
+                        max_seq_len=-(-(longest_prompt + max_new_tokens + 1) // 16) * 16, **fields)
+
+
 def _round_up_pow(n: int, base: int, cap: int) -> int:
     """The smallest power of `base` >= n, at most `cap`."""
     out = 1

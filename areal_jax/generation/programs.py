@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from areal_jax.aot import ProgramSpec, Role
-from areal_jax.generation.config import EngineConfig
+from areal_jax.generation.config import EngineConfig, round_slots
 from areal_jax.generation.paged import insert_pages, make_attend, page_bytes, pool_structs
 from areal_jax.generation.sampling import MAX_STOP_IDS, sample_tokens
 from areal_jax.models import moe
@@ -62,8 +62,7 @@ def slots_for_replicas(slots: int, params: Params) -> int:
     """`slots` rounded up to a multiple of the data replicas of the weights' mesh (1 on a single
     device): the engine gives every replica the same share, so none holds more than `slots` would
     on one device."""
-    data = mesh_sizes(mesh_of(params))[0]
-    return -(-slots // data) * data
+    return round_slots(slots, mesh_sizes(mesh_of(params))[0])
 
 
 def unsplit_tensor_axes(model_cfg: ModelConfig, tensor: int) -> dict[str, int]:

@@ -29,7 +29,7 @@ import jax
 
 from areal_jax import config_system as cs
 from areal_jax import api, paths
-from areal_jax.job_config import EVAL_SLOTS, JobConfigs
+from areal_jax.job_config import JobConfigs
 from areal_jax.jobs.inputs import on_every_process, check_sources
 from areal_jax.jobs.preflight import check_model_fit, check_solution_rewards
 from areal_jax.jobs.progress import accuracy_text, plot_progress, progress_bar
@@ -167,14 +167,12 @@ def _prepare_run(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: Rewa
     if jax.process_index() == 0:
         _write_run_files(cfg, run_dir, work)
     checkpointer = Checkpointer(cfg.checkpoint) if cfg.checkpoint is not None else None
-    # Evaluation engines take at most the RL engine's slots: its KV cache is what the config sized
-    # to fit the generation devices (64 slots of a 17k-token reasoning budget would not).
     return _Run(cfg=cfg, run_dir=run_dir, reward_pool=reward_pool, stop=stop, progress=progress, t0=t0,
                 meshes=meshes, work=work, reward_fn=reward_fn,
                 # Moves weights to this host's generation devices in the generation dtype, per layer;
                 # the RL loop reuses it (and its compiled programs).
                 sync=generation_weight_sync(work.model_config, meshes, cfg.rl, cfg.lora),
-                eval_slots=min(EVAL_SLOTS, cfg.engine.num_slots), checkpointer=checkpointer,
+                eval_slots=cfg.eval_slots, checkpointer=checkpointer,
                 resuming=bool(resume and checkpointer is not None and checkpointer.latest_step() is not None))
 
 

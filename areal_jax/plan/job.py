@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from areal_jax.aot import ProgramSpec, bytes_per_device
-from areal_jax.job_config import EVAL_SLOTS, JobConfigs
+from areal_jax.job_config import JobConfigs
 from areal_jax.models.config import ModelConfig
 from areal_jax.parallel.meshes import check_model_fits_mesh, split_local_devices
 from areal_jax.plan.config import PlanConfig
@@ -66,15 +66,14 @@ def replica_engine_config(engine, data: int, *, field: str = "EngineConfig.num_s
 
 
 def eval_engine_config(job: JobConfigs, longest_prompt: int, data: int, hosts: int):
-    """One data replica's share of the held-out evaluation engine (jobs/train.py's GreedyAccuracy:
-    at most EVAL_SLOTS and the RL engine's slots per host, a multiple of the mesh's data size)."""
-    from areal_jax.generation.engine import EngineConfig
+    """One data replica's share of the run's held-out evaluation engine: the engine
+    `GreedyAccuracy` builds for a host's shard of the rows (`prompts_engine_config`, capped at
+    `JobConfigs.eval_slots`), divided over the `data` replicas."""
+    from areal_jax.generation.config import prompts_engine_config
 
     rows = max(1, -(-job.task.eval_size // hosts))  # each host evaluates its shard of the rows
-    slots = min(EVAL_SLOTS, job.engine.num_slots, rows)  # as jobs/train.py sizes it
-    slots = max(data, slots - slots % data)
-    max_seq_len = -(-(longest_prompt + job.rl.eval_max_new_tokens + 1) // 16) * 16
-    return EngineConfig(num_slots=slots // data, max_seq_len=max_seq_len)
+    engine = prompts_engine_config(rows, longest_prompt, job.rl.eval_max_new_tokens, slots=job.eval_slots, data=data)
+    return dataclasses.replace(engine, num_slots=engine.num_slots // data)
 
 
 def gen_dtype(job: JobConfigs):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from areal_jax.generation.config import EngineConfig
+from areal_jax.generation.config import EngineConfig, round_slots
 
 Mode = Literal["async", "sync"]
 
@@ -110,7 +110,7 @@ class Workload:
         engine, max_concurrent = self.scaled_to(generating)
         if row.mode == "sync":
             data = self.generation_replicas(generating)
-            needed = -(-self.local_batch * self.samples_per_group // data) * data
+            needed = round_slots(self.local_batch * self.samples_per_group, data)
             if needed < engine.num_slots:
                 engine = dataclasses.replace(engine, num_slots=needed)
         return engine, max_concurrent
