@@ -129,11 +129,29 @@ def compare(a: dict[int, float], b: dict[int, float], level: float = 0.95) -> di
             "t": float(t), "p": p, "lo": float(diff - half), "hi": float(diff + half)}
 
 
+def holm(ps: list[float]) -> list[float]:
+    """Holm's step-down adjustment of the p-values of one family of tests (same order as `ps`): the
+    i-th smallest is multiplied by (m - i), made non-decreasing, capped at 1. An adjusted p below a
+    level rejects at that family-wise error rate, whatever the tests' dependence."""
+    order = sorted(range(len(ps)), key=lambda i: ps[i])
+    out, running = [0.0] * len(ps), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(ps) - rank) * ps[i]))
+        out[i] = running
+    return out
+
+
+def _p(p: float) -> str:
+    return f"{p:.3f}" if p >= 1e-3 else f"{p:.1e}"
+
+
 def describe(label: str, c: dict) -> str:
-    """One line: the difference in points with its 95% interval, the test and its p-value."""
-    p = f"{c['p']:.3f}" if c["p"] >= 1e-3 else f"{c['p']:.1e}"
+    """One line: the difference in points with its 95% interval, the test and its p-value (and the
+    Holm-adjusted one, where `c` carries it: `verdicts` adjusts over its family of comparisons)."""
+    holm_p = f" (Holm {_p(c['p_holm'])} over {c['family']})" if "p_holm" in c else ""
     return (f"{label}: {c['diff'] * 100:+.1f} points, 95% CI [{c['lo'] * 100:+.1f}, {c['hi'] * 100:+.1f}], "
-            f"{c['test']} t = {c['t']:.2f} (dof {c['dof']:.1f}), p = {p}, n = {c['n_a']} / {c['n_b']}")
+            f"{c['test']} t = {c['t']:.2f} (dof {c['dof']:.1f}), p = {_p(c['p'])}{holm_p}, "
+            f"n = {c['n_a']} / {c['n_b']}")
 
 
 def _eta0(runs: list[dict], variant: str, measure: str) -> dict[int, float]:
@@ -151,26 +169,31 @@ def verdicts(runs: list[dict], margin: float = 0.02, measure: str = "final") -> 
     - per eta, decoupled against each naive objective;
     - "naive degrades with eta": its interval at the largest eta lies below 0;
     - "decoupled holds": its interval at the largest eta lies above -margin.
+    Each line gives the raw p-value and Holm's adjustment over every comparison listed for the
+    measure (the family a reader scans for the smallest p).
     Otherwise the claim is called inconclusive at these seeds, or refuted when the interval
     excludes it (naive's above -margin: no degradation larger than the margin; decoupled's below
     -margin).
     """
-    out = []
     etas = sorted({r["eta"] for r in runs if r["variant"] != "sync"})
     present = [o for o in OBJECTIVES if any(r["variant"] == o for r in runs)]
     tests: dict[tuple[str, int], dict] = {}
+    family: list[tuple[str, dict]] = []  # every comparison of this measure: one family for Holm
     for variant in present:
         for eta in etas:
             c = compare(_by_seed(runs, eta, variant, measure), _eta0(runs, variant, measure)) if eta else None
             if c is not None:
                 tests[(variant, eta)] = c
-                out.append(describe(f"{variant} at eta {eta} - eta 0 ({measure})", c))
+                family.append((f"{variant} at eta {eta} - eta 0 ({measure})", c))
     for eta in etas:
         for naive in present[1:]:
             if eta and present[0] == "decoupled":
                 c = compare(_by_seed(runs, eta, "decoupled", measure), _by_seed(runs, eta, naive, measure))
                 if c is not None:
-                    out.append(describe(f"eta {eta}: decoupled - {naive} ({measure})", c))
+                    family.append((f"eta {eta}: decoupled - {naive} ({measure})", c))
+    for (_, c), adjusted in zip(family, holm([c["p"] for _, c in family])):
+        c.update(p_holm=adjusted, family=len(family))
+    out = [describe(label, c) for label, c in family]
     top = max(etas) if etas else 0
     m = margin * 100
     for naive in present[1:]:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from bench.ablation_report import compare, verdicts
+from bench.ablation_report import compare, holm, verdicts
 
 
 def test_paired_when_the_seeds_match():
@@ -70,6 +70,24 @@ def test_verdicts_reproduce_refute_or_abstain():
                              noise=0.05))
     assert any(v.startswith("naive at eta 8: inconclusive") for v in noisy)
     assert any(v.startswith("decoupled at eta 8: inconclusive") for v in noisy)
+
+
+def test_holm_adjusts_the_family_of_comparisons():
+    """Holm's step-down: the i-th smallest p times (m - i), non-decreasing, at most 1; in input order."""
+    assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert holm([0.5, 0.9]) == pytest.approx([1.0, 1.0]) and holm([]) == []
+    # Against the closed form on random p-values: max over j <= i of (m - j) p_(j).
+    ps = list(np.random.default_rng(3).uniform(0, 0.2, 10))
+    order = np.argsort(ps)
+    want = np.maximum.accumulate(np.minimum(1.0, (10 - np.arange(10)) * np.sort(ps)))
+    assert [holm(ps)[i] for i in order] == pytest.approx(list(want))
+    # Each verdict line carries its raw and its adjusted p over the measure's comparisons.
+    lines = verdicts(_regime({("decoupled", 0): 0.0, ("decoupled", 8): 0.0, ("naive", 8): -0.05}, noise=0.02))
+    tested = [v for v in lines if ", p = " in v]
+    assert len(tested) == 3 and all("(Holm " in v and " over 3)" in v for v in tested)
+    raw = [float(v.split(", p = ")[1].split(" ")[0]) for v in tested]
+    adjusted = [float(v.split("(Holm ")[1].split(" ")[0]) for v in tested]
+    assert all(a >= r for a, r in zip(adjusted, raw)) and max(adjusted) <= 1.0
 
 
 @pytest.mark.parametrize("variant", ["decoupled", "naive", "naive_recompute"])

@@ -1,8 +1,10 @@
 """code_reward and its sandbox: verdicts, limits, isolation (processes, files, network), and cleanup."""
 
+import dataclasses
 import json
 import os
 import pathlib
+import shutil
 import socket
 import subprocess
 import time
@@ -32,9 +34,15 @@ def fenced(code: str, tag: str = "python") -> str:
     return f"Here is my solution.\n```{tag}\n{code}\n```\nIt reads n and prints 2n."
 
 
-def assert_no_leftovers(results):
+def assert_no_leftovers(results, within_s=120.0):
+    """No process of a run's uid is left, zombies included. The sandbox waits (bounded) for the
+    kernel to reap what it killed; on a loaded host that can take longer, so this waits too: a
+    liveness bound, not a speed check (a leaked process would never go)."""
     for r in results:
         if os.geteuid() == 0:
+            deadline = time.monotonic() + within_s
+            while processes_of_uid(r.uid) and time.monotonic() < deadline:
+                time.sleep(0.1)
             assert processes_of_uid(r.uid) == [], f"processes of sandbox uid {r.uid} survived"
 
 
@@ -117,9 +125,12 @@ def test_infinite_loop_and_sleep_fail_within_limit(program):
 
 
 def test_fork_bomb_is_contained():
+    """What matters: the bomb fails, nothing of it survives, the caller can still start processes.
+    Which limit ends it (the wall clock, or its CPU seconds: a runtime error) depends on the
+    host's load, so either verdict is right."""
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
     results = run_test_cases(bomb, {"inputs": [""], "outputs": ["x"]}, limits=LIMITS)
-    assert [r.verdict for r in results] == ["timeout"]
+    assert [r.verdict in ("timeout", "runtime_error") for r in results] == [True], results
     assert_no_leftovers(results)
     # the calling process is unharmed: it can still start processes
     assert subprocess.run(["true"], check=False).returncode == 0
@@ -277,3 +288,96 @@ def test_no_network_namespace_refuses_untrusted_code_unless_opted_in(monkeypatch
 def test_limits_validation(kwargs, culprit):
     with pytest.raises(ValueError, match=culprit):
         SandboxLimits(**kwargs)
+
+
+HUNT = '''
+import glob, json, os, re, sys
+found = set()
+for cmdline in glob.glob("/proc/*/cmdline"):  # the trainer's command line names its data and run directory
+    try:
+        found.update(re.findall(r"(/[^\\x00'\\",()]+)", open(cmdline, "rb").read().decode(errors="ignore")))
+    except OSError:
+        pass
+for top in sys.stdin.read().split():  # and a walk of the places data usually sits
+    for folder, dirs, files in os.walk(top):
+        dirs[:] = [d for d in dirs if d not in (".git", ".venv", ".venv-ref", "__pycache__")]
+        found.update(os.path.join(folder, f) for f in files if f.endswith(".jsonl"))
+for path in sorted(found):
+    try:
+        for line in open(path):
+            print(json.loads(line)["input_output"]["outputs"][0])
+            raise SystemExit
+    except (OSError, ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError):
+        pass
+print("nothing found")
+'''
+
+
+@pytest.mark.skipif(not sandbox.filesystem_isolation_available(), reason="needs a private mount namespace (root)")
+def test_a_completion_hunting_for_the_expected_outputs_scores_zero(tmp_path):
+    """Issue 39 (4): a completion read the test cases' outputs from the data file it found through
+    /proc/*/cmdline, and scored 1.0 through the real reward pool. Now it sees no other process and
+    the job's data files and run directory are empty for it."""
+    import sys
+
+    from areal_jax.jobs.configs import load_job_configs
+    from areal_jax.jobs.preflight import sandbox_for_run
+    from areal_jax.reward.pool import RewardPool, RewardPoolConfig
+
+    secret = f"expected-{uuid.uuid4().hex}"
+    base = ROOT / f".sandbox_attack_{uuid.uuid4().hex}"  # outside /tmp, which the sandbox replaces anyway
+    data, run = base / "data" / "code.jsonl", base / "run"
+    row = {"question": "Print the answer.", "input_output": {"inputs": ["1\n"], "outputs": [secret + "\n"]}}
+    trainer = None
+    try:
+        data.parent.mkdir(parents=True)
+        (run / "inputs").mkdir(parents=True)
+        for path in (data, run / "inputs" / "train.jsonl"):
+            path.write_text(json.dumps(row) + "\n")
+            path.chmod(0o644)  # world-readable, as data files are
+        trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)",
+                                    f"--gin_param=DataConfig.paths = ('{data}',)", f"--run_dir={run}"])
+        cfg = load_job_configs([], [f"DataConfig.paths = ('{data}',)", "RLVRConfig.reward = 'code'",
+                                    "TaskSource.eval_size = 0"], run_dir=str(run))
+        hidden = dataclasses.replace(LIMITS, wall_s=30.0, cpu_s=20,
+                                     hidden_paths=sandbox_for_run(cfg, run).hidden_paths)
+        assert str(data) in hidden.hidden_paths and str(run) in hidden.hidden_paths
+        visible = dataclasses.replace(hidden, hidden_paths=())
+        cases = {"inputs": [str(base)], "outputs": [secret]}
+        with RewardPool(RewardPoolConfig(num_workers=1, timeout_s=90.0, preload=("areal_jax.reward.code",))) as pool:
+            control = pool.submit("code", fenced(HUNT), cases, limits=visible).result(120)
+            attack = pool.submit("code", fenced(HUNT), cases, limits=hidden).result(120)
+        assert control == 1.0  # the hunt is real: where nothing is hidden, it finds the outputs
+        assert attack == 0.0
+        peek = f"print(open('/proc/{trainer.pid}/cmdline').read())"
+        [result] = run_test_cases(peek, {"inputs": [""], "outputs": ["x"]}, limits=hidden)
+        assert result.verdict == "runtime_error" and "FileNotFoundError" in result.stderr_tail
+    finally:
+        if trainer is not None:
+            trainer.kill()
+            trainer.wait()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@needs_root
+@pytest.mark.skipif(not sandbox.filesystem_isolation_available(), reason="needs a private mount namespace (root)")
+def test_what_a_program_writes_is_capped_in_total_and_gone_afterwards():
+    """Issue 39 (14): files in pre-existing world-writable subdirectories of /tmp survived the sweep,
+    and nothing capped the total. Now /tmp, /var/tmp and /dev/shm are one private tmpfs of disk_mb."""
+    shared = pathlib.Path(f"/tmp/areal-shared-{uuid.uuid4().hex}")
+    shared.mkdir()
+    shared.chmod(0o1777)
+    try:
+        program = (f"open('{shared}/left.txt', 'w').write('x')\n"
+                   "chunk = b'a' * (1 << 20)\nn = 0\n"
+                   "try:\n    for i in range(100):\n        open(f'/tmp/f{i}', 'wb').write(chunk)\n        n += 1\n"
+                   "except OSError as e:\n    print(n, e.errno)\n")
+        limits = dataclasses.replace(LIMITS, disk_mb=8, file_size_mb=4)
+        [result] = run_test_cases(program, {"inputs": [""], "outputs": ["x"]}, limits=limits)
+        assert result.verdict == "runtime_error" and "No such file or directory" in result.stderr_tail  # not there
+        done = sandbox.run_program(program.split("\n", 1)[1], "", limits)
+        written, errno = map(int, done.stdout.split())
+        assert errno == 28 and 4 <= written <= 8, done  # 8 MiB in all (4 MiB per file): full by the 9th
+        assert list(shared.iterdir()) == []
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)

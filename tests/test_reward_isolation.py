@@ -127,9 +127,11 @@ def test_a_signal_to_areal_jax_leaves_no_process_behind(tmp_path, sig):
     finally:
         if proc.poll() is None:
             proc.kill()
-    deadline = time.monotonic() + 10  # the fork server sees its parent's end and exits
+    # The fork server sees its parent's end and exits, and what was killed is reaped, in their own
+    # time on a loaded host: what matters is that they go, so the bound is a liveness one, not a speed.
+    deadline = time.monotonic() + 300
     while _alive(tree) and time.monotonic() < deadline:
-        time.sleep(0.1)
+        time.sleep(0.2)
     assert _alive(tree) == []
     run_dirs = [d for p in tree for d in glob.glob(f"{tempfile.gettempdir()}/areal-sandbox-{p.pid}-*")]
     assert run_dirs == []

@@ -8,6 +8,7 @@ once in file order, samples.jsonl and report.json written to the output director
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,6 +41,10 @@ def evaluate_model(model_dir: str, data: Any, cfg: Any, *, pool_cfg: Any, sandbo
     except ValueError as e:
         raise cs.ConfigError(str(e)) from None
     try:  # in worker processes under EvalConfig.reward_timeout_s, unless declared in-process
+        # The eval files hold the expected outputs of code test cases: hidden from sandboxed programs.
+        hidden = tuple(os.path.abspath(p) for p in data.paths if "://" not in str(p))
+        if sandbox is not None:
+            sandbox = dataclasses.replace(sandbox, hidden_paths=tuple(dict.fromkeys(sandbox.hidden_paths + hidden)))
         pool = open_reward_pool(cfg.reward, pool_cfg, sandbox)
     except (SandboxUnavailable, ValueError) as e:
         raise cs.ConfigError(str(e)) from None

@@ -11,6 +11,7 @@ one line naming the reward, the file and the score.
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -128,3 +129,15 @@ def _model_config(cfg: JobConfigs) -> Any:
     from areal_jax.models.hf_io import read_config
 
     return read_config(cfg.model.path)
+
+
+def sandbox_for_run(cfg: JobConfigs, run_dir: str | os.PathLike) -> Any:
+    """cfg.sandbox with the run's local data files, run directory and checkpoint directory added to
+    its hidden_paths: a sandboxed completion must not read the expected outputs of the test cases."""
+    import dataclasses
+
+    files = list(cfg.data.paths) if cfg.data is not None else []
+    files += list(cfg.task.eval_paths) + list(cfg.sft.paths) + list(cfg.sft.eval_paths)
+    files += [str(run_dir)] + ([str(cfg.checkpoint.directory)] if cfg.checkpoint is not None else [])
+    local = [os.path.abspath(f) for f in files if "://" not in str(f)]
+    return dataclasses.replace(cfg.sandbox, hidden_paths=tuple(dict.fromkeys(cfg.sandbox.hidden_paths + tuple(local))))

@@ -31,7 +31,7 @@ from areal_jax import config_system as cs
 from areal_jax import api, paths
 from areal_jax.job_config import JobConfigs
 from areal_jax.jobs.inputs import on_every_process, check_sources
-from areal_jax.jobs.preflight import check_model_fit, check_solution_rewards
+from areal_jax.jobs.preflight import check_model_fit, check_solution_rewards, sandbox_for_run
 from areal_jax.jobs.progress import accuracy_text, plot_progress, progress_bar
 from areal_jax.jobs.run_settings import write_prompt_settings
 from areal_jax.jobs.run_dir import check_run_dir, remove_previous_run
@@ -75,7 +75,7 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
 def _run_with_pool(cfg: JobConfigs, run_dir: str | pathlib.Path, stop: StopRequest | None, *, progress: bool,
                    resume: bool, overwrite: bool, workflow: Any = None, hooks: Sequence = ()) -> dict[str, Any]:
     try:
-        pool = open_reward_pool(cfg.rollout.reward, cfg.reward_pool, cfg.sandbox)
+        pool = open_reward_pool(cfg.rollout.reward, cfg.reward_pool, sandbox_for_run(cfg, run_dir))
     except (SandboxUnavailable, ValueError) as e:  # before any work, like every other config problem
         raise cs.ConfigError(str(e)) from None
     try:

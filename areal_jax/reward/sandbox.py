@@ -14,6 +14,11 @@ When the caller is root (the normal case on accelerator hosts):
 - The working directory is a private 0700 directory owned by that uid; HOME and TMPDIR point
   there. Root-owned directories (the repository, /root, site-packages) are not writable; 0700
   directories such as /root are not even readable.
+- A private mount namespace (where one can be made: `filesystem_isolation_available`): /tmp,
+  /var/tmp, /dev/shm and /run/lock are one fresh tmpfs of `disk_mb` (the program's home is in it),
+  so what it writes is capped in total and gone with the run; /proc is mounted with hidepid=2, so
+  no other process (the trainer's command line, which names its data) is visible; every
+  `hidden_paths` entry (the job's data files, run and checkpoint directories) is empty.
 When the caller is not root the program runs under the caller's uid (NPROC is then set to the
 caller's current task count plus the allowance, and files the caller can write are writable).
 
@@ -35,9 +40,10 @@ the supervisor dies too (SIGKILL), the bootstrap and the program die with the wo
 (parent-death signals) and the next pool to start sweeps the directories of dead pids
 (`sweep_orphaned_sandboxes`).
 
-Residual risks, stated plainly: /tmp, /var/tmp and /dev/shm stay world-writable (swept after a
-root-mode run); world-readable files can be read; in non-root mode a program that leaves both
-its session and its directory can outlive a killed worker. Use containers on top if completions
+Residual risks, stated plainly: without a mount namespace, /tmp, /var/tmp and /dev/shm stay
+world-writable (swept after a root-mode run) and the data files are readable; world-readable files
+other than `hidden_paths` can be read (a copy of the data elsewhere, e.g. a datasets cache); in
+non-root mode a program that leaves both its session and its directory can outlive a killed worker. Use containers on top if completions
 are adversarial rather than merely buggy.
 
 The interpreter is the running Python if the sandbox uid may execute it, otherwise the system
@@ -50,6 +56,7 @@ import dataclasses
 import functools
 import glob
 import itertools
+import json
 import logging
 import math
 import os
@@ -61,7 +68,7 @@ import tempfile
 import time
 
 __all__ = ["RunResult", "SandboxLimits", "SandboxUnavailable", "check_network_isolation", "default_limits",
-           "network_isolation_available", "run_program", "set_default_limits", "sweep_orphaned_sandboxes",
+           "filesystem_isolation_available", "network_isolation_available", "run_program", "set_default_limits", "sweep_orphaned_sandboxes",
            "sweep_sandboxes_of"]
 
 logger = logging.getLogger(__name__)
@@ -97,6 +104,10 @@ class SandboxLimits:
     site_packages: let the program import site-packages of its interpreter (drops -S).
     allow_network: run the program with the host's network (no network namespace). Off, a host
         that cannot make a namespace (not root, no CAP_SYS_ADMIN) refuses to run untrusted code.
+    disk_mb: everything the program may write (its home, /tmp, /var/tmp, /dev/shm: one private
+        tmpfs of this size, gone with the run), where a mount namespace can be made (root).
+    hidden_paths: files and directories the program must not see (emptied in its mount namespace):
+        a job adds its data files and its run directory (the expected outputs of code test cases).
     """
 
     wall_s: float = 4.0
@@ -109,13 +120,19 @@ class SandboxLimits:
     run_as_uid: int | None = None
     site_packages: bool = False
     allow_network: bool = False
+    disk_mb: int = 64
+    hidden_paths: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "hidden_paths", tuple(self.hidden_paths))
+        if not all(isinstance(p, str) and os.path.isabs(p) for p in self.hidden_paths):
+            raise ValueError(f"SandboxLimits.hidden_paths must be absolute paths, got {self.hidden_paths!r}")
         for name in ("wall_s", "cpu_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"SandboxLimits.{name} must be a positive finite number, got {value!r}")
-        for name, low in (("memory_mb", 32), ("max_processes", 1), ("file_size_mb", 1), ("open_files", 8)):
+        for name, low in (("memory_mb", 32), ("max_processes", 1), ("file_size_mb", 1), ("open_files", 8),
+                          ("disk_mb", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"SandboxLimits.{name} must be an int >= {low}, got {value!r}")
@@ -170,6 +187,21 @@ def network_isolation_available() -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=1)
+def filesystem_isolation_available() -> bool:
+    """Whether this host lets the sandbox make a private mount namespace (root with CAP_SYS_ADMIN):
+    then a program sees its own /tmp and processes only, and no `hidden_paths`."""
+    if os.geteuid() != 0:
+        return False
+    probe = ("import ctypes, sys; libc = ctypes.CDLL(None, use_errno=True); "
+             "sys.exit(0 if libc.unshare(0x00020000) == 0 else 1)")
+    try:
+        return subprocess.run([sys.executable, "-I", "-S", "-c", probe], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
 def check_network_isolation(limits: SandboxLimits) -> None:
     """Raises SandboxUnavailable (one line) when untrusted code would run with the host's network
     without the user having opted in."""
@@ -185,18 +217,53 @@ def check_network_isolation(limits: SandboxLimits) -> None:
 # ----------------------------------------------------------------------------- one run
 
 # Starts as root (root mode) or as the caller. argv: wall cpu mem nproc fsize nofile python site_flag
-# script uid netns_flag. Enters the network namespace while it still may, then drops to the uid
+# script uid netns_flag fs_flag disk_bytes hidden_paths(json). Enters the network namespace while it
+# still may; with fs_flag, a private mount namespace too (see _private_view); then drops to the uid
 # (which also clears a parent-death signal, so that is set after).
 _BOOTSTRAP = r"""
-import os, resource, signal, sys
+import json, os, resource, signal, sys
 wall, cpu, mem, nproc, fsize, nofile = float(sys.argv[1]), *map(int, sys.argv[2:7])
 python, site, script = sys.argv[7], sys.argv[8] == "1", sys.argv[9]
-uid, netns = int(sys.argv[10]), sys.argv[11] == "1"
+uid, netns, fs, disk, hidden = int(sys.argv[10]), sys.argv[11] == "1", sys.argv[12] == "1", int(sys.argv[13]), json.loads(sys.argv[14])
 import ctypes
 libc = ctypes.CDLL(None, use_errno=True)
 if netns and libc.unshare(0x40000000) != 0:
     print("sandbox: unshare(CLONE_NEWNET) failed:", os.strerror(ctypes.get_errno()), file=sys.stderr)
     os._exit(126)
+
+def mount(source, target, kind, flags, data=None):
+    if libc.mount(source.encode(), target.encode(), kind and kind.encode(), flags, data and data.encode()) != 0:
+        raise OSError(ctypes.get_errno(), f"mount {kind or source} on {target}: {os.strerror(ctypes.get_errno())}")
+
+if fs:  # private view: own /tmp (capped, gone afterwards), /proc showing own processes only, hidden paths
+    try:
+        with open(script, "rb") as f:
+            source = f.read()
+        if libc.unshare(0x00020000) != 0:  # CLONE_NEWNS
+            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS): " + os.strerror(ctypes.get_errno()))
+        NOSUID, NODEV, NOEXEC, RDONLY, BIND, REC, PRIVATE = 0x2, 0x4, 0x8, 0x1, 0x1000, 0x4000, 0x40000
+        mount("none", "/", None, REC | PRIVATE)  # nothing mounted here reaches the host
+        mount("tmpfs", "/tmp", "tmpfs", NOSUID | NODEV, f"size={disk},mode=1777")
+        for shared in ("/var/tmp", "/dev/shm", "/run/lock"):  # the other world-writable places: the same tmpfs
+            if os.path.isdir(shared) and not os.path.islink(shared):
+                mount("/tmp", shared, None, BIND)
+        mount("proc", "/proc", "proc", NOSUID | NODEV | NOEXEC, "hidepid=2")  # other uids' processes: invisible
+        for path in hidden:
+            if os.path.isdir(path):
+                mount("tmpfs", path, "tmpfs", NOSUID | NODEV | NOEXEC | RDONLY, "size=4k,mode=000")
+            elif os.path.exists(path):
+                mount("/dev/null", path, None, BIND)
+        home = "/tmp/home"
+        os.mkdir(home, 0o700)
+        os.chown(home, uid, uid)
+        script = os.path.join(home, "solution.py")
+        with open(script, "wb") as f:
+            f.write(source)
+        os.chdir(home)
+        os.environ.update(HOME=home, TMPDIR=home)
+    except OSError as e:
+        print("sandbox: private filesystem view failed:", e, file=sys.stderr)
+        os._exit(126)
 if os.getuid() != uid:
     os.setgroups([])
     os.setgid(uid)
@@ -321,6 +388,7 @@ def run_program(code: str, stdin: str, limits: SandboxLimits | None = None) -> R
     uid = _allocate_uid(limits)
     python = _interpreter_for(limits.python, root)
     private_uid = root and limits.run_as_uid is None
+    private_view = root and filesystem_isolation_available()
     nproc = limits.max_processes + 1  # + the bootstrap, which shares the uid
     if not root:
         nproc += _tasks_of_uid(uid)
@@ -337,7 +405,8 @@ def run_program(code: str, stdin: str, limits: SandboxLimits | None = None) -> R
         argv = [python, "-I", "-S", "-c", _BOOTSTRAP, repr(float(limits.wall_s)), str(math.ceil(limits.cpu_s)),
                 str(limits.memory_mb << 20), str(nproc), str(limits.file_size_mb << 20), str(limits.open_files),
                 python, "1" if limits.site_packages else "0", script, str(uid),
-                "0" if limits.allow_network else "1"]
+                "0" if limits.allow_network else "1", "1" if private_view else "0", str(limits.disk_mb << 20),
+                json.dumps(list(limits.hidden_paths))]
         with tempfile.TemporaryFile() as fin, tempfile.TemporaryFile() as fout, tempfile.TemporaryFile() as ferr:
             fin.write(stdin.encode("utf-8"))
             fin.seek(0)
