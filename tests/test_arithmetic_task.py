@@ -235,3 +235,26 @@ def test_reward_is_registered_by_name_and_path():
 
     assert resolve_reward_path("arithmetic") == "areal_jax.tasks.reward:arithmetic_reward"
     assert load_reward_function(resolve_reward_path("areal_jax.tasks.reward:arithmetic_reward")) is arithmetic_reward
+
+
+def test_problem_stream_covers_each_epoch_once_and_resumes_where_it_stopped(tokenizer):
+    items = ar.problems(CONFIGS[1], "train", 7)
+    questions = {p.question for p in items}
+
+    def question(row) -> str:
+        return row["row"].messages[-1]["content"]
+
+    stream = ar.ProblemStream(tokenizer, items, seed=3)
+    first, second = [question(next(stream)) for _ in range(7)], [question(next(stream)) for _ in range(7)]
+    assert all(q.startswith(tuple(questions)) for q in first)  # the question, then the template's suffix
+    assert len(set(first)) == len(set(second)) == 7 and first != second  # a fresh permutation per epoch
+    row = next(ar.ProblemStream(tokenizer, items, seed=3))  # the data loader's row of that problem
+    item = next(p for p in items if question(row).startswith(p.question))
+    assert row["prompt_ids"].dtype == np.int32
+    np.testing.assert_array_equal(row["prompt_ids"], ar.prompt_ids(tokenizer, item))
+    state, rest = stream.get_state(), [question(next(stream)) for _ in range(5)]
+    resumed = ar.ProblemStream(tokenizer, items, seed=3)
+    resumed.set_state(state)
+    assert [question(next(resumed)) for _ in range(5)] == rest
+    with pytest.raises(ValueError, match="no training problems"):
+        ar.ProblemStream(tokenizer, [], seed=0)

@@ -9,7 +9,6 @@ import tempfile
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from areal_jax import config_system as cs
@@ -34,40 +33,6 @@ class Workload:
     sft_examples: list
     validation_rows: list = dataclasses.field(default_factory=list)  # SFT's accuracy checks
     sft_val_examples: list = dataclasses.field(default_factory=list)  # SFT's held-out loss (SFTConfig.eval_paths)
-
-
-class ProblemStream:
-    """Endless loader-style rows over `items`, a fresh permutation per epoch; checkpointable."""
-
-    def __init__(self, tokenizer: Tokenizer, items: list, *, seed: int):
-        if not items:
-            raise ValueError("no training problems for this process")
-        self._tokenizer, self._items, self._seed = tokenizer, items, seed
-        self._epoch, self._index = 0, 0
-        self._order = self._permutation()
-
-    def _permutation(self) -> np.ndarray:
-        return np.random.default_rng([self._seed, self._epoch]).permutation(len(self._items))
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict[str, Any]:
-        from areal_jax.tasks import arithmetic as ar
-
-        if self._index == len(self._items):
-            self._epoch, self._index = self._epoch + 1, 0
-            self._order = self._permutation()
-        item = self._items[self._order[self._index]]
-        self._index += 1
-        return next(ar.prompt_rows(self._tokenizer, [item]))
-
-    def get_state(self) -> dict[str, int]:
-        return {"epoch": self._epoch, "index": self._index}
-
-    def set_state(self, state: dict[str, int]) -> None:
-        self._epoch, self._index = int(state["epoch"]), int(state["index"])
-        self._order = self._permutation()
 
 
 def prepare_workload(cfg: JobConfigs, run_dir: paths.Path, *, mesh: Mesh | None = None) -> Workload:
@@ -114,7 +79,7 @@ def prepare_workload(cfg: JobConfigs, run_dir: paths.Path, *, mesh: Mesh | None 
         train, validation = train_and_val[:cfg.task.train_size], train_and_val[cfg.task.train_size:]
         held_out = ar.problems(cfg.arithmetic, "test", cfg.task.eval_size, seed=cfg.task.seed)
         shard = slice(jax.process_index(), None, jax.process_count())
-        stream = ProblemStream(tokenizer, train[shard], seed=cfg.task.seed + 1 + jax.process_index())
+        stream = ar.ProblemStream(tokenizer, train[shard], seed=cfg.task.seed + 1 + jax.process_index())
         return Workload(model_cfg, params, tokenizer, tokenizer_dir, stream, list(ar.prompt_rows(tokenizer, held_out[shard])),
                         ar.sft_examples(tokenizer, train), list(ar.prompt_rows(tokenizer, validation)))
     from areal_jax.data.pipeline import build_prompt_loader

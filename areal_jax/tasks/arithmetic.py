@@ -15,7 +15,8 @@ expression is decided by a hash of its text, not by the generator's stream.
 
 Rows come in three shapes: `ArithmeticProblem` (question, solution, answer), MATH-style
 JSONL records (``{"problem", "solution"}``, see `write_jsonl`) that areal_jax.data reads, and
-loader-style dicts ``{"prompt_ids", "row"}`` (`prompt_rows`) like `build_prompt_loader` yields.
+loader-style dicts ``{"prompt_ids", "row"}`` (`prompt_rows`) like `build_prompt_loader` yields;
+`ProblemStream` is the task's endless, checkpointable RL prompt stream of those dicts.
 """
 
 from __future__ import annotations
@@ -255,3 +256,36 @@ def sft_examples(tokenizer: Any, items: Sequence[ArithmeticProblem],
         completion = tokenizer.encode(p.solution, add_special_tokens=False) + [eos]
         out.append((prompt_ids(tokenizer, p, template), np.asarray(completion, np.int32)))
     return out
+
+
+class ProblemStream:
+    """The task's RL prompt stream: endless loader-style rows (`prompt_rows`) over `items`, a fresh
+    permutation per epoch; checkpointable (`get_state` / `set_state`, as the data loader)."""
+
+    def __init__(self, tokenizer: Any, items: Sequence[ArithmeticProblem], *, seed: int):
+        if not items:
+            raise ValueError("no training problems for this process")
+        self._tokenizer, self._items, self._seed = tokenizer, items, seed
+        self._epoch, self._index = 0, 0
+        self._order = self._permutation()
+
+    def _permutation(self) -> np.ndarray:
+        return np.random.default_rng([self._seed, self._epoch]).permutation(len(self._items))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if self._index == len(self._items):
+            self._epoch, self._index = self._epoch + 1, 0
+            self._order = self._permutation()
+        item = self._items[self._order[self._index]]
+        self._index += 1
+        return next(prompt_rows(self._tokenizer, [item]))
+
+    def get_state(self) -> dict[str, int]:
+        return {"epoch": self._epoch, "index": self._index}
+
+    def set_state(self, state: dict[str, int]) -> None:
+        self._epoch, self._index = int(state["epoch"]), int(state["index"])
+        self._order = self._permutation()
