@@ -381,3 +381,12 @@ def test_what_a_program_writes_is_capped_in_total_and_gone_afterwards():
         assert list(shared.iterdir()) == []
     finally:
         shutil.rmtree(shared, ignore_errors=True)
+
+
+@pytest.mark.skipif(not sandbox.filesystem_isolation_available(), reason="needs a private mount namespace (root)")
+def test_a_hidden_path_holding_the_interpreter_stays_visible():
+    """A run directory that holds the virtual environment must not stop every program from starting."""
+    python = sandbox._interpreter_for(None, os.geteuid() == 0)
+    limits = dataclasses.replace(LIMITS, hidden_paths=(os.path.dirname(python),))
+    [result] = run_test_cases("print(int(input()) * 2)", {"inputs": ["4"], "outputs": ["8"]}, limits=limits)
+    assert result.passed, result

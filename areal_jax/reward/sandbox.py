@@ -378,6 +378,25 @@ def _interpreter_for(preferred: str | None, root: bool) -> str:
     raise RuntimeError("no Python interpreter is executable by the sandbox uid; tried " + "; ".join(tried))
 
 
+_warned_unhidden: set[str] = set()
+
+
+def _hideable(paths: tuple[str, ...], python: str) -> list[str]:
+    """The hidden paths that do not hold the program's interpreter (a run directory that holds the
+    virtual environment, say): hiding one of those would stop every program from starting."""
+    needed = {os.path.abspath(python), os.path.realpath(python)}
+    keep = []
+    for path in paths:
+        root = os.path.abspath(path)
+        if any(n == root or n.startswith(root.rstrip("/") + "/") for n in needed):
+            if root not in _warned_unhidden:  # once per path, not per test case
+                _warned_unhidden.add(root)
+                logger.warning("sandbox: %s holds the interpreter %s: not hidden from sandboxed programs", path, python)
+        else:
+            keep.append(root)
+    return keep
+
+
 def run_program(code: str, stdin: str, limits: SandboxLimits | None = None) -> RunResult:
     """Run the Python program `code` on `stdin` in a fresh sandbox; everything it started is gone
     when this returns. Raises SandboxUnavailable when the network cannot be isolated and
@@ -406,7 +425,7 @@ def run_program(code: str, stdin: str, limits: SandboxLimits | None = None) -> R
                 str(limits.memory_mb << 20), str(nproc), str(limits.file_size_mb << 20), str(limits.open_files),
                 python, "1" if limits.site_packages else "0", script, str(uid),
                 "0" if limits.allow_network else "1", "1" if private_view else "0", str(limits.disk_mb << 20),
-                json.dumps(list(limits.hidden_paths))]
+                json.dumps(_hideable(limits.hidden_paths, python))]
         with tempfile.TemporaryFile() as fin, tempfile.TemporaryFile() as fout, tempfile.TemporaryFile() as ferr:
             fin.write(stdin.encode("utf-8"))
             fin.seek(0)
