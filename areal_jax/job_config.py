@@ -134,7 +134,9 @@ class JobConfigs:
     mesh: MeshConfig = MeshConfig()
     checkpoint: CheckpointConfig | None = None
     metrics: MetricsConfig = MetricsConfig()  # TensorBoard and W&B besides metrics.jsonl
-    workflow: Any = None  # the config_class instance of RLConfig.workflow's class (None: it has none)
+    # The config (config_class instance) of RLConfig.workflow's class, None when it has none: a
+    # workflow's settings, not a workflow (the workflow itself is built from RLConfig.workflow).
+    workflow_config: Any = None
     reward_pool: RewardPoolConfig = RewardPoolConfig()  # the workers of every reward not declared in-process
     sandbox: SandboxLimits = SandboxLimits()  # the code reward's sandbox in those workers
     lora: LoRAConfig = LoRAConfig()  # RL trains adapters on a frozen base when rank > 0
@@ -326,6 +328,6 @@ def _check_rl_processes(cfg: JobConfigs, num_processes: int) -> None:
 
 
 for _f in dataclasses.fields(JobConfigs):
-    if _f.name not in ("workflow", "bindings"):
+    if _f.name not in ("workflow_config", "bindings"):
         _PART_TYPES[_f.name] = ({"data": DataConfig, "checkpoint": CheckpointConfig, "engine": EngineConfig}.get(_f.name)
                                 or type(_f.default))

@@ -90,9 +90,9 @@ class Trainer:
                 raise TypeError(f"workflow= {workflow.__name__} lacks {', '.join(missing_workflow_members(workflow))} "
                                 "of api.RolloutWorkflow: subclass areal_jax.RolloutWorkflow (it has their defaults)")
             config_class = workflow.config_class if isinstance(workflow, type) else None
-            wf_cfg = cfg.workflow if config_class and isinstance(cfg.workflow, config_class) else (
+            wf_cfg = cfg.workflow_config if config_class and isinstance(cfg.workflow_config, config_class) else (
                 config_class() if config_class else None)
-            parts.update(rl=dataclasses.replace(cfg.given("rl"), workflow=None), workflow=wf_cfg)
+            parts.update(rl=dataclasses.replace(cfg.given("rl"), workflow=None), workflow_config=wf_cfg)
         if parts:  # config.gin then holds the fields that differ from their defaults (`with_parts`)
             cfg = cfg.with_parts(**parts)
         self.config = cfg.for_run(self.run_dir)

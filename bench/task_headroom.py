@@ -140,10 +140,10 @@ def rl_check(mcfg, params, tokenizer, train_items, test_rows, args) -> tuple[obj
 
 
 def evaluate(name, mcfg, params, tokenizer, test_rows, args, table, seconds, *, sampled=True):
-    greedy = evaluate_accuracy(mcfg, params, test_rows, tokenizer, max_new_tokens=args.max_new_tokens, batch=64)
+    greedy = evaluate_accuracy(mcfg, params, test_rows, tokenizer, max_new_tokens=args.max_new_tokens, slots=64)
     entry = {"stage": name, "seconds": seconds, "greedy_acc": greedy}
     if sampled:
-        r = sample_rewards(mcfg, params, test_rows, tokenizer, max_new_tokens=args.max_new_tokens, batch=128,
+        r = sample_rewards(mcfg, params, test_rows, tokenizer, max_new_tokens=args.max_new_tokens, slots=128,
                            n=args.samples, temperature=1.0, seed=args.seed)
         entry.update(sample_acc=float(r.mean()), any_correct=float(np.mean(r.max(axis=1) >= 1.0)))
     table.append(entry)

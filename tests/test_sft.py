@@ -231,7 +231,7 @@ def test_sft_overfits_a_handful_of_problems(tokenizer, six_problems):
     assert [m["step"] for m in metrics] == [20, 40, 60, 80, 100, 120]
     assert metrics[-1]["loss"] < 0.05 < metrics[0]["loss"]
     assert all(m["tokens"] > 0 for m in metrics)
-    assert evaluate_accuracy(cfg, trained, rows, tokenizer, max_new_tokens=32, batch=8) == 1.0
+    assert evaluate_accuracy(cfg, trained, rows, tokenizer, max_new_tokens=32, slots=8) == 1.0
     # Sampling several completions per prompt: shape [R, n], all correct for a memorized set.
     rewards = sample_rewards(cfg, trained, rows, tokenizer, max_new_tokens=32, n=2, temperature=0.3, seed=1)
     assert rewards.shape == (6, 2) and rewards.mean() > 0.9
@@ -281,8 +281,8 @@ def test_sft_stops_once_greedy_accuracy_on_validation_rows_reaches_the_target(to
     assert checks[-1] == 1.0 and all(a < 1.0 for a in checks[:-1])
     assert probe.calls == len(checks) and probe.engine.version == probe.calls  # one engine, weights swapped in
     # The probe scores as the one-off evaluation does.
-    assert evaluate_accuracy(cfg, trained, rows, tokenizer, max_new_tokens=32, batch=4) == 1.0
-    assert probe(params) == evaluate_accuracy(cfg, params, rows, tokenizer, max_new_tokens=32, batch=4) == 0.0
+    assert evaluate_accuracy(cfg, trained, rows, tokenizer, max_new_tokens=32, slots=4) == 1.0
+    assert probe(params) == evaluate_accuracy(cfg, params, rows, tokenizer, max_new_tokens=32, slots=4) == 0.0
 
 
 def test_sft_on_a_sharded_train_mesh_equals_sft_on_one_device(tokenizer, six_problems):

@@ -391,8 +391,8 @@ def _load(*params):
 def test_workflow_config_binds_from_gin_without_an_import_line():
     cfg = _load(f'RLConfig.workflow = "{PATH}"', "MultiTurnMathConfig.max_turns = 3",
                 "MultiTurnMathConfig.turn_discount = 0.25")
-    assert cfg.workflow == MultiTurnMathConfig(max_turns=3, turn_discount=0.25)
-    assert _load().workflow is None  # the default RLVR workflow has no config of its own
+    assert cfg.workflow_config == MultiTurnMathConfig(max_turns=3, turn_discount=0.25)
+    assert _load().workflow_config is None  # the default RLVR workflow has no config of its own
 
 
 @pytest.mark.parametrize("params, message", [
@@ -417,9 +417,9 @@ def test_the_shipped_multi_turn_config_loads_on_top_of_the_quickstart(tmp_path):
     from tests.test_cli import QUICKSTART, ROOT
 
     cfg = load_job_configs([QUICKSTART, ROOT / "configs" / "multi_turn_math.gin"], run_dir=str(tmp_path))
-    assert cfg.rl.workflow == PATH and cfg.workflow.max_turns == 2 and cfg.engine.max_seq_len == 192
+    assert cfg.rl.workflow == PATH and cfg.workflow_config.max_turns == 2 and cfg.engine.max_seq_len == 192
     # The two tries of a quickstart problem fit the engine's prompt limit with the shipped feedback.
     tokenizer = Tokenizer.from_pretrained(build_tokenizer(tmp_path / "tok"))
     row = next(ar.prompt_rows(tokenizer, [ar.make_problem("9-8+7-6")]))
-    _, feedback = turn_tokens(tokenizer, cfg.workflow.feedback)
+    _, feedback = turn_tokens(tokenizer, cfg.workflow_config.feedback)
     assert len(row["prompt_ids"]) + 2 * cfg.rollout.max_new_tokens + len(feedback) <= cfg.engine.prompt_limit

@@ -164,27 +164,27 @@ class GreedyAccuracy:
 
 
 def evaluate_accuracy(model_cfg: ModelConfig, params: Params, rows: Sequence[Mapping[str, Any]], tokenizer: Any,
-                      *, max_new_tokens: int, batch: int = 64, reward_fn: Reward | None = None) -> float:
+                      *, max_new_tokens: int, slots: int = 64, reward_fn: Reward | None = None) -> float:
     """Share of rows whose greedy completion earns reward >= 1 (0.0 for no rows): a one-off
-    `GreedyAccuracy`, whose engine has `batch` slots at most."""
+    `GreedyAccuracy`, whose engine has `slots` slots at most."""
     if not rows:
         return 0.0
-    return GreedyAccuracy(model_cfg, rows, tokenizer, max_new_tokens=max_new_tokens, slots=batch,
+    return GreedyAccuracy(model_cfg, rows, tokenizer, max_new_tokens=max_new_tokens, slots=slots,
                           reward_fn=reward_fn)(params)
 
 
 def sample_rewards(model_cfg: ModelConfig, params: Params, rows: Sequence[Mapping[str, Any]], tokenizer: Any, *,
-                   max_new_tokens: int, batch: int = 64, n: int = 1, temperature: float = 0.0, seed: int = 0,
+                   max_new_tokens: int, slots: int = 64, n: int = 1, temperature: float = 0.0, seed: int = 0,
                    reward_fn: Reward | None = None) -> np.ndarray:
     """Rewards `[R, n]` of `n` completions per row (`temperature=0`: greedy) on a one-off engine
-    with `batch` decode slots at most and sampling seed `seed`. reward_fn as `GreedyAccuracy`'s."""
+    with `slots` decode slots at most and sampling seed `seed`. reward_fn as `GreedyAccuracy`'s."""
     if not rows:
         return np.zeros((0, n), np.float32)
     examples = [prompt_example(r) for r in rows]
     reward = _default_reward(reward_fn)
     longest = max(len(ex.prompt_ids) for ex in examples)
     engine = GenerationEngine((model_cfg, params), prompts_engine_config(
-        len(examples) * n, longest, max_new_tokens, slots=batch, data=mesh_sizes(mesh_of(params))[0], seed=seed))
+        len(examples) * n, longest, max_new_tokens, slots=slots, data=mesh_sizes(mesh_of(params))[0], seed=seed))
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
                               stop_token_ids=tuple(tokenizer.stop_token_ids))
     groups = sample(engine, examples, sampling, reward, tokenizer, n=n)

@@ -66,7 +66,7 @@ def load_job_configs(gin_files=(), gin_params=(), *, run_dir: str, num_processes
         data=data, sft=cs.build(SFTConfig), rl=cs.build(RLConfig), ppo=cs.build(PPOConfig),
         optimizer=cs.build(OptimizerConfig), advantages=cs.build(AdvantageConfig), rollout=rollout,
         engine=_engine_config(rollout, data), mesh=cs.build(MeshConfig), checkpoint=_checkpoint_config(stages, run_dir),
-        metrics=cs.build(MetricsConfig), workflow=_workflow_config(workflow_class),
+        metrics=cs.build(MetricsConfig), workflow_config=_workflow_config(workflow_class),
         reward_pool=cs.build(RewardPoolConfig), sandbox=cs.build(SandboxLimits), lora=cs.build(LoRAConfig),
         bindings=cs.operative_config())
     check_cross_fields(cfg, num_processes)

@@ -418,7 +418,7 @@ def _rollout_workflow(cfg: JobConfigs, rollout: Any, tokenizer: Any, given: Any 
     # None: the arithmetic task, whose prompts are the chat template without variables.
     encoder = None if cfg.data is None else cfg.data.prompt_encoder(tokenizer)
     cls = given if given is not None else resolve_workflow_class(cfg.rl.workflow)
-    return make_workflow(cls, rollout, tokenizer, cfg.workflow, prompt_encoder=encoder)
+    return make_workflow(cls, rollout, tokenizer, cfg.workflow_config, prompt_encoder=encoder)
 
 
 def _on_any_process(flag: bool) -> bool:
