@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="every program of every shape (default: the largest of each family, which bound the "
                          "peak, and those the throughput prediction reads)")
     pl.add_argument("--no_cache", action="store_true", help="recompile instead of reading the plan cache")
+    pl.add_argument("--jobs", type=int, default=None,
+                    help="compiles at once, on threads of this one process (default: as the cores and free "
+                         "memory allow, 6 GiB each)")
     si = sub.add_parser("simulate", help="simulate the run's scheduling: trained tokens/s of async vs sync, "
                         "splits and eta, costs from a target's roofline or a recorded run", parents=[common])
     from areal_jax.simulate.driver import add_arguments as add_simulate_arguments
@@ -342,6 +345,7 @@ def _plan(args) -> int:
     from areal_jax.jobs.configs import load_job_configs
     from areal_jax.plan.config import PlanConfig
     from areal_jax.plan.job import PlanError, plan_job
+    from areal_jax.plan.planner import compile_workers
     from areal_jax.plan.report import HEADER, format_plan, program_row, run_totals
     from areal_jax.plan.targets import LibtpuBusy, parse_target
 
@@ -352,6 +356,8 @@ def _plan(args) -> int:
         if not name:
             raise PlanError("no target: pass --target=NAME or bind PlanConfig.target")
         target = parse_target(name)
+        if args.jobs is not None and args.jobs < 1:
+            raise PlanError(f"--jobs must be >= 1, got {args.jobs}")
     except (cs.ConfigError, PlanError, ValueError) as e:
         print(f"areal-jax: configuration error: {e}", file=sys.stderr)
         return 2
@@ -359,7 +365,7 @@ def _plan(args) -> int:
         print(HEADER, flush=True)
     try:
         plan = plan_job(job, plan_cfg, target, gin_files=args.gin_file, use_cache=not args.no_cache, only=args.only,
-                        every_program=args.all,
+                        every_program=args.all, workers=compile_workers(args.jobs),
                         on_program=None if args.json else lambda p: print(program_row(p), flush=True))
     except (PlanError, ValueError) as e:
         print(f"areal-jax: configuration error: {e}", file=sys.stderr)

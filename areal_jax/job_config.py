@@ -191,6 +191,15 @@ class JobConfigs:
         fit the generation devices (64 slots of a 17k-token reasoning budget would not)."""
         return min(EVAL_SLOTS, self.engine.num_slots)
 
+    def eval_slots_within(self, page_bytes: int, data: int) -> int:
+        """`eval_slots`, and no more than the full-length sequences the RL engine's KV pool holds
+        over its `data` replicas (at least one per replica): the evaluation engine caches every
+        slot at full length, so 64 slots of a 17k-token budget can need more than the pool the
+        config sized to fit (the 32B config's did: 85 of 80 GiB). `page_bytes`: one page of one
+        replica, every layer's keys and values."""
+        held = self.engine.pool_pages(page_bytes, data) * data // self.engine.pages_per_sequence
+        return max(data, min(self.eval_slots, held))
+
     def with_parts(self, **parts: Any) -> JobConfigs:
         """These configs with `parts` replaced, every derived field derived again from the parts as
         given (a value this instance derived, e.g. PPOConfig.temperature from the old

@@ -266,3 +266,17 @@ def test_a_lora_step_swaps_the_adapters_and_not_the_base():
     lora = predict([*common, program("transfer/lora/layers[0:28 of 28][bfloat16]", "transfer", 0.003)], **kw)
     assert full["transfer_s_per_step"] == 2.0 and lora["transfer_s_per_step"] == 0.003
     assert full["step_train_s"] - lora["step_train_s"] == pytest.approx(2.0 - 0.003)
+
+
+def test_eval_engine_slots_are_bounded_by_the_rl_engines_pool():
+    # Pages of 1,000 bytes, 100 pages per 1,600-token sequence, 2 replicas per host.
+    from areal_jax.generation.config import EngineConfig
+    from areal_jax.job_config import eval_slot_limit
+
+    engine = EngineConfig(num_slots=112, max_seq_len=1600, kv_pool_bytes=1_000_000)  # 1,000 pages per replica
+    assert eval_slot_limit(engine, 1000, data=2) == 20  # 2 x 1,000 // 100 full-length sequences
+    assert eval_slot_limit(EngineConfig(num_slots=112, max_seq_len=1600, kv_pool_bytes=3_250_000), 1000, 2) == 64
+    assert eval_slot_limit(EngineConfig(num_slots=112, max_seq_len=1600), 1000, 2) == 64  # pool of every slot
+    assert eval_slot_limit(EngineConfig(num_slots=8, max_seq_len=1600), 1000, 2) == 8
+    # At least a slot per replica, however small the pool.
+    assert eval_slot_limit(EngineConfig(num_slots=112, max_seq_len=1600, kv_pool_bytes=100_000), 1000, 4) == 4

@@ -172,8 +172,18 @@ def _prepare_run(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: Rewa
                 # Moves weights to this host's generation devices in the generation dtype, per layer;
                 # the RL loop reuses it (and its compiled programs).
                 sync=generation_weight_sync(work.model_config, meshes, cfg.rl, cfg.lora),
-                eval_slots=cfg.eval_slots, checkpointer=checkpointer,
+                eval_slots=_eval_slots(cfg, work.model_config, meshes), checkpointer=checkpointer,
                 resuming=bool(resume and checkpointer is not None and checkpointer.latest_step() is not None))
+
+
+def _eval_slots(cfg: JobConfigs, model_config, meshes) -> int:
+    """Evaluation engines take at most the RL engine's slots and the full-length sequences its KV
+    pool holds: that pool is what the config sized to fit the generation devices."""
+    from areal_jax.generation.paged import page_bytes
+
+    dtype = cfg.engine.cache_dtype or cfg.rl.generation_dtype or cfg.model.dtype
+    data = meshes.generation.shape.get("data", 1) if meshes.generation is not None else 1
+    return cfg.eval_slots_within(page_bytes(model_config, cfg.engine.page_size, dtype), data)
 
 
 def _write_run_files(cfg: JobConfigs, run_dir: paths.Path, work: Workload) -> None:

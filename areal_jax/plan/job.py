@@ -65,14 +65,17 @@ def replica_engine_config(engine, data: int, *, field: str = "EngineConfig.num_s
                                max_prefill_batch=-(-engine.max_prefill_batch // data))
 
 
-def eval_engine_config(job: JobConfigs, longest_prompt: int, data: int, hosts: int):
+def eval_engine_config(job: JobConfigs, longest_prompt: int, data: int, hosts: int, model_cfg: ModelConfig):
     """One data replica's share of the run's held-out evaluation engine: the engine
     `GreedyAccuracy` builds for a host's shard of the rows (`prompts_engine_config`, capped at
-    `JobConfigs.eval_slots`), divided over the `data` replicas."""
+    `JobConfigs.eval_slots_within` the RL engine's pool), divided over the `data` replicas."""
     from areal_jax.generation.config import prompts_engine_config
+    from areal_jax.generation.paged import page_bytes
 
     rows = max(1, -(-job.task.eval_size // hosts))  # each host evaluates its shard of the rows
-    engine = prompts_engine_config(rows, longest_prompt, job.rl.eval_max_new_tokens, slots=job.eval_slots, data=data)
+    slots = job.eval_slots_within(page_bytes(model_cfg, job.engine.page_size, job.engine.cache_dtype or gen_dtype(job)),
+                                  data)
+    engine = prompts_engine_config(rows, longest_prompt, job.rl.eval_max_new_tokens, slots=slots, data=data)
     return dataclasses.replace(engine, num_slots=engine.num_slots // data)
 
 
@@ -102,7 +105,7 @@ def collect_specs(job: JobConfigs, model_cfg: ModelConfig, target: Target, meshe
     specs += engine_program_specs(model_cfg, replica_engine_config(job.engine, data), mesh=meshes.generation,
                                   param_dtype=gen_dtype(job), **on_target)
     if job.task.eval_size and (job.task.kind == "arithmetic" or job.task.eval_paths):
-        specs += engine_program_specs(model_cfg, eval_engine_config(job, longest_prompt, data, target.hosts),
+        specs += engine_program_specs(model_cfg, eval_engine_config(job, longest_prompt, data, target.hosts, model_cfg),
                                       mesh=meshes.generation, param_dtype=gen_dtype(job), role="eval", **on_target)
     # The run hands both engines their weights per layer (the transfer's split layout), which they
     # install as given: the split program of stacked weights never runs in `train`.
@@ -179,10 +182,29 @@ def check_weight_layouts(model_cfg: ModelConfig, meshes) -> None:
                         f"{jax.tree_util.keystr(path)}: it would be replicated instead of sharded")
 
 
-def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files: Sequence[str] = (),
-             use_cache: bool = True, only: str | None = None, every_program: bool = False,
-             on_program: Callable[[ProgramPlan], None] | None = None) -> Plan:
-    model_cfg = model_config_for(job, plan_cfg, gin_files)
+@dataclasses.dataclass(frozen=True)
+class PlanInputs:
+    """What `plan_job` compiles and how it counts memory: the programs (`specs`) on their meshes,
+    the bytes each role keeps beside the other's programs (`extra_resident`) and the hand
+    estimate's sizes (`ctx`). `simulate --tune` estimates candidate configs from the same."""
+
+    model_cfg: ModelConfig
+    split: Any  # DeviceSplit
+    meshes: Any  # RoleMeshes
+    specs: tuple[ProgramSpec, ...]
+    ctx: EstimateContext
+    extra_resident: Callable[[ProgramSpec], int]
+    gen_weights: int
+    mean_prompt: float
+    mean_completion: float
+
+
+def plan_inputs(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files: Sequence[str] = (),
+                only: str | None = None, every_program: bool = False, model_cfg: ModelConfig | None = None,
+                devices: Callable[..., list] | None = None) -> PlanInputs:
+    """The programs a plan of `job` measures. `devices(target, n, hosts=1)`: the fake devices the
+    meshes are built on (default plan/targets.topology_devices, the target's own kind)."""
+    model_cfg = model_cfg or model_config_for(job, plan_cfg, gin_files)
     try:
         split = split_local_devices(job.mesh, target.devices_per_host)
     except ValueError as e:
@@ -190,7 +212,7 @@ def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files
     try:
         check_model_fits_mesh(model_cfg, job.mesh)
         meshes = role_meshes(target, split, job.mesh.train_tensor, job.mesh.generation_tensor,
-                             job.mesh.train_expert, job.mesh.generation_expert)
+                             job.mesh.train_expert, job.mesh.generation_expert, devices=devices)
     except ValueError as e:
         raise PlanError(str(e)) from None
     check_weight_layouts(model_cfg, meshes)
@@ -230,10 +252,24 @@ def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files
         cache_bytes=jnp.dtype(job.engine.cache_dtype or gen_dtype(job)).itemsize, remat=job.ppo.remat,
         logit_chunk_tokens=job.ppo.logit_chunk_tokens, decode_chunk=job.engine.decode_chunk,
         prefill_chunk=job.engine.prefill_chunk)
+    return PlanInputs(model_cfg=model_cfg, split=split, meshes=meshes, specs=tuple(specs), ctx=ctx,
+                      extra_resident=extra_resident, gen_weights=gen_weights, mean_prompt=mean_prompt,
+                      mean_completion=mean_completion)
+
+
+def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files: Sequence[str] = (),
+             use_cache: bool = True, only: str | None = None, every_program: bool = False,
+             on_program: Callable[[ProgramPlan], None] | None = None, workers: int = 1) -> Plan:
+    """`workers`: compiles at once (plan/planner.measure_programs)."""
+    inputs = plan_inputs(job, plan_cfg, target, gin_files=gin_files, only=only, every_program=every_program)
+    model_cfg, split, meshes, specs, ctx = inputs.model_cfg, inputs.split, inputs.meshes, inputs.specs, inputs.ctx
+    extra_resident, gen_weights = inputs.extra_resident, inputs.gen_weights
+    mean_prompt, mean_completion = inputs.mean_prompt, inputs.mean_completion
     programs = measure_programs(specs, target, extra_resident=extra_resident, headroom=plan_cfg.headroom,
                                 use_cache=use_cache, estimator=lambda s, kernels: estimate_peak(s, ctx, kernels),
                                 lower_bound=lambda s: lower_bound_peak(s, ctx),
-                                flop_counter=lambda s, n: analytic_flops(s, ctx, n), on_program=on_program)
+                                flop_counter=lambda s, n: analytic_flops(s, ctx, n), on_program=on_program,
+                                workers=workers)
     replica_engine = replica_engine_config(job.engine, meshes.generation_replicas_per_host)
     cache_itemsize = jnp.dtype(job.engine.cache_dtype or gen_dtype(job)).itemsize
     kv_bytes_per_token = (2 * model_cfg.num_layers * (model_cfg.num_kv_heads // job.mesh.generation_tensor)

@@ -149,9 +149,12 @@ class RoleMeshes:
 
 
 def role_meshes(target: Target, split: DeviceSplit, train_tensor: int, generation_tensor: int,
-                train_expert: int = 1, generation_expert: int = 1) -> RoleMeshes:
+                train_expert: int = 1, generation_expert: int = 1, devices: Callable[..., list] | None = None
+                ) -> RoleMeshes:
+    """`devices(target, n, hosts=1)`: fake devices to build on (default the target's kind)."""
     from areal_jax.plan.targets import topology_devices
 
+    topology_devices = devices or topology_devices
     train_devices = topology_devices(target, split.num_train * target.hosts, hosts=target.hosts)
     if len(train_devices) % (train_expert * train_tensor):
         raise ValueError(f"MeshConfig.train_expert = {train_expert} x train_tensor = {train_tensor} does not divide "
@@ -182,53 +185,98 @@ def attention_name(spec_name: str, kernels: Sequence[str]) -> str:
     return "reference" if kind.startswith(_ATTENDING) else "none"
 
 
+def compile_workers(requested: int | None = None, *, per_compile_bytes: int = 6 << 30) -> int:
+    """Compiles to run at once: `requested`, or as many as the host's cores and free memory allow
+    (a real model's program takes gigabytes of host memory to compile)."""
+    import os
+
+    if requested is not None:
+        return max(1, requested)
+    try:
+        with open("/proc/meminfo") as f:
+            free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return 1
+    return max(1, min(os.cpu_count() or 1, free // per_compile_bytes))
+
+
 def measure_programs(specs: Sequence[ProgramSpec], target: Target, *, extra_resident: Callable[[ProgramSpec], int],
                      headroom: float, use_cache: bool = True,
                      estimator: Callable[[ProgramSpec, Sequence[str]], int] | None = None,
                      flop_counter: Callable[[ProgramSpec, int], float] | None = None,
                      on_program: Callable[[ProgramPlan], None] | None = None,
                      lower_bound: Callable[[ProgramSpec], int] | None = None,
-                     refuse_factor: float = REFUSE_FACTOR) -> list[ProgramPlan]:
+                     refuse_factor: float = REFUSE_FACTOR, workers: int = 1) -> list[ProgramPlan]:
     """Compiles and measures every spec; `extra_resident(spec)` adds bytes the run holds beside it.
 
     `estimator(spec, attention_kernels)`: the hand estimate of the program's peak, printed beside
     the compiler's. `lower_bound(spec)`: an estimate no implementation of the program undercuts;
     a program whose lower bound (plus what stays resident) exceeds `refuse_factor` x capacity is
-    lowered (to name its attention) but not compiled: refused on the estimate, marked `refused`."""
+    lowered (to name its attention) but not compiled: refused on the estimate, marked `refused`.
+
+    `workers` > 1: that many compiles run at once on threads of this process (the compiler
+    releases the GIL; one process holds libtpu, which allows one process at a time), while the
+    next programs are lowered; `on_program` still sees the programs in order."""
+    import concurrent.futures
+
     source = "libtpu" if target.platform == "tpu" else "xla-gpu"
     capacity = target.capacity_bytes_per_device
-    out = []
-    for spec in specs:
-        lowered = spec.lower()
-        text = lowered.as_text()
-        kernels = attention_kernels(text)
-        grouped = "+".join(grouped_matmul_kernels(text)) or "none"
-        estimate = (estimator(spec, kernels) + extra_resident(spec)) if estimator is not None else 0
-        floor = (lower_bound(spec) + extra_resident(spec)) if lower_bound is not None else 0
-        if lower_bound is not None and floor > refuse_factor * capacity:
-            resident = bytes_per_device(spec.resident) + extra_resident(spec)
-            flops = flop_counter(spec, spec_devices(spec)) if flop_counter is not None else 0.0
-            plan = ProgramPlan(
-                name=spec.name, role=spec.role, peak_bytes_per_device=floor, capacity_bytes_per_device=capacity,
-                fits=False, flops=flops, bytes_accessed=0.0, roofline_s=roofline_s(flops, 0.0, target),
-                source="estimate", program_bytes=floor - resident, resident_bytes=resident, temp_bytes=0,
-                compile_s=0.0, fields=tuple(spec.fields), estimate_bytes=estimate,
-                attention=attention_name(spec.name, kernels), grouped_matmul=grouped, refused=True)
-        else:
-            m: Measured = measure(spec, target.name, use_cache=use_cache, lowered=lowered, text=text)
-            resident = bytes_per_device(spec.resident) + extra_resident(spec)
-            peak = m.program_peak_bytes + resident
-            flops = max(m.flops, flop_counter(spec, m.num_devices) if flop_counter is not None else 0.0)
-            plan = ProgramPlan(
-                name=spec.name, role=spec.role, peak_bytes_per_device=peak, capacity_bytes_per_device=capacity,
-                fits=peak <= (1.0 - headroom) * capacity, flops=flops, bytes_accessed=m.bytes_accessed,
-                roofline_s=roofline_s(flops, m.bytes_accessed, target), source=source, flops_xla=m.flops,
-                program_bytes=m.program_peak_bytes, resident_bytes=resident, temp_bytes=m.temp_bytes,
-                compile_s=m.compile_s, fields=tuple(spec.fields), estimate_bytes=estimate,
-                attention=attention_name(spec.name, m.attention), grouped_matmul=grouped)
-        out.append(plan)
-        if on_program is not None:
-            on_program(plan)
+    out: list[ProgramPlan] = []
+    pending: list[Callable[[], ProgramPlan]] = []  # in spec order; a compile's waits on its future
+
+    def flush(wait: bool) -> None:
+        while pending and (wait or getattr(pending[0], "done", lambda: True)()):
+            plan = pending.pop(0)()
+            out.append(plan)
+            if on_program is not None:
+                on_program(plan)
+
+    def measured(spec, m: Measured, estimate: int, grouped: str) -> ProgramPlan:
+        resident = bytes_per_device(spec.resident) + extra_resident(spec)
+        peak = m.program_peak_bytes + resident
+        flops = max(m.flops, flop_counter(spec, m.num_devices) if flop_counter is not None else 0.0)
+        return ProgramPlan(
+            name=spec.name, role=spec.role, peak_bytes_per_device=peak, capacity_bytes_per_device=capacity,
+            fits=peak <= (1.0 - headroom) * capacity, flops=flops, bytes_accessed=m.bytes_accessed,
+            roofline_s=roofline_s(flops, m.bytes_accessed, target), source=source, flops_xla=m.flops,
+            program_bytes=m.program_peak_bytes, resident_bytes=resident, temp_bytes=m.temp_bytes,
+            compile_s=m.compile_s, fields=tuple(spec.fields), estimate_bytes=estimate,
+            attention=attention_name(spec.name, m.attention), grouped_matmul=grouped)
+
+    pool = concurrent.futures.ThreadPoolExecutor(workers) if workers > 1 else None
+    try:
+        for spec in specs:
+            lowered = spec.lower()
+            text = lowered.as_text()
+            kernels = attention_kernels(text)
+            grouped = "+".join(grouped_matmul_kernels(text)) or "none"
+            estimate = (estimator(spec, kernels) + extra_resident(spec)) if estimator is not None else 0
+            floor = (lower_bound(spec) + extra_resident(spec)) if lower_bound is not None else 0
+            if lower_bound is not None and floor > refuse_factor * capacity:
+                resident = bytes_per_device(spec.resident) + extra_resident(spec)
+                flops = flop_counter(spec, spec_devices(spec)) if flop_counter is not None else 0.0
+                plan = ProgramPlan(
+                    name=spec.name, role=spec.role, peak_bytes_per_device=floor, capacity_bytes_per_device=capacity,
+                    fits=False, flops=flops, bytes_accessed=0.0, roofline_s=roofline_s(flops, 0.0, target),
+                    source="estimate", program_bytes=floor - resident, resident_bytes=resident, temp_bytes=0,
+                    compile_s=0.0, fields=tuple(spec.fields), estimate_bytes=estimate,
+                    attention=attention_name(spec.name, kernels), grouped_matmul=grouped, refused=True)
+                pending.append(lambda plan=plan: plan)
+            elif pool is None:
+                m = measure(spec, target.name, use_cache=use_cache, lowered=lowered, text=text)
+                plan = measured(spec, m, estimate, grouped)
+                pending.append(lambda plan=plan: plan)
+            else:
+                future = pool.submit(measure, spec, target.name, use_cache=use_cache, lowered=lowered, text=text)
+                finish = (lambda f=future, spec=spec, estimate=estimate, grouped=grouped:
+                          measured(spec, f.result(), estimate, grouped))
+                finish.done = future.done
+                pending.append(finish)
+            flush(wait=False)
+        flush(wait=True)
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
     return out
 
 

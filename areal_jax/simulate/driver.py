@@ -54,6 +54,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfer_gbps", type=float, default=DEFAULT_TRANSFER_BYTES_PER_S / 1e9,
                    help="roofline costs: GB/s at which one host receives the generation weights")
     p.add_argument("--json", action="store_true", help="one JSON object: rows and assumptions")
+    p.add_argument("--tune", action="store_true",
+                   help="search the split, micro-batch budget, engine slots / KV pool and eta (within --sweep eta=) "
+                        "for the most trained tokens/s among points whose programs fit; print the best as gin bindings")
+    p.add_argument("--tune_top", type=int, default=5, help="--tune: best points shown")
+    p.add_argument("--tune_compiled_s", type=float, default=120.0,
+                   help="--tune: seconds to spend looking up the best points' compiled peaks in the plan cache "
+                        "(lowering their programs; 0: the hand estimate only)")
+    p.add_argument("--write", default=None, metavar="FILE.gin", help="--tune: write the best point's bindings here")
 
 
 class SimulateError(ValueError):
@@ -182,21 +190,33 @@ def _swept_rows(base, sweeps) -> list:
     return rows
 
 
-def simulate_rows(args, *, adjust_workload=None) -> dict[str, Any]:
-    """Every row of the command; returns {"rows": [...], "assumptions": {...}}. `adjust_workload`
-    (Python callers: bench/simulate_scale.py) maps the Workload built from the configs to the one
-    simulated, e.g. a paged KV pool the configs do not state."""
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A config made ready to simulate: its job, costs' source, workload and lengths."""
+
+    job: Any
+    plan_cfg: Any
+    target: Any  # plan.targets.Target; None with --calibrate
+    fit: Any  # simulate.calibrate's fit; None on a target
+    workload: Any
+    generation: int  # the config's generation devices per host
+    source: Any  # lengths: a dump or a spec
+    cap: int
+    mean_prompt: int
+    base: Any  # RowConfig: the config's own row
+
+
+def prepare(args, *, gin_params: tuple[str, ...] = (), adjust_workload=None) -> Prepared:
+    """The config of `args` (with `gin_params` bound after its own) ready to simulate."""
     from areal_jax import config_system as cs
     from areal_jax.jobs.configs import load_job_configs
     from areal_jax.plan.config import PlanConfig
     from areal_jax.plan.targets import parse_target
     from areal_jax.simulate.calibrate import fit_run_dir
     from areal_jax.simulate.config import RowConfig
-    from areal_jax.simulate.lengths import LengthSampler, parse_length_spec, read_rollout_lengths
-    from areal_jax.simulate.system import Simulation
-    from areal_jax.plan.report import STEP_TIME_NOTE, run_totals
+    from areal_jax.simulate.lengths import parse_length_spec, read_rollout_lengths
 
-    job = load_job_configs(args.gin_file, args.gin_param, run_dir="simulate")
+    job = load_job_configs(args.gin_file, [*args.gin_param, *gin_params], run_dir="simulate")
     plan_cfg = cs.build(PlanConfig)
     target = None
     fit = None
@@ -229,11 +249,34 @@ def simulate_rows(args, *, adjust_workload=None) -> dict[str, Any]:
                                     "sigma=1")
         source = parse_length_spec(spec)
     cap = min(job.rollout.max_new_tokens, job.engine.max_seq_len - 1 - mean_prompt)
-
     base = RowConfig(mode=job.rl.mode, eta=job.rl.max_staleness, generation_devices=generation,
                      colocated=colocated and job.rl.mode == "async", steps=args.steps,
                      warmup_steps=args.warmup, seed=args.seed)
-    rows = _rows(base, _parse_sweeps(args.sweep), include_sync=True)
+    return Prepared(job=job, plan_cfg=plan_cfg, target=target, fit=fit, workload=workload, generation=generation,
+                    source=source, cap=cap, mean_prompt=mean_prompt, base=base)
+
+
+def run_row(p: Prepared, row, args):
+    """(RowResult, the lengths' description) of one row of a prepared config."""
+    from areal_jax.simulate.lengths import LengthSampler
+    from areal_jax.simulate.system import Simulation
+
+    costs = p.fit.costs if p.fit is not None else roofline_costs(
+        p.job, p.plan_cfg, args.gin_file, p.target, p.workload, row,
+        transfer_bytes_per_s=args.transfer_gbps * 1e9, reward_s=args.reward_s)
+    sampler = LengthSampler(p.source, cap=p.cap, prompt=p.mean_prompt, seed=row.seed)
+    return Simulation(p.workload, row, costs, sampler, scale_engine=p.fit is None).run(), sampler.describe()
+
+
+def simulate_rows(args, *, adjust_workload=None) -> dict[str, Any]:
+    """Every row of the command; returns {"rows": [...], "assumptions": {...}}. `adjust_workload`
+    (Python callers: bench/simulate_scale.py) maps the Workload built from the configs to the one
+    simulated, e.g. a paged KV pool the configs do not state."""
+    from areal_jax.plan.report import STEP_TIME_NOTE, run_totals
+
+    p = prepare(args, adjust_workload=adjust_workload)
+    job, workload, fit, target, generation = p.job, p.workload, p.fit, p.target, p.generation
+    rows = _rows(p.base, _parse_sweeps(args.sweep), include_sync=True)
     if fit is not None and any(r.mode == "async" and r.generation_devices != generation and not r.colocated
                                for r in rows):
         raise SimulateError("--sweep split with --calibrate: calibrated costs hold for the run's own split; "
@@ -241,12 +284,9 @@ def simulate_rows(args, *, adjust_workload=None) -> dict[str, Any]:
     results = []
     labels = []
     for row in rows:
-        costs = fit.costs if fit is not None else roofline_costs(
-            job, plan_cfg, args.gin_file, target, workload, row, transfer_bytes_per_s=args.transfer_gbps * 1e9,
-            reward_s=args.reward_s)
-        sampler = LengthSampler(source, cap=cap, prompt=mean_prompt, seed=row.seed)
-        results.append(Simulation(workload, row, costs, sampler, scale_engine=fit is None).run())
-        labels.append(sampler.describe())
+        result, label = run_row(p, row, args)
+        results.append(result)
+        labels.append(label)
     sync = next((r for r in results if r.mode == "sync"), None)
     out_rows = []
     for r in results:
@@ -310,6 +350,10 @@ def main(args) -> int:
 
     try:
         check_flags(args)
+        if args.write and not args.tune:
+            raise SimulateError("--write takes --tune (it writes the tuned point)")
+        if args.tune:
+            return _tune(args)
         report = simulate_rows(args)
     except (SimulateError, ConfigError, ValueError, FileNotFoundError) as e:
         print(f"areal-jax: simulate: {' '.join(str(e).split())}", file=sys.stderr)
@@ -318,4 +362,20 @@ def main(args) -> int:
         print(json.dumps(report, indent=2, default=lambda x: None if isinstance(x, float) and math.isnan(x) else x))
     else:
         print(format_rows(report))
+    return 0
+
+
+def _tune(args) -> int:
+    from areal_jax.simulate.tune_run import format_tune, run_tune, write_best
+
+    if args.write and pathlib.Path(args.write).is_dir():
+        raise SimulateError(f"--write {args.write}: a directory, not a file")
+    report = run_tune(args)
+    if not report["points"]:
+        raise SimulateError("--tune: no point fits the target (" + "; ".join(
+            sorted({r["memory"]["source"] for r in report["refused_points"]})[:3]) + ")")
+    if args.write:
+        write_best(report, args.write)
+    print(json.dumps(report, indent=2, default=lambda x: None if isinstance(x, float) and math.isnan(x) else x)
+          if args.json else format_tune(report, args.tune_top))
     return 0

@@ -9,7 +9,8 @@ from typing import Any
 
 # flag -> (smallest allowed value, whether it may equal it); None values mean "unset" (the default).
 _BOUNDS = {"steps": (1, True), "warmup": (0, True), "devices_per_host": (1, True), "hosts": (1, True),
-           "calibrate_skip": (0, True), "reward_s": (0.0, True), "transfer_gbps": (0.0, False)}
+           "calibrate_skip": (0, True), "reward_s": (0.0, True), "transfer_gbps": (0.0, False),
+           "tune_top": (1, True), "tune_compiled_s": (0.0, True)}
 
 
 def check_flags(args: Any) -> None:
