@@ -280,3 +280,23 @@ def test_eval_engine_slots_are_bounded_by_the_rl_engines_pool():
     assert eval_slot_limit(EngineConfig(num_slots=8, max_seq_len=1600), 1000, 2) == 8
     # At least a slot per replica, however small the pool.
     assert eval_slot_limit(EngineConfig(num_slots=112, max_seq_len=1600, kv_pool_bytes=100_000), 1000, 4) == 4
+
+
+@needs_gpu_compiler
+def test_parallel_compiles_give_the_serial_figures_in_order(tmp_path):
+    # --jobs 2 compiles on two threads while the next programs lower; the rows come back in the
+    # serial order with the same compiled figures (each run on its own empty cache).
+    gin = _config(tmp_path)
+    runs = []
+    for jobs in ("1", "2"):
+        run_dir = tmp_path / f"jobs{jobs}"
+        run_dir.mkdir()
+        out = _plan(run_dir, gin, "--target=8xh100", "--json", "--only=generation/", f"--jobs={jobs}")
+        runs.append(json.loads(out.stdout)["programs"])
+    serial, parallel = runs
+    assert len(serial) >= 3 and [p["name"] for p in parallel] == [p["name"] for p in serial]
+    for s, p in zip(serial, parallel):
+        assert (p["peak_bytes_per_device"], p["flops"], p["source"]) == (s["peak_bytes_per_device"], s["flops"],
+                                                                       s["source"]), p["name"]
+    out = _plan(tmp_path, gin, "--target=8xh100", "--jobs=0", check=False)
+    assert out.returncode == 2 and "--jobs" in out.stderr
