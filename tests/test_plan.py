@@ -271,15 +271,16 @@ def test_a_lora_step_swaps_the_adapters_and_not_the_base():
 def test_eval_engine_slots_are_bounded_by_the_rl_engines_pool():
     # Pages of 1,000 bytes, 100 pages per 1,600-token sequence, 2 replicas per host.
     from areal_jax.generation.config import EngineConfig
-    from areal_jax.job_config import eval_slot_limit
+    from areal_jax.job_config import JobConfigs
 
-    engine = EngineConfig(num_slots=112, max_seq_len=1600, kv_pool_bytes=1_000_000)  # 1,000 pages per replica
-    assert eval_slot_limit(engine, 1000, data=2) == 20  # 2 x 1,000 // 100 full-length sequences
-    assert eval_slot_limit(EngineConfig(num_slots=112, max_seq_len=1600, kv_pool_bytes=3_250_000), 1000, 2) == 64
-    assert eval_slot_limit(EngineConfig(num_slots=112, max_seq_len=1600), 1000, 2) == 64  # pool of every slot
-    assert eval_slot_limit(EngineConfig(num_slots=8, max_seq_len=1600), 1000, 2) == 8
-    # At least a slot per replica, however small the pool.
-    assert eval_slot_limit(EngineConfig(num_slots=112, max_seq_len=1600, kv_pool_bytes=100_000), 1000, 4) == 4
+    def slots(data=2, **engine):
+        return JobConfigs(engine=EngineConfig(max_seq_len=1600, **engine)).eval_slots_within(1000, data)
+
+    assert slots(num_slots=112, kv_pool_bytes=1_000_000) == 20  # 2 x 1,000 pages // 100 per sequence
+    assert slots(num_slots=112, kv_pool_bytes=3_250_000) == 64  # EVAL_SLOTS
+    assert slots(num_slots=112) == 64  # the default pool holds every slot
+    assert slots(num_slots=8) == 8  # the RL engine's slots
+    assert slots(data=4, num_slots=112, kv_pool_bytes=100_000) == 4  # at least one per replica
 
 
 @needs_gpu_compiler
