@@ -361,11 +361,20 @@ def _plan(args) -> int:
     except (cs.ConfigError, PlanError, ValueError) as e:
         print(f"areal-jax: configuration error: {e}", file=sys.stderr)
         return 2
+    live = None
+    if not args.only:  # generation at the concurrency the workload sustains, not the slots (issue 40)
+        from areal_jax.simulate.driver import config_row
+
+        try:
+            live = config_row(args.gin_file, args.gin_param, target.name)
+        except ValueError as e:
+            print(f"areal-jax: plan: no simulated row ({' '.join(str(e).split())}); generation at full slots",
+                  file=sys.stderr)
     if not args.json:
         print(HEADER, flush=True)
     try:
         plan = plan_job(job, plan_cfg, target, gin_files=args.gin_file, use_cache=not args.no_cache, only=args.only,
-                        every_program=args.all, workers=compile_workers(args.jobs),
+                        every_program=args.all, workers=compile_workers(args.jobs), live=live,
                         on_program=None if args.json else lambda p: print(program_row(p), flush=True))
     except (PlanError, ValueError) as e:
         print(f"areal-jax: configuration error: {e}", file=sys.stderr)

@@ -313,6 +313,11 @@ def _check_rl(cfg: JobConfigs) -> None:
             f"PPOConfig.max_tokens_per_microbatch ({ppo.max_tokens_per_microbatch}) is below the longest sample "
             f"({longest} tokens: EngineConfig.max_seq_len {engine.max_seq_len}, or EngineConfig.max_prompt_len + "
             f"RLVRConfig.max_new_tokens); such a sample could not be trained")
+    if ppo.row_buckets and longest > max(ppo.row_buckets):
+        raise ConfigError(
+            f"the longest sample ({longest} tokens: EngineConfig.max_seq_len, or EngineConfig.max_prompt_len + "
+            f"RLVRConfig.max_new_tokens) exceeds the longest of PPOConfig.row_buckets ({max(ppo.row_buckets)}); "
+            "such a sample could not be packed into a row")
     sequences = cfg.rl.batch_size * rollout.n_samples
     if sequences < ppo.num_minibatches:
         raise ConfigError(

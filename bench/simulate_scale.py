@@ -54,6 +54,8 @@ CONFIGS = {  # config -> splits (generation devices per host) its replicas allow
     "configs/qwen2_5_7b_math_gpu.gin": (4, 5, 6, 7),
     "configs/qwen2_5_32b_math_gpu.gin": (4,),
     "configs/qwen2_5_7b_math_tpu.gin": (2,),
+    "configs/qwen3_30b_a3b_math_gpu.gin": (2, 4, 6),
+    "configs/qwen3_30b_a3b_math_tpu.gin": (2,),
 }
 ETAS = (1, 2, 4, 8)
 
@@ -84,22 +86,30 @@ def paged_paper(params: list[str], slots_per_replica: int, etas) -> tuple[list[s
     return kept, lambda wl: dataclasses.replace(wl, kv_pool_pages=pool_pages, page_size=16, block_tokens=128)
 
 
-def run(gin_file: str, params: list[str], *, target: str | None, splits, length_dist: str | None, steps: int,
-        etas=ETAS, adjust=None):
+def simulate_args(gin_file: str, params: list[str], *, target: str | None, length_dist: str | None, steps: int,
+                  sweeps: list[str] = ()):
+    """`areal-jax simulate`'s parsed flags for a config, its extra bindings and sweeps."""
     import argparse as ap
 
     p = ap.ArgumentParser()
     add_arguments(p)
-    argv = ["--gin_file", gin_file, "--steps", str(steps), "--warmup", str(max(1, steps // 4)),
-            "--sweep", "mode=async,sync", "--sweep", "eta=" + ",".join(map(str, etas)),
-            "--sweep", "split=" + ",".join(map(str, splits))]
+    argv = ["--gin_file", gin_file, "--steps", str(steps), "--warmup", str(max(1, steps // 4))]
+    for sweep in sweeps:
+        argv += ["--sweep", sweep]
     for param in params:
         argv += ["--gin_param", param]
     if target:
         argv += ["--target", target]
     if length_dist:
         argv += ["--length-dist", length_dist]
-    return simulate_rows(p.parse_args(argv), adjust_workload=adjust)
+    return p.parse_args(argv)
+
+
+def run(gin_file: str, params: list[str], *, target: str | None, splits, length_dist: str | None, steps: int,
+        etas=ETAS, adjust=None):
+    sweeps = ["mode=async,sync", "eta=" + ",".join(map(str, etas)), "split=" + ",".join(map(str, splits))]
+    return simulate_rows(simulate_args(gin_file, params, target=target, length_dist=length_dist, steps=steps,
+                                       sweeps=sweeps), adjust_workload=adjust)
 
 
 def table(name: str, report: dict) -> str:
@@ -107,13 +117,18 @@ def table(name: str, report: dict) -> str:
     sync = next(r for r in rows if r["mode"] == "sync")
     best = sorted((r for r in rows if r["mode"] == "async"), key=lambda r: -r["trained_tokens_per_s"])
     lines = [f"**{name}** ({report['assumptions']['lengths']}; {report['assumptions']['batch']}; "
-             f"{report['assumptions']['hosts']} hosts)", "",
-             "| mode | eta | split (gen:train per host) | trained tok/s | vs sync | gen busy | train busy | slot occupancy "
-             "| re-prefilled per trained token | staleness max / mean | step s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"{report['assumptions']['hosts']} hosts; sync's async_bound {sync['async_bound']:.2f}x = "
+             f"1 + {sync['generation_share']:.2f} x (1 / {sync['sync_generation_efficiency']:.2f} - 1))", "",
+             "| mode | eta | split (gen:train per host) | trained tok/s | per device | vs sync | of bound | roofline fraction "
+             "| padded | gen busy | train busy | slot occupancy | re-prefilled per trained token | staleness max / mean "
+             "| step s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in best[:6] + [sync]:
+        of_bound = f"{r['vs_async_bound']:.2f}" if r.get("vs_async_bound") is not None else "-"
         lines.append(f"| {r['mode']} | {r['eta']} | {r['split']} | {r['trained_tokens_per_s']:,.0f} | "
-                     f"{r['trained_tokens_per_s'] / sync['trained_tokens_per_s']:.2f}x | {r['generation_busy']:.0%} | "
+                     f"{r['trained_tokens_per_s_per_device']:,.0f} | "
+                     f"{r['trained_tokens_per_s'] / sync['trained_tokens_per_s']:.2f}x | {of_bound} | "
+                     f"{r['roofline_fraction']:.2f} | {r['padded_token_ratio']:.2f}x | {r['generation_busy']:.0%} | "
                      f"{r['train_busy']:.0%} | {r['slot_occupancy']:.0%} | {r['reprefill_per_trained_token']:.2f} | "
                      f"{r['staleness_max']} / {r['staleness_mean']:.2f} | {r['step_s']:.1f} |")
     return "\n".join(lines)

@@ -14,6 +14,7 @@ from areal_jax.trainer.batching import (
     SEQUENCE_KEYS,
     build_sequences,
     make_microbatches,
+    microbatch_shapes_for_lengths,
     minibatch_indices,
     rows_for_bin,
     rows_for_bucket,
@@ -96,7 +97,7 @@ def test_microbatches_cover_every_sequence_once_under_the_budget(seed):
     groups = random_groups(rng, n_groups=8, per_group=4)
     seqs = build_sequences(groups, AdvantageConfig())
     gids = sequence_group_ids(groups)
-    budget, buckets, m = 40, (8, 16, 32, 64), int(rng.integers(1, 5))
+    budget, buckets, m = 64, (8, 16, 32, 64), int(rng.integers(1, 5))
     row_multiple = int(rng.integers(1, 3))
     minibatches = make_microbatches(seqs, max_tokens_per_microbatch=budget, num_minibatches=m, buckets=buckets,
                                     row_multiple=row_multiple, group_ids=gids, shuffle_seed=(seed, 3))
@@ -115,7 +116,7 @@ def test_microbatches_cover_every_sequence_once_under_the_budget(seed):
             max_rows = rows_for_bucket(T, budget, row_multiple)
             assert T in buckets and R % row_multiple == 0 and len(micro.rows) <= R <= max_rows
             assert R == rows_for_bin(len(micro.rows), max_rows, row_multiple)
-            assert micro.num_tokens <= budget
+            assert R // row_multiple * T <= budget  # the budget holds per device
             assert micro.minibatch_valid_tokens == valid
             # Unpacking the rows gives back every sequence's arrays exactly.
             local = micro.sequence_indices
@@ -197,7 +198,9 @@ def test_row_counts_per_bucket_are_few_and_within_the_budget():
     shapes = {micro.shape for mb in make_microbatches(seqs, max_tokens_per_microbatch=budget, num_minibatches=2,
                                                       buckets=buckets) for micro in mb}
     assert shapes <= {(1, 16), (2, 16), (3, 16), (4, 16), (1, 32), (2, 32), (1, 64)}
-    assert rows_for_bucket(16, 64, row_multiple=2) == 4 and rows_for_bucket(64, 64, row_multiple=2) == 2
+    # Per device: 64 // 16 = 4 rows of 16 on each of 2 devices; one row of 64 each.
+    assert rows_for_bucket(16, 64, row_multiple=2) == 8 and rows_for_bucket(64, 64, row_multiple=2) == 2
+    assert rows_for_bucket(17408, 32768, row_multiple=8) == 8 and rows_for_bucket(1024, 32768, row_multiple=8) == 256
     # Rounded up to a quarter of the budget's rows: at most four row counts per row length.
     assert [rows_for_bin(n, 64) for n in (0, 1, 16, 17, 35, 64)] == [16, 16, 16, 32, 48, 64]
     assert {rows_for_bin(n, 16, row_multiple=4) for n in range(17)} == {4, 8, 12, 16}
@@ -250,23 +253,11 @@ def test_argument_errors():
     seqs = build_sequences(random_groups(np.random.default_rng(0), 1, 2), AdvantageConfig())
     with pytest.raises(ValueError, match="at least 3 sequences"):
         make_microbatches(seqs, max_tokens_per_microbatch=64, num_minibatches=3, buckets=(64,))
-    with pytest.raises(ValueError, match="largest bucket"):
-        make_microbatches(seqs, max_tokens_per_microbatch=64, num_minibatches=1, buckets=(16, 32))
-
-
-def test_padding_microbatches_up_to_the_agreed_count():
-    seqs = build_sequences(random_groups(np.random.default_rng(4), 3, 3), AdvantageConfig())
-    base = make_microbatches(seqs, max_tokens_per_microbatch=32, num_minibatches=2, buckets=(16, 32))
-    padded = make_microbatches(seqs, max_tokens_per_microbatch=32, num_minibatches=2, buckets=(16, 32),
-                               agree_max=lambda n: max(n, 6), agree_sum=lambda n: 3 * n)  # a peer with more
-    for b, p in zip(base, padded):
-        assert len(p) == 6 and len(b) < 6
-        for micro_b, micro_p in zip(b, p):
-            assert micro_p.rows == micro_b.rows
-            assert micro_p.minibatch_valid_tokens == 3 * micro_b.minibatch_valid_tokens
-        for extra in p[len(b):]:
-            assert extra.rows == () and extra.num_tokens == 0 and extra.num_valid_tokens == 0
-            assert np.all(extra.arrays["versions"] == -1) and np.all(extra.arrays["advantages"] == 0)
+    with pytest.raises(ValueError, match=r"largest bucket \(64\) exceeds max_tokens_per_microbatch \(32\)"):
+        make_microbatches(seqs, max_tokens_per_microbatch=32, num_minibatches=1, buckets=(16, 64))
+    long = [dict(seqs[0], input_ids=np.zeros(40, np.int32), loss_mask=np.ones(40, np.float32))]
+    with pytest.raises(ValueError, match="sequence 0 has 40 tokens > the largest bucket 32"):
+        make_microbatches(long, max_tokens_per_microbatch=64, num_minibatches=1, buckets=(16, 32))
 
 
 class ThreadAgreement:
@@ -277,37 +268,110 @@ class ThreadAgreement:
         self.values = {}
         self.calls = {}
 
-    def agree_max(self, x):
+    def _agree(self, x, reduce):
         me = threading.get_ident()
         self.calls[me] = self.calls.get(me, 0) + 1
         self.values[me] = x
         self.barrier.wait()
-        result = max(self.values.values())
+        result = reduce(self.values.values())
         self.barrier.wait()
         return result
 
+    def agree_max(self, x):
+        return self._agree(x, max)
 
-def test_processes_agree_on_microbatch_count_and_shapes():
-    rng = np.random.default_rng(5)
-    # Process A has short sequences, process B long ones: their natural shapes differ.
-    a = build_sequences(random_groups(rng, 6, 2, max_prompt=3, max_completion=4), AdvantageConfig())
-    b = build_sequences(random_groups(rng, 3, 2, max_prompt=10, max_completion=20), AdvantageConfig())
-    agreement, results = ThreadAgreement(2), {}
+    def agree_sum(self, x):
+        return self._agree(x, sum)
 
-    def run(name, seqs):
-        results[name] = make_microbatches(seqs, max_tokens_per_microbatch=64, num_minibatches=2,
-                                          buckets=(8, 16, 32, 64), agree_max=agreement.agree_max)
 
-    threads = [threading.Thread(target=run, args=args) for args in (("a", a), ("b", b))]
+def in_threads(jobs):
+    """Run each (name, fn) in its own thread (one 'process' each); {name: result}."""
+    results = {}
+    threads = [threading.Thread(target=lambda n=n, f=f: results.__setitem__(n, f())) for n, f in jobs]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=30)
-    assert set(results) == {"a", "b"}
-    alone = make_microbatches(a, max_tokens_per_microbatch=64, num_minibatches=2, buckets=(8, 16, 32, 64))
+    assert set(results) == {n for n, _ in jobs}
+    return results
+
+
+def test_padding_microbatches_up_to_the_agreed_count():
+    """A process with fewer micro-batches than its peer adds all-padding ones of the agreed shapes;
+    its real ones keep their sequences, and the loss denominator covers both processes."""
+    rng = np.random.default_rng(4)
+    few = build_sequences(random_groups(rng, 3, 3), AdvantageConfig())
+    many = build_sequences(random_groups(rng, 9, 3), AdvantageConfig())
+    agreement = ThreadAgreement(2)
+    kw = dict(max_tokens_per_microbatch=32, num_minibatches=2, buckets=(16, 32))
+    out = in_threads([(name, lambda s=s: make_microbatches(s, agree_max=agreement.agree_max,
+                                                           agree_sum=agreement.agree_sum, **kw))
+                      for name, s in (("few", few), ("many", many))])
+    base, peer = make_microbatches(few, **kw), make_microbatches(many, **kw)
+    for b, c, p, q in zip(base, peer, out["few"], out["many"]):
+        assert len(p) == len(q) > len(b) and [m.shape for m in p] == [m.shape for m in q]
+        assert sorted(i for m in p for i in m.sequence_indices) == sorted(i for m in b for i in m.sequence_indices)
+        both = b[0].minibatch_valid_tokens + c[0].minibatch_valid_tokens
+        assert {m.minibatch_valid_tokens for m in p + q} == {both}
+        extra = [m for m in p if not m.rows]
+        assert extra
+        for m in extra:
+            assert m.num_tokens == 0 and m.num_valid_tokens == 0
+            assert np.all(m.arrays["versions"] == -1) and np.all(m.arrays["advantages"] == 0)
+
+
+@pytest.mark.parametrize("row_multiple", [1, 2])
+def test_processes_agree_on_microbatch_count_and_shapes(row_multiple):
+    """Process A has short sequences, process B long ones: their natural shapes differ. The row
+    length is agreed before each bin is filled, so A's short sequences pack into B's longer rows
+    and every micro-batch stays within the per-device budget."""
+    rng = np.random.default_rng(5)
+    a = build_sequences(random_groups(rng, 6, 2, max_prompt=3, max_completion=4), AdvantageConfig())
+    b = build_sequences(random_groups(rng, 3, 2, max_prompt=10, max_completion=20), AdvantageConfig())
+    agreement = ThreadAgreement(2)
+    kw = dict(max_tokens_per_microbatch=64, num_minibatches=2, buckets=(8, 16, 32, 64), row_multiple=row_multiple)
+    results = in_threads([(name, lambda s=s: make_microbatches(s, agree_max=agreement.agree_max, **kw))
+                          for name, s in (("a", a), ("b", b))])
+    alone = make_microbatches(a, **kw)
     assert [[m.shape for m in mb] for mb in results["a"]] == [[m.shape for m in mb] for mb in results["b"]]
     assert [[m.shape for m in mb] for mb in alone] != [[m.shape for m in mb] for mb in results["a"]]
     for name, seqs in (("a", a), ("b", b)):
         covered = sorted(i for mb in results[name] for m in mb for i in m.sequence_indices)
         assert covered == list(range(len(seqs)))
-        assert all(m.num_tokens <= 64 for mb in results[name] for m in mb)
+        for m in (m for mb in results[name] for m in mb):
+            rows, length = m.shape
+            assert rows % row_multiple == 0 and rows // row_multiple * length <= 64
+
+
+def _plain_seqs(lengths):
+    return [{"input_ids": np.zeros(n, np.int32), "targets": np.zeros(n, np.int32),
+             "loss_mask": np.ones(n, np.float32), "behavior_logprobs": np.zeros(n, np.float32),
+             "versions": np.zeros(n, np.int32), "advantages": np.zeros(n, np.float32)} for n in lengths]
+
+
+def test_the_budget_is_per_training_device():
+    """8 sequences of 17,000 tokens and 64 of 1,000 on a process whose rows split over 8 devices,
+    budget 32,768 per device (issue 40's case). By hand: each device holds 32,768 // 17,408 = 1 row
+    of 17,408, so the 8 long sequences fill one micro-batch of 8 rows (8 x 408 slots of padding);
+    the short ones take rows of 1,024, 32 per device, and fill 64 of the 256 rows allowed, a
+    quarter step exactly. Slots 8 x 17,408 + 64 x 1,024 = 204,800 for 200,000 real tokens: 1.024x.
+    (With the budget per process, every 17,408-token row took a micro-batch of 8 rows of its own.)"""
+    lengths = [17_000] * 8 + [1_000] * 64
+    kw = dict(max_tokens_per_microbatch=32_768, num_minibatches=1, row_multiple=8,
+              buckets=(1024, 2048, 4096, 8192, 17408, 32768))
+    (mb,) = make_microbatches(_plain_seqs(lengths), **kw)
+    assert [m.shape for m in mb] == [(8, 17_408), (64, 1_024)]
+    assert [sorted(len(r) for r in m.rows) for m in mb] == [[1] * 8, [1] * 64]
+    padded = sum(r * t for m in mb for r, t in [m.shape])
+    assert (padded, sum(lengths)) == (204_800, 200_000) and padded / sum(lengths) == pytest.approx(1.024)
+    # The simulator's shapes (no arrays) are the trainer's.
+    assert microbatch_shapes_for_lengths(lengths, **kw) == [[(8, 17_408), (64, 1_024)]]
+
+
+def test_a_budget_below_the_longest_bucket_is_refused():
+    from areal_jax.trainer import PPOConfig
+
+    with pytest.raises(ValueError, match=r"PPOConfig\.max_tokens_per_microbatch \(16384\) is smaller than the "
+                                         r"longest of PPOConfig\.row_buckets \(17408\)"):
+        PPOConfig(max_tokens_per_microbatch=16384, row_buckets=(1024, 17408))
+    assert PPOConfig(max_tokens_per_microbatch=17408, row_buckets=(1024, 17408)).row_buckets == (1024, 17408)

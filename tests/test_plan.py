@@ -260,7 +260,7 @@ def test_a_lora_step_swaps_the_adapters_and_not_the_base():
               program("transfer/layers[0:28 of 28][bfloat16]", "transfer", 2.0)]
     kw = dict(target=parse_target("2xh100"), meshes=types.SimpleNamespace(generation_replicas_per_host=1),
               model_cfg=None, slots_per_replica=8, batch_groups=4, samples_per_group=2, mean_prompt=512.0,
-              mean_completion=1024.0, decode_chunk=1, decode_window=lambda n: 2048, tokens_per_microbatch=2048,
+              mean_completion=1024.0, decode_chunk=1, decode_window=lambda n: 2048,
               row_length=lambda n: 2048, num_minibatches=1, separate_proximal=False, colocated=True)
     full = predict(common, **kw)
     lora = predict([*common, program("transfer/lora/layers[0:28 of 28][bfloat16]", "transfer", 0.003)], **kw)
@@ -301,3 +301,44 @@ def test_parallel_compiles_give_the_serial_figures_in_order(tmp_path):
                                                                        s["source"]), p["name"]
     out = _plan(tmp_path, gin, "--target=8xh100", "--jobs=0", check=False)
     assert out.returncode == 2 and "--jobs" in out.stderr
+
+
+def test_generation_is_predicted_at_the_simulated_live_concurrency():
+    """With the simulator's row, a decode step serves its live sequences, not every slot: 4 live
+    of 8 slots, each step reading 1 GB of weights and 4 x 1,000 tokens x 100 kB of KV = 1.4 GB. The
+    step time is set beside the simulated one, and a gap over 15% says why."""
+    import types
+
+    from areal_jax.plan.planner import ProgramPlan, predict, roofline_s
+    from areal_jax.plan.targets import parse_target
+
+    def program(name, role, roofline_s):
+        return ProgramPlan(name=name, role=role, peak_bytes_per_device=1, capacity_bytes_per_device=2, fits=True,
+                           flops=1e9, bytes_accessed=1e9, roofline_s=roofline_s, source="test", program_bytes=1,
+                           resident_bytes=0, temp_bytes=0, compile_s=0.0, fields=())
+
+    target = parse_target("2xh100")
+    programs = [program("generation/decode[window=2048]", "generation", 0.01),
+                program("train/grad[rows=2,len=2048]", "train", 0.5), program("train/update", "train", 0.05)]
+    kw = dict(target=target, meshes=types.SimpleNamespace(generation_replicas_per_host=1), model_cfg=None,
+              slots_per_replica=8, batch_groups=4, samples_per_group=2, mean_prompt=512.0, mean_completion=1024.0,
+              decode_chunk=1, decode_window=lambda n: 2048, row_length=lambda n: 2048, num_minibatches=1,
+              separate_proximal=False, colocated=False, decode_bytes=lambda window: 2e9,
+              live_decode_bytes=lambda c, context: 1e9 + c * context * 1e5)
+    full = predict(programs, **kw)
+    step = roofline_s(1e9, 1.4e9, target)
+    live = predict(programs, live={"live_per_replica": 4.0, "live_context": 1000.0, "step_s": full["step_s"]}, **kw)
+    assert full["generation_tokens_per_s"] == pytest.approx(8 / roofline_s(1e9, 2e9, target))
+    assert live["generation_tokens_per_s"] == pytest.approx(4 / step)
+    assert live["generation_tokens_per_s_full_slots"] == full["generation_tokens_per_s"]
+    assert live["assumptions"]["live_per_replica"] == 4.0 and live["assumptions"]["slots_full"] is False
+    # Training: the grad program's 2 x 2,048 tokens per micro-batch.
+    assert live["trained_tokens_per_s_compute"] == pytest.approx(4096 / 0.5)
+    assert live["step_vs_simulate"] == pytest.approx(live["step_s"] / full["step_s"])
+    far = predict(programs, live={"live_per_replica": 4.0, "live_context": 1000.0, "step_s": 10 * live["step_s"],
+                                  "padded_token_ratio": 1.1, "generation_busy": 0.5, "train_busy": 0.4}, **kw)
+    assert far["step_vs_simulate"] == pytest.approx(0.1)
+    assert "0.10x the simulated" in far["step_disagreement"] and "busy 50%" in far["step_disagreement"]
+    near = predict(programs, live={"live_per_replica": 4.0, "live_context": 1000.0, "step_s": live["step_s"] * 1.1},
+                   **kw)
+    assert "step_disagreement" not in near

@@ -74,8 +74,8 @@ def random_microbatch(shape, seed) -> PackedBatch:
 
 
 def test_names_cover_every_row_length_at_its_largest_row_count(specs):
-    # fsdp = 2, one process: rows are a multiple of 2, as many as the 64-token budget allows.
-    want = {16: 4, 32: 2, 64: 2}
+    # fsdp = 2, one process: rows are a multiple of 2, as many as the 64-token budget per device allows.
+    want = {16: 8, 32: 4, 64: 2}
     assert possible_microbatch_shapes(PPO, fsdp=2) == [(R, T) for T, R in want.items()]
     names = {f"train/{kind}[rows={R},len={T}]" for T, R in want.items() for kind in ("grad", "logprobs")}
     assert set(specs) == names | {"train/update", "train/zeros_like"}
@@ -87,11 +87,11 @@ def test_names_cover_every_row_length_at_its_largest_row_count(specs):
 
 
 def test_rows_scale_with_processes_as_the_loop_packs_them():
-    # fsdp 8 over 2 processes: each packs rows in multiples of 4 (its share of fsdp); the
-    # program sees both processes' rows.
+    # fsdp 8 over 2 processes: each packs rows for its 4 devices (its share of fsdp), 1024 // T per
+    # device; the program sees both processes' rows.
     cfg = PPOConfig(max_tokens_per_microbatch=1024, row_buckets=(128, 512, 1024))
-    assert possible_microbatch_shapes(cfg, fsdp=8, num_processes=2) == [(16, 128), (8, 512), (8, 1024)]
-    assert possible_microbatch_shapes(cfg, fsdp=8, num_processes=1) == [(8, 128), (8, 512), (8, 1024)]
+    assert possible_microbatch_shapes(cfg, fsdp=8, num_processes=2) == [(64, 128), (16, 512), (8, 1024)]
+    assert possible_microbatch_shapes(cfg, fsdp=8, num_processes=1) == [(64, 128), (16, 512), (8, 1024)]
 
 
 def test_make_microbatches_never_exceeds_the_described_shapes():
@@ -123,7 +123,7 @@ def test_every_spec_lowers_and_compiles(specs, trainer):
 
 
 def test_grad_spec_computes_what_the_trainer_computes(specs, trainer, mesh):
-    for T, R in ((16, 4), (64, 2)):  # many short rows, two long ones (64 tokens each: chunked)
+    for T, R in ((16, 8), (64, 2)):  # many short rows, two long ones (64 tokens each: chunked)
         spec = specs[f"train/grad[rows={R},len={T}]"]
         micro = random_microbatch((R, T), seed=T)
         want_grads, want_stats = trainer.minibatch_gradients([micro])
@@ -150,8 +150,8 @@ def test_grad_spec_computes_what_the_trainer_computes(specs, trainer, mesh):
 
 
 def test_logprobs_spec_computes_what_the_trainer_computes(specs, trainer):
-    micro = random_microbatch((2, 32), seed=5)
-    spec = specs["train/logprobs[rows=2,len=32]"]
+    micro = random_microbatch((4, 32), seed=5)
+    spec = specs["train/logprobs[rows=4,len=32]"]
     got = spec.lower().compile()(trainer.params, trainer._to_device(micro, FORWARD_KEYS))
     np.testing.assert_allclose(np.asarray(got), np.asarray(trainer.compute_logprobs(micro)), rtol=0, atol=1e-6)
 

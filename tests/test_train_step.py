@@ -121,11 +121,15 @@ def test_packed_microbatches_equal_one_sequence_per_row(fresh):
 def test_padding_microbatches_contribute_nothing(fresh):
     seqs = random_seqs(1, proximal=True)
     [plain] = make_microbatches(seqs, max_tokens_per_microbatch=BUDGET, num_minibatches=1, buckets=BUCKETS)
-    calls = []
+    extra = []
 
-    def peer_with_more_bins(n):  # the first agreement is the bin count; shapes stay this process's own
-        calls.append(n)
-        return max(n, len(plain) + 2) if len(calls) == 1 else n
+    def peer_with_more_bins(n):
+        """A peer with two bins of 16-token rows more: this process proposes row length 0 once it
+        is done (make_microbatches agrees each bin's row length, then its rows)."""
+        if n == 0 and len(extra) < 2:
+            extra.append(n)
+            return BUCKETS[0]
+        return n
 
     [with_pad] = make_microbatches(seqs, max_tokens_per_microbatch=BUDGET, num_minibatches=1, buckets=BUCKETS,
                                    agree_max=peer_with_more_bins)
@@ -428,7 +432,7 @@ def test_optimizer_config_validation(kwargs, match):
     (dict(eps_clip=1.5), "eps_clip"), (dict(compute_dtype="float16"), "compute_dtype"), (dict(remat="x"), "remat"),
     (dict(num_minibatches=0), "num_minibatches"), (dict(temperature=0.0), "temperature"),
     (dict(behav_imp_weight_cap=-1.0), "cap"), (dict(row_buckets=(0, 4096)), "row_buckets"),
-    (dict(row_buckets=(96, 128)), "row_buckets.*largest"), (dict(row_buckets=[96, 4096]), "row_buckets"),
+    (dict(row_buckets=(96, 8192)), "longest of PPOConfig.row_buckets"), (dict(row_buckets=[96, 4096]), "row_buckets"),
     (dict(logit_chunk_tokens=0), "logit_chunk_tokens"), (dict(logit_chunk_tokens=2.0), "logit_chunk_tokens"),
     (dict(c_clip=1.0), "c_clip"), (dict(behav_imp_weight_mode="truncate"), "behav_imp_weight_mode"),
     (dict(importance_sampling_level="group"), "importance_sampling_level"),

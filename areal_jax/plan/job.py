@@ -259,8 +259,12 @@ def plan_inputs(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_fi
 
 def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files: Sequence[str] = (),
              use_cache: bool = True, only: str | None = None, every_program: bool = False,
-             on_program: Callable[[ProgramPlan], None] | None = None, workers: int = 1) -> Plan:
-    """`workers`: compiles at once (plan/planner.measure_programs)."""
+             on_program: Callable[[ProgramPlan], None] | None = None, workers: int = 1,
+             live: dict[str, Any] | None = None) -> Plan:
+    """Every program measured on `target`, and the throughput predicted from their rooflines.
+    `workers`: compiles at once (plan/planner.measure_programs). `live`: the simulator's row of the
+    config (`simulate.driver.config_row`), whose live concurrency the generation prediction uses,
+    and whose step time it is compared with."""
     inputs = plan_inputs(job, plan_cfg, target, gin_files=gin_files, only=only, every_program=every_program)
     model_cfg, split, meshes, specs, ctx = inputs.model_cfg, inputs.split, inputs.meshes, inputs.specs, inputs.ctx
     extra_resident, gen_weights = inputs.extra_resident, inputs.gen_weights
@@ -291,11 +295,12 @@ def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files
         slots_per_replica=paged["in_flight_per_replica"] if paged else replica_engine.num_slots,
         batch_groups=job.rl.batch_size, samples_per_group=job.rollout.n_samples, mean_prompt=mean_prompt,
         mean_completion=mean_completion, decode_chunk=job.engine.decode_chunk,
-        decode_window=job.engine.decode_window, tokens_per_microbatch=job.ppo.max_tokens_per_microbatch,
-        row_length=lambda n: _row_for(job, n), num_minibatches=job.ppo.num_minibatches,
+        decode_window=job.engine.decode_window, row_length=lambda n: _row_for(job, n), num_minibatches=job.ppo.num_minibatches,
         separate_proximal=job.ppo.decoupled and job.ppo.num_minibatches > 1, colocated=split.colocated,
         decode_bytes=(lambda window: paged["bytes_per_step"]) if paged else
-        (lambda window: decode_weights + replica_engine.num_slots * window * kv_bytes_per_token), paged=paged)
+        (lambda window: decode_weights + replica_engine.num_slots * window * kv_bytes_per_token), paged=paged,
+        live=live, live_decode_bytes=lambda c, context: (gen_weights * weight_share_read(model_cfg, c)
+                                                         + c * context * kv_bytes_per_token))
     prediction["model_params"] = model_cfg.num_params()
     # The bytes each step's weight swap moves: the model in the generation dtype, or with LoRA its
     # adapters (parallel/adapter_sync.py).

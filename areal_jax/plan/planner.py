@@ -283,9 +283,10 @@ def measure_programs(specs: Sequence[ProgramSpec], target: Target, *, extra_resi
 def predict(programs: Sequence[ProgramPlan], *, target: Target, meshes: RoleMeshes, model_cfg: ModelConfig,
             slots_per_replica: int, batch_groups: int, samples_per_group: int, mean_prompt: float,
             mean_completion: float, decode_chunk: int, decode_window: Callable[[int], int],
-            tokens_per_microbatch: int, row_length: Callable[[int], int], num_minibatches: int,
+            row_length: Callable[[int], int], num_minibatches: int,
             separate_proximal: bool, colocated: bool, decode_bytes: Callable[[int], float] | None = None,
-            paged: dict[str, Any] | None = None) -> dict[str, Any]:
+            paged: dict[str, Any] | None = None, live: dict[str, Any] | None = None,
+            live_decode_bytes: Callable[[float, float], float] | None = None) -> dict[str, Any]:
     """Throughput from the programs' rooflines at the mean lengths, with the slots full.
 
     A decode chunk's cost analysis counts its loop body once: one decode step of every slot.
@@ -296,7 +297,13 @@ def predict(programs: Sequence[ProgramPlan], *, target: Target, meshes: RoleMesh
 
     `paged`: the paged engine's decode at the mean lengths (`paged_decode_figures`): its
     sequences in flight per replica replace the slots, and `decode_bytes` reads the weights and
-    their live tokens, whatever the window."""
+    their live tokens, whatever the window.
+
+    `live`: the simulator's row of this config (`simulate.driver.config_row`): generation is
+    then predicted at the sequences it keeps live per replica (Little's law: group latency x
+    groups per unit time, far below the slots), each decode step reading
+    `live_decode_bytes(live, context)`, and the step time is set beside the simulated one
+    (`step_vs_simulate`, with `step_disagreement` saying why when they differ by over 15%)."""
     by_name = {p.name: p for p in programs}
 
     def find(prefix: str, **want: int) -> ProgramPlan | None:
@@ -329,16 +336,24 @@ def predict(programs: Sequence[ProgramPlan], *, target: Target, meshes: RoleMesh
             out["decode_bytes_per_step"] = decode_bytes(window)
         gen_tps = replicas * slots_per_replica / step_s
         out["decode_step_s"] = step_s
+        out["generation_tokens_per_s_full_slots"] = gen_tps
+        if live is not None and live_decode_bytes is not None and live.get("live_per_replica", 0) > 0:
+            c = live["live_per_replica"]
+            step_s = roofline_s(decode.flops, live_decode_bytes(c, live["live_context"]), target)
+            gen_tps = replicas * c / step_s
+            out["decode_step_s"] = step_s
+            out["assumptions"].update(slots_full=False, live_per_replica=c, live_context=live["live_context"])
         out["generation_tokens_per_s"] = gen_tps
     T = row_length(int(math.ceil(mean_seq)))
     grad = find("train/grad", len=T)
     prox = find("train/logprobs", len=T) if separate_proximal else None
     update = by_name.get("train/update")
     train_tps = None
-    hosts_on_train = target.hosts
     if grad is not None and grad.roofline_s > 0:
         per_micro = grad.roofline_s + (prox.roofline_s if prox is not None else 0.0)
-        train_tps = tokens_per_microbatch * hosts_on_train / per_micro
+        # The program's rows are every process's, budget // T per training device (issue 40).
+        dims = dict(part.split("=") for part in grad.name[grad.name.index("[") + 1:-1].split(","))
+        train_tps = int(dims["rows"]) * int(dims["len"]) / per_micro
         out["train_microbatch_s"] = per_micro
         out["trained_tokens_per_s_compute"] = train_tps
     step_tokens = batch_groups * samples_per_group * mean_seq
@@ -357,4 +372,18 @@ def predict(programs: Sequence[ProgramPlan], *, target: Target, meshes: RoleMesh
             trained_tokens_per_s=step_tokens / t_step,
             bound="generation" if t_gen >= t_train else "training",
         )
+        if live is not None and live.get("step_s"):
+            out.update(simulated_step_s=live["step_s"], step_vs_simulate=t_step / live["step_s"])
+            if not 0.85 <= t_step / live["step_s"] <= 1.15:
+                out["step_disagreement"] = step_disagreement(t_step, live)
     return out
+
+
+def step_disagreement(plan_step_s: float, live: dict[str, Any]) -> str:
+    """Why plan's step and the simulated one differ by more than 15%, from the simulated row."""
+    return (f"plan's step {plan_step_s:.1f} s is {plan_step_s / live['step_s']:.2f}x the simulated "
+            f"{live['step_s']:.1f} s: plan takes every completion at the mean length, full micro-batches and "
+            f"the sides either overlapped or back to back; the simulated run pads its micro-batches "
+            f"{live.get('padded_token_ratio', 0):.2f}x, keeps generation busy {live.get('generation_busy', 0):.0%} "
+            f"and training {live.get('train_busy', 0):.0%} of the step (the length tail and the staleness bound "
+            "leave the rest idle), and re-prefills on weight swaps")

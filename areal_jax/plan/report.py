@@ -51,8 +51,12 @@ def format_plan(plan: Plan, steps: int | None = None) -> str:
     pred = plan.prediction
     lines.append("")
     if "generation_tokens_per_s" in pred:
+        a = pred["assumptions"]
+        live = (f"{a['live_per_replica']:.1f} sequences live per replica, as simulated (full slots: "
+                f"{pred['generation_tokens_per_s_full_slots']:,.0f} tokens/s)" if "live_per_replica" in a
+                else "every slot busy")
         lines.append(f"generation: {pred['generation_tokens_per_s']:,.0f} tokens/s over all replicas "
-                     f"(decode step {pred['decode_step_s'] * 1e3:.2f} ms at window {pred['assumptions']['decode_window']})")
+                     f"(decode step {pred['decode_step_s'] * 1e3:.2f} ms at window {a['decode_window']}; {live})")
     if "paged" in pred:
         g = pred["paged"]
         lines.append(f"paged decode: {g['in_flight_per_replica']} sequences in flight per replica (bound by its "
@@ -71,7 +75,12 @@ def format_plan(plan: Plan, steps: int | None = None) -> str:
                      f"bound by {pred['bound']}")
         if steps:
             lines.append(run_totals_line(run_totals(pred["step_s"], steps, t.hosts * t.devices_per_host)))
-        lines.append(f"({STEP_TIME_NOTE})")
+        if "simulated_step_s" in pred:
+            lines.append(f"simulated step (areal-jax simulate, the config's row): {pred['simulated_step_s']:.1f} s; "
+                         f"plan / simulate = {pred['step_vs_simulate']:.2f}"
+                         + (f" -- {pred['step_disagreement']}" if "step_disagreement" in pred else " (within 15%)"))
+        else:
+            lines.append(f"({STEP_TIME_NOTE})")
     lines.append(verdict(plan))
     return "\n".join(lines)
 

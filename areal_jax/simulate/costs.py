@@ -184,6 +184,25 @@ class RooflineCosts:
     def reprefill_long_s(self, rows: int, length: int) -> float:
         return self.prefill_s(rows, length)
 
+    def _micro_flops(self, rows: int, length: int) -> float:
+        """FLOPs per training device of one micro-batch: gradient, and the proximal forward when
+        the step recomputes it."""
+        global_rows = rows * self.hosts
+        flops = self._flops(f"train/grad[rows={global_rows},len={length}]", "train", self.train_devices)
+        if self.separate_proximal:
+            flops += self._flops(f"train/logprobs[rows={global_rows},len={length}]", "train", self.train_devices)
+        return flops
+
+    def train_flops(self, shapes: Shapes) -> float:
+        """FLOPs of a step's micro-batches over every training device (each host's rows `shapes`)."""
+        return sum(self._micro_flops(r, t) for minibatch in shapes for r, t in minibatch) * self.train_devices
+
+    def decode_token_flops(self, context: float) -> float:
+        """FLOPs of one generated token over its replica: weights and head, attention over `context`."""
+        m = self.model
+        return (self._flops("generation/prefill[rows=1,len=1]", "generation", 1)
+                + 4.0 * m.num_layers * m.num_heads * m.head_dim * context)
+
     def train_step_s(self, shapes: Shapes) -> float:
         total = 0.0
         params = self.model.num_params()
@@ -192,12 +211,7 @@ class RooflineCosts:
         micro_bytes = 3 * 4 * params / self.train_devices
         for minibatch in shapes:
             for rows, length in minibatch:
-                global_rows = rows * self.hosts
-                flops = self._flops(f"train/grad[rows={global_rows},len={length}]", "train", self.train_devices)
-                if self.separate_proximal:
-                    flops += self._flops(f"train/logprobs[rows={global_rows},len={length}]", "train",
-                                         self.train_devices)
-                total += self._time(flops, micro_bytes)
+                total += self._time(self._micro_flops(rows, length), micro_bytes)
             # AdamW: weights, two moments and the gradient read, three written, fp32.
             total += self._time(0.0, 7 * 4 * params / self.train_devices)
         return total

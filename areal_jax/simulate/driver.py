@@ -190,6 +190,16 @@ def _swept_rows(base, sweeps) -> list:
     return rows
 
 
+def config_row(gin_files, gin_params, target_name: str, *, steps: int = 12, warmup: int = 3) -> dict[str, Any]:
+    """The config's own row on `target_name`'s roofline (no sync baseline): what `plan` sets its
+    prediction beside (live concurrency, step time)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([f"--target={target_name}", f"--steps={steps}", f"--warmup={warmup}"])
+    args.gin_file, args.gin_param = list(gin_files), list(gin_params)
+    return simulate_rows(args, include_sync=False)["rows"][0]
+
+
 @dataclasses.dataclass(frozen=True)
 class Prepared:
     """A config made ready to simulate: its job, costs' source, workload and lengths."""
@@ -268,15 +278,17 @@ def run_row(p: Prepared, row, args):
     return Simulation(p.workload, row, costs, sampler, scale_engine=p.fit is None).run(), sampler.describe()
 
 
-def simulate_rows(args, *, adjust_workload=None) -> dict[str, Any]:
+def simulate_rows(args, *, adjust_workload=None, include_sync: bool = True) -> dict[str, Any]:
     """Every row of the command; returns {"rows": [...], "assumptions": {...}}. `adjust_workload`
     (Python callers: bench/simulate_scale.py) maps the Workload built from the configs to the one
-    simulated, e.g. a paged KV pool the configs do not state."""
+    simulated, e.g. a paged KV pool the configs do not state. `include_sync`: add the synchronous
+    baseline when no row is one (what "vs sync" and the bound need)."""
     from areal_jax.plan.report import STEP_TIME_NOTE, run_totals
+    from areal_jax.simulate.roofline import sync_terms
 
     p = prepare(args, adjust_workload=adjust_workload)
     job, workload, fit, target, generation = p.job, p.workload, p.fit, p.target, p.generation
-    rows = _rows(p.base, _parse_sweeps(args.sweep), include_sync=True)
+    rows = _rows(p.base, _parse_sweeps(args.sweep), include_sync=include_sync)
     if fit is not None and any(r.mode == "async" and r.generation_devices != generation and not r.colocated
                                for r in rows):
         raise SimulateError("--sweep split with --calibrate: calibrated costs hold for the run's own split; "
@@ -288,12 +300,18 @@ def simulate_rows(args, *, adjust_workload=None) -> dict[str, Any]:
         results.append(result)
         labels.append(label)
     sync = next((r for r in results if r.mode == "sync"), None)
+    bound = sync_terms(sync.generation_s_per_step, sync.train_s_per_step, sync.slot_occupancy) if sync else None
     out_rows = []
     for r in results:
         d = r.as_json()
         d["split"] = f"{r.generation_devices}:{r.train_devices}" if r.mode == "async" and not (
             r.generation_devices == r.train_devices == workload.devices_per_host) else "colocated"
         d["vs_sync"] = r.trained_tokens_per_s / sync.trained_tokens_per_s if sync and sync.trained_tokens_per_s else None
+        if r.mode == "sync" and bound:
+            d.update(bound)
+        elif bound and d["vs_sync"] is not None:  # how much of what any scheduler could gain this row gains
+            d["async_bound"] = bound["async_bound"]
+            d["vs_async_bound"] = d["vs_sync"] / bound["async_bound"]
         d["run"] = run_totals(r.step_s, job.rl.steps, workload.hosts * workload.devices_per_host)
         out_rows.append(d)
     assumptions = {
@@ -319,13 +337,19 @@ def simulate_rows(args, *, adjust_workload=None) -> dict[str, Any]:
         "steps": f"{args.steps} simulated, first {args.warmup} left out; run h and device-h: the mean step "
                  f"times RLConfig.steps = {job.rl.steps} on {workload.hosts * workload.devices_per_host} devices",
         "step time": STEP_TIME_NOTE,
+        "roofline": "roofline_fraction = trained tokens/s per device over R* = 1 / (t_gen* + t_train*): t_gen* the "
+                    "decode device-seconds per token at the row's live sequences per replica (weights / live + live KV), "
+                    "t_train* training FLOPs per trained token / peak, no padding (docs/scale.md)",
+        "bound": "async_bound = 1 + g (1 / e_s - 1) from the sync row: g its generation's share of the tail-free "
+                 "device-seconds, e_s its slot occupancy (docs/scale.md); vs_async_bound = vs_sync / async_bound",
         "seed": args.seed,
     }
     return {"rows": out_rows, "assumptions": assumptions}
 
 
 def format_rows(report: dict[str, Any]) -> str:
-    head = (f"{'mode':6s} {'eta':>3s} {'split':>9s} {'trained tok/s':>14s} {'vs sync':>7s} {'gen busy':>8s} "
+    head = (f"{'mode':6s} {'eta':>3s} {'split':>9s} {'trained tok/s':>14s} {'tok/s/dev':>9s} {'vs sync':>7s} "
+            f"{'of bound':>8s} {'roofline':>8s} {'padded':>6s} {'gen busy':>8s} "
             f"{'train busy':>10s} {'slots':>6s} {'re-prefill':>10s} {'stale max/mean':>14s} {'step s':>8s} "
             f"{'run h':>7s} {'device-h':>9s}")
     paged = any(r.get("decode_bytes_ratio") for r in report["rows"])
@@ -334,12 +358,21 @@ def format_rows(report: dict[str, Any]) -> str:
     lines = [head]
     for r in report["rows"]:
         vs = f"{r['vs_sync']:.2f}x" if r["vs_sync"] is not None else "-"
-        lines.append(f"{r['mode']:6s} {r['eta']:3d} {r['split']:>9s} {r['trained_tokens_per_s']:14,.0f} {vs:>7s} "
+        of_bound = f"{r['vs_async_bound']:.0%}" if r.get("vs_async_bound") is not None else "-"
+        roof = f"{r['roofline_fraction']:.1%}" if r.get("roofline_fraction") is not None else "-"
+        lines.append(f"{r['mode']:6s} {r['eta']:3d} {r['split']:>9s} {r['trained_tokens_per_s']:14,.0f} "
+                     f"{r['trained_tokens_per_s_per_device']:9,.0f} {vs:>7s} {of_bound:>8s} {roof:>8s} "
+                     f"{r['padded_token_ratio']:5.2f}x "
                      f"{r['generation_busy']:8.0%} {r['train_busy']:10.0%} {r['slot_occupancy']:6.0%} "
                      f"{r['reprefill_per_trained_token']:10.2f} {r['staleness_max']:>6d} / {r['staleness_mean']:5.2f} "
                      f"{r['step_s']:8.2f} {r['run']['wall_hours']:7.2f} {r['run']['device_hours']:9,.1f}"
                      + (f" {r['preempted_per_step']:9.1f} {r['decode_bytes_ratio']:10.3f}" if paged else ""))
+    sync = next((r for r in report["rows"] if "async_bound" in r and r["mode"] == "sync"), None)
     lines.append("")
+    if sync:
+        lines.append(f"async bound: 1 + g (1 / e_s - 1) = 1 + {sync['generation_share']:.3f} x "
+                     f"(1 / {sync['sync_generation_efficiency']:.3f} - 1) = {sync['async_bound']:.2f}x "
+                     "(g: sync's tail-free generation share, e_s: its slot occupancy)")
     lines += [f"{k}: {v}" for k, v in report["assumptions"].items() if k != "cost_model"]
     return "\n".join(lines)
 

@@ -10,14 +10,19 @@ T = row length (a bucket size).
    update each) by this project's own rule (`minibatch_indices`; AReaL's split differs, see
    there): the step's prompt groups in a seeded random order, cut where the running token count
    crosses each k/M of the total, so the stalest groups do not always share the first update;
-   inside each, bins of at most `max_tokens_per_microbatch`
-   tokens (one micro-batch each, never splitting a sequence), filled longest first so that
-   each packs into at most `rows_for_bucket(T)` rows of the bucket T of its longest sequence;
-   each bin is then packed at the smallest bucket that holds it in that many rows. Short
-   sequences get many short rows (attention costs T^2 per row), long ones few long rows.
-   R is the rows the bin fills, rounded up to a quarter of `rows_for_bucket(T)`
-   (`rows_for_bin`): a bin smaller than the budget (the last of a minibatch, or a small
-   batch) is not padded to the full budget, and at most four row counts per bucket compile.
+   inside each, micro-batches (bins, never splitting a sequence) filled longest first: a bin takes
+   the row length T (a bucket) of its longest sequence and holds at most `rows_for_bucket(T)`
+   rows of it. The token budget `max_tokens_per_microbatch` is per training device: a device's
+   share of the rows (R / row_multiple) holds at most budget // T rows of T, so a micro-batch of
+   a process whose rows split over D devices carries up to D x budget tokens. Short sequences get
+   many short rows (attention costs T^2 per row), long ones few long rows. R is the rows the bin
+   fills, rounded up to a quarter of `rows_for_bucket(T)` (`rows_for_bin`): a bin smaller than
+   the budget (the last of a minibatch, or a small batch) is not padded to the full budget, and
+   at most four row counts per bucket compile.
+
+   (Before issue 40 the budget was per process: a 17,408-token row on 8 devices with a
+   32,768-token budget made 8 rows of 17,408 slots for at most 32,768 real tokens, 4.25x
+   padding.)
 
 Host-side NumPy, run once per training step on the trainer thread.
 """
@@ -80,10 +85,10 @@ def build_sequences(groups: Sequence[TrajectoryGroup], adv_cfg: AdvantageConfig,
 
 
 def rows_for_bucket(row_len: int, max_tokens_per_microbatch: int, row_multiple: int = 1) -> int:
-    """R for row length T: as many rows as the token budget allows, a multiple of row_multiple
-    (e.g. the data-parallel mesh size, so rows shard evenly), at least row_multiple."""
-    per = max(1, max_tokens_per_microbatch // (row_len * row_multiple))
-    return per * row_multiple
+    """R for row length T: budget // T rows (at least one) on each of the row_multiple devices
+    the rows split over (the process's share of the data-parallel axis), so the budget is tokens
+    per training device whatever the device count."""
+    return max(1, max_tokens_per_microbatch // row_len) * row_multiple
 
 
 def rows_for_bin(rows_used: int, max_rows: int, row_multiple: int = 1) -> int:
@@ -110,17 +115,20 @@ def make_microbatches(
 
     Args:
         seqs: N per-token dicts (from `build_sequences`), in group order.
-        max_tokens_per_microbatch: token budget of one micro-batch; a longer sequence is an error.
+        max_tokens_per_microbatch: tokens of one micro-batch per training device (each of the
+            row_multiple devices holds at most budget // T rows of T); a longer sequence is an error.
         num_minibatches: M optimizer updates per step; needs N >= M. Which sequences share a
             minibatch: `minibatch_indices(lengths, M, group_ids, shuffle_seed)`.
-        buckets: allowed row lengths; default powers of two from 128 up to the budget. The
-            largest must be >= the budget.
-        row_multiple: R is always a multiple of this (see `rows_for_bucket`).
+        buckets: allowed row lengths, none above the budget (`candidate_row_lengths`); default
+            powers of two from 128 below the budget, and the budget.
+        row_multiple: the devices a process's rows split over; R is always a multiple of it
+            (see `rows_for_bucket`).
         agree_max: cross-process max (e.g. areal_jax.parallel.agree_max). When given, every
             process ends up with the same number of micro-batches per minibatch (padded with
             all-padding micro-batches) and the same shape per micro-batch index, as a global
-            array built from process-local rows requires. Called the same number of times,
-            in the same order, on every process.
+            array built from process-local rows requires: the row length of each micro-batch is
+            agreed before its bin is filled. Called the same number of times, in the same
+            order, on every process.
         agree_sum: cross-process sum for the minibatch valid-token count (the loss
             denominator), so the loss is a token mean over the global minibatch.
         group_ids: [N] prompt group of each sequence (`sequence_group_ids`); a group's sequences
@@ -135,30 +143,19 @@ def make_microbatches(
     row_multiple = _positive_int("row_multiple", row_multiple)
     candidates = candidate_row_lengths(budget, buckets)
     lengths = [len(s["input_ids"]) for s in seqs]
-    for i, n in enumerate(lengths):
-        if n > budget:
-            raise ValueError(f"sequence {i} has {n} tokens > max_tokens_per_microbatch {budget}; "
-                             "raise the budget or cap generation length")
+    _check_lengths(lengths, budget, candidates)
     if len(seqs) < m:
         raise ValueError(f"num_minibatches={m} needs at least {m} sequences, got {len(seqs)}")
 
     minibatches = []
     for index in minibatch_indices(lengths, m, group_ids, shuffle_seed):
-        bins = [[index[j] for j in b]
-                for b in _row_aware_bins([lengths[i] for i in index], candidates, budget, row_multiple)]
-        n_micro = len(bins) if agree_max is None else agree_max(len(bins))
-        bins += [[] for _ in range(n_micro - len(bins))]
         valid = int(sum(float(np.asarray(seqs[i]["loss_mask"]).sum()) for i in index))
         if agree_sum is not None:
             valid = agree_sum(valid)
         micro = []
-        for b in bins:
-            row_len = _agreed_row_len([lengths[i] for i in b], candidates, budget, row_multiple, agree_max)
-            rows_used = len(ffd_allocate([lengths[i] for i in b], row_len)) if b else 0
-            num_rows = rows_for_bin(rows_used, rows_for_bucket(row_len, budget, row_multiple), row_multiple)
-            if agree_max is not None:
-                num_rows = agree_max(num_rows)
-            micro.append(_pack_bin(seqs, b, lengths, row_len, num_rows, valid))
+        for b, row_len, num_rows in _plan_bins([lengths[i] for i in index], candidates, budget, row_multiple,
+                                               agree_max):
+            micro.append(_pack_bin(seqs, [index[j] for j in b], lengths, row_len, num_rows, valid))
         minibatches.append(micro)
     return minibatches
 
@@ -215,18 +212,11 @@ def microbatch_shapes_for_lengths(lengths: Sequence[int], *, max_tokens_per_micr
     budget = _positive_int("max_tokens_per_microbatch", max_tokens_per_microbatch)
     row_multiple = _positive_int("row_multiple", row_multiple)
     candidates = candidate_row_lengths(budget, buckets)
-    out = []
-    for index in minibatch_indices(lengths, _positive_int("num_minibatches", num_minibatches), group_ids,
-                                   shuffle_seed):
-        shapes = []
-        for b in _row_aware_bins([lengths[i] for i in index], candidates, budget, row_multiple):
-            members = [lengths[index[j]] for j in b]
-            row_len = _agreed_row_len(members, candidates, budget, row_multiple, None)
-            rows = rows_for_bin(len(ffd_allocate(members, row_len)), rows_for_bucket(row_len, budget, row_multiple),
-                                row_multiple)
-            shapes.append((rows, row_len))
-        out.append(shapes)
-    return out
+    _check_lengths(lengths, budget, candidates)
+    return [[(rows, row_len) for _, row_len, rows in _plan_bins([lengths[i] for i in index], candidates, budget,
+                                                                 row_multiple, None)]
+            for index in minibatch_indices(lengths, _positive_int("num_minibatches", num_minibatches), group_ids,
+                                           shuffle_seed)]
 
 
 # ---- helpers ---------------------------------------------------------------------------------------
@@ -252,16 +242,28 @@ def _positive_int(name: str, value: object) -> int:
 
 
 def candidate_row_lengths(budget: int, buckets: Sequence[int] | None) -> list[int]:
-    """Allowed row lengths, ascending, up to the smallest one that holds the whole budget
-    (`buckets` None: powers of two from 128). A ValueError names a bad or too small bucket."""
-    sizes = sorted(set(default_buckets(budget) if buckets is None
-                       else (_positive_int(f"buckets[{i}]", b) for i, b in enumerate(buckets))))
+    """Allowed row lengths, ascending (`buckets` None: powers of two from 128 below the budget,
+    and the budget itself). The budget is per device and a row lives on one device, so a bucket
+    above the budget is refused (ValueError naming it), as is a bad bucket."""
+    if buckets is None:
+        return [s for s in default_buckets(budget) if s < budget] + [budget]
+    sizes = sorted(set(_positive_int(f"buckets[{i}]", b) for i, b in enumerate(buckets)))
     if not sizes:
         raise ValueError("buckets must not be empty")
-    if sizes[-1] < budget:
-        raise ValueError(f"the largest bucket ({sizes[-1]}) must be >= max_tokens_per_microbatch ({budget})")
-    top = next(s for s in sizes if s >= budget)
-    return [s for s in sizes if s <= top]
+    if sizes[-1] > budget:
+        raise ValueError(f"the largest bucket ({sizes[-1]}) exceeds max_tokens_per_microbatch ({budget}), the "
+                         "tokens of one training device's micro-batch: raise the budget or drop the bucket")
+    return sizes
+
+
+def _check_lengths(lengths: Sequence[int], budget: int, candidates: Sequence[int]) -> None:
+    for i, n in enumerate(lengths):
+        if n > budget:
+            raise ValueError(f"sequence {i} has {n} tokens > max_tokens_per_microbatch {budget}; "
+                             "raise the budget or cap generation length")
+        if n > candidates[-1]:
+            raise ValueError(f"sequence {i} has {n} tokens > the largest bucket {candidates[-1]}; "
+                             "add a bucket that holds it")
 
 
 def _balanced_chunks(lengths: Sequence[int], m: int) -> list[tuple[int, int]]:
@@ -282,30 +284,39 @@ def _balanced_chunks(lengths: Sequence[int], m: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def _row_aware_bins(lengths: Sequence[int], candidates: Sequence[int], budget: int, row_multiple: int
-                    ) -> list[list[int]]:
-    """Micro-batch bins (positions into `lengths`) that pack densely into rows.
+def _plan_bins(lengths: Sequence[int], candidates: Sequence[int], budget: int, row_multiple: int,
+               agree_max: Callable[[int], int] | None) -> list[tuple[list[int], int, int]]:
+    """The micro-batches of one minibatch as (bin, row length T, rows R); a bin lists positions
+    into `lengths` and packs densely into rows of T.
 
-    Each bin takes its row length T from its longest sequence (the smallest candidate that
-    holds it) and fills R = rows_for_bucket(T) rows with the sequences that fit, longest
-    first. Binning by tokens alone lets a bin of short sequences fragment so that it only fits
-    a few long rows, where attention costs T^2 per row (e.g. 64 sequences of ~60 tokens in one
-    2048-token row instead of 16 rows of 128). Rows are opened and filled exactly as
-    `ffd_allocate(bin, T)` would place the bin, so `_pack_bin` reproduces the same layout.
+    Each bin takes T from its longest remaining sequence (the smallest candidate that holds it)
+    and fills up to rows_for_bucket(T) rows with the sequences that fit, longest first. Binning
+    by tokens alone would let a bin of short sequences fragment so that it only fits a few long
+    rows, where attention costs T^2 per row (e.g. 64 sequences of ~60 tokens in one 2048-token
+    row instead of 16 rows of 128). Rows are opened and filled exactly as `ffd_allocate(bin, T)`
+    would place the bin, so `_pack_bin` reproduces the same layout.
+
+    With agree_max, processes agree on each bin's T before filling it (a process whose longest
+    remaining sequence is shorter packs it into the longer rows; one with nothing left adds an
+    empty, all-padding bin), then on its R; they stop together when every process is done. A
+    T agreed first (rather than bins formed alone and their T agreed after) is what keeps each
+    bin within the per-device budget: a bin of short rows would not fit a peer's long rows.
     """
     remaining = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    bins: list[list[int]] = []
-    while remaining:
-        row_len = next(size for size in candidates if size >= lengths[remaining[0]])
+    bins: list[tuple[list[int], int, int]] = []
+    while True:
+        want = next(size for size in candidates if size >= lengths[remaining[0]]) if remaining else 0
+        row_len = want if agree_max is None else agree_max(want)
+        if row_len == 0:
+            return bins
         max_rows = rows_for_bucket(row_len, budget, row_multiple)
-        token_cap = max(budget, row_len)  # a bin never exceeds the budget (or one row)
         free: list[int] = []  # free tokens per opened row
         count: list[int] = []  # sequences per opened row
-        members, deferred, tokens = [], [], 0
+        members, deferred = [], []
         for i in remaining:
             n = lengths[i]
             fits = [r for r in range(len(free)) if free[r] >= n]
-            if tokens + n > token_cap or (not fits and len(free) == max_rows):
+            if n > row_len or (not fits and len(free) == max_rows):
                 deferred.append(i)
                 continue
             if fits:  # ffd_allocate's rule: the fitting row holding the fewest sequences
@@ -316,47 +327,12 @@ def _row_aware_bins(lengths: Sequence[int], candidates: Sequence[int], budget: i
                 r = len(free) - 1
             free[r] -= n
             count[r] += 1
-            tokens += n
             members.append(i)
-        bins.append(members)
+        num_rows = rows_for_bin(len(free), max_rows, row_multiple)
+        if agree_max is not None:
+            num_rows = agree_max(num_rows)
+        bins.append((members, row_len, num_rows))
         remaining = deferred
-    return bins
-
-
-def _rows_at(lengths: Sequence[int], row_len: int, budget: int, row_multiple: int) -> list[list[int]] | None:
-    """Row layout of a bin at row length T (positions into `lengths`), or None if it does not fit."""
-    if not lengths:
-        return []
-    if max(lengths) > row_len:
-        return None
-    rows = ffd_allocate(lengths, row_len)
-    return rows if len(rows) <= rows_for_bucket(row_len, budget, row_multiple) else None
-
-
-def _smallest_row_len(lengths, candidates, budget, row_multiple, at_least: int) -> int:
-    for size in candidates:
-        if size >= at_least and _rows_at(lengths, size, budget, row_multiple) is not None:
-            return size
-    # Unreachable: the top candidate is >= the budget >= the bin's tokens, in one row.
-    raise AssertionError(f"no bucket holds a bin of lengths {list(lengths)}")
-
-
-def _agreed_row_len(lengths, candidates, budget, row_multiple, agree_max) -> int:
-    """Smallest bucket that fits this bin (and, with agree_max, every process's bin of this index).
-
-    Processes propose their smallest fitting size at or above the current agreement until
-    nobody needs more; sizes only grow and the largest always fits, so this terminates.
-    """
-    size = _smallest_row_len(lengths, candidates, budget, row_multiple, 0)
-    if agree_max is None:
-        return size
-    agreed = agree_max(size)
-    while True:
-        proposal = _smallest_row_len(lengths, candidates, budget, row_multiple, agreed)
-        new = agree_max(proposal)
-        if new == agreed:
-            return agreed
-        agreed = new
 
 
 def _pack_bin(seqs, members: list[int], lengths, row_len: int, num_rows: int, valid: int) -> PackedBatch:

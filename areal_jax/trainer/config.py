@@ -118,9 +118,16 @@ class PPOConfig:
             rollout's, RLVRConfig.temperature, which the job and RLLoop fill in (one field, so
             the two cannot differ); 1.0 for a trainer used alone.
         num_minibatches: optimizer updates per training step.
-        max_tokens_per_microbatch: token budget of one micro-batch (for make_microbatches).
-        row_buckets: row lengths micro-batches may use (for make_microbatches); () = powers of
-            two from 128 up to the budget. Adding a size near the common sequence length (e.g.
+        max_tokens_per_microbatch: token budget of one micro-batch **per training device** (for
+            make_microbatches): each device holding rows gets at most budget // T rows of length
+            T, so a micro-batch over D training devices carries up to D x budget tokens, in sync
+            (every device trains) and async alike. Changed in issue 40: it was the budget of a
+            whole process's micro-batch, and rows were then rounded up to one per device, which
+            padded long rows heavily on many devices (8 rows of 17,408 for 32,768 real tokens).
+            A config written for the old meaning keeps its peak memory if the budget is at least
+            its longest bucket; it must be (checked), and the longest sample must fit a bucket.
+        row_buckets: row lengths micro-batches may use (for make_microbatches), none above the
+            budget; () = powers of two from 128 below the budget, and the budget. Adding a size near the common sequence length (e.g.
             96 for ~70-token samples that do not pair in 128) cuts padding and attention cost.
         compute_dtype: "float32", or "bfloat16" compute on fp32 master weights.
         remat: rematerialization of the decoder layers ("none", "full", "save_dots").
@@ -207,6 +214,12 @@ class PPOConfig:
                 raise ValueError(f"PPOConfig.{name} must be a positive int, got {value!r}")
         if not isinstance(self.row_buckets, tuple):
             raise ValueError(f"PPOConfig.row_buckets must be a tuple of ints, got {self.row_buckets!r}")
+        if self.row_buckets and all(_is_number(b) for b in self.row_buckets) \
+                and max(self.row_buckets) > self.max_tokens_per_microbatch:
+            # The budget is per training device since issue 40; a row lives on one device.
+            raise ValueError(f"PPOConfig.max_tokens_per_microbatch ({self.max_tokens_per_microbatch}) is smaller than "
+                             f"the longest of PPOConfig.row_buckets ({max(self.row_buckets)}): the budget is tokens "
+                             "per training device and must hold one row of every bucket")
         if self.row_buckets:  # the check make_microbatches would run at the first step
             try:
                 candidate_row_lengths(self.max_tokens_per_microbatch, self.row_buckets)

@@ -281,9 +281,10 @@ _ACTIVATION_FIELDS = ("PPOConfig.logit_chunk_tokens", "PPOConfig.remat", "PPOCon
 def possible_microbatch_shapes(ppo_cfg: PPOConfig, fsdp: int, num_processes: int = 1) -> list[tuple[int, int]]:
     """(R, T) of the largest micro-batch of each row length `make_microbatches` can produce.
 
-    R counts the rows of every process: each packs up to `rows_for_bucket(T)` rows, a multiple
-    of its share of the "fsdp" axis (what `RLLoop` passes as row_multiple), and the trainer
-    stacks the processes' rows into one global array."""
+    R counts the rows of every process: each packs up to `rows_for_bucket(T)` rows, budget // T
+    (at least one) for each device of its share of the "fsdp" axis (what `RLLoop` passes as
+    row_multiple: the budget is per training device), and the trainer stacks the processes' rows
+    into one global array."""
     row_multiple = max(fsdp // num_processes, 1)
     budget = ppo_cfg.max_tokens_per_microbatch
     return [(rows_for_bucket(T, budget, row_multiple) * num_processes, T)
