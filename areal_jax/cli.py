@@ -11,7 +11,8 @@
                    [--system='...'] [--chat_template_kwargs='{"enable_thinking": false}'] [--dtype=bfloat16]
                    [--tensor_parallel=2]   (prompts encoded as the model's run encoded them: areal_jax_prompt.json)
     areal-jax config [--gin_file=...]   (every configurable field: value, type, one line of doc)
-    areal-jax train --run_dir=RUN --resume [--gin_param=...]   (continues RUN with its config.gin)
+    areal-jax train --run_dir=RUN --resume [--gin_param=... --override_config]
+                   (continues RUN with its config.gin; flags that change it need --override_config)
     areal-jax export --checkpoint=RUN/checkpoints[/STEP] --out=DIR [--dtype=bfloat16] [--adapter]
                    (a checkpoint as an HF model directory, tokenizer included; `eval --model=DIR` takes it;
                    a LoRA run's adapters merged in, or with --adapter alone in PEFT's format)
@@ -80,6 +81,9 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
                         "(an error if there is none)")
     p.add_argument("--overwrite", action="store_true",
                    help="start over in a --run_dir that holds a run: its records and checkpoints are removed")
+    p.add_argument("--override_config", action="store_true",
+                   help="with --resume: apply --gin_file/--gin_param that change the run's own config (RUN/config.gin; "
+                        "without this flag the changes are listed and the resume refused)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -275,7 +279,7 @@ def _eval(args) -> int:
 
     model_dir, eval_over, data_over = args.model, {}, {}
     if args.run_dir_of:  # the run's own evaluation, each field unless bound here
-        run_model, eval_over, data_over = run_settings.eval_defaults(args.run_dir_of)
+        run_model, eval_over, data_over = run_settings.eval_defaults(args.run_dir_of, held_out_dir=run_dir)
         model_dir = model_dir or run_model
     if model_dir is None:
         raise InputError("eval needs --model=DIR or --run_dir_of=RUN")
@@ -302,16 +306,22 @@ def _train(args) -> int:
 
     run_dir = args.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     params, gin_files = list(args.gin_param), list(args.gin_file)
-    if args.resume and not gin_files:  # the run's own bindings; --gin_param still overrides
-        from areal_jax.jobs.run_settings import resume_gin_files
-
-        gin_files = resume_gin_files(run_dir)
     if args.command == "sft":
         params.append("Stages.rl = False")
+    if args.override_config and not args.resume:
+        from areal_jax.jobs.inputs import InputError
+
+        raise InputError("--override_config applies to --resume (a new run takes its flags as given)")
     import jax
 
     # Every cross-field check, the per-process shares included, before any work starts.
-    cfg = load_job_configs(gin_files, params, run_dir=run_dir, num_processes=jax.process_count())
+    if args.resume:  # the run's own bindings; flags that change them need --override_config
+        from areal_jax.jobs.resume_config import resume_configs
+
+        cfg = resume_configs(run_dir, gin_files, params, override=args.override_config,
+                             num_processes=jax.process_count())
+    else:
+        cfg = load_job_configs(gin_files, params, run_dir=run_dir, num_processes=jax.process_count())
     Trainer(cfg, run_dir=run_dir).train(progress=not args.quiet, resume=args.resume, overwrite=args.overwrite)
     return 0
 

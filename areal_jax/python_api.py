@@ -18,10 +18,12 @@ workflow class (built as RLConfig.workflow's are) or a callable(rollout_config, 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from areal_jax import paths
@@ -38,10 +40,53 @@ def load_config(path: str | os.PathLike | Sequence[str | os.PathLike] | None = N
     """Typed configs from .gin files (one path or several) and gin-style `overrides`
     ("RLConfig.steps = 20"); ConfigError (one line naming the field) for any mistake. Paths that
     depend on the run directory (checkpoints) hold "{run_dir}" until a run fills it in."""
+    from areal_jax import config_system as cs
+    from areal_jax.data.pipeline import DataConfig
     from areal_jax.jobs.configs import load_job_configs
 
     files = [] if path is None else [path] if isinstance(path, (str, os.PathLike)) else list(path)
-    return load_job_configs([str(f) for f in files], list(overrides), run_dir=run_dir)
+    cfg = load_job_configs([str(f) for f in files], list(overrides), run_dir=run_dir)
+    bound = cs.bindings(DataConfig)
+    if cfg.data is None and bound:  # the built-in task reads none; kept in the text for `Trainer(train_data=)`
+        text = cfg.bindings + "\n# DataConfig, for data given to the Trainer\n" + "".join(
+            f"DataConfig.{name} = {value!r}\n" for name, value in bound.items())
+        cfg = JobConfigs(**{f.name: cfg.given(f.name) for f in dataclasses.fields(cfg) if f.name != "bindings"},
+                         bindings=text)
+    return cfg
+
+
+def _bound_data_config(cfg: JobConfigs, files: tuple[str, ...]) -> Any:
+    """A DataConfig of `files` with the fields `cfg`'s gin text binds (none: the defaults)."""
+    from areal_jax import config_system as cs
+    from areal_jax.data.pipeline import DataConfig
+
+    if cfg.bindings:
+        cs.parse((), [cfg.bindings], skip_unknown=True)
+        return cs.build(DataConfig, paths=files)
+    return DataConfig(paths=files)
+
+
+# The CLI's flags in the messages of the jobs the API shares with it, as the API's own parameters.
+_PARAMETERS = {"--run_dir": "run_dir", "--resume": "resume=True", "--overwrite": "overwrite=True", "--out": "out",
+               "--dtype": "dtype", "--checkpoint": "the run's checkpoint", "--run_dir_of": "run_dir"}
+
+
+@contextlib.contextmanager
+def _named_as_parameters() -> Iterator[None]:
+    """An InputError naming CLI flags, raised again naming the Python API's parameters."""
+    from areal_jax.jobs.inputs import InputError
+
+    try:
+        yield
+    except InputError as e:
+        text = re.sub(r"--[a-z_]+", lambda m: _PARAMETERS.get(m.group(0), m.group(0)), str(e))
+        if text == str(e):
+            raise
+        try:
+            renamed = type(e)(text)
+        except TypeError:  # a subclass built otherwise: the base type carries the message
+            renamed = InputError(text)
+        raise renamed from None
 
 
 class Trainer:
@@ -72,9 +117,7 @@ class Trainer:
         task, data = cfg.given("task"), cfg.given("data")
         if train_data is not None:
             files = self._data_paths(train_data, "train")
-            from areal_jax.data.pipeline import DataConfig
-
-            data = dataclasses.replace(data, paths=files) if data is not None else DataConfig(paths=files)
+            data = dataclasses.replace(data, paths=files) if data is not None else _bound_data_config(cfg, files)
             # The rows replace the task; without eval_data they have no held-out part.
             task = dataclasses.replace(task, kind="dataset", eval_size=task.eval_size if task.eval_paths else 0)
         if eval_data is not None:  # rows: every one is held out; files: up to TaskSource.eval_size of them
@@ -109,32 +152,33 @@ class Trainer:
             raise ValueError(f"add_hook: stage must be one of {STAGES} and every an int >= 1, got {stage!r}, {every!r}")
         self._hooks.append((hook, stage, every))
 
-    def _data_paths(self, data: DataInput, name: str) -> tuple[str, ...]:
+    def _data_paths(self, data: DataInput, name: str, param: str | None = None) -> tuple[str, ...]:
+        param = param or f"{name}_data"
         if isinstance(data, (str, os.PathLike)):
-            return (str(data),)
-        if isinstance(data, Sequence) and data and all(isinstance(d, (str, os.PathLike)) for d in data):
-            return tuple(str(d) for d in data)
+            files = (str(data),)
+        elif isinstance(data, Sequence) and data and all(isinstance(d, (str, os.PathLike)) for d in data):
+            files = tuple(str(d) for d in data)
+        else:
+            files = ()
+        for file in files:  # a list of prompts is no list of paths: said now, not as a missing file later
+            if not paths.is_remote(file) and not os.path.exists(file):
+                raise FileNotFoundError(f"{param}: no file {file!r} (a string or a list of strings is read as data "
+                                        "file paths; give rows as dicts, e.g. {'question': ..., 'answer': ...})")
+        if files:
+            return files
         rows = list(data)  # a finite iterable of dicts: written once the run starts
         if not all(isinstance(r, Mapping) for r in rows):
-            raise TypeError(f"{name}_data must be a path, a list of paths, or an iterable of dicts (rows)")
-        target = str(paths.as_path(self.run_dir) / "inputs" / f"{name}.jsonl")
+            raise TypeError(f"{param} must be a path, a list of paths, or an iterable of dicts (rows)")
+        target = str(paths.absolute(self.run_dir) / "inputs" / f"{name}.jsonl")
         self._inputs[target] = rows
         return (target,)
 
-    def _write_inputs(self) -> None:
-        """The rows given as data, written by process 0 (every process holds the same rows); all
-        processes wait until they are there."""
-        import jax
-
-        if jax.process_index() == 0:
-            for target, rows in self._inputs.items():
-                path = paths.as_path(target)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                paths.write_whole(path, "".join(json.dumps(r, default=str) + "\n" for r in rows).encode())
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices("areal_jax.python_api.inputs")
+    def _input_files(self, names: Sequence[str] | None = None) -> dict[str, bytes]:
+        """The rows given as data (of `names`, default all), as the JSONL files the run reads:
+        path -> content. `train` writes them once the run directory's lock and checks pass."""
+        return {target: "".join(json.dumps(r, default=str) + "\n" for r in rows).encode()
+                for target, rows in self._inputs.items()
+                if names is None or paths.as_path(target).stem in names}
 
     def train(self, *, resume: bool = False, overwrite: bool = False, progress: bool = True) -> dict[str, Any]:
         """SFT (if configured) then RL, as `areal-jax train`; returns the summary (summary.json).
@@ -154,9 +198,10 @@ class Trainer:
             raise ConfigError(f"PPOConfig.max_tokens_per_microbatch ({ppo.max_tokens_per_microbatch}) is below "
                               f"EngineConfig.max_seq_len ({engine.max_seq_len}), the longest sequence the workflow "
                               "may build; such a sequence could not be trained")
-        self._write_inputs()
-        self.summary = run_train(self.config, self.run_dir, progress=progress, resume=resume, overwrite=overwrite,
-                                 workflow=self.workflow, hooks=self._hooks)
+        with _named_as_parameters():
+            self.summary = run_train(self.config, self.run_dir, progress=progress, resume=resume,
+                                     overwrite=overwrite, workflow=self.workflow, hooks=self._hooks,
+                                     inputs=self._input_files())
         return self.summary
 
     def evaluate(self, data: DataInput | None = None, *, n_samples: int = 1, temperature: float = 0.0,
@@ -166,14 +211,17 @@ class Trainer:
         results and report land in `out_dir` (default RUN/eval). Returns the report's overall figures."""
         from areal_jax.jobs.evaluate import evaluate_run
 
-        files = self._data_paths(data, "evaluate") if data is not None else self.config.task.eval_paths
+        files = self._data_paths(data, "evaluate", "data") if data is not None else self.config.task.eval_paths
         if not files:
             raise ValueError("evaluate needs data: pass it, or eval_data to the Trainer")
-        self._write_inputs()
+        from areal_jax.jobs.run_data import write_inputs
+
+        write_inputs(self._input_files(["evaluate"]))  # the run's own inputs/ are the run's: left as they are
         out = out_dir if out_dir is not None else paths.as_path(self.run_dir) / "eval"
-        return evaluate_run(self.run_dir, files, out_dir=out, n_samples=n_samples, temperature=temperature,
-                            reward=self.config.rollout.reward, reward_pool=self.config.reward_pool,
-                            sandbox=self.config.sandbox)
+        with _named_as_parameters():
+            return evaluate_run(self.run_dir, files, out_dir=out, n_samples=n_samples, temperature=temperature,
+                                reward=self.config.rollout.reward, reward_pool=self.config.reward_pool,
+                                sandbox=self.config.sandbox)
 
     def export(self, out: str | os.PathLike, *, dtype: str = "float32", overwrite: bool = False) -> str:
         """The run's model as an HF directory `out`: final_model/ when the run finished, else the
@@ -194,6 +242,7 @@ class Trainer:
 
         if self.config.checkpoint is None:
             raise FileNotFoundError(f"{self.run_dir} has no final_model/ and the run keeps no checkpoints")
-        run_export(ExportConfig(checkpoint=str(self.config.checkpoint.directory), out=str(out), dtype=dtype,
-                                overwrite=overwrite, run_dir=self.run_dir))
+        with _named_as_parameters():
+            run_export(ExportConfig(checkpoint=str(self.config.checkpoint.directory), out=str(out), dtype=dtype,
+                                    overwrite=overwrite, run_dir=self.run_dir))
         return str(out)

@@ -205,3 +205,11 @@ def test_a_killed_exports_hidden_partial_directory_goes_with_the_next_export(run
     live.mkdir()
     assert main(["export", f"--checkpoint={run_dir / 'checkpoints'}", f"--out={out}"]) == 0
     assert not dead.exists() and live.is_dir() and (out / "model.safetensors").is_file()
+
+
+def test_eval_of_a_builtin_task_run_takes_its_held_out_problems(run_dir, tmp_path):
+    """README's `eval --run_dir_of=runs/qs`: the quickstart's held-out set is generated, not a file."""
+    evaluation = tmp_path / "eval"
+    assert main(["eval", f"--run_dir_of={run_dir}", f"--run_dir={evaluation}", "--reward_workers=1"]) == 0
+    assert json.loads((evaluation / "report.json").read_text())["overall"]["num_prompts"] == 2  # TaskSource.eval_size
+    assert len((evaluation / "held_out.jsonl").read_text().splitlines()) == 2

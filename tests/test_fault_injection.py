@@ -238,7 +238,7 @@ def test_resume_falls_back_past_a_corrupt_latest_step(tmp_path):
     biggest = max((p for p in (checkpoints / "4" / "state").rglob("*") if p.is_file() and "/d/" in str(p)),
                   key=lambda p: p.stat().st_size)
     os.truncate(biggest, biggest.stat().st_size // 2)
-    proc = _start([*args, "--gin_param=RLConfig.steps = 6"], run, "--resume")
+    proc = _start([*args, "--gin_param=RLConfig.steps = 6"], run, "--resume", "--override_config")
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     warning = [line for line in err.splitlines() if "checkpoint step 4" in line]
@@ -250,7 +250,7 @@ def test_resume_falls_back_past_a_corrupt_latest_step(tmp_path):
     paths_rm = [checkpoints / "6" / "meta", checkpoints / "5" / "state" / "_METADATA"]
     shutil.rmtree(paths_rm[0])
     paths_rm[1].unlink()
-    proc = _start([*args, "--gin_param=RLConfig.steps = 6"], run, "--resume")
+    proc = _start([*args, "--gin_param=RLConfig.steps = 6"], run, "--resume", "--override_config")
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     assert "meta/metadata is missing" in err and "state/_METADATA is missing" in err

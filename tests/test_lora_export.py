@@ -76,3 +76,22 @@ def test_exports_load_in_transformers_and_peft_with_our_logits(run_dir, tmp_path
             np.testing.assert_allclose(got, want, atol=_tol(refs), rtol=0, err_msg=name)
     plain = np.load(tmp_path / "base.npz")
     assert max(np.abs(plain[f"logits_{i}"] - o).max() for i, o in enumerate(ours)) > 10 * _tol(ours)
+
+
+def test_adapters_of_a_run_whose_sft_trained_the_base_are_refused(run_dir, tmp_path, capsys):
+    """Its adapters fit the SFT policy, not the run's base: PEFT would load them on the wrong weights."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, ignore=shutil.ignore_patterns("final_model", "tensorboard"))
+    meta = run / "checkpoints" / "2" / "meta" / "metadata"
+    record = json.loads(meta.read_text())
+    record["extra"]["summary"]["sft_steps"] = 10  # as a run with an SFT stage records it
+    meta.write_text(json.dumps(record))
+    out = tmp_path / "adapter"
+    assert main(["export", f"--checkpoint={run / 'checkpoints'}", f"--out={out}", "--adapter"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--adapter: the run's SFT stage trained every base weight (10 steps)" in err[0], err
+    assert not out.exists()
+    assert main(["export", f"--checkpoint={run / 'checkpoints'}", f"--out={out}"]) == 0  # merged: the SFT policy's
+    assert (out / "model.safetensors").is_file()

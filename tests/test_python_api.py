@@ -108,7 +108,10 @@ def test_rows_and_a_python_reward_become_a_dataset_run(tmp_path):
 
     assert runs_in_process(cfg.rollout.reward)
     assert load_reward_function(resolve_reward_path(cfg.rollout.reward))(" 4", "4") == 1.0
-    trainer._write_inputs()
+    from areal_jax.jobs.run_data import write_inputs
+
+    assert not (tmp_path / "inputs").exists()  # written by train(), once the run directory's checks pass
+    write_inputs(trainer._input_files())
     assert [json.loads(line) for line in (tmp_path / "inputs" / "train.jsonl").read_text().splitlines()] == rows
     assert len((tmp_path / "inputs" / "eval.jsonl").read_text().splitlines()) == 3
     with pytest.raises(ValueError, match="stage must be one of"):
@@ -190,3 +193,41 @@ def test_export_never_replaces_the_run_or_a_directory_holding_it(tmp_path):
         with pytest.raises(InputError, match="^" + phrase.format(out)):
             trainer.export(out, overwrite=True)
     assert (run / "config.gin").is_file() and (run / "final_model" / "config.json").is_file()
+
+
+def test_a_refused_second_trainer_writes_nothing_into_the_run(tmp_path):
+    """Its rows would replace the run's own inputs/ (and a later resume would train on them)."""
+    from areal_jax.jobs.inputs import InputError
+
+    run = tmp_path / "run"
+    (run / "inputs").mkdir(parents=True)
+    (run / "config.gin").write_text("RLConfig.steps = 1\n")
+    (run / "inputs" / "train.jsonl").write_text("the run's rows\n")
+    trainer = aj.Trainer("configs/quickstart.gin", run_dir=run, train_data=[{"question": "1 + 1?", "answer": "#### 2"}],
+                         overrides=["SFTConfig.eval_every = 0", "SFTConfig.stop_accuracy = 0.0",
+                                    "TaskSource.validation_size = 0"])
+    with pytest.raises(InputError, match="already holds a run") as refused:
+        trainer.train(progress=False)
+    assert "pass overwrite=True to replace it, resume=True to continue it" in str(refused.value)
+    assert "--" not in str(refused.value)  # the API's parameters, not the CLI's flags
+    assert sorted(p.name for p in run.rglob("*")) == ["config.gin", "inputs", "train.jsonl"]
+    assert (run / "inputs" / "train.jsonl").read_text() == "the run's rows\n"
+
+
+def test_a_list_of_strings_is_read_as_paths_only_when_they_are_files(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"question": "1 + 1?", "answer": "#### 2"}) + "\n")
+    assert aj.Trainer("configs/quickstart.gin", run_dir=tmp_path / "a", train_data=[str(data)]).config.data.paths == (
+        str(data),)
+    with pytest.raises(FileNotFoundError, match="^train_data: no file 'What is 2 \\+ 2\\?' .* give rows as dicts"):
+        aj.Trainer("configs/quickstart.gin", run_dir=tmp_path / "b", train_data=["What is 2 + 2?", "And 3 + 3?"])
+    assert not (tmp_path / "b").exists()
+
+
+def test_data_config_overrides_survive_rows_given_as_train_data(tmp_path):
+    template = "Question: {question}\nAnswer:"
+    cfg = aj.load_config("configs/quickstart.gin", overrides=[f"DataConfig.prompt_template = {template!r}"])
+    trainer = aj.Trainer(cfg, run_dir=tmp_path, train_data=[{"question": "1 + 1?", "answer": "#### 2"}])
+    assert trainer.config.data.prompt_template == template
+    assert trainer.config.data.paths == (str(tmp_path / "inputs" / "train.jsonl"),)
+    assert f"DataConfig.prompt_template = {template!r}" in trainer.config.gin_text()

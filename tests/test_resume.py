@@ -218,7 +218,7 @@ def test_two_process_run_resumes_from_its_checkpoint(tmp_path):
 
     both(3)
     first = json.loads((tmp_path / "summary.json").read_text())["reward"]["submitted"]
-    logs = both(5, "--resume")
+    logs = both(5, "--resume", "--override_config")
     assert all("resuming from checkpoint step 3" in log for log in logs)
     assert [r["step"] for r in rl_records(tmp_path)] == list(range(5))
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -71,11 +71,18 @@ def test_a_run_directory_is_refused_resumed_only_unchanged_and_overwritten_afres
                       "summary.json", "final_model/", f"checkpoints/ (step {first_steps[-1]})", "--overwrite")
     assert snapshot(run) == before
 
-    # Resuming with another model, batch and engine seed: refused before any work, naming each field.
-    line = assert_user_error(
-        train(run, "--resume", params=TINY + ["ModelSource.hidden_size = 64", "RLConfig.batch_size = 4",
-                                              "EngineConfig.seed = 3", "EngineConfig.num_slots = 8"]),
-        "ModelSource.hidden_size: 32 -> 64", "RLConfig.batch_size: 2 -> 4", "EngineConfig.seed: 0 -> 3")
+    # Resuming with flags that change the run's config (RUN/config.gin): the changes listed, refused.
+    changed = TINY + ["ModelSource.hidden_size = 64", "RLConfig.batch_size = 4", "EngineConfig.seed = 3",
+                      "EngineConfig.num_slots = 8"]
+    assert_user_error(train(run, "--resume", params=changed), "--resume: the flags change the run's own config",
+                      "EngineConfig.num_slots: 4 -> 8", "ModelSource.hidden_size: 32 -> 64", "--override_config")
+    # The .gin file alone: the run's own --gin_params would be dropped, so the same.
+    assert_user_error(cli("train", f"--gin_file={QUICKSTART}", f"--run_dir={run}", "--resume", "--quiet"),
+                      "RLConfig.steps: 2 -> 120", "ModelSource.hidden_size: 32 -> 128", "--override_config")
+    assert snapshot(run) == before
+    # --override_config with another model, batch and engine seed: refused before any work, naming each field.
+    line = assert_user_error(train(run, "--resume", "--override_config", params=changed),
+                             "ModelSource.hidden_size: 32 -> 64", "RLConfig.batch_size: 2 -> 4", "EngineConfig.seed: 0 -> 3")
     assert "num_slots" not in line  # sizes no saved state: free to change on resume
     assert snapshot(run) == before
     assert_user_error(train(run, "--resume", "--overwrite"), "--overwrite")
@@ -164,3 +171,103 @@ def test_model_and_data_problems_are_one_line_naming_file_and_field(tmp_path):
 
     debug = cli("generate", f"--model={missing}", "--prompt=hi", "--debug")
     assert debug.returncode != 0 and "Traceback" in debug.stderr and str(missing) in debug.stderr
+
+
+def _rows(n: int) -> str:
+    return "".join(json.dumps({"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"}) + "\n" for i in range(n))
+
+
+def _cli_in(cwd: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"}
+    return subprocess.run([sys.executable, "-m", "areal_jax.cli", *args], env=env, cwd=cwd, capture_output=True,
+                          text=True, timeout=600)
+
+
+DATASET = ["TaskSource.eval_size = 0", "TaskSource.solution_reward_min = 0.0",
+           "RLVRConfig.reward = 'tests.resume_fixtures:digit_share'"]
+
+
+def test_a_resume_reads_the_files_the_run_trained_on_from_anywhere_and_refuses_changed_ones(tmp_path):
+    first, other, run = tmp_path / "first", tmp_path / "other", tmp_path / "run"
+    for directory, n in ((first, 20), (other, 5)):  # the same relative name, two datasets
+        directory.mkdir()
+        (directory / "train.jsonl").write_text(_rows(n))
+    done = _cli_in(first, "train", f"--gin_file={QUICKSTART}", *[f"--gin_param={p}" for p in TINY + DATASET],
+                   "--gin_param=DataConfig.paths = ('train.jsonl',)", f"--run_dir={run}", "--quiet")
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = str(first / "train.jsonl")
+    assert json.loads((run / "config.json").read_text())["data"]["paths"] == [data]
+    assert f"DataConfig.paths = ('{data}',)" in (run / "config.gin").read_text()
+    # From another directory, whose train.jsonl is another dataset: the run's own files.
+    done = _cli_in(other, "train", f"--run_dir={run}", "--resume", "--quiet")
+    assert done.returncode == 0, done.stderr[-3000:]
+    # The run's file shrank since: refused, naming it, before anything is written.
+    (first / "train.jsonl").write_text(_rows(5))
+    before = snapshot(run)
+    assert_user_error(_cli_in(other, "train", f"--run_dir={run}", "--resume", "--quiet"),
+                      "--resume: DataConfig.paths is not the data the run trained on", f"{data}: 20 lines",
+                      f"now {data}: 5 lines")
+    assert snapshot(run) == before
+
+
+API_RUN = """
+import sys
+import areal_jax as aj
+from areal_jax.jobs.inputs import InputError
+run, n, resume = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "resume"
+rows = [{"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"} for i in range(n)]
+cfg = aj.load_config(sys.argv[4], overrides=sys.argv[5:])
+trainer = aj.Trainer(cfg, run_dir=run, train_data=rows, reward_fn=lambda text, gold: float(len(text) % 2))
+try:
+    trainer.train(progress=False, resume=resume)
+except InputError as e:
+    print(f"refused: {e}")
+    sys.exit(3)
+"""
+
+
+def test_a_trainers_rows_go_into_the_run_only_after_its_checks_and_a_resume_on_other_rows_is_refused(tmp_path):
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"}
+
+    def api(n: int, mode: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", API_RUN, str(run), str(n), mode, QUICKSTART, *TINY,
+                               "TaskSource.solution_reward_min = 0.0"], env=env, cwd=tmp_path, capture_output=True,
+                              text=True, timeout=600)
+
+    done = api(200, "new")
+    assert done.returncode == 0, done.stderr[-3000:]
+    before = snapshot(run)
+    assert before["inputs/train.jsonl"].count(b"\n") == 200
+    done = api(50, "new")  # a second Trainer on the run: refused, its rows not written
+    assert done.returncode == 3 and "already holds a run" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert snapshot(run) == before
+    done = api(50, "resume")  # resuming on other rows: refused before they replace the run's
+    assert done.returncode == 3, done.stdout + done.stderr[-3000:]
+    assert "DataConfig.paths is not the data the run trained on" in done.stdout and "200 lines" in done.stdout
+    assert snapshot(run) == before
+    done = api(200, "resume")  # the same rows: resumed
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_resume_whose_model_or_lora_shapes_differ_is_refused_before_anything_is_written(tmp_path):
+    run, other = tmp_path / "run", tmp_path / "other"
+    lora = TINY + ["LoRAConfig.rank = 4", "LoRAConfig.base_dtype = 'float32'"]
+    done = train(run, params=lora)
+    assert done.returncode == 0, done.stderr[-3000:]
+    before = snapshot(run)
+    # LoRAConfig is among the fields a resume keeps (config.json): refused whatever --override_config says.
+    assert_user_error(train(run, "--resume", "--override_config", params=lora + ["LoRAConfig.rank = 8"]),
+                      "LoRAConfig.rank: 4 -> 8")
+    assert snapshot(run) == before
+    # Without the run's config.json (its checkpoints read from another run directory): the checkpoint's
+    # own shapes refuse it, one line naming the field, before anything is written.
+    elsewhere = [f"CheckpointConfig.directory = '{run / 'checkpoints'}'"]
+    for params, phrase in ((["LoRAConfig.rank = 8"], "LoRAConfig.rank is 8, checkpoint step 2 under"),
+                           (["LoRAConfig.targets = ('q', 'v')"], "LoRAConfig.targets are ('q', 'v'), checkpoint"),
+                           (["ModelSource.hidden_size = 64"], "the model's weight embed is (")):
+        assert_user_error(train(other, "--resume", params=lora + elsewhere + params), "--resume: " + phrase)
+        assert not other.exists()
+    assert snapshot(run) == before
+    done = train(run, "--resume")  # the correct resume still goes
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -197,7 +197,8 @@ def test_generate_encodes_as_the_run_did_and_takes_sampling_flags(run):
 
 
 def test_resume_needs_no_gin_file(run):
-    done = areal_jax("train", f"--run_dir={run}", "--resume", "--quiet", *params("RLConfig.steps = 3"))
+    done = areal_jax("train", f"--run_dir={run}", "--resume", "--override_config", "--quiet",
+                     *params("RLConfig.steps = 3"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [-4, -3, -2, -1, 0, 1, 2]
     assert json.loads((run / "summary.json").read_text())["steps"] == 3

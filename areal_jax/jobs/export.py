@@ -234,6 +234,11 @@ def _write(cfg: ExportConfig, out: paths.Path, model_cfg: ModelConfig, tokenizer
     if cfg.adapter:
         if lora is None:
             raise InputError(f"--adapter: step {step} under {directory} holds no LoRA adapters (LoRAConfig.rank was 0)")
+        sft_steps = _sft_steps(directory, step, run_dir)
+        if sft_steps:
+            raise InputError(f"--adapter: the run's SFT stage trained every base weight ({sft_steps} steps) before RL "
+                             "trained these adapters, so they fit the SFT policy, not the run's base model: export "
+                             "without --adapter (the SFT policy with the adapters merged in)")
         adapters = {w: {k: saved.read(("layers", lora_lib.LORA, w, k)) for k in ("a", "b")} for w in lora.weights}
         with paths.staged_dir(out) as staged, _unreadable(directory, step):
             save_adapter(adapters, model_cfg, lora, staged, base_model=(_run_config(run_dir).get("model") or {}).get("path"))
@@ -247,6 +252,17 @@ def _write(cfg: ExportConfig, out: paths.Path, model_cfg: ModelConfig, tokenizer
                 {"bos_token_id": model_cfg.bos_token_id, "eos_token_id": model_cfg.eos_token_id}, indent=2))
         write_prompt_settings(staged, _run_config(run_dir).get("data"))
     return out
+
+
+def _sft_steps(directory: paths.Path, step: int, run_dir: paths.Path) -> int:
+    """SFT steps the weights under the step's adapters took: its metadata's record, else (an older
+    checkpoint) the run's config.json's SFTConfig.steps when its SFT stage was on."""
+    meta = directory / str(step) / "meta" / "metadata"
+    try:
+        return int(json.loads(meta.read_text())["extra"]["summary"]["sft_steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        config = _run_config(run_dir)
+        return int((config.get("sft") or {}).get("steps", 0)) if (config.get("stages") or {}).get("sft") else 0
 
 
 @contextlib.contextmanager

@@ -24,7 +24,8 @@ RUN_RECORDS = ("config.gin", "config.json", "summary.json", "metrics.jsonl", "fi
 # What --overwrite removes besides checkpoint steps: every record a run writes (nothing else).
 # wandb_run_id goes, so an overwriting run starts its own W&B run; wandb/ stays (offline runs there
 # may not be synced yet).
-OLD_RUN_FILES = RUN_RECORDS + ("progress.png", "tensorboard", "rollouts", "wandb_run_id", "model_config.json")
+OLD_RUN_FILES = RUN_RECORDS + ("progress.png", "tensorboard", "rollouts", "wandb_run_id", "model_config.json",
+                                "data_files.json")
 
 # Fields a resumed run must share with the run it continues, per JobConfigs attribute (None: every
 # field). The checkpoint holds weights and Adam state shaped by the model (ModelSource) and laid
@@ -34,9 +35,10 @@ OLD_RUN_FILES = RUN_RECORDS + ("progress.png", "tensorboard", "rollouts", "wandb
 # "sync" resume reproduces the uninterrupted run only with them unchanged. No engine state is saved
 # (slots, KV cache and programs are rebuilt on every start), so EngineConfig's sizes may change,
 # e.g. to fit memory; only its seed is kept: every sampled token's randomness derives from it.
+# LoRAConfig shapes the adapters and their optimizer state, and seeds their dropout.
 RESUME_FIELDS: dict[str, tuple[str, ...] | None] = {
     "model": None, "mesh": None, "rl": ("batch_size",), "rollout": ("n_samples",),
-    "ppo": ("num_minibatches", "max_tokens_per_microbatch"), "engine": ("seed",)}
+    "ppo": ("num_minibatches", "max_tokens_per_microbatch"), "engine": ("seed",), "lora": None}
 # What marks a directory as a run's (RUN_RECORDS less config.json, which an HF model directory holds
 # too), or a directory of checkpoint steps: what no export or copy may replace.
 RUN_MARKERS = ("config.gin", "summary.json", "metrics.jsonl", "model_config.json", ".areal-jax.lock",

@@ -71,16 +71,22 @@ def run_config(run_dir: str) -> dict[str, Any]:
         raise InputError(f"--run_dir_of: {file} is not JSON ({e})") from None
 
 
-def eval_defaults(run_dir: str, *, require_eval_paths: bool = True) -> tuple[str, dict[str, Any], dict[str, Any]]:
+def eval_defaults(run_dir: str, *, require_eval_paths: bool = True, held_out_dir: paths.PathLike | None = None
+                  ) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """(model directory, EvalConfig overrides, DataConfig overrides) that evaluate the run as it
     evaluated itself: its final model, reward, held-out files and format, and completion budget.
-    Without `require_eval_paths` a run without held-out files is accepted (the caller names files)."""
+    Without `require_eval_paths` a run without held-out files is accepted (the caller names files).
+    A run of the built-in arithmetic task gets its held-out problems written as a file
+    (`held_out_dir`/held_out.jsonl, default a temporary directory)."""
     cfg = run_config(run_dir)
     model = paths.as_path(run_dir) / "final_model"
     if not (model / "config.json").is_file():
         raise InputError(f"--run_dir_of {run_dir}: no final_model/ (the run has not finished: export a checkpoint "
                          "and pass --model=DIR)")
     task, data, rollout = cfg.get("task") or {}, cfg.get("data") or {}, cfg.get("rollout") or {}
+    if task.get("kind") == "arithmetic" and task.get("eval_size") and require_eval_paths:
+        task = {**task, "eval_paths": (_arithmetic_held_out(cfg, held_out_dir),)}
+        data = {**data, "format": "math"}
     if not task.get("eval_paths") and require_eval_paths:
         raise InputError(f"--run_dir_of {run_dir}: the run has no held-out files (TaskSource.eval_paths): bind "
                          "DataConfig.paths")
@@ -91,6 +97,19 @@ def eval_defaults(run_dir: str, *, require_eval_paths: bool = True) -> tuple[str
              "max_prompt_tokens": data.get("max_prompt_tokens")}
     return (str(model), {k: v for k, v in evals.items() if v is not None},
             {k: v for k, v in datas.items() if v is not None})
+
+
+def _arithmetic_held_out(cfg: dict[str, Any], directory: paths.PathLike | None) -> str:
+    """The built-in task's held-out problems of a run (its config.json), written as MATH-format JSONL:
+    the same problems, prompts and golds its held-out accuracy used."""
+    from areal_jax.tasks.arithmetic import ArithmeticConfig, write_jsonl
+
+    if directory is None or paths.is_remote(directory):
+        directory = tempfile.mkdtemp(prefix="areal-jax-held-out-")
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in (cfg.get("arithmetic") or {}).items()}
+    task = cfg["task"]
+    return str(write_jsonl(pathlib.Path(directory) / "held_out.jsonl", "test", int(task["eval_size"]),
+                           cfg=ArithmeticConfig(**fields), seed=int(task.get("seed", 0)), fmt="math"))
 
 
 def resume_gin_files(run_dir: str) -> list[str]:

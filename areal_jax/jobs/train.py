@@ -22,7 +22,7 @@ import json
 import logging
 import pathlib
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -34,6 +34,8 @@ from areal_jax.jobs.inputs import on_every_process, check_sources
 from areal_jax.jobs.preflight import check_model_fit, check_solution_rewards, sandbox_for_run
 from areal_jax.jobs.progress import accuracy_text, plot_progress, progress_bar
 from areal_jax.jobs.run_settings import write_prompt_settings
+from areal_jax.jobs.run_data import absolute_paths, check_same_data, write_data_record, write_inputs
+from areal_jax.jobs.resume_config import check_checkpoint_matches
 from areal_jax.jobs.run_dir import check_run_dir, remove_previous_run
 from areal_jax.jobs.run_lock import hold_run_dir
 from areal_jax.jobs.workload import Workload, prepare_workload
@@ -53,8 +55,8 @@ from areal_jax.reward.scoring import RewardScorer, open_reward_pool, pool_totals
 logger = logging.getLogger(__name__)
 
 def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = True, resume: bool = False,
-              overwrite: bool = False, workflow: Any = None, hooks: Sequence[tuple[Any, str, int]] = ()
-              ) -> dict[str, Any]:
+              overwrite: bool = False, workflow: Any = None, hooks: Sequence[tuple[Any, str, int]] = (),
+              inputs: Mapping[str, bytes] | None = None) -> dict[str, Any]:
     """Runs the configured stages; returns the summary also written to summary.json.
 
     The reward runs where its registration allows (`reward.scoring.open_reward_pool`): in
@@ -63,24 +65,26 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
     into one by the CLI): workers with calls in flight are killed and their sandboxes swept.
     `workflow`: the rollouts' workflow, an api.RolloutWorkflow instance, a class or a factory
     (`_rollout_workflow`); None: RLConfig.workflow's class, else RLVR. `hooks`: (hook, stage, every)
-    for the RL loop (`RLLoop.add_hook`).
+    for the RL loop (`RLLoop.add_hook`). `inputs`: data files to write (path -> content: rows the
+    Python API was given), written only once the run directory's checks have passed.
     """
-    cfg = cfg.for_run(run_dir)  # its checkpoints: "{run_dir}" in CheckpointConfig.directory, or the default
+    cfg = absolute_paths(cfg.for_run(run_dir))  # its checkpoints: "{run_dir}" in CheckpointConfig.directory, or the default
     # The run directory is held for the run's whole life, before anything is written (jobs/run_lock.py).
     with hold_run_dir(run_dir), stop_on_signal(cfg.checkpoint and cfg.checkpoint.save_on_signal_s) as stop:
         return _run_with_pool(cfg, run_dir, stop, progress=progress, resume=resume, overwrite=overwrite,
-                              workflow=workflow, hooks=hooks)
+                              workflow=workflow, hooks=hooks, inputs=inputs or {})
 
 
 def _run_with_pool(cfg: JobConfigs, run_dir: str | pathlib.Path, stop: StopRequest | None, *, progress: bool,
-                   resume: bool, overwrite: bool, workflow: Any = None, hooks: Sequence = ()) -> dict[str, Any]:
+                   resume: bool, overwrite: bool, workflow: Any = None, hooks: Sequence = (),
+                   inputs: Mapping[str, bytes]) -> dict[str, Any]:
     try:
         pool = open_reward_pool(cfg.rollout.reward, cfg.reward_pool, sandbox_for_run(cfg, run_dir))
     except (SandboxUnavailable, ValueError) as e:  # before any work, like every other config problem
         raise cs.ConfigError(str(e)) from None
     try:
         return _run_train(cfg, run_dir, pool, stop, progress=progress, resume=resume, overwrite=overwrite,
-                          workflow=workflow, hooks=hooks)
+                          workflow=workflow, hooks=hooks, inputs=inputs)
     finally:
         if pool is not None:
             pool.close(wait=False)
@@ -117,7 +121,7 @@ class _Run:
 
 def _run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: RewardPool | None,
                stop: StopRequest | None, *, progress: bool, resume: bool, overwrite: bool,
-               workflow: Any = None, hooks: Sequence = ()) -> dict[str, Any]:
+               workflow: Any = None, hooks: Sequence = (), inputs: Mapping[str, bytes]) -> dict[str, Any]:
     """The stages of `run_train`, scoring with `reward_pool` (None: the reward is declared in-process);
     `stop`, armed for the RL stage, turns a signal into a checkpoint of the last step and a stop.
 
@@ -128,7 +132,8 @@ def _run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: Reward
     optimizer, version, counters, data position). config.gin and config.json are written only
     once every check has passed and the model and data have loaded.
     """
-    run = _prepare_run(cfg, run_dir, reward_pool, stop, progress=progress, resume=resume, overwrite=overwrite)
+    run = _prepare_run(cfg, run_dir, reward_pool, stop, progress=progress, resume=resume, overwrite=overwrite,
+                       inputs=inputs)
     params, run.work.params = run.work.params, None  # from here on `params` is the only reference
     if run.resuming:  # the SFT stage is already in the checkpoint's weights
         _restore_records(run)
@@ -145,7 +150,8 @@ def _run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: Reward
 
 
 def _prepare_run(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: RewardPool | None,
-                 stop: StopRequest | None, *, progress: bool, resume: bool, overwrite: bool) -> _Run:
+                 stop: StopRequest | None, *, progress: bool, resume: bool, overwrite: bool,
+                 inputs: Mapping[str, bytes]) -> _Run:
     """Every check, the model and data loaded, and the run directory's config files written."""
     t0 = time.perf_counter()
     run_dir = paths.as_path(run_dir)  # local or remote (gs://)
@@ -154,6 +160,10 @@ def _prepare_run(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: Rewa
     except ValueError as e:
         raise cs.ConfigError(f"MeshConfig: {e}") from None
     on_every_process(lambda: check_run_dir(cfg, run_dir, resume=resume, overwrite=overwrite))
+    if resume:  # the checkpoint's shapes and the data its position counts rows of, before anything is written
+        on_every_process(lambda: check_checkpoint_matches(cfg))
+        on_every_process(lambda: check_same_data(cfg, run_dir, inputs))
+    write_inputs(inputs)
     on_every_process(lambda: check_sources(cfg))
     check_model_fit(cfg, meshes.generation.devices.flat[0].platform)  # the same on every process
     # Held-out and validation accuracy score in the same pool as the rollouts, under the same deadline.
@@ -192,6 +202,7 @@ def _write_run_files(cfg: JobConfigs, run_dir: paths.Path, work: Workload) -> No
     (run_dir / "config.gin").write_text(cfg.gin_text())
     (run_dir / "config.json").write_text(json.dumps(cfg.as_dict(), indent=2, default=str))
     (run_dir / "model_config.json").write_text(json.dumps(work.model_config.to_hf(), indent=2))
+    write_data_record(cfg, run_dir)
     if work.tokenizer_dir != run_dir / "tokenizer":  # the run directory keeps the tokenizer it used
         paths.remove(run_dir / "tokenizer")
         copy_tokenizer_files(work.tokenizer_dir, run_dir / "tokenizer")
