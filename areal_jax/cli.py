@@ -322,7 +322,7 @@ def _train(args) -> int:
                              num_processes=jax.process_count())
     else:
         cfg = load_job_configs(gin_files, params, run_dir=run_dir, num_processes=jax.process_count())
-    Trainer(cfg, run_dir=run_dir).train(progress=not args.quiet, resume=args.resume, overwrite=args.overwrite)
+    Trainer(cfg, run_dir=run_dir)._train(progress=not args.quiet, resume=args.resume, overwrite=args.overwrite)
     return 0
 
 

@@ -32,6 +32,7 @@ from areal_jax.rollout.workflow import missing_workflow_members
 
 __all__ = ["Trainer", "load_config"]
 
+_DATA_SUFFIXES = (".jsonl", ".json", ".parquet")  # a string ending so names a data file, existing or not
 DataInput = str | os.PathLike | Sequence[str | os.PathLike] | Iterable[Mapping[str, Any]]
 
 
@@ -161,7 +162,7 @@ class Trainer:
         else:
             files = ()
         for file in files:  # a list of prompts is no list of paths: said now, not as a missing file later
-            if not paths.is_remote(file) and not os.path.exists(file):
+            if not (paths.is_remote(file) or os.path.exists(file) or "/" in file or file.endswith(_DATA_SUFFIXES)):
                 raise FileNotFoundError(f"{param}: no file {file!r} (a string or a list of strings is read as data "
                                         "file paths; give rows as dicts, e.g. {'question': ..., 'answer': ...})")
         if files:
@@ -184,6 +185,11 @@ class Trainer:
         """SFT (if configured) then RL, as `areal-jax train`; returns the summary (summary.json).
         `resume`: continue from the run directory's latest checkpoint; `overwrite`: replace a
         finished or failed run there. Every config check runs before any work."""
+        with _named_as_parameters():
+            return self._train(resume=resume, overwrite=overwrite, progress=progress)
+
+    def _train(self, *, resume: bool, overwrite: bool, progress: bool) -> dict[str, Any]:
+        """`train`, its errors naming the CLI's flags (`areal-jax train` runs this)."""
         import jax
 
         from areal_jax.job_config import check_cross_fields
@@ -198,10 +204,8 @@ class Trainer:
             raise ConfigError(f"PPOConfig.max_tokens_per_microbatch ({ppo.max_tokens_per_microbatch}) is below "
                               f"EngineConfig.max_seq_len ({engine.max_seq_len}), the longest sequence the workflow "
                               "may build; such a sequence could not be trained")
-        with _named_as_parameters():
-            self.summary = run_train(self.config, self.run_dir, progress=progress, resume=resume,
-                                     overwrite=overwrite, workflow=self.workflow, hooks=self._hooks,
-                                     inputs=self._input_files())
+        self.summary = run_train(self.config, self.run_dir, progress=progress, resume=resume, overwrite=overwrite,
+                                 workflow=self.workflow, hooks=self._hooks, inputs=self._input_files())
         return self.summary
 
     def evaluate(self, data: DataInput | None = None, *, n_samples: int = 1, temperature: float = 0.0,
