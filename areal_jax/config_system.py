@@ -8,11 +8,13 @@ unknown name, a wrong type or an invalid value fails before any work starts, nam
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import pathlib
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
 import gin
@@ -57,6 +59,11 @@ def parse(gin_files: Sequence[str | pathlib.Path] = (), gin_params: Sequence[str
     first pass that finds which modules register them (a custom workflow's config class).
     """
     gin.clear_config()
+    with _no_gin_path_log():
+        _parse(gin_files, gin_params, skip_unknown)
+
+
+def _parse(gin_files: Sequence[str | pathlib.Path], gin_params: Sequence[str], skip_unknown: bool) -> None:
     for f in gin_files:
         path = pathlib.Path(f)
         if not path.exists():
@@ -70,6 +77,24 @@ def parse(gin_files: Sequence[str | pathlib.Path] = (), gin_params: Sequence[str
             gin.parse_config(binding, skip_unknown=skip_unknown)
         except Exception as e:
             raise ConfigError(f"--gin_param {binding!r}: {_first_line(e)}") from None
+
+
+class _GinPathFilter(logging.Filter):
+    """gin logs "Path not found: X" on the root logger before raising the error that says the same."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Path not found")
+
+
+@contextlib.contextmanager
+def _no_gin_path_log() -> Iterator[None]:
+    """A missing include is reported once, by ConfigError's one line."""
+    root, quiet = logging.getLogger(), _GinPathFilter()
+    root.addFilter(quiet)
+    try:
+        yield
+    finally:
+        root.removeFilter(quiet)
 
 
 def build(cls: type[T], **overrides: Any) -> T:

@@ -46,7 +46,12 @@ def load_config(path: str | os.PathLike | Sequence[str | os.PathLike] | None = N
     from areal_jax.jobs.configs import load_job_configs
 
     files = [] if path is None else [path] if isinstance(path, (str, os.PathLike)) else list(path)
-    cfg = load_job_configs([str(f) for f in files], list(overrides), run_dir=run_dir)
+    try:
+        cfg = load_job_configs([str(f) for f in files], list(overrides), run_dir=run_dir)
+    except cs.ConfigError as e:  # named as this function's parameter, not the CLI's flag
+        if "--gin_param" not in str(e):
+            raise
+        raise cs.ConfigError(str(e).replace("--gin_param", "overrides")) from None
     bound = cs.bindings(DataConfig)
     if cfg.data is None and bound:  # the built-in task reads none; kept in the text for `Trainer(train_data=)`
         text = cfg.bindings + "\n# DataConfig, for data given to the Trainer\n" + "".join(

@@ -135,3 +135,19 @@ def test_process_dependent_checks_run_when_the_process_count_is_known():
         _load("RLConfig.channel_capacity = 10", num_processes=2)
     _load("RLConfig.channel_capacity = 16", num_processes=2)
     _load("RLConfig.channel_capacity = 10")  # unknown process count: not checked
+
+
+def test_a_missing_include_is_one_error_without_a_log_line(tmp_path, caplog):
+    (tmp_path / "a.gin").write_text("include 'no_such.gin'\nRLConfig.steps = 3\n")
+    with pytest.raises(cs.ConfigError, match=r"a.gin: Unable to open file: no_such.gin") as info:
+        cs.parse([str(tmp_path / "a.gin")])
+    assert "\n" not in str(info.value)
+    assert not [r for r in caplog.records if "Path not found" in r.getMessage()]  # said once, by the error
+
+
+def test_api_config_errors_name_the_apis_parameter():
+    import areal_jax as aj
+
+    with pytest.raises(cs.ConfigError, match=r"^overrides 'RLConfig.stepz = 3': ") as info:
+        aj.load_config("configs/quickstart.gin", overrides=["RLConfig.stepz = 3"])
+    assert "--" not in str(info.value)

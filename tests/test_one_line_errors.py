@@ -87,3 +87,14 @@ def test_storage_errors_name_the_path_and_the_free_space(tmp_path):
         line, code = user_error(e)
     assert code == 74 and f"{tmp_path}/ckpt/1/state/d/abc" in line and "read-only file system" in line
     assert user_error(RuntimeError("a bug")) is None and user_error(KeyError("x")) is None
+
+
+def test_a_run_whose_every_update_was_skipped_is_a_failure():
+    """Was exit 0 with a final model equal to the initial one; run_train now raises this as one line
+    (exit 2) after writing every record."""
+    from areal_jax.jobs.train import nothing_trained
+
+    every = [{"train/skipped_updates": 2.0, "reward/mean": 0.5}] * 3
+    assert nothing_trained(every, 2).startswith("RL applied none of its 6 optimizer updates: each had a non-finite")
+    assert nothing_trained(every[:2] + [{"train/skipped_updates": 1.0}], 2) is None  # one update applied
+    assert nothing_trained([{"reward/mean": 0.5}], 2) is None  # no RL update recorded (SFT only, a resume at the end)

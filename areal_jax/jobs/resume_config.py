@@ -105,18 +105,10 @@ def check_checkpoint_matches(cfg: JobConfigs) -> None:
     if rank != cfg.lora.rank:
         raise InputError(f"--resume: LoRAConfig.rank is {cfg.lora.rank}, {where} holds adapters of rank {rank}")
     if lora is not None:
-        ours = lora_targets(cfg, model_cfg)
+        ours = tuple(sorted(cfg.lora.targets))
         if tuple(sorted(lora.targets)) != ours:
             raise InputError(f"--resume: LoRAConfig.targets are {ours}, {where} holds adapters on "
                              f"{tuple(sorted(lora.targets))}")
         if not math.isclose(lora.alpha, cfg.lora.alpha, rel_tol=1e-5):
             raise InputError(f"--resume: LoRAConfig.alpha is {cfg.lora.alpha}, {where} was trained with {lora.alpha:g}")
 
-
-def lora_targets(cfg: JobConfigs, model_cfg: Any) -> tuple[str, ...]:
-    """The LoRA targets the model has weights for (an all-MoE model has no dense MLP ones)."""
-    from areal_jax.models.lora import TARGETS
-    from areal_jax.models.transformer import param_shapes
-
-    layer = param_shapes(model_cfg)["layers"]
-    return tuple(sorted(t for t in cfg.lora.targets if TARGETS[t][0] in layer))

@@ -30,7 +30,7 @@ import jax
 from areal_jax import config_system as cs
 from areal_jax import api, paths
 from areal_jax.job_config import JobConfigs
-from areal_jax.jobs.inputs import on_every_process, check_sources
+from areal_jax.jobs.inputs import InputError, on_every_process, check_sources
 from areal_jax.jobs.preflight import check_model_fit, check_solution_rewards, sandbox_for_run
 from areal_jax.jobs.progress import accuracy_text, plot_progress, progress_bar
 from areal_jax.jobs.run_settings import write_prompt_settings
@@ -146,7 +146,22 @@ def _run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: Reward
     if cfg.stages.rl:
         params = _rl_stage(run, params, reward_before, workflow, hooks)
     run.summary["final_accuracy"] = held_out_accuracy(run, params)
-    return _finish(run, params, reward_before)
+    summary = _finish(run, params, reward_before)
+    problem = nothing_trained(run.history, cfg.ppo.num_minibatches)
+    if problem is not None:  # every record written: what the run did stays readable, then a failure
+        raise InputError(f"{problem} (metrics.jsonl: train/skipped_updates; records in {run.run_dir})")
+    return summary
+
+
+def nothing_trained(history: Sequence[dict[str, Any]], updates_per_step: int) -> str | None:
+    """Why a run whose every optimizer update was skipped (a non-finite loss or gradient each time)
+    trained nothing, None when one update applied (or no RL step ran)."""
+    skipped = [m["train/skipped_updates"] for m in history if "train/skipped_updates" in m]
+    if not skipped or any(s < updates_per_step for s in skipped):
+        return None
+    return (f"RL applied none of its {len(skipped) * updates_per_step} optimizer updates: each had a non-finite "
+            "loss or gradient, so the final model is the initial one (a learning rate, reward scale or dtype "
+            "to fix)")
 
 
 def _prepare_run(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: RewardPool | None,
