@@ -68,7 +68,8 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
     for the RL loop (`RLLoop.add_hook`). `inputs`: data files to write (path -> content: rows the
     Python API was given), written only once the run directory's checks have passed.
     """
-    cfg = absolute_paths(cfg.for_run(run_dir))  # its checkpoints: "{run_dir}" in CheckpointConfig.directory, or the default
+    # Its checkpoints ("{run_dir}" in CheckpointConfig.directory, or the default); data and model paths absolute.
+    cfg = absolute_paths(cfg.for_run(run_dir))
     # The run directory is held for the run's whole life, before anything is written (jobs/run_lock.py).
     with hold_run_dir(run_dir), stop_on_signal(cfg.checkpoint and cfg.checkpoint.save_on_signal_s) as stop:
         return _run_with_pool(cfg, run_dir, stop, progress=progress, resume=resume, overwrite=overwrite,
