@@ -82,7 +82,8 @@ def test_a_run_directory_is_refused_resumed_only_unchanged_and_overwritten_afres
     assert snapshot(run) == before
     # --override_config with another model, batch and engine seed: refused before any work, naming each field.
     line = assert_user_error(train(run, "--resume", "--override_config", params=changed),
-                             "ModelSource.hidden_size: 32 -> 64", "RLConfig.batch_size: 2 -> 4", "EngineConfig.seed: 0 -> 3")
+                             "ModelSource.hidden_size: 32 -> 64", "RLConfig.batch_size: 2 -> 4",
+                             "EngineConfig.seed: 0 -> 3")
     assert "num_slots" not in line  # sizes no saved state: free to change on resume
     assert snapshot(run) == before
     assert_user_error(train(run, "--resume", "--overwrite"), "--overwrite")
