@@ -43,6 +43,7 @@ _EXPORTS = {
     "RolloutWorkflow": "areal_jax.rollout.workflow",  # the base class (api.RolloutWorkflow's defaults)
     "RolloutClient": "areal_jax.api",
     "StepInfo": "areal_jax.api",
+    "Hook": "areal_jax.api",
     "PromptExample": "areal_jax.data.examples",
     "prompt_example": "areal_jax.data.examples",
     "Trajectory": "areal_jax.api",

@@ -149,10 +149,11 @@ class Trainer:
         self._hooks: list[tuple[Callable[[Any], None], str, int]] = []
 
     def add_hook(self, hook: Callable[[Any], None], *, stage: str = "record", every: int = 1) -> None:
-        """Runs `hook(info)` after every `every`-th RL step (`trainer.hooks.StepInfo`: step, groups,
-        metrics, loop) at `stage`: "update" (after the update, before the weights reach the
-        generator), "metrics" (the step's metrics may be added to) or "record" (they are final)."""
-        from areal_jax.trainer.hooks import STAGES
+        """Runs `hook(info)` after every `every`-th RL step at `stage`: "update" (after the update,
+        before the weights reach the generator), "metrics" (the step's metrics may be added to),
+        "record" (they are final) or "end" (once, when RL ends). `info` is an `aj.StepInfo`, the
+        step's data: step, version, groups, metrics, trained_tokens, last, stopped."""
+        from areal_jax.api import STAGES
 
         if stage not in STAGES or not isinstance(every, int) or every < 1:
             raise ValueError(f"add_hook: stage must be one of {STAGES} and every an int >= 1, got {stage!r}, {every!r}")

@@ -57,6 +57,7 @@ from areal_jax.ppo import AdvantageConfig  # noqa: E402
 from areal_jax.rollout.workflow import RLVRConfig  # noqa: E402
 from areal_jax.tasks.tokenizer_builder import build_tokenizer  # noqa: E402
 from areal_jax.trainer import OptimizerConfig, PPOConfig, RLConfig  # noqa: E402
+from areal_jax.jobs.rl_loop_builder import build_rl_loop  # noqa: E402
 from areal_jax.trainer.loop import RLLoop  # noqa: E402
 from bench.common import CompileClock, machine  # noqa: E402
 
@@ -79,22 +80,27 @@ def mesh_for(mode: str, args) -> MeshConfig:
         else MeshConfig(colocated=True)
 
 
-def build_loop(mode: str, args, tokenizer, cfg, params) -> RLLoop:
+def rollout_config(args, tokenizer) -> RLVRConfig:
+    stops = tuple(tokenizer.token_to_id(c) for c in STOP_CHARS[:args.stop_tokens])
+    return RLVRConfig(n_samples=args.n, max_new_tokens=args.max_new, reward="bench.rewards:parity_reward",
+                      filter_all_equal_rewards=False, stop_token_ids=stops)
+
+
+def build_loop(mode: str, args, tokenizer, cfg, params, **callbacks) -> RLLoop:
+    """The row's loop; `callbacks`: its on_step and on_rollouts."""
     sync = mode == "sync"
     rl = RLConfig(steps=args.steps, batch_size=args.batch, max_staleness=0 if sync else args.eta,
                   max_concurrent=4 * args.batch, mode="sync" if sync else "async", dump_rollouts_every=1)
-    stops = tuple(tokenizer.token_to_id(c) for c in STOP_CHARS[:args.stop_tokens])
     mesh = mesh_for(mode, args)
     # One slot per sample of a synchronous batch (B x n): the baseline's full concurrency, and
     # the same engine shape for every row.
-    return RLLoop(cfg, params, tokenizer=tokenizer, data_iter=rows(tokenizer), rl=rl,
-                  ppo=PPOConfig(num_minibatches=args.minibatches, max_tokens_per_microbatch=args.mb_tokens),
-                  optimizer=OptimizerConfig(lr=1e-5), advantages=AdvantageConfig(norm="group"),
-                  workflow=RLVRConfig(n_samples=args.n, max_new_tokens=args.max_new,
-                                      reward="bench.rewards:parity_reward", filter_all_equal_rewards=False,
-                                      stop_token_ids=stops),
-                  engine=EngineConfig(num_slots=args.batch * args.n, max_seq_len=args.max_new + 48, decode_chunk=8),
-                  mesh=mesh)
+    return build_rl_loop(cfg, params, tokenizer=tokenizer, data_iter=rows(tokenizer), rl=rl,
+                         ppo=PPOConfig(num_minibatches=args.minibatches, max_tokens_per_microbatch=args.mb_tokens),
+                         optimizer=OptimizerConfig(lr=1e-5), advantages=AdvantageConfig(norm="group"),
+                         workflow=rollout_config(args, tokenizer),
+                         engine=EngineConfig(num_slots=args.batch * args.n, max_seq_len=args.max_new + 48,
+                                             decode_chunk=8),
+                         mesh=mesh, **callbacks)
 
 
 def gin_bindings(*configs) -> str:
@@ -109,14 +115,10 @@ def gin_bindings(*configs) -> str:
 
 def run(mode: str, args, tokenizer, cfg, params, clock: CompileClock) -> dict:
     """Runs one row; returns its steady-state figures (window: end of step `warmup` -> end)."""
-    loop = build_loop(mode, args, tokenizer, cfg, params)
     log = None
     if args.run_dir:
         out = pathlib.Path(args.run_dir) / mode
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.gin").write_text(gin_bindings(loop.rl, loop.trainer.ppo_config, loop.workflow_config,
-                                                     loop.engine.config, mesh_for(mode, args)))
-        (out / "devices.json").write_text(json.dumps({"devices_per_host": jax.device_count(), "hosts": 1}))
         log = MetricsLogger(out, tensorboard=False, console=False)
     snaps: list[dict] = []
     lengths: dict[int, list[int]] = {}
@@ -125,7 +127,7 @@ def run(mode: str, args, tokenizer, cfg, params, clock: CompileClock) -> dict:
         if log is not None:
             log.log(step, m)
         snaps.append({"wall": m["time/wall_s"], "cpu": time.process_time(), "tokens": m["train/trained_tokens_total"],
-                      "compile_s": clock.total_s, "engine": dataclasses.asdict(loop.engine.stats()),
+                      "compile_s": clock.total_s, "engine": dataclasses.asdict(loop.cluster.engine.stats()),
                       "train_s": m["time/train_step_s"], "wait_s": m["time/wait_batch_s"],
                       "transfer_s": m["time/weight_transfer_s"], "stale_max": m["staleness/max"],
                       "stale_mean": m["staleness/mean"]})
@@ -135,7 +137,12 @@ def run(mode: str, args, tokenizer, cfg, params, clock: CompileClock) -> dict:
         if log is not None:
             log.dump_rollouts(step, records)
 
-    loop.on_step, loop.on_rollouts = on_step, on_rollouts
+    loop = build_loop(mode, args, tokenizer, cfg, params, on_step=on_step, on_rollouts=on_rollouts)
+    if args.run_dir:
+        (out / "config.gin").write_text(gin_bindings(loop.rl, loop.cluster.trainer.ppo_config,
+                                                     rollout_config(args, tokenizer), loop.cluster.engine.config,
+                                                     mesh_for(mode, args)))
+        (out / "devices.json").write_text(json.dumps({"devices_per_host": jax.device_count(), "hosts": 1}))
     compile_before = clock.total_s
     loop.run()
     if log is not None:

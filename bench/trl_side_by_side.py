@@ -135,7 +135,7 @@ def run_areal(mode: str, model_dir: pathlib.Path, rows: list[dict], args, clock:
     from areal_jax.ppo import AdvantageConfig
     from areal_jax.rollout.workflow import RLVRConfig
     from areal_jax.trainer import OptimizerConfig, PPOConfig, RLConfig
-    from areal_jax.trainer.loop import RLLoop
+    from areal_jax.jobs.rl_loop_builder import build_rl_loop
 
     sync = mode == "sync"
     tokenizer = Tokenizer.from_pretrained(model_dir)
@@ -153,7 +153,7 @@ def run_areal(mode: str, model_dir: pathlib.Path, rows: list[dict], args, clock:
         compiled.append(clock.total_s)
         history.append(metrics)
 
-    loop = RLLoop(
+    loop = build_rl_loop(
         cfg, params, tokenizer=tokenizer, data_iter=itertools.cycle(rows), rl=rl,
         # Sync trains each batch once, on-policy: proximal = behavior (naive PPO) is then the same
         # objective as TRL's. Async needs the decoupled one (pi_prox from the loss forward).

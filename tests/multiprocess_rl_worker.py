@@ -31,14 +31,15 @@ def main():
         rl = RLConfig(steps=3, batch_size=4, max_staleness=1, max_concurrent=4, max_group_age=1)
         loop = make_loop(tokenizer, rl=rl, mesh=MeshConfig(num_generation_devices_per_host=2), devices=None,
                          row_offset=1000 * process_id)
-        assert loop.meshes.train.devices.size == 4 and loop.meshes.generation.devices.size == 2
+        assert loop.cluster.meshes.train.devices.size == 4 and loop.cluster.meshes.generation.devices.size == 2
+        engine = loop.cluster.engine
         out = loop.run()
         gathered = [np.asarray(multihost_utils.process_allgather(x, tiled=True))
                     for x in jax.tree.leaves(out.final_params)]
-        served = [np.asarray(x) for x in jax.tree.leaves(loop.engine.params)]
+        served = [np.asarray(x) for x in jax.tree.leaves(engine.params)]
         result.update(
             versions=[m["version"] for m in out.history],
-            engine_version=loop.engine.version,
+            engine_version=engine.version,
             staleness_max=max(m["staleness/max"] for m in out.history),
             params_checksum=float(sum(float(np.abs(g).sum()) for g in gathered)),
             served_equals_trained=all(np.array_equal(a, b) for a, b in zip(served, gathered)),

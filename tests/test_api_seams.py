@@ -80,13 +80,15 @@ def prompt_rows():
 
 def test_the_loop_runs_on_a_second_implementation_of_both_engines():
     """RLLoop over the bigram engine and trainer: versions advance on both sides, the engine ends
-    serving the trainer's weights, staleness stays bounded, the hooks see every step, and the
-    policy really learns (the reward, the share of the letter "c", rises from chance)."""
+    serving the trainer's weights, staleness stays bounded, the hooks see every step (as data: the
+    step, version, groups and metrics, never the loop), and the policy really learns (the reward,
+    the share of the letter "c", rises from chance)."""
     from areal_jax.ppo import AdvantageConfig
-    from areal_jax.rollout.workflow import RLVRConfig
+    from areal_jax.rollout.workflow import RLVRConfig, RLVRWorkflow
     from areal_jax.trainer.algorithm import PPOStep
     from areal_jax.trainer.cluster import RLCluster
     from areal_jax.trainer.config import RLConfig
+    from areal_jax.api import Hook
     from areal_jax.trainer.loop import RLLoop
     from tests.seam_fixtures import LetterTokenizer
 
@@ -97,10 +99,11 @@ def test_the_loop_runs_on_a_second_implementation_of_both_engines():
     trainer = BigramTrainer(table, PPOConfig(num_minibatches=1, max_tokens_per_microbatch=64, temperature=1.0), lr=40.0)
     engine = BigramEngine(table, max_seq_len=32)
     cluster = RLCluster(trainer, engine, lambda p: {"table": np.asarray(p["table"])}, rl=rl)
-    loop = RLLoop.from_parts(cluster, PPOStep(trainer, AdvantageConfig(norm="group")), rl=rl, workflow=rollout,
-                             data_iter=prompt_rows(), tokenizer=LetterTokenizer())
-    seen = []
-    loop.add_hook(lambda info: seen.append(("update", info.step, info.loop.version)), stage="update")
+    cluster.connect(RLVRWorkflow(rollout), prompt_rows(), tokenizer=LetterTokenizer())
+    seen, infos = [], []
+    hooks = [Hook(lambda info: seen.append(("update", info.step, info.version)), stage="update"),
+             Hook(infos.append, stage="metrics"), Hook(infos.append, stage="end")]
+    loop = RLLoop(cluster, PPOStep(trainer, AdvantageConfig(norm="group")), rl=rl, hooks=hooks)
     loop.add_hook(lambda info: seen.append(("record", info.step, info.metrics["version"])), stage="record", every=3)
     result = loop.run()
 
@@ -109,9 +112,41 @@ def test_the_loop_runs_on_a_second_implementation_of_both_engines():
     np.testing.assert_allclose(engine.params["table"], trainer.params["table"])  # the final push served
     assert [s for s in seen if s[0] == "update"] == [("update", i, i + 1) for i in range(steps)]
     assert [s for s in seen if s[0] == "record"] == [("record", i, i + 1) for i in (2, 5, 8, 11)]
+    # What the hooks saw: each step's own batch and record, the run's token count so far, the last
+    # step flagged; "end" once, with the last step's info, not stopped.
+    *steps_seen, end = infos
+    assert [i.step for i in steps_seen] == list(range(steps)) and [i.version for i in steps_seen] == [
+        m["version"] for m in result.history]
+    assert all(i.metrics is m for i, m in zip(steps_seen, result.history))
+    assert all(len(i.groups) == rl.batch_size and i.metrics["reward/mean"] == pytest.approx(np.mean(
+        [t.reward for g in i.groups for t in g.trajectories])) for i in steps_seen)
+    assert [i.trained_tokens for i in steps_seen] == [m["train/trained_tokens_total"] for m in result.history]
+    assert [i.last for i in steps_seen] == [False] * (steps - 1) + [True]
+    assert end.step == steps - 1 and end.last and not end.stopped
     for m in result.history:
         assert m["staleness/max"] <= rl.max_staleness and m["train/trained_tokens"] > 0
     assert result.rollout_report.balanced
     # Chance is 1/12; the trained policy samples "c" most of the time (runs end near 0.97).
     first, last = result.history[0]["reward/mean"], np.mean([m["reward/mean"] for m in result.history[-3:]])
     assert first < 0.3 and last > 0.6, [m["reward/mean"] for m in result.history]
+
+
+def test_hooks_receive_data_not_the_loop():
+    """StepInfo is frozen data (step, version, groups, metrics, ...): no field reaches the loop, the
+    cluster or an engine; a Hook's stage and cadence are checked when it is made."""
+    import dataclasses
+
+    from areal_jax.api import STAGES, Hook, StepInfo
+
+    names = {f.name for f in dataclasses.fields(StepInfo)}
+    assert {"step", "version", "groups", "metrics"} <= names and "loop" not in names
+    assert names == {"step", "version", "groups", "metrics", "trained_tokens", "last", "stopped"}
+    info = StepInfo(3, 4, (), {}, 10.0, last=False)
+    assert not hasattr(info, "loop")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        info.step = 5
+    assert STAGES == ("update", "metrics", "record", "end")
+    with pytest.raises(ValueError, match="hook stage must be one of"):
+        Hook(print, stage="later")
+    with pytest.raises(ValueError, match="hook every must be an int >= 1"):
+        Hook(print, every=0)

@@ -19,7 +19,9 @@ from areal_jax.reward.pool import RewardPool, RewardPoolConfig
 from areal_jax.reward.scoring import RewardScorer
 from areal_jax.rollout.workflow import RLVRConfig
 from areal_jax.trainer import OptimizerConfig, PPOConfig
-from areal_jax.trainer.loop import RLConfig, RLLoop
+from areal_jax.jobs.rl_loop_builder import build_rl_loop
+from areal_jax.trainer.config import RLConfig
+from areal_jax.trainer.hooks import EvaluationHook
 from tests.rollout_fixtures import scripted_reward
 from tests.test_rl_loop import REWARD, rows
 from tests.tokenizer_fixtures import build_tiny_tokenizer
@@ -57,17 +59,19 @@ def test_rl_sft_and_eval_report_the_same_held_out_accuracy(tokenizer, seed):
     assert report.overall["accuracy"] == report.overall["pass@1"] == want
     # RL: the loop's own engine running on its thread, rewards in the rollouts' worker pool.
     with RewardPool(RewardPoolConfig(num_workers=2, preload=("tests.rollout_fixtures",))) as pool:
-        loop = RLLoop(cfg, params, tokenizer=tokenizer, data_iter=rows(tokenizer), reward_pool=pool,
-                      rl=RLConfig(steps=1, batch_size=2, eval_max_new_tokens=BUDGET),
-                      ppo=PPOConfig(), optimizer=OptimizerConfig(), advantages=AdvantageConfig(),
-                      workflow=RLVRConfig(n_samples=2, max_new_tokens=4, reward=REWARD, stop_token_ids=stop),
-                      engine=EngineConfig(num_slots=8, max_seq_len=48, decode_chunk=2), eval_rows=held_out,
-                      mesh=MeshConfig(colocated=True), devices=jax.devices()[:1])
-        loop.engine.start()
+        rl = RLConfig(steps=1, batch_size=2, eval_max_new_tokens=BUDGET)
+        rollout = RLVRConfig(n_samples=2, max_new_tokens=4, reward=REWARD, stop_token_ids=stop)
+        loop = build_rl_loop(cfg, params, tokenizer=tokenizer, data_iter=rows(tokenizer), reward_pool=pool, rl=rl,
+                             ppo=PPOConfig(), optimizer=OptimizerConfig(), advantages=AdvantageConfig(),
+                             workflow=rollout, engine=EngineConfig(num_slots=8, max_seq_len=48, decode_chunk=2),
+                             mesh=MeshConfig(colocated=True), devices=jax.devices()[:1])
+        engine = loop.cluster.engine
+        evaluation = EvaluationHook(engine, held_out, tokenizer=tokenizer, rl=rl, rollout=rollout, reward_pool=pool)
+        engine.start()
         try:
-            assert loop.evaluate() == want
+            assert evaluation.accuracy() == want
         finally:
-            loop.engine.stop()
+            engine.stop()
         assert pool.stats().succeeded == len(held_out)  # scored in the pool, not in this process
 
 

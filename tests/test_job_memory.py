@@ -21,7 +21,8 @@ from areal_jax.parallel import MeshConfig, WeightSync, build_meshes, model_parti
 from areal_jax.ppo import AdvantageConfig
 from areal_jax.rollout.workflow import RLVRConfig
 from areal_jax.trainer import OptimizerConfig, PPOConfig, RLConfig
-from areal_jax.trainer.loop import RLLoop, generation_weight_sync
+from areal_jax.jobs.rl_loop_builder import build_rl_loop
+from areal_jax.trainer.cluster import generation_weight_sync
 from tests.test_rl_loop import REWARD, rows
 from tests.tokenizer_fixtures import build_tiny_tokenizer
 
@@ -103,11 +104,11 @@ def tokenizer(tmp_path_factory):
 def _loop(tokenizer, params, **kw):
     cfg = ModelConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=8)
-    return RLLoop(cfg, params, tokenizer=tokenizer, data_iter=rows(tokenizer), rl=RLConfig(steps=1, batch_size=2),
-                  ppo=PPOConfig(), optimizer=OptimizerConfig(), advantages=AdvantageConfig(),
-                  workflow=RLVRConfig(n_samples=2, max_new_tokens=4, reward=REWARD),
-                  engine=EngineConfig(num_slots=4, max_seq_len=32), mesh=MeshConfig(num_generation_devices_per_host=2),
-                  devices=jax.devices()[:4], **kw)
+    return build_rl_loop(cfg, params, tokenizer=tokenizer, data_iter=rows(tokenizer),
+                         rl=RLConfig(steps=1, batch_size=2), ppo=PPOConfig(), optimizer=OptimizerConfig(),
+                         advantages=AdvantageConfig(), workflow=RLVRConfig(n_samples=2, max_new_tokens=4, reward=REWARD),
+                         engine=EngineConfig(num_slots=4, max_seq_len=32),
+                         mesh=MeshConfig(num_generation_devices_per_host=2), devices=jax.devices()[:4], **kw)
 
 
 @pytest.mark.parametrize("donate", [True, False], ids=["donated", "kept"])
@@ -124,7 +125,7 @@ def test_rl_loop_keeps_no_initial_copy_of_the_weights(tokenizer, donate):
     params = _on_train_mesh(cfg, meshes, init_params(cfg, 0))  # as jobs/train loads them
     param_bytes = sum(_buffers(jax.tree.leaves(params), train_devices).values())
     loop = _loop(tokenizer, params, donate_params=donate)
-    trainer = loop.trainer
+    trainer = loop.cluster.trainer
     gc.collect()
     held = sum(n for key, n in _buffers(jax.live_arrays(), train_devices).items() if key not in earlier_buffers)
     state = sum(_buffers([x for x in jax.tree.leaves((trainer.params, trainer.opt_state)) if isinstance(x, jax.Array)],

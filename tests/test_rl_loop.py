@@ -16,7 +16,7 @@ from areal_jax.parallel import MeshConfig
 from areal_jax.ppo import AdvantageConfig
 from areal_jax.rollout.workflow import RLVRConfig
 from areal_jax.trainer import OptimizerConfig, PPOConfig, RLConfig
-from areal_jax.trainer.loop import RLLoop
+from areal_jax.jobs.rl_loop_builder import build_rl_loop
 from tests.multiprocess import run_processes
 from tests.tokenizer_fixtures import build_tiny_tokenizer
 
@@ -37,26 +37,27 @@ def rows(tokenizer, reward_script="text_hash", offset=0):
 
 
 def make_loop(tokenizer, *, rl: RLConfig, mesh: MeshConfig, devices, reward_script="text_hash", row_offset=0,
-              advantages=AdvantageConfig(norm="group")):
+              advantages=AdvantageConfig(norm="group"), **kw):
     cfg = ModelConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=8)
     params = init_params(cfg, 0, std=0.3)
-    return RLLoop(
+    return build_rl_loop(
         cfg, params, tokenizer=tokenizer, data_iter=rows(tokenizer, reward_script, row_offset), rl=rl,
         ppo=PPOConfig(num_minibatches=2, max_tokens_per_microbatch=256),
         optimizer=OptimizerConfig(lr=1e-3), advantages=advantages,
         workflow=RLVRConfig(n_samples=4, max_new_tokens=6, reward=REWARD, filter_all_equal_rewards=False),
-        engine=EngineConfig(num_slots=8, max_seq_len=48, decode_chunk=2), mesh=mesh, devices=devices)
+        engine=EngineConfig(num_slots=8, max_seq_len=48, decode_chunk=2), mesh=mesh, devices=devices, **kw)
 
 
 def test_async_loop_bounds_staleness_and_keeps_versions(tokenizer):
     rl = RLConfig(steps=4, batch_size=2, max_staleness=1, max_concurrent=4, max_group_age=1)
     loop = make_loop(tokenizer, rl=rl, mesh=MeshConfig(num_generation_devices_per_host=2),
                      devices=jax.devices()[:4])
-    assert loop.meshes.train.devices.size == 2 and loop.meshes.generation.devices.size == 2
-    before = jax.tree.map(np.asarray, loop.trainer.params)
+    assert loop.cluster.meshes.train.devices.size == 2 and loop.cluster.meshes.generation.devices.size == 2
+    before = jax.tree.map(np.asarray, loop.cluster.trainer.params)
+    engine = loop.cluster.engine
     result = loop.run()
-    assert result.steps == 4 and result.version == 4 and loop.engine.version == 4
+    assert result.steps == 4 and result.version == 4 and engine.version == 4
     for m in result.history:
         assert m["staleness/max"] <= rl.max_staleness + rl.max_group_age
         assert np.isfinite(m["train/loss"]) and m["train/trained_tokens"] > 0
@@ -65,7 +66,7 @@ def test_async_loop_bounds_staleness_and_keeps_versions(tokenizer):
     after = jax.tree.map(np.asarray, result.final_params)
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
     # The generator serves exactly the trainer's weights (bitwise: fp32 both sides).
-    served = loop.engine.params
+    served = engine.params
     for a, b in zip(jax.tree.leaves(served), jax.tree.leaves(after)):
         np.testing.assert_array_equal(np.asarray(a), b)
 
@@ -116,10 +117,10 @@ def test_sampling_and_training_temperatures_must_agree(tokenizer):
     cfg = ModelConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=8)
     with pytest.raises(ValueError, match=r"RLVRConfig.temperature \(0.7\) and PPOConfig.temperature \(1.0\)"):
-        RLLoop(cfg, init_params(cfg, 0), tokenizer=tokenizer, data_iter=rows(tokenizer), rl=RLConfig(),
-               ppo=PPOConfig(temperature=1.0), optimizer=OptimizerConfig(), advantages=AdvantageConfig(),
-               workflow=RLVRConfig(n_samples=2, max_new_tokens=4, reward=REWARD, temperature=0.7),
-               engine=EngineConfig(num_slots=4, max_seq_len=32), mesh=MeshConfig(colocated=True))
+        build_rl_loop(cfg, init_params(cfg, 0), tokenizer=tokenizer, data_iter=rows(tokenizer), rl=RLConfig(),
+                      ppo=PPOConfig(temperature=1.0), optimizer=OptimizerConfig(), advantages=AdvantageConfig(),
+                      workflow=RLVRConfig(n_samples=2, max_new_tokens=4, reward=REWARD, temperature=0.7),
+                      engine=EngineConfig(num_slots=4, max_seq_len=32), mesh=MeshConfig(colocated=True))
 
 
 def test_two_processes_train_with_consistent_versions(tmp_path):

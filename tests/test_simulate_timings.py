@@ -51,10 +51,9 @@ def test_rl_loop_records_what_the_calibration_fits(tokenizer):
     from areal_jax.trainer.config import RLConfig
 
     rl = RLConfig(steps=2, batch_size=2, max_staleness=0, max_concurrent=4, mode="sync")
-    loop = make_loop(tokenizer, rl=rl, mesh=MeshConfig(colocated=True), devices=jax.devices()[:2])
     records = []
-    loop.on_rollouts = lambda step, recs: records.extend(recs)
-    loop.rl = dataclasses.replace(rl, dump_rollouts_every=1)
+    loop = make_loop(tokenizer, rl=dataclasses.replace(rl, dump_rollouts_every=1), mesh=MeshConfig(colocated=True),
+                     devices=jax.devices()[:2], on_rollouts=lambda step, recs: records.extend(recs))
     history = loop.run().history
     for m in history:
         t = m["timings"]

@@ -5,7 +5,7 @@ Types (plain dataclasses over NumPy arrays):
 - `Completion`, `GroupResult` (completions.py): what the engine hands back.
 - `Trajectory`, `TrajectoryGroup` (trajectories.py): what a workflow hands the trainer.
 - `PackedBatch` (batches.py): a packed micro-batch, what the algorithm hands the training engine.
-- `StepInfo` (steps.py): a finished RL step, what the loop hands its hooks.
+- `StepInfo`, `Hook` (steps.py): a finished RL step, what the loop hands its hooks; a hook and its stage.
 
 Seams (protocols.py), named as in AReaL's `api/engine_api.py`:
 - `InferenceEngine`: a generation backend (the native one: generation.engine.GenerationEngine).
@@ -29,11 +29,11 @@ from areal_jax.api.protocols import (
     TrainEngine,
 )
 from areal_jax.api.sampling import MAX_STOP_IDS, SamplingParams
-from areal_jax.api.steps import StepInfo
+from areal_jax.api.steps import STAGES, Hook, Stage, StepInfo
 from areal_jax.api.trajectories import Trajectory, TrajectoryGroup
 
 __all__ = [
-    "MAX_STOP_IDS", "PAD_VALUES", "SEQUENCE_KEYS", "CheckpointableIterator", "Completion", "EngineStatsView",
-    "GroupResult", "InferenceEngine", "PackedBatch", "RolloutClient", "RolloutWorkflow", "SamplingParams",
-    "StepInfo", "StopReason", "TrainEngine", "Trajectory", "TrajectoryGroup",
+    "MAX_STOP_IDS", "PAD_VALUES", "SEQUENCE_KEYS", "STAGES", "CheckpointableIterator", "Completion",
+    "EngineStatsView", "GroupResult", "Hook", "InferenceEngine", "PackedBatch", "RolloutClient", "RolloutWorkflow", "SamplingParams",
+    "Stage", "StepInfo", "StopReason", "TrainEngine", "Trajectory", "TrajectoryGroup",
 ]

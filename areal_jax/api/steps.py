@@ -1,13 +1,27 @@
-"""A finished RL step as data (`StepInfo`): what the loop hands its hooks."""
+"""A finished RL step as data (`StepInfo`): what the loop hands its hooks, and the hooks (`Hook`).
+
+A hook receives data, never the loop: what else it needs (an engine, a writer, a checkpointer) it
+is built with. Stages of a step, in order (trainer/hooks.py has the built-in hooks):
+
+- "update": the trainer has updated and the version is bumped; the new weights have not reached
+  the generator yet (a checkpoint's resume point is taken here);
+- "metrics": the step's record is assembled; a hook may add to `info.metrics`;
+- "record": the record is final (the run's records, then the checkpoint write);
+- "end": once, when the run ends however it ends, with the last completed step's info.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal
 
 from areal_jax.api.trajectories import TrajectoryGroup
 
-__all__ = ["StepInfo"]
+__all__ = ["STAGES", "Hook", "Stage", "StepInfo"]
+
+Stage = Literal["update", "metrics", "record", "end"]
+STAGES: tuple[Stage, ...] = ("update", "metrics", "record", "end")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,12 +29,31 @@ class StepInfo:
     """One RL step as its hooks see it.
 
     step: the step's index (0-based); version: the policy version after its update; groups: the
-    trajectory groups it trained on; metrics: its record (hooks at the "metrics" stage add to
-    this dict); last: whether it is the run's last step.
+    trajectory groups it trained on, in the order it trained them; metrics: its record (empty at
+    "update"; hooks at "metrics" add to this dict); trained_tokens: over the whole run, resumes
+    included, this step's counted; last: whether it is the run's last step (RLConfig.steps - 1);
+    stopped: at "end", whether a stop request (SIGTERM/SIGINT) ended the run early.
     """
 
     step: int
     version: int
-    groups: list[TrajectoryGroup]
+    groups: tuple[TrajectoryGroup, ...]
     metrics: dict[str, Any]
+    trained_tokens: float = 0.0
     last: bool = False
+    stopped: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Hook:
+    """`fn(info)` at `stage` after each step whose index + 1 is a multiple of `every` ("end": once)."""
+
+    fn: Callable[[StepInfo], None]
+    stage: Stage = "record"
+    every: int = 1
+
+    def __post_init__(self):
+        if self.stage not in STAGES:
+            raise ValueError(f"hook stage must be one of {STAGES}, got {self.stage!r}")
+        if not isinstance(self.every, int) or isinstance(self.every, bool) or self.every < 1:
+            raise ValueError(f"hook every must be an int >= 1, got {self.every!r}")

@@ -2,8 +2,8 @@
 
 The one implementation behind every accuracy the system reports:
 
-- RL's held-out accuracy (`RLLoop.evaluate`, the `eval/accuracy` record) runs `greedy_correct` on
-  the loop's running engine (`drive=False`: the engine thread generates, this thread waits);
+- RL's held-out accuracy (`trainer.hooks.EvaluationHook`, the `eval/accuracy` record) runs
+  `greedy_correct` on the loop's running engine (`drive=False`: the engine thread generates, this thread waits);
 - the job's accuracy before and after RL and SFT's stopping rule run `GreedyAccuracy`, one engine
   kept across calls with new weights swapped in (programs compile once), driven from this thread;
 - ``areal-jax eval`` (`runner.run_evaluation`) runs `sample` and `rewards` with n samples per prompt

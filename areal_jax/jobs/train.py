@@ -47,7 +47,8 @@ from areal_jax.models.hf_io import copy_tokenizer_files, save_params
 from areal_jax.parallel.distributed import agree_max, agree_sum, gather_json
 from areal_jax.parallel.meshes import build_meshes
 from areal_jax.rollout.workflow import make_workflow, missing_workflow_members, resolve_workflow_class
-from areal_jax.trainer.loop import RLLoop, generation_weight_sync
+from areal_jax.jobs.rl_loop_builder import build_rl_loop
+from areal_jax.trainer.cluster import generation_weight_sync
 from areal_jax.reward.pool import RewardPool
 from areal_jax.reward.sandbox import SandboxUnavailable
 from areal_jax.reward.scoring import RewardScorer, open_reward_pool, pool_totals
@@ -65,7 +66,7 @@ def run_train(cfg: JobConfigs, run_dir: str | pathlib.Path, *, progress: bool = 
     into one by the CLI): workers with calls in flight are killed and their sandboxes swept.
     `workflow`: the rollouts' workflow, an api.RolloutWorkflow instance, a class or a factory
     (`_rollout_workflow`); None: RLConfig.workflow's class, else RLVR. `hooks`: (hook, stage, every)
-    for the RL loop (`RLLoop.add_hook`). `inputs`: data files to write (path -> content: rows the
+    for the RL loop (`api.Hook`). `inputs`: data files to write (path -> content: rows the
     Python API was given), written only once the run directory's checks have passed.
     """
     # Its checkpoints ("{run_dir}" in CheckpointConfig.directory, or the default); data and model paths absolute.
@@ -316,7 +317,7 @@ def _rl_stage(run: _Run, params: Any, reward_before: dict[str, int], workflow: A
               hooks: Sequence = ()) -> Any:
     """Asynchronous RL from `params` (donated); returns the final weights, sharded on the train mesh.
     `workflow`: as `_rollout_workflow` takes it (None: RLConfig.workflow's, else RLVR); `hooks`:
-    (hook, stage, every) added to the loop (`RLLoop.add_hook`)."""
+    (hook, stage, every) added to the loop after its own (`api.Hook`)."""
     cfg, work, summary = run.cfg, run.work, run.summary
     writer = jax.process_index() == 0  # one process writes the run directory's records
     if run.resuming and writer:  # steps logged after the checkpoint are trained again: recorded once
@@ -334,23 +335,22 @@ def _rl_stage(run: _Run, params: Any, reward_before: dict[str, int], workflow: A
     stop_ids = tuple(cfg.rollout.stop_token_ids) or tuple(work.tokenizer.stop_token_ids)
     rollout_cfg = dataclasses.replace(cfg.rollout, stop_token_ids=stop_ids)
     # The trainer keeps its own fp32 copy; the initial buffers are deleted once it has it.
-    loop = RLLoop(work.model_config, params, tokenizer=work.tokenizer, data_iter=work.train_rows, rl=cfg.rl,
-                  ppo=cfg.ppo, optimizer=cfg.optimizer, advantages=cfg.advantages,
-                  workflow=_rollout_workflow(cfg, rollout_cfg, work.tokenizer, workflow),
-                  engine=cfg.engine, mesh=cfg.mesh, eval_rows=work.eval_rows,
-                  on_step=_StepRecorder(run, reward_before, bar),
-                  checkpointer=run.checkpointer, resume=run.resuming,
-                  checkpoint_extra=lambda: {"summary": _jsonable(summary), "history": _jsonable(run.history),
-                                            "wall_time_s": run.elapsed()},
-                  on_rollouts=run.metrics_log.dump_rollouts if writer else None,
-                  on_export=lambda out: _complete_export(out, work.tokenizer_dir, cfg.data),
-                  donate_params=True, weight_sync=run.sync, reward_pool=run.reward_pool,
-                  should_stop=stop and (lambda: stop.requested), lora=cfg.lora)
+    loop = build_rl_loop(work.model_config, params, tokenizer=work.tokenizer, data_iter=work.train_rows, rl=cfg.rl,
+                         ppo=cfg.ppo, optimizer=cfg.optimizer, advantages=cfg.advantages,
+                         workflow=_rollout_workflow(cfg, rollout_cfg, work.tokenizer, workflow),
+                         engine=cfg.engine, mesh=cfg.mesh, eval_rows=work.eval_rows,
+                         on_step=_StepRecorder(run, reward_before, bar),
+                         checkpointer=run.checkpointer, resume=run.resuming,
+                         checkpoint_extra=lambda: {"summary": _jsonable(summary), "history": _jsonable(run.history),
+                                                   "wall_time_s": run.elapsed()},
+                         on_rollouts=run.metrics_log.dump_rollouts if writer else None,
+                         on_export=lambda out: _complete_export(out, work.tokenizer_dir, cfg.data),
+                         donate_params=True, weight_sync=run.sync, reward_pool=run.reward_pool,
+                         should_stop=stop and (lambda: stop.requested), lora=cfg.lora,
+                         hooks=[api.Hook(hook, stage=stage, every=every) for hook, stage, every in hooks])
     params = None
-    for hook, stage, every in hooks:
-        loop.add_hook(hook, stage=stage, every=every)
-    if loop.resume_report is not None:  # carried into later checkpoints by their summary
-        summary.setdefault("resumed", []).append(loop.resume_report)
+    if loop.resume is not None:  # carried into later checkpoints by their summary
+        summary.setdefault("resumed", []).append(loop.resume.report())
     if bar is not None and loop.first_step:
         bar.update(loop.first_step)
     result = loop.run()
@@ -359,7 +359,7 @@ def _rl_stage(run: _Run, params: Any, reward_before: dict[str, int], workflow: A
     run.metrics_log.close()
     # A stop agreed by the loop, or (one process) a signal during the last step: its checkpoint is
     # on disk once the checkpointer closes.
-    if loop.stopped_early or (stop is not None and stop.requested and jax.process_count() == 1):
+    if loop.stop.stopped or (stop is not None and stop.requested and jax.process_count() == 1):
         run.checkpointer.close()
         stop.finish()
     # The final weights stay sharded on the train mesh; the engine and optimizer state go.

@@ -279,6 +279,13 @@ def merge(params: Params) -> Params:
     return {**params, "layers": jax.vmap(_merge_layer)(layers)}
 
 
+def plain_weights(params: Any) -> Any:
+    """The weights a model without adapters runs: adapted params merged (`merge`, in the base's
+    dtype); plain ones, or another trainer's pytree, as given."""
+    native = isinstance(params, dict) and isinstance(params.get("layers"), dict)
+    return merge(params) if native and adapters_of(params) is not None else params
+
+
 def merge_split(base: Params, adapters: dict[str, Any], scale: float) -> Params:
     """Per-layer base weights (`split_layers` layout) with per-layer trainable adapters
     (`{"layers": ({weight: {"a", "b"}}, ...)}`, what an adapter transfer delivers) merged in."""

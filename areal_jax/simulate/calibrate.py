@@ -1,5 +1,5 @@
 """Fit `LinearCosts` to a run's recorded timings (metrics.jsonl's per-step "timings", which
-trainer/loop.py writes from the engine's `CallTimings` and the train step's shapes).
+trainer/step_metrics.py writes from the engine's `CallTimings` and the train step's shapes).
 
 Each program family is a non-negative least-squares fit of its recorded seconds on what it
 processed (the features of `LinearCosts`); a feature that never varies independently of the

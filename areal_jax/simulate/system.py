@@ -240,7 +240,7 @@ class Simulation:
             self.maybe_train()
 
     def _record(self, step_s: float, shapes) -> None:
-        """The step's metrics in the run's own format (trainer/loop.py): host 0's engine calls."""
+        """The step's metrics in the run's own format (trainer/step_metrics.py): host 0's engine calls."""
         now = self.hosts[0].engine.timings.snapshot()
         timings = timings_delta(now, self._timings_seen)
         self._timings_seen = now

@@ -5,14 +5,17 @@ and the rollout side; built together, started and shut down together.
 generation mesh), `to_engine` (the trainer's weights -> what the engine serves: a `WeightSync`
 transfer for the native pair) and the rollout side that feeds the trainer: the staleness manager
 (admission), the channel (finished groups, oldest first) and the controller (its thread runs the
-workflow per prompt row). `RLCluster.build` makes the native one from configs; any other pair of
-engines plugs in through the constructor (tests/test_api_seams.py runs the loop on one).
+workflow per prompt row, `connect` builds it). `version` is the policy version: the trainer's
+updates so far, which the rollout side admits against. `RLCluster.build` makes the native one from
+configs; any other pair of engines plugs in through the constructor (tests/test_api_seams.py runs
+the loop on one).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -58,6 +61,7 @@ class RLCluster:
         if local_batch * jax.process_count() != rl.batch_size:
             raise ValueError(f"RLConfig.batch_size {rl.batch_size} must divide over {jax.process_count()} processes")
         self.trainer, self.engine, self.to_engine = trainer, engine, to_engine
+        self.version = engine.version  # the trainer starts at the weights the engine serves
         self.meshes, self.weight_sync = meshes, weight_sync
         self.local_batch = local_batch
         self.rows_per_process = rows_per_process
@@ -65,6 +69,8 @@ class RLCluster:
         self.channel = TrajectoryChannel(rl.channel_capacity or 4 * local_batch)
         self.max_group_age = rl.max_group_age
         self.controller: RolloutController | None = None
+        self.data: Iterator[Any] | None = None  # the rows the controller reads (after `connect`)
+        self.reward_pool: Any = None
 
     @classmethod
     def build(cls, model_cfg: ModelConfig, params: Params, *, rl: RLConfig, ppo: PPOConfig,
@@ -97,22 +103,54 @@ class RLCluster:
         rows = max(batch_shards(meshes.train) // jax.process_count(), 1)
         return cls(trainer, served, sync.transfer, rl=rl, meshes=meshes, weight_sync=sync, rows_per_process=rows)
 
-    def connect(self, workflow: api.RolloutWorkflow, data_iter: Iterator[Any], *, version_fn: Callable[[], int],
-                tokenizer: Any = None, reward_pool: Any = None) -> Iterator[Any]:
-        """Builds the rollout side: the controller runs `workflow` over `data_iter`'s rows. Returns
-        the iterator it reads (a checkpointable one is wrapped so that a position snapshot never lands
-        halfway through a read); call before `start`."""
+    def connect(self, workflow: api.RolloutWorkflow, data_iter: Iterator[Any], *, tokenizer: Any = None,
+                reward_pool: Any = None) -> Iterator[Any]:
+        """Builds the rollout side: the controller runs `workflow` over `data_iter`'s rows, scoring
+        in `reward_pool`, admitting against `version`. Returns the iterator it reads (`data`: a
+        checkpointable one is wrapped so that a position snapshot never lands halfway through a
+        read); call before `start`."""
         # The controller thread reads rows while the trainer thread snapshots the position for a
         # checkpoint: a lock keeps a snapshot from landing halfway through a read.
-        data = _LockedIterator(data_iter) if isinstance(data_iter, api.CheckpointableIterator) else data_iter
-        self.controller = RolloutController(self.engine, workflow, self.staleness, self.channel, data,
-                                            version_fn=version_fn, tokenizer=tokenizer, reward_pool=reward_pool,
-                                            max_group_age=self.max_group_age)
-        return data
+        self.data = _LockedIterator(data_iter) if isinstance(data_iter, api.CheckpointableIterator) else data_iter
+        self.reward_pool = reward_pool
+        self.controller = RolloutController(self.engine, workflow, self.staleness, self.channel, self.data,
+                                            version_fn=lambda: self.version, tokenizer=tokenizer,
+                                            reward_pool=reward_pool, max_group_age=self.max_group_age)
+        return self.data
 
     def push_weights(self, version: int) -> concurrent.futures.Future:
         """The trainer's current weights to the engine as `version`; resolves once they serve."""
         return self.engine.update_weights(self.to_engine(self.trainer.params), version)
+
+    def resume_at(self, version: int, staleness_state: dict[str, Any]) -> int:
+        """The cluster at a restored `version` (the trainer's state restored): the staleness
+        counters as saved, the generator on the trainer's weights. Returns the groups lost (queued
+        or generating at the save)."""
+        self.version = version
+        lost = self.staleness.resume_at(version, staleness_state)
+        self.push_weights(version)
+        return lost
+
+    def take_batch(self, timeout_s: float, *, give_up: Callable[[], bool]
+                   ) -> tuple[list[api.TrajectoryGroup], float] | None:
+        """This process's `local_batch` oldest finished groups, in a fixed order, and the seconds
+        waited; None once `give_up()` (polled each second while waiting). A fatal rollout error raises here."""
+        t0 = time.perf_counter()
+        while True:
+            self.controller.check()  # a fatal rollout error surfaces here instead of a hang
+            try:
+                batch = self.channel.get_batch(self.local_batch, timeout=1.0)
+            except TimeoutError:
+                if give_up():
+                    return None
+                if time.perf_counter() > t0 + timeout_s:
+                    raise TimeoutError(f"no batch of {self.local_batch} groups within {timeout_s} s; "
+                                       f"rollout stats: {self.controller.stats()}") from None
+                continue
+            # A fixed order (groups arrive in completion order) keeps the step's arithmetic
+            # independent of thread timing.
+            batch.sort(key=lambda g: (g.admitted_version, g.query_id))
+            return batch, time.perf_counter() - t0
 
     def start(self) -> None:
         self.engine.start()
@@ -128,7 +166,7 @@ class RLCluster:
     def close(self) -> None:
         """Drops the engine (KV cache, served weights), the rollout side and the trainer (optimizer
         state), freeing both sides' devices."""
-        self.controller = self.engine = self.trainer = None
+        self.controller = self.engine = self.trainer = self.data = None
 
 
 class _LockedIterator:

@@ -1,132 +1,100 @@
-"""What happens around an RL step, as hooks on it: checkpoints, held-out evaluation, rollout dumps,
-the step's record. `RLLoop.add_hook(hook, stage=..., every=N)` runs `hook(info)` after steps
-whose index + 1 is a multiple of N, at one of three stages of the step, in the order added:
+"""The built-in hooks on an RL step: held-out evaluation, rollout dumps, the step's record
+(checkpoints: trainer/checkpoint_hook.py), and `Hooks`, a loop's hooks by stage.
 
-- "update": the trainer has updated and the version is bumped; the new weights have not reached
-  the generator yet (what a checkpoint records of the data position must be taken here: in
-  "sync" mode nothing is in flight or queued, so a resume reproduces the run exactly);
-- "metrics": the step's metrics are computed; a hook may add to them (evaluation does);
-- "record": the metrics are final (the run's records, then the checkpoint write: a checkpoint
-  never holds a step its records lack).
+A `Hook(fn, stage=..., every=N)` (api/steps.py, with the stages "update", "metrics", "record" and
+"end") runs `fn(info)` after steps whose index + 1 is a multiple of N, in the order the hooks were
+added. A hook receives data (`api.StepInfo`: step, version, groups, metrics), never the loop: what
+else it needs (an engine, a writer, a checkpointer) it is built with.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 
 from areal_jax import api
-from areal_jax.checkpoint import Checkpointer
+from areal_jax.api import STAGES, Hook, Stage, StepInfo, TrajectoryGroup
+from areal_jax.data.examples import prompt_example
+from areal_jax.evaluation.held_out import greedy_correct
+from areal_jax.parallel.distributed import agree_sum
+from areal_jax.reward.scoring import RewardScorer
+from areal_jax.rollout.workflow import RLVRConfig
+from areal_jax.trainer.config import RLConfig
 
-if TYPE_CHECKING:
-    from areal_jax.trainer.loop import RLLoop
-
-logger = logging.getLogger(__name__)
-
-__all__ = ["STAGES", "CheckpointHook", "StepInfo", "evaluation_hook", "rollout_dump_hook"]
-
-Stage = Literal["update", "metrics", "record"]
-STAGES: tuple[Stage, ...] = ("update", "metrics", "record")
-
-
-@dataclasses.dataclass(frozen=True)
-class StepInfo(api.StepInfo):
-    """A step as its hooks see it (`api.StepInfo`: step, version, groups, metrics, last), and the loop
-    while the built-in hooks still read it (going: hooks are to receive data only, issue 38)."""
-
-    loop: RLLoop | None = None
+__all__ = ["STAGES", "EvaluationHook", "Hook", "Hooks", "Stage", "StepInfo", "record_hook", "rollout_dump_hook",
+           "rollout_records"]
 
 
-def evaluation_hook(info: StepInfo) -> None:
-    """Held-out accuracy every RLConfig.eval_every steps and after the last ("eval/accuracy")."""
-    loop = info.loop
-    if loop.has_eval_rows and loop.rl.eval_every and ((info.step + 1) % loop.rl.eval_every == 0 or info.last):
-        info.metrics["eval/accuracy"] = loop.evaluate()
+class Hooks:
+    """A loop's hooks by stage, each stage's in the order added."""
+
+    def __init__(self, hooks: Sequence[Hook] = ()):
+        self._by_stage: dict[str, list[Hook]] = {stage: [] for stage in STAGES}
+        for hook in hooks:
+            self.add(hook)
+
+    def add(self, hook: Hook) -> None:
+        self._by_stage[hook.stage].append(hook)
+
+    def run(self, stage: Stage, info: StepInfo) -> None:
+        for hook in self._by_stage[stage]:
+            if stage == "end" or (info.step + 1) % hook.every == 0:
+                hook.fn(info)
 
 
-def rollout_dump_hook(write: Callable[[int, list[dict[str, Any]]], None]) -> Callable[[StepInfo], None]:
-    """A hook handing the step's trajectories, human-readable (`RLLoop.rollout_records`), to `write`."""
-    return lambda info: write(info.step, info.loop.rollout_records(info.groups))
+def record_hook(on_step: Callable[[int, dict[str, Any]], None]) -> Hook:
+    """The step's final record to `on_step(step, metrics)` (the run's metrics sinks)."""
+    return Hook(lambda info: on_step(info.step, info.metrics), stage="record")
 
 
-class _FrozenPosition:
-    """A data position read earlier, handed to the checkpointer in place of the live iterator."""
+def rollout_records(groups: Sequence[TrajectoryGroup], tokenizer: Any) -> list[dict[str, Any]]:
+    """Human-readable trajectories of a batch: prompt, completion, reward, per-token versions."""
+    decode = tokenizer.decode
+    return [{"query_id": g.query_id, "admitted_version": g.admitted_version, "sample": i,
+             "prompt": decode(t.prompt_ids), "prompt_tokens": len(t.prompt_ids),
+             "completion": decode(t.completion_ids), "reward": t.reward,
+             "stop_reason": t.stop_reason, "versions": t.versions.tolist(),
+             **({} if t.loss_mask is None else {"loss_mask": t.loss_mask.astype(int).tolist()}),
+             "behavior_logprobs": t.behavior_logprobs.tolist()}
+            for g in groups for i, t in enumerate(g.trajectories)]
 
-    def __init__(self, state: Any):
-        self._state = state
 
-    def get_state(self) -> Any:
-        return self._state
+def rollout_dump_hook(write: Callable[[int, list[dict[str, Any]]], None], tokenizer: Any, every: int = 1) -> Hook:
+    """The step's trajectories, human-readable (`rollout_records`), to `write(step, records)` every
+    `every` steps, at "metrics" (before the step's record)."""
+    return Hook(lambda info: write(info.step, rollout_records(info.groups, tokenizer)), stage="metrics", every=every)
 
 
-class CheckpointHook:
-    """The loop's checkpoints: `point` (stage "update") takes a step's resume point when a save is
-    due (or always, when a stop may need it), `save` (stage "record") writes it. `restore` continues
-    a loop from the latest checkpoint; `save_on_stop` writes the last completed step's.
+class EvaluationHook:
+    """Held-out greedy accuracy ("eval/accuracy") every RLConfig.eval_every steps and after the
+    last, on the loop's running `engine` (evaluation.held_out). `rollout`: the RLVRConfig the
+    rollouts sample with (reward, its deadline, stop tokens, budget); `reward_pool`: theirs (None:
+    scored in this process). With several processes each evaluates its shard of the rows."""
 
-    `extra`: more metadata for each checkpoint (the job's summary and history so far).
-    `on_export`: called on process 0 with each HF export's directory (the run adds its files).
-    """
+    def __init__(self, engine: api.InferenceEngine, rows: Sequence[Any], *, tokenizer: Any, rl: RLConfig,
+                 rollout: RLVRConfig | None = None, reward_pool: Any = None):
+        self.engine, self.tokenizer, self.rl, self.rollout = engine, tokenizer, rl, rollout
+        self.examples = [prompt_example(row) for row in rows]  # a malformed row fails here
+        self.reward_pool = reward_pool
 
-    def __init__(self, checkpointer: Checkpointer, *, extra: Callable[[], dict[str, Any]] | None = None,
-                 on_export: Callable[[Any], None] | None = None, always_point: bool = False):
-        self.checkpointer, self.extra, self.on_export = checkpointer, extra, on_export
-        self.always_point = always_point
-        self.last_point: dict[str, Any] | None = None  # the last completed step's resume point
-        self._pending: dict[str, Any] | None = None  # a due checkpoint, saved once the step is recorded
-        self._saved_step: int | None = None
+    def __call__(self, info: StepInfo) -> None:
+        every = self.rl.eval_every
+        if self.examples and every and ((info.step + 1) % every == 0 or info.last):
+            info.metrics["eval/accuracy"] = self.accuracy()
 
-    def point(self, info: StepInfo) -> None:
-        """The resume point after `info.step`, taken now if a save is due or a stop may need it."""
-        loop, ckpt = info.loop, self.checkpointer
-        due = info.last or ckpt.should_save(info.step + 1)  # a collective with a time trigger: decided here
-        if not (due or self.always_point):
-            self.last_point = None
-            return
-        engine_seed = loop.engine.seed
-        meta = {"step": info.step, "version": loop.version, "staleness": loop.staleness.state_dict(),
-                "engine_seed": engine_seed, "trained_tokens": loop.trained_tokens}
-        data = _FrozenPosition(loop.data_iter.get_state()) if isinstance(loop.data_iter, api.CheckpointableIterator) else None
-        self.last_point = {"step": info.step, "meta": meta, "data": data}
-        self._pending = self.last_point if due else None
-
-    def save(self, loop: RLLoop) -> None:
-        """Writes the checkpoint `point` prepared (the trainer's state has not moved since)."""
-        point, self._pending = self._pending, None
-        if point is None:
-            return
-        self._saved_step = point["step"]
-        ckpt, step, meta = self.checkpointer, point["step"], point["meta"]
-        if self.extra is not None:
-            meta["extra"] = self.extra()
-        ckpt.save(step + 1, state=loop.trainer.state_dict(), meta=meta, data_iterator=point["data"], force=True)
-        if ckpt.should_export_hf(step + 1):
-            target = ckpt.export_hf(loop.plain_params(), loop.model_config, step + 1)
-            if target is not None and self.on_export is not None and jax.process_index() == 0:
-                self.on_export(target)
-
-    def save_on_stop(self, loop: RLLoop) -> None:
-        """A stop's checkpoint: the last completed step, unless already saved (or none ran here)."""
-        point, self.last_point = self.last_point, None
-        if point is None or point["step"] == self._saved_step:
-            return
-        self._pending = point
-        self.save(loop)
-        logger.warning("stopped after step %d: checkpoint %d written", point["step"], point["step"] + 1)
-
-    def restore(self, loop: RLLoop) -> dict[str, Any]:
-        """Continues `loop` from the latest checkpoint: the trainer's weights and optimizer state,
-        the data position; returns the checkpoint's metadata (version, counters, step)."""
-        template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
-                                if isinstance(a, jax.Array) else a, loop.trainer.state_dict())
-        state, meta = self.checkpointer.restore(
-            state_template=template, data_iterator=loop.data_iter if isinstance(loop.data_iter, api.CheckpointableIterator) else None)
-        loop.trainer.load_state_dict(state)
-        return meta
-
-    def wait(self) -> None:
-        self.checkpointer.wait()
+    def accuracy(self) -> float:
+        """Held-out greedy accuracy with the engine's current weights (a collective with several processes)."""
+        rollout = self.rollout
+        # In the rollouts' pool under their deadline (in this process only when no pool was given).
+        scorer = RewardScorer(rollout.reward if rollout else "math", self.reward_pool,
+                              timeout_s=rollout.reward_timeout_s if rollout else 10.0)
+        budget = self.rl.eval_max_new_tokens or (rollout.max_new_tokens if rollout else 64)
+        correct = greedy_correct(self.engine, self.examples, scorer, self.tokenizer, max_new_tokens=budget,
+                                 stop_token_ids=rollout.stop_token_ids if rollout else (), drive=False,
+                                 timeout_s=self.rl.batch_timeout_s)
+        total = len(self.examples)
+        if jax.process_count() > 1:  # each host evaluates its own shard of the held-out rows
+            correct, total = agree_sum(int(correct)), agree_sum(total)
+        return correct / max(total, 1)

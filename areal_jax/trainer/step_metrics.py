@@ -1,0 +1,104 @@
+"""A step's record (one metrics.jsonl line): what the algorithm step computed, the trained batch,
+the rollout side's counters since the previous step, and the programs' timings, which
+`areal-jax simulate --calibrate` fits.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from areal_jax.generation.timings import timings_delta
+from areal_jax.metrics import batch_metrics
+from areal_jax.parallel.distributed import agree_sum
+from areal_jax.api import TrajectoryGroup
+from areal_jax.trainer.algorithm import StepOutput
+from areal_jax.trainer.cluster import RLCluster
+
+__all__ = ["StepMetrics"]
+
+# The trainer's metrics a step's record carries, as train/<name>.
+TRAIN_KEYS = ("loss", "grad_norm", "clip_frac", "imp_weight_mean", "imp_weight_max", "capped_frac", "entropy",
+              "approx_kl", "skipped_updates", "trained_tokens", "lr", "behav_ratio_out_frac",
+              "weight_top1pct_grad_share", "moe_aux_loss", "moe_load_max", "moe_dropped", "moe_route_mismatch",
+              "behav_logp_gap")
+
+
+class StepMetrics:
+    """`metrics(step, groups, out, wait_s=, transfer_s=)`: the record of a step of `cluster`, just
+    trained (its version bumped, the weights pushed). Counters of the rollout side, the reward pool
+    and the engine's timings are differences since the previous call. With several processes the
+    reward pool's counts are summed over them (a collective: every process calls in step)."""
+
+    def __init__(self, cluster: RLCluster):
+        self.cluster = cluster
+        self._reward_tally = (0, 0.0)  # (trajectories, reward sum) finished before the last step
+        self._pool_seen = (0, 0)  # the pool's (timeouts, crashes + errors) counted by earlier steps
+        self._timings_seen: dict | None = None  # engine timings at the previous step's record
+
+    def __call__(self, step: int, groups: Sequence[TrajectoryGroup], out: StepOutput, *, wait_s: float,
+                 transfer_s: float) -> dict[str, Any]:
+        cluster, train = self.cluster, out.train
+        counters = cluster.staleness.stats()  # restored on resume, unlike the controller's own
+        ctl = cluster.controller.stats()
+        n_prev, sum_prev = self._reward_tally
+        self._reward_tally = (ctl.finished_trajectories, ctl.finished_reward_sum)
+        n_new = ctl.finished_trajectories - n_prev
+        lag = train.get("version_lag_hist", {})
+        metrics = {
+            "step": step,
+            "version": cluster.version,
+            # reward mean/std/accuracy, generated length mean/max, truncated fraction
+            **batch_metrics(t for g in groups for t in g.trajectories),
+            # Every group finished since the previous step, filtered ones included (unbiased,
+            # unlike reward/mean over the trained groups when the all-equal filter is on).
+            "rollout/reward_mean": (ctl.finished_reward_sum - sum_prev) / n_new if n_new else math.nan,
+            "staleness/mean": float(sum(int(k) * v for k, v in lag.items()) / max(sum(lag.values()), 1)),
+            "staleness/max": int(max((int(k) for k, v in lag.items() if v), default=0)),
+            "staleness/hist": {str(k): float(v) for k, v in lag.items()},
+            "rollout/queue_depth": cluster.channel.qsize(),
+            "rollout/accepted": counters.accepted,
+            "rollout/rejected": counters.rejected,
+            "throughput/generated_tokens_per_s": ctl.generation_tokens_per_s,
+            "rollout/preempted_samples": ctl.generation_preempted_samples,  # cumulative (paged KV cache)
+            "throughput/tokens_per_s": train.get("trained_tokens", 0.0) / max(train.get("time_step_s", 1e-9), 1e-9),
+            "time/wait_batch_s": wait_s,
+            "time/train_step_s": train.get("time_step_s", math.nan),
+            "time/weight_transfer_s": transfer_s,
+            # What the last swap moved to the generation devices (with LoRA: the adapters only).
+            "transfer/bytes": _last_transfer_bytes(cluster.weight_sync),
+        }
+        pool = cluster.reward_pool
+        if pool is not None:  # calls past their deadline (scored 0.0), and ones that crashed or raised
+            stats = pool.stats()
+            seen, self._pool_seen = self._pool_seen, (stats.timeouts, stats.crashes + stats.errors)
+            timeouts, failures = self._pool_seen[0] - seen[0], self._pool_seen[1] - seen[1]
+            if jax.process_count() > 1:
+                timeouts, failures = agree_sum(timeouts), agree_sum(failures)
+            metrics["reward/timeouts"], metrics["reward/failures"] = timeouts, failures
+        metrics.update({f"train/{k}": train[k] for k in TRAIN_KEYS if k in train})
+        metrics["timings"] = self._timings(train, out.minibatches)
+        if out.kl_mean is not None:
+            metrics["train/kl_to_reference"] = out.kl_mean
+        return metrics
+
+    def _timings(self, train: dict[str, Any], minibatches) -> dict[str, Any]:
+        """The engine's calls since the previous record (generation/timings.py) and the training step
+        with the shapes it ran."""
+        now = self.cluster.engine.timings()
+        out = timings_delta(now, self._timings_seen)
+        self._timings_seen = now
+        shapes = [mb.shape for minibatch in minibatches for mb in minibatch]
+        out["train"] = {"s": train.get("time_step_s", math.nan), "minibatches": len(minibatches),
+                        "microbatches": len(shapes), "padded_tokens": sum(r * t for r, t in shapes),
+                        "attention": float(sum(r * t * t for r, t in shapes))}
+        return out
+
+
+def _last_transfer_bytes(sync: Any) -> float:
+    """Bytes the last swap moved to the generation devices (0 before any, or for another engine pair)."""
+    stats = None if sync is None else sync.last_stats
+    return float(stats.num_bytes) if stats is not None else 0.0
