@@ -200,6 +200,15 @@ class JobConfigs:
         held = self.engine.pool_pages(page_bytes, data) * data // self.engine.pages_per_sequence
         return max(data, min(self.eval_slots, held))
 
+    def eval_engine_slots(self, model_cfg: Any, data: int) -> int:
+        """The slots of the run's held-out evaluation engine over `data` replicas, and of
+        `areal-jax plan`'s account of it: `eval_slots_within` the RL engine's pool of `model_cfg`'s
+        pages in the cache dtype (EngineConfig.cache_dtype, else the generation dtype)."""
+        from areal_jax.generation.paged import page_bytes
+
+        dtype = self.engine.cache_dtype or self.rl.generation_dtype or self.model.dtype
+        return self.eval_slots_within(page_bytes(model_cfg, self.engine.page_size, dtype), data)
+
     def with_parts(self, **parts: Any) -> JobConfigs:
         """These configs with `parts` replaced, every derived field derived again from the parts as
         given (a value this instance derived, e.g. PPOConfig.temperature from the old

@@ -79,7 +79,7 @@ def test_rl_sft_and_eval_report_the_same_held_out_accuracy(tokenizer, seed):
 def test_the_planner_sizes_the_evaluation_engine_the_run_builds(data, eval_size, num_slots):
     # `areal-jax plan` accounts for the run's evaluation engine by the same sizing (once a copy of
     # it that rounded slots down where the engine's other uses round up): both are
-    # generation.config.prompts_engine_config, capped by JobConfigs.eval_slots.
+    # generation.config.prompts_engine_config, capped by JobConfigs.eval_engine_slots.
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -99,8 +99,8 @@ def test_the_planner_sizes_the_evaluation_engine_the_run_builds(data, eval_size,
     mesh = Mesh(np.asarray(jax.devices()[:data]), ("data",))  # the generation mesh's data replicas
     weights = {"embed": jax.device_put(np.zeros((64, 16), np.float32), NamedSharding(mesh, PartitionSpec()))}
     built = GreedyAccuracy(cfg, examples, None, max_new_tokens=job.rl.eval_max_new_tokens,
-                           slots=job.eval_slots)._engine_config_for(weights)
-    planned = eval_engine_config(job, longest, data, hosts=1)
+                           slots=job.eval_engine_slots(cfg, data))._engine_config_for(weights)  # as jobs/train.py
+    planned = eval_engine_config(job, longest, data, hosts=1, model_cfg=cfg)
     assert (planned.num_slots * data, planned.max_seq_len) == (built.num_slots, built.max_seq_len)
     assert built.num_slots == round_slots(min(64, num_slots, eval_size), data) <= num_slots
     assert built.max_seq_len % 16 == 0 and built.max_seq_len >= longest + 40 + 1

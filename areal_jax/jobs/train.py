@@ -206,11 +206,8 @@ def _prepare_run(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: Rewa
 def _eval_slots(cfg: JobConfigs, model_config, meshes) -> int:
     """Evaluation engines take at most the RL engine's slots and the full-length sequences its KV
     pool holds: that pool is what the config sized to fit the generation devices."""
-    from areal_jax.generation.paged import page_bytes
-
-    dtype = cfg.engine.cache_dtype or cfg.rl.generation_dtype or cfg.model.dtype
     data = meshes.generation.shape.get("data", 1) if meshes.generation is not None else 1
-    return cfg.eval_slots_within(page_bytes(model_config, cfg.engine.page_size, dtype), data)
+    return cfg.eval_engine_slots(model_config, data)
 
 
 def _write_run_files(cfg: JobConfigs, run_dir: paths.Path, work: Workload) -> None:

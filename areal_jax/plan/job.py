@@ -68,13 +68,11 @@ def replica_engine_config(engine, data: int, *, field: str = "EngineConfig.num_s
 def eval_engine_config(job: JobConfigs, longest_prompt: int, data: int, hosts: int, model_cfg: ModelConfig):
     """One data replica's share of the run's held-out evaluation engine: the engine
     `GreedyAccuracy` builds for a host's shard of the rows (`prompts_engine_config`, capped at
-    `JobConfigs.eval_slots_within` the RL engine's pool), divided over the `data` replicas."""
+    `JobConfigs.eval_engine_slots`), divided over the `data` replicas."""
     from areal_jax.generation.config import prompts_engine_config
-    from areal_jax.generation.paged import page_bytes
 
     rows = max(1, -(-job.task.eval_size // hosts))  # each host evaluates its shard of the rows
-    slots = job.eval_slots_within(page_bytes(model_cfg, job.engine.page_size, job.engine.cache_dtype or gen_dtype(job)),
-                                  data)
+    slots = job.eval_engine_slots(model_cfg, data)  # as jobs/train.py sizes the run's
     engine = prompts_engine_config(rows, longest_prompt, job.rl.eval_max_new_tokens, slots=slots, data=data)
     return dataclasses.replace(engine, num_slots=engine.num_slots // data)
 
