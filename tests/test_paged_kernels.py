@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from areal_jax.kernels.paged_attention import (PagePool, flat_index, kernel_name, paged_attention, pool_layout,
-                                               reference_paged_attention, write_tokens)
+from areal_jax.kernels.paged_attention import (FP8, FP8_HEADROOM, FP8_MAX, PagePool, flat_index, kernel_name,
+                                               paged_attention, pool_layout, reference_paged_attention, write_tokens)
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 # The GPU kernel runs natively on a GPU (bench/accelerator_check.sh runs this file there), else interpreted.
@@ -26,26 +26,29 @@ HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
     importlib.util.find_spec("jax_cuda12_plugin") is not None
 
 
-def _case(seed, *, B, N, K, H, S, P, M, lengths=None, dtype=jnp.float32, layout="heads"):
+def _case(seed, *, B, N, K, H, S, P, M, lengths=None, dtype=jnp.float32, layout="heads", kv_dtype=None,
+          garbage=50.0):
     """A pool filled through write_tokens: every slot's pages drawn without replacement from a
-    shuffled pool (so out of order), lengths random in [0, M*S] unless given."""
+    shuffled pool (so out of order), lengths random in [0, M*S] unless given. kv_dtype: the pool's
+    dtype (default `dtype`; FP8 pools calibrate their scales on this one write)."""
     rng = np.random.default_rng(seed)
     lengths = np.asarray(lengths if lengths is not None else rng.integers(0, M * S + 1, B), np.int32)
     tables = rng.permutation(P)[:B * M].reshape(B, M).astype(np.int32)
-    pool = PagePool(jnp.zeros((P, S, 2 * K, H), dtype), None, "combined") if layout == "combined" else \
-        PagePool.zeros(K, P, S, H, dtype, impl="reference")
-    pool = write_tokens(pool, *_fill(rng, pool, tables, lengths, S, K, H, dtype))
+    pool = PagePool.zeros(K, P, S, H, kv_dtype or dtype, impl="auto" if layout == "combined" else "reference",
+                          platform="tpu")
+    assert pool.layout == layout
+    pool = write_tokens(pool, *_fill(rng, pool, tables, lengths, S, K, H, dtype, garbage), calibrate=True)
     # Garbage in the pages past each length: a kernel that reads them shows it.
     q = jnp.asarray(rng.normal(size=(B, N, H)), dtype)
     return q, pool, jnp.asarray(lengths), jnp.asarray(tables)
 
 
-def _fill(rng, pool, tables, lengths, S, K, H, dtype):
+def _fill(rng, pool, tables, lengths, S, K, H, dtype, garbage=50.0):
     B, M = tables.shape
     positions = np.broadcast_to(np.arange(M * S), (B, M * S))
     index = flat_index(jnp.asarray(tables), jnp.asarray(positions), S).reshape(-1)  # every page, live or not
     T = index.shape[0]
-    k = rng.normal(size=(T, K, H)) * np.where(positions.reshape(-1) < np.repeat(lengths, M * S), 1.0, 50.0)[:, None, None]
+    k = rng.normal(size=(T, K, H)) * np.where(positions.reshape(-1) < np.repeat(lengths, M * S), 1.0, garbage)[:, None, None]
     v = rng.normal(size=(T, K, H))
     return jnp.asarray(k, dtype), jnp.asarray(v, dtype), index
 
@@ -86,6 +89,133 @@ def test_gpu_kernel_in_bfloat16_stays_within_bfloat16_of_the_fp32_reference():
     got = paged_attention(q, pool, lengths, tables, impl="pallas", platform="gpu", interpret=INTERPRET)
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=3e-2, rtol=3e-2)
+
+
+def _unquantized(pool):
+    """An FP8 pool's tokens as they were written, before rounding: rebuilt from the f32 case of the same seed."""
+    return jax.tree.map(lambda x: x.astype(jnp.float32), pool)
+
+
+def _fp8_bound(q, k, v, lengths, tables, k_scale, v_scale):
+    """Per (slot, query head) bound on |attention over FP8 keys/values - attention over the exact ones|.
+
+    e4m3 keeps 3 mantissa bits: a normal value x is stored within |x| 2^-4 (half an ulp), a
+    subnormal one within 2^-10 x scale. So each score q.k / sqrt(H) moves by at most
+    d = sum_i |q_i| (2^-4 |k_i| + 2^-10 s_k) / sqrt(H), the softmax weights by a factor within
+    e^(+-2d), and the output by at most (e^(2 d_max) - 1) max|v| + max(2^-4 |v| + 2^-10 s_v) over
+    the slot's live tokens. q `[B, N, H]`, k, v `[K, P, S, H]` exact (fp32)."""
+    B, N, H = q.shape
+    K, _, S, _ = k.shape
+    out = np.zeros((B, N))
+    for b in range(B):
+        n = int(lengths[b])
+        if n == 0:
+            continue
+        for h in range(N):
+            j = h // (N // K)
+            keys = np.asarray(k[j, tables[b]]).reshape(-1, H)[:n]
+            vals = np.asarray(v[j, tables[b]]).reshape(-1, H)[:n]
+            d = (np.abs(np.asarray(q[b, h]))[None] * (2 ** -4 * np.abs(keys) + 2 ** -10 * float(k_scale[j]))).sum(1)
+            d = d.max() / np.sqrt(H)
+            out[b, h] = (np.expm1(2 * d) * np.abs(vals).max()
+                         + (2 ** -4 * np.abs(vals) + 2 ** -10 * float(v_scale[j])).max())
+    return out
+
+
+@pytest.mark.parametrize("layout", ["heads", "combined"])
+def test_fp8_pool_stays_within_fp8_error_of_the_exact_reference(layout):
+    """FP8 pages (calibrated on their first write) read by the reference: within the bound above of
+    attention over the exact fp32 tokens, every (slot, head), and clearly off it (it is rounded)."""
+    shape = dict(B=6, N=8, K=2, H=32, S=8, P=30, M=4, layout=layout, garbage=2.0)
+    q, exact, lengths, tables = _case(3, **shape)
+    _, pool, _, _ = _case(3, **shape, kv_dtype=FP8)
+    assert pool.k.dtype == FP8 and pool.quantized and pool.k_scale.shape == (2,)
+    k, v = exact.heads_first()
+    # The scales map the largest magnitude written (live or not) to 448 / headroom.
+    np.testing.assert_allclose(pool.k_scale, np.abs(k).max(axis=(1, 2, 3)) * FP8_HEADROOM / FP8_MAX, rtol=1e-6)
+    want = np.asarray(reference_paged_attention(q, exact, lengths, tables))
+    got = np.asarray(reference_paged_attention(q, pool, lengths, tables))
+    err = np.abs(got - want).max(axis=-1)  # [B, N]
+    bound = _fp8_bound(q, k, v, np.asarray(lengths), np.asarray(tables), pool.k_scale, pool.v_scale)
+    assert (err <= bound + 1e-6).all(), (err / np.maximum(bound, 1e-9)).max()
+    assert err.max() > 1e-3  # the values really went through e4m3
+    # The stored pages are the exact tokens rounded: dequantized, within 2^-4 relative (+ subnormals).
+    kq, vq = pool.dequantized()
+    for x, y, scale in ((kq, k, pool.k_scale), (vq, v, pool.v_scale)):
+        assert (np.abs(x - y) <= 2 ** -4 * np.abs(y) + 2 ** -10 * np.asarray(scale)[:, None, None, None]).all()
+
+
+@pytest.mark.parametrize("seed, B, N, K, H, S, M, splits, block, dtype", [
+    (0, 5, 8, 2, 32, 8, 4, 1, 1, jnp.float32),
+    (1, 4, 4, 4, 16, 4, 6, 2, 2, jnp.float32),  # two splits, a ragged last split
+    (2, 3, 12, 2, 64, 16, 3, 3, None, jnp.bfloat16),  # Qwen2-1.5B's grouping in bf16
+])
+def test_gpu_kernel_reads_fp8_pages_as_the_reference_does(seed, B, N, K, H, S, M, splits, block, dtype):
+    """The Triton kernel on FP8 pages (ragged lengths, pages out of order, garbage past each length):
+    the reference over the same FP8 pool, to fp32 (bf16) rounding; its scales are folded, not applied."""
+    q, pool, lengths, tables = _case(seed, B=B, N=N, K=K, H=H, S=S, P=B * M + 3, M=M, dtype=dtype, kv_dtype=FP8)
+    want = reference_paged_attention(q, pool, lengths, tables)
+    got = paged_attention(q, pool, lengths, tables, impl="pallas", platform="gpu", interpret=INTERPRET,
+                          splits=splits, pages_per_block=block)
+    tol = 3e-2 if dtype == jnp.bfloat16 else 2e-5
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tpu_wrapper_reads_fp8_pages_as_the_reference_does(seed):
+    """ragged_paged_decode's arguments on an FP8 "combined" pool (scales folded into q, k_scale =
+    v_scale = 1.0 so the kernel upcasts), through jax's ref_ragged_paged_attention, then the value
+    scales: the reference over the same pool."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import ref_ragged_paged_attention
+
+    from areal_jax.kernels.paged_attention import unfold_scales
+    from areal_jax.kernels.paged_tpu import kernel_scales, ragged_arguments
+
+    q, pool, lengths, tables = _case(seed, B=5, N=8, K=2, H=32, S=8, P=24, M=4, layout="combined", kv_dtype=FP8)
+    lengths = lengths.at[0].set(0).at[1].set(1).at[2].set(16)
+    want = reference_paged_attention(q, pool, lengths, tables)
+    assert kernel_scales(pool) == dict(k_scale=1.0, v_scale=1.0)
+    got = ref_ragged_paged_attention(*ragged_arguments(q, pool, lengths, tables), sm_scale=32 ** -0.5,
+                                     **kernel_scales(pool))
+    got = jnp.where((lengths > 0)[:, None, None], unfold_scales(got, pool), 0)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_fp8_scales_come_from_the_first_live_write_and_stay():
+    """Calibration: padding (index -1) neither sets nor moves a scale; the first live write sets
+    them, later writes (calibrating or not) keep them and saturate at +-448 instead of overflowing;
+    a decode-style write (no calibration) into a fresh pool stores nothing usable until then."""
+    K, P, S, H = 2, 4, 4, 8
+    pool = PagePool.zeros(K, P, S, H, FP8, impl="reference")
+    x = jnp.ones((3, K, H)) * jnp.asarray([1.0, 3.0])[None, :, None]
+    padded = write_tokens(pool, x * 100, x * 100, jnp.asarray([-1, -1, -1]), calibrate=True)
+    assert not padded.k_scale.any()
+    first = write_tokens(pool, x, 2 * x, jnp.asarray([0, 1, -1]), calibrate=True)
+    np.testing.assert_allclose(first.k_scale, np.asarray([1.0, 3.0]) * FP8_HEADROOM / FP8_MAX, rtol=1e-6)
+    np.testing.assert_allclose(first.v_scale, 2 * first.k_scale, rtol=1e-6)
+    later = write_tokens(first, 1000 * x, x, jnp.asarray([5, 6, 7]), calibrate=True)
+    np.testing.assert_array_equal(later.k_scale, first.k_scale)
+    k, v = later.dequantized()
+    np.testing.assert_allclose(k[:, 0, 0, 0], [1.0, 3.0], rtol=2 ** -4)  # the first write, unchanged
+    np.testing.assert_allclose(k[:, 1, 1, 0], np.asarray(first.k_scale) * FP8_MAX)  # saturated, finite
+    assert np.isfinite(np.asarray(k)).all() and np.isfinite(np.asarray(v)).all()
+    uncalibrated = write_tokens(pool, x, x, jnp.asarray([0, 1, 2]))
+    assert not uncalibrated.k_scale.any() and not np.asarray(uncalibrated.dequantized()[0]).any()
+    assert later.nbytes == 2 * K * P * S * H + 2 * K * 4  # 1 byte per element + the scales
+    with pytest.raises(ValueError, match="need k_scale and v_scale"):
+        PagePool(pool.k, pool.v)
+
+
+def test_tpu_kernel_refuses_fp8_heads_xla_cannot_tile():
+    from areal_jax.kernels import paged_attention as pa
+
+    assert pa.KERNELS.unfit("tpu", 128, 16, 8, 8, 2, 1) is None  # 4 combined heads of e4m3: one word
+    why = pa.KERNELS.unfit("tpu", 128, 16, 8, 8, 1, 1)  # 2 combined heads cannot fill a 4-byte word
+    assert "cannot tile" in why and "kv_dtype bfloat16" in why
+    assert pa.KERNELS.unfit("tpu", 128, 16, 8, 8, 1, 2) is None and pa.KERNELS.unfit("gpu", 128, 16, 8, 8, 1, 1) is None
+    combined = _case(0, B=2, N=4, K=1, H=128, S=8, P=8, M=2, layout="combined", kv_dtype=FP8)
+    np.testing.assert_array_equal(paged_attention(*combined, impl="auto", platform="tpu"),
+                                  reference_paged_attention(*combined))
 
 
 def test_gpu_kernel_refuses_what_triton_cannot_load():
@@ -189,17 +319,19 @@ from jax.sharding import NamedSharding, PartitionSpec
 from areal_jax.aot import ProgramSpec
 from areal_jax.kernels.paged_attention import PagePool, paged_attention
 from areal_jax.plan.targets import parse_target, topology_devices
-target, tensor = parse_target(sys.argv[1]), int(sys.argv[2])
+target, tensor, kv = parse_target(sys.argv[1]), int(sys.argv[2]), jnp.dtype(sys.argv[3])
 mesh = jax.sharding.Mesh(__import__("numpy").array(topology_devices(target, tensor)).reshape(1, tensor), ("data", "tensor"))
 sd = lambda shape, dt, spec=PartitionSpec(): jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))
 B, N, K, H, S, P, M = 32, 12, 2, 128, 16, 1024, 32
 platform = target.platform
 layout = "combined" if platform == "tpu" else "heads"
-specs = PagePool.partition_spec("tensor", layout=layout)
+scaled = kv == jnp.float8_e4m3fn
+specs = PagePool.partition_spec("tensor", layout=layout, scaled=scaled)
+scales = (sd((K,), jnp.float32, specs.k_scale), sd((K,), jnp.float32, specs.v_scale)) if scaled else (None, None)
 if layout == "combined":
-    pool = PagePool(sd((P, S, 2 * K, H), jnp.bfloat16, specs.k), None, "combined")
+    pool = PagePool(sd((P, S, 2 * K, H), kv, specs.k), None, "combined", *scales)
 else:
-    pool = PagePool(sd((K, P, S, H), jnp.bfloat16, specs.k), sd((K, P, S, H), jnp.bfloat16, specs.v))
+    pool = PagePool(sd((K, P, S, H), kv, specs.k), sd((K, P, S, H), kv, specs.v), "heads", *scales)
 fn = jax.jit(lambda q, pool, l, t: paged_attention(q, pool, l, t, impl="pallas", platform=platform,
                                                    heads_axis="tensor", replica_axis="data"))
 q = sd((B, N, H), jnp.bfloat16, PartitionSpec(None, "tensor"))
@@ -214,8 +346,8 @@ print("CUSTOM_CALLS", text.count("tpu_custom_call"), text.count("__gpu$xla.gpu.t
 """
 
 
-def _compile_for(target, tensor):
-    out = subprocess.run([sys.executable, "-c", _COMPILE, target, str(tensor)], capture_output=True, text=True,
+def _compile_for(target, tensor, kv="bfloat16"):
+    out = subprocess.run([sys.executable, "-c", _COMPILE, target, str(tensor), kv], capture_output=True, text=True,
                          timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu", "TPU_SKIP_MDS_QUERY": "1"})
     if "in use by another process" in out.stderr or "lockfile" in out.stderr:
         pytest.skip("another process holds libtpu (one at a time)")
@@ -237,8 +369,23 @@ def test_gpu_kernel_compiles_for_h100_without_a_device_and_runs_per_head_shard()
     assert gathers == 0 and arg_bytes < POOL_BYTES * 0.6  # each device keeps its kv head's pages
 
 
+@pytest.mark.skipif(not HAS_CUDA_PLUGIN, reason="jax-cuda12-plugin not installed (pip install 'areal-jax[plan]')")
+def test_gpu_kernel_compiles_fp8_pages_for_h100_without_a_device():
+    tpu_calls, triton_calls, gathers, arg_bytes, attention = _compile_for("8xh100", 2, "float8_e4m3fn")
+    assert triton_calls >= 1 and attention == ["pallas_triton_paged"] and gathers == 0
+    assert arg_bytes < POOL_BYTES * 0.3  # half the bf16 pool's bytes per device, plus scales
+
+
 @pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed (pip install 'areal-jax[plan]')")
 def test_tpu_kernel_compiles_for_v5e_without_a_device_and_runs_per_head_shard():
     tpu_calls, triton_calls, gathers, arg_bytes, attention = _compile_for("v5e-4", 2)
     assert tpu_calls >= 1 and triton_calls == 0 and attention == ["ragged_paged"]
     assert gathers == 0 and arg_bytes < POOL_BYTES * 0.6
+
+
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed (pip install 'areal-jax[plan]')")
+def test_tpu_kernel_compiles_fp8_pages_for_v5e_without_a_device():
+    # K = 2 over tensor 1 here: 4 combined e4m3 heads fill one 32-bit word (tensor 2 would leave 2).
+    tpu_calls, triton_calls, gathers, arg_bytes, attention = _compile_for("v5e-4", 1, "float8_e4m3fn")
+    assert tpu_calls >= 1 and attention == ["ragged_paged"] and gathers == 0
+    assert arg_bytes < POOL_BYTES * 0.6  # the whole pool on one device, at 1 byte per element

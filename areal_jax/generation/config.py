@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from areal_jax.kernels.dispatch import IMPLS as ATTENTION_IMPLS
 
 KV_LAYOUTS = ("auto", "paged", "dense")
+KV_DTYPES = ("bfloat16", "float8_e4m3fn")
+ON_SWAP = ("recompute", "keep")
+FP8_KV = "float8_e4m3fn"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +61,19 @@ class EngineConfig:
     # histories are prefilled by length bucket (a wide packed row would attend over all of it).
     reprefill_pack_width: int = 512
     interruptible: bool = True
+    # What an interrupting swap does with the in-flight samples' KV cache. "recompute" (AReaL's
+    # semantics): re-prefill every in-flight history under the new weights. "keep" (PipelineRL's
+    # in-flight update): continue on the KV the old weights wrote, no re-prefill; the tokens after
+    # the swap carry the new version either way, so the recorded versions and log-probs are the
+    # same kind of record (the mixed-weights KV is part of the behaviour policy under "keep").
+    on_swap: str = "recompute"
     cache_dtype: str | None = None  # default: the dtype of the weights
+    # Storage of the KV cache. None: cache_dtype. "bfloat16". "float8_e4m3fn": e4m3 pages with one
+    # scale per layer and kv head for keys and one for values (set by the first prefill written,
+    # kernels/paged_attention.py), read dequantized by every paged kernel: half the bytes of bf16
+    # per token, so a pool of the same bytes holds ~2x the tokens and decode reads ~half the KV.
+    # Paged layout only ("auto" then pages on CPU too). The log-probs recorded are this engine's.
+    kv_dtype: str | None = None
     seed: int = 0
     # KV cache layout, "paged", "dense" or "auto" (paged on GPU and TPU, dense on CPU where paging
     # measured no faster: docs/benchmarks.md, paged vs dense). Paged: a pool of fixed-size pages
@@ -89,6 +106,17 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.refill_after must be an int >= 0, got {self.refill_after!r}")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"EngineConfig.kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
+        if self.on_swap not in ON_SWAP:
+            raise ValueError(f"EngineConfig.on_swap must be one of {ON_SWAP}, got {self.on_swap!r}")
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"EngineConfig.kv_dtype must be None (cache_dtype) or one of {KV_DTYPES}, "
+                             f"got {self.kv_dtype!r}")
+        if self.kv_dtype is not None and self.cache_dtype is not None and self.kv_dtype != FP8_KV:
+            raise ValueError(f"EngineConfig.kv_dtype = {self.kv_dtype!r} and cache_dtype = {self.cache_dtype!r} "
+                             "both set the cache's dtype: set one")
+        if self.kv_dtype == FP8_KV and self.kv_layout == "dense":
+            raise ValueError("EngineConfig.kv_dtype = 'float8_e4m3fn' needs the paged KV cache (its scales live "
+                             "in the page pools): kv_layout 'paged' or 'auto'")
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"EngineConfig.attention_impl must be one of {ATTENTION_IMPLS}, "
                              f"got {self.attention_impl!r}")
@@ -126,20 +154,41 @@ class EngineConfig:
         """"paged" or "dense" for a platform ("cpu", "gpu", "tpu"): `kv_layout` with "auto" resolved."""
         if self.kv_layout != "auto":
             return self.kv_layout
-        return "dense" if platform == "cpu" else "paged"
+        return "dense" if platform == "cpu" and self.kv_dtype != FP8_KV else "paged"
+
+    def block_dtype(self, weights_dtype) -> str:
+        """Dtype of prefill blocks and of a dense cache: kv_dtype unless FP8, else cache_dtype, else
+        the weights'."""
+        if self.kv_dtype is not None and self.kv_dtype != FP8_KV:
+            return self.kv_dtype
+        return self.cache_dtype or np.dtype(weights_dtype).name
+
+    def storage_dtype(self, weights_dtype) -> str:
+        """Dtype the KV cache stores (a paged pool's pages): kv_dtype, else `block_dtype`."""
+        return self.kv_dtype or self.block_dtype(weights_dtype)
+
+    def kv_itemsize(self, weights_dtype) -> int:
+        """Bytes of one stored key or value element (1 for FP8)."""
+        return np.dtype(self.storage_dtype(weights_dtype)).itemsize
+
+    def kv_scale_bytes(self, num_layers: int, num_kv_heads: int, weights_dtype) -> int:
+        """Bytes an FP8 pool holds besides its pages: a key and a value scale (fp32) per layer and
+        kv head; 0 otherwise."""
+        return 2 * 4 * num_layers * num_kv_heads if self.storage_dtype(weights_dtype) == FP8_KV else 0
 
     @property
     def pages_per_sequence(self) -> int:
         """Pages one max_seq_len sequence holds: the width of a slot's page table."""
         return -(-self.max_seq_len // self.page_size)
 
-    def pool_pages(self, page_bytes: int, data: int = 1) -> int:
+    def pool_pages(self, page_bytes: int, data: int = 1, fixed_bytes: int = 0) -> int:
         """Pages of the pool per data replica (of `data`), given the bytes of one page (all layers,
-        keys and values, all tensor shards of the replica together)."""
+        keys and values, all tensor shards of the replica together) and the pool's bytes besides
+        its pages (`kv_scale_bytes`), which kv_pool_bytes also holds."""
         if self.kv_pool_pages:
             return self.kv_pool_pages
         if self.kv_pool_bytes:
-            pages = self.kv_pool_bytes // page_bytes
+            pages = max(0, self.kv_pool_bytes - fixed_bytes) // page_bytes
             if pages < self.pages_per_sequence:
                 raise ValueError(f"EngineConfig.kv_pool_bytes = {self.kv_pool_bytes} holds {pages} pages of "
                                  f"{page_bytes} bytes, less than one sequence of max_seq_len = {self.max_seq_len} "

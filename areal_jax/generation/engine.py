@@ -9,7 +9,8 @@ Interruptible swap (AReaL): `update_weights(params, version)` may be called from
 takes effect at the next chunk boundary. In-flight samples keep their tokens, logprobs and
 versions; their KV cache is recomputed from prompt + tokens so far under the new weights, and
 later tokens carry the new version (histories are packed several to a row and written straight
-into their slots, `reprefill_pack_width`). With `interruptible=False` the engine instead stops
+into their slots, `reprefill_pack_width`). With `on_swap="keep"` (PipelineRL's in-flight update)
+they continue on the KV cache the old weights wrote instead: no re-prefill. With `interruptible=False` the engine instead stops
 admitting, lets in-flight samples finish on the old weights, then swaps (the ablation).
 
 Device state is the KV cache, one `[B, K, S, H]` buffer per layer (B = slots, S = max_seq_len) or,
@@ -83,7 +84,7 @@ class GenerationEngine:
         self._mesh = mesh_of(params)
         check_mesh(cfg, ec, self._mesh)
         self._data = mesh_sizes(self._mesh)[0]  # prefill and re-prefill rows are multiples of it
-        dtype = jnp.dtype(ec.cache_dtype) if ec.cache_dtype else params["embed"].dtype
+        dtype = jnp.dtype(ec.block_dtype(params["embed"].dtype))  # prefill blocks (and a dense cache)
         self._param_shardings = param_shardings(cfg, self._mesh, split=True) if self._mesh is not None else None
         self.compile_counts: collections.Counter[str] = collections.Counter()
         self._stats = EngineStats()
@@ -350,8 +351,10 @@ class GenerationEngine:
         self._version = version
         self._stats.weight_swaps += 1
         # Interrupted samples: recompute their KV cache from prompt + tokens so far (all but the
-        # last token, which is the next decode input) under the new weights, in batched calls.
-        self._kv.recompute(self._params, {slot: self._slot_sample[slot].history() for slot in active})
+        # last token, which is the next decode input) under the new weights, in batched calls;
+        # with on_swap "keep" they continue on the KV the old weights wrote.
+        if self.config.on_swap == "recompute":
+            self._kv.recompute(self._params, {slot: self._slot_sample[slot].history() for slot in active})
         done.set_result(True)
         return False
 

@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from areal_jax.generation.config import EngineConfig
-from areal_jax.generation.paged import page_bytes, zero_pools
+from areal_jax.generation.paged import page_bytes, pool_scale_bytes, zero_pools
 from areal_jax.generation.pages import PageAllocator
 from areal_jax.generation.programs import EnginePrograms, build_programs, cache_sharding, mesh_sizes
 from areal_jax.generation.requests import EngineStats
@@ -49,9 +49,10 @@ class EngineCache:
         # would be split and re-stacked, copied, on every chunk).
         self.pages: PageAllocator | None = None
         if self.programs.layout == "paged":
-            per_replica = ec.pool_pages(page_bytes(cfg, ec.page_size, dtype), self.data)
+            store = jnp.dtype(ec.storage_dtype(dtype))  # FP8 pages with kv_dtype float8_e4m3fn
+            per_replica = ec.pool_pages(page_bytes(cfg, ec.page_size, store), self.data, pool_scale_bytes(cfg, store))
             self.pages = PageAllocator(ec.num_slots, self.data, per_replica, ec.page_size, ec.pages_per_sequence)
-            self.cache = zero_pools(cfg, self.data * per_replica, ec.page_size, dtype,
+            self.cache = zero_pools(cfg, self.data * per_replica, ec.page_size, store,
                                     mesh if mesh is not None else layer_sharding, impl=ec.attention_impl,
                                     platform=device.platform)
         else:

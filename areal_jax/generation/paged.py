@@ -17,15 +17,21 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from areal_jax.kernels.paged_attention import PagePool, flat_index, paged_attention, pool_layout, write_tokens
+from areal_jax.kernels.paged_attention import (FP8, PagePool, flat_index, paged_attention, pool_layout, scale_bytes,
+                                               write_tokens)
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoding import PagedAttend
 from areal_jax.models.transformer import KVCache
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, dtype) -> int:
-    """Bytes of one page over every layer, keys and values."""
+    """Bytes of one page over every layer, keys and values (1 per element for FP8)."""
     return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
+def pool_scale_bytes(cfg: ModelConfig, dtype) -> int:
+    """Bytes of every layer's FP8 scales (0 for other dtypes): what a pool holds besides pages."""
+    return cfg.num_layers * scale_bytes(cfg.num_kv_heads, dtype)
 
 
 def _axis(mesh: Mesh | None, name: str) -> str | None:
@@ -33,9 +39,11 @@ def _axis(mesh: Mesh | None, name: str) -> str | None:
     return name if mesh is not None and mesh.shape.get(name, 1) > 1 else None
 
 
-def pool_spec(mesh: Mesh | None, layout: str = "heads") -> PagePool:
-    """PartitionSpecs of one layer's pool: kv heads over "tensor", pages over "data"."""
-    return PagePool.partition_spec(heads=_axis(mesh, "tensor"), pages=_axis(mesh, "data"), layout=layout)
+def pool_spec(mesh: Mesh | None, layout: str = "heads", scaled: bool = False) -> PagePool:
+    """PartitionSpecs of one layer's pool: kv heads over "tensor", pages over "data" (FP8 scales:
+    over "tensor", the same on every replica)."""
+    return PagePool.partition_spec(heads=_axis(mesh, "tensor"), pages=_axis(mesh, "data"), layout=layout,
+                                   scaled=scaled)
 
 
 def _zeros(cfg: ModelConfig, num_pages: int, page_size: int, dtype, impl: str, platform: str | None) -> PagePool:
@@ -49,7 +57,7 @@ def pool_structs(cfg: ModelConfig, num_pages: int, page_size: int, dtype, mesh: 
     shape = jax.eval_shape(lambda: _zeros(cfg, num_pages, page_size, dtype, impl, platform))
     if mesh is None:
         return (shape,) * cfg.num_layers
-    spec = pool_spec(mesh, shape.layout)
+    spec = pool_spec(mesh, shape.layout, shape.quantized)
     one = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
                        shape, spec)
     return (one,) * cfg.num_layers
@@ -58,18 +66,19 @@ def pool_structs(cfg: ModelConfig, num_pages: int, page_size: int, dtype, mesh: 
 def zero_pools(cfg: ModelConfig, num_pages: int, page_size: int, dtype, sharding, *, impl: str = "auto",
                platform: str | None = None) -> tuple[PagePool, ...]:
     """L per-layer pools of zeros. `sharding`: a Mesh (laid out by `pool_spec`) or one Sharding."""
-    layout = pool_layout(impl, platform)
+    layout, scaled = pool_layout(impl, platform), jnp.dtype(dtype) == FP8
     if isinstance(sharding, Mesh):
-        out = jax.tree.map(lambda s: NamedSharding(sharding, s), pool_spec(sharding, layout))
+        out = jax.tree.map(lambda s: NamedSharding(sharding, s), pool_spec(sharding, layout, scaled))
     else:
-        out = jax.tree.map(lambda _: sharding, pool_spec(None, layout))
+        out = jax.tree.map(lambda _: sharding, pool_spec(None, layout, scaled))
     make = jax.jit(lambda: _zeros(cfg, num_pages, page_size, dtype, impl, platform), out_shardings=out)
     return tuple(make() for _ in range(cfg.num_layers))
 
 
 def make_attend(page_tables: jax.Array, *, page_size: int, impl: str, platform: str | None, mesh: Mesh | None,
-                pages_per_replica: int) -> PagedAttend:
-    """The decode step's write-and-attend for one call: `page_tables [B, M]` (global page ids)."""
+                pages_per_replica: int, quantized: bool = False) -> PagedAttend:
+    """The decode step's write-and-attend for one call: `page_tables [B, M]` (global page ids).
+    `quantized`: FP8 pools (their scales, set by the prefills, are read here, never set)."""
 
     def local(pool, q, k, v, positions, tables):
         if _axis(mesh, "data") is not None:  # this replica's pages, ids from 0
@@ -82,7 +91,7 @@ def make_attend(page_tables: jax.Array, *, page_size: int, impl: str, platform: 
         return lambda pool, q, k, v, positions: local(pool, q, k, v, positions, page_tables)
     data, tensor = _axis(mesh, "data"), _axis(mesh, "tensor")
     heads = PartitionSpec(data, tensor, None)  # q, k, v [B, *, H]: slots over "data", heads over "tensor"
-    spec = pool_spec(mesh, pool_layout(impl, platform))
+    spec = pool_spec(mesh, pool_layout(impl, platform), quantized)
     sharded = jax.shard_map(local, mesh=mesh, in_specs=(spec, heads, heads, heads, PartitionSpec(data),
                                                         PartitionSpec(data, None)),
                             out_specs=(spec, heads), check_vma=False)
@@ -103,5 +112,5 @@ def insert_pages(pools: tuple[PagePool, ...], block: KVCache, rows: jax.Array, s
         picked = part[rows].transpose(0, 2, 1, 3)
         return picked.reshape(-1, *picked.shape[2:])
 
-    return tuple(write_tokens(pool, tokens(k), tokens(v), index)
+    return tuple(write_tokens(pool, tokens(k), tokens(v), index, calibrate=True)
                  for pool, k, v in zip(pools, block.k, block.v, strict=True))

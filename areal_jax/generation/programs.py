@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from areal_jax.aot import ProgramSpec, Role
 from areal_jax.generation.config import EngineConfig, round_slots
-from areal_jax.generation.paged import insert_pages, make_attend, page_bytes, pool_structs
+from areal_jax.generation.paged import insert_pages, make_attend, page_bytes, pool_scale_bytes, pool_structs
 from areal_jax.generation.sampling import MAX_STOP_IDS, sample_tokens
 from areal_jax.models import moe
 from areal_jax.models.config import ModelConfig
@@ -278,7 +278,7 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
         counts["decode"] += 1
         traced[program_name("decode", window=window)] += 1
         attend = make_attend(page_tables, page_size=ec.page_size, impl=ec.attention_impl, platform=platform,
-                             mesh=mesh, pages_per_replica=pools[0].num_pages // data)
+                             mesh=mesh, pages_per_replica=pools[0].num_pages // data, quantized=pools[0].quantized)
 
         def model_step(pools, tokens, positions):
             return paged_decode_step(params, cfg, tokens, positions, pools, attend, return_routing=True)
@@ -332,6 +332,7 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
 # ---- ahead-of-time descriptions ----------------------------------------------------------------------
 
 _CACHE_FIELDS = ("EngineConfig.num_slots", "EngineConfig.max_seq_len", "EngineConfig.cache_dtype",
+                 "EngineConfig.kv_dtype",
                  "MeshConfig.generation_tensor", "MeshConfig.generation_expert")
 _PAGED_FIELDS = ("EngineConfig.kv_layout", "EngineConfig.page_size", "EngineConfig.kv_pool_pages",
                  "EngineConfig.kv_pool_bytes", "EngineConfig.attention_impl")
@@ -360,13 +361,14 @@ def engine_program_specs(model_cfg: ModelConfig, engine_cfg: EngineConfig, *, me
     check_mesh(model_cfg, engine_cfg, mesh)
     ec, cfg = engine_cfg, model_cfg
     data, _ = mesh_sizes(mesh)
-    cache_dtype = jnp.dtype(cache_dtype or ec.cache_dtype or param_dtype)
+    cache_dtype = jnp.dtype(cache_dtype or ec.block_dtype(param_dtype))
     programs = build_programs(cfg, ec, cache_dtype, mesh=mesh, platform=platform)
     B, S, K, H, V = ec.num_slots, ec.max_seq_len, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
     paged = programs.layout == "paged"
     if paged:
-        pages = data * ec.pool_pages(page_bytes(cfg, ec.page_size, cache_dtype), data)
-        cache = pool_structs(cfg, pages, ec.page_size, cache_dtype, mesh, impl=ec.attention_impl, platform=platform)
+        store = jnp.dtype(ec.storage_dtype(cache_dtype))  # the pool's (FP8 with kv_dtype float8_e4m3fn)
+        pages = data * ec.pool_pages(page_bytes(cfg, ec.page_size, store), data, pool_scale_bytes(cfg, store))
+        cache = pool_structs(cfg, pages, ec.page_size, store, mesh, impl=ec.attention_impl, platform=platform)
         cache_fields = _CACHE_FIELDS + _PAGED_FIELDS
     else:
         layer = jax.ShapeDtypeStruct((B, K, S, H), cache_dtype, sharding=cache_sharding(cfg, ec, mesh))

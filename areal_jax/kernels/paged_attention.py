@@ -13,6 +13,13 @@ One layer's pool holds keys and values in one of two layouts, chosen by the kern
   "combined"  k `[P, S, 2K, H]`, keys and values of a token side by side (kv head j's key at 2j, its
               value at 2j + 1) and v None: jax's TPU `ragged_paged_attention` reads a page of both
               in one copy. Converting per step would read the whole pool, so the pool is built so.
+An FP8 pool (dtype float8_e4m3fn) also holds one scale per kv head for keys and one for values,
+`k_scale, v_scale [K]` fp32: a stored element is `x / scale` rounded to e4m3 and saturated at
++-448, and reads take `stored * scale`. The scales are set by the first write that carries live
+tokens of a head (`write_tokens(..., calibrate=True)`: the prefills), so that write's largest
+magnitude lands at 448 / FP8_HEADROOM, and are fixed from then on: every token of a head shares
+them, so a kernel folds them into its query (keys) and output (values) instead of scaling pages,
+which is also how jax's TPU kernel (one float per call) can take them.
 A token's place in the pool is its *flat index* `page * S + offset`. A slot's page table
 `[M]` lists the pages holding its positions 0, S, 2S, ... in order; entries past the slot's last
 page are ignored (any value in [0, P)). Pages of different slots may lie anywhere in the pool and
@@ -41,6 +48,11 @@ from areal_jax.kernels.dispatch import KernelTable, current_platform
 logger = logging.getLogger(__name__)
 
 LAYOUTS = ("heads", "combined")
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
+FP8_MAX = float(jnp.finfo(FP8).max)  # 448
+# A calibrating write maps its largest magnitude to FP8_MAX / FP8_HEADROOM: later tokens up to 4x
+# larger still fit unsaturated, and the smallest normal e4m3 value (2^-6) stays ~2^-15 of the largest.
+FP8_HEADROOM = 4.0
 
 _NEG = float(jnp.finfo(jnp.float32).min)
 
@@ -48,38 +60,53 @@ _NEG = float(jnp.finfo(jnp.float32).min)
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagePool:
-    """One layer's pages: k, v `[K, P, S, H]` ("heads") or k `[P, S, 2K, H]`, v None ("combined")."""
+    """One layer's pages: k, v `[K, P, S, H]` ("heads") or k `[P, S, 2K, H]`, v None ("combined");
+    FP8 pages with per-kv-head scales k_scale, v_scale `[K]` fp32 (0 until calibrated), else None."""
 
     k: jax.Array
     v: jax.Array | None
     layout: str = dataclasses.field(default="heads", metadata=dict(static=True))
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
             raise ValueError(f"PagePool.layout must be one of {LAYOUTS}, got {self.layout!r}")
+        # Specs and tree-map placeholders have no dtype; FP8 pages without scales could not be read.
+        if getattr(self.k, "dtype", None) == FP8 and (self.k_scale is None or self.v_scale is None):
+            raise ValueError("PagePool: float8_e4m3fn pages need k_scale and v_scale (PagePool.zeros makes them)")
 
     @classmethod
     def zeros(cls, num_kv_heads: int, num_pages: int, page_size: int, head_dim: int, dtype, *,
               impl: str = "auto", platform: str | None = None) -> "PagePool":
         """An empty pool laid out for the kernel `impl` resolves to on `platform`."""
         layout = pool_layout(impl, platform)
+        scales = ((jnp.zeros((num_kv_heads,), jnp.float32),) * 2) if jnp.dtype(dtype) == FP8 else (None, None)
         if layout == "combined":
-            return cls(jnp.zeros((num_pages, page_size, 2 * num_kv_heads, head_dim), dtype), None, layout)
+            return cls(jnp.zeros((num_pages, page_size, 2 * num_kv_heads, head_dim), dtype), None, layout, *scales)
         shape = (num_kv_heads, num_pages, page_size, head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), layout, *scales)
 
     def __iter__(self):  # k, v as the NamedTuple this class replaced unpacked (v None when "combined")
         return iter((self.k, self.v))
 
     @staticmethod
-    def partition_spec(heads: str | None = None, pages: str | None = None, *, layout: str = "heads") -> "PagePool":
+    def partition_spec(heads: str | None = None, pages: str | None = None, *, layout: str = "heads",
+                       scaled: bool = False) -> "PagePool":
         """PartitionSpecs of a pool with its kv heads over mesh axis `heads` and its pages over mesh
-        axis `pages` (None: whole), in `layout`'s axis order. Sharding the combined heads `2K` in
-        contiguous blocks keeps each kv head's key and value on one device."""
+        axis `pages` (None: whole), in `layout`'s axis order; `scaled`: an FP8 pool's scales, over
+        `heads`. Sharding the combined heads `2K` in contiguous blocks keeps each kv head's key and
+        value on one device."""
+        scales = (PartitionSpec(heads),) * 2 if scaled else (None, None)
         if layout == "combined":
-            return PagePool(PartitionSpec(pages, None, heads, None), None, "combined")
+            return PagePool(PartitionSpec(pages, None, heads, None), None, "combined", *scales)
         spec = PartitionSpec(heads, pages, None, None)
-        return PagePool(spec, spec)
+        return PagePool(spec, spec, "heads", *scales)
+
+    @property
+    def quantized(self) -> bool:
+        """FP8 pages with per-kv-head scales."""
+        return self.k_scale is not None
 
     @property
     def num_pages(self) -> int:
@@ -95,18 +122,68 @@ class PagePool:
 
     @property
     def nbytes(self) -> int:
-        return sum(x.size * x.dtype.itemsize for x in (self.k, self.v) if x is not None)
+        return sum(x.size * x.dtype.itemsize for x in (self.k, self.v, self.k_scale, self.v_scale) if x is not None)
 
     def heads_first(self) -> tuple[jax.Array, jax.Array]:
-        """k, v `[K, P, S, H]` whatever the layout (a copy for "combined": the reference's view)."""
+        """k, v `[K, P, S, H]` as stored, whatever the layout (a copy for "combined": the reference's view)."""
         if self.layout == "heads":
             return self.k, self.v
         return self.k[:, :, 0::2].transpose(2, 0, 1, 3), self.k[:, :, 1::2].transpose(2, 0, 1, 3)
 
+    def dequantized(self) -> tuple[jax.Array, jax.Array]:
+        """k, v `[K, P, S, H]` as values: `heads_first` times the scales (fp32) for an FP8 pool."""
+        k, v = self.heads_first()
+        if not self.quantized:
+            return k, v
+        return (k.astype(jnp.float32) * self.k_scale[:, None, None, None],
+                v.astype(jnp.float32) * self.v_scale[:, None, None, None])
+
 
 def pool_bytes_per_token(num_kv_heads: int, head_dim: int, dtype) -> int:
-    """Bytes one token's keys and values take in one layer's pool (either layout)."""
+    """Bytes one token's keys and values take in one layer's pool (either layout; an FP8 pool's
+    scales, `scale_bytes`, are per layer, not per token)."""
     return 2 * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
+
+
+def scale_bytes(num_kv_heads: int, dtype) -> int:
+    """Bytes of one layer's key and value scales: 2 x K fp32 for an FP8 pool, else 0."""
+    return 2 * num_kv_heads * 4 if jnp.dtype(dtype) == FP8 else 0
+
+
+def fold_scales(q: jax.Array, pool: PagePool) -> jax.Array:
+    """q `[B, N, H]` times its kv head's key scale (an FP8 pool; else q): scores over the stored
+    keys then equal scores over the dequantized ones. Kernels take this instead of scaling pages."""
+    if not pool.quantized:
+        return q
+    B, N, H = q.shape
+    K = pool.k_scale.shape[0]
+    scaled = q.reshape(B, K, N // K, H).astype(jnp.float32) * pool.k_scale[None, :, None, None]
+    return scaled.reshape(B, N, H).astype(q.dtype)
+
+
+def unfold_scales(out: jax.Array, pool: PagePool) -> jax.Array:
+    """An attention output `[B, N, H]` over the stored values, times its kv head's value scale (FP8)."""
+    if not pool.quantized:
+        return out
+    B, N, H = out.shape
+    K = pool.v_scale.shape[0]
+    scaled = out.reshape(B, K, N // K, H).astype(jnp.float32) * pool.v_scale[None, :, None, None]
+    return scaled.reshape(B, N, H).astype(out.dtype)
+
+
+def _calibrated(scale: jax.Array, x: jax.Array, live: jax.Array) -> jax.Array:
+    """`scale [K]`, with each head not yet calibrated (0) set from the live tokens of `x [T, K, H]`
+    (`live [T]`) so their largest magnitude maps to FP8_MAX / FP8_HEADROOM; a head with no live
+    token (or only zeros) stays 0."""
+    amax = jnp.max(jnp.where(live[:, None, None], jnp.abs(x.astype(jnp.float32)), 0.0), axis=(0, 2))  # [K]
+    return jnp.where((scale == 0) & (amax > 0), amax * FP8_HEADROOM / FP8_MAX, scale)
+
+
+def _quantize(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """`x [T, K, H]` over its head's scale `[K]`, saturated at +-448, as e4m3 (a 0 scale stores 0)."""
+    safe = jnp.where(scale > 0, scale, 1.0)[None, :, None]
+    y = jnp.clip(x.astype(jnp.float32) / safe, -FP8_MAX, FP8_MAX)
+    return jnp.where((scale > 0)[None, :, None], y, 0.0).astype(FP8)
 
 
 def flat_index(page_tables: jax.Array, positions: jax.Array, page_size: int) -> jax.Array:
@@ -116,23 +193,33 @@ def flat_index(page_tables: jax.Array, positions: jax.Array, page_size: int) -> 
     return jnp.where(positions >= 0, page * page_size + positions % page_size, -1)
 
 
-def write_tokens(pool: PagePool, k: jax.Array, v: jax.Array, index: jax.Array) -> PagePool:
+def write_tokens(pool: PagePool, k: jax.Array, v: jax.Array, index: jax.Array, *,
+                 calibrate: bool = False) -> PagePool:
     """Stores token keys/values `k, v [T, K, H]` at flat indices `index [T]`; an index outside
-    [0, P * S) (e.g. -1 for padding) writes nothing."""
+    [0, P * S) (e.g. -1 for padding) writes nothing. An FP8 pool stores them over its scales; with
+    `calibrate`, heads whose scales are unset take them from this write's live tokens first. Only
+    writes that see the whole pool's replicas calibrate (the prefills'; a decode step writes per
+    replica under shard_map and would set different scales on each)."""
     P, S = pool.num_pages, pool.page_size
-    index = jnp.where((index >= 0) & (index < P * S), index, P * S)  # P * S is out of bounds: dropped
+    live = (index >= 0) & (index < P * S)
+    index = jnp.where(live, index, P * S)  # P * S is out of bounds: dropped
+    k_scale, v_scale = pool.k_scale, pool.v_scale
+    if pool.quantized:
+        if calibrate:
+            k_scale, v_scale = _calibrated(k_scale, k, live), _calibrated(v_scale, v, live)
+        k, v = _quantize(k, k_scale), _quantize(v, v_scale)
     if pool.layout == "combined":
         _, _, C, H = pool.k.shape
         kv = jnp.stack([k, v], axis=2).reshape(k.shape[0], C, H)  # [T, 2K, H]: key j at 2j, value at 2j + 1
         flat = pool.k.reshape(P * S, C, H).at[index].set(kv.astype(pool.k.dtype), mode="drop")
-        return PagePool(flat.reshape(P, S, C, H), None, "combined")
+        return PagePool(flat.reshape(P, S, C, H), None, "combined", k_scale, v_scale)
     K, _, _, H = pool.k.shape
 
     def put(pages, x):
         flat = pages.reshape(K, P * S, H).at[:, index].set(x.transpose(1, 0, 2).astype(pages.dtype), mode="drop")
         return flat.reshape(K, P, S, H)
 
-    return PagePool(put(pool.k, k), put(pool.v, v))
+    return PagePool(put(pool.k, k), put(pool.v, v), "heads", k_scale, v_scale)
 
 
 def reference_paged_attention(q: jax.Array, pool: PagePool, lengths: jax.Array, page_tables: jax.Array) -> jax.Array:
@@ -141,9 +228,10 @@ def reference_paged_attention(q: jax.Array, pool: PagePool, lengths: jax.Array, 
 
     Gathers all M pages of every slot, so it reads B * M pages whatever the lengths: the reference
     semantics and the CPU path, not the cost the kernels have. A slot with length 0 gets zeros.
+    An FP8 pool's pages are dequantized (times their scales) first.
     """
     B, N, H = q.shape
-    pool_k, pool_v = pool.heads_first()
+    pool_k, pool_v = pool.dequantized()
     K, _, S, _ = pool_k.shape
     G = N // K
     M = page_tables.shape[1]
@@ -154,6 +242,7 @@ def reference_paged_attention(q: jax.Array, pool: PagePool, lengths: jax.Array, 
     live = jnp.arange(M * S)[None, :] < lengths[:, None]  # [B, M*S]
     scores = jnp.where(live[:, None, None], scores, _NEG)
     probs = jax.nn.softmax(scores, axis=-1)
+    values = values.astype(q.dtype) if pool.quantized else values
     out = jnp.einsum("bkgs,kbsh->bkgh", probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
     out = jnp.where((lengths > 0)[:, None, None, None], out, 0.0)
     return out.reshape(B, N, H).astype(q.dtype)
@@ -171,7 +260,8 @@ kernel_name = KERNELS.kernel_name
 
 def register_pallas_kernel(platform: str, kernel: Callable[..., jax.Array], *, layout: str = "heads",
                            name: str = "pallas", limits: Callable[[int, int], str | None] | None = None) -> None:
-    """`limits(head_dim, page_size)`: why the kernel cannot take those shapes, or None."""
+    """`limits(head_dim, page_size, slots, pages_per_slot, kv_heads, kv_itemsize)` (per kernel call;
+    later ones may be left out): why the kernel cannot take those shapes, or None."""
     if layout not in LAYOUTS:
         raise ValueError(f"register_pallas_kernel: layout must be one of {LAYOUTS}, got {layout!r}")
     KERNELS.register(platform, kernel, name=name, limits=limits, layout=layout)
@@ -200,7 +290,9 @@ def paged_attention(q: jax.Array, pool: PagePool, lengths: jax.Array, page_table
     heads_axis, replica_axis = (a if a is not None and not mesh.empty and mesh.shape.get(a, 1) > 1 else None
                                 for a in (heads_axis, replica_axis))
     slots_per_call = page_tables.shape[0] // (mesh.shape[replica_axis] if replica_axis is not None else 1)
-    unfit = KERNELS.unfit(platform, q.shape[-1], pool.page_size, slots_per_call, page_tables.shape[1])
+    heads_per_call = pool.num_kv_heads // (mesh.shape[heads_axis] if heads_axis is not None else 1)
+    unfit = KERNELS.unfit(platform, q.shape[-1], pool.page_size, slots_per_call, page_tables.shape[1],
+                          heads_per_call, jnp.dtype(pool.k.dtype).itemsize)
     if pool.layout != entry.layout:
         unfit = (f"the {current_platform(platform)} kernel reads a {entry.layout!r} pool, got {pool.layout!r}: "
                  "build it with PagePool.zeros(..., impl=, platform=) as attention runs")
@@ -210,12 +302,13 @@ def paged_attention(q: jax.Array, pool: PagePool, lengths: jax.Array, page_table
                            "reference gather: %s", entry.name, unfit)
             return reference_paged_attention(q, pool, lengths, page_tables)
         raise ValueError(f"paged_attention: {unfit}")
-    kernel = functools.partial(entry.fn, **options)
+    kernel = functools.partial(entry.fn, **options)  # an FP8 pool's scales travel in the pool
     if heads_axis is None and replica_axis is None:
         return kernel(q, pool, lengths, page_tables)
     slots = PartitionSpec(replica_axis)
     return jax.shard_map(
         kernel, mesh=mesh, check_vma=False, out_specs=PartitionSpec(replica_axis, heads_axis, None),
         in_specs=(PartitionSpec(replica_axis, heads_axis, None),
-                  PagePool.partition_spec(heads_axis, replica_axis, layout=pool.layout), slots, slots),
+                  PagePool.partition_spec(heads_axis, replica_axis, layout=pool.layout, scaled=pool.quantized),
+                  slots, slots),
     )(q, pool, lengths, page_tables)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from areal_jax.kernels.paged_attention import PagePool, register_pallas_kernel
+from areal_jax.kernels.paged_attention import PagePool, fold_scales, register_pallas_kernel, unfold_scales
 
 _MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: exp(mask - max) is 0, never NaN
 
@@ -52,6 +52,8 @@ def _kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *
         pages = tables_ref[pl.ds(i * C, C)]  # [C]
         k = k_ref[pages].reshape(C * S, H)
         v = v_ref[pages].reshape(C * S, H)
+        if k.dtype == jnp.float8_e4m3fn:  # FP8 pages: upcast in registers (their scales are folded outside)
+            v = v.astype(q.dtype)
         s = plgpu.dot(q, k.astype(q.dtype), trans_b=True) * scale  # [Gp, C*S] fp32
         position = (first_page + i * C) * S + jnp.arange(C * S)
         s = jnp.where((position < length)[None, :], s, _MASK)
@@ -69,7 +71,8 @@ def _kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *
     l_ref[...] = l
 
 
-def limits(head_dim: int, page_size: int, slots: int = 0, pages_per_slot: int = 0) -> str | None:
+def limits(head_dim: int, page_size: int, slots: int = 0, pages_per_slot: int = 0, kv_heads: int = 0,
+           kv_itemsize: int = 0) -> str | None:
     """Triton loads blocks whose sizes are powers of two (the page table stays in HBM: any size)."""
     if not (_pow2(page_size) and _pow2(head_dim)):
         return f"page_size {page_size} and head_dim {head_dim} must be powers of two (Triton's loads)"
@@ -80,7 +83,9 @@ def limits(head_dim: int, page_size: int, slots: int = 0, pages_per_slot: int = 
 def pallas_triton_paged_attention(q: jax.Array, pool: PagePool, lengths: jax.Array, page_tables: jax.Array, *,
                                   pages_per_block: int | None = None, splits: int = 1, num_warps: int = 4,
                                   num_stages: int = 2, interpret: bool = False) -> jax.Array:
-    """`reference_paged_attention`'s semantics on a "heads" pool; reads only live pages.
+    """`reference_paged_attention`'s semantics on a "heads" pool; reads only live pages. An FP8
+    pool's pages are read as bytes and upcast in the kernel; its per-kv-head scales are folded into
+    q (keys) and the output (values) around it.
 
     pages_per_block: pages per online-softmax block (a power of two; default: 128 tokens' worth).
     splits: programs per slot and kv head, each over a contiguous share of the page table.
@@ -104,7 +109,7 @@ def pallas_triton_paged_attention(q: jax.Array, pool: PagePool, lengths: jax.Arr
     per_split = -(-per_split // C) * C  # whole blocks per split
     tables = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, per_split * splits - M)))  # padding: page 0, never live
     tables = tables.reshape(B, splits, per_split)
-    qg = jnp.pad(q.reshape(B, K, G, H), ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
+    qg = jnp.pad(fold_scales(q, pool).reshape(B, K, G, H), ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
     kernel = functools.partial(_kernel, pages_per_block=C, pages_per_split=per_split, scale=H ** -0.5)
     o, m, l = pl.pallas_call(
         kernel,
@@ -133,7 +138,7 @@ def pallas_triton_paged_attention(q: jax.Array, pool: PagePool, lengths: jax.Arr
     w = jnp.exp(m - m_all)  # [B, K, X, Gp]
     l_all = (l * w).sum(axis=2)
     out = (o * w[..., None]).sum(axis=2) / jnp.where(l_all > 0, l_all, 1.0)[..., None]
-    return out[:, :, :G].reshape(B, N, H).astype(q.dtype)
+    return unfold_scales(out[:, :, :G].reshape(B, N, H), pool).astype(q.dtype)
 
 
 # Also the planner's "cuda" targets: kernels.dispatch takes "cuda" for "gpu".

@@ -9,6 +9,11 @@ Its block sizes are passed explicitly: the kernel would otherwise look them up f
 `jax.devices()[0]`, which is the host's CPU when the planner compiles for a TPU target without one.
 The kernel copies whole blocks of pages (past a sequence's end it copies the sequence's first page
 again), so a block is kept short: about 256 tokens.
+
+An FP8 pool: the kernel's `k_scale`/`v_scale` are one static float per call, so they are passed as
+1.0 (which makes it upcast the e4m3 pages, via fp32, to the query's dtype in VMEM) and the pool's
+per-kv-head scales are folded into the query and the output around it. Its e4m3 pages pack four to
+a 32-bit word, so a call's combined heads 2K must be a multiple of 4 (XLA's tiling).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
-from areal_jax.kernels.paged_attention import PagePool, register_pallas_kernel
+from areal_jax.kernels.paged_attention import PagePool, fold_scales, register_pallas_kernel, unfold_scales
 
 MiB = 1 << 20
 
@@ -36,15 +41,21 @@ def block_sizes(num_slots: int, page_size: int, pages_per_slot: int, combined_he
 
 def ragged_arguments(q: jax.Array, pool: PagePool, lengths: jax.Array, page_tables: jax.Array) -> tuple:
     """The decode step as `ragged_paged_attention`'s (and its `ref_ragged_paged_attention`'s)
-    positional arguments: slot b is sequence b, its one query token at position lengths[b] - 1."""
+    positional arguments: slot b is sequence b, its one query token at position lengths[b] - 1. An
+    FP8 pool's key scales are folded into the queries (`kernel_scales` gives the call's floats)."""
     if pool.layout != "combined":
         raise ValueError(f"ragged_paged_attention reads a 'combined' pool, got {pool.layout!r}")
     B = q.shape[0]
-    return (q, pool.k,
+    return (fold_scales(q, pool), pool.k,
             jnp.maximum(lengths, 1).astype(jnp.int32),  # the kernel wants kv_len >= q_len; empty slots are zeroed after
             page_tables.astype(jnp.int32),
             jnp.arange(B + 1, dtype=jnp.int32),  # cu_q_lens: one query per slot
             jnp.array([B], jnp.int32))  # num_seqs
+
+
+def kernel_scales(pool: PagePool) -> dict:
+    """The kernel's k_scale / v_scale: 1.0 for an FP8 pool (upcast, the real scales folded), else none."""
+    return dict(k_scale=1.0, v_scale=1.0) if pool.quantized else {}
 
 
 @functools.partial(jax.jit, static_argnames=("tokens_per_block",))
@@ -56,21 +67,30 @@ def ragged_paged_decode(q: jax.Array, pool: PagePool, lengths: jax.Array, page_t
     _, S, C, _ = pool.k.shape
     kv_pages, queries, vmem = block_sizes(B, S, page_tables.shape[1], C, H, pool.k.dtype.itemsize, tokens_per_block)
     out = ragged_paged_attention(*args, sm_scale=H ** -0.5, num_kv_pages_per_block=kv_pages,
-                                 num_queries_per_block=queries, vmem_limit_bytes=vmem)
-    return jnp.where((lengths > 0)[:, None, None], out, 0).astype(q.dtype)
+                                 num_queries_per_block=queries, vmem_limit_bytes=vmem, **kernel_scales(pool))
+    return jnp.where((lengths > 0)[:, None, None], unfold_scales(out, pool), 0).astype(q.dtype)
 
 
 # Scalar memory per TensorCore, as libtpu reports it when a program overflows it (v5e, v5p).
 SMEM_BYTES = 1 << 20
 
 
-def limits(head_dim: int, page_size: int, slots: int = 0, pages_per_slot: int = 0) -> str | None:
-    """The kernel's running max and sum are 128 lanes wide, broadcast over the head dim; and it
+def limits(head_dim: int, page_size: int, slots: int = 0, pages_per_slot: int = 0, kv_heads: int = 0,
+           kv_itemsize: int = 0) -> str | None:
+    """The kernel's running max and sum are 128 lanes wide, broadcast over the head dim; it
     prefetches its scalar operands (the page table, lengths, query offsets) into SMEM, which libtpu
-    refuses to overflow (`RESOURCE_EXHAUSTED ... prefetched SMEM operand`). `slots` are those of
-    one kernel call (one replica's shard)."""
+    refuses to overflow (`RESOURCE_EXHAUSTED ... prefetched SMEM operand`); and its combined heads
+    2K must tile whole 32-bit words (`get_min_heads_per_blk`). `slots` and `kv_heads` are those of
+    one kernel call (one replica's, one tensor shard's)."""
     if head_dim % 128:
         return f"head_dim {head_dim} must be a multiple of 128 (ragged_paged_attention's lanes)"
+    packing = 4 // kv_itemsize if kv_itemsize in (1, 2) else 1
+    words = 2 * kv_heads // packing
+    if kv_heads and ((2 * kv_heads) % packing or not (words in (1, 2, 4, 8) or words % 8 == 0)):
+        return (f"{kv_heads} kv head(s) per call give {2 * kv_heads} combined heads of {kv_itemsize}-byte values, "
+                f"which XLA cannot tile ({packing} to a 32-bit word; ragged_paged_attention's "
+                "get_min_heads_per_blk): fewer tensor shards per replica (MeshConfig.generation_tensor) or "
+                "EngineConfig.kv_dtype bfloat16")
     scalars = 4 * (slots * pages_per_slot + 2 * slots + 2)  # page table, kv lens, cu_q_lens, num_seqs
     if scalars > SMEM_BYTES:
         most = (SMEM_BYTES // 4 - 2) // (pages_per_slot + 2)

@@ -70,7 +70,8 @@ def prefill_into_pages(params: Params, cfg: ModelConfig, input_ids: jax.Array, s
     positions, kvs = packed_kv(params, cfg, input_ids, segment_ids, compute_dtype or params["embed"].dtype)
     tables = page_tables[jnp.clip(slot_ids, 0, page_tables.shape[0] - 1)].reshape(R * W, -1)  # [R*W, M]
     index = flat_index(tables, jnp.where(segment_ids > 0, positions, -1).reshape(R * W, 1), pools[0].page_size)
-    return tuple(write_tokens(pool, k.reshape(R * W, *k.shape[2:]), v.reshape(R * W, *v.shape[2:]), index[:, 0])
+    return tuple(write_tokens(pool, k.reshape(R * W, *k.shape[2:]), v.reshape(R * W, *v.shape[2:]), index[:, 0],
+                              calibrate=True)
                  for (k, v), pool in zip(kvs, pools, strict=True))
 
 
