@@ -27,17 +27,21 @@
 #   moe        bench/moe_gpu_check.py (issue 29): the MoE grouped matmul's Mosaic GPU kernels against
 #              XLA's ragged dot on a Qwen3-30B-A3B expert layer: forward and gradients compared,
 #              seconds per forward+backward of each.
+#   engine     bench/engine_speed_check.py (issue 41): paged decode attention and the engine's decode
+#              tokens/s with the KV pool in bfloat16 vs float8_e4m3fn (EngineConfig.kv_dtype), and
+#              wall tokens/s with weight swaps every few rounds under EngineConfig.on_swap "recompute"
+#              vs "keep" (tokens re-prefilled, prefill seconds).
 #   tests      tests/test_generation.py + tests/test_train_step.py + tests/test_paged_kernels.py (the
 #              Pallas paged kernel natively against the reference) on the GPU.
 #   quickstart the command launch/quickstart.sh execs (the script itself would build .venv from the
 #              registry), capped by the time left; summary.json and metrics.jsonl are copied to $OUT.
 #
-# $OUT gets at most 7 files (the device tool returns 8): accelerator_check.json (every step's status
+# $OUT gets at most 8 files (the device tool returns 8): accelerator_check.json (every step's status
 # and figures), accelerator_check.log, probe.json, paged_check.json, moe_gpu_check.json,
-# quickstart_summary.json, quickstart_metrics.jsonl.
+# engine_speed_check.json, quickstart_summary.json, quickstart_metrics.jsonl.
 #
 # Environment: OUT, AREAL_WHEELS, AREAL_PYTHON; AREAL_CHECK_BUDGET_S (whole run, default 460),
-# AREAL_CHECK_STEPS (default "probe paged moe tests quickstart"; setup always runs); AREAL_CHECK_ALLOW_CPU=1 runs on a
+# AREAL_CHECK_STEPS (default "probe paged moe engine tests quickstart"; setup always runs); AREAL_CHECK_ALLOW_CPU=1 runs on a
 # machine without a GPU (probe --tiny: to try the script itself).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -101,7 +105,7 @@ exec > >(tee -a "$LOG") 2>&1
 TEE_PID=$!
 
 BUDGET_S="${AREAL_CHECK_BUDGET_S:-460}"
-STEPS="${AREAL_CHECK_STEPS:-probe paged moe tests quickstart}"
+STEPS="${AREAL_CHECK_STEPS:-probe paged moe engine tests quickstart}"
 START=$(date +%s)
 WORK="${TMPDIR:-/tmp}/areal_accelerator_check"
 SITE="$WORK/site"  # packages the chosen python lacks
@@ -225,7 +229,7 @@ if step_setup; then status=ok; else status=failed; fi
 record setup "$status" "$(( $(date +%s) - t0 ))" "$SETUP_NOTE"
 log "=== setup: $status: $SETUP_NOTE"
 if [ -z "$PY" ]; then
-  for s in probe paged moe tests quickstart; do record "$s" skipped 0 "no python with jax on a GPU"; done
+  for s in probe paged moe engine tests quickstart; do record "$s" skipped 0 "no python with jax on a GPU"; done
 else
   if [ "$PLATFORM" = gpu ]; then
     export JAX_PLATFORMS=cuda  # tests/conftest.py sets cpu only when JAX_PLATFORMS is unset
@@ -240,6 +244,8 @@ else
   run_step paged 200 "$PY" -m bench.paged_check "${PROBE_ARGS[@]}" --out "$OUT/paged_check.json"
 
   run_step moe 120 "$PY" -m bench.moe_gpu_check "${PROBE_ARGS[@]}" --out "$OUT/moe_gpu_check.json"
+
+  run_step engine 150 "$PY" -m bench.engine_speed_check "${PROBE_ARGS[@]}" --out "$OUT/engine_speed_check.json"
 
   # One GPU: the tests that build 2x2 meshes over jax.devices() need several devices. fp32 matmuls
   # at full precision, since the tests compare against fp32 references (GPUs default to TF32).
@@ -288,6 +294,7 @@ result = {
     "probe": load("probe.json"),
     "paged": load("paged_check.json"),
     "moe": load("moe_gpu_check.json"),
+    "engine": load("engine_speed_check.json"),
     "tests": {"summary": closing[-1] if closing else None, "failed": failed,
               "counts": {o: list(outcomes.values()).count(o) for o in sorted(set(outcomes.values()))}},
     "quickstart": {"summary": load("quickstart_summary.json"),
@@ -326,6 +333,22 @@ if m:
           f"({m['speedup']:.2f}x, {m['kernel_tflops']:.0f} TFLOP/s); largest relative error {max(m['relative_error'].values()):.3g}")
 if (result["moe"] or {}).get("errors"):
     print(f"  moe errors: {result['moe']['errors']}")
+e = result["engine"] or {}
+if "kernel" in e:
+    k = e["kernel"]
+    print(f"  fp8 kernel  {k['kernel']}: {k['float8_e4m3fn']['s'] * 1e6:.0f} us vs bf16 {k['bfloat16']['s'] * 1e6:.0f} us "
+          f"({k['fp8_speedup']:.2f}x)")
+if "decode" in e:
+    d = e["decode"]
+    print(f"  fp8 decode  {d['float8_e4m3fn']['decode_tokens_per_s']:.0f} vs bf16 {d['bfloat16']['decode_tokens_per_s']:.0f} "
+          f"tokens/s ({d['fp8_over_bf16_decode']:.2f}x)")
+if "swap" in e:
+    w = e["swap"]
+    print(f"  on_swap     keep {w['keep']['wall_tokens_per_s']:.0f} vs recompute {w['recompute']['wall_tokens_per_s']:.0f} "
+          f"tokens/s ({w['keep_over_recompute_wall']:.2f}x); re-prefilled {w['recompute']['reprefill_tokens']:.0f} vs "
+          f"{w['keep']['reprefill_tokens']:.0f} tokens")
+if e.get("errors"):
+    print(f"  engine errors: {e['errors']}")
 tests = result["tests"]
 shown = tests["summary"] or (f"cut short after {tests['counts']}" if tests["counts"] else "not run")
 print(f"  tests       {shown}; failed: {failed or 'none'}")

@@ -101,6 +101,10 @@ def test_take_slots_keeps_a_busy_replica_s_watermark():
     (dict(kv_pool_pages=-1), "kv_pool_pages"),
     (dict(kv_pool_pages=64, kv_pool_bytes=1 << 20), "both set"),
     (dict(max_seq_len=64, page_size=16, kv_pool_pages=3), "less than one sequence"),
+    (dict(kv_dtype="float16"), "kv_dtype must be None"),
+    (dict(kv_dtype="float8_e4m3fn", kv_layout="dense"), "needs the paged KV cache"),
+    (dict(kv_dtype="bfloat16", cache_dtype="float32"), "set one"),
+    (dict(on_swap="drop"), "on_swap must be one of"),
 ])
 def test_paged_config_is_validated(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -118,3 +122,24 @@ def test_pool_size_by_pages_bytes_or_default():
     assert EngineConfig(kv_layout="auto").layout("cpu") == "dense"
     assert EngineConfig(kv_layout="auto").layout("tpu") == "paged"
     assert EngineConfig(kv_layout="paged").layout("cpu") == "paged"
+
+
+def test_fp8_kv_counts_one_byte_per_element_plus_scales():
+    """kv_dtype float8_e4m3fn: 1 byte per stored element, 2 x layers x kv heads fp32 scales besides
+    the pages; a pool of the same bytes holds about twice a bf16 pool's pages (exactly: the bytes
+    less the scales over the FP8 page). Default (None): today's cache_dtype or the weights'."""
+    L, K, H, S = 28, 4, 128, 16
+    fp8 = EngineConfig(max_seq_len=1024, page_size=S, kv_pool_bytes=1 << 30, kv_dtype="float8_e4m3fn")
+    bf16 = EngineConfig(max_seq_len=1024, page_size=S, kv_pool_bytes=1 << 30, kv_dtype="bfloat16")
+    default = EngineConfig(max_seq_len=1024, page_size=S, kv_pool_bytes=1 << 30)
+    assert (fp8.kv_itemsize("bfloat16"), bf16.kv_itemsize("float32"), default.kv_itemsize("float32")) == (1, 2, 4)
+    assert (fp8.storage_dtype("bfloat16"), fp8.block_dtype("bfloat16"), bf16.block_dtype("float32")) == \
+        ("float8_e4m3fn", "bfloat16", "bfloat16")
+    assert fp8.kv_scale_bytes(L, K, "bfloat16") == 2 * 4 * L * K and bf16.kv_scale_bytes(L, K, "bfloat16") == 0
+    page = lambda ec: 2 * L * K * H * S * ec.kv_itemsize("bfloat16")  # noqa: E731
+    pages_fp8 = fp8.pool_pages(page(fp8), 1, fp8.kv_scale_bytes(L, K, "bfloat16"))
+    pages_bf16 = bf16.pool_pages(page(bf16))
+    assert pages_fp8 == ((1 << 30) - 2 * 4 * L * K) // (2 * L * K * H * S) and pages_bf16 == (1 << 30) // page(bf16)
+    assert 2 * pages_bf16 - 1 <= pages_fp8 <= 2 * pages_bf16
+    assert EngineConfig(kv_dtype="float8_e4m3fn").layout("cpu") == "paged"  # only the paged cache holds FP8
+    assert EngineConfig().on_swap == "recompute" and EngineConfig().kv_dtype is None

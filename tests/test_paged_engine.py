@@ -344,3 +344,32 @@ def test_keep_swap_continues_on_the_old_kv_records_versions_and_reprefills_nothi
             assert tokens[i] == int(jnp.argmax(logits[0, 0])), (prompt, i)
             np.testing.assert_allclose(logprobs[i], jax.nn.log_softmax(logits[0, 0])[tokens[i]], atol=2e-5)
     assert swapped >= 2
+
+
+def test_fp8_behaviour_logprobs_are_the_engines_and_the_lag0_gap_shows_it():
+    """The log-probs an FP8 engine records are its own: against an fp32 trainer at the same weights,
+    `fresh_logp_gap` (the trainer loop's rollout/behav_logp_gap: mean |engine - trainer| over the
+    tokens the trained version sampled) is ~0 for an fp32-cache engine and clearly above it for
+    the FP8 one; tokens of another version are not counted (NaN when there are none)."""
+    from areal_jax.ppo import AdvantageConfig
+    from areal_jax.rollout.types import Trajectory, TrajectoryGroup
+    from areal_jax.trainer.batching import build_sequences, make_microbatches
+    from areal_jax.trainer.optimizer import OptimizerConfig
+    from areal_jax.trainer.train_step import PolicyTrainer, PPOConfig
+
+    params = init_params(CFG, 0, std=0.05)
+    sp = SamplingParams(max_new_tokens=24, temperature=1.0)
+    gaps = {}
+    for name, config in (("f32", {}), ("fp8", dict(kv_dtype="float8_e4m3fn"))):
+        _, out = _run(params, sp=sp, n=2, kv_layout="paged", page_size=8, **config)
+        rows = tuple(Trajectory(np.asarray(p, np.int32), t, lp, v, 1.0 if i else 0.0)
+                     for p, group in zip(PROMPTS, out) for i, (t, lp, v, _) in enumerate(group))
+        seqs = build_sequences([TrajectoryGroup("0", rows, 0)], AdvantageConfig())
+        minibatches = make_microbatches(seqs, max_tokens_per_microbatch=128, num_minibatches=1, buckets=(64, 128))
+        for version in (0, 1):
+            trainer = PolicyTrainer(CFG, params, OptimizerConfig(), PPOConfig(temperature=1.0))
+            gaps[name, version] = trainer.train_step(minibatches, current_version=version)
+    assert gaps["f32", 0]["fresh_logp_gap"] < 1e-4
+    assert gaps["fp8", 0]["fresh_logp_gap"] > 10 * max(gaps["f32", 0]["fresh_logp_gap"], 1e-5)
+    assert gaps["fp8", 0]["fresh_logp_gap"] == pytest.approx(gaps["fp8", 0]["behav_logp_gap"], rel=1e-5)
+    assert np.isnan(gaps["fp8", 1]["fresh_logp_gap"]) and gaps["fp8", 1]["behav_logp_gap"] > 0

@@ -105,3 +105,18 @@ def test_paged_workload_fields_are_validated():
     with pytest.raises(ValueError, match="holds less than one sequence"):
         SimEngine(ENGINE, 1, LinearCosts(), EventQueue(), on_group_done=lambda g: None, on_swap=lambda: None,
                   pool_pages=5, page_size=16)
+
+
+def test_keep_swaps_reprefill_nothing_and_recompute_swaps_reprefill_every_history():
+    """EngineConfig.on_swap in the simulator: async with eta 2 swaps weights under in-flight samples;
+    "recompute" re-prefills their histories (and pays for it), "keep" re-prefills nothing and so
+    trains at least as fast at the same decode costs."""
+    costs = LinearCosts(decode_step=1e-3, decode_token=2e-7, reprefill_call=5e-3, reprefill_token=1e-5, train_step=0.05)
+    row = RowConfig(mode="async", eta=2, generation_devices=2, steps=8, warmup_steps=2)
+    out = {}
+    for on_swap in ("recompute", "keep"):
+        workload = dataclasses.replace(WORKLOAD, engine=dataclasses.replace(ENGINE, on_swap=on_swap))
+        out[on_swap] = simulate(row, "uniform:lo=50,hi=380", workload, costs)
+    assert out["recompute"].reprefill_per_trained_token > 0.0
+    assert out["keep"].reprefill_per_trained_token == 0.0
+    assert out["keep"].trained_tokens_per_s >= out["recompute"].trained_tokens_per_s

@@ -25,6 +25,7 @@ class EngineStatsView(Protocol):
 
     tokens_per_s: float  # generation throughput since the engine started
     preempted_samples: int  # samples evicted and re-run (0 for an engine that never preempts)
+    reprefill_tokens: int  # history tokens prefilled again (weight swaps, resumed preemptions) so far
 
 
 @runtime_checkable

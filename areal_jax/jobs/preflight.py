@@ -113,8 +113,9 @@ def check_model_fit(cfg: JobConfigs, platform: str) -> None:
     try:
         KERNELS.resolve(engine.attention_impl, platform)
         if engine.kv_pool_bytes and local:
-            engine.pool_pages(page_bytes(_model_config(cfg), engine.page_size,
-                                         jnp.dtype(engine.cache_dtype or cfg.rl.generation_dtype or cfg.model.dtype)))
+            model, weights = _model_config(cfg), jnp.dtype(cfg.rl.generation_dtype or cfg.model.dtype)
+            engine.pool_pages(page_bytes(model, engine.page_size, jnp.dtype(engine.storage_dtype(weights))), 1,
+                              engine.kv_scale_bytes(model.num_layers, model.num_kv_heads, weights))
     except ValueError as e:
         raise ConfigError(f"EngineConfig: {e}") from None
 

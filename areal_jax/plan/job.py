@@ -273,7 +273,7 @@ def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files
                                 flop_counter=lambda s, n: analytic_flops(s, ctx, n), on_program=on_program,
                                 workers=workers)
     replica_engine = replica_engine_config(job.engine, meshes.generation_replicas_per_host)
-    cache_itemsize = jnp.dtype(job.engine.cache_dtype or gen_dtype(job)).itemsize
+    cache_itemsize = job.engine.kv_itemsize(gen_dtype(job))  # 1 with kv_dtype float8_e4m3fn
     kv_bytes_per_token = (2 * model_cfg.num_layers * (model_cfg.num_kv_heads // job.mesh.generation_tensor)
                           * model_cfg.head_dim * cache_itemsize)  # k and v, every layer, on one device
     # A decode step of a MoE model reads only the experts its slots touch (plan/estimate.py).
@@ -283,7 +283,9 @@ def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files
     if layout is not None and layout(target.platform) == "paged":
         page_bytes = replica_engine.page_size * kv_bytes_per_token * job.mesh.generation_tensor  # whole replica
         paged = paged_decode_figures(
-            slots=replica_engine.num_slots, pool_tokens=replica_engine.pool_pages(page_bytes) * replica_engine.page_size,
+            slots=replica_engine.num_slots, pool_tokens=replica_engine.pool_pages(
+                page_bytes, 1, job.engine.kv_scale_bytes(model_cfg.num_layers, model_cfg.num_kv_heads, gen_dtype(job)))
+            * replica_engine.page_size,
             mean_prompt=mean_prompt, mean_completion=mean_completion, page_size=replica_engine.page_size,
             decode_chunk=job.engine.decode_chunk, block_tokens=max(replica_engine.page_size,
                                                                     256 if target.platform == "tpu" else 128),

@@ -109,6 +109,9 @@ class ControllerStats:
     finished_reward_sum: float = 0.0
     # Samples the engine preempted so far (paged KV pool dry; recomputed later).
     generation_preempted_samples: int = 0
+    # History tokens the engine re-prefilled so far (weight swaps under on_swap "recompute", resumed
+    # preemptions).
+    generation_reprefill_tokens: int = 0
 
     @property
     def rejected_total(self) -> int:
@@ -323,7 +326,8 @@ class RolloutController:
                 paused=self._paused.is_set(), data_exhausted=self._exhausted,
                 admission_version=self._admission_version, generation_tokens_per_s=tokens_per_s, error=self._error,
                 finished_trajectories=self._finished_trajectories, finished_reward_sum=self._finished_reward_sum,
-                generation_preempted_samples=engine.preempted_samples)
+                generation_preempted_samples=engine.preempted_samples,
+                generation_reprefill_tokens=engine.reprefill_tokens)
 
     # ---- the loop -----------------------------------------------------------------------------
 

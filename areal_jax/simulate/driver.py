@@ -120,8 +120,6 @@ def paged_workload(job, plan_cfg, gin_files, target, workload):
     (EngineConfig.kv_layout; "auto" pages on accelerators): pool pages per replica from
     EngineConfig.kv_pool_pages / kv_pool_bytes (default: the dense cache's bytes), and the decode
     kernel's block (kernels/paged_gpu.py reads 128 tokens at a time, kernels/paged_tpu.py 256)."""
-    import jax.numpy as jnp
-
     from areal_jax.plan.job import gen_dtype, model_config_for
 
     engine = job.engine
@@ -129,18 +127,17 @@ def paged_workload(job, plan_cfg, gin_files, target, workload):
     if layout is None or layout(target.platform) != "paged":
         return workload
     model = model_config_for(job, plan_cfg, gin_files)
-    cache_itemsize = jnp.dtype(engine.cache_dtype or gen_dtype(job)).itemsize
+    cache_itemsize = engine.kv_itemsize(gen_dtype(job))  # 1 with kv_dtype float8_e4m3fn
     page_bytes = engine.page_size * 2 * model.num_layers * model.num_kv_heads * model.head_dim * cache_itemsize
+    scale_bytes = engine.kv_scale_bytes(model.num_layers, model.num_kv_heads, gen_dtype(job))
     replicas = workload.generation_replicas(workload.config_generation_devices)
     block = 256 if target.platform == "tpu" else 128
-    return dataclasses.replace(workload, kv_pool_pages=engine.pool_pages(page_bytes, replicas),
+    return dataclasses.replace(workload, kv_pool_pages=engine.pool_pages(page_bytes, replicas, scale_bytes),
                                page_size=engine.page_size, block_tokens=max(engine.page_size, block))
 
 
 def roofline_costs(job, plan_cfg, gin_files, target, workload, row, *, transfer_bytes_per_s, reward_s):
     """`RooflineCosts` of a row's split on `target` (plan/: the model's shapes, analytic FLOPs, published peaks)."""
-    import jax.numpy as jnp
-
     from areal_jax.plan.estimate import EstimateContext
     from areal_jax.plan.job import gen_dtype, model_config_for
     from areal_jax.simulate.costs import RooflineCosts
@@ -150,7 +147,7 @@ def roofline_costs(job, plan_cfg, gin_files, target, workload, row, *, transfer_
     engine, _ = workload.engine_for(row, scale=True)
     replicas = workload.generation_replicas(generating)
     weight_bytes = model.num_params() * gen_dtype(job).itemsize
-    cache_itemsize = jnp.dtype(job.engine.cache_dtype or gen_dtype(job)).itemsize
+    cache_itemsize = job.engine.kv_itemsize(gen_dtype(job))
     kv_bytes = 2 * model.num_layers * model.num_kv_heads * model.head_dim * cache_itemsize
     train_devices = row.train_devices(workload) * workload.hosts
     ctx = EstimateContext(model=model, fsdp=max(1, train_devices // (job.mesh.train_tensor * job.mesh.train_expert)),

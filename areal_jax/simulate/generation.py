@@ -1,6 +1,7 @@
 """One host's generation engine, simulated round by round as `generation/engine.py` schedules:
 
-    swap pending weights (interruptible: re-prefill every in-flight sample's history)
+    swap pending weights (interruptible: re-prefill every in-flight sample's history, unless
+    EngineConfig.on_swap is "keep")
     -> admit from the queue head into free slots (one prefill call per bucket batch)
     -> decode chunks of `decode_chunk` steps over every slot, at the window of the longest sequence
 
@@ -222,7 +223,7 @@ class SimEngine:
             group.prefix_kept = False
         ec = self.config
         histories = (self.prompt + self.generated - 1)[self.active].tolist()
-        if not histories:
+        if not histories or ec.on_swap == "keep":  # "keep": in-flight samples continue on their KV
             return 0.0
         cost = 0.0
         packed = [h for h in histories if h <= ec.pack_width]

@@ -53,6 +53,9 @@ COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 FORWARD_KEYS = ("input_ids", "targets", "segment_ids", "positions")
 LOSS_KEYS = (*FORWARD_KEYS, "loss_mask", "behavior_logprobs", "advantages")
 PROXIMAL_KEY = "proximal_logprobs"
+# `[R, T]` 1.0 where a token's version is the trainer's (lag 0), else 0.0; optional (train_step adds
+# it when it knows the version): the engine-vs-trainer log-prob gap of the same weights.
+FRESH_KEY = "fresh"
 # The engine's chosen experts `[R, T, L_moe, k]` (sparse layers, uint8/uint16; MoE policies), replayed
 # when PPOConfig.moe_routing is "replay"; prompt tokens carry the engine's prefill choices, padding zeros.
 MOE_ROUTING_KEY = "moe_routing"
@@ -100,8 +103,11 @@ def _loss_stats_shapes() -> dict[str, jax.ShapeDtypeStruct]:
     # its fair share, each summed as micro-batch value x valid tokens; assignments dropped (0);
     # (valid token, sparse layer) pairs whose own top-k set differs from the engine's record, and
     # how many pairs were compared (0 without a record). behav_logp_gap_sum: sum over valid tokens
-    # of |log pi_behav - log pi_theta| (this forward's log-probs).
+    # of |log pi_behav - log pi_theta| (this forward's log-probs); fresh_logp_gap_sum / n_fresh:
+    # the same over the valid tokens FRESH_KEY marks (sampled by the weights being trained), and
+    # their count (0 without the key).
     return {**shapes, "entropy_sum": scalar, "loss": scalar, "behav_logp_gap_sum": scalar,
+            "fresh_logp_gap_sum": scalar, "n_fresh": scalar,
             **{k: scalar for k in MOE_STATS}}
 
 
@@ -224,6 +230,9 @@ def build_train_programs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, optimizer: 
             stats["entropy_sum"] = jnp.sum(jnp.where(valid, entropy, 0.0))
             gap = jnp.abs(batch["behavior_logprobs"].astype(jnp.float32) - jax.lax.stop_gradient(logp))
             stats["behav_logp_gap_sum"] = jnp.sum(jnp.where(valid, gap, 0.0))
+            fresh = valid & (batch[FRESH_KEY] > 0) if FRESH_KEY in batch else jnp.zeros_like(valid)
+            stats["fresh_logp_gap_sum"] = jnp.sum(jnp.where(fresh, gap, 0.0))
+            stats["n_fresh"] = jnp.sum(fresh).astype(jnp.float32)
             stats.update({k: jnp.zeros((), jnp.float32) for k in MOE_STATS})
             if routing is not None:
                 # The micro-batch's aux loss weighted by its share of the minibatch's tokens, so

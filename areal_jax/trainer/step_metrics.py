@@ -36,6 +36,7 @@ class StepMetrics:
     def __init__(self, cluster: RLCluster):
         self.cluster = cluster
         self._reward_tally = (0, 0.0)  # (trajectories, reward sum) finished before the last step
+        self._reprefill_seen = 0  # the engine's re-prefilled tokens at the previous step's record
         self._pool_seen = (0, 0)  # the pool's (timeouts, crashes + errors) counted by earlier steps
         self._timings_seen: dict | None = None  # engine timings at the previous step's record
 
@@ -47,6 +48,8 @@ class StepMetrics:
         n_prev, sum_prev = self._reward_tally
         self._reward_tally = (ctl.finished_trajectories, ctl.finished_reward_sum)
         n_new = ctl.finished_trajectories - n_prev
+        reprefill, self._reprefill_seen = (ctl.generation_reprefill_tokens - self._reprefill_seen,
+                                           ctl.generation_reprefill_tokens)
         lag = train.get("version_lag_hist", {})
         metrics = {
             "step": step,
@@ -64,6 +67,9 @@ class StepMetrics:
             "rollout/rejected": counters.rejected,
             "throughput/generated_tokens_per_s": ctl.generation_tokens_per_s,
             "rollout/preempted_samples": ctl.generation_preempted_samples,  # cumulative (paged KV cache)
+            # History tokens re-prefilled since the last step (EngineConfig.on_swap "recompute": every
+            # in-flight history at each swap; also resumed preemptions).
+            "rollout/reprefill_tokens": reprefill,
             "throughput/tokens_per_s": train.get("trained_tokens", 0.0) / max(train.get("time_step_s", 1e-9), 1e-9),
             "time/wait_batch_s": wait_s,
             "time/train_step_s": train.get("time_step_s", math.nan),
@@ -80,6 +86,8 @@ class StepMetrics:
                 timeouts, failures = agree_sum(timeouts), agree_sum(failures)
             metrics["reward/timeouts"], metrics["reward/failures"] = timeouts, failures
         metrics.update({f"train/{k}": train[k] for k in TRAIN_KEYS if k in train})
+        if "fresh_logp_gap" in train:  # engine vs trainer log-probs of the tokens the trained weights sampled
+            metrics["rollout/behav_logp_gap"] = train["fresh_logp_gap"]
         metrics["timings"] = self._timings(train, out.minibatches)
         if out.kl_mean is not None:
             metrics["train/kl_to_reference"] = out.kl_mean

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -52,6 +53,7 @@ from areal_jax.trainer.programs import (
     ALPHA_KEY,
     COMPUTE_DTYPES,
     FORWARD_KEYS,
+    FRESH_KEY,
     LOSS_KEYS,
     MOE_ROUTING_KEY,
     PROXIMAL_KEY,
@@ -235,6 +237,7 @@ class PolicyTrainer:
                         raise ValueError("micro-batch has no proximal_logprobs; call with_proximal_logprobs "
                                          "(or with_proximal_alpha) first")
                     keys = (*LOSS_KEYS, given[0])  # the exact log-probs win over the approximation
+                keys = (*keys, FRESH_KEY) if FRESH_KEY in micro.arrays else keys
                 batch = self._to_device(micro, self._with_routing(micro, keys, loss=True))
                 denom = np.float32(micro.minibatch_valid_tokens)
                 extra = ()
@@ -272,6 +275,9 @@ class PolicyTrainer:
             minibatches = self.with_proximal_logprobs(minibatches)
             jax.block_until_ready([m.arrays["proximal_logprobs"] for mb in minibatches for m in mb])
         t_prox = time.perf_counter()
+        if current_version is not None:  # which tokens the weights being trained sampled (lag 0)
+            minibatches = [[m.with_arrays(**{FRESH_KEY: (np.asarray(m.arrays["versions"]) == current_version)
+                                             .astype(np.float32)}) for m in mb] for mb in minibatches]
 
         total, first, per_mb, skipped, trained_tokens, norms = None, None, [], 0, 0.0, []
         for m, mb in enumerate(minibatches):
@@ -307,6 +313,10 @@ class PolicyTrainer:
             entropy=float(total["entropy_sum"]) / n_valid,
             # The first minibatch's forward runs on the pre-update weights (with one minibatch: all tokens).
             behav_logp_gap=float(first["behav_logp_gap_sum"]) / max(float(first["n_valid"]), 1.0),
+            # The same over the first minibatch's lag-0 tokens: the engine's numerics (e.g. its KV
+            # cache dtype) against the trainer's at the same weights; NaN without such tokens.
+            fresh_logp_gap=(float(first["fresh_logp_gap_sum"]) / float(first["n_fresh"])
+                            if float(first["n_fresh"]) else math.nan),
             skipped_updates=float(skipped),
             trained_tokens=float(trained_tokens),
             lr=float(self._schedule(count - 1 if applied else count)),
