@@ -141,15 +141,13 @@ class _Space:
 
 
 def _space(p, model_cfg) -> _Space:
-    import jax.numpy as jnp
-
     from areal_jax.plan.job import gen_dtype
 
     job, wl = p.job, p.workload
     replica = job.mesh.generation_tensor * job.mesh.generation_expert
     page_bytes = 0
     if wl.paged:
-        itemsize = jnp.dtype(job.engine.cache_dtype or gen_dtype(job)).itemsize
+        itemsize = job.engine.kv_itemsize(gen_dtype(job))  # 1 with kv_dtype float8_e4m3fn
         page_bytes = job.engine.page_size * 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim \
             * itemsize
     colocated = p.base.colocated
