@@ -25,6 +25,8 @@ SMALL_MODEL = {  # Qwen2-shaped, small enough to compile in seconds
     "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 2048, "tie_word_embeddings": False,
 }
 
+# The budget is per training device (issue 40): 2,048 on the 2 training GPUs keeps the shapes these
+# tests were written for (16 rows of 256 tokens), where the hand estimate and analytic FLOPs are checked.
 BASE = """
 TaskSource.kind = "dataset"
 TaskSource.eval_size = 0
@@ -37,7 +39,7 @@ RLConfig.generation_dtype = "bfloat16"
 RLVRConfig.n_samples = 4
 RLVRConfig.max_new_tokens = 384
 PPOConfig.num_minibatches = 2
-PPOConfig.max_tokens_per_microbatch = 4096
+PPOConfig.max_tokens_per_microbatch = 2048
 PPOConfig.compute_dtype = "bfloat16"
 PPOConfig.remat = "full"
 EngineConfig.num_slots = 48
