@@ -150,25 +150,23 @@ def scale_bytes(num_kv_heads: int, dtype) -> int:
     return 2 * num_kv_heads * 4 if jnp.dtype(dtype) == FP8 else 0
 
 
+def _scale_per_kv_head(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """`x [B, N, H]` times `scale [K]` of each query head's kv head (N = K x query heads per kv head)."""
+    B, N, H = x.shape
+    K = scale.shape[0]
+    scaled = x.reshape(B, K, N // K, H).astype(jnp.float32) * scale[None, :, None, None]
+    return scaled.reshape(B, N, H).astype(x.dtype)
+
+
 def fold_scales(q: jax.Array, pool: PagePool) -> jax.Array:
     """q `[B, N, H]` times its kv head's key scale (an FP8 pool; else q): scores over the stored
     keys then equal scores over the dequantized ones. Kernels take this instead of scaling pages."""
-    if not pool.quantized:
-        return q
-    B, N, H = q.shape
-    K = pool.k_scale.shape[0]
-    scaled = q.reshape(B, K, N // K, H).astype(jnp.float32) * pool.k_scale[None, :, None, None]
-    return scaled.reshape(B, N, H).astype(q.dtype)
+    return _scale_per_kv_head(q, pool.k_scale) if pool.quantized else q
 
 
 def unfold_scales(out: jax.Array, pool: PagePool) -> jax.Array:
     """An attention output `[B, N, H]` over the stored values, times its kv head's value scale (FP8)."""
-    if not pool.quantized:
-        return out
-    B, N, H = out.shape
-    K = pool.v_scale.shape[0]
-    scaled = out.reshape(B, K, N // K, H).astype(jnp.float32) * pool.v_scale[None, :, None, None]
-    return scaled.reshape(B, N, H).astype(out.dtype)
+    return _scale_per_kv_head(out, pool.v_scale) if pool.quantized else out
 
 
 def _calibrated(scale: jax.Array, x: jax.Array, live: jax.Array) -> jax.Array:
