@@ -149,6 +149,22 @@ def test_packing_round_trips_the_record(num_experts):
     np.testing.assert_array_equal(np.asarray(replay[1]), packed[MOE_ROUTING_KEY][:, :, 1].astype(np.int32))
 
 
+class _PeerWithThreeBins:
+    """`agree_max` as seen by a process whose peer's minibatch needs three bins of 16-token rows.
+    `_plan_bins` agrees each bin's row length T, then its row count R; a T of 0 from every process
+    ends the minibatch, so the peer must stop asking for bins (a peer that never does would loop)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, n: int) -> int:
+        bin_index, is_row_count = divmod(self.calls, 2)
+        self.calls += 1
+        if is_row_count:
+            return max(n, 1)
+        return max(n, 16) if bin_index < 3 else n
+
+
 def test_trainer_micro_batches_carry_the_record_padding_ones_too():
     """Through build_sequences and make_microbatches (with a peer holding more micro-batches, so
     all-padding ones are added): every micro-batch's record is `[R, T, L_moe, k]` in its dtype."""
@@ -161,7 +177,7 @@ def test_trainer_micro_batches_carry_the_record_padding_ones_too():
         groups.append(TrajectoryGroup(str(q), trajectories, 0))
     seqs = build_sequences(groups, AdvantageConfig())
     (minibatch,) = make_microbatches(seqs, max_tokens_per_microbatch=32, num_minibatches=1, buckets=(16, 32),
-                                     agree_max=lambda n: max(n, 3), agree_sum=lambda n: n)
+                                     agree_max=_PeerWithThreeBins(), agree_sum=lambda n: n)
     assert len(minibatch) == 3 and minibatch[-1].rows == ()
     for micro in minibatch:
         record = micro.arrays[MOE_ROUTING_KEY]
