@@ -233,6 +233,11 @@ class _Checkpoint:
         return handle
 
 
+def open_checkpoint(path: str | pathlib.Path) -> _Checkpoint:
+    """The tensors of an HF directory, opened lazily (`.tensor(name)` gives a slice handle)."""
+    return _Checkpoint(pathlib.Path(path))
+
+
 def _leaf_reader(ckpt: _Checkpoint, cfg: ModelConfig, key: str, stacked: bool, shape: tuple[int, ...],
                  dtype) -> Callable[[tuple[slice, ...]], np.ndarray]:
     """Returns a callback giving the slice `index` of our (possibly stacked) tensor `key`."""
@@ -292,8 +297,10 @@ def read_config(path: str | pathlib.Path) -> ModelConfig:
 
 
 def load_params(path: str | pathlib.Path, *, dtype=jnp.float32, mesh: Mesh | None = None,
-                rules: shd.Rules | None = None) -> tuple[ModelConfig, Params]:
+                rules: shd.Rules | None = None, lm_head: bool = True) -> tuple[ModelConfig, Params]:
     """Reads config and weights of an HF directory into our params dict.
+
+    lm_head=False leaves the output head out (a reward model's checkpoint has none: models/reward_head.py).
 
     With `mesh`, each array is laid out by `rules` (default: by the mesh's axis names); without,
     it lands on this process's first device (its default device, also on a multi-host run).
@@ -318,7 +325,8 @@ def load_params(path: str | pathlib.Path, *, dtype=jnp.float32, mesh: Mesh | Non
         read = _leaf_reader(ckpt, cfg, key, stacked, shape, dtype)
         return jax.make_array_from_callback(shape, sharding, read)
 
-    params: Params = {k: build(k, False, axes[k], shapes[k]) for k in axes if k != "layers"}
+    params: Params = {k: build(k, False, axes[k], shapes[k]) for k in axes
+                      if k != "layers" and (lm_head or k != "lm_head")}
     params["layers"] = {k: build(k, True, a, shapes["layers"][k]) for k, a in axes["layers"].items()}
     return cfg, params
 
@@ -359,7 +367,13 @@ def _leaf_hf(cfg: ModelConfig, leaf: LeafKey) -> list[tuple[str, tuple[int, ...]
     return [(hf_name(leaf[0]), _TOP_MAPS[leaf[0]][1].hf_shape(shapes[leaf[0]]))]
 
 
-def _leaf_to_hf(cfg: ModelConfig, leaf: LeafKey, host: np.ndarray, dtype) -> list[tuple[str, np.ndarray]]:
+def dtype_name(dtype) -> str:
+    """config.json's name of a stored dtype ("float32", "bfloat16", "float16")."""
+    return _DTYPE_NAMES[np.dtype(dtype)]
+
+
+def leaf_to_hf(cfg: ModelConfig, leaf: LeafKey, host: np.ndarray, dtype) -> list[tuple[str, np.ndarray]]:
+    """(HF name, host array in `dtype`) of each tensor one leaf of our params becomes."""
     if leaf[0] == "layers":
         key = leaf[1]
         tmap = _LAYER_MAPS[key][1]
@@ -388,7 +402,7 @@ def hf_state_dict(params: Params, cfg: ModelConfig) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for leaf in leaf_keys(cfg):
         host = np.asarray(jax.device_get(_get(params, leaf)))
-        out.update(_leaf_to_hf(cfg, leaf, host, host.dtype))
+        out.update(leaf_to_hf(cfg, leaf, host, host.dtype))
     return out
 
 
@@ -465,7 +479,7 @@ def write_params(fetch: Callable[[LeafKey], np.ndarray], cfg: ModelConfig, path,
     pending: dict[str, np.ndarray] = {}
     current = 0
     for j, leaf in enumerate(leaves):
-        tensors = _leaf_to_hf(cfg, leaf, np.asarray(fetch(leaf)), dtype)
+        tensors = leaf_to_hf(cfg, leaf, np.asarray(fetch(leaf)), dtype)
         pending.update(tensors)
         # Shards are filled in order: those before the one this leaf ends in are complete.
         complete = n if j == len(leaves) - 1 else shard_of[tensors[-1][0]]

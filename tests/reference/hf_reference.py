@@ -9,6 +9,12 @@ Reads one JSON request on stdin, writes one JSON reply line on stdout. Ops:
                  by PeftModel.save_pretrained
   adapter_logits {model, adapter, sequences, out}: `logits` of PeftModel.from_pretrained(base, adapter)
   many           {requests}: several of the above in one process
+  make_model with head="score": a *ForSequenceClassification model (config carries num_labels,
+                 pad_token_id)
+  seq_scores     {model, sequences, tokenizer?, conversations?}: a reward model's score of each
+                 sequence alone, and of all in one right- and one left-padded batch (attention mask,
+                 positions counted from each row's first token); conversations are rendered by the
+                 tokenizer's chat template first (their ids are returned)
 """
 
 import json
@@ -27,10 +33,11 @@ CONFIG_CLASSES = {
 }
 
 
-def make_model(family, config, out, seed=0, max_shard_size=None):
+def make_model(family, config, out, seed=0, max_shard_size=None, head="causal"):
     torch.manual_seed(seed)
     cfg = CONFIG_CLASSES[family](**config)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    auto = transformers.AutoModelForSequenceClassification if head == "score" else transformers.AutoModelForCausalLM
+    model = auto.from_config(cfg, dtype=torch.float32)
     model.eval()
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out, safe_serialization=True, **kwargs)
@@ -141,6 +148,34 @@ def adapter_logits(model, adapter, sequences, out):
 
 
 OPS.update(make_adapter=make_adapter, adapter_logits=adapter_logits)
+
+
+@torch.no_grad()
+def seq_scores(model, sequences=None, tokenizer=None, conversations=None):
+    m = transformers.AutoModelForSequenceClassification.from_pretrained(model, dtype=torch.float32).eval()
+    if conversations is not None:
+        tok = transformers.AutoTokenizer.from_pretrained(tokenizer)
+        sequences = []
+        for conv in conversations:
+            enc = tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=False)
+            sequences.append(list(map(int, enc["input_ids"] if hasattr(enc, "keys") else enc)))
+    pad = m.config.pad_token_id
+    alone = [m(input_ids=torch.tensor([s])).logits[0].tolist() for s in sequences]
+    T = max(map(len, sequences))
+    batched = {}
+    for side in ("right", "left"):
+        ids = torch.full((len(sequences), T), pad, dtype=torch.long)
+        mask = torch.zeros((len(sequences), T), dtype=torch.long)
+        for b, s in enumerate(sequences):
+            span = slice(0, len(s)) if side == "right" else slice(T - len(s), T)
+            ids[b, span] = torch.tensor(s)
+            mask[b, span] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        batched[side] = m(input_ids=ids, attention_mask=mask, position_ids=positions).logits.tolist()
+    return {"ids": sequences, "alone": alone, "right": batched["right"], "left": batched["left"]}
+
+
+OPS["seq_scores"] = seq_scores
 
 if __name__ == "__main__":
     torch.set_num_threads(2)
