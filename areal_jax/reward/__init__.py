@@ -1,6 +1,6 @@
 """Rewards computed off the generation path: math (math-verify), code (sandbox), a supervised
 process pool that runs them with deadlines, the registry that says which may run in-process, and
-learned rewards (`RewardModel`: a scalar reward model).
+learned rewards (`RewardModel`: a scalar reward model; `Judge`: a generative judge).
 
 Names are re-exported lazily (PEP 562) so that importing the pool in the controller does not
 import sympy / math-verify into the JAX process; workers import what they run.
@@ -19,6 +19,8 @@ _EXPORTS = {
     "run_test_cases": "areal_jax.reward.code",
     "SandboxLimits": "areal_jax.reward.sandbox",
     "SandboxUnavailable": "areal_jax.reward.sandbox",
+    "Judge": "areal_jax.reward.judge",
+    "JudgeConfig": "areal_jax.reward.judge",
     "RewardModel": "areal_jax.reward.reward_model",
     "RewardPool": "areal_jax.reward.pool",
     "RewardPoolConfig": "areal_jax.reward.pool",

@@ -1,0 +1,290 @@
+"""Generative judges: an LLM reads a question and an answer and says how good the answer is.
+
+    judge = Judge(JudgeConfig(model="path/to/judge", parse="logprob", choices=("Yes", "No")))
+    verdicts = judge.score([("What is 2+3?", "5")])    # [Verdict(score=0.93, failed=None, text="")]
+
+The judge holds its own weights, loaded once and never swapped: nothing in the RL loop reaches it
+(the cluster's weight sync pushes to the policy engine only). Two ways to read a score:
+
+- parse="regex": the judge generates (greedy, `max_new_tokens`) on its own instance of our
+  `GenerationEngine`, which batches the prompts of every group queued at once; the score is the
+  first group of the last match of `pattern` in the text.
+- parse="logprob": one prefill of the prompt on the judge's weights; the next token's
+  probabilities of the `choices` (their first tokens), renormalized over them, weight the choices'
+  `values`: the expectation ("1".."10" -> the mean grade; ("Yes", "No") -> P(Yes)).
+
+A prompt that misses its deadline (`timeout_s`, from submission) or whose output does not parse
+scores 0.0, and is counted (`JudgeStats`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from areal_jax.api import SamplingParams
+from areal_jax.generation.config import EngineConfig
+from areal_jax.generation.engine import GenerationEngine
+from areal_jax.models.hf_io import load_params
+from areal_jax.models.tokenizer import Tokenizer
+from areal_jax.models.transformer import forward, lm_head
+
+__all__ = ["DEFAULT_TEMPLATE", "Judge", "JudgeConfig", "JudgeStats", "Verdict", "parse_regex_score"]
+
+DEFAULT_TEMPLATE = ("Question: {question}\nAnswer: {answer}\n"
+                    "Is the answer correct? Reply Yes or No.")
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class JudgeConfig:
+    """A generative judge (gin: `JudgeConfig.field = ...`).
+
+    model: HF directory of a causal LM with its tokenizer.
+    template: the judge's prompt, `str.format`ted with {question} and {answer}; rendered as a user
+        turn by the judge's chat template when it has one and `chat` is on, else encoded as is.
+    parse: "regex" (generate, then read `pattern`) or "logprob" (read the choices' probabilities).
+    pattern: regex mode: the score is float(first group) of the last match (the whole match
+        when the pattern has no group).
+    choices: logprob mode: the answers whose next-token probabilities are read (first token each;
+        the first tokens must differ).
+    values: logprob mode: the value of each choice (default: the choices as numbers when all are
+        numbers, else 1.0 for the first choice and 0.0 for the rest).
+    timeout_s: a prompt's deadline from submission; one past it scores 0.0, counted.
+    """
+
+    model: str = ""
+    template: str = DEFAULT_TEMPLATE
+    parse: Literal["regex", "logprob"] = "logprob"
+    pattern: str = r"(-?\d+(?:\.\d+)?)"
+    choices: tuple[str, ...] = ("Yes", "No")
+    values: tuple[float, ...] = ()
+    max_new_tokens: int = 32
+    timeout_s: float = 30.0
+    chat: bool = True
+    dtype: str = "float32"
+    batch_size: int = 16  # logprob mode: prompts per prefill; regex mode: the engine's decode slots
+    max_seq_len: int = 1024  # prompt + judge output tokens
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "choices", tuple(self.choices))
+        object.__setattr__(self, "values", tuple(float(v) for v in self.values))
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"JudgeConfig.model must name the judge's model directory, got {self.model!r}")
+        if self.parse not in ("regex", "logprob"):
+            raise ValueError(f"JudgeConfig.parse must be 'regex' or 'logprob', got {self.parse!r}")
+        try:
+            self.template.format(question="", answer="")
+        except (KeyError, IndexError, ValueError, AttributeError) as e:
+            raise ValueError(f"JudgeConfig.template may use only {{question}} and {{answer}}: "
+                             f"{type(e).__name__}: {e}") from None
+        if "{answer}" not in self.template:
+            raise ValueError("JudgeConfig.template must contain {answer}")
+        try:
+            re.compile(self.pattern)
+        except (re.error, TypeError) as e:
+            raise ValueError(f"JudgeConfig.pattern {self.pattern!r} is not a regular expression: {e}") from None
+        if not self.choices or not all(isinstance(c, str) and c for c in self.choices) \
+                or len(set(self.choices)) != len(self.choices):
+            raise ValueError(f"JudgeConfig.choices must be distinct non-empty strings, got {self.choices!r}")
+        if self.values and len(self.values) != len(self.choices):
+            raise ValueError(f"JudgeConfig.values has {len(self.values)} entries for {len(self.choices)} choices")
+        if not all(math.isfinite(v) for v in self.values):
+            raise ValueError(f"JudgeConfig.values must be finite, got {self.values!r}")
+        for name in ("max_new_tokens", "batch_size", "max_seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"JudgeConfig.{name} must be an int >= 1, got {value!r}")
+        if not (isinstance(self.timeout_s, (int, float)) and 0 < self.timeout_s < float("inf")):
+            raise ValueError(f"JudgeConfig.timeout_s must be a positive finite number, got {self.timeout_s!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"JudgeConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+
+    @property
+    def choice_values(self) -> tuple[float, ...]:
+        if self.values:
+            return self.values
+        try:
+            return tuple(float(c) for c in self.choices)
+        except ValueError:
+            return (1.0,) + (0.0,) * (len(self.choices) - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """One judged answer: its score (0.0 when failed), why it failed ("timeout", "unparseable",
+    "error") or None, and the judge's text (regex mode)."""
+
+    score: float
+    failed: str | None = None
+    text: str = ""
+
+
+@dataclasses.dataclass
+class JudgeStats:
+    calls: int = 0
+    timeouts: int = 0
+    unparseable: int = 0
+    errors: int = 0
+
+    @property
+    def failed(self) -> int:
+        return self.timeouts + self.unparseable + self.errors
+
+
+def parse_regex_score(text: str, pattern: str | re.Pattern) -> float | None:
+    """float of the last match's first group (or whole match) of `pattern` in `text`; None when
+    nothing matches or the match is not a finite number."""
+    matches = list(re.finditer(pattern, text))
+    if not matches:
+        return None
+    last = matches[-1]
+    try:
+        value = float(last.group(1) if last.re.groups else last.group(0))
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+class Judge:
+    """A judge over its own weights (`JudgeConfig.model`), on `mesh` (a generation mesh) or one device."""
+
+    def __init__(self, config: JudgeConfig, *, mesh: Mesh | None = None) -> None:
+        if not isinstance(config, JudgeConfig):
+            raise TypeError(f"Judge takes a JudgeConfig, got {type(config).__name__}")
+        self.config = config
+        self.tokenizer = Tokenizer.from_pretrained(config.model)
+        self.model_config, params = load_params(config.model, dtype=jnp.dtype(config.dtype), mesh=mesh)
+        self.stats = JudgeStats()
+        self._lock = threading.Lock()
+        self.engine: GenerationEngine | None = None
+        if config.parse == "regex":
+            self._sampling = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=0.0,
+                                            stop_token_ids=self.tokenizer.stop_token_ids)
+            rows = mesh.shape["data"] if mesh is not None else 1
+            self.engine = GenerationEngine((self.model_config, params), EngineConfig(
+                num_slots=-(-config.batch_size // rows) * rows, max_seq_len=config.max_seq_len,
+                max_prefill_batch=-(-config.batch_size // rows) * rows))
+            self.engine.start()
+        else:
+            self._params = params
+            self._choice_ids = self._first_tokens(config.choices)
+            self._values = np.asarray(config.choice_values, np.float32)
+            cfg = self.model_config
+            self._next_logprobs = jax.jit(lambda p, ids, seg, last: _choice_logprobs(p, cfg, ids, seg, last,
+                                                                                     self._choice_ids))
+
+    def _first_tokens(self, choices: Sequence[str]) -> np.ndarray:
+        ids = []
+        for c in choices:
+            enc = self.tokenizer.encode(c, add_special_tokens=False)
+            if not enc:
+                raise ValueError(f"JudgeConfig.choices: {c!r} encodes to no token")
+            ids.append(enc[0])
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"JudgeConfig.choices {tuple(choices)!r} do not differ in their first token "
+                             f"({ids}) under {self.config.model}'s tokenizer")
+        return np.asarray(ids, np.int32)
+
+    def prompt_ids(self, question: str, answer: str) -> list[int]:
+        """The judge's prompt for one answer (the template, as a chat's user turn when it has one)."""
+        text = self.config.template.format(question=question, answer=answer)
+        if self.config.chat and self.tokenizer.has_chat_template:
+            return self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        return self.tokenizer.encode(text)
+
+    def score(self, pairs: Sequence[tuple[str, str]]) -> list[Verdict]:
+        """Verdicts of (question, answer) pairs, all submitted at once (one batch for the engine)."""
+        start = time.monotonic()
+        prompts = [self.prompt_ids(q, a) for q, a in pairs]
+        limit = self.config.max_seq_len - (self.config.max_new_tokens if self.engine is not None else 0)
+        too_long = [len(p) > limit for p in prompts]
+        if self.engine is not None:
+            verdicts = self._generate(prompts, too_long, start)
+        else:
+            verdicts = self._read_choices(prompts, too_long, start)
+        with self._lock:
+            self.stats.calls += len(verdicts)
+            for v in verdicts:
+                if v.failed == "timeout":
+                    self.stats.timeouts += 1
+                elif v.failed == "unparseable":
+                    self.stats.unparseable += 1
+                elif v.failed is not None:
+                    self.stats.errors += 1
+        return verdicts
+
+    def _generate(self, prompts: list[list[int]], too_long: list[bool], start: float) -> list[Verdict]:
+        handles = [None if skip else self.engine.submit(p, self._sampling) for p, skip in zip(prompts, too_long)]
+        verdicts = []
+        for handle in handles:
+            if handle is None:
+                verdicts.append(Verdict(0.0, "error: prompt too long"))
+                continue
+            try:
+                result = handle.result(timeout=max(0.0, start + self.config.timeout_s - time.monotonic()))
+            except FutureTimeout:
+                self.engine.abort(handle.request_id)
+                verdicts.append(Verdict(0.0, "timeout"))
+                continue
+            completion = result.completions[0]
+            if completion.stop_reason == "aborted":
+                verdicts.append(Verdict(0.0, "error: aborted"))
+                continue
+            text = self.tokenizer.decode(completion.tokens, skip_special_tokens=True)
+            value = parse_regex_score(text, self.config.pattern)
+            verdicts.append(Verdict(0.0, "unparseable", text) if value is None else Verdict(value, None, text))
+        return verdicts
+
+    def _read_choices(self, prompts: list[list[int]], too_long: list[bool], start: float) -> list[Verdict]:
+        out: list[Verdict | None] = [Verdict(0.0, "error: prompt too long") if skip else None for skip in too_long]
+        todo = [i for i, skip in enumerate(too_long) if not skip]
+        B = self.config.batch_size
+        for k in range(0, len(todo), B):
+            rows = todo[k:k + B]
+            if time.monotonic() - start > self.config.timeout_s:
+                for i in rows:
+                    out[i] = Verdict(0.0, "timeout")
+                continue
+            T = max(16, 1 << (max(len(prompts[i]) for i in rows) - 1).bit_length())
+            nb = B if len(rows) == B else max(1, 1 << (len(rows) - 1).bit_length())
+            ids, seg = np.zeros((nb, T), np.int32), np.zeros((nb, T), np.int32)  # [B, T], right-padded
+            last = np.zeros((nb,), np.int32)
+            for b, i in enumerate(rows):
+                ids[b, :len(prompts[i])], seg[b, :len(prompts[i])] = prompts[i], 1
+                last[b] = len(prompts[i]) - 1
+            logp = np.asarray(self._next_logprobs(self._params, ids, seg, last))[:len(rows)]  # [b, C]
+            late = time.monotonic() - start > self.config.timeout_s
+            for b, i in enumerate(rows):
+                p = np.exp(logp[b] - logp[b].max())
+                total = p.sum()
+                if late:
+                    out[i] = Verdict(0.0, "timeout")
+                elif not (np.isfinite(total) and total > 0):
+                    out[i] = Verdict(0.0, "unparseable")
+                else:
+                    out[i] = Verdict(float(np.dot(p / total, self._values)))
+        return out  # type: ignore[return-value]
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.stop()
+
+
+def _choice_logprobs(params, cfg, input_ids, segment_ids, last, choice_ids) -> jax.Array:
+    """Log-probabilities `[B, C]` of the choices' tokens as the next token after position `last [B]`."""
+    hidden, _ = forward(params, cfg, input_ids, segment_ids=segment_ids, return_hidden=True)  # [B, T, D]
+    h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)  # [B, 1, D]
+    logp = jax.nn.log_softmax(lm_head(params, cfg, h)[:, 0], axis=-1)  # [B, V]
+    return logp[:, jnp.asarray(choice_ids)]
