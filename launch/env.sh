@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates (or refreshes) the project's virtual environments; safe to run repeatedly.
 #   .venv      Python >= 3.12 with areal_jax installed editable (what users and tests run): the base
-#              package, plus the [test] extra (libtpu, the CUDA plugin, pytest, wandb, datasets) when
+#              package, plus the [test] extra (libtpu, the CUDA plugin, pytest, wandb, datasets, and
+#              the [agents] extra's aiohttp and openai) when
 #              AREAL_TEST_EXTRAS=1 (launch/test.sh sets it). A venv holding more extras is kept.
 #   .venv-ref  Python 3.11 with torch (CPU) + transformers + peft: the reference implementation the
 #              parity tests compare against. Built only when asked (AREAL_WITH_REFERENCE=1).

@@ -66,7 +66,8 @@ from areal_jax.rollout.channel import ChannelClosed, TrajectoryChannel
 from areal_jax.rollout.filters import GroupFilter, is_too_stale
 from areal_jax.rollout.staleness import StalenessManager, admission_version
 from areal_jax.api import TrajectoryGroup
-from areal_jax.rollout.workflow import Detokenizer, RolloutClient, missing_workflow_members, row_source
+from areal_jax.rollout.workflow import (Detokenizer, RolloutClient, RolloutWorkflow, missing_workflow_members,
+                                       row_source)
 
 __all__ = ["ControllerStats", "RolloutController", "RolloutsFailed", "ShutdownReport"]
 
@@ -263,6 +264,8 @@ class RolloutController:
             if self._thread.is_alive():
                 raise TimeoutError(f"rollout controller thread did not stop within {timeout + 10.0} s")
         self._client.close()
+        if isinstance(self.workflow, RolloutWorkflow):  # the base class's optional release
+            self.workflow.close()
         self._put_executor.shutdown(wait=True)
         if close_channel:
             self.channel.close()

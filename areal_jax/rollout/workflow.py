@@ -178,6 +178,10 @@ class RolloutWorkflow(api.RolloutWorkflow, abc.ABC):
         """The workflow's own dynamic filter: a reason to reject a finished group, or None."""
         return None
 
+    def close(self) -> None:
+        """Release what the workflow started (e.g. the agent workflow's endpoint); the controller
+        calls it at shutdown. Nothing by default."""
+
 
 @dataclasses.dataclass(frozen=True)
 class RLVRConfig:

@@ -34,12 +34,29 @@ ALPHABET = "\n" + "".join(chr(c) for c in range(32, 127))
 
 # <|role|>content<|end|> per message; the generation prompt opens the assistant turn, whose
 # completion ends with <|end|> (= eos), so SFT targets and sampling stop at the same token.
+# Tools (hermes style, as Qwen2.5 writes them): the tool specs as a system turn first, an assistant
+# turn's calls as <tool_call>{"name": ..., "arguments": ...}</tool_call> after its content, a tool
+# result as a user turn <tool_response>...</tool_response>. Without tools, tool calls and tool
+# results the rendering is unchanged.
 CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|system|>Tools:' }}{%- for tool in tools %}{{- '\\n' + tool | tojson }}{%- endfor %}"
+    "{{- '\\nCall a tool as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.<|end|>' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
-    "{%- if message.role not in ['system', 'user', 'assistant'] %}"
+    "{%- if message.role not in ['system', 'user', 'assistant', 'tool'] %}"
     "{{- raise_exception('Unsupported role: ' + message.role) }}"
     "{%- endif %}"
-    "{{- '<|' + message.role + '|>' + message.content + '<|end|>' }}"
+    "{%- if message.role == 'tool' %}"
+    "{{- '<|user|><tool_response>' + message.content + '</tool_response><|end|>' }}"
+    "{%- else %}"
+    "{{- '<|' + message.role + '|>' + (message.content or '') }}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{%- set fn = call.function if call.function is defined else call %}"
+    "{{- '<tool_call>{\"name\": ' + fn.name | tojson + ', \"arguments\": ' + fn.arguments | tojson + '}</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|end|>' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|assistant|>' }}{%- endif %}"
 )
