@@ -173,7 +173,18 @@ def test_tokenizer_directory_loads_with_special_tokens_and_template(tokenizer):
     assert ids[0] == tokenizer.token_to_id("<|user|>") and ids[-1] == tokenizer.token_to_id("<|assistant|>")
     assert tokenizer.decode(ids, skip_special_tokens=True) == "Compute 1+2."
     with pytest.raises(ValueError, match="Unsupported role"):
-        tokenizer.apply_chat_template([{"role": "tool", "content": "x"}])
+        tokenizer.apply_chat_template([{"role": "critic", "content": "x"}])
+    # Tools (the agent example's calculator): named in a system turn, called and answered in turns.
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "1+2"}}}
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Compute 1+2."},
+                                          {"role": "assistant", "content": "", "tool_calls": [call]},
+                                          {"role": "tool", "content": "3"}], add_generation_prompt=True,
+                                         tools=[{"type": "function", "function": {
+                                             "name": "calculator", "parameters": {"properties": {"expression": {}}}}}],
+                                         tokenize=False)
+    assert text == ('<|system|>Tools: calculator(expression)<|end|><|user|>Compute 1+2.<|end|><|assistant|>'
+                    '<tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call><|end|>'
+                    '<|user|><tool_response>3</tool_response><|end|><|assistant|>')
 
 
 def test_unknown_characters_map_to_unk(tokenizer):

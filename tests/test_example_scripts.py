@@ -82,3 +82,20 @@ def test_evaluate_and_export_from_python_built_configs(tmp_path):
     assert (exported / "model.safetensors").read_bytes() == (final / "model.safetensors").read_bytes()
     load_pretrained(exported)
     Tokenizer.from_pretrained(exported)
+
+
+@pytest.mark.slow
+def test_agent_calculator_example_runs_sft_then_rl_through_the_endpoint(tmp_path):
+    out = _run("agent_calculator.py", f"--run_dir={tmp_path}", "--small", "--sft_steps=10", "--rl_steps=2",
+               "--train_size=50", "--eval_size=8")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["rl_steps"] == 2 and summary["held_out_problems"] == 8
+    assert 0.0 <= summary["sft_accuracy"] <= 1.0 and 0.0 <= summary["rl_accuracy"] <= 1.0
+    assert "held-out accuracy through the agent" in out
+    # The SFT rows are the agent's conversations: tools named, the call, its result, the answer.
+    first = read_jsonl(tmp_path / "inputs" / "sft.jsonl")[0]["messages"]
+    assert [m["role"] for m in first] == ["system", "user", "assistant", "tool", "assistant"]
+    assert first[0]["content"] == "Tools: calculator(expression)"
+    # RL went through the agent workflow: the dumps carry the sessions' messages.
+    dumped = read_jsonl(tmp_path / "rl" / "rollouts" / "step_0.jsonl")
+    assert dumped and all("messages" in d and "loss_mask" in d for d in dumped)

@@ -34,14 +34,17 @@ ALPHABET = "\n" + "".join(chr(c) for c in range(32, 127))
 
 # <|role|>content<|end|> per message; the generation prompt opens the assistant turn, whose
 # completion ends with <|end|> (= eos), so SFT targets and sampling stop at the same token.
-# Tools (hermes style, as Qwen2.5 writes them): the tool specs as a system turn first, an assistant
-# turn's calls as <tool_call>{"name": ..., "arguments": ...}</tool_call> after its content, a tool
-# result as a user turn <tool_response>...</tool_response>. Without tools, tool calls and tool
-# results the rendering is unchanged.
+# Tools (hermes style, as Qwen2.5 writes calls): a system turn naming each tool and its parameters
+# first ("Tools: calculator(expression)": short, as a character-level model reads every character),
+# an assistant turn's calls as <tool_call>{"name": ..., "arguments": ...}</tool_call> after its
+# content, a tool result as a user turn <tool_response>...</tool_response>. Without tools, tool
+# calls and tool results the rendering is unchanged.
 CHAT_TEMPLATE = (
     "{%- if tools %}"
-    "{{- '<|system|>Tools:' }}{%- for tool in tools %}{{- '\\n' + tool | tojson }}{%- endfor %}"
-    "{{- '\\nCall a tool as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.<|end|>' }}"
+    "{{- '<|system|>Tools: ' }}"
+    "{%- for tool in tools %}{%- set fn = tool.function if tool.function is defined else tool %}"
+    "{{- fn.name + '(' + (fn.parameters.properties | list | join(', ')) + ')' }}{%- if not loop.last %}{{- ', ' }}{%- endif %}"
+    "{%- endfor %}{{- '<|end|>' }}"
     "{%- endif %}"
     "{%- for message in messages %}"
     "{%- if message.role not in ['system', 'user', 'assistant', 'tool'] %}"

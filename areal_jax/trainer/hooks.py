@@ -50,14 +50,22 @@ def record_hook(on_step: Callable[[int, dict[str, Any]], None]) -> Hook:
 
 
 def rollout_records(groups: Sequence[TrajectoryGroup], tokenizer: Any) -> list[dict[str, Any]]:
-    """Human-readable trajectories of a batch: prompt, completion, reward, per-token versions."""
+    """Human-readable trajectories of a batch: prompt, completion, reward, per-token versions; the
+    completion's token ids where it holds inserted tokens (a loss mask); an agent session's
+    messages (workflows/agent.py: group info "session_of" and "messages") with each of its rows."""
     decode = tokenizer.decode
+
+    def session(g: TrajectoryGroup, i: int) -> dict[str, Any]:
+        of, messages = g.info.get("session_of"), g.info.get("messages")
+        return {} if of is None or messages is None else {"session": of[i], "messages": messages[of[i]]}
+
     return [{"query_id": g.query_id, "admitted_version": g.admitted_version, "sample": i,
              "prompt": decode(t.prompt_ids), "prompt_tokens": len(t.prompt_ids),
              "completion": decode(t.completion_ids), "reward": t.reward,
              "stop_reason": t.stop_reason, "versions": t.versions.tolist(),
-             **({} if t.loss_mask is None else {"loss_mask": t.loss_mask.astype(int).tolist()}),
-             "behavior_logprobs": t.behavior_logprobs.tolist()}
+             **({} if t.loss_mask is None else {"loss_mask": t.loss_mask.astype(int).tolist(),
+                                                "completion_tokens": t.completion_ids.tolist()}),
+             "behavior_logprobs": t.behavior_logprobs.tolist(), **session(g, i)}
             for g in groups for i, t in enumerate(g.trajectories)]
 
 

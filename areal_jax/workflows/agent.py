@@ -29,6 +29,7 @@ import logging
 import math
 import threading
 import time
+import uuid
 from typing import Any
 
 from areal_jax.agents.chat import ChatService
@@ -153,7 +154,8 @@ class AgentWorkflow(RolloutWorkflow):
         example = prompt_example(row)
         self._service(engine_client)
         t0 = time.perf_counter()
-        sessions = [Session(f"{example.query_id}-v{version}-s{i}-{id(self):x}",
+        # The id is the session's API key: unique even when a row is in flight twice at one version.
+        sessions = [Session(f"{example.query_id}-v{version}-s{i}-{uuid.uuid4().hex}",
                             seed=stable_seed(example.query_id, version, i)) for i in range(self.rollout.n_samples)]
         outcomes = await asyncio.gather(*(self._session(s, example.row) for s in sessions))
         if any(s.aborted for s in sessions):
