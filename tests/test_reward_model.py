@@ -63,7 +63,7 @@ def test_padded_batches_score_as_transformers(rms, name):
     # The reference's own padded batches (mask + positions) agree with its unpadded sequences.
     np.testing.assert_allclose(np.asarray(ref["right"])[:, 0], alone, atol=tol, rtol=0)
     np.testing.assert_allclose(np.asarray(ref["left"])[:, 0], alone, atol=tol, rtol=0)
-    rm = RewardModel.from_pretrained(path, batch_size=4)  # two batches: 4 rows, then 2 padded to 2
+    rm = RewardModel.from_pretrained(path, batch_size=4)  # two batches: 4 rows, then 2 rows padded to 4
     assert rm.head == ScoreHead(num_labels=1, pad_token_id=PAD)
     for padding in ("right", "left"):
         np.testing.assert_allclose(rm.score_ids(SEQS, padding=padding), alone, atol=tol, rtol=0)

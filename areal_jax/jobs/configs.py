@@ -21,6 +21,8 @@ from areal_jax.parallel.meshes import MeshConfig
 from areal_jax.plan.config import PlanConfig
 from areal_jax.ppo.advantages import AdvantageConfig
 from areal_jax.reward.pool import RewardPoolConfig
+from areal_jax.reward.composite import JUDGE, check_terms
+from areal_jax.reward.judge_config import JudgeConfig
 from areal_jax.reward.registry import check_reward_function
 from areal_jax.reward.sandbox import SandboxLimits
 from areal_jax.rollout.workflow import RLVRConfig, resolve_workflow_class
@@ -31,7 +33,7 @@ from areal_jax.trainer.config import OptimizerConfig, PPOConfig, RLConfig, SFTCo
 JOB_CONFIG_CLASSES = (ModelSource, TaskSource, Stages, ArithmeticConfig, DataConfig, SFTConfig, RLConfig, PPOConfig,
                       OptimizerConfig, AdvantageConfig, RLVRConfig, EngineConfig, MeshConfig, CheckpointConfig,
                       RewardPoolConfig, SandboxLimits,
-                      MetricsConfig, LoRAConfig,
+                      MetricsConfig, LoRAConfig, JudgeConfig,
                       PlanConfig)  # PlanConfig: read by `areal-jax plan`, accepted (and ignored) by the run
 for _cls in JOB_CONFIG_CLASSES:
     cs.register(_cls)
@@ -56,9 +58,17 @@ def load_job_configs(gin_files=(), gin_params=(), *, run_dir: str, num_processes
         data = cs.build(DataConfig, **({"paths": sft_paths} if sft_paths and "paths" not in cs.bindings(DataConfig)
                                        else {}))
     stages = cs.build(Stages)
-    rollout = cs.build(RLVRConfig)
+    # A "judge" term's judge: RLVRConfig.judge, else JudgeConfig's own bindings.
+    bound_reward = cs.bindings(RLVRConfig).get("reward")
+    judge_term = isinstance(bound_reward, (tuple, list)) and any(
+        isinstance(term, (tuple, list)) and term and term[0] == JUDGE for term in bound_reward)
+    rollout = cs.build(RLVRConfig, **({"judge": cs.build(JudgeConfig)}
+                                      if judge_term and "judge" not in cs.bindings(RLVRConfig) else {}))
     try:  # a reward named wrong is found now, not after SFT
-        check_reward_function(rollout.reward, "RLVRConfig.reward")
+        if isinstance(rollout.reward, str):
+            check_reward_function(rollout.reward, "RLVRConfig.reward")
+        else:
+            check_terms(rollout.reward, check_reward_function, "RLVRConfig.reward")
     except ValueError as e:
         raise cs.ConfigError(str(e)) from None
     cfg = JobConfigs(

@@ -81,7 +81,7 @@ def _run_with_pool(cfg: JobConfigs, run_dir: str | pathlib.Path, stop: StopReque
                    resume: bool, overwrite: bool, workflow: Any = None, hooks: Sequence = (),
                    inputs: Mapping[str, bytes]) -> dict[str, Any]:
     try:
-        pool = open_reward_pool(cfg.rollout.reward, cfg.reward_pool, sandbox_for_run(cfg, run_dir))
+        pool = open_reward_pool(cfg.rollout.verifier_terms, cfg.reward_pool, sandbox_for_run(cfg, run_dir))
     except (SandboxUnavailable, ValueError) as e:  # before any work, like every other config problem
         raise cs.ConfigError(str(e)) from None
     try:
@@ -184,7 +184,7 @@ def _prepare_run(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: Rewa
     on_every_process(lambda: check_sources(cfg))
     check_model_fit(cfg, meshes.generation.devices.flat[0].platform)  # the same on every process
     # Held-out and validation accuracy score in the same pool as the rollouts, under the same deadline.
-    reward_fn = RewardScorer(cfg.rollout.reward, reward_pool, timeout_s=cfg.rollout.reward_timeout_s)
+    reward_fn = RewardScorer(cfg.rollout.verifier, reward_pool, timeout_s=cfg.rollout.reward_timeout_s)
     on_every_process(lambda: check_solution_rewards(cfg, reward_fn.checked_map))  # a reward that cannot read the data
     # One device: the weights stay unplaced, as SFT then runs without a mesh.
     work = prepare_workload(cfg, run_dir, mesh=meshes.train if meshes.train.devices.size > 1 else None)

@@ -96,11 +96,17 @@ class RewardModel:
         scores = np.concatenate(out) if out else np.zeros((0, labels), np.float32)
         return scores[:, 0] if labels == 1 else scores
 
+    def warmup(self, max_tokens: int = 256) -> None:
+        """Compiles the program of every length bucket up to `max_tokens` now, so that no scoring
+        call under a deadline pays for a compile."""
+        T = _MIN_LENGTH
+        while T <= min(max_tokens, self.config.max_position_embeddings):
+            self._batch([np.zeros(T, np.int32)], "right")
+            T *= 2
+
     def _batch(self, seqs: list[np.ndarray], padding: str) -> np.ndarray:
         T = _bucket(max(s.size for s in seqs))
-        B = self.batch_size if len(seqs) == self.batch_size else min(self.batch_size, _bucket(len(seqs)))
-        rows = self.mesh.shape["data"] if self.mesh is not None else 1
-        B = -(-B // rows) * rows
+        B = self.batch_size  # one row count: a length bucket is one compiled program (`warmup`)
         pad = self.head.pad_token_id if self.head.pad_token_id is not None else 0
         ids = np.full((B, T), pad, np.int32)  # [B, T]
         seg = np.zeros((B, T), np.int32)  # 1 on a sequence's tokens; padding rows stay all 0

@@ -26,17 +26,19 @@ class RewardCheckFailed(ValueError):
     """A call of `RewardScorer.checked_map` failed: one line naming the reward and what happened."""
 
 
-def open_reward_pool(reward: str, config: RewardPoolConfig, sandbox: SandboxLimits) -> RewardPool | None:
-    """The worker pool `reward` runs in, or None for a reward declared in-process.
+def open_reward_pool(reward: str | Sequence[str], config: RewardPoolConfig, sandbox: SandboxLimits
+                     ) -> RewardPool | None:
+    """The worker pool `reward` (one name, or the verifier terms of a composite reward) runs in, or
+    None when every one is declared in-process.
 
     Raises SandboxUnavailable (one line) for a code-running reward on a host where the sandbox
     cannot make a network namespace and `sandbox.allow_network` is off; ValueError for a name
     that resolves to nothing. The caller closes the pool.
     """
-    spec = reward_spec(reward)
-    if spec.in_process:
+    specs = [reward_spec(name) for name in ([reward] if isinstance(reward, str) else reward)]
+    if all(spec.in_process for spec in specs):
         return None
-    if spec.runs_code:
+    if any(spec.runs_code for spec in specs):
         check_network_isolation(sandbox)
     return RewardPool(config, sandbox=sandbox)
 

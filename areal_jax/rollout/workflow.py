@@ -51,6 +51,8 @@ import numpy as np
 from areal_jax import api
 from areal_jax.api import GroupResult, SamplingParams, Trajectory, TrajectoryGroup
 from areal_jax.data.examples import gold_answer, prompt_example
+from areal_jax.reward import composite
+from areal_jax.reward.judge_config import JudgeConfig
 from areal_jax.reward.registry import load_reward_function, resolve_reward_path, reward_value
 from areal_jax.rollout.filters import equal_rewards_filter
 from areal_jax.user_code import import_hint
@@ -189,6 +191,9 @@ class RLVRConfig:
 
     reward: a registered name ("math", "code") or "package.module:function"; called as
         reward(completion_text, gold) where gold is the row's answer (math) or test cases (code).
+        Or weighted terms, e.g. (("math", 1.0), ("rm:path/to/rm", 0.5), ("judge", 0.5)): the
+        reward is their weighted sum (reward/composite.py; learned terms: "rm:<directory>", "judge").
+    judge: the generative judge of a "judge" term.
     filter_all_equal_rewards: reject groups whose n rewards are all equal (no learning signal
         under group normalisation). Off by default, as in AReaL: under batch normalisation an
         all-equal group still carries a REINFORCE signal, which the filter would discard.
@@ -199,21 +204,48 @@ class RLVRConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    reward: str = "math"
+    reward: str | tuple[tuple[str, float], ...] = "math"
     reward_timeout_s: float = 10.0
     filter_all_equal_rewards: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    judge: JudgeConfig | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if isinstance(self.n_samples, bool) or not isinstance(self.n_samples, int) or self.n_samples < 1:
             raise ValueError(f"RLVRConfig.n_samples must be an int >= 1, got {self.n_samples!r}")
-        if not isinstance(self.reward, str) or not self.reward:
-            raise ValueError(f"RLVRConfig.reward must name a reward function, got {self.reward!r}")
+        object.__setattr__(self, "reward", composite.normalize_reward(self.reward))
+        if self.judge is not None and not isinstance(self.judge, JudgeConfig):
+            raise ValueError(f"RLVRConfig.judge must be a JudgeConfig, got {type(self.judge).__name__}")
+        if not isinstance(self.reward, str) and self.verifier is None:
+            raise ValueError(f"RLVRConfig.reward {self.reward!r} has no verifier term: held-out accuracy reads one "
+                             "(add e.g. ('math', 0.0): a term of weight 0 is scored and logged, not trained on)")
+        if composite.JUDGE in self.learned_terms and self.judge is None:
+            raise ValueError("RLVRConfig.reward has a 'judge' term: set RLVRConfig.judge (a JudgeConfig)")
         if not (isinstance(self.reward_timeout_s, (int, float)) and 0 < self.reward_timeout_s < float("inf")):
             raise ValueError(f"RLVRConfig.reward_timeout_s must be a positive finite number, "
                              f"got {self.reward_timeout_s!r}")
         _ = self.sampling  # validates max_new_tokens, temperature, top_p, top_k, stop_token_ids
+
+    @property
+    def reward_terms(self) -> tuple[tuple[str, float], ...]:
+        """The reward as weighted terms (a single reward is one term of weight 1)."""
+        return ((self.reward, 1.0),) if isinstance(self.reward, str) else self.reward
+
+    @property
+    def verifier(self) -> str | None:
+        """The verifier held-out accuracy and `eval` score with: the reward, or its first term that
+        is not learned."""
+        return next((name for name, _ in self.reward_terms if not composite.is_learned(name)), None)
+
+    @property
+    def verifier_terms(self) -> tuple[str, ...]:
+        """The terms run as reward functions (in the pool or in process), not learned."""
+        return tuple(name for name, _ in self.reward_terms if not composite.is_learned(name))
+
+    @property
+    def learned_terms(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.reward_terms if composite.is_learned(name))
 
     @property
     def sampling(self) -> SamplingParams:
@@ -230,10 +262,19 @@ def stable_seed(*parts: object) -> int:
 class RLVRWorkflow(RolloutWorkflow):
     """Sample n completions of the row's prompt, score each, return them as one group."""
 
-    def __init__(self, config: RLVRConfig) -> None:
+    def __init__(self, config: RLVRConfig, *, learned: composite.LearnedRewards | None = None) -> None:
+        """`learned`: the reward's learned terms, loaded (by default from the config, here)."""
         if not isinstance(config, RLVRConfig):
             raise TypeError(f"RLVRWorkflow takes an RLVRConfig, got {type(config).__name__}")
         self.config = self.rollout = config
+        if learned is None and config.learned_terms:
+            learned = composite.LearnedRewards(config.learned_terms, judge=config.judge)
+        self.learned = learned
+
+    def close(self) -> None:
+        """Stops the learned terms' threads and the judge's engine."""
+        if self.learned is not None:
+            self.learned.close()
 
     async def arun(self, engine_client: RolloutClient, row: Any, *, version: int) -> TrajectoryGroup | None:
         cfg = self.config
@@ -247,24 +288,65 @@ class RLVRWorkflow(RolloutWorkflow):
         gen_s = time.perf_counter() - t0
         if any(c.stop_reason == "aborted" for c in result.completions):
             raise GenerationAborted(f"generation for {example.source} was aborted")
-        # return_exceptions: wait for every call, so no failed call is left unobserved
-        rewards = await asyncio.gather(*(
-            engine_client.reward(cfg.reward, engine_client.decode(c.tokens), example.gold,
-                                 timeout_s=cfg.reward_timeout_s)
-            for c in result.completions), return_exceptions=True)
-        for r in rewards:
-            if isinstance(r, BaseException):
-                raise r
+        info: dict[str, Any] = {}
+        if isinstance(cfg.reward, str):
+            # return_exceptions: wait for every call, so no failed call is left unobserved
+            rewards = await asyncio.gather(*(
+                engine_client.reward(cfg.reward, engine_client.decode(c.tokens), example.gold,
+                                     timeout_s=cfg.reward_timeout_s)
+                for c in result.completions), return_exceptions=True)
+            for r in rewards:
+                if isinstance(r, BaseException):
+                    raise r
+        else:
+            texts = [engine_client.decode(c.tokens) for c in result.completions]
+            rewards, info["reward_terms"] = await score_terms(engine_client, self.learned, cfg, example, texts)
         trajectories = tuple(
             Trajectory(prompt_ids=prompt, completion_ids=c.tokens, behavior_logprobs=c.logprobs, versions=c.versions,
                        reward=float(r), stop_reason=c.stop_reason, moe_routing=c.moe_routing)
             for c, r in zip(result.completions, rewards))
         return TrajectoryGroup(query_id=example.query_id, trajectories=trajectories, admitted_version=version,
                                info={"source": example.source, "task": example.row.task, "generation_s": gen_s,
-                                     "reward_s": time.perf_counter() - t0 - gen_s})
+                                     "reward_s": time.perf_counter() - t0 - gen_s, **info})
 
     def reject_reason(self, group: TrajectoryGroup) -> str | None:
         return equal_rewards_filter(group) if self.config.filter_all_equal_rewards else None
+
+
+def question_text(example: Any) -> str:
+    """What a learned reward reads as the question: the row's last user turn."""
+    users = [m.get("content", "") for m in example.row.messages if m.get("role") == "user"]
+    return str(users[-1]) if users else ""
+
+
+async def score_terms(client: RolloutClient, learned: composite.LearnedRewards | None, cfg: RLVRConfig,
+                      example: Any, texts: Sequence[str]) -> tuple[list[float], dict[str, list]]:
+    """The weighted reward of each completion text and, per term, [sum, count, failed]. Every term
+    of every completion runs at once; a term that fails (past reward_timeout_s, raised,
+    unparseable) counts 0.0 and is counted."""
+    question = question_text(example)
+
+    async def one(name: str, text: str) -> tuple[float, bool]:
+        try:
+            if composite.is_learned(name):
+                if learned is None:
+                    raise RuntimeError(f"reward term {name!r} has no learned scorer")
+                future = learned.submit(name, question, text)
+                score, failed = await asyncio.wait_for(asyncio.wrap_future(future),
+                                                       learned.deadline_s(name, cfg.reward_timeout_s))
+                return float(score), failed is not None
+            return await client.reward(name, text, example.gold, timeout_s=cfg.reward_timeout_s), False
+        except (TimeoutError, Exception):  # noqa: BLE001 - a failed term scores 0, counted below
+            return 0.0, True
+
+    names = [name for name, _ in cfg.reward_terms]
+    calls = [one(name, text) for text in texts for name in names]
+    results = await asyncio.gather(*calls)
+    per_text = [dict(zip(names, results[i * len(names):(i + 1) * len(names)])) for i in range(len(texts))]
+    rewards = [sum(w * scores[name][0] for name, w in cfg.reward_terms) for scores in per_text]
+    terms = {name: [sum(s[name][0] for s in per_text), len(texts), sum(s[name][1] for s in per_text)]
+             for name in names}
+    return rewards, terms
 
 
 def resolve_workflow_class(path: str, field: str = "RLConfig.workflow") -> type:

@@ -96,7 +96,7 @@ class EvaluationHook:
         """Held-out greedy accuracy with the engine's current weights (a collective with several processes)."""
         rollout = self.rollout
         # In the rollouts' pool under their deadline (in this process only when no pool was given).
-        scorer = RewardScorer(rollout.reward if rollout else "math", self.reward_pool,
+        scorer = RewardScorer(rollout.verifier if rollout else "math", self.reward_pool,
                               timeout_s=rollout.reward_timeout_s if rollout else 10.0)
         budget = self.rl.eval_max_new_tokens or (rollout.max_new_tokens if rollout else 64)
         correct = greedy_correct(self.engine, self.examples, scorer, self.tokenizer, max_new_tokens=budget,

@@ -14,6 +14,7 @@ import jax
 from areal_jax.generation.timings import timings_delta
 from areal_jax.metrics import batch_metrics
 from areal_jax.parallel.distributed import agree_sum
+from areal_jax.reward.composite import term_metrics
 from areal_jax.api import TrajectoryGroup
 from areal_jax.trainer.algorithm import StepOutput
 from areal_jax.trainer.cluster import RLCluster
@@ -85,6 +86,7 @@ class StepMetrics:
             if jax.process_count() > 1:
                 timeouts, failures = agree_sum(timeouts), agree_sum(failures)
             metrics["reward/timeouts"], metrics["reward/failures"] = timeouts, failures
+        metrics.update(term_metrics(g.info for g in groups))  # a composite reward's terms: mean, failed
         metrics.update({f"train/{k}": train[k] for k in TRAIN_KEYS if k in train})
         if "fresh_logp_gap" in train:  # engine vs trainer log-probs of the tokens the trained weights sampled
             metrics["rollout/behav_logp_gap"] = train["fresh_logp_gap"]

@@ -1,0 +1,202 @@
+"""A reward made of weighted terms: verifiers, scalar reward models and a generative judge.
+
+    RLVRConfig(reward=(("math", 1.0), ("rm:path/to/rm", 0.5), ("judge", 0.5)), judge=JudgeConfig(...))
+
+A term is a verifier (a registered name or "package.module:function", run as a single reward is),
+"rm:<directory>" (a `RewardModel`, scoring the chat [user: question, assistant: completion] with
+its own template) or "judge" (the `Judge` of `RLVRConfig.judge`). The reward of a completion is
+the weighted sum of its terms; a term that fails (past its deadline, unparseable, raised) counts
+0.0 and is counted as failed. Each group records per term [sum, count, failed] in
+`info["reward_terms"]`, which the step's record turns into reward/<name>/mean and
+reward/<name>/failed (`term_metrics`).
+
+The learned terms run on `LearnedRewards`' threads, one per model, each taking every request
+queued at once as one batch: a group's scoring waits there while other groups decode.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
+from typing import Any
+
+__all__ = ["LearnedRewards", "check_terms", "is_learned", "normalize_reward", "term_metrics"]
+
+RewardTerms = tuple[tuple[str, float], ...]
+RM_PREFIX = "rm:"
+JUDGE = "judge"
+
+
+def is_learned(name: str) -> bool:
+    return name == JUDGE or name.startswith(RM_PREFIX)
+
+
+def normalize_reward(reward: Any, field: str = "RLVRConfig.reward") -> str | RewardTerms:
+    """A reward name as given, or weighted terms as a tuple of (name, float) pairs; ValueError of
+    one line naming `field` otherwise."""
+    if isinstance(reward, str):
+        if not reward:
+            raise ValueError(f"{field} must name a reward function, got ''")
+        return reward
+    try:
+        terms = tuple((name, weight) for name, weight in reward)
+    except (TypeError, ValueError):
+        raise ValueError(f"{field} must be a reward name or (name, weight) pairs, got {reward!r}") from None
+    if not terms:
+        raise ValueError(f"{field} has no terms")
+    out = []
+    for name, weight in terms:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{field}: term name {name!r} must be a non-empty str")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+            raise ValueError(f"{field}: weight of {name!r} must be a finite number, got {weight!r}")
+        if name.startswith(RM_PREFIX) and not name[len(RM_PREFIX):]:
+            raise ValueError(f"{field}: term {name!r} must name the reward model's directory after 'rm:'")
+        out.append((name, float(weight)))
+    names = [n for n, _ in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{field}: a term is named twice in {names}")
+    return tuple(out)
+
+
+def check_terms(terms: RewardTerms, check_verifier: Callable[[str, str], None], field: str) -> None:
+    """Resolves each verifier term (`check_verifier(name, field)`) and checks each reward model's
+    directory holds a reward model, before any work."""
+    import pathlib
+
+    for name, _ in terms:
+        if name.startswith(RM_PREFIX):
+            from areal_jax.models.reward_head import read_reward_config
+
+            try:
+                read_reward_config(pathlib.Path(name[len(RM_PREFIX):]))
+            except (OSError, ValueError) as e:
+                raise ValueError(f"{field}: term {name!r}: {e}") from None
+        elif name != JUDGE:
+            check_verifier(name, f"{field} term {name!r}")
+
+
+class _Batcher:
+    """One thread running `fn(items) -> results` over every item queued when it looks."""
+
+    def __init__(self, name: str, fn: Callable[[list], list]) -> None:
+        self._fn = fn
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=f"reward-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, item: Any) -> Future:
+        future: Future = Future()
+        self._queue.put((item, future))
+        return future
+
+    def _loop(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            batch = [first]
+            while True:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._queue.put(None)
+                    break
+                batch.append(nxt)
+            live = [(item, f) for item, f in batch if f.set_running_or_notify_cancel()]
+            try:
+                results = self._fn([item for item, _ in live])
+            except Exception as e:  # noqa: BLE001 - each waiter learns why
+                for _, f in live:
+                    f.set_exception(e)
+                continue
+            for (_, f), r in zip(live, results):
+                f.set_result(r)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=60)
+
+
+class LearnedRewards:
+    """The learned terms of a reward: `submit(name, question, answer)` -> a Future of
+    (score, failed reason or None)."""
+
+    def __init__(self, names: Iterable[str], *, judge: Any = None, rm_dtype: str = "float32",
+                 warmup_tokens: int = 256) -> None:
+        """Loads each learned term's model; a reward model's programs for inputs up to
+        `warmup_tokens` are compiled here, before any call runs under a deadline."""
+        import jax.numpy as jnp
+
+        self._batchers: dict[str, _Batcher] = {}
+        self.judge = None
+        for name in names:
+            if name == JUDGE:
+                from areal_jax.reward.judge import Judge, JudgeConfig
+
+                if not isinstance(judge, JudgeConfig):
+                    raise ValueError("the reward term 'judge' needs RLVRConfig.judge (a JudgeConfig)")
+                self.judge = Judge(judge)
+                self._batchers[name] = _Batcher(name, self._judge_batch)
+            elif name.startswith(RM_PREFIX):
+                from areal_jax.reward.reward_model import RewardModel
+
+                rm = RewardModel.from_pretrained(name[len(RM_PREFIX):], dtype=jnp.dtype(rm_dtype))
+                rm.warmup(warmup_tokens)
+                self._batchers[name] = _Batcher(name, lambda items, rm=rm: _rm_batch(rm, items))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._batchers)
+
+    def deadline_s(self, name: str, reward_timeout_s: float) -> float:
+        """How long a caller waits for term `name`: the judge's own deadline when longer (it
+        enforces it itself, and its engine compiles on first use)."""
+        if name == JUDGE and self.judge is not None:
+            return max(reward_timeout_s, self.judge.config.timeout_s + 1.0)
+        return reward_timeout_s
+
+    def submit(self, name: str, question: str, answer: str) -> Future:
+        return self._batchers[name].submit((question, answer))
+
+    def _judge_batch(self, items: list[tuple[str, str]]) -> list[tuple[float, str | None]]:
+        return [(v.score, v.failed) for v in self.judge.score(items)]
+
+    def close(self) -> None:
+        for b in self._batchers.values():
+            b.close()
+        if self.judge is not None:
+            self.judge.close()
+
+
+def _rm_batch(rm: Any, items: list[tuple[str, str]]) -> list[tuple[float, str | None]]:
+    """A reward model's scores of (question, answer) pairs: the chat through its template, or the
+    two texts joined when it has none."""
+    if rm.tokenizer is not None and rm.tokenizer.has_chat_template:
+        scores = rm.score_chats([[{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+                                 for q, a in items])
+    else:
+        scores = rm.score([q + a for q, a in items])
+    return [(float(s), None) if math.isfinite(s) else (0.0, "non-finite") for s in scores]
+
+
+def term_metrics(infos: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    """reward/<name>/mean (over the completions scored) and reward/<name>/failed (a count) of
+    every term recorded in the groups' `info["reward_terms"]`."""
+    totals: dict[str, list[float]] = {}
+    for info in infos:
+        for name, (total, count, failed) in (info.get("reward_terms") or {}).items():
+            t = totals.setdefault(name, [0.0, 0, 0])
+            t[0] += total
+            t[1] += count
+            t[2] += failed
+    out: dict[str, float] = {}
+    for name, (total, count, failed) in totals.items():
+        out[f"reward/{name}/mean"] = total / count if count else math.nan
+        out[f"reward/{name}/failed"] = int(failed)
+    return out
