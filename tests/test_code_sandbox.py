@@ -325,6 +325,9 @@ def test_a_completion_hunting_for_the_expected_outputs_scores_zero(tmp_path):
     from areal_jax.reward.pool import RewardPool, RewardPoolConfig
 
     secret = f"expected-{uuid.uuid4().hex}"
+    if any(ROOT.is_relative_to(d) for d in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")):
+        pytest.skip(f"the checkout ({ROOT}) lies in a directory the sandbox replaces with its own tmpfs, so the "
+                    "control (nothing hidden) could not see the planted outputs either")
     base = ROOT / f".sandbox_attack_{uuid.uuid4().hex}"  # outside /tmp, which the sandbox replaces anyway
     data, run = base / "data" / "code.jsonl", base / "run"
     row = {"question": "Print the answer.", "input_output": {"inputs": ["1\n"], "outputs": [secret + "\n"]}}
