@@ -17,6 +17,14 @@ Conventions (used project-wide; models/sharding.py maps logical axes onto these 
 Every host splits its local devices the same way: the first `num_train` local devices
 (by id) train, the rest generate. In colocated mode (the synchronous baseline) both
 meshes use every local device, in the same order.
+
+Several TPU slices (`MeshConfig.num_slices`): the slices are joined by the data-centre network
+(DCN), one to two orders of magnitude slower than the chips' interconnect (ICI). The train mesh's
+"fsdp" axis then spans the slices as its outermost part (slice-major, as
+`mesh_utils.create_hybrid_device_mesh` lays out a DCN axis), so a tensor or expert group never
+crosses DCN; the generation mesh stays host-local, so only the weight push (and training's own
+"fsdp" collectives) crosses it. Within a slice, hosts stay contiguous blocks of "fsdp" (the weight
+transfer's view relies on it).
 """
 
 from __future__ import annotations
@@ -52,6 +60,8 @@ class MeshConfig:
         it must divide MoEConfig.num_experts, checked by `check_model_fits_mesh`).
       generation_expert: expert-parallel size of each generation replica (expert x tensor
         devices hold one replica).
+      num_slices: TPU slices the job spans (joined by DCN; `plan --target=NxSLICE`). The train
+        mesh's "fsdp" axis spans them, outermost; hosts must split evenly among them.
       colocated: generation and training share every local device. With RLConfig.mode = 'sync'
         they take turns on them (the synchronous baseline); in 'async' both run at once, each
         program waiting for the devices as the other's hold them.
@@ -66,6 +76,7 @@ class MeshConfig:
     train_expert: int = 1
     generation_expert: int = 1
     colocated: bool = False
+    num_slices: int = 1
 
     def __post_init__(self):
         if not 0.0 < self.generation_fraction < 1.0:
@@ -84,7 +95,7 @@ class MeshConfig:
                     "colocated=True uses every device for both sides; do not also set "
                     "num_generation_devices_per_host"
                 )
-        for name in ("train_tensor", "generation_tensor", "train_expert", "generation_expert"):
+        for name in ("train_tensor", "generation_tensor", "train_expert", "generation_expert", "num_slices"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -207,17 +218,20 @@ def build_meshes(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -
         raise ValueError(f"this process ({me}) owns none of the given devices")
 
     split = split_local_devices(cfg, next(iter(counts.values())))
-    train_by_host = tuple(tuple(devs[: split.num_train]) for devs in by_process.values())
+    # Hosts in slice order (stable): the train mesh's "fsdp" blocks, slice by slice.
+    hosts = sorted(by_process.values(), key=lambda devs: slice_of(devs[0]) or 0)
+    train_by_host = tuple(tuple(devs[: split.num_train]) for devs in hosts)
     local = by_process[me]
     train_local = tuple(local[: split.num_train])
     generation_local = tuple(local if split.colocated else local[split.num_train :])
 
-    train_grid = np.array([d for devs in train_by_host for d in devs], dtype=object)
-    if train_grid.size % (cfg.train_expert * cfg.train_tensor):
-        raise ValueError(f"train_expert={cfg.train_expert} x train_tensor={cfg.train_tensor} does not divide the "
-                         f"{train_grid.size} training device(s)")
-    train_mesh = Mesh(train_grid.reshape(-1, cfg.train_expert, cfg.train_tensor), TRAIN_AXES,
-                      axis_types=(AxisType.Auto,) * 3)
+    train_devices = [d for devs in train_by_host for d in devs]
+    group = cfg.train_expert * cfg.train_tensor
+    if len(train_devices) % (group * cfg.num_slices):
+        raise ValueError(f"train_expert={cfg.train_expert} x train_tensor={cfg.train_tensor} x num_slices="
+                         f"{cfg.num_slices} does not divide the {len(train_devices)} training device(s)")
+    train_grid = slice_major(train_devices, cfg.num_slices).reshape(-1, cfg.train_expert, cfg.train_tensor)
+    train_mesh = Mesh(train_grid, TRAIN_AXES, axis_types=(AxisType.Auto,) * 3)
     return Meshes(
         train=train_mesh,
         generation=generation_mesh(generation_local, cfg.generation_tensor, cfg.generation_expert),
@@ -226,6 +240,47 @@ def build_meshes(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -
         train_devices_by_host=train_by_host,
         split=split,
     )
+
+
+def slice_of(device: jax.Device) -> int | None:
+    """The TPU slice a device belongs to (`slice_index`), or None where devices carry none (CPU, GPU)."""
+    return getattr(device, "slice_index", None)
+
+
+def slice_major(devices: Sequence[jax.Device], num_slices: int) -> np.ndarray:
+    """`devices` (hosts as contiguous blocks) ordered slice by slice, each slice's in the given order.
+
+    Devices that carry `slice_index` (a multi-slice TPU job, or libtpu's multi-slice topology
+    devices) are grouped by it, and there must be exactly `num_slices`, of equal size. Devices
+    without one (CPU, GPU) stand for slices as `num_slices` consecutive equal blocks: how a CPU test
+    simulates slices."""
+    devices = list(devices)
+    if num_slices < 1 or len(devices) % num_slices:
+        raise ValueError(f"{len(devices)} device(s) do not split into {num_slices} slice(s)")
+    if num_slices == 1 and all(slice_of(d) is None or slice_of(d) == slice_of(devices[0]) for d in devices):
+        return np.array(devices, dtype=object)
+    if any(slice_of(d) is None for d in devices):
+        return np.array(devices, dtype=object)  # simulated: consecutive blocks are the slices
+    by_slice: dict[int, list[jax.Device]] = {}
+    for d in devices:
+        by_slice.setdefault(slice_of(d), []).append(d)
+    sizes = {k: len(v) for k, v in sorted(by_slice.items())}
+    if len(by_slice) != num_slices or len(set(sizes.values())) != 1:
+        raise ValueError(f"MeshConfig.num_slices = {num_slices}, but the devices lie on slices {sizes} "
+                         "(slice index: devices); every slice must hold the same number")
+    return np.array([d for k in sorted(by_slice) for d in by_slice[k]], dtype=object)
+
+
+def hybrid_train_grid(devices: Sequence[jax.Device], num_slices: int, expert: int, tensor: int) -> np.ndarray:
+    """The [fsdp, expert, tensor] grid of a multi-slice train mesh over whole slices' devices, by
+    `mesh_utils.create_hybrid_device_mesh`: "fsdp" = DCN (slices, outermost) x ICI (within a slice),
+    each slice's devices in an order its interconnect favours. For the planner's topology devices,
+    which are whole slices; a run keeps hosts contiguous instead (`build_meshes`)."""
+    from jax.experimental import mesh_utils
+
+    per_slice = len(devices) // num_slices
+    return mesh_utils.create_hybrid_device_mesh((per_slice // (expert * tensor), expert, tensor), (num_slices, 1, 1),
+                                                list(devices), allow_split_physical_axes=True)
 
 
 def generation_mesh(devices: Sequence[jax.Device], tensor: int, expert: int = 1) -> Mesh:

@@ -92,6 +92,8 @@ class TransferStats:
     compiled: bool  # a new reshard program was compiled for this transfer
     groups: int = 1  # reshard programs run (one per group)
     max_group_bytes: int = 0  # generation bytes of the largest group (whole arrays)
+    mode: str = "full"  # "full": every weight; "sparse": changed elements only (parallel/delta_sync.py)
+    changed_elements: int | None = None  # with DeltaSync: elements whose generation-dtype bits changed
 
 
 # ---- the transfer -------------------------------------------------------------------------------
@@ -179,6 +181,28 @@ class WeightSync:
     @property
     def meshes(self) -> Meshes:
         return self._meshes
+
+    # What a wrapper of this transfer (parallel/delta_sync.py) reads: the tree, each leaf's path and
+    # whether it is stacked over layers, the generation dtype and the output layout.
+    @property
+    def treedef(self):
+        return self._treedef
+
+    @property
+    def paths(self) -> list[str]:
+        return list(self._paths)
+
+    @property
+    def stacked_flags(self) -> list[bool]:
+        return list(self._stacked)
+
+    @property
+    def generation_dtype(self) -> np.dtype | None:
+        return self._dtype
+
+    @property
+    def layout(self) -> str:
+        return self._layout
 
     @staticmethod
     def _build_local_view(meshes: Meshes, view: Mesh) -> Mesh:

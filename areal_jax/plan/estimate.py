@@ -11,12 +11,15 @@ dimensions (letters of models/config.py):
 - prefill: the new KV block `[R, K, P, H]` x L (an output), one query chunk's activations
   `[R, C, 2D + 3F]` (weights' dtype) and scores `[R, N, C, C]` (fp32). Packed re-prefill: one
   packed row's activations and one causal query block's scores.
-- grad: with remat "full" every layer's input `[R, T, D]` is saved (compute dtype), the
-  recomputed layer's activations `[R, T, 4D + 3F]` in fp32, its attention probabilities (the
-  causal half of `[R, N, T, T]`, fp32), a chunk of fp32 logits twice (forward, its gradient), the gradient of the trained weights (fp32; with LoRA the adapters only) and one layer of weights
-  gathered in the compute dtype. Without remat, every layer's activations are saved.
-- logprobs: one chunk of logits and a quarter of a layer's activations: nothing is kept for a
-  backward.
+- grad: with remat "full" every layer's input `[R, T, D]` is saved (compute dtype), the gradient
+  of the trained weights (fp32; with LoRA the adapters only) and one layer of weights gathered
+  in the compute dtype; then the larger of two phases that never overlap: the backward of a
+  layer (its recomputed activations `[R, T, 4D + 3F]` and their gradients in the compute dtype,
+  and its attention probabilities, the causal half of `[R, N, T, T]` fp32, unless flash), or
+  the backward of the head (one logit chunk `[R, Tc, V]` fp32 and its gradient, beside the final
+  hidden states). Without remat, every layer's activations are saved.
+- logprobs: the larger of one logit chunk and a quarter of a layer's activations, beside the
+  final hidden states: nothing is kept for a backward.
 - update: nothing beyond its arguments (weights and moments are donated and updated in place).
 - transfer: the group being moved, in the generation dtype, twice (cast and gathered).
 Everything per device: sharded dimensions divided by their mesh axis. For a mixture-of-experts
@@ -39,6 +42,7 @@ from collections.abc import Sequence
 
 from areal_jax.aot import ProgramSpec, bytes_per_device
 from areal_jax.models.config import ModelConfig
+from areal_jax.ppo.logprobs import chunk_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,15 +195,21 @@ def temporaries(spec: ProgramSpec, ctx: EstimateContext, attention: Sequence[str
         group = ex if R % (f * ex) == 0 else 1  # a sparse layer gathers its expert group's rows
         tokens = Rl * T
         layer_weights = ctx.compute_bytes * weights * f // max(L, 1)  # one layer gathered (over fsdp)
+        # One layer's activations and their gradients (compute dtype, two copies: fp32-sized).
         recompute = 4 * tokens * (4 * D + mlp_acts(m, t, group))
         attention = 4 * Rl * (N // t) * T * (2 if flash else T // 2)  # flash: log-sum-exp (and its gradient)
-        chunk = min(ctx.logit_chunk_tokens // max(1, R // Rl), Rl * T) if Rl * T > ctx.logit_chunk_tokens else Rl * T
-        logits = 4 * chunk * V // t * 2  # the chunk's logits and, in the backward, their gradient
+        # The logits are chunked over the micro-batch's tokens, every device's rows together
+        # (ppo/logprobs.chunk_layout): a chunk holds this device's rows x Tc positions.
+        _, tc = chunk_layout(R, T, ctx.logit_chunk_tokens)
+        logits = 4 * Rl * tc * V // t * 2  # the chunk's fp32 logits and, in the backward, their gradient
+        hidden = tokens * D * ctx.compute_bytes  # the final hidden states the chunks read
+        # The head's chunks and the layers run one after the other (forward: layers then head;
+        # backward: head then layers), so only the larger of the two is live at the peak.
         if kind == "logprobs":
-            return logits // 2 + recompute // 4 + 4 * tokens  # nothing kept for a backward
+            return max(logits // 2, recompute // 4) + hidden + 4 * tokens  # nothing kept for a backward
         saved = (L * tokens * D * ctx.compute_bytes if ctx.remat == "full"
                  else L * (recompute + attention) // 2)
-        return saved + recompute + attention + logits + grads + layer_weights
+        return saved + max(recompute + attention, logits + hidden) + grads + layer_weights
     return 0
 
 
@@ -269,7 +279,11 @@ def analytic_flops(spec: ProgramSpec, ctx: EstimateContext, num_devices: int) ->
         tokens = d.get("rows", 1) * d.get("len", 1)
         body = tokens * layers + attention(tokens, d.get("len", 1) / 2)
         forward = body + tokens * head
-        total = forward if kind == "logprobs" else 3 * forward + (body if ctx.remat == "full" else 0)
+        # Backward twice the forward; remat "full" runs the layers' forward again, and chunked
+        # logits (ppo/logprobs.py checkpoints each chunk) the head's.
+        chunked = chunk_layout(d.get("rows", 1), d.get("len", 1), ctx.logit_chunk_tokens)[0] > 1
+        again = (body if ctx.remat == "full" else 0) + (tokens * head if chunked else 0)
+        total = forward if kind == "logprobs" else 3 * forward + again
     elif kind in ("prefill_start", "prefill"):
         R, P = d.get("rows", 1), d.get("len", 1)
         total = R * P * layers + attention(R * P, P / 2) + R * head

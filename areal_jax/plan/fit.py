@@ -43,7 +43,7 @@ class Fit:
     generation_fraction: float = 0.0
 
 
-def stand_in_devices(target: Target, num_devices: int, hosts: int = 1) -> list:
+def stand_in_devices(target: Target, num_devices: int, hosts: int = 1, slices: int = 1) -> list:
     """Fake GPU devices standing in for any target's: the estimate reads only shapes and
     shardings, so a TPU target's candidates need no libtpu (one process at a time holds it)."""
     from jax.experimental import topologies
@@ -64,6 +64,9 @@ def estimate_fit(job, plan_cfg, target: Target, *, gin_files: Sequence[str] = ()
     from areal_jax.plan.job import plan_inputs
 
     inputs = plan_inputs(job, plan_cfg, target, gin_files=gin_files, model_cfg=model_cfg, devices=stand_in_devices)
+    refusal = paged_kernel_refusal(job, target, inputs)
+    if refusal is not None:  # the engine would decode with the reference gather: not this point's figures
+        return Fit(fits=False, peak_fraction=float("nan"), tightest="generation/decode", source=f"refused: {refusal}")
     kernels = PLATFORM_KERNELS["tpu" if target.platform == "tpu" else "cuda"]
     peaks = {s.name: estimate_peak(s, inputs.ctx, kernels) + inputs.extra_resident(s) for s in inputs.specs}
     compiled = 0
@@ -78,6 +81,24 @@ def estimate_fit(job, plan_cfg, target: Target, *, gin_files: Sequence[str] = ()
     return Fit(fits=peaks[tightest] <= (1.0 - plan_cfg.headroom) * capacity,
                peak_fraction=peaks[tightest] / capacity, tightest=tightest, source=source,
                generation_fraction=generation / capacity)
+
+
+def paged_kernel_refusal(job, target: Target, inputs) -> str | None:
+    """Why the target's paged decode kernel cannot take one replica's page tables (its `limits`:
+    on TPU the page table and lengths must fit the core's SMEM), or None. The engine would then
+    decode with the reference gather, slower and larger than the point was estimated at."""
+    from areal_jax.kernels.paged_attention import KERNELS
+    from areal_jax.plan.job import gen_dtype, replica_engine_config
+
+    layout = getattr(job.engine, "layout", None)
+    if layout is None or layout(target.platform) != "paged":
+        return None
+    platform = "tpu" if target.platform == "tpu" else "gpu"
+    engine = replica_engine_config(job.engine, inputs.meshes.generation_replicas_per_host)
+    m = inputs.model_cfg
+    why = KERNELS.unfit(platform, m.head_dim, engine.page_size, engine.num_slots, engine.pages_per_sequence,
+                        max(1, m.num_kv_heads // job.mesh.generation_tensor), job.engine.kv_itemsize(gen_dtype(job)))
+    return None if why is None else f"{KERNELS.entry(platform).name}: {why}"
 
 
 def _compiled_peaks(job, plan_cfg, target, gin_files, model_cfg, peaks: dict[str, int], within_s: float) -> int:

@@ -203,6 +203,9 @@ def plan_inputs(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_fi
     """The programs a plan of `job` measures. `devices(target, n, hosts=1)`: the fake devices the
     meshes are built on (default plan/targets.topology_devices, the target's own kind)."""
     model_cfg = model_cfg or model_config_for(job, plan_cfg, gin_files)
+    if job.mesh.num_slices != getattr(target, "slices", 1):
+        raise PlanError(f"MeshConfig.num_slices = {job.mesh.num_slices}, but target {target.name} has "
+                        f"{getattr(target, 'slices', 1)} slice(s): bind MeshConfig.num_slices to match")
     try:
         split = split_local_devices(job.mesh, target.devices_per_host)
     except ValueError as e:
@@ -308,9 +311,27 @@ def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files
 
     prediction["transfer_bytes_per_step"] = (adapter_bytes(model_cfg, job.lora, gen_dtype(job)) if job.lora.enabled
                                              else model_cfg.num_params() * gen_dtype(job).itemsize)
+    prediction.update(network_transfer(prediction["transfer_bytes_per_step"], target))
     return Plan(target=target, split=split, train_devices=split.num_train * target.hosts,
                 generation_devices=split.num_generation * target.hosts, programs=tuple(programs),
                 prediction=prediction, headroom=plan_cfg.headroom)
+
+
+def network_transfer(weight_bytes: float, target: Target) -> dict[str, Any]:
+    """What a push of `weight_bytes` costs over the slow network. The trained weights are sharded
+    over "fsdp", which spans every host (and slice): each host gathers the share the others hold.
+    Across TPU slices the other slices' share crosses DCN (a slice's hosts share its ICI); between
+    GPU nodes, the other nodes' share crosses InfiniBand. Each host receives (parts - 1) / parts of the weights at its own network bandwidth (`Target.host_network_bandwidth`,
+    published per chip, plan/targets.py), all hosts at once."""
+    bandwidth = target.host_network_bandwidth
+    # A TPU slice's hosts share its ICI: only the other slices' share crosses DCN.
+    parts = getattr(target, "slices", 1) if target.platform == "tpu" else target.hosts
+    if parts <= 1 or bandwidth is None:
+        return {}
+    share = (parts - 1) / parts
+    return {"transfer_network_bytes_per_host": weight_bytes * share, "transfer_network_s": weight_bytes * share / bandwidth,
+            "transfer_network": ("DCN between slices" if getattr(target, "slices", 1) > 1 else
+                                 "the network between hosts") + f", {bandwidth / 1e9:g} GB/s per host"}
 
 
 def _row_for(job: JobConfigs, tokens: int) -> int:

@@ -27,7 +27,7 @@ from jax.sharding import AxisType, Mesh
 
 from areal_jax.aot import ProgramSpec, bytes_per_device
 from areal_jax.models.config import ModelConfig
-from areal_jax.parallel.meshes import GENERATION_AXES, TRAIN_AXES, DeviceSplit
+from areal_jax.parallel.meshes import GENERATION_AXES, TRAIN_AXES, DeviceSplit, hybrid_train_grid
 from areal_jax.plan.measure import Measured, attention_kernels, grouped_matmul_kernels, measure, spec_devices
 from areal_jax.plan.targets import Target
 
@@ -155,12 +155,20 @@ def role_meshes(target: Target, split: DeviceSplit, train_tensor: int, generatio
     from areal_jax.plan.targets import topology_devices
 
     topology_devices = devices or topology_devices
-    train_devices = topology_devices(target, split.num_train * target.hosts, hosts=target.hosts)
-    if len(train_devices) % (train_expert * train_tensor):
+    slices = getattr(target, "slices", 1)
+    count = split.num_train * target.hosts
+    train_devices = (topology_devices(target, count, hosts=target.hosts, slices=slices) if slices > 1
+                     else topology_devices(target, count, hosts=target.hosts))
+    if len(train_devices) % (train_expert * train_tensor * slices):
         raise ValueError(f"MeshConfig.train_expert = {train_expert} x train_tensor = {train_tensor} does not divide "
-                         f"the {len(train_devices)} training devices")
-    train = _mesh(train_devices, (len(train_devices) // (train_expert * train_tensor), train_expert, train_tensor),
-                  TRAIN_AXES)
+                         f"the {len(train_devices) // slices} training devices of each of {slices} slice(s)")
+    if slices > 1 and all(getattr(d, "slice_index", None) is not None for d in train_devices):
+        # Several slices over DCN: "fsdp" = slices (outermost) x each slice's devices (parallel/meshes.py).
+        train = Mesh(hybrid_train_grid(train_devices, slices, train_expert, train_tensor), TRAIN_AXES,
+                     axis_types=(AxisType.Auto,) * 3)
+    else:
+        train = _mesh(train_devices, (len(train_devices) // (train_expert * train_tensor), train_expert,
+                                      train_tensor), TRAIN_AXES)
     replica = generation_expert * generation_tensor
     generation = _mesh(topology_devices(target, replica), (1, generation_expert, generation_tensor), GENERATION_AXES)
     return RoleMeshes(split, train, generation, split.num_generation // replica)

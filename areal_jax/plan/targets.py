@@ -2,8 +2,10 @@
 fake topologies (libtpu for TPUs, XLA:GPU for NVIDIA GPUs) that let a CPU host compile for them.
 
 Target names: a TPU slice as Cloud TPU names it ("v5e-16", "v5p-128", "v6e-16", "v4-32"; v4 and
-v5p count TensorCores, two per chip, v5e and v6e count chips) and GPU nodes as "8xh100" or
-"4x8xh100" (nodes x GPUs per node; "a100", "h100", "h200").
+v5p count TensorCores, two per chip, v5e and v6e count chips), several such slices joined by the
+data-centre network as "2xv5p-64" (slices x slice; compiled through libtpu's multi-slice
+topology, `get_topology_desc(..., num_slices=N)`), and GPU nodes as "8xh100" or "4x8xh100"
+(nodes x GPUs per node; "a100", "h100", "h200").
 """
 
 from __future__ import annotations
@@ -29,21 +31,36 @@ class Accelerator:
     devices_per_chip: int = 1  # JAX devices libtpu shows per chip (v4 without megacore: 2)
     chips_per_host: int = 4
     cores_per_chip_in_name: int = 1  # "v5p-32" counts TensorCores: 16 chips
+    # Bandwidth per chip out of its host over the network between slices (TPU: the data-centre
+    # network, DCN) or nodes (GPU: the node's InfiniBand NICs), bytes/s; None where no figure is
+    # published (multi-slice targets of that kind are refused).
+    dcn_bandwidth: float | None = None
+    dcn_source: str = ""
 
 
 ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in (
     Accelerator("v4", "tpu", 32 * GiB, 275e12, 1.2e12, "https://cloud.google.com/tpu/docs/v4",
                 devices_per_chip=2, cores_per_chip_in_name=2),
-    Accelerator("v5e", "tpu", 16 * GiB, 197e12, 819e9, "https://cloud.google.com/tpu/docs/v5e"),
+    Accelerator("v5e", "tpu", 16 * GiB, 197e12, 819e9, "https://cloud.google.com/tpu/docs/v5e",
+                dcn_bandwidth=25e9 / 8, dcn_source="https://cloud.google.com/tpu/docs/v5e: 2 x 100 Gbps NICs "
+                "per host of 8 chips (and 6.4 Tbps of DCN per 256-chip pod): 25 Gbps per chip"),
     Accelerator("v5p", "tpu", 95 * GiB, 459e12, 2.765e12, "https://cloud.google.com/tpu/docs/v5p",
-                cores_per_chip_in_name=2),
+                cores_per_chip_in_name=2, dcn_bandwidth=50e9 / 8,
+                dcn_source="https://cloud.google.com/tpu/docs/v5p: data center network (DCN) bandwidth per chip "
+                "50 Gbps"),
     Accelerator("v6e", "tpu", 32 * GiB, 918e12, 1.64e12, "https://cloud.google.com/tpu/docs/v6e"),
     Accelerator("a100", "cuda", 80 * GiB, 312e12, 2.039e12,
-                "https://www.nvidia.com/en-us/data-center/a100/ (A100 80GB SXM)", chips_per_host=8),
+                "https://www.nvidia.com/en-us/data-center/a100/ (A100 80GB SXM)", chips_per_host=8,
+                dcn_bandwidth=200e9 / 8, dcn_source="NVIDIA DGX A100 datasheet: 8 x 200 Gb/s HDR InfiniBand "
+                "(one per GPU)"),
     Accelerator("h100", "cuda", 80 * GiB, 989e12, 3.35e12,
-                "https://www.nvidia.com/en-us/data-center/h100/ (H100 SXM, dense)", chips_per_host=8),
+                "https://www.nvidia.com/en-us/data-center/h100/ (H100 SXM, dense)", chips_per_host=8,
+                dcn_bandwidth=400e9 / 8, dcn_source="NVIDIA DGX H100 datasheet: 8 x 400 Gb/s ConnectX-7 "
+                "(one per GPU)"),
     Accelerator("h200", "cuda", 141 * 10**9, 989e12, 4.8e12,
-                "https://www.nvidia.com/en-us/data-center/h200/ (H200 SXM, dense)", chips_per_host=8),
+                "https://www.nvidia.com/en-us/data-center/h200/ (H200 SXM, dense)", chips_per_host=8,
+                dcn_bandwidth=400e9 / 8, dcn_source="NVIDIA DGX H200 datasheet: 8 x 400 Gb/s ConnectX-7 "
+                "(one per GPU)"),
 )}
 
 # What XLA:GPU needs to know of a device to compile for it without one (GpuTargetConfigProto
@@ -87,8 +104,9 @@ class Target:
 
     name: str
     accelerator: Accelerator
-    hosts: int
+    hosts: int  # every slice's
     chips_per_host: int
+    slices: int = 1  # TPU slices joined by the data-centre network (hosts split evenly among them)
 
     @property
     def platform(self) -> str:
@@ -115,10 +133,25 @@ class Target:
     def bandwidth_per_device(self) -> float:
         return self.accelerator.hbm_bandwidth / self.accelerator.devices_per_chip
 
+    @property
+    def host_network_bandwidth(self) -> float | None:
+        """Bytes/s one host sends or receives between slices (TPU DCN) or nodes (GPU), or None."""
+        dcn = self.accelerator.dcn_bandwidth
+        return None if dcn is None else dcn * self.chips_per_host
+
 
 def parse_target(name: str) -> Target:
     """"v5e-16", "v5p-128", "8xh100", "4x8xh200" -> Target; a ValueError lists the known names."""
     text = name.strip().lower()
+    multi = re.fullmatch(r"(\d+)x((?:v4|v5e|v5p|v6e)-\d+)", text)
+    if multi:
+        slices, one = int(multi.group(1)), parse_target(multi.group(2))
+        if slices < 1:
+            raise ValueError(f"target {name!r}: at least one slice")
+        if slices > 1 and one.accelerator.dcn_bandwidth is None:
+            raise ValueError(f"target {name!r}: no published data-centre network bandwidth for "
+                             f"{one.accelerator.name}, which a multi-slice plan costs its transfers at")
+        return dataclasses.replace(one, name=text, hosts=one.hosts * slices, slices=slices)
     tpu = re.fullmatch(r"(v4|v5e|v5p|v6e)-(\d+)", text)
     gpu = re.fullmatch(r"(?:(\d+)x)?(\d+)x(a100|h100|h200)", text)
     if tpu:
@@ -136,8 +169,8 @@ def parse_target(name: str) -> Target:
     if gpu:
         nodes = int(gpu.group(1) or 1)
         return Target(text, ACCELERATORS[gpu.group(3)], nodes, int(gpu.group(2)))
-    raise ValueError(f"unknown target {name!r}: use a TPU slice ({', '.join(a + '-N' for a in ('v4', 'v5e', 'v5p', 'v6e'))}) "
-                     "or GPU nodes (8xh100, 4x8xh100; a100, h100, h200)")
+    raise ValueError(f"unknown target {name!r}: use a TPU slice ({', '.join(a + '-N' for a in ('v4', 'v5e', 'v5p', 'v6e'))}), "
+                     "several slices (2xv5p-64) or GPU nodes (8xh100, 4x8xh100; a100, h100, h200)")
 
 
 def tpu_topology_name(accelerator: Accelerator, num_devices: int) -> str:
@@ -163,13 +196,18 @@ class LibtpuBusy(RuntimeError):
     """Another process holds libtpu (its lock file), so no TPU program can be compiled now."""
 
 
-def topology_devices(target: Target, num_devices: int, hosts: int = 1) -> list:
-    """Fake devices of `target`'s kind, exactly `num_devices` of them, for compiling."""
+def topology_devices(target: Target, num_devices: int, hosts: int = 1, slices: int = 1) -> list:
+    """Fake devices of `target`'s kind, exactly `num_devices` of them, for compiling; on TPU with
+    `slices` > 1, that many slices of num_devices / slices each (devices carry `slice_index`)."""
     from jax.experimental import topologies
 
     if target.platform == "tpu":
+        if num_devices % slices:
+            raise ValueError(f"{num_devices} devices do not split over {slices} slices")
         try:
-            topo = topologies.get_topology_desc(tpu_topology_name(target.accelerator, num_devices), "tpu")
+            kwargs = {"num_slices": slices} if slices > 1 else {}
+            topo = topologies.get_topology_desc(tpu_topology_name(target.accelerator, num_devices // slices), "tpu",
+                                                **kwargs)
         except RuntimeError as e:
             if "lockfile" in str(e):
                 raise LibtpuBusy("libtpu is in use by another process (it allows one at a time): wait for that "

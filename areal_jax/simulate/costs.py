@@ -112,12 +112,15 @@ class RooflineCosts:
     separate_proximal: bool
     transfer_bytes_per_s: float
     pack_width: int = 512  # EngineConfig.pack_width
+    # Share of the generation weights' bytes a push sends (RLConfig.transfer_mode "delta":
+    # parallel/delta_sync.sent_fraction of the changed share; 1.0: the full push).
+    transfer_sent_fraction: float = 1.0
     reward_s: float = 0.0
     label: str = "roofline"
 
     @property
     def transfer_s(self) -> float:
-        return self.generation_weight_bytes / self.transfer_bytes_per_s
+        return self.generation_weight_bytes * self.transfer_sent_fraction / self.transfer_bytes_per_s
 
     def _time(self, flops: float, accessed: float) -> float:
         from areal_jax.plan.planner import roofline_s
@@ -220,4 +223,5 @@ class RooflineCosts:
         return {"label": self.label, "target": self.target.name, "replicas_per_host": self.replicas,
                 "generation_tensor": self.generation_tensor, "slots_per_replica": self.slots_per_replica,
                 "train_devices": self.train_devices, "transfer_s": self.transfer_s,
-                "transfer_bytes_per_s": self.transfer_bytes_per_s, "reward_s": self.reward_s}
+                "transfer_bytes_per_s": self.transfer_bytes_per_s,
+                "transfer_sent_fraction": self.transfer_sent_fraction, "reward_s": self.reward_s}

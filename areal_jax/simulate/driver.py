@@ -51,8 +51,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibrate_skip", type=int, default=None,
                    help="recorded steps left out of the fit (default: the first 40%%, which compile)")
     p.add_argument("--reward_s", type=float, default=0.0, help="reward latency per group, seconds")
-    p.add_argument("--transfer_gbps", type=float, default=DEFAULT_TRANSFER_BYTES_PER_S / 1e9,
-                   help="roofline costs: GB/s at which one host receives the generation weights")
+    p.add_argument("--transfer_gbps", type=float, default=None,
+                   help="roofline costs: GB/s at which one host receives the generation weights (default: "
+                        f"{DEFAULT_TRANSFER_BYTES_PER_S / 1e9:g}; on a multi-slice TPU target its DCN per host "
+                        "over the other slices' share, plan/targets.py)")
+    p.add_argument("--transfer_changed", type=float, default=1.0,
+                   help="roofline costs with RLConfig.transfer_mode = 'delta': share of the generation-dtype "
+                        "weights whose bits change per step (the push sends them sparse when that is smaller)")
     p.add_argument("--json", action="store_true", help="one JSON object: rows and assumptions")
     p.add_argument("--tune", action="store_true",
                    help="search the split, micro-batch budget, engine slots / KV pool and eta (within --sweep eta=) "
@@ -136,7 +141,8 @@ def paged_workload(job, plan_cfg, gin_files, target, workload):
                                page_size=engine.page_size, block_tokens=max(engine.page_size, block))
 
 
-def roofline_costs(job, plan_cfg, gin_files, target, workload, row, *, transfer_bytes_per_s, reward_s):
+def roofline_costs(job, plan_cfg, gin_files, target, workload, row, *, transfer_bytes_per_s, reward_s,
+                   transfer_changed: float = 1.0):
     """`RooflineCosts` of a row's split on `target` (plan/: the model's shapes, analytic FLOPs, published peaks)."""
     from areal_jax.plan.estimate import EstimateContext
     from areal_jax.plan.job import gen_dtype, model_config_for
@@ -153,13 +159,20 @@ def roofline_costs(job, plan_cfg, gin_files, target, workload, row, *, transfer_
     ctx = EstimateContext(model=model, fsdp=max(1, train_devices // (job.mesh.train_tensor * job.mesh.train_expert)),
                           train_tensor=job.mesh.train_tensor, generation_tensor=job.mesh.generation_tensor,
                           train_expert=job.mesh.train_expert, generation_expert=job.mesh.generation_expert,
-                          compute_bytes=2 if job.ppo.compute_dtype == "bfloat16" else 4, remat=job.ppo.remat)
+                          compute_bytes=2 if job.ppo.compute_dtype == "bfloat16" else 4, remat=job.ppo.remat,
+                          logit_chunk_tokens=job.ppo.logit_chunk_tokens)
+    sent = 1.0
+    if getattr(job.rl, "transfer_mode", "full") == "delta":  # sparse bit-deltas where smaller (parallel/delta_sync.py)
+        from areal_jax.parallel.delta_sync import sent_fraction
+
+        sent = sent_fraction(transfer_changed, gen_dtype(job).itemsize)
     return RooflineCosts(model=model, target=target, estimate_context=ctx, replicas=replicas,
                          generation_tensor=job.mesh.generation_tensor * job.mesh.generation_expert,
                          slots_per_replica=engine.num_slots // replicas,
                          train_devices=train_devices, hosts=workload.hosts, generation_weight_bytes=weight_bytes,
                          kv_bytes_per_token=kv_bytes, separate_proximal=job.ppo.decoupled and job.ppo.num_minibatches > 1,
-                         transfer_bytes_per_s=transfer_bytes_per_s, pack_width=engine.pack_width, reward_s=reward_s)
+                         transfer_bytes_per_s=transfer_bytes_per_s, pack_width=engine.pack_width, reward_s=reward_s,
+                         transfer_sent_fraction=sent)
 
 
 def _rows(base, sweeps, *, include_sync: bool) -> list:
@@ -263,6 +276,18 @@ def prepare(args, *, gin_params: tuple[str, ...] = (), adjust_workload=None) -> 
                     source=source, cap=cap, mean_prompt=mean_prompt, base=base)
 
 
+def transfer_bytes_per_s(args, target) -> float:
+    """The weight push's rate per host: --transfer_gbps, else on several TPU slices the host's DCN
+    bandwidth over the share of the weights held on other slices (plan/job.network_transfer),
+    else DEFAULT_TRANSFER_BYTES_PER_S."""
+    if getattr(args, "transfer_gbps", None) is not None:
+        return args.transfer_gbps * 1e9
+    slices = getattr(target, "slices", 1) if target is not None else 1
+    if slices > 1 and target.host_network_bandwidth:
+        return target.host_network_bandwidth * slices / (slices - 1)
+    return DEFAULT_TRANSFER_BYTES_PER_S
+
+
 def run_row(p: Prepared, row, args):
     """(RowResult, the lengths' description) of one row of a prepared config."""
     from areal_jax.simulate.lengths import LengthSampler
@@ -270,7 +295,8 @@ def run_row(p: Prepared, row, args):
 
     costs = p.fit.costs if p.fit is not None else roofline_costs(
         p.job, p.plan_cfg, args.gin_file, p.target, p.workload, row,
-        transfer_bytes_per_s=args.transfer_gbps * 1e9, reward_s=args.reward_s)
+        transfer_bytes_per_s=transfer_bytes_per_s(args, p.target), reward_s=args.reward_s,
+        transfer_changed=getattr(args, "transfer_changed", 1.0))
     sampler = LengthSampler(p.source, cap=p.cap, prompt=p.mean_prompt, seed=row.seed)
     return Simulation(p.workload, row, costs, sampler, scale_engine=p.fit is None).run(), sampler.describe()
 
@@ -328,7 +354,9 @@ def simulate_rows(args, *, adjust_workload=None, include_sync: bool = True) -> d
                      else "; dense KV cache, decode over the window of the longest sequence")
                   + ("; slots per replica kept when the split changes, a sync row's slots capped at one "
                      "batch's samples per host" if fit is None else ""),
-        "transfer": (f"{args.transfer_gbps:g} GB/s per host (generation weights)" if fit is None
+        "transfer": (f"{transfer_bytes_per_s(args, target) / 1e9:g} GB/s per host (generation weights"
+                     + (f"; delta sync, {args.transfer_changed:g} of the elements changed per step)"
+                        if getattr(job.rl, "transfer_mode", "full") == "delta" else ")") if fit is None
                      else f"{fit.costs.transfer_s:.3f} s per step (recorded)"),
         "reward_s": args.reward_s,
         "steps": f"{args.steps} simulated, first {args.warmup} left out; run h and device-h: the mean step "

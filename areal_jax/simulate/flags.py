@@ -21,5 +21,8 @@ def check_flags(args: Any) -> None:
         if not math.isfinite(value) or value < low or (value == low and not inclusive):
             bound = f">= {low}" if inclusive else f"> {low}"
             raise ValueError(f"--{name} must be a finite number {bound}, got {value}")
+    changed = getattr(args, "transfer_changed", None)
+    if changed is not None and not (math.isfinite(changed) and 0.0 <= changed <= 1.0):
+        raise ValueError(f"--transfer_changed must be a share between 0 and 1, got {changed}")
     if args.warmup >= args.steps:
         raise ValueError(f"--warmup ({args.warmup}) must be below --steps ({args.steps}): no step would be measured")

@@ -27,6 +27,7 @@ from areal_jax.models.config import ModelConfig
 from areal_jax.models.lora import LoRAConfig
 from areal_jax.models.transformer import Params
 from areal_jax.parallel.adapter_sync import AdapterSync
+from areal_jax.parallel.delta_sync import DeltaSync
 from areal_jax.parallel.meshes import MeshConfig, Meshes, batch_shards, build_meshes, check_model_fits_mesh
 from areal_jax.parallel.weight_sync import WeightSync
 from areal_jax.rollout.channel import TrajectoryChannel
@@ -38,13 +39,14 @@ __all__ = ["RLCluster", "generation_weight_sync"]
 
 
 def generation_weight_sync(model_cfg: ModelConfig, meshes: Meshes, rl: RLConfig, lora: LoRAConfig | None = None
-                           ) -> WeightSync | AdapterSync:
+                           ) -> WeightSync | DeltaSync | AdapterSync:
     """The train -> generation transfer of a run: the generation dtype and group size of `rl`,
     weights delivered per layer (the layout the engine holds). With LoRA, an `AdapterSync`: the
     base once, then only the adapters, merged on the generation devices."""
     if lora is not None and lora.enabled:
         return AdapterSync(model_cfg, lora, meshes, rl.generation_dtype, group_bytes=rl.transfer_group_bytes)
-    return WeightSync.for_model(model_cfg, meshes, rl.generation_dtype, group_bytes=rl.transfer_group_bytes)
+    sync = WeightSync.for_model(model_cfg, meshes, rl.generation_dtype, group_bytes=rl.transfer_group_bytes)
+    return DeltaSync(sync) if rl.transfer_mode == "delta" else sync
 
 
 class RLCluster:

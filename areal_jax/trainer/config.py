@@ -44,6 +44,11 @@ class RLConfig:
     # Generation weights one reshard group moves (whole arrays): the training devices hold at most
     # one group's staging buffers beside the fp32 weights and optimizer state during a transfer.
     transfer_group_bytes: int = DEFAULT_GROUP_BYTES
+    # "delta": after the first push, send only the weights whose generation-dtype bits changed
+    # (sparse positions and values) when that is smaller than the weights, else all of them
+    # (parallel/delta_sync.py): for pushes over a slow network (several nodes, TPU slices over DCN).
+    # "full": every weight every push. A LoRA run always sends its adapters only.
+    transfer_mode: str = "full"
     eval_every: int = 0  # steps between held-out evaluations (0: only at the start and end)
     # Completion budget of held-out checks. None: RLVRConfig.max_new_tokens (the rollouts' budget).
     eval_max_new_tokens: int | None = None
@@ -80,6 +85,8 @@ class RLConfig:
         if (not isinstance(self.transfer_group_bytes, int) or isinstance(self.transfer_group_bytes, bool)
                 or self.transfer_group_bytes < 1):
             raise ValueError(f"RLConfig.transfer_group_bytes must be an int >= 1, got {self.transfer_group_bytes!r}")
+        if self.transfer_mode not in ("full", "delta"):
+            raise ValueError(f"RLConfig.transfer_mode must be 'full' or 'delta', got {self.transfer_mode!r}")
         if not self.batch_timeout_s > 0:
             raise ValueError(f"RLConfig.batch_timeout_s must be > 0, got {self.batch_timeout_s!r}")
         if self.workflow is not None:

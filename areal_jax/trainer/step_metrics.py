@@ -77,6 +77,10 @@ class StepMetrics:
             "time/weight_transfer_s": transfer_s,
             # What the last swap moved to the generation devices (with LoRA: the adapters only).
             "transfer/bytes": _last_transfer_bytes(cluster.weight_sync),
+            # Its wall time on this process, and whether it sent every weight or only the changed
+            # ones (RLConfig.transfer_mode "delta": 1.0 when sparse).
+            "transfer/seconds": _last_transfer_stat(cluster.weight_sync, "total_s"),
+            "transfer/sparse": float(_last_transfer_stat(cluster.weight_sync, "mode") == "sparse"),
         }
         pool = cluster.reward_pool
         if pool is not None:  # calls past their deadline (scored 0.0), and ones that crashed or raised
@@ -106,6 +110,12 @@ class StepMetrics:
                         "microbatches": len(shapes), "padded_tokens": sum(r * t for r, t in shapes),
                         "attention": float(sum(r * t * t for r, t in shapes))}
         return out
+
+
+def _last_transfer_stat(sync: Any, name: str) -> Any:
+    """One field of the last swap's TransferStats (NaN before any)."""
+    stats = None if sync is None else sync.last_stats
+    return getattr(stats, name) if stats is not None else math.nan
 
 
 def _last_transfer_bytes(sync: Any) -> float:
