@@ -39,15 +39,20 @@ TASK = ar.ArithmeticConfig(min_operands=2, max_operands=2, max_digits=4, operato
 AGENT = "areal_jax.agents.calculator_agent:solve"
 # What both stages share: the quickstart's model, room for the tool turns, no single-turn held-out
 # evaluation (the run's own check samples without tools; step 3 measures through the agent).
-COMMON = ["TaskSource.validation_size = 0", "TaskSource.eval_size = 0", "RLConfig.eval_every = 0", "EngineConfig.max_seq_len = 256",
+# A reply holds a whole tool call (about 85 characters with 4-digit operands): RLVRConfig.max_new_tokens
+# is the default budget of each call.
+COMMON = ["RLVRConfig.max_new_tokens = 112", "TaskSource.validation_size = 0", "TaskSource.eval_size = 0",
+          "RLConfig.eval_every = 0", "EngineConfig.max_seq_len = 256",
           "SFTConfig.max_len = 224", "SFTConfig.eval_every = 0", "SFTConfig.stop_accuracy = 0.0"]
 # --small: a smoke test (a barely trained model is always wrong: keep its all-equal groups).
 SMALL = ["ModelSource.hidden_size = 32", "ModelSource.num_layers = 1", "RLConfig.batch_size = 2",
          "RLConfig.max_concurrent = 4", "RLVRConfig.n_samples = 2", "EngineConfig.num_slots = 8",
          "RLVRConfig.filter_all_equal_rewards = False"]
+# The full run: fewer groups per step than the quickstart (each sample is a 2-3 call session).
+FULL = ["RLConfig.batch_size = 16"]
 
 
-def agent_accuracy(model_dir: pathlib.Path, problems: list[ar.ArithmeticProblem], *, max_new_tokens: int = 48) -> float:
+def agent_accuracy(model_dir: pathlib.Path, problems: list[ar.ArithmeticProblem], *, max_new_tokens: int = 112) -> float:
     """The share of `problems` the agent solves with the model in `model_dir`, greedy."""
     tokenizer = Tokenizer.from_pretrained(model_dir)
     engine = GenerationEngine(load_pretrained(model_dir), EngineConfig(num_slots=16, max_seq_len=256))
@@ -77,6 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--eval_size", type=int, default=200)
     parser.add_argument("--small", action="store_true", help="a 1-layer model and tiny batches (a smoke test)")
     parser.add_argument("--overwrite", action="store_true", help="replace runs already in --run_dir")
+    parser.add_argument("--reuse_sft", action="store_true", help="start from run_dir/sft/final_model if it is there")
     args = parser.parse_args(argv)
     root = pathlib.Path(args.run_dir).absolute()
     inputs = root / "inputs"
@@ -89,14 +95,15 @@ def main(argv: list[str] | None = None) -> dict:
         for p in train:
             f.write(json.dumps(tool_trace(p.prompt_row().messages, p.expression, preamble)) + "\n")
     rows = [p.math_record() for p in train]  # the RL prompts: the same questions
-    small = SMALL if args.small else []
+    small = SMALL if args.small else FULL
     seed = [f"TaskSource.seed = {args.seed}", f"SFTConfig.seed = {args.seed}", f"ModelSource.init_seed = {args.seed}"]
 
     sft = aj.Trainer(QUICKSTART, run_dir=root / "sft", train_data=rows, overrides=[
         *COMMON, *small, *seed, "Stages.rl = False", f"SFTConfig.steps = {args.sft_steps}",
         f"SFTConfig.warmup = {min(50, args.sft_steps // 5)}",
         f"SFTConfig.paths = ('{inputs / 'sft.jsonl'}',)"])
-    sft.train(overwrite=args.overwrite, progress=False)
+    if not (args.reuse_sft and (root / "sft" / "final_model" / "config.json").is_file()):
+        sft.train(overwrite=args.overwrite, progress=False)
     sft_accuracy = agent_accuracy(root / "sft" / "final_model", held_out)
     print(f"SFT: held-out accuracy through the agent {sft_accuracy:.3f}", flush=True)
 

@@ -56,3 +56,26 @@ def run_cli_processes(args: list[str], *, num_processes: int = 2, devices_per_pr
     return run_all([[sys.executable, "-m", "areal_jax.cli", *args, f"--coordinator=127.0.0.1:{port}",
                      f"--num_processes={num_processes}", f"--process_id={i}"] for i in range(num_processes)],
                    env, timeout=timeout)
+
+
+def worker_main(body) -> None:
+    """The shell of a worker script run by `run_processes`: argv is PORT PROCESS_ID NUM_PROCESSES
+    *ARGS, the last of ARGS the output directory. Joins jax.distributed, runs `body(process_id,
+    args)` (a dict of results), writes OUT_DIR/result_<id>.json with "ok" (and the traceback on
+    failure) and exits 0 or 1."""
+    import traceback
+
+    port, process_id, num_processes, *args = sys.argv[1:]
+    process_id = int(process_id)
+    result = {"ok": False, "process_id": process_id}
+    try:
+        from areal_jax.parallel import initialize_distributed
+
+        assert initialize_distributed(f"127.0.0.1:{port}", int(num_processes), process_id)
+        result.update(body(process_id, args))
+        result["ok"] = True
+    except Exception:
+        result["error"] = traceback.format_exc()
+        print(result["error"], file=sys.stderr, flush=True)
+    pathlib.Path(args[-1], f"result_{process_id}.json").write_text(json.dumps(result))
+    sys.exit(0 if result["ok"] else 1)

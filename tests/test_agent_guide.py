@@ -48,7 +48,12 @@ def test_the_guides_agent_trains_through_the_endpoint(tmp_path):
                                  "PPOConfig.max_tokens_per_microbatch = 256", "EngineConfig.max_seq_len = 256"),
                      cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [0, 1]
+    records = read_jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1]
+    for r in records:  # the sessions behind each step: 2 groups x 2, each 1 to 3 calls
+        m = r["metrics"]
+        assert m["agent/sessions"] == 4 and 1 <= m["agent/calls_mean"] <= 3
+        assert m["agent/failed_sessions"] + m["agent/timed_out_sessions"] <= 4
     for step in (0, 1):
         dumped = read_jsonl(run / "rollouts" / f"step_{step}.jsonl")
         assert len(dumped) >= 2 * 2  # groups x sessions, at least one row each

@@ -5,6 +5,7 @@ that fail or time out, the environment interface, and the HTTP transport."""
 from __future__ import annotations
 
 import asyncio
+import pathlib
 import threading
 import time
 
@@ -269,3 +270,43 @@ def test_http_sessions_use_the_tool_and_the_endpoint_stops_with_the_workflow(tok
 
     with pytest.raises(httpx.ConnectError):  # the port is released
         httpx.get(url + "/models", timeout=2)
+
+
+class AbortingEngine(ScriptedEngine):
+    """Every sample comes back 'aborted', as when the run stops mid-generation."""
+
+    def submit(self, prompt_ids, sampling, n=1, *, seed=None):
+        import dataclasses
+
+        future = super().submit(prompt_ids, sampling, n, seed=seed)
+        result = future.result()
+        aborted = type(future)()
+        aborted.request_id = future.request_id
+        aborted.set_result(dataclasses.replace(result, completions=[
+            dataclasses.replace(c, stop_reason="aborted") for c in result.completions]))
+        return aborted
+
+
+def test_an_aborted_generation_fails_the_group_as_for_single_turn_samples(tokenizer):
+    from areal_jax.rollout.workflow import GenerationAborted
+
+    engine = AbortingEngine(tokenizer, lambda text, i: "7")
+    workflow = _workflow(tokenizer, "failing_agent", transport="inprocess")
+    with pytest.raises(GenerationAborted, match="aborted"):
+        asyncio.run(workflow.arun(RolloutClient(engine, tokenizer), _row(tokenizer), version=0))
+
+
+@pytest.mark.slow  # minutes on 2 cores: two jax.distributed processes compiling trainer and engine
+def test_two_processes_train_agents_each_through_its_own_endpoint(tmp_path):
+    """2 processes x 4 fake CPU devices over real jax.distributed, the agent workflow over HTTP."""
+    from tests.multiprocess import run_processes
+    from tests.tokenizer_fixtures import build_tiny_tokenizer
+
+    tok_dir = build_tiny_tokenizer(tmp_path / "tok", "chatml")
+    worker = pathlib.Path(__file__).parent / "multiprocess_agent_worker.py"
+    a, b = run_processes(worker, lambda i: ("2", tok_dir, tmp_path), tmp_path, timeout=600)
+    assert a["versions"] == b["versions"] == [1, 2] and a["engine_version"] == b["engine_version"] == 2
+    for r in (a, b):  # each step: its 2 groups (of 4 across the processes) x 2 sessions, 2 calls each
+        assert r["sessions"] == [4, 4] and r["calls_mean"] == [2.0, 2.0] and r["failed"] == [0, 0]
+        assert r["served"] and r["endpoint_stopped"]  # the controller's shutdown stopped the endpoint
+        assert all(np.isfinite(r["loss"]))

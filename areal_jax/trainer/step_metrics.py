@@ -82,6 +82,13 @@ class StepMetrics:
             "transfer/seconds": _last_transfer_stat(cluster.weight_sync, "total_s"),
             "transfer/sparse": float(_last_transfer_stat(cluster.weight_sync, "mode") == "sparse"),
         }
+        agent = [g.info for g in groups if "failed_sessions" in g.info]
+        if agent:  # the agent workflow's sessions behind this step's groups (workflows/agent.py)
+            sessions = sum(len(info["turns"]) for info in agent)
+            metrics["agent/sessions"] = sessions
+            metrics["agent/failed_sessions"] = sum(info["failed_sessions"] for info in agent)
+            metrics["agent/timed_out_sessions"] = sum(info["timed_out_sessions"] for info in agent)
+            metrics["agent/calls_mean"] = sum(sum(info["turns"]) for info in agent) / max(sessions, 1)
         pool = cluster.reward_pool
         if pool is not None:  # calls past their deadline (scored 0.0), and ones that crashed or raised
             stats = pool.stats()
