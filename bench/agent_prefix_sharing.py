@@ -1,25 +1,31 @@
-"""How much would shared-prefix ("tree") training save on agent rollouts? Counted from a run's dumps.
+"""How much would shared-prefix ("tree") training save on agent rollouts? Counted on real sessions.
 
-Reads RUN/rollouts/step_*.jsonl (RLConfig.dump_rollouts_every) of an AgentWorkflow run. The rows
-of one group (query_id, admitted_version: the n sessions of one prompt, and the rows of one
-session) are put in a trie of token ids; plain packing trains every row's tokens, shared-prefix
-training each trie node once. Reports, per trained (loss-mask) token: tokens processed under both,
-and the forward+backward FLOPs of the model (6 x non-embedding parameters + attention
-12 x layers x hidden x context per token) under both.
+Runs the calculator agent (areal_jax/agents/calculator_agent.py) in process with the model in
+MODEL_DIR: `--problems` held-out arithmetic problems (examples/agent_calculator.py's task), `--n`
+sessions each at temperature 1, as the AgentWorkflow samples a group. The rows of a group (its
+sessions' leaves) go into a trie of token ids: plain packing trains every row's tokens,
+shared-prefix training each trie node once. Reports per trained (loss-mask) token the tokens
+processed and the forward+backward FLOPs (6 x parameters per token + 12 x layers x hidden x
+context for attention) under both. Prints JSON and the command line.
 
-    .venv/bin/python bench/agent_prefix_sharing.py RUN [--tokenizer RUN/final_model]
+    .venv/bin/python bench/agent_prefix_sharing.py runs/agent_calculator/sft/final_model
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
+import asyncio
 import json
+import os
 import pathlib
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def _trie_size(sequences: list[list[int]]) -> tuple[int, list[int]]:
-    """(nodes, depth of each node): the tokens a trie of `sequences` holds."""
+def trie_nodes(sequences: list[list[int]]) -> list[int]:
+    """The depth (context length) of every node of a trie of `sequences`: one entry per token that
+    shared-prefix training computes."""
     root: dict = {}
     depths = []
     for seq in sequences:
@@ -29,50 +35,74 @@ def _trie_size(sequences: list[list[int]]) -> tuple[int, list[int]]:
                 node[token] = {}
                 depths.append(depth + 1)
             node = node[token]
-    return len(depths), depths
+    return depths
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run", type=pathlib.Path)
-    parser.add_argument("--tokenizer", type=pathlib.Path, help="default: RUN/final_model or RUN/tokenizer")
+    parser.add_argument("model_dir", type=pathlib.Path)
+    parser.add_argument("--problems", type=int, default=32)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    from areal_jax.agents.calculator_agent import solve
+    from areal_jax.agents.chat import ChatService
+    from areal_jax.agents.inprocess import InProcessClient
+    from areal_jax.agents.session import Session
+    from areal_jax.api import SamplingParams
+    from areal_jax.generation import EngineConfig, GenerationEngine
+    from areal_jax.models import load_pretrained
     from areal_jax.models.tokenizer import Tokenizer
+    from areal_jax.rollout.workflow import RolloutClient
+    from areal_jax.tasks import arithmetic as ar
+    from examples.agent_calculator import TASK
 
-    tok_dir = args.tokenizer or next(p for p in (args.run / "final_model", args.run / "tokenizer") if p.exists())
-    tokenizer = Tokenizer.from_pretrained(tok_dir)
-    model = json.loads((args.run / "model_config.json").read_text())
-    hidden, layers = model["hidden_size"], model["num_hidden_layers"]  # config.json (HF names)
-    inter = model["intermediate_size"]
-    heads, kv = model["num_attention_heads"], model["num_key_value_heads"]
-    head_dim = model.get("head_dim") or hidden // heads
-    per_layer = hidden * head_dim * (heads * 2 + kv * 2) + 3 * hidden * inter
-    params = layers * per_layer + hidden * model["vocab_size"]  # + the output projection
+    tokenizer = Tokenizer.from_pretrained(args.model_dir)
+    model = load_pretrained(args.model_dir)
+    engine = GenerationEngine(model, EngineConfig(num_slots=32, max_seq_len=256))
+    engine.start()
+    client = RolloutClient(engine, tokenizer)
+    service = ChatService(client, tokenizer, SamplingParams(max_new_tokens=112, temperature=1.0))
+    problems = ar.problems(TASK, "test", args.problems, seed=args.seed)
 
-    groups = collections.defaultdict(list)
-    trained = 0
-    for path in sorted((args.run / "rollouts").glob("step_*.jsonl")):
-        for line in path.read_text().splitlines():
-            d = json.loads(line)
-            prompt = tokenizer.encode(d["prompt"], add_special_tokens=False)
-            assert len(prompt) == d["prompt_tokens"], "the prompt text does not re-encode to its ids"
-            groups[(path.name, d["query_id"], d["admitted_version"])].append(prompt + d["completion_tokens"])
-            trained += sum(d["loss_mask"])
-    plain_tokens = plain_attn = shared_tokens = shared_attn = 0
-    for rows in groups.values():
-        plain_tokens += sum(len(r) for r in rows)
-        plain_attn += sum(n * (n + 1) // 2 for n in map(len, rows))
-        nodes, depths = _trie_size(rows)
-        shared_tokens += nodes
-        shared_attn += sum(depths)
-    def flops(tokens: int, attn: int) -> float:
-        return 6 * params * tokens + 12 * layers * heads * head_dim * attn
-    out = {"groups": len(groups), "rows": sum(map(len, groups.values())), "trained_tokens": trained,
-           "plain_tokens_per_trained": plain_tokens / trained, "shared_tokens_per_trained": shared_tokens / trained,
-           "plain_flops_per_trained": flops(plain_tokens, plain_attn) / trained,
-           "shared_flops_per_trained": flops(shared_tokens, shared_attn) / trained}
+    async def group(p) -> list[Session]:
+        sessions = [Session(f"{p.query_id}-{i}", seed=args.seed * 1000 + i) for i in range(args.n)]
+        # A session that outgrows the engine fails as in the workflow; its rows so far still count.
+        await asyncio.gather(*(solve(InProcessClient(service, s), p.prompt_row()) for s in sessions),
+                             return_exceptions=True)
+        return sessions
+
+    async def run():
+        return await asyncio.gather(*(group(p) for p in problems))
+
+    try:
+        groups = asyncio.run(run())
+    finally:
+        engine.stop()
+        client.close()
+    cfg = model.config
+    params = cfg.num_layers * (cfg.hidden_size * cfg.head_dim * 2 * (cfg.num_heads + cfg.num_kv_heads)
+                               + 3 * cfg.hidden_size * cfg.intermediate_size) + cfg.hidden_size * cfg.vocab_size
+    attention = 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim  # FLOPs per (token, context position)
+    trained = plain_tokens = plain_ctx = shared_tokens = shared_ctx = rows = 0
+    for sessions in groups:
+        leaves = [leaf for s in sessions for leaf in s.leaves()]
+        rows += len(leaves)
+        trained += int(sum(leaf.loss_mask.sum() for leaf in leaves))
+        plain_tokens += sum(len(leaf.tokens) for leaf in leaves)
+        plain_ctx += sum(n * (n + 1) // 2 for n in (len(leaf.tokens) for leaf in leaves))
+        depths = trie_nodes([leaf.tokens.tolist() for leaf in leaves])
+        shared_tokens += len(depths)
+        shared_ctx += sum(depths)
+    out = {"model": str(args.model_dir), "groups": len(groups), "sessions_per_group": args.n, "rows": rows,
+           "trained_tokens": trained, "plain_tokens_per_trained": plain_tokens / trained,
+           "shared_tokens_per_trained": shared_tokens / trained,
+           "plain_flops_per_trained": (6 * params * plain_tokens + attention * plain_ctx) / trained,
+           "shared_flops_per_trained": (6 * params * shared_tokens + attention * shared_ctx) / trained}
     out["flops_saved"] = 1 - out["shared_flops_per_trained"] / out["plain_flops_per_trained"]
     print(json.dumps(out, indent=2))
+    print("command:", " ".join([os.path.basename(sys.executable), *sys.argv]))
     return out
 
 
