@@ -74,3 +74,14 @@ def test_xla_gpu_topology_gives_the_devices_asked_for():
 
     devices = topology_devices(parse_target("2x8xh100"), 6, hosts=2)
     assert len(devices) == 6 and "H100" in devices[0].device_kind
+
+
+@pytest.mark.parametrize("name, billions, family", [("qwen3-235b-a22b", 235.1, "qwen3_moe"),
+                                                    ("llama-3.3-70b", 70.6, "llama")])
+def test_the_large_model_configs_read_as_their_published_sizes(name, billions, family):
+    import pathlib
+
+    from areal_jax.plan.planner import read_model_config
+
+    m = read_model_config(pathlib.Path(__file__).resolve().parents[1] / "configs" / "models" / f"{name}.json")
+    assert m.family == family and m.num_params() / 1e9 == pytest.approx(billions, abs=0.05)
