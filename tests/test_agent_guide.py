@@ -40,6 +40,7 @@ def test_the_guides_agent_runs_its_tool(tmp_path, monkeypatch):
     assert seen[1][-1] == {"role": "tool", "tool_call_id": "c1", "content": "10000"}
 
 
+@pytest.mark.slow  # a whole `areal-jax train` process: about a minute on 2 cores
 def test_the_guides_agent_trains_through_the_endpoint(tmp_path):
     (tmp_path / "my_agent.py").write_text(guide_example("my_agent.py"))
     run = tmp_path / "run"
