@@ -118,7 +118,7 @@ class DeltaSync:
     # ---- programs (one per leaf signature; jit caches per shape) ----
 
     def _cast_program(self, leaves: list[jax.Array], infos: list[_LeafInfo]):
-        key = ("cast",)
+        key = ("cast", tuple((x.shape, x.dtype, x.sharding) for x in leaves))
         if key not in self._programs:
             shardings = [x.sharding for x in leaves]
             dtypes = [i.out_dtype for i in infos]
