@@ -98,3 +98,20 @@ def test_the_simulator_charges_a_delta_push_its_sparse_bytes():
                  separate_proximal=False, transfer_bytes_per_s=8e9)
     assert RooflineCosts(**costs).transfer_s == pytest.approx(2.0)
     assert RooflineCosts(**costs, transfer_sent_fraction=sent_fraction(0.01, 2)).transfer_s == pytest.approx(0.08)
+
+
+@pytest.mark.slow  # a whole (short) run: over a minute on 2 cores
+def test_a_run_with_delta_sync_reports_what_each_push_sent(tmp_path):
+    # The quickstart's short form with RLConfig.transfer_mode = "delta": every step's record says how
+    # many bytes the push sent, how long it took, and whether it went sparse. At the quickstart's
+    # learning rate a step moves few bf16 weights (often none), so the pushes go sparse.
+    from areal_jax.cli import main
+    from areal_jax.metrics import read_jsonl
+    from tests.test_cli import SPLIT_8, _args
+
+    assert main(_args(tmp_path, 'RLConfig.transfer_mode = "delta"', SPLIT_8)) == 0
+    records = [r["metrics"] for r in read_jsonl(tmp_path / "metrics.jsonl") if r["step"] >= 0]
+    assert records
+    for m in records:
+        assert m["transfer/bytes"] >= 0 and m["transfer/seconds"] > 0 and m["transfer/sparse"] in (0.0, 1.0)
+    assert any(m["transfer/sparse"] == 1.0 for m in records)
