@@ -103,8 +103,8 @@ def test_the_simulator_charges_a_delta_push_its_sparse_bytes():
 @pytest.mark.slow  # a whole (short) run: over a minute on 2 cores
 def test_a_run_with_delta_sync_reports_what_each_push_sent(tmp_path):
     # The quickstart's short form with RLConfig.transfer_mode = "delta": every step's record says how
-    # many bytes the push sent, how long it took, and whether it went sparse. At the quickstart's
-    # learning rate a step moves few bf16 weights (often none), so the pushes go sparse.
+    # many bytes the push sent, how long it took, and whether it went sparse. A step this short moves
+    # few bf16 weights (none when every reward of the batch is equal: no gradient), so pushes go sparse.
     from areal_jax.cli import main
     from areal_jax.metrics import read_jsonl
     from tests.test_cli import SPLIT_8, _args
