@@ -127,3 +127,34 @@ def test_gin_binds_a_composite_reward_and_its_judge(models, tmp_path):
     with pytest.raises(ConfigError, match="name no reward model"):  # a causal LM is no reward model
         load_job_configs([QUICKSTART], [f"RLVRConfig.reward = (('arithmetic', 0.0), ('rm:{judge_dir}', 1.0))"],
                          run_dir=str(tmp_path))
+
+
+def test_reward_devices_are_set_apart_from_generation(models):
+    import jax
+
+    from areal_jax.parallel.meshes import MeshConfig, build_meshes
+
+    _, _, rm_dir, _ = models
+    devices = jax.devices()[:8]
+    shared = build_meshes(MeshConfig(num_generation_devices_per_host=4), devices)
+    assert shared.reward_devices_local == () and shared.learned_reward_devices == shared.generation_devices_local[:1]
+    apart = build_meshes(MeshConfig(num_generation_devices_per_host=4, reward_devices=2), devices)
+    assert apart.train_devices_local == tuple(devices[:4])
+    assert apart.generation_devices_local == tuple(devices[4:6]) and apart.generation.devices.size == 2
+    assert apart.learned_reward_devices == apart.reward_devices_local == tuple(devices[6:])
+    with pytest.raises(ValueError, match="reward_devices"):
+        MeshConfig(colocated=True, reward_devices=1)
+    with pytest.raises(ValueError, match="reward_devices=4 taken from generation"):
+        build_meshes(MeshConfig(num_generation_devices_per_host=4, reward_devices=4), devices)
+    # The reward model on its two devices (rows split over them) scores as on one.
+    texts = ["2 + 2 = 4", "2 + 2 = 5", "seven", "1 + 1 = 2", "a longer answer of several words"]
+    learned = LearnedRewards([f"rm:{rm_dir}"], devices=apart.learned_reward_devices, warmup_tokens=16)
+    try:
+        futures = [learned.submit(f"rm:{rm_dir}", "q", t) for t in texts]
+        scores = [f.result(timeout=120)[0] for f in futures]
+    finally:
+        learned.close()
+    assert set(learned.mesh.devices.flat) == set(devices[6:])
+    one = RewardModel.from_pretrained(rm_dir).score_chats(
+        [[{"role": "user", "content": "q"}, {"role": "assistant", "content": t}] for t in texts])
+    np.testing.assert_allclose(scores, one, atol=1e-5, rtol=0)

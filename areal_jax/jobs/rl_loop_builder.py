@@ -75,7 +75,8 @@ def build_rl_loop(model_cfg: ModelConfig, params: Params, *, tokenizer: Any, dat
     reference = ReferencePolicy(cluster.trainer) if advantages.kl_coef > 0 else None
     algorithm = PPOStep(cluster.trainer, advantages, reference=reference, rows_per_process=cluster.rows_per_process)
     rollout = _rollout_config(workflow)
-    runner = RLVRWorkflow(workflow) if isinstance(workflow, RLVRConfig) else workflow
+    runner = (RLVRWorkflow(workflow, learned_devices=cluster.meshes.learned_reward_devices)
+              if isinstance(workflow, RLVRConfig) else workflow)
     data = cluster.connect(runner, data_iter, tokenizer=tokenizer, reward_pool=reward_pool)
 
     update, metrics, record, end = [], [], [], []

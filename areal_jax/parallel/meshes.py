@@ -67,6 +67,9 @@ class MeshConfig:
         program waiting for the devices as the other's hold them.
         Hosts with fewer than 4 devices colocate automatically unless an explicit
         generation device count is given.
+      reward_devices: devices per host set apart, from the generation devices' end, for the
+        learned rewards (reward models, a generative judge: reward/composite.py). 0: they share
+        the first generation device with the policy's engine.
     """
 
     generation_fraction: float = 0.75
@@ -77,6 +80,7 @@ class MeshConfig:
     generation_expert: int = 1
     colocated: bool = False
     num_slices: int = 1
+    reward_devices: int = 0
 
     def __post_init__(self):
         if not 0.0 < self.generation_fraction < 1.0:
@@ -95,6 +99,10 @@ class MeshConfig:
                     "colocated=True uses every device for both sides; do not also set "
                     "num_generation_devices_per_host"
                 )
+        if isinstance(self.reward_devices, bool) or not isinstance(self.reward_devices, int) or self.reward_devices < 0:
+            raise ValueError(f"reward_devices must be an int >= 0, got {self.reward_devices!r}")
+        if self.reward_devices and self.colocated:
+            raise ValueError("colocated=True shares every device; reward_devices needs devices of their own")
         for name in ("train_tensor", "generation_tensor", "train_expert", "generation_expert", "num_slices"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -108,6 +116,7 @@ class DeviceSplit:
     num_train: int
     num_generation: int
     colocated: bool
+    num_reward: int = 0  # the last devices of each host, for learned rewards (MeshConfig.reward_devices)
 
 
 def split_local_devices(cfg: MeshConfig, num_local: int) -> DeviceSplit:
@@ -124,6 +133,9 @@ def split_local_devices(cfg: MeshConfig, num_local: int) -> DeviceSplit:
         )
         colocated = True
 
+    if colocated and cfg.reward_devices:
+        raise ValueError(f"hosts with {num_local} devices colocate generation and training; MeshConfig.reward_devices "
+                         f"= {cfg.reward_devices} needs a split (num_generation_devices_per_host)")
     if colocated:
         num_train = num_generation = num_local
     else:
@@ -134,10 +146,12 @@ def split_local_devices(cfg: MeshConfig, num_local: int) -> DeviceSplit:
             num_generation = int(cfg.generation_fraction * num_local)
             how = f"generation_fraction={cfg.generation_fraction}"
         num_train = num_local - num_generation
+        num_generation -= cfg.reward_devices  # the reward devices come from the generation side
         if num_generation < 1 or num_train < 1:
             raise ValueError(
                 f"{how} on hosts with {num_local} devices leaves {num_generation} generation "
-                f"and {num_train} training device(s); each side needs at least one"
+                f"and {num_train} training device(s) (reward_devices={cfg.reward_devices} taken from generation); "
+                "each side needs at least one"
             )
 
     if num_train % cfg.train_tensor:
@@ -156,7 +170,7 @@ def split_local_devices(cfg: MeshConfig, num_local: int) -> DeviceSplit:
             f"generation_expert={cfg.generation_expert} x generation_tensor={cfg.generation_tensor} does not "
             f"divide the {num_generation} generation device(s) per host (a replica stays within its host)"
         )
-    return DeviceSplit(num_local, num_train, num_generation, colocated)
+    return DeviceSplit(num_local, num_train, num_generation, colocated, cfg.reward_devices)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +189,12 @@ class Meshes:
     generation_devices_local: tuple[jax.Device, ...]
     train_devices_by_host: tuple[tuple[jax.Device, ...], ...]
     split: DeviceSplit
+    reward_devices_local: tuple[jax.Device, ...] = ()  # MeshConfig.reward_devices of this process
+
+    @property
+    def learned_reward_devices(self) -> tuple[jax.Device, ...]:
+        """Where this process's learned rewards run: their own devices, else the first generation device."""
+        return self.reward_devices_local or self.generation_devices_local[:1]
 
     @property
     def colocated(self) -> bool:
@@ -223,7 +243,8 @@ def build_meshes(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -
     train_by_host = tuple(tuple(devs[: split.num_train]) for devs in hosts)
     local = by_process[me]
     train_local = tuple(local[: split.num_train])
-    generation_local = tuple(local if split.colocated else local[split.num_train :])
+    generation_local = tuple(local if split.colocated else local[split.num_train : split.num_train + split.num_generation])
+    reward_local = tuple(local[split.num_train + split.num_generation :]) if split.num_reward else ()
 
     train_devices = [d for devs in train_by_host for d in devs]
     group = cfg.train_expert * cfg.train_tensor
@@ -239,6 +260,7 @@ def build_meshes(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -
         generation_devices_local=generation_local,
         train_devices_by_host=train_by_host,
         split=split,
+        reward_devices_local=reward_local,
     )
 
 

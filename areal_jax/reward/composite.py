@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import queue
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -128,11 +128,18 @@ class LearnedRewards:
     (score, failed reason or None)."""
 
     def __init__(self, names: Iterable[str], *, judge: Any = None, rm_dtype: str = "float32",
-                 warmup_tokens: int = 256) -> None:
-        """Loads each learned term's model; a reward model's programs for inputs up to
-        `warmup_tokens` are compiled here, before any call runs under a deadline."""
+                 warmup_tokens: int = 256, devices: Sequence[Any] | None = None) -> None:
+        """Loads each learned term's model on `devices` (a generation mesh over them: rows split
+        over "data"; default: this process's default device); a reward model's programs for
+        inputs up to `warmup_tokens` are compiled here, before any call runs under a deadline."""
         import jax.numpy as jnp
 
+        mesh = None
+        if devices:
+            from areal_jax.parallel.meshes import generation_mesh
+
+            mesh = generation_mesh(list(devices), tensor=1)
+        self.mesh = mesh
         self._batchers: dict[str, _Batcher] = {}
         self.judge = None
         for name in names:
@@ -141,12 +148,12 @@ class LearnedRewards:
 
                 if not isinstance(judge, JudgeConfig):
                     raise ValueError("the reward term 'judge' needs RLVRConfig.judge (a JudgeConfig)")
-                self.judge = Judge(judge)
+                self.judge = Judge(judge, mesh=mesh)
                 self._batchers[name] = _Batcher(name, self._judge_batch)
             elif name.startswith(RM_PREFIX):
                 from areal_jax.reward.reward_model import RewardModel
 
-                rm = RewardModel.from_pretrained(name[len(RM_PREFIX):], dtype=jnp.dtype(rm_dtype))
+                rm = RewardModel.from_pretrained(name[len(RM_PREFIX):], dtype=jnp.dtype(rm_dtype), mesh=mesh)
                 rm.warmup(warmup_tokens)
                 self._batchers[name] = _Batcher(name, lambda items, rm=rm: _rm_batch(rm, items))
 

@@ -262,13 +262,15 @@ def stable_seed(*parts: object) -> int:
 class RLVRWorkflow(RolloutWorkflow):
     """Sample n completions of the row's prompt, score each, return them as one group."""
 
-    def __init__(self, config: RLVRConfig, *, learned: composite.LearnedRewards | None = None) -> None:
-        """`learned`: the reward's learned terms, loaded (by default from the config, here)."""
+    def __init__(self, config: RLVRConfig, *, learned: composite.LearnedRewards | None = None,
+                 learned_devices: Sequence[Any] | None = None) -> None:
+        """`learned`: the reward's learned terms, loaded (by default from the config, here, on
+        `learned_devices`: `parallel.meshes.Meshes.learned_reward_devices`)."""
         if not isinstance(config, RLVRConfig):
             raise TypeError(f"RLVRWorkflow takes an RLVRConfig, got {type(config).__name__}")
         self.config = self.rollout = config
         if learned is None and config.learned_terms:
-            learned = composite.LearnedRewards(config.learned_terms, judge=config.judge)
+            learned = composite.LearnedRewards(config.learned_terms, judge=config.judge, devices=learned_devices)
         self.learned = learned
 
     def close(self) -> None:
