@@ -158,3 +158,41 @@ def test_reward_devices_are_set_apart_from_generation(models):
     one = RewardModel.from_pretrained(rm_dir).score_chats(
         [[{"role": "user", "content": "q"}, {"role": "assistant", "content": t}] for t in texts])
     np.testing.assert_allclose(scores, one, atol=1e-5, rtol=0)
+
+
+def test_learned_reward_memory_counts_weights_and_the_judges_kv_cache(models):
+    from areal_jax.reward.composite import learned_reward_memory
+
+    _, _, rm_dir, judge_dir = models
+    regex = JudgeConfig(model=str(judge_dir), parse="regex", batch_size=4, max_seq_len=256, dtype="bfloat16")
+    got = learned_reward_memory(((f"rm:{rm_dir}", 1.0), ("math", 0.0), ("judge", 1.0)), regex)
+    rm_params = CFG.num_params() - CFG.vocab_size * CFG.hidden_size + CFG.hidden_size  # no lm_head; + score
+    assert got == {f"rm:{rm_dir}": {"weights_bytes": 4 * rm_params, "kv_bytes": 0},
+                   "judge": {"weights_bytes": 2 * CFG.num_params(),
+                             "kv_bytes": 2 * CFG.num_layers * CFG.num_kv_heads * CFG.head_dim * 4 * 256 * 2}}
+    # The saved reward model holds exactly that many parameters.
+    from safetensors import safe_open
+
+    with safe_open(str(rm_dir / "model.safetensors"), framework="numpy") as f:
+        assert sum(int(np.prod(f.get_slice(k).get_shape())) for k in f.keys()) == rm_params
+    logprob = learned_reward_memory((("judge", 1.0),), JudgeConfig(model=str(judge_dir)))
+    assert logprob["judge"]["kv_bytes"] == 0
+
+
+def test_the_plan_report_names_the_learned_rewards_bytes():
+    from areal_jax.parallel.meshes import DeviceSplit
+    from areal_jax.plan.planner import Plan, ProgramPlan
+    from areal_jax.plan.report import format_plan
+    from areal_jax.plan.targets import parse_target
+
+    pred = {"learned_rewards": {"rm:/m/rm": {"weights_bytes": 3 << 30, "kv_bytes": 0},
+                                "judge": {"weights_bytes": 1 << 30, "kv_bytes": 1 << 29}},
+            "learned_rewards_devices": "first generation device"}
+    plan = Plan(target=parse_target("2xh100"), split=DeviceSplit(2, 1, 1, False), train_devices=1, generation_devices=1,
+                programs=(ProgramPlan(name="generation/decode", role="generation", peak_bytes_per_device=1,
+                                      capacity_bytes_per_device=2, fits=True, flops=1e9, bytes_accessed=1e9,
+                                      roofline_s=0.01, source="test", program_bytes=1, resident_bytes=0, temp_bytes=0,
+                                      compile_s=0.0, fields=()),),
+                prediction=pred, headroom=0.1)
+    assert ("learned rewards (first generation device; not in the compiled peaks above): rm:/m/rm 3.00 GiB, "
+            "judge 1.00 GiB + KV 0.50 GiB") in format_plan(plan)

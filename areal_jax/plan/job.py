@@ -305,6 +305,11 @@ def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files
         live=live, live_decode_bytes=lambda c, context: (gen_weights * weight_share_read(model_cfg, c)
                                                          + c * context * kv_bytes_per_token))
     prediction["model_params"] = model_cfg.num_params()
+    if job.rollout.learned_terms:  # reward models and the judge: their bytes beside the policy's engine
+        from areal_jax.reward.composite import learned_reward_memory
+
+        prediction["learned_rewards"] = learned_reward_memory(job.rollout.reward_terms, job.rollout.judge)
+        prediction["learned_rewards_devices"] = "own" if job.mesh.reward_devices else "first generation device"
     # The bytes each step's weight swap moves: the model in the generation dtype, or with LoRA its
     # adapters (parallel/adapter_sync.py).
     from areal_jax.parallel.adapter_sync import adapter_bytes

@@ -181,6 +181,35 @@ class LearnedRewards:
             self.judge.close()
 
 
+def learned_reward_memory(terms: Iterable[tuple[str, float]], judge: Any = None, rm_dtype: str = "float32"
+                          ) -> dict[str, dict[str, int]]:
+    """Device bytes of each learned term, from the models' config.json (no weights read): weights
+    (a reward model without lm_head, in `rm_dtype`; the judge in JudgeConfig.dtype) and, for a
+    regex judge, its engine's KV cache (batch_size slots x max_seq_len, dense, in the weights' dtype)."""
+    import pathlib
+
+    import numpy as np
+
+    from areal_jax.models.hf_io import read_config
+
+    out: dict[str, dict[str, int]] = {}
+    for name, _ in terms:
+        if name.startswith(RM_PREFIX):
+            cfg = read_config(pathlib.Path(name[len(RM_PREFIX):]))
+            lm_head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+            params = cfg.num_params() - lm_head + cfg.hidden_size  # + the one-label score head
+            out[name] = {"weights_bytes": params * np.dtype(rm_dtype).itemsize, "kv_bytes": 0}
+        elif name == JUDGE and judge is not None:
+            import ml_dtypes  # noqa: F401  names numpy's bfloat16
+
+            cfg = read_config(pathlib.Path(judge.model))
+            item = np.dtype(judge.dtype).itemsize
+            kv = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * judge.batch_size * judge.max_seq_len * item
+                  if judge.parse == "regex" else 0)
+            out[name] = {"weights_bytes": cfg.num_params() * item, "kv_bytes": kv}
+    return out
+
+
 def _rm_batch(rm: Any, items: list[tuple[str, str]]) -> list[tuple[float, str | None]]:
     """A reward model's scores of (question, answer) pairs: the chat through its template, or the
     two texts joined when it has none."""
