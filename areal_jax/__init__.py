@@ -29,6 +29,7 @@ _EXPORTS = {
     "RLConfig": "areal_jax.trainer.config",
     "PPOConfig": "areal_jax.trainer.config",
     "OptimizerConfig": "areal_jax.trainer.config",
+    "TrainEngineConfig": "areal_jax.trainer.config",
     "AdvantageConfig": "areal_jax.ppo.advantages",
     "RLVRConfig": "areal_jax.rollout.workflow",
     "EngineConfig": "areal_jax.generation.config",

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import pathlib
+import re
 import types
 import typing
 from collections.abc import Iterator, Sequence
@@ -21,6 +22,7 @@ import gin
 
 T = TypeVar("T")
 _REGISTERED: dict[str, type] = {}
+_MOVED: dict[str, str] = {}  # "Class.field" of a field that moved -> what to bind instead
 
 
 class ConfigError(ValueError):
@@ -39,6 +41,12 @@ def register(cls: type[T]) -> type[T]:
     gin.external_configurable(cls, name=name)
     _REGISTERED[name] = cls
     return cls
+
+
+def register_moved(moved: dict[str, str]) -> None:
+    """Names fields that moved ("PPOConfig.remat" -> "TrainEngineConfig.remat"): a binding of the
+    old name then fails saying what to bind instead."""
+    _MOVED.update(moved)
 
 
 def registered() -> dict[str, type]:
@@ -71,12 +79,12 @@ def _parse(gin_files: Sequence[str | pathlib.Path], gin_params: Sequence[str], s
         try:
             gin.parse_config_file(str(path), skip_unknown=skip_unknown)
         except Exception as e:  # gin raises several exception types; all mean a bad file
-            raise ConfigError(f"{path}: {_first_line(e)}") from None
+            raise ConfigError(f"{path}: {_moved_hint(e) or _first_line(e)}") from None
     for binding in gin_params:
         try:
             gin.parse_config(binding, skip_unknown=skip_unknown)
         except Exception as e:
-            raise ConfigError(f"--gin_param {binding!r}: {_first_line(e)}") from None
+            raise ConfigError(f"--gin_param {binding!r}: {_moved_hint(e) or _first_line(e)}") from None
 
 
 class _GinPathFilter(logging.Filter):
@@ -168,6 +176,13 @@ def _type_name(hint: Any) -> str:
     if typing.get_origin(hint) is typing.Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
     return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+def _moved_hint(e: Exception) -> str | None:
+    """For gin's unknown-parameter error on a field that moved: where it went."""
+    match = re.search(r"Configurable '(\w+)' doesn't have a parameter named '(\w+)'", str(e))
+    old = match and f"{match.group(1)}.{match.group(2)}"
+    return f"{old} moved: bind {_MOVED[old]} instead" if old in _MOVED else None
 
 
 def _first_line(e: Exception) -> str:

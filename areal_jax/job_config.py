@@ -27,7 +27,7 @@ from areal_jax.reward.pool import RewardPoolConfig
 from areal_jax.reward.sandbox import SandboxLimits
 from areal_jax.rollout.workflow import RLVRConfig
 from areal_jax.tasks.arithmetic import ArithmeticConfig
-from areal_jax.trainer.config import OptimizerConfig, PPOConfig, RLConfig, SFTConfig
+from areal_jax.trainer.config import OptimizerConfig, PPOConfig, RLConfig, SFTConfig, TrainEngineConfig
 
 __all__ = ["DEFAULT_EVAL_SIZE", "DEFAULT_SAVE_INTERVAL_S", "DEFAULT_SAVE_INTERVAL_STEPS", "EVAL_SLOTS", "JobConfigs",
            "ModelSource", "RUN_DIR", "Stages", "TaskSource", "check_cross_fields", "derived_max_seq_len"]
@@ -127,6 +127,7 @@ class JobConfigs:
     sft: SFTConfig = SFTConfig()
     rl: RLConfig = RLConfig()
     ppo: PPOConfig = PPOConfig()
+    train_engine: TrainEngineConfig = TrainEngineConfig()  # how the trainer packs and computes (RL and SFT)
     optimizer: OptimizerConfig = OptimizerConfig()
     advantages: AdvantageConfig = AdvantageConfig()
     rollout: RLVRConfig = RLVRConfig()
@@ -309,23 +310,24 @@ def _check_sft(cfg: JobConfigs) -> None:
 
 
 def _check_rl(cfg: JobConfigs) -> None:
-    rollout, ppo, engine = cfg.rollout, cfg.ppo, cfg.engine
+    rollout, ppo, engine, budget = cfg.rollout, cfg.ppo, cfg.engine, cfg.train_engine.max_tokens_per_microbatch
     longest = min(engine.max_seq_len, engine.prompt_limit + rollout.max_new_tokens)
-    if cfg.rl.workflow is not None and engine.max_seq_len > ppo.max_tokens_per_microbatch:
+    if cfg.rl.workflow is not None and engine.max_seq_len > budget:
         # A custom workflow may grow an episode turn by turn, up to the engine's limit.
         raise ConfigError(
-            f"PPOConfig.max_tokens_per_microbatch ({ppo.max_tokens_per_microbatch}) is below EngineConfig.max_seq_len "
+            f"TrainEngineConfig.max_tokens_per_microbatch ({budget}) is below EngineConfig.max_seq_len "
             f"({engine.max_seq_len}), the longest sequence RLConfig.workflow ({cfg.rl.workflow!r}) may build; such "
             "a sequence could not be trained")
-    if longest > ppo.max_tokens_per_microbatch:
+    if longest > budget:
         raise ConfigError(
-            f"PPOConfig.max_tokens_per_microbatch ({ppo.max_tokens_per_microbatch}) is below the longest sample "
+            f"TrainEngineConfig.max_tokens_per_microbatch ({budget}) is below the longest sample "
             f"({longest} tokens: EngineConfig.max_seq_len {engine.max_seq_len}, or EngineConfig.max_prompt_len + "
             f"RLVRConfig.max_new_tokens); such a sample could not be trained")
-    if ppo.row_buckets and longest > max(ppo.row_buckets):
+    buckets = cfg.train_engine.row_buckets
+    if buckets and longest > max(buckets):
         raise ConfigError(
             f"the longest sample ({longest} tokens: EngineConfig.max_seq_len, or EngineConfig.max_prompt_len + "
-            f"RLVRConfig.max_new_tokens) exceeds the longest of PPOConfig.row_buckets ({max(ppo.row_buckets)}); "
+            f"RLVRConfig.max_new_tokens) exceeds the longest of TrainEngineConfig.row_buckets ({max(buckets)}); "
             "such a sample could not be packed into a row")
     sequences = cfg.rl.batch_size * rollout.n_samples
     if sequences < ppo.num_minibatches:

@@ -202,12 +202,12 @@ class Trainer:
         from areal_jax.jobs.train import run_train
 
         check_cross_fields(self.config, jax.process_count())
-        ppo, engine = self.config.ppo, self.config.engine
-        if self.workflow is not None and engine.max_seq_len > ppo.max_tokens_per_microbatch:
+        budget, engine = self.config.train_engine.max_tokens_per_microbatch, self.config.engine
+        if self.workflow is not None and engine.max_seq_len > budget:
             from areal_jax.config_system import ConfigError
 
             # A custom workflow may grow an episode turn by turn, up to the engine's limit.
-            raise ConfigError(f"PPOConfig.max_tokens_per_microbatch ({ppo.max_tokens_per_microbatch}) is below "
+            raise ConfigError(f"TrainEngineConfig.max_tokens_per_microbatch ({budget}) is below "
                               f"EngineConfig.max_seq_len ({engine.max_seq_len}), the longest sequence the workflow "
                               "may build; such a sequence could not be trained")
         self.summary = run_train(self.config, self.run_dir, progress=progress, resume=resume, overwrite=overwrite,

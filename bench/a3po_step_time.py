@@ -7,7 +7,7 @@ start from the same random weights and train on the same packed minibatches (ran
 whose tokens lag 0-4 versions behind the trained one); after `--warmup` steps each (compilation),
 the two take steps in turn, so load on a shared machine hits both alike. Reported per side: the
 median step time and its proximal phase (`time_step_s`, `time_proximal_s` of
-`PolicyTrainer.train_step`), the ratio of the medians and the median ratio of the step pairs.
+`PPOStep.train`), the ratio of the medians and the median ratio of the step pairs.
 
 Usage: .venv/bin/python -m bench.a3po_step_time [--steps 8 --warmup 2 --groups 32 --n 4 --minibatches 4]
 """
@@ -26,7 +26,8 @@ from areal_jax.ppo import AdvantageConfig
 from areal_jax.rollout.types import Trajectory, TrajectoryGroup
 from areal_jax.trainer.batching import build_sequences, make_microbatches, sequence_group_ids
 from areal_jax.trainer.optimizer import OptimizerConfig
-from areal_jax.trainer.train_step import PolicyTrainer, PPOConfig
+from areal_jax.trainer.algorithm import PPOStep, ppo_trainer
+from areal_jax.trainer.config import PPOConfig, TrainEngineConfig
 
 VERSION = 8  # the trained policy's version; tokens carry versions 4..8
 
@@ -68,16 +69,16 @@ def main():
     minibatches = make_microbatches(seqs, max_tokens_per_microbatch=args.budget, num_minibatches=args.minibatches,
                                     group_ids=sequence_group_ids(groups), shuffle_seed=(0, 0))
     tokens = sum(len(s["input_ids"]) for s in seqs)
-    base = PPOConfig(num_minibatches=args.minibatches, max_tokens_per_microbatch=args.budget, scan_layers=False,
-                     behav_imp_weight_cap=5.0)
-    sides = {m: PolicyTrainer(cfg, params, OptimizerConfig(lr=1e-6), dataclasses.replace(base, prox_logp_method=m))
-             for m in ("recompute", "loglinear")}
+    base = PPOConfig(num_minibatches=args.minibatches, behav_imp_weight_cap=5.0)
+    engine = TrainEngineConfig(max_tokens_per_microbatch=args.budget, scan_layers=False)
+    sides = {m: PPOStep(ppo_trainer(cfg, params, OptimizerConfig(lr=1e-6), ppo, engine=engine), AdvantageConfig(), ppo)
+             for m, ppo in ((m, dataclasses.replace(base, prox_logp_method=m)) for m in ("recompute", "loglinear"))}
     times = {m: [] for m in sides}
     prox = {m: [] for m in sides}
     t0 = time.perf_counter()
     for step in range(args.warmup + args.steps):
         for method, trainer in sides.items():  # in turn: shared-machine load hits both sides alike
-            metrics = trainer.train_step(minibatches, current_version=VERSION)
+            metrics = trainer.train(minibatches, VERSION)  # PPOStep: pi_prox attached, then the engine's step
             if step >= args.warmup:
                 times[method].append(metrics["time_step_s"])
                 prox[method].append(metrics["time_proximal_s"])

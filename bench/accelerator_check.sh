@@ -22,7 +22,7 @@
 #              the paged Pallas kernel, the jnp gather and the dense window (seconds per call, live KV
 #              bytes/s vs HBM); the engine's decode tokens/s with kv_layout "paged" vs "dense" on the
 #              same ragged workload; a training step's tokens/s and MFU with flash attention
-#              (PPOConfig.attention_impl "pallas") vs the jnp path. A part whose feature is not in the
+#              (TrainEngineConfig.attention_impl "pallas") vs the jnp path. A part whose feature is not in the
 #              tree records why in paged_check.json's "errors" and the others still run.
 #   moe        bench/moe_gpu_check.py (issue 29): the MoE grouped matmul's Mosaic GPU kernels against
 #              XLA's ragged dot on a Qwen3-30B-A3B expert layer: forward and gradients compared,

@@ -43,7 +43,8 @@ from areal_jax.ppo import AdvantageConfig
 from areal_jax.rollout.types import Trajectory, TrajectoryGroup
 from areal_jax.trainer.batching import build_sequences, make_microbatches
 from areal_jax.trainer.optimizer import OptimizerConfig
-from areal_jax.trainer.train_step import PolicyTrainer, PPOConfig
+from areal_jax.trainer.algorithm import ppo_trainer
+from areal_jax.trainer.config import PPOConfig, TrainEngineConfig
 
 H200_PEAK_BF16_FLOPS = 989e12
 H200_HBM_BYTES_PER_S = 4.8e12
@@ -151,8 +152,8 @@ def full_length_sequences(cfg: ModelConfig, n: int, length: int, seed: int = 0) 
 
 
 def probe_train(cfg: ModelConfig, params, p: dict, peak: float, flop_params: float) -> dict:
-    ppo = PPOConfig(compute_dtype="bfloat16", num_minibatches=1, max_tokens_per_microbatch=p["train_budget"])
-    trainer = PolicyTrainer(cfg, params, OptimizerConfig(lr=1e-6), ppo)
+    trainer = ppo_trainer(cfg, params, OptimizerConfig(lr=1e-6), PPOConfig(num_minibatches=1),
+                          engine=TrainEngineConfig(compute_dtype="bfloat16", max_tokens_per_microbatch=p["train_budget"]))
     seqs = full_length_sequences(cfg, p["train_seqs"], p["train_seq_len"])
     minibatches = make_microbatches(seqs, max_tokens_per_microbatch=p["train_budget"], num_minibatches=1)
     tokens = sum(m.num_tokens for mb in minibatches for m in mb)

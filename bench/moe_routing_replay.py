@@ -6,7 +6,7 @@ The engine samples groups of completions of arithmetic prompts with its own prog
 prefill, decode chunks; weights and KV cache in `--engine_dtypes`), recording per input token and
 sparse layer the k experts it routed to. The completions become Trajectories, are packed as the
 trainer packs them, and go through the trainer's log-prob program (`build_train_programs`, fp32
-master weights, `PPOConfig.compute_dtype` compute) with `PPOConfig.moe_routing` "recompute" and
+master weights, `TrainEngineConfig.compute_dtype` compute) with `TrainEngineConfig.moe_routing` "recompute" and
 "replay". Same weights on both sides: this isolates the two programs' numerics, not staleness.
 Printed, per (engine dtype, trainer compute):
 
@@ -16,7 +16,7 @@ Printed, per (engine dtype, trainer compute):
   token_mismatch share of those positions whose experts differ in at least one sparse layer
   prompt_mismatch  topk_mismatch over the other prompt tokens (their keys/values feed attention)
   gap_recompute  mean |behaviour log-prob - trainer log-prob| over completion tokens, trainer routing afresh
-  gap_replay     the same with the recorded experts replayed (PPOConfig.moe_routing = "replay")
+  gap_replay     the same with the recorded experts replayed (TrainEngineConfig.moe_routing = "replay")
 
     PYTHONPATH=$PWD .venv/bin/python bench/moe_routing_replay.py --model_dir RUN/final_model
     PYTHONPATH=$PWD .venv/bin/python bench/moe_routing_replay.py            # random built-in MoE
@@ -43,7 +43,9 @@ from areal_jax.packing import ffd_allocate, pack_sequences
 from areal_jax.rollout.types import Trajectory
 from areal_jax.tasks import arithmetic as ar
 from areal_jax.tasks.tokenizer_builder import build_tokenizer, task_model_config
-from areal_jax.trainer.programs import COMPUTE_DTYPES, FORWARD_KEYS, MOE_ROUTING_KEY, PPOConfig, build_train_programs
+from areal_jax.trainer.algorithm import ppo_objective
+from areal_jax.trainer.config import PPOConfig, TrainEngineConfig
+from areal_jax.trainer.programs import COMPUTE_DTYPES, FORWARD_KEYS, MOE_ROUTING_KEY, build_train_programs
 
 TEMPERATURE = 0.7  # the quickstart's sampling temperature; behaviour and trainer log-probs both take it
 ROW_LEN = 128  # packed row length of the trainer-side batches
@@ -93,7 +95,8 @@ def main(argv=None) -> None:
                            "test", args.prompts, seed=args.seed)
     prompts = [list(map(int, ar.prompt_ids(tokenizer, pr))) for pr in problems]
     programs = {(compute, mode): build_train_programs(
-        cfg, PPOConfig(compute_dtype=compute, moe_routing=mode, temperature=TEMPERATURE), optax.sgd(0.0))
+        cfg, TrainEngineConfig(compute_dtype=compute, moe_routing=mode), ppo_objective(PPOConfig(temperature=TEMPERATURE)),
+        optax.sgd(0.0))
         for compute in args.train_computes for mode in ("recompute", "replay")}
     for engine_dtype in args.engine_dtypes:
         eparams = jax.tree.map(lambda a: a.astype(COMPUTE_DTYPES[engine_dtype]), params32)

@@ -12,7 +12,7 @@ Three parts, each recorded on its own (a failure leaves the others' figures):
 2. engine: `GenerationEngine` with `EngineConfig.kv_layout` "paged" and "dense" on the same
    ragged workload (each request's max_new_tokens drawn from the same lognormal): decode tokens/s
    (busy slot-steps over decode seconds) and wall tokens/s. Needs the paged engine (issue 25).
-3. train: `PolicyTrainer` steps with `PPOConfig.attention_impl` "pallas" (flash kernel) and the
+3. train: `PolicyTrainer` steps with `TrainEngineConfig.attention_impl` "pallas" (flash kernel) and the
    jnp path: tokens/s and MFU as bench/accelerator_probe.py counts it. Needs the flash attention
    config field (issue 25).
 
@@ -149,18 +149,19 @@ def probe_engine(cfg, params, p: dict) -> dict:
 def probe_train(cfg, params32, p: dict, peak: float, flop_params: float) -> dict:
     from areal_jax.trainer.batching import make_microbatches
     from areal_jax.trainer.optimizer import OptimizerConfig
-    from areal_jax.trainer.train_step import PolicyTrainer, PPOConfig
+    from areal_jax.trainer.algorithm import ppo_trainer
+    from areal_jax.trainer.config import PPOConfig, TrainEngineConfig
 
-    if "attention_impl" not in {f.name for f in dataclasses.fields(PPOConfig)}:
-        raise RuntimeError("PPOConfig has no attention_impl: flash attention (issue 25) is not in this tree")
+    if "attention_impl" not in {f.name for f in dataclasses.fields(TrainEngineConfig)}:
+        raise RuntimeError("TrainEngineConfig has no attention_impl: flash attention (issue 25) is not in this tree")
     seqs = full_length_sequences(cfg, p["train_seqs"], p["train_seq_len"])
     minibatches = make_microbatches(seqs, max_tokens_per_microbatch=p["train_budget"], num_minibatches=1)
     tokens = sum(m.num_tokens for mb in minibatches for m in mb)
     out = {"tokens_per_step": float(tokens), "peak_flops": peak}
     for impl in ("pallas", "reference"):
-        ppo = PPOConfig(compute_dtype="bfloat16", num_minibatches=1, max_tokens_per_microbatch=p["train_budget"],
-                        attention_impl=impl)
-        trainer = PolicyTrainer(cfg, params32, OptimizerConfig(lr=1e-6), ppo)
+        engine = TrainEngineConfig(compute_dtype="bfloat16", max_tokens_per_microbatch=p["train_budget"],
+                                   attention_impl=impl)
+        trainer = ppo_trainer(cfg, params32, OptimizerConfig(lr=1e-6), PPOConfig(num_minibatches=1), engine=engine)
         times = []
         for i in range(p["warmup"] + p["train_repeats"]):
             t0 = time.perf_counter()

@@ -37,14 +37,14 @@ PAPER = {
         'PlanConfig.model_config = "models/qwen2.5-1.5b-instruct.json"', "RLVRConfig.max_new_tokens = 16384",
         # 128 slots per GPU (128 x 17k x 28 KiB = 61 GB); groups in flight: twice slots / n (see docs/scale.md)
         "EngineConfig.max_seq_len = 17408", "EngineConfig.num_slots = 768",
-        "RLConfig.max_concurrent = 96", "PPOConfig.max_tokens_per_microbatch = 32768",
-        "PPOConfig.row_buckets = (1024, 2048, 4096, 8192, 17408, 32768)"], "lognormal:mean=5000,sigma=1,prompt=300"),
+        "RLConfig.max_concurrent = 96", "TrainEngineConfig.max_tokens_per_microbatch = 32768",
+        "TrainEngineConfig.row_buckets = (1024, 2048, 4096, 8192, 17408, 32768)"], "lognormal:mean=5000,sigma=1,prompt=300"),
     "7B, 32k cap": (PAPER_BASE + [
         'PlanConfig.model_config = "models/qwen2.5-7b.json"', "RLVRConfig.max_new_tokens = 32768",
         # 24 slots per GPU (24 x 33k x 56 KiB = 45 GB); groups in flight: twice slots / n
         "EngineConfig.max_seq_len = 33792", "EngineConfig.num_slots = 144",
-        "RLConfig.max_concurrent = 18", "PPOConfig.max_tokens_per_microbatch = 65536",
-        "PPOConfig.row_buckets = (1024, 2048, 4096, 8192, 16384, 33792, 65536)"], "lognormal:mean=5000,sigma=1,prompt=300"),
+        "RLConfig.max_concurrent = 18", "TrainEngineConfig.max_tokens_per_microbatch = 65536",
+        "TrainEngineConfig.row_buckets = (1024, 2048, 4096, 8192, 16384, 33792, 65536)"], "lognormal:mean=5000,sigma=1,prompt=300"),
 }
 PAPER_NODES = (16, 64)
 

@@ -6,7 +6,7 @@ wall time on shared cores). Every configuration runs in "async" mode so only eta
 (eta = 0 there is synchronous data with the asynchronous machinery). The objectives
 (`--variants`, `areal_jax.trainer.config.OBJECTIVES`): "decoupled" is decoupled PPO (proximal
 policy recomputed with the pre-step weights, weighted by pi_prox / pi_behav), "naive" is PPO with
-proximal := behavior (`PPOConfig.decoupled = False`: the clip is a trust region around the
+proximal := behavior (`PPOConfig.objective = "naive"`: the clip is a trust region around the
 sampling policy), "naive_recompute" anchors the clip at the recomputed pre-step policy with no
 behaviour weight (`behav_imp_weight_mode = "disabled"`; AReaL v0.3.0 with recomputed log-probs and
 decoupling off, which may be what the paper's naive rows ran).

@@ -158,9 +158,9 @@ def run_areal(mode: str, model_dir: pathlib.Path, rows: list[dict], args, clock:
         # Sync trains each batch once, on-policy: proximal = behavior (naive PPO) is then the same
         # objective as TRL's. Async needs the decoupled one (pi_prox from the loss forward).
         # Unrolled layers, as configs/quickstart.gin runs this size of model on CPU.
-        ppo=PPOConfig(num_minibatches=1, max_tokens_per_microbatch=args.microbatch_tokens, decoupled=not sync,
-                      row_buckets=row_buckets(args.row_buckets, args.microbatch_tokens),
-                      scan_layers=False),
+        ppo=PPOConfig(num_minibatches=1, objective="naive" if sync else "decoupled"),
+        train_engine=TrainEngineConfig(max_tokens_per_microbatch=args.microbatch_tokens, scan_layers=False,
+                                       row_buckets=row_buckets(args.row_buckets, args.microbatch_tokens)),
         optimizer=OptimizerConfig(lr=args.lr, b1=args.b1, b2=args.b2, eps=args.eps, weight_decay=args.weight_decay,
                                   max_grad_norm=args.max_grad_norm),
         advantages=AdvantageConfig(norm="group"),
@@ -183,7 +183,7 @@ def run_areal(mode: str, model_dir: pathlib.Path, rows: list[dict], args, clock:
 
 
 def row_buckets(extra: str, budget: int) -> tuple[int, ...]:
-    """PPOConfig.row_buckets: the default powers of two up to the budget plus `extra` sizes."""
+    """TrainEngineConfig.row_buckets: the default powers of two up to the budget plus `extra` sizes."""
     from areal_jax.packing import default_buckets
 
     return tuple(sorted({*default_buckets(budget), *(int(x) for x in extra.split(",") if x.strip())}))

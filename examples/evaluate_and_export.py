@@ -27,7 +27,8 @@ def configs() -> aj.JobConfigs:
         stages=aj.Stages(sft=False, plot=False),
         rl=aj.RLConfig(steps=2, batch_size=2, max_concurrent=4),
         rollout=aj.RLVRConfig(n_samples=2, max_new_tokens=8, reward="arithmetic"),
-        ppo=aj.PPOConfig(num_minibatches=1, max_tokens_per_microbatch=512, scan_layers=False),
+        ppo=aj.PPOConfig(num_minibatches=1),
+        train_engine=aj.TrainEngineConfig(max_tokens_per_microbatch=512, scan_layers=False),
         engine=aj.EngineConfig(num_slots=8, max_seq_len=64))
 
 

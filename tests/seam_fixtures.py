@@ -1,12 +1,14 @@
-"""A second, independent implementation of the two engine seams (areal_jax/api.py), in numpy.
+"""A second, independent implementation of the two engine seams (areal_jax/api/), in numpy and jax.numpy.
 
 The policy is a bigram table: logits[prev token, next token], shape [V, V]. `BigramEngine`
 samples from it on its own thread, token by token, reporting each token's behaviour log-prob and
 the version of the table that drew it; weights pushed with `update_weights` are swapped in
 between tokens (a sample may span versions, as the native engine's do), `abort` ends a request's
 samples, `pause` holds the thread. `BigramTrainer` takes the loop's packed micro-batches and
-takes real policy-gradient steps on the table (decoupled PPO's clipped objective, the proximal
-policy being the table at the start of the step), with the analytic gradient of the log-softmax.
+takes real gradient steps on the table of the objective it is given (the built-in decoupled PPO,
+or a user's `module:function` such as `reinforce_loss` below), masked and normalised as the engine
+contract says (trainer/objectives.py); where the algorithm gave no proximal log-probs, the table
+before the update is pi_prox.
 
 Shapes: V vocabulary, R rows, T row length.
 """
@@ -22,9 +24,12 @@ from typing import Any
 
 import numpy as np
 
-from areal_jax.generation.requests import Completion, GroupResult, RequestHandle
-from areal_jax.generation.sampling import SamplingParams
-from areal_jax.trainer.config import PPOConfig
+import jax
+import jax.numpy as jnp
+
+from areal_jax.api import Completion, GroupResult, SamplingParams
+from areal_jax.generation.requests import RequestHandle
+from areal_jax.trainer.engine_config import Objective, TrainEngineConfig
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -190,8 +195,9 @@ class BigramEngine:
 class BigramTrainer:
     """api.TrainEngine over a [V, V] logits table (see the module docstring)."""
 
-    def __init__(self, params: Mapping[str, np.ndarray], ppo: PPOConfig, *, lr: float):
-        self.ppo_config = ppo
+    def __init__(self, params: Mapping[str, np.ndarray], objective: Objective, *, lr: float,
+                 engine: TrainEngineConfig = TrainEngineConfig()):
+        self.objective, self.engine_config = objective, engine
         self.lr = lr
         self._table = np.asarray(params["table"], np.float64).copy()
         self._step = 0
@@ -201,52 +207,52 @@ class BigramTrainer:
         return {"table": self._table.astype(np.float32)}
 
     def compute_logprobs(self, microbatch: Any, params: Any = None) -> np.ndarray:
-        """log pi(targets | input_ids) [R, T] at the PPO temperature."""
+        """log pi(targets | input_ids) [R, T] at the objective's temperature."""
         table = self._table if params is None else np.asarray(params["table"], np.float64)
         a = microbatch.arrays
-        logp = log_softmax(table[a["input_ids"]] / self.ppo_config.logit_temperature)  # [R, T, V]
+        logp = log_softmax(table[a["input_ids"]] / self.objective.temperature)  # [R, T, V]
         return np.take_along_axis(logp, a["targets"][..., None], axis=-1)[..., 0]
 
-    def train_step(self, minibatches: Sequence[Sequence[Any]], *, current_version: int | None = None
-                   ) -> dict[str, Any]:
+    def _loss(self, table, arrays, denom):
+        """The objective's minibatch-normalised loss of one micro-batch, and its summed metrics."""
+        scaled = table[arrays["input_ids"]] / self.objective.temperature  # [R, T, V]
+        logp_all = scaled - jax.nn.logsumexp(scaled, axis=-1, keepdims=True)
+        logp = jnp.take_along_axis(logp_all, arrays["targets"][..., None], axis=-1)[..., 0]  # [R, T]
+        batch = dict(arrays)
+        if "proximal_logprobs" not in batch:  # the pre-update policy: this table, without gradient
+            batch["proximal_logprobs"] = jax.lax.stop_gradient(logp)
+        per_token, metrics = self.objective.fn(logp, batch, self.objective.config)
+        mask = arrays["loss_mask"] > 0
+        sums = {k: jnp.max(jnp.where(mask, m, 0.0)) if k.endswith("_max") else
+                jnp.sum(jnp.where(mask.reshape(mask.shape + (1,) * (m.ndim - 2)), m, 0.0), axis=(0, 1))
+                for k, m in metrics.items()}
+        return jnp.sum(jnp.where(mask, per_token, 0.0)) / denom, sums
+
+    def train_step(self, minibatches: Sequence[Sequence[Any]]) -> dict[str, Any]:
         t0 = time.perf_counter()
-        proximal = self._table.copy()  # decoupled PPO: the pre-step policy anchors the clip
-        eps, temperature = self.ppo_config.eps_clip, self.ppo_config.logit_temperature
-        tokens, losses, lags = 0.0, [], {}
+        tokens, losses, totals = 0.0, [], {}
+        grad_fn = jax.grad(self._loss, has_aux=True)
         for minibatch in minibatches:
             grad = np.zeros_like(self._table)
             loss = 0.0
             for micro in minibatch:
-                a = micro.arrays
-                mask = np.asarray(a["loss_mask"], np.float64)
+                arrays = {k: jnp.asarray(v) for k, v in micro.arrays.items()}
                 denom = max(float(micro.minibatch_valid_tokens), 1.0)
-                logp_all = log_softmax(self._table[a["input_ids"]] / temperature)  # [R, T, V]
-                logp = np.take_along_axis(logp_all, a["targets"][..., None], axis=-1)[..., 0]
-                prox = np.take_along_axis(log_softmax(proximal[a["input_ids"]] / temperature),
-                                          a["targets"][..., None], axis=-1)[..., 0]
-                behav = np.asarray(a["behavior_logprobs"], np.float64)
-                adv = np.asarray(a["advantages"], np.float64)
-                ratio = np.exp(logp - prox)
-                weight = np.exp(prox - behav) * mask  # pi_prox / pi_behav on trained tokens
-                unclipped, clipped = ratio * adv, np.clip(ratio, 1 - eps, 1 + eps) * adv
-                loss -= float((weight * np.minimum(unclipped, clipped)).sum()) / denom
-                # d/dlogp of the objective: nonzero where the unclipped term is the minimum
-                active = (unclipped <= clipped) | np.isclose(unclipped, clipped)
-                dlogp = weight * active * ratio * adv / denom  # [R, T]
-                # d logp / d table[input, :] = (onehot(target) - softmax) / temperature
-                d_rows = (np.eye(self._table.shape[1])[a["targets"]] - np.exp(logp_all)) * (dlogp[..., None] / temperature)
-                np.add.at(grad, a["input_ids"], d_rows)
-                tokens += float(mask.sum())
-                if current_version is not None:
-                    for lag in (current_version - a["versions"][mask > 0]).tolist():
-                        lags[int(lag)] = lags.get(int(lag), 0) + 1
-            self._table += self.lr * grad  # gradient ascent on the objective
+                table = jnp.asarray(self._table)
+                g, sums = grad_fn(table, arrays, denom)
+                loss += float(self._loss(table, arrays, denom)[0])
+                grad += np.asarray(g, np.float64)
+                for k, v in sums.items():
+                    totals[k] = np.maximum(totals[k], v) if k in totals and k.endswith("_max") else totals.get(k, 0) + v
+                tokens += float(np.sum(micro.arrays["loss_mask"]))
+            self._table -= self.lr * grad  # gradient descent on the loss
             losses.append(loss)
         self._step += 1
-        out = {"loss": float(np.mean(losses)), "trained_tokens": tokens, "time_step_s": time.perf_counter() - t0,
-               "grad_norm": 0.0}
-        if current_version is not None:
-            out["version_lag_hist"] = lags
+        out = {k: float(v) if k.endswith("_max") else np.asarray(v, np.float64) / max(tokens, 1.0)
+               for k, v in totals.items()}
+        out = {k: float(v) if np.ndim(v) == 0 else v for k, v in out.items()}
+        out.update(loss=float(np.mean(losses)), trained_tokens=tokens, time_step_s=time.perf_counter() - t0,
+                   grad_norm=0.0)
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -255,6 +261,13 @@ class BigramTrainer:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._table = np.asarray(state["table"], np.float64).copy()
         self._step = int(state["step"])
+
+
+def reinforce_loss(logprobs, batch, config):
+    """A user objective for tests (`PPOConfig.objective = "tests.seam_fixtures:reinforce_loss"`):
+    plain REINFORCE, -A * log pi, with the ratio pi_theta / pi_prox as a metric of its own."""
+    ratio = jnp.exp(jax.lax.stop_gradient(logprobs) - batch["proximal_logprobs"])
+    return -batch["advantages"] * logprobs, {"reinforce_ratio": ratio}
 
 
 class LetterTokenizer:

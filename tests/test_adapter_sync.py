@@ -72,17 +72,20 @@ def test_swaps_move_only_adapters_and_deliver_the_merged_weights(mesh):
 def test_the_planner_counts_adapter_state_not_the_full_optimizer_state():
     from areal_jax.parallel.weight_sync import transfer_program_specs
     from areal_jax.trainer.optimizer import OptimizerConfig
-    from areal_jax.trainer.programs import PPOConfig, train_program_specs
+    from areal_jax.trainer.algorithm import ppo_objective
+    from areal_jax.trainer.config import PPOConfig, TrainEngineConfig
+    from areal_jax.trainer.programs import train_program_specs
 
     mesh = build_meshes(MeshConfig(num_generation_devices_per_host=4)).train
-    ppo = PPOConfig(max_tokens_per_microbatch=1024, compute_dtype="bfloat16", remat="full")
+    engine = TrainEngineConfig(max_tokens_per_microbatch=1024, compute_dtype="bfloat16", remat="full")
+    objective = ppo_objective(PPOConfig())
     lora = LoRAConfig(rank=16)
     n, a, L = QWEN25_7B.num_params(), lora_lib.adapter_param_count(QWEN25_7B, lora), QWEN25_7B.num_layers
     # rank x (in + out) per projection and layer: q, o (3584 + 3584); k, v (3584 + 512); gate, up, down (3584 + 18944)
     assert a == 28 * 16 * (2 * 7168 + 2 * 4096 + 3 * 22528) == 40_370_176
     total = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731  (global bytes)
-    specs = {s.name: s for s in train_program_specs(QWEN25_7B, ppo, OptimizerConfig(), mesh, lora=lora)}
-    full = {s.name: s for s in train_program_specs(QWEN25_7B, ppo, OptimizerConfig(), mesh)}
+    specs = {s.name: s for s in train_program_specs(QWEN25_7B, engine, objective, OptimizerConfig(), mesh, lora=lora)}
+    full = {s.name: s for s in train_program_specs(QWEN25_7B, engine, objective, OptimizerConfig(), mesh)}
     grad = next(s for name, s in specs.items() if name.startswith("train/grad"))
     assert 0 <= total(grad.resident) - 8 * a < 64  # Adam's two fp32 moments of the adapters (+ counters)
     assert total(grad.args[1]) == 4 * a  # the gradient accumulator: adapters only
@@ -96,13 +99,15 @@ def test_the_planner_counts_adapter_state_not_the_full_optimizer_state():
 
 def test_the_planned_grad_program_takes_the_dropout_index_with_lora_dropout():
     from areal_jax.trainer.optimizer import OptimizerConfig
-    from areal_jax.trainer.programs import PPOConfig, train_program_specs
+    from areal_jax.trainer.algorithm import ppo_objective
+    from areal_jax.trainer.config import PPOConfig, TrainEngineConfig
+    from areal_jax.trainer.programs import train_program_specs
 
     mesh = build_meshes(MeshConfig(num_generation_devices_per_host=4)).train
-    ppo = PPOConfig(max_tokens_per_microbatch=64)
+    engine, objective = TrainEngineConfig(max_tokens_per_microbatch=64), ppo_objective(PPOConfig())
     for dropout, extra in ((0.0, 0), (0.1, 1)):
         lora = LoRAConfig(rank=2, dropout=dropout)
-        grad = next(s for s in train_program_specs(CFG, ppo, OptimizerConfig(), mesh, lora=lora)
+        grad = next(s for s in train_program_specs(CFG, engine, objective, OptimizerConfig(), mesh, lora=lora)
                     if s.name.startswith("train/grad"))
         assert len(grad.args) == 5 + extra
         grad.lower()  # traces: the planner compiles what the trainer runs

@@ -6,6 +6,7 @@ import pytest
 
 from areal_jax import api
 from areal_jax.generation.sampling import SamplingParams
+from areal_jax.trainer.algorithm import ppo_objective, ppo_trainer
 from areal_jax.trainer.config import PPOConfig
 from tests.seam_fixtures import BigramEngine, BigramTrainer
 
@@ -18,14 +19,14 @@ def test_native_engine_trainer_and_workflows_implement_the_protocols():
     from areal_jax.generation import EngineConfig, GenerationEngine
     from areal_jax.models import ModelConfig, init_params
     from areal_jax.rollout.workflow import RLVRConfig, RLVRWorkflow, RolloutClient, missing_workflow_members
-    from areal_jax.trainer import OptimizerConfig, PolicyTrainer
+    from areal_jax.trainer import OptimizerConfig
     from areal_jax.workflows.multi_turn_math import MultiTurnMathWorkflow
 
     cfg = ModelConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
                       num_kv_heads=1, head_dim=8)
     params = init_params(cfg, 0)
     engine = GenerationEngine((cfg, params), EngineConfig(num_slots=2, max_seq_len=16, decode_chunk=2))
-    trainer = PolicyTrainer(cfg, params, OptimizerConfig(), PPOConfig(), mesh=None)
+    trainer = ppo_trainer(cfg, params, OptimizerConfig(), PPOConfig(), mesh=None)
     assert isinstance(engine, api.InferenceEngine) and isinstance(trainer, api.TrainEngine)
     assert isinstance(RLVRWorkflow(RLVRConfig()), api.RolloutWorkflow)
     assert missing_workflow_members(MultiTurnMathWorkflow) == []
@@ -33,7 +34,7 @@ def test_native_engine_trainer_and_workflows_implement_the_protocols():
     # The seams are structural: the bigram doubles share no code with the native classes.
     table = {"table": np.zeros((V, V), np.float32)}
     assert isinstance(BigramEngine(table, max_seq_len=8), api.InferenceEngine)
-    assert isinstance(BigramTrainer(table, PPOConfig(), lr=0.1), api.TrainEngine)
+    assert isinstance(BigramTrainer(table, ppo_objective(PPOConfig()), lr=0.1), api.TrainEngine)
     # ...and they are checked: a trainer is no engine, an engine no trainer.
     assert not isinstance(trainer, api.InferenceEngine) and not isinstance(engine, api.TrainEngine)
     del jax
@@ -78,16 +79,19 @@ def prompt_rows():
         yield {"prompt_ids": np.asarray([1 + i % 5, 1 + i % 3], np.int32), "row": row}
 
 
-def test_the_loop_runs_on_a_second_implementation_of_both_engines():
+@pytest.mark.parametrize("objective, metric", [("decoupled", "train/clip_frac"),
+                                               ("tests.seam_fixtures:reinforce_loss", "train/reinforce_ratio")])
+def test_the_loop_runs_on_a_second_implementation_of_both_engines(objective, metric):
     """RLLoop over the bigram engine and trainer: versions advance on both sides, the engine ends
     serving the trainer's weights, staleness stays bounded, the hooks see every step (as data: the
     step, version, groups and metrics, never the loop), and the policy really learns (the reward,
-    the share of the letter "c", rises from chance)."""
+    the share of the letter "c", rises from chance); with the built-in objective and with a user's
+    loss named "module:function", whose own metric reaches the records under train/."""
     from areal_jax.ppo import AdvantageConfig
     from areal_jax.rollout.workflow import RLVRConfig, RLVRWorkflow
     from areal_jax.trainer.algorithm import PPOStep
     from areal_jax.trainer.cluster import RLCluster
-    from areal_jax.trainer.config import RLConfig
+    from areal_jax.trainer.config import RLConfig, TrainEngineConfig
     from areal_jax.api import Hook
     from areal_jax.trainer.loop import RLLoop
     from tests.seam_fixtures import LetterTokenizer
@@ -96,14 +100,15 @@ def test_the_loop_runs_on_a_second_implementation_of_both_engines():
     rl = RLConfig(steps=steps, batch_size=4, max_staleness=1, max_concurrent=8)
     rollout = RLVRConfig(n_samples=4, max_new_tokens=8, reward="tests.seam_fixtures:letter_reward")
     table = {"table": np.random.default_rng(1).normal(scale=0.1, size=(V, V)).astype(np.float32)}
-    trainer = BigramTrainer(table, PPOConfig(num_minibatches=1, max_tokens_per_microbatch=64, temperature=1.0), lr=40.0)
+    ppo = PPOConfig(objective=objective, num_minibatches=1, temperature=1.0)
+    trainer = BigramTrainer(table, ppo_objective(ppo), lr=40.0, engine=TrainEngineConfig(max_tokens_per_microbatch=64))
     engine = BigramEngine(table, max_seq_len=32)
     cluster = RLCluster(trainer, engine, lambda p: {"table": np.asarray(p["table"])}, rl=rl)
     cluster.connect(RLVRWorkflow(rollout), prompt_rows(), tokenizer=LetterTokenizer())
     seen, infos = [], []
     hooks = [Hook(lambda info: seen.append(("update", info.step, info.version)), stage="update"),
              Hook(infos.append, stage="metrics"), Hook(infos.append, stage="end")]
-    loop = RLLoop(cluster, PPOStep(trainer, AdvantageConfig(norm="group")), rl=rl, hooks=hooks)
+    loop = RLLoop(cluster, PPOStep(trainer, AdvantageConfig(norm="group"), ppo), rl=rl, hooks=hooks)
     loop.add_hook(lambda info: seen.append(("record", info.step, info.metrics["version"])), stage="record", every=3)
     result = loop.run()
 
@@ -124,7 +129,7 @@ def test_the_loop_runs_on_a_second_implementation_of_both_engines():
     assert [i.last for i in steps_seen] == [False] * (steps - 1) + [True]
     assert end.step == steps - 1 and end.last and not end.stopped
     for m in result.history:
-        assert m["staleness/max"] <= rl.max_staleness and m["train/trained_tokens"] > 0
+        assert m["staleness/max"] <= rl.max_staleness and m["train/trained_tokens"] > 0 and np.isfinite(m[metric])
     assert result.rollout_report.balanced
     # Chance is 1/12; the trained policy samples "c" most of the time (runs end near 0.97).
     first, last = result.history[0]["reward/mean"], np.mean([m["reward/mean"] for m in result.history[-3:]])

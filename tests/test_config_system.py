@@ -105,8 +105,8 @@ def test_the_completion_budget_is_set_once():
 
 
 @pytest.mark.parametrize("params,fields", [
-    (["PPOConfig.max_tokens_per_microbatch = 64"],
-     [r"PPOConfig\.max_tokens_per_microbatch \(64\)", r"EngineConfig\.max_seq_len 96", "RLVRConfig.max_new_tokens"]),
+    (["TrainEngineConfig.max_tokens_per_microbatch = 64"],
+     [r"TrainEngineConfig\.max_tokens_per_microbatch \(64\)", r"EngineConfig\.max_seq_len 96", "RLVRConfig.max_new_tokens"]),
     (["RLConfig.batch_size = 1", "RLVRConfig.n_samples = 2", "PPOConfig.num_minibatches = 3"],
      [r"PPOConfig\.num_minibatches \(3\)", r"RLConfig\.batch_size \(1\)", r"RLVRConfig\.n_samples \(2\)"]),
 ])
@@ -118,14 +118,14 @@ def test_cross_field_mistakes_name_both_fields(params, fields):
 
 
 def test_rl_checks_are_skipped_without_the_rl_stage():
-    cfg = _load("Stages.rl = False", "PPOConfig.max_tokens_per_microbatch = 64")
-    assert cfg.ppo.max_tokens_per_microbatch == 64
+    cfg = _load("Stages.rl = False", "TrainEngineConfig.max_tokens_per_microbatch = 64")
+    assert cfg.train_engine.max_tokens_per_microbatch == 64
 
 
 def test_the_longest_sample_is_bounded_by_prompt_limit_plus_new_tokens():
     # max_seq_len 96 exceeds the budget, but a 40-token prompt plus 48 new tokens fits in 90.
-    cfg = _load("PPOConfig.max_tokens_per_microbatch = 90", "EngineConfig.max_prompt_len = 40")
-    assert cfg.ppo.max_tokens_per_microbatch == 90
+    cfg = _load("TrainEngineConfig.max_tokens_per_microbatch = 90", "EngineConfig.max_prompt_len = 40")
+    assert cfg.train_engine.max_tokens_per_microbatch == 90
 
 
 def test_process_dependent_checks_run_when_the_process_count_is_known():
@@ -135,6 +135,15 @@ def test_process_dependent_checks_run_when_the_process_count_is_known():
         _load("RLConfig.channel_capacity = 10", num_processes=2)
     _load("RLConfig.channel_capacity = 16", num_processes=2)
     _load("RLConfig.channel_capacity = 10")  # unknown process count: not checked
+
+
+@pytest.mark.parametrize("old, new", [("PPOConfig.remat = 'full'", "TrainEngineConfig.remat"),
+                                      ("PPOConfig.max_tokens_per_microbatch = 64",
+                                       "TrainEngineConfig.max_tokens_per_microbatch"),
+                                      ("PPOConfig.decoupled = False", "PPOConfig.objective")])
+def test_a_moved_field_names_where_it_went(old, new):
+    with pytest.raises(cs.ConfigError, match=rf"{re.escape(old.split(' ')[0])} moved: bind {re.escape(new)}"):
+        _load(old)
 
 
 def test_a_missing_include_is_one_error_without_a_log_line(tmp_path, caplog):

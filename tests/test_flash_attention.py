@@ -14,7 +14,7 @@ from areal_jax.kernels import flash_attention as fa
 from areal_jax.models import ModelConfig, forward, init_params
 from areal_jax.models import sharding as shd
 from areal_jax.models.attention import causal_attention
-from areal_jax.trainer.config import PPOConfig
+from areal_jax.trainer.config import PPOConfig, TrainEngineConfig
 from areal_jax.trainer.sft import SFTConfig
 from tests.test_attention import causal_segment_mask, numpy_attention, packed_segments, random_qkv
 
@@ -169,8 +169,8 @@ def test_dispatch_by_platform():
 
 
 def test_config_fields_are_validated():
-    assert PPOConfig().attention_impl == SFTConfig().attention_impl == "auto"
-    for cls in (PPOConfig, SFTConfig):
+    assert TrainEngineConfig().attention_impl == SFTConfig().attention_impl == "auto"
+    for cls in (TrainEngineConfig, SFTConfig):
         with pytest.raises(ValueError, match=rf"{cls.__name__}.attention_impl must be one of"):
             cls(attention_impl="flash")
     with pytest.raises(ValueError, match="attention_impl must be one of"):
@@ -214,14 +214,16 @@ def test_model_loss_and_gradients_equal_the_blocked_formula(remat, scan_layers, 
 
 
 @pytest.mark.parametrize("impl", ["blocked", "auto"])
-def test_ppo_config_reaches_the_training_forward(impl):
-    """The trainer's log-prob and gradient programs run the attention PPOConfig names: flash
-    attention is the only custom_vjp in the decoder."""
+def test_engine_config_reaches_the_training_forward(impl):
+    """The trainer's log-prob and gradient programs run the attention TrainEngineConfig names:
+    flash attention is the only custom_vjp in the decoder."""
     import optax
 
+    from areal_jax.trainer.algorithm import ppo_objective
     from areal_jax.trainer.programs import build_train_programs
 
-    programs = build_train_programs(CFG, PPOConfig(attention_impl=impl), optax.sgd(0.1))
+    programs = build_train_programs(CFG, TrainEngineConfig(attention_impl=impl), ppo_objective(PPOConfig()),
+                                    optax.sgd(0.1))
     params = init_params(CFG, 0)
     batch = {name: jnp.ones((2, 16), jnp.int32) for name in ("input_ids", "targets", "segment_ids", "positions")}
     text = str(jax.make_jaxpr(programs.logprobs)(params, batch))

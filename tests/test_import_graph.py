@@ -147,11 +147,7 @@ def test_no_import_runs_from_a_lower_layer_up():
     graph = import_graph()
     upward = sorted(f"{m} ({LAYERS[layer_of(m)][0]}) -> {t} ({LAYERS[layer_of(t)][0]})"
                     for m, targets in graph.items() for t in targets if layer_of(t) > layer_of(m))
-    # Until the PPO objective leaves the training engine (issue 38 point 2, next): its programs
-    # still read PPOConfig. Listed exactly, so any other upward import fails now.
-    pending = ["areal_jax.trainer.programs (engines) -> areal_jax.trainer.config (RL)",
-               "areal_jax.trainer.train_step (engines) -> areal_jax.trainer.config (RL)"]
-    assert upward == pending, "imports from a lower layer up:\n" + "\n".join(upward)
+    assert upward == [], "imports from a lower layer up:\n" + "\n".join(upward)
 
 
 def test_at_most_one_circle():

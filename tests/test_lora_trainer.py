@@ -14,11 +14,13 @@ from areal_jax.checkpoint import CheckpointConfig, Checkpointer
 from areal_jax.models import lora as lora_lib
 from areal_jax.models.lora import LoRAConfig
 from areal_jax.trainer.batching import make_microbatches
-from areal_jax.trainer.train_step import PolicyTrainer
+from areal_jax.trainer.algorithm import PPOStep, ppo_trainer
 from areal_jax.models.transformer import forward
 from areal_jax.ppo import decoupled_ppo_loss, token_logprobs
 from areal_jax.trainer.programs import dropout_key
-from tests.test_train_step import BUCKETS, BUDGET, CFG, INIT, OPT, PPO, random_seqs, reference_loss_and_grads
+from areal_jax.ppo import AdvantageConfig
+from tests.test_train_step import (BUCKETS, BUDGET, CFG, ENGINE, INIT, OPT, PPO, random_seqs, recomputed,
+                                   reference_loss_and_grads)
 
 LORA = LoRAConfig(rank=4, alpha=8.0, targets=("q", "v", "o", "up", "down"), seed=3)
 
@@ -26,12 +28,12 @@ LORA = LoRAConfig(rank=4, alpha=8.0, targets=("q", "v", "o", "up", "down"), seed
 def _step(trainer, seed):
     minibatches = make_microbatches(random_seqs(seed), max_tokens_per_microbatch=BUDGET, num_minibatches=2,
                                     buckets=BUCKETS)
-    return trainer.train_step(minibatches)
+    return PPOStep(trainer, AdvantageConfig(), dataclasses.replace(PPO, num_minibatches=2)).train(minibatches, 0)
 
 
 @pytest.fixture(scope="module")
 def trainer():
-    return PolicyTrainer(CFG, INIT, OPT, PPO, lora=LORA)
+    return ppo_trainer(CFG, INIT, OPT, PPO, engine=ENGINE, lora=LORA)
 
 
 def test_base_is_frozen_in_bf16_and_only_adapters_have_optimizer_state(trainer):
@@ -73,7 +75,7 @@ def reference_loss_and_grads_over(frozen, trainable, seqs):
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
 def test_resume_from_a_checkpoint_is_exact(tmp_path, dropout):
     lora = dataclasses.replace(LORA, dropout=dropout)
-    a = PolicyTrainer(CFG, INIT, OPT, PPO, lora=lora)
+    a = ppo_trainer(CFG, INIT, OPT, PPO, engine=ENGINE, lora=lora)
     _step(a, 1)
     with Checkpointer(CheckpointConfig(directory=tmp_path / "ckpt", async_save=False)) as ckpt:
         ckpt.save(1, state=a.state_dict(), force=True)
@@ -81,7 +83,7 @@ def test_resume_from_a_checkpoint_is_exact(tmp_path, dropout):
         # The adapters come from the checkpoint, whatever the seed; dropout masks from the
         # run's seed (its config.gin on resume) and the restored step counter.
         seed = 99 if not dropout else lora.seed
-        b = PolicyTrainer(CFG, INIT, OPT, PPO, lora=dataclasses.replace(lora, seed=seed))
+        b = ppo_trainer(CFG, INIT, OPT, PPO, engine=ENGINE, lora=dataclasses.replace(lora, seed=seed))
         template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
                                 if isinstance(x, jax.Array) else x, b.state_dict())
         state, _ = ckpt.restore(1, state_template=template)
@@ -135,7 +137,8 @@ def _hand_loss(params, micro, key):
 
 def test_dropout_acts_in_the_loss_forward_only():
     params = _adapted_init()
-    drop, plain = PolicyTrainer(CFG, params, OPT, PPO, lora=DROPOUT), PolicyTrainer(CFG, params, OPT, PPO, lora=LORA)
+    drop = ppo_trainer(CFG, params, OPT, PPO, engine=ENGINE, lora=DROPOUT)
+    plain = ppo_trainer(CFG, params, OPT, PPO, engine=ENGINE, lora=LORA)
     [mb] = make_microbatches(random_seqs(9, proximal=True), max_tokens_per_microbatch=BUDGET, num_minibatches=1,
                              buckets=BUCKETS)
     assert len(mb) > 1  # several micro-batches: each draws its own masks
@@ -159,10 +162,10 @@ def test_dropout_acts_in_the_loss_forward_only():
 def test_with_dropout_the_own_proximal_log_probs_stay_deterministic():
     """One minibatch without pi_prox: the loss takes pi_prox from a forward of its own, undropped,
     so the gradient equals the one given the log-prob program's pi_prox."""
-    trainer = PolicyTrainer(CFG, _adapted_init(), OPT, PPO, lora=DROPOUT)
+    trainer = ppo_trainer(CFG, _adapted_init(), OPT, PPO, engine=ENGINE, lora=DROPOUT)
     [mb] = make_microbatches(random_seqs(3), max_tokens_per_microbatch=BUDGET, num_minibatches=1, buckets=BUCKETS)
-    own, _ = trainer.minibatch_gradients(mb, self_proximal=True)
-    given, _ = trainer.minibatch_gradients(trainer.with_proximal_logprobs([mb])[0])
+    own, _ = trainer.minibatch_gradients(mb)
+    given, _ = trainer.minibatch_gradients(recomputed(trainer, [mb])[0])
     for (path, x), y in zip(jax.tree.leaves_with_path(given), jax.tree.leaves(own)):
         np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5 * max(np.abs(np.asarray(x)).max(), 1e-3),
                                    err_msg=str(path))

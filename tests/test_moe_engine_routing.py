@@ -19,8 +19,9 @@ from areal_jax.rollout.types import Trajectory, TrajectoryGroup
 from areal_jax.tasks.tokenizer_builder import task_model_config
 from areal_jax.trainer.batching import build_sequences, make_microbatches
 from areal_jax.trainer.optimizer import OptimizerConfig
-from areal_jax.trainer.programs import MOE_ROUTING_KEY, PPOConfig, build_train_programs, train_program_specs
-from areal_jax.trainer.train_step import PolicyTrainer
+from areal_jax.trainer.algorithm import ppo_objective, ppo_trainer
+from areal_jax.trainer.config import PPOConfig, TrainEngineConfig
+from areal_jax.trainer.programs import MOE_ROUTING_KEY, build_train_programs, train_program_specs
 from areal_jax.workflows.multi_turn_math import Episode
 
 # Layers 0 and 2 sparse, 1 dense (Qwen2-MoE's mlp_only_layers): the record holds L_moe = 2 layers.
@@ -78,7 +79,8 @@ def test_recorded_routing_is_the_trainers_topk_and_replaying_it_gives_the_behavi
     groups = ffd_allocate([len(r["input_ids"]) for r in rows], 64)
     packed = pack_sequences(rows, groups, 64)
     assert packed[MOE_ROUTING_KEY].dtype == np.uint8
-    programs = build_train_programs(CFG, PPOConfig(moe_routing="replay", temperature=1.0), optax.sgd(0.1))
+    programs = build_train_programs(CFG, TrainEngineConfig(moe_routing="replay"), ppo_objective(PPOConfig(temperature=1.0)),
+                                    optax.sgd(0.1))
     keys = ("input_ids", "targets", "segment_ids", "positions", MOE_ROUTING_KEY)
     logp = np.asarray(programs.logprobs(params, {k: jnp.asarray(packed[k]) for k in keys}))
     mask = packed["loss_mask"] > 0
@@ -189,9 +191,11 @@ def test_planned_replay_programs_take_the_record():
     L_moe, k]` (uint8), and they lower; a recomputing one gives it to the loss forward alone (to
     measure how often its routing differs)."""
     mesh = jax.make_mesh((1, 1), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:1])
-    ppo = dict(max_tokens_per_microbatch=64, row_buckets=(32, 64))
-    replay = train_program_specs(CFG, PPOConfig(moe_routing="replay", **ppo), OptimizerConfig(), mesh)
-    recompute = train_program_specs(CFG, PPOConfig(**ppo), OptimizerConfig(), mesh)
+    engine = dict(max_tokens_per_microbatch=64, row_buckets=(32, 64))
+    objective = ppo_objective(PPOConfig())
+    replay = train_program_specs(CFG, TrainEngineConfig(moe_routing="replay", **engine), objective, OptimizerConfig(),
+                                 mesh)
+    recompute = train_program_specs(CFG, TrainEngineConfig(**engine), objective, OptimizerConfig(), mesh)
     for spec in (s for s in replay if s.name.startswith(("train/grad", "train/logprobs"))):
         batch = spec.args[-2] if spec.name.startswith("train/grad") else spec.args[-1]
         R, T = batch["input_ids"].shape
@@ -222,11 +226,12 @@ def test_a_multi_turn_episode_keeps_each_tokens_first_routing():
     np.testing.assert_array_equal(t.moe_routing[P + G1 - 1:], second[P + G1 - 1:])
 
 
-def _step_metrics(params, samples, **ppo):
+def _step_metrics(params, samples, **engine):
     rows = [_trajectory(p, c) for p, c in samples]
     seqs = build_sequences([TrajectoryGroup("0", tuple(rows), 0)], AdvantageConfig())
     minibatches = make_microbatches(seqs, max_tokens_per_microbatch=64, num_minibatches=1, buckets=(32, 64))
-    trainer = PolicyTrainer(CFG, params, OptimizerConfig(), PPOConfig(temperature=1.0, **ppo))
+    trainer = ppo_trainer(CFG, params, OptimizerConfig(), PPOConfig(temperature=1.0),
+                          engine=TrainEngineConfig(max_tokens_per_microbatch=64, **engine))
     return trainer.train_step(minibatches)
 
 

@@ -1,5 +1,5 @@
 """Training a MoE policy: the load-balancing loss in the PPO objective, routing replay
-(PPOConfig.moe_routing) and the trajectory field that carries the engine's experts."""
+(TrainEngineConfig.moe_routing) and the trajectory field that carries the engine's experts."""
 
 import dataclasses
 
@@ -12,7 +12,11 @@ import pytest
 from areal_jax.models.transformer import forward, init_params
 from areal_jax.rollout.types import Trajectory
 from areal_jax.tasks.tokenizer_builder import task_model_config
-from areal_jax.trainer.programs import MOE_ROUTING_KEY, PPOConfig, build_train_programs, zero_loss_stats
+from areal_jax.trainer.algorithm import ppo_objective
+from areal_jax.trainer.config import PPOConfig, TrainEngineConfig
+from areal_jax.trainer.programs import MOE_ROUTING_KEY, build_train_programs, zero_loss_stats
+
+OBJECTIVE = ppo_objective(PPOConfig())
 
 CFG = task_model_config(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=48, num_experts=4)
 
@@ -25,13 +29,13 @@ def _batch(seed=0, R=2, T=12):
     pos = np.where(seg > 0, np.arange(T)[None], 0).astype(np.int32)
     batch = {"input_ids": ids, "targets": np.roll(ids, -1, 1), "segment_ids": seg, "positions": pos,
              "loss_mask": (seg > 0).astype(np.float32), "behavior_logprobs": rng.normal(-2, 0.1, (R, T)).astype(np.float32),
-             "advantages": rng.normal(size=(R, T)).astype(np.float32)}
+             "advantages": rng.normal(size=(R, T)).astype(np.float32), "versions": np.zeros((R, T), np.int32)}
     return {k: jnp.asarray(v) for k, v in batch.items()}
 
 
-def _programs(coef=0.0, **ppo):
+def _programs(coef=0.0, **engine):
     cfg = dataclasses.replace(CFG, moe=dataclasses.replace(CFG.moe, router_aux_loss_coef=coef))
-    return cfg, build_train_programs(cfg, PPOConfig(**ppo), optax.sgd(0.1))
+    return cfg, build_train_programs(cfg, TrainEngineConfig(**engine), OBJECTIVE, optax.sgd(0.1))
 
 
 def test_aux_loss_enters_the_objective_with_its_coefficient_and_stats():
@@ -41,7 +45,7 @@ def test_aux_loss_enters_the_objective_with_its_coefficient_and_stats():
     out = {}
     for coef in (0.0, 0.5):
         cfg, programs = _programs(coef)
-        _, stats = programs.grad(params, jax.tree.map(jnp.zeros_like, params), zero_loss_stats(None), batch, denom)
+        _, stats = programs.grad(params, jax.tree.map(jnp.zeros_like, params), zero_loss_stats(OBJECTIVE, None), batch, denom)
         out[coef] = stats
     _, _, routing = forward(params, CFG, batch["input_ids"], batch["positions"], batch["segment_ids"],
                             return_routing=True)
@@ -80,9 +84,9 @@ def test_trajectory_carries_routing_per_input_token():
                    moe_routing=routing)
 
 
-def test_ppo_config_refuses_an_unknown_routing_mode():
-    with pytest.raises(ValueError, match="PPOConfig.moe_routing"):
-        PPOConfig(moe_routing="sometimes")
+def test_engine_config_refuses_an_unknown_routing_mode():
+    with pytest.raises(ValueError, match="TrainEngineConfig.moe_routing"):
+        TrainEngineConfig(moe_routing="sometimes")
 
 
 @pytest.mark.parametrize("mode", ["recompute", "replay"])
@@ -104,7 +108,7 @@ def test_route_mismatch_counts_the_pairs_whose_expert_set_differs_from_the_recor
     stats = {}
     for name, rec in (("same", own[..., ::-1].copy()), ("changed", record)):
         grads = jax.tree.map(jnp.zeros_like, params)  # donated
-        _, stats[name] = programs.grad(params, grads, zero_loss_stats(None), {**batch, MOE_ROUTING_KEY: jnp.asarray(rec)},
+        _, stats[name] = programs.grad(params, grads, zero_loss_stats(OBJECTIVE, None), {**batch, MOE_ROUTING_KEY: jnp.asarray(rec)},
                                        jnp.float32(20.0))
         assert float(stats[name]["moe_route_pairs"]) == valid.sum() * 2
     assert float(stats["same"]["moe_route_mismatched"]) == 0.0
@@ -117,6 +121,6 @@ def test_route_mismatch_counts_the_pairs_whose_expert_set_differs_from_the_recor
 def test_without_a_record_nothing_is_compared():
     params = init_params(CFG, 3, std=0.2)
     _, programs = _programs()
-    _, stats = programs.grad(params, jax.tree.map(jnp.zeros_like, params), zero_loss_stats(None), _batch(3),
+    _, stats = programs.grad(params, jax.tree.map(jnp.zeros_like, params), zero_loss_stats(OBJECTIVE, None), _batch(3),
                              jnp.float32(20.0))
     assert float(stats["moe_route_pairs"]) == 0.0 and float(stats["moe_route_mismatched"]) == 0.0

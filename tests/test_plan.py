@@ -39,9 +39,9 @@ RLConfig.generation_dtype = "bfloat16"
 RLVRConfig.n_samples = 4
 RLVRConfig.max_new_tokens = 384
 PPOConfig.num_minibatches = 2
-PPOConfig.max_tokens_per_microbatch = 4096
-PPOConfig.compute_dtype = "bfloat16"
-PPOConfig.remat = "full"
+TrainEngineConfig.max_tokens_per_microbatch = 4096
+TrainEngineConfig.compute_dtype = "bfloat16"
+TrainEngineConfig.remat = "full"
 EngineConfig.num_slots = 48
 EngineConfig.max_seq_len = 512
 """
@@ -149,14 +149,14 @@ def test_slots_that_the_data_axis_does_not_divide_are_an_error_naming_the_field(
 def test_a_micro_batch_that_cannot_fit_fails_naming_the_program_and_fields(tmp_path):
     big_vocab = {**SMALL_MODEL, "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 4096,
                  "num_attention_heads": 16}
-    gin = _config(tmp_path, "PPOConfig.max_tokens_per_microbatch = 1048576\nPPOConfig.logit_chunk_tokens = 1048576\n",
+    gin = _config(tmp_path, "TrainEngineConfig.max_tokens_per_microbatch = 1048576\nTrainEngineConfig.logit_chunk_tokens = 1048576\n",
                   model=big_vocab)
     out = _plan(tmp_path, gin, "--target=8xh100", "--only=train/grad", check=False)
     assert out.returncode == 1, out.stderr[-2000:]
     assert "DOES NOT FIT" in out.stdout and "train/grad" in out.stdout
     # Terabytes of logits by the hand estimate: refused without the (long) compile, and said so.
-    assert "refused before compiling" in out.stdout and "PPOConfig.max_tokens_per_microbatch" in out.stdout
-    assert "PPOConfig.max_tokens_per_microbatch" in out.stdout
+    assert "refused before compiling" in out.stdout and "TrainEngineConfig.max_tokens_per_microbatch" in out.stdout
+    assert "TrainEngineConfig.max_tokens_per_microbatch" in out.stdout
 
 
 def test_no_target_is_a_configuration_error(tmp_path):
@@ -231,7 +231,7 @@ def test_analytic_flops_match_xla_where_xla_sees_every_layer(tmp_path):
     # Unrolled layers: XLA's cost analysis counts each one, so its FLOPs and the analytic count of
     # the same gradient program agree; with the scanned layers it counts the loop body once. The
     # logits in one chunk too: the chunks are a scan, whose body XLA would also count once.
-    gin = _config(tmp_path, "PPOConfig.scan_layers = False\nPPOConfig.logit_chunk_tokens = 65536\n")
+    gin = _config(tmp_path, "TrainEngineConfig.scan_layers = False\nTrainEngineConfig.logit_chunk_tokens = 65536\n")
     plan = json.loads(_plan(tmp_path, gin, "--target=8xh100", "--json", "--only=train/grad").stdout)
     grads = [p for p in plan["programs"] if p["name"].startswith("train/grad")]
     assert grads

@@ -18,6 +18,7 @@ import pytest
 
 from areal_jax.ppo import decoupled_ppo_loss
 from areal_jax.trainer.config import OBJECTIVES, PPOConfig
+from areal_jax.trainer.objectives import BUILTIN_OBJECTIVES, resolve_objective
 
 
 def head_actor_loss(logp, prox, old, adv, mask, eps, eps_high=None, c_clip=None, rejection=None,
@@ -174,10 +175,112 @@ def test_naive_recompute_matches_its_formula_and_ignores_the_behaviour_policy(se
 
 def test_objectives_name_their_settings():
     for name, fields in OBJECTIVES.items():
-        assert PPOConfig(**fields).objective == name
+        cfg = PPOConfig(**fields)
+        assert cfg.objective == name and resolve_objective(name) is BUILTIN_OBJECTIVES[name]
+        assert cfg.decoupled == (name != "naive")  # naive PPO reads no pi_prox
     assert PPOConfig().objective == "decoupled"
-    assert PPOConfig(behav_imp_weight_cap=5.0, behav_imp_weight_mode="clamp").objective == "decoupled"
-    assert dataclasses.replace(PPOConfig(**OBJECTIVES["naive_recompute"]), decoupled=False).objective == "naive"
+    assert PPOConfig(objective="tests.test_ppo_objectives:user_loss").objective == "tests.test_ppo_objectives:user_loss"
+    with pytest.raises(ValueError, match="PPOConfig.objective = 'ppo': not a built-in objective"):
+        PPOConfig(objective="ppo")
+    with pytest.raises(ValueError, match="PPOConfig.objective = 'tests.no_such_module:loss': cannot import"):
+        PPOConfig(objective="tests.no_such_module:loss")
+    with pytest.raises(ValueError, match="has no attribute 'missing'"):
+        PPOConfig(objective="tests.test_ppo_objectives:missing")
+
+
+def user_loss(logprobs, batch, config):
+    """A user objective (`PPOConfig.objective = "tests.test_ppo_objectives:user_loss"`)."""
+    return -batch["advantages"] * logprobs, {"advantage_mean": batch["advantages"]}
+
+
+def _packed(seed, rows=3, width=14):
+    """Packed rows `[R, T]` of 2-3 sequences each (segment ids 1..k, padding 0), and the same
+    sequences one per row, right-padded: what the engine sees, and what HEAD's loss reads."""
+    rng = np.random.default_rng(seed)
+    packed = {k: np.zeros((rows, width)) for k in ("logp", "prox", "behav", "adv", "mask")}
+    packed["segment_ids"] = np.zeros((rows, width), np.int32)
+    singles = []
+    for r in range(rows):
+        start = 0
+        for seg in range(1, int(rng.integers(2, 4)) + 1):
+            n = int(rng.integers(2, 5))
+            logp, prox, behav, adv, mask = random_batch(int(rng.integers(1 << 30)), shape=(n,), spread=0.4, mask_p=0.8)
+            mask[0] = True  # every sequence trains a token
+            for k, v in zip(("logp", "prox", "behav", "adv", "mask"), (logp, prox, behav, adv, mask)):
+                packed[k][r, start:start + n] = v
+            packed["segment_ids"][r, start:start + n] = seg
+            singles.append((logp, prox, behav, adv * mask, mask))
+            start += n
+    width1 = max(len(x[0]) for x in singles)
+    single = [np.zeros((len(singles), width1)) for _ in range(5)]
+    for i, seq in enumerate(singles):
+        for arr, v in zip(single, seq):
+            arr[i, :len(v)] = v
+    packed["mask"] = packed["mask"].astype(bool)
+    return packed, [jnp.asarray(x) for x in single[:4]] + [jnp.asarray(single[4].astype(bool))]
+
+
+@pytest.mark.parametrize("name, kw, rejection", [
+    ("decoupled", dict(behav_imp_weight_cap=1.3, behav_imp_weight_mode="mask"), (1.3, "mask")),
+    ("decoupled", dict(behav_imp_weight_cap=1.2, behav_imp_weight_mode="clamp", c_clip=1.5), (1.2, "clamp")),
+    ("decoupled", dict(importance_sampling_level="sequence", behav_imp_weight_cap=1.2), (1.2, "mask")),
+    ("naive_recompute", dict(eps_clip_higher=0.3), None),
+    ("naive_recompute", dict(importance_sampling_level="sequence"), None),
+    ("naive", dict(c_clip=1.4), "naive"),
+])
+def test_builtin_objectives_reduced_as_the_engine_does_equal_areal_heads_loss(name, kw, rejection):
+    """The objective path: the built-in's per-token loss, masked and divided by the minibatch's
+    valid tokens as the training engine does, equals AReaL HEAD's loss (restated above) over the same
+    sequences one per row, in values and gradients, on packed rows of several sequences (GSPO's
+    sequences are the segments); its metrics' token means are the reference statistics'."""
+    cfg = PPOConfig(objective=name, eps_clip=0.2, **kw)
+    with jax.enable_x64(True):
+        for seed in range(3):
+            p, (logp1, prox1, behav1, adv1, mask1) = _packed(seed)
+            denom = float(p["mask"].sum()) + 5.0  # a micro-batch of a larger minibatch
+            batch = {"proximal_logprobs": jnp.asarray(p["prox"]), "behavior_logprobs": jnp.asarray(p["behav"]),
+                     "advantages": jnp.asarray(p["adv"] * p["mask"]), "loss_mask": jnp.asarray(p["mask"], jnp.float64),
+                     "segment_ids": jnp.asarray(p["segment_ids"]),
+                     "versions": jnp.where(jnp.asarray(p["mask"]), 3, -1)}
+            mask = jnp.asarray(p["mask"])
+
+            def engine(lp):
+                per_token, metrics = BUILTIN_OBJECTIVES[name](lp, batch, cfg)
+                assert per_token.shape == lp.shape and all(m.shape[:2] == lp.shape for m in metrics.values())
+                return jnp.sum(jnp.where(mask, per_token, 0.0)) / denom, metrics
+
+            (loss, metrics), grad = jax.value_and_grad(engine, has_aux=True)(jnp.asarray(p["logp"]))
+            anchor = behav1 if rejection == "naive" else prox1
+            head = lambda lp: head_actor_loss(lp, anchor, behav1, adv1, mask1, 0.2,  # noqa: E731
+                                              **_head_kw(kw, None if rejection == "naive" else rejection))
+            want, want_grad = jax.value_and_grad(head)(logp1)
+            n = float(mask1.sum())
+            np.testing.assert_allclose(float(loss), float(want) * n / denom, rtol=1e-12, atol=1e-14)
+            # Gradients per token: the packed positions of each sequence, in order.
+            got = np.asarray(grad)[p["segment_ids"] > 0]
+            want_tokens = np.asarray(want_grad)[np.asarray(jnp.arange(want_grad.shape[1])[None, :]
+                                                           < np.asarray([np.count_nonzero(row) for row in
+                                                                         np.asarray(logp1 != 0)])[:, None])]
+            np.testing.assert_allclose(got, want_tokens * n / denom, rtol=1e-10, atol=1e-14)
+            _, stats = decoupled_ppo_loss(jnp.asarray(p["logp"]), anchor_packed(p, rejection), batch["behavior_logprobs"],
+                                          batch["advantages"], mask, eps_clip=0.2, segment_ids=batch["segment_ids"],
+                                          **_ppo_kw(cfg))
+            for metric, stat in (("clip_frac", "n_clipped"), ("capped_frac", "n_capped"),
+                                 ("imp_weight_mean", "imp_weight_sum"), ("approx_kl", "approx_kl_sum")):
+                np.testing.assert_allclose(float(jnp.sum(jnp.where(mask, metrics[metric], 0.0))), float(stats[stat]),
+                                           rtol=1e-12, atol=1e-14)
+
+
+def anchor_packed(p, rejection):
+    return jnp.asarray(p["behav"] if rejection == "naive" else p["prox"])
+
+
+def _ppo_kw(cfg):
+    mode, cap = cfg.behav_imp_weight_mode, cfg.behav_imp_weight_cap
+    if cfg.objective == "naive_recompute":
+        mode, cap = "disabled", None
+    return dict(eps_clip_higher=cfg.eps_clip_higher, c_clip=cfg.c_clip, behav_imp_weight_mode=mode,
+                behav_imp_weight_cap=cap, importance_sampling_level=cfg.importance_sampling_level)
 
 
 def test_disabled_mode_refuses_a_cap():

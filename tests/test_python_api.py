@@ -16,7 +16,8 @@ def test_configs_built_in_python_round_trip_through_their_gin_text(tmp_path):
     cfg = aj.JobConfigs(model=aj.ModelSource(hidden_size=32, num_layers=1), task=aj.TaskSource(train_size=300),
                         rl=aj.RLConfig(steps=3, batch_size=2, max_concurrent=4),
                         rollout=aj.RLVRConfig(n_samples=2, max_new_tokens=8, reward="arithmetic", temperature=0.7),
-                        ppo=aj.PPOConfig(num_minibatches=1, max_tokens_per_microbatch=512),
+                        ppo=aj.PPOConfig(num_minibatches=1),
+                        train_engine=aj.TrainEngineConfig(max_tokens_per_microbatch=512),
                         engine=aj.EngineConfig(num_slots=8, max_seq_len=64),
                         lora=aj.LoRAConfig(rank=4, targets=("q", "v"))).for_run(tmp_path)
     # Derived as the gin front end derives them: the task, the training temperature, the eval budget.

@@ -22,13 +22,15 @@ from areal_jax.rollout.types import Trajectory, TrajectoryGroup
 from areal_jax.trainer.batching import build_sequences, make_microbatches
 from areal_jax.trainer.optimizer import OptimizerConfig, build_optimizer
 from areal_jax.trainer.reference import ReferencePolicy, sequences_with_kl
-from areal_jax.trainer.train_step import PolicyTrainer, PPOConfig
+from areal_jax.trainer.algorithm import PPOStep, ppo_trainer
+from areal_jax.trainer.config import PPOConfig, TrainEngineConfig
 from tests.multiprocess import run_processes
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=8)
 BUDGET, BUCKETS = 32, (16, 32)
-PPO = PPOConfig(num_minibatches=2, max_tokens_per_microbatch=BUDGET, temperature=0.9)
+PPO = PPOConfig(num_minibatches=2, temperature=0.9)
+ENGINE = TrainEngineConfig(max_tokens_per_microbatch=BUDGET)
 OPT = OptimizerConfig(lr=1e-2)
 
 
@@ -103,7 +105,7 @@ def reset(trainer):
 
 @pytest.fixture(scope="module")
 def trainer():
-    return PolicyTrainer(CFG, weights()[0], OPT, PPO)
+    return ppo_trainer(CFG, weights()[0], OPT, PPO, engine=ENGINE)
 
 
 @pytest.fixture
@@ -183,7 +185,7 @@ def test_train_step_on_kl_sequences_with_reused_proximal(trainer):
         assert ("proximal_logprobs" in out.sequences[0]) == attach
         minibatches = make_microbatches(out.sequences, max_tokens_per_microbatch=BUDGET,
                                         num_minibatches=PPO.num_minibatches, buckets=(BUDGET,))  # one grad shape
-        metrics = trainer.train_step(minibatches)
+        metrics = PPOStep(trainer, cfg, PPO).train(minibatches, 0)
         assert np.isfinite(metrics["loss"]) and metrics["skipped_updates"] == 0 and metrics["grad_norm"] > 0
         assert trainer.last_minibatch_metrics[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-6)  # pi_theta == pi_prox
         results.append((metrics, jax.tree.map(np.asarray, trainer.params)))
@@ -197,7 +199,7 @@ def test_train_step_on_kl_sequences_with_reused_proximal(trainer):
 
 def test_on_a_train_mesh_equals_single_device(fresh):
     mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:8])
-    sharded = PolicyTrainer(CFG, weights()[0], OPT, PPO, mesh=mesh)
+    sharded = ppo_trainer(CFG, weights()[0], OPT, PPO, engine=ENGINE, mesh=mesh)
     reference = ReferencePolicy(sharded, weights()[1])
     assert jax.tree.map(lambda x: x.sharding, reference.params) == jax.tree.map(lambda x: x.sharding, sharded.params)
     groups, cfg = random_groups(5), AdvantageConfig(norm="batch", kl_coef=1.0, kl_estimator="k1")
@@ -255,7 +257,7 @@ def _worker(port: str, process_id: int, out_dir: str) -> None:
     by_process = [[d for d in jax.devices() if d.process_index == p] for p in range(2)]
     devices = [d for pair in zip(*by_process) for d in pair]  # p0, p1, p0, p1, ...
     mesh = Mesh(np.array(devices).reshape(8, 1), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2)
-    trainer = PolicyTrainer(CFG, init, OPT, PPO, mesh=mesh)
+    trainer = ppo_trainer(CFG, init, OPT, PPO, engine=ENGINE, mesh=mesh)
     seed, n_groups = MP_GROUPS[process_id]
     out = sequences_with_kl(random_groups(seed, n_groups), MP_CFG, trainer, ReferencePolicy(trainer, ref),
                             row_multiple=4, buckets=BUCKETS, agree_max=agree_max)

@@ -15,7 +15,7 @@ from areal_jax.models.tokenizer import Tokenizer
 from areal_jax.parallel import MeshConfig
 from areal_jax.ppo import AdvantageConfig
 from areal_jax.rollout.workflow import RLVRConfig
-from areal_jax.trainer import OptimizerConfig, PPOConfig, RLConfig
+from areal_jax.trainer import OptimizerConfig, PPOConfig, RLConfig, TrainEngineConfig
 from areal_jax.jobs.rl_loop_builder import build_rl_loop
 from tests.multiprocess import run_processes
 from tests.tokenizer_fixtures import build_tiny_tokenizer
@@ -43,7 +43,7 @@ def make_loop(tokenizer, *, rl: RLConfig, mesh: MeshConfig, devices, reward_scri
     params = init_params(cfg, 0, std=0.3)
     return build_rl_loop(
         cfg, params, tokenizer=tokenizer, data_iter=rows(tokenizer, reward_script, row_offset), rl=rl,
-        ppo=PPOConfig(num_minibatches=2, max_tokens_per_microbatch=256),
+        ppo=PPOConfig(num_minibatches=2), train_engine=TrainEngineConfig(max_tokens_per_microbatch=256),
         optimizer=OptimizerConfig(lr=1e-3), advantages=advantages,
         workflow=RLVRConfig(n_samples=4, max_new_tokens=6, reward=REWARD, filter_all_equal_rewards=False),
         engine=EngineConfig(num_slots=8, max_seq_len=48, decode_chunk=2), mesh=mesh, devices=devices, **kw)

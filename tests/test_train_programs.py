@@ -24,15 +24,16 @@ from areal_jax.trainer.programs import (
     possible_microbatch_shapes,
     train_program_specs,
 )
-from areal_jax.trainer.train_step import PolicyTrainer, PPOConfig
+from areal_jax.trainer.algorithm import ppo_objective, ppo_trainer, proximal_keys
+from areal_jax.trainer.config import PPOConfig, TrainEngineConfig
 
 CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=8)
 BUDGET, BUCKETS = 64, (16, 32, 64)
 # Two minibatches: the grad program takes proximal log-probs. Chunks of 24 tokens: the larger
 # micro-batches take the chunked path, as a real vocabulary would.
-PPO = PPOConfig(num_minibatches=2, max_tokens_per_microbatch=BUDGET, row_buckets=BUCKETS, logit_chunk_tokens=24,
-                behav_imp_weight_cap=4.0)
+PPO = PPOConfig(num_minibatches=2, behav_imp_weight_cap=4.0)
+ENGINE = TrainEngineConfig(max_tokens_per_microbatch=BUDGET, row_buckets=BUCKETS, logit_chunk_tokens=24)
 OPT = OptimizerConfig(lr=1e-2)
 INIT = init_params(CFG, jax.random.key(0), std=0.1)
 
@@ -44,12 +45,13 @@ def mesh():
 
 @pytest.fixture(scope="module")
 def specs(mesh):
-    return {s.name: s for s in train_program_specs(CFG, PPO, OPT, mesh)}
+    return {s.name: s for s in train_program_specs(CFG, ENGINE, ppo_objective(PPO), OPT, mesh,
+                                                   extra_keys=proximal_keys(PPO))}
 
 
 @pytest.fixture(scope="module")
 def trainer(mesh):
-    return PolicyTrainer(CFG, INIT, OPT, PPO, mesh=mesh)
+    return ppo_trainer(CFG, INIT, OPT, PPO, engine=ENGINE, mesh=mesh)
 
 
 def random_microbatch(shape, seed) -> PackedBatch:
@@ -68,6 +70,7 @@ def random_microbatch(shape, seed) -> PackedBatch:
                          "loss_mask": mask,
                          "behavior_logprobs": (-4.6 + 0.3 * rng.normal(size=n)).astype(np.float32) * mask,
                          "advantages": rng.normal(size=n).astype(np.float32) * mask,
+                         "versions": np.where(mask > 0, 3, -1).astype(np.int32),
                          PROXIMAL_KEY: (-4.6 + 0.3 * rng.normal(size=n)).astype(np.float32) * mask})
     arrays = pack_sequences(seqs, groups, T)
     return PackedBatch(arrays, (), int(arrays["loss_mask"].sum()) + 7)  # as if part of a larger minibatch
@@ -76,26 +79,26 @@ def random_microbatch(shape, seed) -> PackedBatch:
 def test_names_cover_every_row_length_at_its_largest_row_count(specs):
     # fsdp = 2, one process: rows are a multiple of 2, as many as the 64-token budget per device allows.
     want = {16: 8, 32: 4, 64: 2}
-    assert possible_microbatch_shapes(PPO, fsdp=2) == [(R, T) for T, R in want.items()]
+    assert possible_microbatch_shapes(ENGINE, fsdp=2) == [(R, T) for T, R in want.items()]
     names = {f"train/{kind}[rows={R},len={T}]" for T, R in want.items() for kind in ("grad", "logprobs")}
     assert set(specs) == names | {"train/update", "train/zeros_like"}
     for name, spec in specs.items():
         assert spec.role == "train"
         assert "MeshConfig.train_tensor" in spec.fields, name
         if "[" in name:
-            assert {"PPOConfig.max_tokens_per_microbatch", "PPOConfig.logit_chunk_tokens"} <= set(spec.fields)
+            assert {"TrainEngineConfig.max_tokens_per_microbatch", "TrainEngineConfig.logit_chunk_tokens"} <= set(spec.fields)
 
 
 def test_rows_scale_with_processes_as_the_loop_packs_them():
     # fsdp 8 over 2 processes: each packs rows for its 4 devices (its share of fsdp), 1024 // T per
     # device; the program sees both processes' rows.
-    cfg = PPOConfig(max_tokens_per_microbatch=1024, row_buckets=(128, 512, 1024))
+    cfg = TrainEngineConfig(max_tokens_per_microbatch=1024, row_buckets=(128, 512, 1024))
     assert possible_microbatch_shapes(cfg, fsdp=8, num_processes=2) == [(64, 128), (16, 512), (8, 1024)]
     assert possible_microbatch_shapes(cfg, fsdp=8, num_processes=1) == [(64, 128), (16, 512), (8, 1024)]
 
 
 def test_make_microbatches_never_exceeds_the_described_shapes():
-    largest = {T: R for R, T in possible_microbatch_shapes(PPO, fsdp=2)}
+    largest = {T: R for R, T in possible_microbatch_shapes(ENGINE, fsdp=2)}
     seen = set()
     for seed, (lo, hi) in enumerate([(2, 16), (2, BUDGET + 1), (16, BUDGET + 1), (30, 40)]):
         rng = np.random.default_rng(seed)
@@ -139,7 +142,7 @@ def test_grad_spec_computes_what_the_trainer_computes(specs, trainer, mesh):
                                                       spec.args[3][k].sharding), k
         grads, got_stats = spec.lower().compile()(params, zeros, stats, batch, np.float32(micro.minibatch_valid_tokens))
         assert float(got_stats["n_valid"]) == micro.num_valid_tokens > 0
-        assert float(got_stats["n_clipped"]) > 0 or float(got_stats["n_capped"]) > 0
+        assert float(got_stats["clip_frac"]) > 0 or float(got_stats["capped_frac"]) > 0  # summed indicators
         for k in want_stats:
             np.testing.assert_allclose(np.asarray(got_stats[k]), np.asarray(want_stats[k]), rtol=1e-6, atol=1e-7,
                                        err_msg=k)
@@ -157,14 +160,16 @@ def test_logprobs_spec_computes_what_the_trainer_computes(specs, trainer):
 
 
 def test_one_decoupled_update_per_step_describes_the_self_proximal_grad(mesh):
+    # One update per step: pi_prox is the loss forward's own; naive PPO reads none; several: given.
     one = dataclasses.replace(PPO, num_minibatches=1)
-    naive = dataclasses.replace(PPO, num_minibatches=1, decoupled=False)
-    for cfg, has_proximal in ((one, False), (naive, True), (PPO, True)):
-        grads = [s for s in train_program_specs(CFG, cfg, OPT, mesh) if s.name.startswith("train/grad")]
+    naive = dataclasses.replace(PPO, objective="naive")
+    for cfg, has_proximal in ((one, False), (naive, False), (PPO, True)):
+        grads = [s for s in train_program_specs(CFG, ENGINE, ppo_objective(cfg), OPT, mesh,
+                                                extra_keys=proximal_keys(cfg)) if s.name.startswith("train/grad")]
         assert grads and all((PROXIMAL_KEY in s.args[3]) == has_proximal for s in grads)
 
 
 def test_bad_num_processes():
     mesh = jax.make_mesh((1, 1), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:1])
     with pytest.raises(ValueError, match="num_processes"):
-        train_program_specs(CFG, PPO, OPT, mesh, num_processes=0)
+        train_program_specs(CFG, ENGINE, ppo_objective(PPO), OPT, mesh, num_processes=0)

@@ -1,4 +1,5 @@
-"""trainer/train_step.py + optimizer.py: the jitted decoupled-PPO step on a tiny random model.
+"""trainer/train_step.py + optimizer.py: the jitted training step (here of decoupled PPO's objective,
+trainer/algorithm.py) on a tiny random model.
 
 References are independent of packing: one sequence per row of a right-padded batch, the
 plain decoder `forward`, and `decoupled_ppo_loss` over the whole minibatch.
@@ -18,13 +19,15 @@ from areal_jax.packing import unpack
 from areal_jax.ppo import AdvantageConfig, decoupled_ppo_loss, token_logprobs
 from areal_jax.rollout.types import Trajectory, TrajectoryGroup
 from areal_jax.trainer.batching import build_sequences, make_microbatches
+from areal_jax.trainer.algorithm import PPOStep, attach_proximal, ppo_trainer
+from areal_jax.trainer.config import PPOConfig, TrainEngineConfig
 from areal_jax.trainer.optimizer import OptimizerConfig, build_optimizer, learning_rate_schedule
-from areal_jax.trainer.train_step import PolicyTrainer, PPOConfig
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=8)
 BUDGET, BUCKETS = 32, (16, 32)
-PPO = PPOConfig(eps_clip=0.2, behav_imp_weight_cap=3.0, num_minibatches=1, max_tokens_per_microbatch=BUDGET)
+PPO = PPOConfig(eps_clip=0.2, behav_imp_weight_cap=3.0, num_minibatches=1)
+ENGINE = TrainEngineConfig(max_tokens_per_microbatch=BUDGET)
 OPT = OptimizerConfig(lr=1e-2)
 INIT = init_params(CFG, jax.random.key(0), std=0.1)
 
@@ -82,6 +85,12 @@ def teacher_forced_logprobs(params, seqs):
     return [logp[i, :len(s["input_ids"])] for i, s in enumerate(seqs)]
 
 
+def recomputed(trainer, minibatches):
+    """`minibatches` with pi_prox = the trainer's current log-probs on every micro-batch (what the
+    algorithm attaches before a step of several updates)."""
+    return [[m.with_arrays(proximal_logprobs=trainer.compute_logprobs(m)) for m in mb] for mb in minibatches]
+
+
 def snapshot(tree):
     return jax.tree.map(lambda x: np.array(x, copy=True), tree)
 
@@ -94,7 +103,7 @@ def assert_trees_close(a, b, atol):
 @pytest.fixture(scope="module")
 def trainer():
     """One fp32 decoupled trainer for the module (compiles once); tests reset it to INIT."""
-    return PolicyTrainer(CFG, INIT, OPT, PPO)
+    return ppo_trainer(CFG, INIT, OPT, PPO, engine=ENGINE)
 
 
 @pytest.fixture
@@ -112,8 +121,8 @@ def test_packed_microbatches_equal_one_sequence_per_row(fresh):
     assert len(microbatches) >= 2 and any(len(row) >= 2 for m in microbatches for row in m.rows)
     grads, stats = fresh.minibatch_gradients(microbatches)
     ref_loss, ref_grads = reference_loss_and_grads(INIT, seqs, PPO)
-    assert 0 < stats["n_clipped"] < stats["n_valid"]  # the clipped branch is exercised
-    assert stats["n_capped"] > 0
+    assert 0 < stats["clip_frac"] < stats["n_valid"]  # the clipped branch is exercised (summed indicators)
+    assert stats["capped_frac"] > 0
     np.testing.assert_allclose(float(stats["loss"]), float(ref_loss), atol=1e-5)
     assert_trees_close(grads, ref_grads, atol=1e-5)
 
@@ -144,7 +153,7 @@ def test_padding_microbatches_contribute_nothing(fresh):
 def test_chunked_logits_equal_the_dense_programs(fresh):
     # 5-token chunks: every micro-batch (up to 32 tokens) takes its log-probs chunk by chunk,
     # with padding of the last chunk; values and gradients must be the dense programs'.
-    chunked = PolicyTrainer(CFG, INIT, OPT, dataclasses.replace(PPO, logit_chunk_tokens=5))
+    chunked = ppo_trainer(CFG, INIT, OPT, PPO, engine=dataclasses.replace(ENGINE, logit_chunk_tokens=5))
     seqs = random_seqs(13, proximal=True)
     [microbatches] = make_microbatches(seqs, max_tokens_per_microbatch=BUDGET, num_minibatches=1, buckets=BUCKETS)
     assert all(np.prod(m.shape) > 5 for m in microbatches)
@@ -166,7 +175,7 @@ def test_proximal_logprobs_equal_teacher_forced_logprobs(fresh):
     seqs = random_seqs(2)
     [microbatches] = make_microbatches(seqs, max_tokens_per_microbatch=BUDGET, num_minibatches=1, buckets=BUCKETS)
     expected = teacher_forced_logprobs(INIT, seqs)
-    for micro in fresh.with_proximal_logprobs([microbatches])[0]:
+    for micro in recomputed(fresh, [microbatches])[0]:
         local = micro.sequence_indices
         position = {i: j for j, i in enumerate(local)}
         rows = [[position[i] for i in row] for row in micro.rows]
@@ -179,7 +188,8 @@ def test_proximal_logprobs_stay_fixed_across_minibatches(fresh):
     seqs = random_seqs(3)
     minibatches = make_microbatches(seqs, max_tokens_per_microbatch=BUDGET, num_minibatches=2, buckets=BUCKETS)
     # Behavior := pre-step log-probs, so w = pi_prox / pi_behav is exactly 1 iff proximal is pre-step.
-    pre = fresh.with_proximal_logprobs(minibatches)
+    pre = attach_proximal(fresh, minibatches, dataclasses.replace(PPO, num_minibatches=2), version=0)
+    assert all("proximal_logprobs" in m.arrays for mb in pre for m in mb)
     minibatches = [[m.with_arrays(behavior_logprobs=np.asarray(m.arrays["proximal_logprobs"])) for m in mb]
                    for mb in pre]
     metrics = fresh.train_step(minibatches)
@@ -196,11 +206,11 @@ def test_proximal_logprobs_stay_fixed_across_minibatches(fresh):
 def test_one_update_per_step_takes_the_proximal_from_the_loss_forward(fresh):
     # With one minibatch the pre-step weights are the differentiated weights: the step skips the
     # proximal forward and must update exactly as the explicit proximal path does.
-    explicit = PolicyTrainer(CFG, INIT, OPT, PPO)
+    explicit = ppo_trainer(CFG, INIT, OPT, PPO, engine=ENGINE)
     [mb] = make_microbatches(random_seqs(12), max_tokens_per_microbatch=BUDGET, num_minibatches=1,
                              buckets=BUCKETS)
     m_self = fresh.train_step([mb])
-    m_explicit = explicit.train_step(explicit.with_proximal_logprobs([mb]))
+    m_explicit = explicit.train_step(recomputed(explicit, [mb]))
     assert explicit.compile_counts["logprobs"] >= 1
     for key in ("loss", "grad_norm", "imp_weight_mean", "imp_weight_max", "capped_frac", "clip_frac", "ratio_mean"):
         assert m_self[key] == pytest.approx(m_explicit[key], rel=1e-5, abs=1e-6), key
@@ -216,7 +226,7 @@ def test_one_update_per_step_takes_the_proximal_from_the_loss_forward(fresh):
 def test_loss_options_on_packed_rows_equal_one_sequence_per_row(options):
     # GSPO's sequences are the packed segments: the packed step equals one sequence per row.
     ppo = dataclasses.replace(PPO, **options)
-    trainer = PolicyTrainer(CFG, INIT, OPT, ppo)
+    trainer = ppo_trainer(CFG, INIT, OPT, ppo, engine=ENGINE)
     seqs = random_seqs(8, proximal=True)
     [mb] = make_microbatches(seqs, max_tokens_per_microbatch=BUDGET, num_minibatches=1, buckets=BUCKETS)
     assert any(len(row) > 1 for m in mb for row in m.rows)  # some rows hold several sequences
@@ -230,10 +240,11 @@ def test_loglinear_proximal_skips_the_forward_and_matches_its_reference():
     # A-3PO: pi_prox = pi_behav + alpha(version) * (pi_theta - pi_behav) with pi_theta the current
     # weights' (constant) log-probs; versions 3..5 at current version 6 give alpha 2/3, 1/2, 0.
     ppo = dataclasses.replace(PPO, num_minibatches=2, prox_logp_method="loglinear")
-    trainer = PolicyTrainer(CFG, INIT, OPT, ppo)
+    trainer = ppo_trainer(CFG, INIT, OPT, ppo, engine=ENGINE)
     seqs = random_seqs(9)
     minibatches = make_microbatches(seqs, max_tokens_per_microbatch=BUDGET, num_minibatches=2, buckets=BUCKETS)
-    with_alpha = trainer.with_proximal_alpha(minibatches, current_version=6)
+    with_alpha = attach_proximal(trainer, minibatches, ppo, version=6)
+    assert all("proximal_alpha" in m.arrays and "proximal_logprobs" not in m.arrays for mb in with_alpha for m in mb)
     first = [i for m in minibatches[0] for i in m.sequence_indices]
     current = teacher_forced_logprobs(INIT, [seqs[i] for i in first])
     ref_seqs = []
@@ -248,10 +259,8 @@ def test_loglinear_proximal_skips_the_forward_and_matches_its_reference():
     ref_loss, ref_grads = reference_loss_and_grads(INIT, ref_seqs, ppo)
     assert float(stats["loss"]) == pytest.approx(float(ref_loss), rel=1e-5, abs=1e-7)
     assert_trees_close(grads, ref_grads, atol=1e-6)
-    metrics = trainer.train_step(minibatches, current_version=6)
+    metrics = PPOStep(trainer, AdvantageConfig(), ppo).train(minibatches, 6)
     assert trainer.compile_counts["logprobs"] == 0 and metrics["skipped_updates"] == 0
-    with pytest.raises(ValueError, match="current_version"):
-        trainer.train_step(minibatches)
 
 
 # ---- updates ------------------------------------------------------------------------------------------
@@ -279,11 +288,12 @@ def test_positive_advantages_raise_logprobs(fresh):
 
 def test_naive_ppo_equals_decoupled_when_behavior_is_proximal(fresh):
     # Naive also runs with full remat: recomputing activations must not change the numbers.
-    naive = PolicyTrainer(CFG, INIT, OPT, dataclasses.replace(PPO, decoupled=False, remat="full"))
+    naive = ppo_trainer(CFG, INIT, OPT, dataclasses.replace(PPO, objective="naive"),
+                        engine=dataclasses.replace(ENGINE, remat="full"))
     minibatches = _on_policy(fresh, 5)
-    dec_mb, naive_mb = fresh.with_proximal_logprobs(minibatches)[0], naive.with_proximal_logprobs(minibatches)[0]
+    dec_mb, naive_mb = recomputed(fresh, minibatches)[0], minibatches[0]
     for d, n in zip(dec_mb, naive_mb):  # decoupled recomputes exactly what naive takes from behavior
-        np.testing.assert_array_equal(np.asarray(d.arrays["proximal_logprobs"]), n.arrays["proximal_logprobs"])
+        np.testing.assert_array_equal(np.asarray(d.arrays["proximal_logprobs"]), n.arrays["behavior_logprobs"])
     g_dec, s_dec = fresh.minibatch_gradients(dec_mb)
     g_naive, s_naive = naive.minibatch_gradients(naive_mb)
     assert float(s_naive["loss"]) == pytest.approx(float(s_dec["loss"]), abs=1e-7)
@@ -317,11 +327,11 @@ def test_nonfinite_gradient_skips_the_update(fresh):
 def test_metrics_version_lag_and_compilation_bound(fresh):
     minibatches = make_microbatches(random_seqs(7), max_tokens_per_microbatch=BUDGET, num_minibatches=2,
                                     buckets=BUCKETS)
-    metrics = fresh.train_step(minibatches, current_version=6)
+    metrics = PPOStep(fresh, AdvantageConfig(), dataclasses.replace(PPO, num_minibatches=2)).train(minibatches, 6)
     versions = np.concatenate([m.arrays["versions"][m.arrays["loss_mask"] > 0] for mb in minibatches for m in mb])
     lags, counts = np.unique(6 - versions, return_counts=True)
     assert metrics["version_lag_hist"] == dict(zip(lags.tolist(), counts.tolist()))
-    assert metrics["version_lag_max"] == lags.max()
+    assert 0 <= metrics["weight_top1pct_grad_share"] <= 1 and "weight_hist_tokens" not in metrics
     assert metrics["trained_tokens"] == len(versions) == metrics["n_valid_tokens"]
     assert metrics["lr"] == pytest.approx(OPT.lr) and metrics["num_minibatches"] == 2
     assert 0 < metrics["entropy"] <= np.log(CFG.vocab_size) + 1e-5
@@ -354,8 +364,8 @@ def test_state_dict_round_trip(fresh):
 def test_bf16_compute_keeps_fp32_master_state(fresh):
     seqs = random_seqs(10, proximal=True)
     [mb] = make_microbatches(seqs, max_tokens_per_microbatch=BUDGET, num_minibatches=1, buckets=(32,))
-    bf16 = PolicyTrainer(CFG, jax.tree.map(lambda x: x.astype(jnp.bfloat16), INIT), OPT,
-                         dataclasses.replace(PPO, compute_dtype="bfloat16"))
+    bf16 = ppo_trainer(CFG, jax.tree.map(lambda x: x.astype(jnp.bfloat16), INIT), OPT, PPO,
+                       engine=dataclasses.replace(ENGINE, compute_dtype="bfloat16"))
     _, stats32 = fresh.minibatch_gradients(mb)
     grads16, stats16 = bf16.minibatch_gradients(mb)
     assert float(stats16["loss"]) == pytest.approx(float(stats32["loss"]), abs=2e-2)
@@ -367,7 +377,7 @@ def test_bf16_compute_keeps_fp32_master_state(fresh):
 
 def test_sharded_step_matches_single_device(fresh):
     mesh = jax.make_mesh((2, 2), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:4])
-    sharded = PolicyTrainer(CFG, INIT, OPT, PPO, mesh=mesh)
+    sharded = ppo_trainer(CFG, INIT, OPT, PPO, engine=ENGINE, mesh=mesh)
     assert sharded.params["layers"]["wq"].sharding.spec == PartitionSpec(None, "fsdp", "tensor")
     # One bucket: R = 2 rows of 32 (rows split over fsdp), so the mesh compiles one program of each kind.
     minibatches = make_microbatches(random_seqs(11), max_tokens_per_microbatch=BUDGET, num_minibatches=2,
@@ -429,17 +439,53 @@ def test_optimizer_config_validation(kwargs, match):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(eps_clip=1.5), "eps_clip"), (dict(compute_dtype="float16"), "compute_dtype"), (dict(remat="x"), "remat"),
-    (dict(num_minibatches=0), "num_minibatches"), (dict(temperature=0.0), "temperature"),
-    (dict(behav_imp_weight_cap=-1.0), "cap"), (dict(row_buckets=(0, 4096)), "row_buckets"),
-    (dict(row_buckets=(96, 8192)), "longest of PPOConfig.row_buckets"), (dict(row_buckets=[96, 4096]), "row_buckets"),
-    (dict(logit_chunk_tokens=0), "logit_chunk_tokens"), (dict(logit_chunk_tokens=2.0), "logit_chunk_tokens"),
+    (dict(eps_clip=1.5), "eps_clip"), (dict(num_minibatches=0), "num_minibatches"),
+    (dict(temperature=0.0), "temperature"), (dict(behav_imp_weight_cap=-1.0), "cap"),
     (dict(c_clip=1.0), "c_clip"), (dict(behav_imp_weight_mode="truncate"), "behav_imp_weight_mode"),
     (dict(importance_sampling_level="group"), "importance_sampling_level"),
     (dict(prox_logp_method="linear"), "prox_logp_method"),
-    (dict(prox_logp_method="loglinear", decoupled=False), "needs decoupled = True"),
+    (dict(prox_logp_method="loglinear", objective="naive"), "objective 'naive' has none"),
+    (dict(objective="naive_ppo"), "not a built-in objective"),
     (dict(minibatch_seed=-1), "minibatch_seed"),
     (dict(behav_imp_weight_mode="disabled", behav_imp_weight_cap=2.0), "behav_imp_weight_cap must be None")])
 def test_ppo_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         PPOConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(compute_dtype="float16"), "compute_dtype"), (dict(remat="x"), "remat"),
+    (dict(row_buckets=(0, 4096)), "row_buckets"),
+    (dict(row_buckets=(96, 8192)), "max_tokens_per_microbatch .* smaller than the longest of TrainEngineConfig.row_buckets"),
+    (dict(logit_chunk_tokens=0), "logit_chunk_tokens"), (dict(logit_chunk_tokens=2.0), "logit_chunk_tokens"),
+    (dict(max_tokens_per_microbatch=0), "max_tokens_per_microbatch"), (dict(skip_nonfinite=1), "skip_nonfinite")])
+def test_engine_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=rf"TrainEngineConfig\.{match}"):
+        TrainEngineConfig(**kwargs)
+
+
+def test_a_user_objective_trains_and_reports_its_metrics(fresh):
+    """PPOConfig.objective = "module:function": the engine compiles that function, masks and
+    normalises its per-token loss (the gradient is REINFORCE's over the minibatch's valid tokens)
+    and reports its metric's token mean."""
+    from tests.test_ppo_objectives import user_loss
+
+    trainer = ppo_trainer(CFG, INIT, OPT, dataclasses.replace(PPO, objective="tests.test_ppo_objectives:user_loss"),
+                          engine=ENGINE)
+    seqs = random_seqs(14)
+    [mb] = make_microbatches(seqs, max_tokens_per_microbatch=BUDGET, num_minibatches=1, buckets=BUCKETS)
+    grads, stats = trainer.minibatch_gradients(mb)
+    batch = {k: jnp.asarray(v) for k, v in padded(seqs).items()}
+
+    def reference(p):
+        logits, _ = forward(p, CFG, batch["input_ids"])
+        per_token, _ = user_loss(token_logprobs(logits, batch["targets"]), batch, None)
+        return jnp.sum(jnp.where(batch["loss_mask"] > 0, per_token, 0.0)) / jnp.sum(batch["loss_mask"])
+
+    ref_loss, ref_grads = jax.value_and_grad(reference)(INIT)
+    assert float(stats["loss"]) == pytest.approx(float(ref_loss), rel=1e-5, abs=1e-7)
+    assert_trees_close(grads, ref_grads, atol=1e-6)
+    metrics = trainer.train_step([mb])
+    mask = batch["loss_mask"] > 0
+    assert metrics["advantage_mean"] == pytest.approx(float(batch["advantages"][mask].mean()), rel=1e-5)
+    assert "clip_frac" not in metrics  # nothing of PPO's

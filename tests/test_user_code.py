@@ -76,7 +76,7 @@ def test_own_workflow_runs_from_the_working_directory(tmp_path):
     (tmp_path / "my_workflow.py").write_text(guide_example("my_workflow.py"))
     run = tmp_path / "run"
     done = areal_jax(*train_args(run, "RLConfig.workflow = 'my_workflow:BrevityWorkflow'",
-                                 "BrevityConfig.penalty_per_token = 0.01", "PPOConfig.max_tokens_per_microbatch = 64",
+                                 "BrevityConfig.penalty_per_token = 0.01", "TrainEngineConfig.max_tokens_per_microbatch = 64",
                                  "RLConfig.dump_rollouts_every = 1"), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     samples = read_jsonl(run / "rollouts" / "step_0.jsonl")

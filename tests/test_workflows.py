@@ -385,7 +385,7 @@ def test_multi_turn_workflow_trains_from_the_command_line_with_wandb_offline(tmp
 def _load(*params):
     from areal_jax.jobs.configs import load_job_configs
 
-    return load_job_configs(gin_params=["PPOConfig.max_tokens_per_microbatch = 4096", *params], run_dir="unused")
+    return load_job_configs(gin_params=["TrainEngineConfig.max_tokens_per_microbatch = 4096", *params], run_dir="unused")
 
 
 def test_workflow_config_binds_from_gin_without_an_import_line():
@@ -401,8 +401,8 @@ def test_workflow_config_binds_from_gin_without_an_import_line():
     ([f'RLConfig.workflow = "{PATH}"', "MultiTurnMathConfig.max_turn = 3"], "max_turn"),
     ([f'RLConfig.workflow = "{PATH}"', "NoSuchConfig.x = 1"], "NoSuchConfig"),
     (["MultiTurnMathConfig.max_turns = 3"], "MultiTurnMathConfig"),  # bound, but no workflow uses it
-    ([f'RLConfig.workflow = "{PATH}"', "PPOConfig.max_tokens_per_microbatch = 64", "EngineConfig.max_seq_len = 96"],
-     "PPOConfig.max_tokens_per_microbatch (64) is below EngineConfig.max_seq_len (96)"),
+    ([f'RLConfig.workflow = "{PATH}"', "TrainEngineConfig.max_tokens_per_microbatch = 64", "EngineConfig.max_seq_len = 96"],
+     "TrainEngineConfig.max_tokens_per_microbatch (64) is below EngineConfig.max_seq_len (96)"),
 ])
 def test_workflow_problems_are_configuration_errors_naming_the_field(params, message):
     from areal_jax.config_system import ConfigError

@@ -75,27 +75,27 @@ class InferenceEngine(Protocol):
 
 @runtime_checkable
 class TrainEngine(Protocol):
-    """A policy trainer the RL loop steps.
+    """A policy trainer the RL loop steps, over the objective it was built with.
 
-    Contract: `train_step(minibatches, current_version=v)` runs one optimizer update per
-    minibatch (a sequence of PackedBatch micro-batches) and returns scalar metrics, at least
-    "trained_tokens" and "time_step_s", and "version_lag_hist" ({lag: tokens}) when
-    `current_version` is given. `compute_logprobs(microbatch, params=None)` gives per-token
-    log-probs [R, T] of the micro-batch's targets at `ppo_config.logit_temperature` under `params`
-    (default: the current weights). `params` are the current weights, the pytree weight sync
-    moves to the InferenceEngine; `state_dict` / `load_state_dict` round-trip everything a
-    checkpoint must restore (weights, optimizer state, step). `ppo_config` is the
-    `trainer.config.PPOConfig` it steps with (the algorithm reads `decoupled`, `num_minibatches`,
-    `max_tokens_per_microbatch` and `logit_temperature` of it).
+    Contract: `train_step(minibatches)` runs one optimizer update per minibatch (a sequence of
+    PackedBatch micro-batches) of the objective's loss and returns scalar metrics: the objective's
+    own by name (trainer/objectives.py: token means over the step's valid tokens), and at least
+    "trained_tokens" and "time_step_s". A micro-batch without "proximal_logprobs" has the weights'
+    own pre-update log-probs in their place. `compute_logprobs(microbatch, params=None)` gives
+    per-token log-probs [R, T] of the micro-batch's targets at the objective's temperature under
+    `params` (default: the current weights). `params` are the current weights, the pytree weight
+    sync moves to the InferenceEngine; `state_dict` / `load_state_dict` round-trip everything a
+    checkpoint must restore (weights, optimizer state, step). `engine_config` is how it packs
+    (the algorithm reads `max_tokens_per_microbatch` and `row_buckets`:
+    trainer.engine_config.TrainEngineConfig).
     """
 
-    ppo_config: Any
+    engine_config: Any
 
     @property
     def params(self) -> Any: ...
 
-    def train_step(self, minibatches: Sequence[Sequence[PackedBatch]], *,
-                   current_version: int | None = None) -> dict[str, Any]: ...
+    def train_step(self, minibatches: Sequence[Sequence[PackedBatch]]) -> dict[str, Any]: ...
 
     def compute_logprobs(self, microbatch: PackedBatch, params: Any = None) -> Any: ...
 

@@ -27,16 +27,17 @@ from areal_jax.reward.registry import check_reward_function
 from areal_jax.reward.sandbox import SandboxLimits
 from areal_jax.rollout.workflow import RLVRConfig, resolve_workflow_class
 from areal_jax.tasks.arithmetic import ArithmeticConfig
-from areal_jax.trainer.config import OptimizerConfig, PPOConfig, RLConfig, SFTConfig
+from areal_jax.trainer.config import MOVED_FIELDS, OptimizerConfig, PPOConfig, RLConfig, SFTConfig, TrainEngineConfig
 
 
 JOB_CONFIG_CLASSES = (ModelSource, TaskSource, Stages, ArithmeticConfig, DataConfig, SFTConfig, RLConfig, PPOConfig,
-                      OptimizerConfig, AdvantageConfig, RLVRConfig, EngineConfig, MeshConfig, CheckpointConfig,
+                      TrainEngineConfig, OptimizerConfig, AdvantageConfig, RLVRConfig, EngineConfig, MeshConfig, CheckpointConfig,
                       RewardPoolConfig, SandboxLimits,
                       MetricsConfig, LoRAConfig, JudgeConfig,
                       PlanConfig)  # PlanConfig: read by `areal-jax plan`, accepted (and ignored) by the run
 for _cls in JOB_CONFIG_CLASSES:
     cs.register(_cls)
+cs.register_moved(MOVED_FIELDS)
 
 
 def load_job_configs(gin_files=(), gin_params=(), *, run_dir: str, num_processes: int | None = None) -> JobConfigs:
@@ -74,7 +75,7 @@ def load_job_configs(gin_files=(), gin_params=(), *, run_dir: str, num_processes
     cfg = JobConfigs(
         model=cs.build(ModelSource), task=task, stages=stages, arithmetic=cs.build(ArithmeticConfig),
         data=data, sft=cs.build(SFTConfig), rl=cs.build(RLConfig), ppo=cs.build(PPOConfig),
-        optimizer=cs.build(OptimizerConfig), advantages=cs.build(AdvantageConfig), rollout=rollout,
+        train_engine=cs.build(TrainEngineConfig), optimizer=cs.build(OptimizerConfig), advantages=cs.build(AdvantageConfig), rollout=rollout,
         engine=_engine_config(rollout, data), mesh=cs.build(MeshConfig), checkpoint=_checkpoint_config(stages, run_dir),
         metrics=cs.build(MetricsConfig), workflow_config=_workflow_config(workflow_class),
         reward_pool=cs.build(RewardPoolConfig), sandbox=cs.build(SandboxLimits), lora=cs.build(LoRAConfig),

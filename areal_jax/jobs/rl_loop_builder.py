@@ -32,7 +32,7 @@ from areal_jax.rollout.workflow import RLVRConfig, RLVRWorkflow
 from areal_jax.trainer.algorithm import PPOStep
 from areal_jax.trainer.checkpoint_hook import CheckpointHook
 from areal_jax.trainer.cluster import RLCluster
-from areal_jax.trainer.config import OptimizerConfig, PPOConfig, RLConfig
+from areal_jax.trainer.config import OptimizerConfig, PPOConfig, RLConfig, TrainEngineConfig
 from areal_jax.trainer.hooks import EvaluationHook, record_hook, rollout_dump_hook
 from areal_jax.trainer.loop import RLLoop
 from areal_jax.trainer.reference import ReferencePolicy
@@ -42,7 +42,7 @@ __all__ = ["build_rl_loop", "sampling_temperature"]
 
 def build_rl_loop(model_cfg: ModelConfig, params: Params, *, tokenizer: Any, data_iter: Iterator[Any],
                   rl: RLConfig, ppo: PPOConfig, optimizer: OptimizerConfig, advantages: AdvantageConfig,
-                  workflow: RLVRConfig | Any, engine: EngineConfig, mesh: MeshConfig = MeshConfig(),
+                  train_engine: TrainEngineConfig | None = None, workflow: RLVRConfig | Any, engine: EngineConfig, mesh: MeshConfig = MeshConfig(),
                   eval_rows: Sequence[Any] = (), reward_pool: Any = None,
                   on_step: Callable[[int, dict[str, Any]], None] | None = None,
                   on_rollouts: Callable[[int, list[dict[str, Any]]], None] | None = None,
@@ -64,16 +64,19 @@ def build_rl_loop(model_cfg: ModelConfig, params: Params, *, tokenizer: Any, dat
     records)`: its trajectories every RLConfig.dump_rollouts_every steps. `weight_sync`: a
     `cluster.generation_weight_sync` of the same meshes to reuse (its programs compiled).
     `checkpoint_extra`: more metadata for each checkpoint; `on_export`: called on process 0 with each
-    HF export's directory. `lora`: adapters trained on a frozen base (models/lora.py).
+    HF export's directory. `lora`: adapters trained on a frozen base (models/lora.py). `train_engine`:
+    how the trainer packs and computes (TrainEngineConfig; default its defaults).
     """
     ppo = sampling_temperature(workflow, ppo)
-    cluster = RLCluster.build(model_cfg, params, rl=rl, ppo=ppo, optimizer=optimizer, engine=engine, mesh=mesh,
+    cluster = RLCluster.build(model_cfg, params, rl=rl, ppo=ppo, optimizer=optimizer, engine=engine,
+                              train_engine=train_engine, mesh=mesh,
                               devices=devices, start_version=start_version, donate_params=donate_params,
                               weight_sync=weight_sync, lora=lora)
     del params  # the trainer holds its own copy: nothing below may keep the initial one alive
     # A frozen copy of the initial policy, only when the KL penalty needs it (it costs a copy).
     reference = ReferencePolicy(cluster.trainer) if advantages.kl_coef > 0 else None
-    algorithm = PPOStep(cluster.trainer, advantages, reference=reference, rows_per_process=cluster.rows_per_process)
+    algorithm = PPOStep(cluster.trainer, advantages, ppo, reference=reference,
+                        rows_per_process=cluster.rows_per_process)
     rollout = _rollout_config(workflow)
     runner = (RLVRWorkflow(workflow, learned_devices=cluster.meshes.learned_reward_devices)
               if isinstance(workflow, RLVRConfig) else workflow)

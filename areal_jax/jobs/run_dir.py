@@ -31,14 +31,14 @@ OLD_RUN_FILES = RUN_RECORDS + ("progress.png", "tensorboard", "rollouts", "wandb
 # field). The checkpoint holds weights and Adam state shaped by the model (ModelSource) and laid
 # out on the train mesh, and a data position per process (MeshConfig decides the processes' shares);
 # its staleness counters count prompt groups of batch_size x n_samples trajectories; the number of
-# optimizer updates per step and the micro-batch split (PPOConfig) define what a step computes, so a
+# optimizer updates per step (PPOConfig) and the micro-batch split (TrainEngineConfig) define what a step computes, so a
 # "sync" resume reproduces the uninterrupted run only with them unchanged. No engine state is saved
 # (slots, KV cache and programs are rebuilt on every start), so EngineConfig's sizes may change,
 # e.g. to fit memory; only its seed is kept: every sampled token's randomness derives from it.
 # LoRAConfig shapes the adapters and their optimizer state, and seeds their dropout.
 RESUME_FIELDS: dict[str, tuple[str, ...] | None] = {
     "model": None, "mesh": None, "rl": ("batch_size",), "rollout": ("n_samples",),
-    "ppo": ("num_minibatches", "max_tokens_per_microbatch"), "engine": ("seed",), "lora": None}
+    "ppo": ("num_minibatches",), "train_engine": ("max_tokens_per_microbatch",), "engine": ("seed",), "lora": None}
 # What marks a directory as a run's (RUN_RECORDS less config.json, which an HF model directory holds
 # too), or a directory of checkpoint steps: what no export or copy may replace.
 RUN_MARKERS = ("config.gin", "summary.json", "metrics.jsonl", "model_config.json", ".areal-jax.lock",

@@ -334,6 +334,7 @@ def _rl_stage(run: _Run, params: Any, reward_before: dict[str, int], workflow: A
     # The trainer keeps its own fp32 copy; the initial buffers are deleted once it has it.
     loop = build_rl_loop(work.model_config, params, tokenizer=work.tokenizer, data_iter=work.train_rows, rl=cfg.rl,
                          ppo=cfg.ppo, optimizer=cfg.optimizer, advantages=cfg.advantages,
+                         train_engine=cfg.train_engine,
                          workflow=_rollout_workflow(cfg, rollout_cfg, work.tokenizer, workflow),
                          engine=cfg.engine, mesh=cfg.mesh, eval_rows=work.eval_rows,
                          on_step=_StepRecorder(run, reward_before, bar),

@@ -85,12 +85,14 @@ def collect_specs(job: JobConfigs, model_cfg: ModelConfig, target: Target, meshe
                   ) -> list[ProgramSpec]:
     from areal_jax.generation.programs import engine_program_specs
     from areal_jax.parallel.weight_sync import transfer_program_specs
+    from areal_jax.trainer.algorithm import ppo_objective, proximal_keys
     from areal_jax.trainer.programs import train_program_specs
 
     data = meshes.generation_replicas_per_host
     longest_row = trained_row_length(job)
-    specs = [s for s in train_program_specs(model_cfg, job.ppo, job.optimizer, meshes.train, num_processes=target.hosts,
-                                            lora=job.lora)
+    specs = [s for s in train_program_specs(model_cfg, job.train_engine, ppo_objective(job.ppo), job.optimizer,
+                                            meshes.train, extra_keys=proximal_keys(job.ppo),
+                                            num_processes=target.hosts, lora=job.lora)
              if _dims(s.name).get("len", 0) <= longest_row]
     specs += transfer_program_specs(model_cfg, meshes.train, num_hosts=target.hosts,
                                     generation_tensor=job.mesh.generation_tensor,
@@ -115,7 +117,7 @@ def trained_row_length(job: JobConfigs) -> int:
     max_seq_len tokens, so row lengths past its bucket are never built (whatever the budget)."""
     from areal_jax.trainer.batching import candidate_row_lengths
 
-    rows = candidate_row_lengths(job.ppo.max_tokens_per_microbatch, job.ppo.row_buckets or None)
+    rows = candidate_row_lengths(job.train_engine.max_tokens_per_microbatch, job.train_engine.row_buckets or None)
     return next((r for r in rows if r >= job.engine.max_seq_len), rows[-1])
 
 
@@ -249,9 +251,9 @@ def plan_inputs(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_fi
     ctx = EstimateContext(
         model=model_cfg, fsdp=meshes.train.shape["fsdp"], train_tensor=job.mesh.train_tensor,
         generation_tensor=job.mesh.generation_tensor, train_expert=job.mesh.train_expert,
-        generation_expert=job.mesh.generation_expert, compute_bytes=2 if job.ppo.compute_dtype == "bfloat16" else 4,
-        cache_bytes=jnp.dtype(job.engine.cache_dtype or gen_dtype(job)).itemsize, remat=job.ppo.remat,
-        logit_chunk_tokens=job.ppo.logit_chunk_tokens, decode_chunk=job.engine.decode_chunk,
+        generation_expert=job.mesh.generation_expert, compute_bytes=2 if job.train_engine.compute_dtype == "bfloat16" else 4,
+        cache_bytes=jnp.dtype(job.engine.cache_dtype or gen_dtype(job)).itemsize, remat=job.train_engine.remat,
+        logit_chunk_tokens=job.train_engine.logit_chunk_tokens, decode_chunk=job.engine.decode_chunk,
         prefill_chunk=job.engine.prefill_chunk)
     return PlanInputs(model_cfg=model_cfg, split=split, meshes=meshes, specs=tuple(specs), ctx=ctx,
                       extra_resident=extra_resident, gen_weights=gen_weights, mean_prompt=mean_prompt,
@@ -342,7 +344,7 @@ def network_transfer(weight_bytes: float, target: Target) -> dict[str, Any]:
 def _row_for(job: JobConfigs, tokens: int) -> int:
     from areal_jax.trainer.batching import candidate_row_lengths
 
-    rows = candidate_row_lengths(job.ppo.max_tokens_per_microbatch, job.ppo.row_buckets or None)
+    rows = candidate_row_lengths(job.train_engine.max_tokens_per_microbatch, job.train_engine.row_buckets or None)
     return next((r for r in rows if r >= tokens), rows[-1])
 
 

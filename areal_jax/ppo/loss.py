@@ -86,6 +86,115 @@ def token_entropy(logits: jax.Array, temperature: float = 1.0) -> jax.Array:
     return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
 
 
+def ppo_token_loss(
+    logprobs: jax.Array,
+    proximal_logprobs: jax.Array,
+    behavior_logprobs: jax.Array,
+    advantages: jax.Array,
+    loss_mask: jax.Array,
+    *,
+    eps_clip: float = 0.2,
+    eps_clip_higher: float | None = None,
+    behav_imp_weight_cap: float | None = None,
+    c_clip: float | None = None,
+    behav_imp_weight_mode: str = "mask",
+    importance_sampling_level: str = "token",
+    segment_ids: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The decoupled PPO objective per token: `(per_token_loss [B, T], metrics)` (module docstring).
+
+    Arguments as `decoupled_ppo_loss`. per_token_loss is 0 off the tokens the loss keeps; its sum
+    over the valid tokens divided by their count is the token-mean loss. metrics are per-token
+    values whose mean over the loss mask is the logged number: clip_frac, dual_clip_frac,
+    capped_frac (indicators), imp_weight_mean (w before the cap), ratio_mean, approx_kl (k3 of
+    KL(pi_prox || pi_theta)), loss_token_mean, behav_ratio_out_frac (pi_theta / pi_behav outside
+    BEHAV_RATIO_BAND); imp_weight_max, the same w, is read as the max over the mask (its name
+    ends in "_max"); weight_hist_tokens and weight_hist_grad `[B, T, WEIGHT_HIST_BINS]` put each
+    token (and the size of its gradient with respect to its log-prob, |w' A r| where the gradient
+    flows, w' the weight applied) in its bin of log w, for `weight_top_share`.
+    """
+    _check_clip_args(eps_clip, eps_clip_higher, behav_imp_weight_cap)
+    _check_loss_options(c_clip, behav_imp_weight_mode, importance_sampling_level, behav_imp_weight_cap)
+    shapes = {
+        "logprobs": logprobs.shape,
+        "proximal_logprobs": proximal_logprobs.shape,
+        "behavior_logprobs": behavior_logprobs.shape,
+        "advantages": advantages.shape,
+        "loss_mask": loss_mask.shape,
+    }
+    if segment_ids is not None:
+        shapes["segment_ids"] = segment_ids.shape
+    for name, shape in shapes.items():
+        if shape != logprobs.shape:
+            raise ValueError(f"{name} has shape {shape}, expected {logprobs.shape} like logprobs")
+    if importance_sampling_level == "sequence" and logprobs.ndim != 2:
+        raise ValueError(f"importance_sampling_level='sequence' needs [B, T] inputs, got shape {logprobs.shape}")
+    eps_high = eps_clip if eps_clip_higher is None else eps_clip_higher
+
+    # At least float32 (bf16 log-probs are too coarse for exp of differences); float64
+    # inputs stay float64 so the gradient can be checked against finite differences.
+    dtype = jnp.promote_types(logprobs.dtype, jnp.float32)
+    mask = loss_mask.astype(bool)
+    logp = logprobs.astype(dtype)
+    prox = jax.lax.stop_gradient(proximal_logprobs.astype(dtype))
+    behav = jax.lax.stop_gradient(behavior_logprobs.astype(dtype))
+    adv = jax.lax.stop_gradient(advantages.astype(dtype))
+
+    # The behaviour-weight filter comes first. Padding may hold -inf or garbage log-probs:
+    # neutralize before exp so that neither values nor gradients see them.
+    raw_weight = jnp.exp(jnp.where(mask, prox - behav, 0.0))  # [B, T], constant
+    if behav_imp_weight_mode == "disabled":
+        kept, imp_weight = mask, jnp.ones_like(raw_weight)
+    elif behav_imp_weight_cap is None:
+        kept, imp_weight = mask, raw_weight
+    elif behav_imp_weight_mode == "mask":
+        kept, imp_weight = mask & (raw_weight <= behav_imp_weight_cap), raw_weight
+    else:  # clamp
+        kept, imp_weight = mask, jnp.minimum(raw_weight, behav_imp_weight_cap)
+    capped = mask & (raw_weight > behav_imp_weight_cap) if behav_imp_weight_cap is not None else mask & False
+
+    if importance_sampling_level == "sequence":  # means over the filtered mask
+        log_ratio = _sequence_mean(jnp.where(kept, logp - prox, 0.0), kept, segment_ids)  # [B, T]
+        adv = _sequence_mean(jnp.where(kept, adv, 0.0), kept, segment_ids)
+    else:  # a masked-out token's own ratio never reaches the sum; the stats still see it
+        log_ratio = jnp.where(mask, logp - prox, 0.0)  # [B, T]
+    ratio = jnp.exp(log_ratio)  # [B, T]
+
+    surrogate = -adv * ratio
+    clipped_surrogate = -adv * jnp.clip(ratio, 1.0 - eps_clip, 1.0 + eps_high)
+    pg_loss = jnp.maximum(surrogate, clipped_surrogate)  # [B, T]
+    clipped = mask & (clipped_surrogate > surrogate)
+    if c_clip is None:
+        dual_clipped = mask & False
+    else:
+        bound = c_clip * jnp.abs(adv)  # only binds where A < 0: otherwise pg_loss <= 0 < bound
+        dual_clipped = mask & (bound < pg_loss)
+        pg_loss = jnp.minimum(pg_loss, bound)
+    per_token = jnp.where(kept, imp_weight * pg_loss, 0.0)  # [B, T]
+
+    sg = jax.lax.stop_gradient
+    approx_kl = kl_estimate(prox, sg(logp), "k3")  # r - 1 - log r
+    behav_ratio = jnp.exp(jnp.where(mask, sg(logp) - behav, 0.0))  # pi_theta / pi_behav, [B, T]
+    off_policy = mask & ((behav_ratio < BEHAV_RATIO_BAND[0]) | (behav_ratio > BEHAV_RATIO_BAND[1]))
+    flows = kept & ~clipped & ~dual_clipped
+    grad_size = jnp.where(flows, jnp.abs(imp_weight * adv * sg(ratio)), 0.0)  # [B, T]
+    bins = jax.nn.one_hot(weight_bins(jnp.where(mask, prox - behav, 0.0)), WEIGHT_HIST_BINS, dtype=dtype)
+    metrics = {
+        "clip_frac": clipped.astype(dtype),
+        "dual_clip_frac": dual_clipped.astype(dtype),
+        "capped_frac": capped.astype(dtype),
+        "imp_weight_mean": raw_weight,
+        "imp_weight_max": raw_weight,
+        "ratio_mean": sg(ratio),
+        "approx_kl": approx_kl,
+        "loss_token_mean": sg(per_token),
+        "behav_ratio_out_frac": off_policy.astype(dtype),
+        "weight_hist_tokens": bins,  # [B, T, WEIGHT_HIST_BINS]
+        "weight_hist_grad": bins * grad_size[..., None],
+    }
+    return per_token, metrics
+
+
 def decoupled_ppo_loss(
     logprobs: jax.Array,
     proximal_logprobs: jax.Array,
@@ -102,7 +211,7 @@ def decoupled_ppo_loss(
     importance_sampling_level: str = "token",
     segment_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Token-mean decoupled PPO loss and summable statistics.
+    """Token-mean decoupled PPO loss and summable statistics: `ppo_token_loss` reduced over a batch.
 
     The semantics of AReaL's `ppo_actor_loss_fn` (areal/utils/functional/functional.py): with a
     cap, its token-level rejection sampling on the ratio pi_prox / pi_behav; with
@@ -147,91 +256,37 @@ def decoupled_ppo_loss(
             gradient with respect to its log-prob, |w' A r| where the gradient flows and 0 where
             the clip, the dual clip or the cap stops it; w' the weight applied).
     """
-    _check_clip_args(eps_clip, eps_clip_higher, behav_imp_weight_cap)
-    _check_loss_options(c_clip, behav_imp_weight_mode, importance_sampling_level, behav_imp_weight_cap)
-    shapes = {
-        "logprobs": logprobs.shape,
-        "proximal_logprobs": proximal_logprobs.shape,
-        "behavior_logprobs": behavior_logprobs.shape,
-        "advantages": advantages.shape,
-        "loss_mask": loss_mask.shape,
-    }
-    if segment_ids is not None:
-        shapes["segment_ids"] = segment_ids.shape
-    for name, shape in shapes.items():
-        if shape != logprobs.shape:
-            raise ValueError(f"{name} has shape {shape}, expected {logprobs.shape} like logprobs")
-    if importance_sampling_level == "sequence" and logprobs.ndim != 2:
-        raise ValueError(f"importance_sampling_level='sequence' needs [B, T] inputs, got shape {logprobs.shape}")
-    eps_high = eps_clip if eps_clip_higher is None else eps_clip_higher
-
-    # At least float32 (bf16 log-probs are too coarse for exp of differences); float64
-    # inputs stay float64 so the gradient can be checked against finite differences.
-    dtype = jnp.promote_types(logprobs.dtype, jnp.float32)
+    per_token, m = ppo_token_loss(
+        logprobs, proximal_logprobs, behavior_logprobs, advantages, loss_mask, eps_clip=eps_clip,
+        eps_clip_higher=eps_clip_higher, behav_imp_weight_cap=behav_imp_weight_cap, c_clip=c_clip,
+        behav_imp_weight_mode=behav_imp_weight_mode, importance_sampling_level=importance_sampling_level,
+        segment_ids=segment_ids)
+    dtype = per_token.dtype
     mask = loss_mask.astype(bool)
     valid = mask.astype(dtype)
-    logp = logprobs.astype(dtype)
-    prox = jax.lax.stop_gradient(proximal_logprobs.astype(dtype))
-    behav = jax.lax.stop_gradient(behavior_logprobs.astype(dtype))
-    adv = jax.lax.stop_gradient(advantages.astype(dtype))
-
-    # The behaviour-weight filter comes first. Padding may hold -inf or garbage log-probs:
-    # neutralize before exp so that neither values nor gradients see them.
-    raw_weight = jnp.exp(jnp.where(mask, prox - behav, 0.0))  # [B, T], constant
-    if behav_imp_weight_mode == "disabled":
-        kept, imp_weight = mask, jnp.ones_like(raw_weight)
-    elif behav_imp_weight_cap is None:
-        kept, imp_weight = mask, raw_weight
-    elif behav_imp_weight_mode == "mask":
-        kept, imp_weight = mask & (raw_weight <= behav_imp_weight_cap), raw_weight
-    else:  # clamp
-        kept, imp_weight = mask, jnp.minimum(raw_weight, behav_imp_weight_cap)
-    capped = mask & (raw_weight > behav_imp_weight_cap) if behav_imp_weight_cap is not None else mask & False
-
-    if importance_sampling_level == "sequence":  # means over the filtered mask
-        log_ratio = _sequence_mean(jnp.where(kept, logp - prox, 0.0), kept, segment_ids)  # [B, T]
-        adv = _sequence_mean(jnp.where(kept, adv, 0.0), kept, segment_ids)
-    else:  # a masked-out token's own ratio never reaches the sum; the stats still see it
-        log_ratio = jnp.where(mask, logp - prox, 0.0)  # [B, T]
-    ratio = jnp.exp(log_ratio)  # [B, T]
-
-    surrogate = -adv * ratio
-    clipped_surrogate = -adv * jnp.clip(ratio, 1.0 - eps_clip, 1.0 + eps_high)
-    pg_loss = jnp.maximum(surrogate, clipped_surrogate)  # [B, T]
-    clipped = mask & (clipped_surrogate > surrogate)
-    if c_clip is None:
-        dual_clipped = mask & False
-    else:
-        bound = c_clip * jnp.abs(adv)  # only binds where A < 0: otherwise pg_loss <= 0 < bound
-        dual_clipped = mask & (bound < pg_loss)
-        pg_loss = jnp.minimum(pg_loss, bound)
-
-    per_token = jnp.where(kept, imp_weight * pg_loss, 0.0)
     loss_sum = jnp.sum(per_token)
     n_valid = jnp.sum(valid)
     denom = n_valid if denominator is None else jnp.asarray(denominator, dtype)
     loss = jnp.where(denom > 0, loss_sum / jnp.where(denom > 0, denom, 1.0), 0.0)
 
-    approx_kl = kl_estimate(prox, jax.lax.stop_gradient(logp), "k3")  # r - 1 - log r
-    sg = jax.lax.stop_gradient
-    behav_ratio = jnp.exp(jnp.where(mask, sg(logp) - behav, 0.0))  # pi_theta / pi_behav, [B, T]
-    off_policy = mask & ((behav_ratio < BEHAV_RATIO_BAND[0]) | (behav_ratio > BEHAV_RATIO_BAND[1]))
-    flows = kept & ~clipped & ~dual_clipped
-    grad_size = jnp.where(flows, jnp.abs(imp_weight * adv * sg(ratio)), 0.0)  # [B, T]
-    bins = weight_bins(jnp.where(mask, prox - behav, 0.0)).reshape(-1)
+    def total(name):
+        x = m[name]
+        return jnp.sum(jnp.where(mask.reshape(mask.shape + (1,) * (x.ndim - mask.ndim)), x, 0.0),
+                       axis=tuple(range(mask.ndim)))
+
     stats = {
         "n_valid": n_valid,
-        "n_clipped": jnp.sum(clipped.astype(dtype)),
-        "n_dual_clipped": jnp.sum(dual_clipped.astype(dtype)),
-        "n_capped": jnp.sum(capped.astype(dtype)),
-        "imp_weight_sum": jnp.sum(raw_weight * valid),
-        "imp_weight_max": jnp.max(jnp.where(mask, raw_weight, 0.0), initial=0.0),
-        "ratio_sum": sg(jnp.sum(ratio * valid)),
-        "approx_kl_sum": jnp.sum(jnp.where(mask, approx_kl, 0.0)),
-        "loss_sum": sg(loss_sum),
-        "n_behav_ratio_out": jnp.sum(off_policy.astype(dtype)),
-        "weight_hist_tokens": jax.ops.segment_sum(valid.reshape(-1), bins, num_segments=WEIGHT_HIST_BINS),
-        "weight_hist_grad": jax.ops.segment_sum(grad_size.reshape(-1), bins, num_segments=WEIGHT_HIST_BINS),
+        "n_clipped": total("clip_frac"),
+        "n_dual_clipped": total("dual_clip_frac"),
+        "n_capped": total("capped_frac"),
+        "imp_weight_sum": total("imp_weight_mean"),
+        "imp_weight_max": jnp.max(jnp.where(mask, m["imp_weight_max"], 0.0), initial=0.0),
+        "ratio_sum": total("ratio_mean"),
+        "approx_kl_sum": total("approx_kl"),
+        "loss_sum": jax.lax.stop_gradient(loss_sum),
+        "n_behav_ratio_out": total("behav_ratio_out_frac"),
+        "weight_hist_tokens": total("weight_hist_tokens"),
+        "weight_hist_grad": total("weight_hist_grad"),
     }
     return loss, stats
 

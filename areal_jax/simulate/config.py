@@ -31,7 +31,8 @@ class Workload:
         generation_tensor: devices per generation replica (MeshConfig.generation_tensor).
         train_tensor: MeshConfig.train_tensor (fsdp takes the other training devices).
         config_generation_devices: generation devices per host of the config (its split).
-        max_tokens_per_microbatch, num_minibatches, row_buckets: PPOConfig's batching fields.
+        max_tokens_per_microbatch, num_minibatches, row_buckets: the batching fields (TrainEngineConfig's,
+            PPOConfig.num_minibatches).
         max_group_age: RLConfig.max_group_age (None: no per-group age filter).
         max_new_tokens: RLVRConfig.max_new_tokens (the completion cap).
         minibatch_seed: PPOConfig.minibatch_seed (the groups' order before the minibatch split).

@@ -113,8 +113,8 @@ def build_workload(job, *, hosts: int, devices_per_host: int):
         channel_capacity=rl.channel_capacity or 4 * (rl.batch_size // hosts), engine=job.engine,
         # Devices per replica: a replica's experts split over generation_expert x tensor devices.
         generation_tensor=job.mesh.generation_tensor * job.mesh.generation_expert, train_tensor=job.mesh.train_tensor,
-        config_generation_devices=generation, max_tokens_per_microbatch=job.ppo.max_tokens_per_microbatch,
-        num_minibatches=job.ppo.num_minibatches, row_buckets=tuple(job.ppo.row_buckets or ()),
+        config_generation_devices=generation, max_tokens_per_microbatch=job.train_engine.max_tokens_per_microbatch,
+        num_minibatches=job.ppo.num_minibatches, row_buckets=tuple(job.train_engine.row_buckets or ()),
         max_group_age=rl.max_group_age, max_new_tokens=job.rollout.max_new_tokens,
         minibatch_seed=job.ppo.minibatch_seed)
     return wl, generation, split.colocated
@@ -159,8 +159,8 @@ def roofline_costs(job, plan_cfg, gin_files, target, workload, row, *, transfer_
     ctx = EstimateContext(model=model, fsdp=max(1, train_devices // (job.mesh.train_tensor * job.mesh.train_expert)),
                           train_tensor=job.mesh.train_tensor, generation_tensor=job.mesh.generation_tensor,
                           train_expert=job.mesh.train_expert, generation_expert=job.mesh.generation_expert,
-                          compute_bytes=2 if job.ppo.compute_dtype == "bfloat16" else 4, remat=job.ppo.remat,
-                          logit_chunk_tokens=job.ppo.logit_chunk_tokens)
+                          compute_bytes=2 if job.train_engine.compute_dtype == "bfloat16" else 4,
+                          remat=job.train_engine.remat, logit_chunk_tokens=job.train_engine.logit_chunk_tokens)
     sent = 1.0
     if getattr(job.rl, "transfer_mode", "full") == "delta":  # sparse bit-deltas where smaller (parallel/delta_sync.py)
         from areal_jax.parallel.delta_sync import sent_fraction

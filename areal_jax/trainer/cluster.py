@@ -33,7 +33,7 @@ from areal_jax.parallel.weight_sync import WeightSync
 from areal_jax.rollout.channel import TrajectoryChannel
 from areal_jax.rollout.controller import RolloutController, ShutdownReport
 from areal_jax.rollout.staleness import StalenessManager
-from areal_jax.trainer.config import OptimizerConfig, PPOConfig, RLConfig
+from areal_jax.trainer.config import OptimizerConfig, PPOConfig, RLConfig, TrainEngineConfig
 
 __all__ = ["RLCluster", "generation_weight_sync"]
 
@@ -76,21 +76,22 @@ class RLCluster:
 
     @classmethod
     def build(cls, model_cfg: ModelConfig, params: Params, *, rl: RLConfig, ppo: PPOConfig,
-              optimizer: OptimizerConfig, engine: EngineConfig, mesh: MeshConfig = MeshConfig(),
+              optimizer: OptimizerConfig, engine: EngineConfig, train_engine: TrainEngineConfig | None = None,
+              mesh: MeshConfig = MeshConfig(),
               devices: Sequence[jax.Device] | None = None, start_version: int = 0, donate_params: bool = False,
               weight_sync: WeightSync | AdapterSync | None = None, lora: LoRAConfig = LoRAConfig()) -> RLCluster:
-        """The native cluster: meshes from `mesh` over `devices`, a PolicyTrainer on the train mesh
-        (its own fp32 copy of `params`; with `donate_params` the given buffers are then deleted),
+        """The native cluster: meshes from `mesh` over `devices`, a PolicyTrainer of `ppo`'s objective
+        (run as `train_engine` says) on the train mesh (its own fp32 copy of `params`; with `donate_params` the given buffers are then deleted),
         a GenerationEngine on this host's generation mesh serving the trainer's weights through a
         WeightSync (`weight_sync`: one of the same meshes to reuse, its programs compiled). `lora`:
         the trainer trains adapters on a frozen base (models/lora.py) and each swap moves only the
         adapters (an AdapterSync)."""
         from areal_jax.generation.engine import GenerationEngine
-        from areal_jax.trainer.train_step import PolicyTrainer
+        from areal_jax.trainer.algorithm import ppo_trainer
 
         check_model_fits_mesh(model_cfg, mesh)
         meshes = build_meshes(mesh, devices)
-        trainer = PolicyTrainer(model_cfg, params, optimizer, ppo, mesh=meshes.train, lora=lora)
+        trainer = ppo_trainer(model_cfg, params, optimizer, ppo, engine=train_engine, mesh=meshes.train, lora=lora)
         if donate_params:
             _delete_unless_held(params, trainer.params)
         del params  # the trainer holds its own copy: nothing below may keep the initial one alive

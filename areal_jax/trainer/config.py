@@ -1,5 +1,6 @@
-"""The trainers' configs: the RL loop (RLConfig), the PPO step (PPOConfig), the optimizer both
-trainers share (OptimizerConfig) and SFT (SFTConfig).
+"""The trainers' configs: the RL loop (RLConfig), the PPO objective and step (PPOConfig) and SFT
+(SFTConfig); the training engine's (TrainEngineConfig, OptimizerConfig: trainer/engine_config.py)
+are re-exported here.
 
 Plain frozen dataclasses, validated in __post_init__, with no program or device state: a job
 builds them from gin bindings (jobs/configs.py) or directly in Python (`areal_jax.JobConfigs`).
@@ -13,17 +14,21 @@ from typing import Any, Literal
 
 from areal_jax.models.transformer import ATTENTION_IMPLS
 from areal_jax.parallel.weight_sync import DEFAULT_GROUP_BYTES
-from areal_jax.ppo.logprobs import DEFAULT_LOGIT_CHUNK_TOKENS
 from areal_jax.ppo.loss import BEHAV_IMP_WEIGHT_MODES, IMPORTANCE_SAMPLING_LEVELS
 from areal_jax.rollout.workflow import resolve_workflow_class
-from areal_jax.trainer.batching import candidate_row_lengths
-from areal_jax.trainer.engine_config import SCHEDULES, OptimizerConfig, Schedule  # noqa: F401  (re-exported)
+from areal_jax.trainer.engine_config import (  # noqa: F401  (re-exported: the job's configs in one place)
+    COMPUTE_DTYPE_NAMES,
+    REMATS,
+    SCHEDULES,
+    OptimizerConfig,
+    Schedule,
+    TrainEngineConfig,
+)
+from areal_jax.trainer.objectives import resolve_objective
 
-__all__ = ["COMPUTE_DTYPE_NAMES", "OBJECTIVES", "OptimizerConfig", "PPOConfig", "PROX_LOGP_METHODS", "REMATS", "RLConfig",
-           "SCHEDULES", "SFTConfig"]
+__all__ = ["COMPUTE_DTYPE_NAMES", "MOVED_FIELDS", "OBJECTIVES", "OptimizerConfig", "PPOConfig", "PROX_LOGP_METHODS",
+           "REMATS", "RLConfig", "SCHEDULES", "SFTConfig", "TrainEngineConfig"]
 
-COMPUTE_DTYPE_NAMES = ("float32", "bfloat16")
-REMATS = ("none", "full", "save_dots")
 PROX_LOGP_METHODS = ("recompute", "loglinear")
 
 
@@ -96,9 +101,17 @@ class RLConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PPOConfig:
-    """PPO step hyperparameters.
+    """The PPO objective and step (the training engine's knobs are TrainEngineConfig's).
 
     Attributes:
+        objective: the loss, "decoupled", "naive", "naive_recompute" (`OBJECTIVES`: the staleness
+            ablation's three, ppo/loss.py) or "package.module:function", a function
+            `objective(logprobs, batch, config) -> (per_token_loss, metrics)` called with this
+            config (trainer/objectives.py states the contract). "decoupled": the clip anchored at
+            pi_prox (recomputed with the pre-step weights), each token weighted by pi_prox /
+            pi_behav as behav_imp_weight_cap / _mode say; "naive": anchored at pi_behav, no
+            weight (the paper's ablation); "naive_recompute": anchored at pi_prox, no weight. Any
+            objective but "naive" gets pi_prox in `batch["proximal_logprobs"]`.
         eps_clip: clip range of r = pi_theta / pi_prox (paper: 0.2).
         eps_clip_higher: upper clip range (DAPO clip-higher); None = eps_clip.
         behav_imp_weight_cap: bound on w = pi_prox / pi_behav; None = w applied unbounded (the
@@ -106,18 +119,15 @@ class PPOConfig:
         behav_imp_weight_mode: with a cap, "mask" (tokens with w > cap leave the loss, still
             counted in the denominator) or "clamp" (their w becomes the cap): AReaL HEAD's
             rejection-sampling actions. "disabled" (cap must be None): no behaviour weight at
-            all, AReaL HEAD's loss without rejection sampling; with decoupled = True this is the
-            "naive_recompute" objective (`OBJECTIVES`).
+            all, AReaL HEAD's loss without rejection sampling (objective "decoupled" then equals
+            "naive_recompute").
         c_clip: dual clip (> 1): a token's loss is at most c_clip * |A|; None = off.
         importance_sampling_level: "token" (PPO) or "sequence" (GSPO: one ratio per packed
             sequence, the exp of its mean log-ratio, with its mean advantage).
-        decoupled: True = decoupled PPO (proximal recomputed with pre-step weights);
-            False = naive PPO (proximal := behavior, the paper's ablation). `objective` names
-            the combination with behav_imp_weight_mode.
         prox_logp_method: "recompute" (a forward with the pre-step weights) or "loglinear"
             (A-3PO, AReaL HEAD: pi_prox interpolated in log space between pi_behav and the
             current pi_theta by token version, `ppo.loglinear_alpha`; no proximal forward).
-            Decoupled only. With one minibatch the exact pi_prox costs no forward either and is
+            Not with "naive". With one minibatch the exact pi_prox costs no forward either and is
             used whatever the method.
         minibatch_seed: seeds the order of a step's groups before the minibatch split (with the
             step: `batching.minibatch_indices`).
@@ -125,68 +135,34 @@ class PPOConfig:
             rollout's, RLVRConfig.temperature, which JobConfigs and build_rl_loop fill in (one field, so
             the two cannot differ); 1.0 for a trainer used alone.
         num_minibatches: optimizer updates per training step.
-        max_tokens_per_microbatch: token budget of one micro-batch **per training device** (for
-            make_microbatches): each device holding rows gets at most budget // T rows of length
-            T, so a micro-batch over D training devices carries up to D x budget tokens, in sync
-            (every device trains) and async alike. Changed in issue 40: it was the budget of a
-            whole process's micro-batch, and rows were then rounded up to one per device, which
-            padded long rows heavily on many devices (8 rows of 17,408 for 32,768 real tokens).
-            A config written for the old meaning keeps its peak memory if the budget is at least
-            its longest bucket; it must be (checked), and the longest sample must fit a bucket.
-        row_buckets: row lengths micro-batches may use (for make_microbatches), none above the
-            budget; () = powers of two from 128 below the budget, and the budget. Adding a size near the common sequence length (e.g.
-            96 for ~70-token samples that do not pair in 128) cuts padding and attention cost.
-        compute_dtype: "float32", or "bfloat16" compute on fp32 master weights.
-        remat: rematerialization of the decoder layers ("none", "full", "save_dots").
-        scan_layers: run the layers as a scan (one compiled layer body, the choice for deep
-            models) or unrolled: on CPU ~15% faster per step for small models, whose compile
-            is then also shorter (the scan's saved activations are stacked and sliced back).
-        attention_impl: self-attention of the training forwards (policy gradient, proximal and
-            reference log-probs): "auto" (flash attention: the platform's Pallas kernel, splash
-            on TPU and Triton on GPU, else the jnp reference), "reference", "pallas", or "blocked"
-            (the blocked formula under autodiff, whose backward keeps O(T^2) scores per layer).
-            kernels/flash_attention.py.
-        skip_nonfinite: skip (and count) updates whose gradient has a NaN/inf.
-        logit_chunk_tokens: tokens of a micro-batch (all its rows, every process's) whose
-            logits exist at once; longer micro-batches take log-probs and entropy chunk by chunk
-            along the sequence, recomputing each chunk's logits in the backward. The default
-            4096 keeps one fp32 copy at 2.5 GB for a 151,936-token vocabulary (divided over the
-            devices holding rows and vocabulary), where a 16k-token micro-batch's whole logits
-            would be 10 GB per copy; micro-batches of at most this many tokens run dense.
-        moe_routing: for a mixture-of-experts policy, how the proximal and current log-probs
-            route tokens: "recompute" (the trainer's router chooses afresh) or "replay" (the
-            experts the generation engine chose, batch key `moe_routing`, are used; the router
-            still weighs them and learns). At staleness > 0 replay keeps each token's routing at
-            the behaviour version that sampled it. Ignored for dense policies.
     """
 
+    objective: str = "decoupled"
     eps_clip: float = 0.2
     eps_clip_higher: float | None = None
     behav_imp_weight_cap: float | None = None
     behav_imp_weight_mode: Literal["mask", "clamp", "disabled"] = "mask"
     c_clip: float | None = None
     importance_sampling_level: Literal["token", "sequence"] = "token"
-    decoupled: bool = True
     prox_logp_method: Literal["recompute", "loglinear"] = "recompute"
     minibatch_seed: int = 0
     temperature: float | None = None
     num_minibatches: int = 4
-    max_tokens_per_microbatch: int = 4096
-    row_buckets: tuple[int, ...] = ()
-    compute_dtype: Literal["float32", "bfloat16"] = "float32"
-    remat: Literal["none", "full", "save_dots"] = "none"
-    scan_layers: bool = True
-    attention_impl: Literal["auto", "reference", "pallas", "blocked"] = "auto"
-    skip_nonfinite: bool = True
-    logit_chunk_tokens: int = DEFAULT_LOGIT_CHUNK_TOKENS
-    moe_routing: Literal["recompute", "replay"] = "recompute"
 
     @property
     def logit_temperature(self) -> float:
         """The temperature log-probs are taken at (`temperature`, 1.0 when unset)."""
         return 1.0 if self.temperature is None else self.temperature
 
+    @property
+    def decoupled(self) -> bool:
+        """Whether the objective reads a proximal policy (every objective but "naive")."""
+        return self.objective != "naive"
+
     def __post_init__(self) -> None:
+        if not isinstance(self.objective, str) or not self.objective:
+            raise ValueError(f"PPOConfig.objective must name an objective, got {self.objective!r}")
+        resolve_objective(self.objective)  # imports a user's: a wrong path fails here, before any work
         if not _is_number(self.eps_clip) or not 0.0 < self.eps_clip < 1.0:
             raise ValueError(f"PPOConfig.eps_clip must be in (0, 1), got {self.eps_clip!r}")
         if self.eps_clip_higher is not None and not (_is_number(self.eps_clip_higher) and self.eps_clip_higher > 0):
@@ -208,64 +184,33 @@ class PPOConfig:
         if self.prox_logp_method not in PROX_LOGP_METHODS:
             raise ValueError(f"PPOConfig.prox_logp_method must be one of {PROX_LOGP_METHODS}, "
                              f"got {self.prox_logp_method!r}")
-        if self.prox_logp_method == "loglinear" and self.decoupled is False:
+        if self.prox_logp_method == "loglinear" and not self.decoupled:
             raise ValueError("PPOConfig.prox_logp_method = 'loglinear' approximates the proximal policy of "
-                             "decoupled PPO; it needs decoupled = True")
+                             "decoupled PPO; objective 'naive' has none")
         if isinstance(self.minibatch_seed, bool) or not isinstance(self.minibatch_seed, int) or self.minibatch_seed < 0:
             raise ValueError(f"PPOConfig.minibatch_seed must be an int >= 0, got {self.minibatch_seed!r}")
         if self.temperature is not None and (not _is_number(self.temperature) or not self.temperature > 0):
             raise ValueError(f"PPOConfig.temperature must be > 0 or None, got {self.temperature!r}")
-        for name in ("num_minibatches", "max_tokens_per_microbatch", "logit_chunk_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"PPOConfig.{name} must be a positive int, got {value!r}")
-        if not isinstance(self.row_buckets, tuple):
-            raise ValueError(f"PPOConfig.row_buckets must be a tuple of ints, got {self.row_buckets!r}")
-        if self.row_buckets and all(_is_number(b) for b in self.row_buckets) \
-                and max(self.row_buckets) > self.max_tokens_per_microbatch:
-            # The budget is per training device since issue 40; a row lives on one device.
-            raise ValueError(f"PPOConfig.max_tokens_per_microbatch ({self.max_tokens_per_microbatch}) is smaller than "
-                             f"the longest of PPOConfig.row_buckets ({max(self.row_buckets)}): the budget is tokens "
-                             "per training device and must hold one row of every bucket")
-        if self.row_buckets:  # the check make_microbatches would run at the first step
-            try:
-                candidate_row_lengths(self.max_tokens_per_microbatch, self.row_buckets)
-            except ValueError as e:
-                raise ValueError(f"PPOConfig.row_buckets {self.row_buckets}: {e}") from None
-        if self.compute_dtype not in COMPUTE_DTYPE_NAMES:
-            raise ValueError(f"PPOConfig.compute_dtype must be one of {COMPUTE_DTYPE_NAMES}, "
-                             f"got {self.compute_dtype!r}")
-        if not isinstance(self.scan_layers, bool):
-            raise ValueError(f"PPOConfig.scan_layers must be a bool, got {self.scan_layers!r}")
-        if self.remat not in REMATS:
-            raise ValueError(f"PPOConfig.remat must be one of {REMATS}, got {self.remat!r}")
-        if self.moe_routing not in ("recompute", "replay"):
-            raise ValueError(f"PPOConfig.moe_routing must be 'recompute' or 'replay', got {self.moe_routing!r}")
-        if self.attention_impl not in ATTENTION_IMPLS:
-            raise ValueError(f"PPOConfig.attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
-        for name in ("decoupled", "skip_nonfinite"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"PPOConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if isinstance(self.num_minibatches, bool) or not isinstance(self.num_minibatches, int) or self.num_minibatches < 1:
+            raise ValueError(f"PPOConfig.num_minibatches must be a positive int, got {self.num_minibatches!r}")
 
 
-    @property
-    def objective(self) -> str:
-        """The staleness ablation's name for this objective (`OBJECTIVES`, ppo/loss.py): "naive"
-        (clip anchored at pi_behav), "naive_recompute" (clip anchored at the recomputed pi_prox,
-        no behaviour weight) or "decoupled" (anchored at pi_prox, weighted by pi_prox / pi_behav,
-        capped or not)."""
-        if not self.decoupled:
-            return "naive"
-        return "naive_recompute" if self.behav_imp_weight_mode == "disabled" else "decoupled"
-
-
-# The PPOConfig fields that select each objective of the staleness ablation (PPOConfig.objective):
-# decoupled PPO, naive PPO anchored at the behaviour policy, and naive PPO anchored at the
-# recomputed pre-step policy (AReaL v0.3.0 with recomputed log-probs and decoupling off).
+# The PPOConfig fields of each objective of the staleness ablation: decoupled PPO, naive PPO
+# anchored at the behaviour policy, and naive PPO anchored at the recomputed pre-step policy
+# (AReaL v0.3.0 with recomputed log-probs and decoupling off; the cap fields then unused, so cleared).
 OBJECTIVES: dict[str, dict[str, Any]] = {
-    "decoupled": {"decoupled": True},
-    "naive": {"decoupled": False},
-    "naive_recompute": {"decoupled": True, "behav_imp_weight_mode": "disabled", "behav_imp_weight_cap": None},
+    "decoupled": {"objective": "decoupled"},
+    "naive": {"objective": "naive"},
+    "naive_recompute": {"objective": "naive_recompute", "behav_imp_weight_mode": "disabled",
+                        "behav_imp_weight_cap": None},
+}
+
+# Fields that moved (gin bindings and Python keywords of the old names fail naming the new one).
+MOVED_FIELDS: dict[str, str] = {
+    **{f"PPOConfig.{name}": f"TrainEngineConfig.{name}" for name in (
+        "max_tokens_per_microbatch", "row_buckets", "compute_dtype", "remat", "scan_layers", "attention_impl",
+        "skip_nonfinite", "logit_chunk_tokens", "moe_routing")},
+    "PPOConfig.decoupled": "PPOConfig.objective ('decoupled', or 'naive' for decoupled = False)",
 }
 
 
@@ -285,7 +230,7 @@ class SFTConfig:
     "bfloat16" for matmuls (weights and optimizer state stay float32). log_every: steps between
     metric read-backs (reading forces a device sync). scan_layers: run the layers as a scan (one
     compiled layer body) or unrolled (faster per step on CPU, longer compile for deep models).
-    attention_impl: self-attention of the SFT forward, as `PPOConfig.attention_impl` ("auto" =
+    attention_impl: self-attention of the SFT forward, as `TrainEngineConfig.attention_impl` ("auto" =
     flash attention by platform; "blocked" = the blocked formula under autodiff).
 
     Validation (needs validation prompts, e.g. TaskSource.validation_size for the built-in task):

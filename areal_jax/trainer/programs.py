@@ -1,14 +1,16 @@
-"""The compiled programs of a PPO training step, and their ahead-of-time descriptions.
+"""The compiled programs of a training step, and their ahead-of-time descriptions.
 
 `build_train_programs` jits the four programs `PolicyTrainer` runs: per micro-batch shape a
 log-prob forward (proximal / reference log-probs) and a gradient micro-step (loss forward and
-backward, gradients and loss stats accumulated), plus one optimizer update and one zeros-like
-for the gradient accumulator. `train_program_specs` describes the same programs at a config's
+backward, gradients and the objective's metrics accumulated), plus one optimizer update and one
+zeros-like for the gradient accumulator. The loss is the `Objective` the engine is given
+(trainer/objectives.py states the contract): the engine masks its per-token values, divides by the
+minibatch's valid tokens and knows nothing of the algorithm behind it. `train_program_specs` describes the same programs at a config's
 shapes as `aot.ProgramSpec`s (abstract, sharded arguments; nothing allocated), one per shape
 `make_microbatches` can produce, for the planner to compile and measure without hardware.
 
 The logits never exist whole for a large micro-batch: the forward stops at the final hidden
-states and `ppo.logprobs` takes log-probs and entropy `PPOConfig.logit_chunk_tokens` tokens at a
+states and `ppo.logprobs` takes log-probs and entropy `TrainEngineConfig.logit_chunk_tokens` tokens at a
 time, recomputing each chunk's logits in the backward.
 
 Shapes: R rows (of all processes), T row length (a bucket), V vocabulary.
@@ -41,32 +43,29 @@ from areal_jax.models.lora import (
 )
 from areal_jax.models.sharding import TRAIN_RULES, Rules, activation_rules, sharding_for
 from areal_jax.models.transformer import Params, forward, lm_head, param_axes, param_shapes
-from areal_jax.ppo import accumulate_loss_stats, decoupled_ppo_loss, loglinear_proximal_logprobs
 from areal_jax.ppo.logprobs import hidden_logprobs, hidden_logprobs_and_entropy
 from areal_jax.trainer.batching import candidate_row_lengths, rows_for_bucket
-from areal_jax.trainer.config import PPOConfig
+from areal_jax.trainer.engine_config import Objective, TrainEngineConfig
 from areal_jax.trainer.optimizer import OptimizerConfig, build_optimizer
 from areal_jax.parallel.meshes import batch_shards
 
-# The device dtypes of PPOConfig.compute_dtype (trainer/config.py names them).
+# The device dtypes of TrainEngineConfig.compute_dtype (trainer/engine_config.py names them).
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 FORWARD_KEYS = ("input_ids", "targets", "segment_ids", "positions")
-LOSS_KEYS = (*FORWARD_KEYS, "loss_mask", "behavior_logprobs", "advantages")
+# What every objective may read (trainer/objectives.py); PROXIMAL_KEY is filled in where absent.
+LOSS_KEYS = (*FORWARD_KEYS, "loss_mask", "behavior_logprobs", "advantages", "versions")
 PROXIMAL_KEY = "proximal_logprobs"
-# `[R, T]` 1.0 where a token's version is the trainer's (lag 0), else 0.0; optional (train_step adds
-# it when it knows the version): the engine-vs-trainer log-prob gap of the same weights.
+# `[R, T]` 1.0 where a token's version is the one being trained (lag 0), else 0.0; optional (the
+# algorithm adds it: it knows the version): the engine-vs-trainer log-prob gap of the same weights.
 FRESH_KEY = "fresh"
 # The engine's chosen experts `[R, T, L_moe, k]` (sparse layers, uint8/uint16; MoE policies), replayed
-# when PPOConfig.moe_routing is "replay"; prompt tokens carry the engine's prefill choices, padding zeros.
+# when TrainEngineConfig.moe_routing is "replay"; prompt tokens carry the engine's prefill choices, padding zeros.
 MOE_ROUTING_KEY = "moe_routing"
-# A-3PO: per-token weight of the log-linear proximal approximation (ppo.loglinear_alpha), computed on
-# the host from the token versions in place of a proximal forward.
-ALPHA_KEY = "proximal_alpha"
 # Device dtypes of a micro-batch's arrays (trainer/batching.py packs these; proximal log-probs
-# come from the log-prob program).
+# come from the log-prob program). Other `[R, T]` keys an algorithm adds travel as float32.
 BATCH_DTYPES = {"input_ids": jnp.int32, "targets": jnp.int32, "segment_ids": jnp.int32, "positions": jnp.int32,
                 "loss_mask": jnp.float32, "behavior_logprobs": jnp.float32, "advantages": jnp.float32,
-                PROXIMAL_KEY: jnp.float32, ALPHA_KEY: jnp.float32}
+                "versions": jnp.int32, PROXIMAL_KEY: jnp.float32}
 
 
 # ---- layouts -----------------------------------------------------------------------------------------
@@ -89,29 +88,47 @@ def opt_state_shardings(optimizer: optax.GradientTransformation, params: Params,
     return optax.tree_map_params(optimizer, lambda _, s: s, shapes, shardings, transform_non_params=lambda _: replicated)
 
 
-def zero_loss_stats(sharding: NamedSharding | None) -> dict[str, jax.Array]:
-    """Zeros for every stat the grad program accumulates (keys taken from decoupled_ppo_loss)."""
-    stats = {k: jnp.zeros(s.shape, s.dtype) for k, s in _loss_stats_shapes().items()}
+def zero_loss_stats(objective: Objective, sharding: NamedSharding | None) -> dict[str, jax.Array]:
+    """Zeros for every stat the grad program accumulates (the objective's metrics and the engine's)."""
+    stats = {k: jnp.zeros(s.shape, s.dtype) for k, s in loss_stats_shapes(objective).items()}
     return stats if sharding is None else jax.device_put(stats, sharding)
 
 
-def _loss_stats_shapes() -> dict[str, jax.ShapeDtypeStruct]:
+def loss_stats_shapes(objective: Objective, batch_keys=LOSS_KEYS) -> dict[str, jax.ShapeDtypeStruct]:
+    """The accumulated stats: per objective metric, its sum over valid tokens (`[K]` for a per-token
+    vector; a "_max" metric's max), plus the engine's own (ENGINE_STATS)."""
     x = jax.ShapeDtypeStruct((1, 1), jnp.float32)
-    shapes = dict(jax.eval_shape(lambda a: decoupled_ppo_loss(a, a, a, a, a)[1], x))
+    batch = {k: jax.ShapeDtypeStruct((1, 1), BATCH_DTYPES.get(k, jnp.float32)) for k in (*batch_keys, PROXIMAL_KEY)}
+    _, metrics = jax.eval_shape(lambda lp, b: objective.fn(lp, b, objective.config), x, batch)
+    clashes = sorted(set(metrics) & set(ENGINE_STATS))
+    if clashes:
+        raise ValueError(f"objective {objective.name or objective.fn.__name__}: metric names {clashes} are the "
+                         "engine's own; rename them")
+    for name, m in metrics.items():
+        if m.ndim not in (2, 3) or m.shape[:2] != (1, 1):
+            raise ValueError(f"objective {objective.name or objective.fn.__name__}: metric {name!r} must be per "
+                             f"token, [R, T] or [R, T, K], like logprobs; got shape {m.shape} for [1, 1] logprobs")
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
-    # MoE models (zeros for dense ones): the load-balancing loss and the busiest expert's load over
-    # its fair share, each summed as micro-batch value x valid tokens; assignments dropped (0);
-    # (valid token, sparse layer) pairs whose own top-k set differs from the engine's record, and
-    # how many pairs were compared (0 without a record). behav_logp_gap_sum: sum over valid tokens
-    # of |log pi_behav - log pi_theta| (this forward's log-probs); fresh_logp_gap_sum / n_fresh:
-    # the same over the valid tokens FRESH_KEY marks (sampled by the weights being trained), and
-    # their count (0 without the key).
-    return {**shapes, "entropy_sum": scalar, "loss": scalar, "behav_logp_gap_sum": scalar,
-            "fresh_logp_gap_sum": scalar, "n_fresh": scalar,
-            **{k: scalar for k in MOE_STATS}}
+    return {**{k: jax.ShapeDtypeStruct(m.shape[2:], jnp.float32) for k, m in metrics.items()},
+            **{k: scalar for k in ENGINE_STATS}}
 
 
+# The engine's own sums over a micro-batch. n_valid: loss-mask tokens; loss: the minibatch loss
+# (micro-batch shares summed); entropy_sum; behav_logp_gap_sum: |log pi_behav - log pi_theta| over
+# valid tokens (this forward's log-probs); fresh_logp_gap_sum / n_fresh: the same over the valid
+# tokens FRESH_KEY marks (sampled by the weights being trained), and their count (0 without the
+# key); MoE models (zeros for dense ones): the load-balancing loss and the busiest expert's load
+# over its fair share, each summed as micro-batch value x valid tokens; assignments dropped (0);
+# (valid token, sparse layer) pairs whose own top-k set differs from the engine's record, and how
+# many pairs were compared (0 without a record).
 MOE_STATS = ("moe_aux_loss_sum", "moe_load_max_sum", "moe_dropped", "moe_route_mismatched", "moe_route_pairs")
+ENGINE_STATS = ("n_valid", "loss", "entropy_sum", "behav_logp_gap_sum", "fresh_logp_gap_sum", "n_fresh",
+                *MOE_STATS)
+
+
+def accumulate_stats(total: dict[str, jax.Array], new: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Two micro-batches' stats combined: sums add, "_max" metrics take the max."""
+    return {k: jnp.maximum(total[k], new[k]) if k.endswith("_max") else total[k] + new[k] for k in total}
 
 
 # ---- the programs ----------------------------------------------------------------------------------------
@@ -122,14 +139,14 @@ class TrainPrograms:
     """The jitted programs of a training step.
 
     Attributes:
-        logprobs: `(params, batch) -> [R, T]` fp32 log-probs of `batch["targets"]` at the PPO
-            temperature; batch holds FORWARD_KEYS.
+        logprobs: `(params, batch) -> [R, T]` fp32 log-probs of `batch["targets"]` at the
+            objective's temperature; batch holds FORWARD_KEYS.
         grad: `(params, grad_acc, stats_acc, batch, denominator[, dropout_index]) -> (grad_acc,
-            stats_acc)`: one micro-batch's loss gradient (loss divided by `denominator`, the
-            minibatch's valid tokens) and stats added to the accumulators; batch holds LOSS_KEYS,
-            plus PROXIMAL_KEY, or ALPHA_KEY (A-3PO: pi_prox interpolated from pi_behav and the
-            stop-gradient log-probs), or neither: pi_prox is the differentiated weights' own
-            (stop-gradient) log-probs. Donates grad_acc. With LoRA dropout, `dropout_index`
+            stats_acc)`: one micro-batch's gradient of the objective's loss (its per-token values
+            summed over the loss mask, divided by `denominator`, the minibatch's valid tokens) and
+            stats added to the accumulators (`loss_stats_shapes`); batch holds LOSS_KEYS and what
+            the algorithm added (PROXIMAL_KEY, where absent, becomes the differentiated weights'
+            own stop-gradient log-probs). Donates grad_acc. With LoRA dropout, `dropout_index`
             (uint32 [3]: step, minibatch, micro-batch) picks the masks (`dropout_key`).
         update: `(params, opt_state, grads) -> (params, opt_state, grad_norm, finite)`; donates
             params and opt_state; a non-finite gradient leaves both unchanged when
@@ -154,7 +171,8 @@ def dropout_key(seed: int, index: jax.Array) -> jax.Array:
     return key
 
 
-def build_train_programs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, optimizer: optax.GradientTransformation, *,
+def build_train_programs(model_cfg: ModelConfig, engine_cfg: TrainEngineConfig, objective: Objective,
+                         optimizer: optax.GradientTransformation, *,
                          param_shardings: Any = None, opt_state_shardings: Any = None,
                          counts: collections.Counter | None = None, lora: LoRAConfig | None = None) -> TrainPrograms:
     """The jitted programs of `PolicyTrainer` (see TrainPrograms).
@@ -165,31 +183,31 @@ def build_train_programs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, optimizer: 
     (`models.sharding.activation_rules`). lora: its `dropout` (and `seed`) drive the loss
     forward's adapter dropout; nothing else of it matters here (the params carry the adapters).
     """
-    cfg, ppo = model_cfg, ppo_cfg
+    cfg, engine, temperature = model_cfg, engine_cfg, objective.temperature
     dropout = lora.dropout if lora is not None and lora.enabled else 0.0
     counts = collections.Counter() if counts is None else counts
-    compute_dtype = COMPUTE_DTYPES[ppo.compute_dtype]
+    compute_dtype = COMPUTE_DTYPES[engine.compute_dtype]
 
     def replayed(batch):
         """The engine's experts `[L, R, T, k]` to replay, or None (route afresh)."""
-        if cfg.moe is None or ppo.moe_routing != "replay":
+        if cfg.moe is None or engine.moe_routing != "replay":
             return None
         if MOE_ROUTING_KEY not in batch:
-            raise ValueError(f"PPOConfig.moe_routing='replay' needs the engine's experts (batch key "
+            raise ValueError(f"TrainEngineConfig.moe_routing='replay' needs the engine's experts (batch key "
                              f"{MOE_ROUTING_KEY!r}); this batch has none")
         return moe.replay_layers(cfg, batch[MOE_ROUTING_KEY])
 
     def hidden_of(params, batch, with_routing=False):
         hidden, _, routing = forward(params, cfg, batch["input_ids"], batch["positions"], batch["segment_ids"],
-                                     compute_dtype=compute_dtype, remat=ppo.remat, return_hidden=True,
-                                     scan_layers=ppo.scan_layers, attention_impl=ppo.attention_impl,
+                                     compute_dtype=compute_dtype, remat=engine.remat, return_hidden=True,
+                                     scan_layers=engine.scan_layers, attention_impl=engine.attention_impl,
                                      return_routing=True, moe_routing=replayed(batch))
         head = functools.partial(lm_head, params, cfg)  # [R, T, D], its head -> fp32 logits
         return (hidden, head, routing) if with_routing else (hidden, head)
 
     def policy_logprobs(params, batch):
         hidden, head = hidden_of(params, batch)
-        return hidden_logprobs(hidden, head, batch["targets"], ppo.logit_temperature, chunk_tokens=ppo.logit_chunk_tokens)
+        return hidden_logprobs(hidden, head, batch["targets"], temperature, chunk_tokens=engine.logit_chunk_tokens)
 
     def logprobs(params, batch):
         counts["logprobs"] += 1  # runs once per trace, i.e. per compilation
@@ -208,25 +226,26 @@ def build_train_programs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, optimizer: 
             # will sample, so importance ratios against it would measure the noise.
             dropped = with_dropout(p, dropout_key(lora.seed, dropout_index), dropout) if dropout else p
             hidden, head, routing = hidden_of(dropped, batch, with_routing=True)
-            logp, entropy = hidden_logprobs_and_entropy(hidden, head, batch["targets"], ppo.logit_temperature,
-                                                        chunk_tokens=ppo.logit_chunk_tokens)
-            # The differentiated weights' own log-probs as pi_prox: with dropout a deterministic
-            # forward of its own (no gradient flows through it), else the loss forward's.
-            own = lambda: (jax.lax.stop_gradient(policy_logprobs(jax.lax.stop_gradient(p), batch))  # noqa: E731
-                           if dropout else logp)
-            if PROXIMAL_KEY in batch:
-                prox = batch[PROXIMAL_KEY]
-            elif ALPHA_KEY in batch:  # A-3PO
-                prox = loglinear_proximal_logprobs(batch["behavior_logprobs"], own(), batch[ALPHA_KEY])
-            else:  # pi_prox = the weights being differentiated
-                prox = jax.lax.stop_gradient(own())
-            loss, stats = decoupled_ppo_loss(
-                logp, prox, batch["behavior_logprobs"], batch["advantages"],
-                batch["loss_mask"], eps_clip=ppo.eps_clip, eps_clip_higher=ppo.eps_clip_higher,
-                behav_imp_weight_cap=ppo.behav_imp_weight_cap, denominator=denominator, c_clip=ppo.c_clip,
-                behav_imp_weight_mode=ppo.behav_imp_weight_mode,
-                importance_sampling_level=ppo.importance_sampling_level, segment_ids=batch["segment_ids"])
+            logp, entropy = hidden_logprobs_and_entropy(hidden, head, batch["targets"], temperature,
+                                                        chunk_tokens=engine.logit_chunk_tokens)
+            inputs = {k: v for k, v in batch.items() if k != MOE_ROUTING_KEY}
+            if PROXIMAL_KEY not in inputs:  # the weights' own log-probs before this update, no gradient:
+                # with dropout a deterministic forward of its own, else the loss forward's
+                inputs[PROXIMAL_KEY] = jax.lax.stop_gradient(
+                    policy_logprobs(jax.lax.stop_gradient(p), batch) if dropout else logp)
+            per_token, metrics = objective.fn(logp, inputs, objective.config)
             valid = batch["loss_mask"] > 0
+            loss_sum = jnp.sum(jnp.where(valid, per_token, 0.0))
+            loss = jnp.where(denominator > 0, loss_sum / jnp.where(denominator > 0, denominator, 1.0), 0.0)
+            stats = {}
+            for name, m in metrics.items():
+                m = jax.lax.stop_gradient(m).astype(jnp.float32)
+                if name.endswith("_max"):
+                    stats[name] = jnp.max(jnp.where(valid, m, 0.0), initial=0.0)
+                else:
+                    where = valid.reshape(valid.shape + (1,) * (m.ndim - 2))
+                    stats[name] = jnp.sum(jnp.where(where, m, 0.0), axis=(0, 1))
+            stats["n_valid"] = jnp.sum(valid.astype(jnp.float32))
             stats["entropy_sum"] = jnp.sum(jnp.where(valid, entropy, 0.0))
             gap = jnp.abs(batch["behavior_logprobs"].astype(jnp.float32) - jax.lax.stop_gradient(logp))
             stats["behav_logp_gap_sum"] = jnp.sum(jnp.where(valid, gap, 0.0))
@@ -253,7 +272,7 @@ def build_train_programs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, optimizer: 
         frozen, trainable = split_trainable(params)
         (_, stats), grads = jax.value_and_grad(lambda t: loss_fn(join_trainable(frozen, t)), has_aux=True)(trainable)
         grad_acc = jax.tree.map(jnp.add, grad_acc, grads)
-        return grad_acc, accumulate_loss_stats(stats_acc, stats)
+        return grad_acc, accumulate_stats(stats_acc, stats)
 
     def update(params, opt_state, grads):
         counts["update"] += 1
@@ -261,7 +280,7 @@ def build_train_programs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, optimizer: 
         finite = jnp.isfinite(grad_norm)
         updates, new_state = optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
-        if ppo.skip_nonfinite:
+        if engine.skip_nonfinite:
             keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
             new_params = jax.tree.map(keep, new_params, params)
             new_state = jax.tree.map(keep, new_state, opt_state)
@@ -282,12 +301,14 @@ def build_train_programs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, optimizer: 
 # Config fields that size the train mesh (fsdp = training devices / (train_expert x train_tensor)).
 _MESH_FIELDS = ("MeshConfig.train_tensor", "MeshConfig.train_expert", "MeshConfig.generation_fraction",
                 "MeshConfig.num_generation_devices_per_host")
-_MICROBATCH_FIELDS = ("PPOConfig.max_tokens_per_microbatch", "PPOConfig.row_buckets")
-_ACTIVATION_FIELDS = ("PPOConfig.logit_chunk_tokens", "PPOConfig.remat", "PPOConfig.compute_dtype",
-                      "PPOConfig.scan_layers", "PPOConfig.attention_impl")
+_MICROBATCH_FIELDS = ("TrainEngineConfig.max_tokens_per_microbatch", "TrainEngineConfig.row_buckets")
+_ACTIVATION_FIELDS = ("TrainEngineConfig.logit_chunk_tokens", "TrainEngineConfig.remat",
+                      "TrainEngineConfig.compute_dtype", "TrainEngineConfig.scan_layers",
+                      "TrainEngineConfig.attention_impl")
 
 
-def possible_microbatch_shapes(ppo_cfg: PPOConfig, fsdp: int, num_processes: int = 1) -> list[tuple[int, int]]:
+def possible_microbatch_shapes(engine_cfg: TrainEngineConfig, fsdp: int, num_processes: int = 1
+                               ) -> list[tuple[int, int]]:
     """(R, T) of the largest micro-batch of each row length `make_microbatches` can produce.
 
     R counts the rows of every process: each packs up to `rows_for_bucket(T)` rows, budget // T
@@ -295,24 +316,13 @@ def possible_microbatch_shapes(ppo_cfg: PPOConfig, fsdp: int, num_processes: int
     row_multiple: the budget is per training device), and the trainer stacks the processes' rows
     into one global array."""
     row_multiple = max(fsdp // num_processes, 1)
-    budget = ppo_cfg.max_tokens_per_microbatch
+    budget = engine_cfg.max_tokens_per_microbatch
     return [(rows_for_bucket(T, budget, row_multiple) * num_processes, T)
-            for T in candidate_row_lengths(budget, ppo_cfg.row_buckets or None)]
+            for T in candidate_row_lengths(budget, engine_cfg.row_buckets or None)]
 
 
-def self_proximal(ppo_cfg: PPOConfig) -> bool:
-    """Whether a step's gradient program takes pi_prox from its own forward (one decoupled update
-    per step: PolicyTrainer.train_step) instead of a `proximal_logprobs` input."""
-    return ppo_cfg.decoupled and ppo_cfg.num_minibatches == 1
-
-
-def proximal_input_key(ppo_cfg: PPOConfig) -> str:
-    """The grad program's pi_prox input when the step has several minibatches: the recomputed
-    log-probs, or A-3PO's interpolation weights."""
-    return ALPHA_KEY if ppo_cfg.decoupled and ppo_cfg.prox_logp_method == "loglinear" else PROXIMAL_KEY
-
-
-def train_program_specs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, opt_cfg: OptimizerConfig, mesh: Mesh, *,
+def train_program_specs(model_cfg: ModelConfig, engine_cfg: TrainEngineConfig, objective: Objective,
+                        opt_cfg: OptimizerConfig, mesh: Mesh, *, extra_keys: tuple[str, ...] = (),
                         rules: Rules = TRAIN_RULES, num_processes: int = 1, lora: LoRAConfig | None = None
                         ) -> list[ProgramSpec]:
     """Every program a training step runs at this config's shapes, on the train mesh `mesh`.
@@ -321,9 +331,10 @@ def train_program_specs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, opt_cfg: Opt
     memory): "train/grad[rows=R,len=T]" and "train/logprobs[rows=R,len=T]"; then "train/update"
     and "train/zeros_like". Arguments are ShapeDtypeStructs sharded as PolicyTrainer places
     them: fp32 params and optimizer state by the rule table, batch rows over "fsdp". The
-    optimizer state is resident during every micro-batch program. The grad program takes
-    `proximal_logprobs` unless `self_proximal(ppo_cfg)`; with one minibatch and the KL penalty
-    on, the run also compiles the other variant (one `[R, T]` input more or less).
+    optimizer state is resident during every micro-batch program. The grad program takes the
+    `[R, T]` inputs every objective reads plus `extra_keys`, what the algorithm adds (its proximal
+    log-probs or A-3PO's weights; `trainer.algorithm.proximal_keys`); with one minibatch and the KL
+    penalty on, the run also compiles the other variant (one `[R, T]` input more or less).
 
     num_processes: processes sharing the train mesh (rows per micro-batch scale with it).
     lora: with rank > 0, the weights are the frozen base in `lora.base_dtype` plus fp32 adapters,
@@ -346,23 +357,24 @@ def train_program_specs(model_cfg: ModelConfig, ppo_cfg: PPOConfig, opt_cfg: Opt
     trainable, t_sh = split_trainable(params)[1], split_trainable(p_sh)[1]
     s_sh = opt_state_shardings(optimizer, trainable, t_sh, mesh)
     opt_state = abstract(jax.eval_shape(optimizer.init, trainable), s_sh)
-    programs = build_train_programs(model_cfg, ppo_cfg, optimizer, param_shardings=t_sh, opt_state_shardings=s_sh,
-                                    lora=lora)
+    programs = build_train_programs(model_cfg, engine_cfg, objective, optimizer, param_shardings=t_sh,
+                                    opt_state_shardings=s_sh, lora=lora)
     replicated = NamedSharding(mesh, PartitionSpec())
     # LoRA dropout: the micro-batch's (step, minibatch, micro-batch) that seeds its masks.
     dropout_index = ((jax.ShapeDtypeStruct((3,), jnp.uint32, sharding=replicated),)
                      if lora.enabled and lora.dropout else ())
-    stats = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated), _loss_stats_shapes())
+    stats = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated), loss_stats_shapes(objective))
     denominator = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)
     context = functools.partial(activation_rules, rules, mesh)
-    grad_keys = LOSS_KEYS if self_proximal(ppo_cfg) else (*LOSS_KEYS, proximal_input_key(ppo_cfg))
+    grad_keys = (*LOSS_KEYS, *extra_keys)
     micro_fields = (*_MICROBATCH_FIELDS, *_ACTIVATION_FIELDS, *_MESH_FIELDS)
-    replays = model_cfg.moe is not None and ppo_cfg.moe_routing == "replay"
+    replays = model_cfg.moe is not None and engine_cfg.moe_routing == "replay"
 
     specs = []
-    for R, T in possible_microbatch_shapes(ppo_cfg, batch_shards(mesh), num_processes):
+    for R, T in possible_microbatch_shapes(engine_cfg, batch_shards(mesh), num_processes):
         rows = sharding_for(("batch", "seq"), rules, mesh, (R, T))
-        batch = lambda keys: {k: jax.ShapeDtypeStruct((R, T), BATCH_DTYPES[k], sharding=rows)  # noqa: E731
+        batch = lambda keys: {k: jax.ShapeDtypeStruct((R, T), BATCH_DTYPES.get(k, jnp.float32),  # noqa: E731
+                                                      sharding=rows)
                               for k in keys}
         grad_batch = batch(grad_keys)
         if model_cfg.moe is not None:  # the engine's record `[R, T, L_moe, k]`: the loss forward compares

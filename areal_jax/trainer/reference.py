@@ -9,7 +9,7 @@ reference. This module computes both on the train mesh:
 1. `ReferencePolicy` keeps a frozen copy of the reference weights (default: the trainer's
    weights at construction) laid out exactly like the trainer's, so the trainer's compiled
    log-prob program runs on it unchanged (no extra compilation); that program takes log-probs
-   `PPOConfig.logit_chunk_tokens` tokens at a time (a larger micro-batch never holds its whole logits).
+   `TrainEngineConfig.logit_chunk_tokens` tokens at a time (a larger micro-batch never holds its whole logits).
 2. `sequences_with_kl` packs the step's sequences with `make_microbatches` (one minibatch),
    runs the log-prob program with both weight sets on every micro-batch, unpacks per sequence
    and hands both to `build_sequences`. The policy log-probs are also attached as
@@ -130,7 +130,7 @@ def sequences_with_kl(
     With `adv_cfg.kl_coef == 0` this is exactly `build_sequences(groups, adv_cfg)` (nothing
     runs on devices, `reference` may be None). Otherwise the log-probs of every target under
     the trainer's current weights and under the reference are computed on packed micro-batches
-    (token budget `trainer.ppo_config.max_tokens_per_microbatch`, at the PPO temperature) and
+    (token budget `trainer.engine_config.max_tokens_per_microbatch`, at the objective's temperature) and
     the advantages come from `build_sequences(..., logprobs=..., ref_logprobs=...)`.
 
     Args:
@@ -144,8 +144,8 @@ def sequences_with_kl(
             and runs the same programs. Called the same number of times on every process.
         reduce_sum: cross-process float sum for the batch-level advantage statistics
             (`build_sequences`), when several processes train.
-        attach_proximal: with decoupled PPO, store the policy log-probs as `proximal_logprobs`
-            so `train_step` skips recomputing them. Valid only while the trainer's weights are
+        attach_proximal: store the policy log-probs as `proximal_logprobs` (decoupled PPO's
+            pi_prox: PPOStep passes PPOConfig.decoupled) so the step skips recomputing them. Valid only while the trainer's weights are
             unchanged, i.e. when these sequences feed the very next `train_step`.
     """
     if adv_cfg.kl_coef == 0:
@@ -158,7 +158,7 @@ def sequences_with_kl(
     logprobs, ref_logprobs = _per_sequence_logprobs(rows, trainer, reference, row_multiple=row_multiple,
                                                     buckets=buckets, agree_max=agree_max)
     seqs = build_sequences(groups, adv_cfg, logprobs=logprobs, ref_logprobs=ref_logprobs, reduce_sum=reduce_sum)
-    if attach_proximal and trainer.ppo_config.decoupled:
+    if attach_proximal:
         for seq, logp in zip(seqs, logprobs):
             seq[PROXIMAL_KEY] = np.where(seq["loss_mask"] > 0, logp, 0.0).astype(np.float32)
 
@@ -175,7 +175,7 @@ def sequences_with_kl(
 def _per_sequence_logprobs(rows, trainer: PolicyTrainer, reference: ReferencePolicy, *, row_multiple, buckets,
                            agree_max) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """`[L_i]` target log-probs of every row under the trainer's weights and the reference."""
-    [microbatches] = make_microbatches(rows, max_tokens_per_microbatch=trainer.ppo_config.max_tokens_per_microbatch,
+    [microbatches] = make_microbatches(rows, max_tokens_per_microbatch=trainer.engine_config.max_tokens_per_microbatch,
                                        num_minibatches=1, buckets=buckets, row_multiple=row_multiple,
                                        agree_max=agree_max)
     # Enqueue every program first (all micro-batches, padding ones too: each process must run

@@ -21,12 +21,6 @@ from areal_jax.trainer.cluster import RLCluster
 
 __all__ = ["StepMetrics"]
 
-# The trainer's metrics a step's record carries, as train/<name>.
-TRAIN_KEYS = ("loss", "grad_norm", "clip_frac", "imp_weight_mean", "imp_weight_max", "capped_frac", "entropy",
-              "approx_kl", "skipped_updates", "trained_tokens", "lr", "behav_ratio_out_frac",
-              "weight_top1pct_grad_share", "moe_aux_loss", "moe_load_max", "moe_dropped", "moe_route_mismatch",
-              "behav_logp_gap")
-
 
 class StepMetrics:
     """`metrics(step, groups, out, wait_s=, transfer_s=)`: the record of a step of `cluster`, just
@@ -98,8 +92,12 @@ class StepMetrics:
                 timeouts, failures = agree_sum(timeouts), agree_sum(failures)
             metrics["reward/timeouts"], metrics["reward/failures"] = timeouts, failures
         metrics.update(term_metrics(g.info for g in groups))  # a composite reward's terms: mean, failed
-        metrics.update({f"train/{k}": train[k] for k in TRAIN_KEYS if k in train})
-        if "fresh_logp_gap" in train:  # engine vs trainer log-probs of the tokens the trained weights sampled
+        # The engine's and the objective's metrics (a user loss's included) as train/<name>; timings
+        # go under time/, the lag histogram under staleness/; the engine-vs-trainer log-prob gap of
+        # the tokens the trained weights sampled is the rollout side's (rollout/behav_logp_gap).
+        metrics.update({f"train/{k}": v for k, v in train.items() if k != "fresh_logp_gap"
+                        and isinstance(v, (int, float)) and not isinstance(v, bool) and not k.startswith("time_")})
+        if "fresh_logp_gap" in train:
             metrics["rollout/behav_logp_gap"] = train["fresh_logp_gap"]
         metrics["timings"] = self._timings(train, out.minibatches)
         if out.kl_mean is not None:

@@ -1,21 +1,15 @@
-"""The jitted PPO training step over packed micro-batches (AReaL's decoupled objective).
+"""The training engine: a jitted step of any objective over packed micro-batches.
 
-One training step, given M minibatches of packed micro-batches (trainer/batching.py):
-1. Proximal log-probs: one forward per micro-batch with the weights *before* the step; they
-   stay fixed for all M minibatches (AReaL semantics). Naive PPO uses the behavior log-probs
-   (naive_recompute, `PPOConfig.objective`, keeps the recomputed ones and drops the weight).
-   With M = 1 the pre-step weights are the weights the loss differentiates, so the loss takes
-   pi_prox as the stop-gradient of its own log-probs and the extra forward is skipped (a quarter
-   of the step's compute; ratio r = 1 exactly, as the separate forward gives up to rounding). With
-   LoRA dropout the loss forward is a dropped one, so pi_prox comes from an undropped forward inside
-   the gradient program instead (trainer/programs.py).
-   With `PPOConfig.prox_logp_method = "loglinear"` (A-3PO) there is no proximal forward either:
-   each micro-batch carries per-token interpolation weights from the token versions
-   (`ppo.loglinear_alpha`) and the loss interpolates pi_prox between pi_behav and its own
-   stop-gradient log-probs.
-2. For each minibatch: gradients summed over its micro-batches, each loss divided by the
-   minibatch's valid-token count so the sum is the minibatch token mean; then one AdamW
-   update, skipped (params and optimizer state untouched) when the gradient is non-finite.
+One training step, given M minibatches of packed micro-batches (trainer/batching.py): for each
+minibatch, gradients of the objective summed over its micro-batches, each micro-batch's loss
+divided by the minibatch's valid-token count so the sum is the minibatch token mean (DESIGN.md
+1.4); then one AdamW update, skipped (params and optimizer state untouched) when the gradient is
+non-finite. The objective (`Objective`: a function, its config, the log-prob temperature) is the
+algorithm's; the engine masks, normalises, differentiates and logs its metrics, and knows nothing
+of what it computes (trainer/objectives.py states the contract). A micro-batch without
+`proximal_logprobs` gets the differentiated weights' own stop-gradient log-probs in their place,
+which is what a separate forward before the step's only update would compute (the algorithm
+attaches pre-step log-probs itself when the step has several updates: trainer/algorithm.py).
 
 Shapes: R rows, T row length (a bucket size). The programs are built by trainer/programs.py
 (which also describes them for ahead-of-time planning). Compilation is bounded: one logprob
@@ -40,42 +34,42 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from areal_jax.api import PackedBatch
 from areal_jax.models import lora as lora_lib
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.lora import LoRAConfig
 from areal_jax.models.sharding import TRAIN_RULES, Rules, activation_rules, sharding_for
 from areal_jax.models.transformer import Params, param_axes
-from areal_jax.ppo import accumulate_loss_stats, loglinear_alpha, summarize_loss_stats
-from areal_jax.trainer.batching import PackedBatch
-from areal_jax.trainer.config import REMATS, PPOConfig
+from areal_jax.trainer.engine_config import REMATS, Objective, TrainEngineConfig
 from areal_jax.trainer.optimizer import OptimizerConfig, build_optimizer, learning_rate_schedule
 from areal_jax.trainer.programs import (
-    ALPHA_KEY,
     COMPUTE_DTYPES,
+    ENGINE_STATS,
     FORWARD_KEYS,
-    FRESH_KEY,
     LOSS_KEYS,
     MOE_ROUTING_KEY,
-    PROXIMAL_KEY,
+    accumulate_stats,
     build_train_programs,
     opt_state_shardings,
     param_shardings,
     zero_loss_stats,
 )
 
-__all__ = ["COMPUTE_DTYPES", "FORWARD_KEYS", "LOSS_KEYS", "REMATS", "PPOConfig", "PolicyTrainer",
-           "opt_state_shardings", "param_shardings"]
+__all__ = ["COMPUTE_DTYPES", "FORWARD_KEYS", "LOSS_KEYS", "REMATS", "PolicyTrainer", "opt_state_shardings",
+           "param_shardings"]
 
 
 class PolicyTrainer:
-    """Holds fp32 params + AdamW state and runs decoupled-PPO training steps.
+    """Holds fp32 params + AdamW state and runs training steps of the objective it is given.
 
     Args:
         model_cfg: the decoder's ModelConfig.
         params: initial weights (layout of `param_axes(model_cfg)`; any float dtype, stored fp32;
             copied, so the caller's arrays stay valid).
         opt_cfg: OptimizerConfig.
-        ppo_cfg: PPOConfig.
+        objective: the loss (trainer/objectives.py; `trainer.algorithm.ppo_objective` builds
+            PPO's from a PPOConfig).
+        engine: how it packs and computes (TrainEngineConfig).
         mesh: the train mesh (axes "fsdp", "expert", "tensor"); None = default device.
         rules: logical-axis rules for params and activations on `mesh`.
         lora: with rank > 0, LoRA: the base weights are frozen in `lora.base_dtype` (no fp32
@@ -84,21 +78,25 @@ class PolicyTrainer:
             `self.params` then holds base and adapters (models/lora.py).
     """
 
-    def __init__(self, model_cfg: ModelConfig, params: Params, opt_cfg: OptimizerConfig, ppo_cfg: PPOConfig,
-                 *, mesh: Mesh | None = None, rules: Rules = TRAIN_RULES, lora: LoRAConfig | None = None):
+    def __init__(self, model_cfg: ModelConfig, params: Params, opt_cfg: OptimizerConfig, objective: Objective,
+                 *, engine: TrainEngineConfig | None = None, mesh: Mesh | None = None, rules: Rules = TRAIN_RULES,
+                 lora: LoRAConfig | None = None):
         lora = LoRAConfig() if lora is None else lora
+        engine = TrainEngineConfig() if engine is None else engine
         for name, value, cls in (("model_cfg", model_cfg, ModelConfig), ("opt_cfg", opt_cfg, OptimizerConfig),
-                                 ("ppo_cfg", ppo_cfg, PPOConfig), ("lora", lora, LoRAConfig)):
+                                 ("objective", objective, Objective), ("engine", engine, TrainEngineConfig),
+                                 ("lora", lora, LoRAConfig)):
             if not isinstance(value, cls):
                 raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
         self.model_config = model_cfg
         self.opt_config = opt_cfg
-        self.ppo_config = ppo_cfg
+        self.objective = objective
+        self.engine_config = engine
         self.lora_config = lora
         self.mesh = mesh
         self.rules = rules
         self.compile_counts: collections.Counter[str] = collections.Counter()
-        self.last_minibatch_metrics: list[dict[str, float]] = []
+        self.last_minibatch_metrics: list[dict[str, Any]] = []  # the last step's, one dict per minibatch
         self._optimizer = build_optimizer(opt_cfg)
         self._schedule = learning_rate_schedule(opt_cfg)
         self._axes = param_axes(model_cfg)
@@ -115,7 +113,7 @@ class PolicyTrainer:
         self._step = 0
         # On the mesh, like the stats the grad program returns: an unplaced first accumulator
         # would be a different input type and compile every micro-batch shape twice.
-        self._zero_stats = zero_loss_stats(None if mesh is None else NamedSharding(mesh, PartitionSpec()))
+        self._zero_stats = zero_loss_stats(objective, None if mesh is None else NamedSharding(mesh, PartitionSpec()))
         self._build_programs()
 
     # ---- public API -----------------------------------------------------------------------------
@@ -159,8 +157,8 @@ class PolicyTrainer:
         self._step = int(state["step"])
 
     def compute_logprobs(self, microbatch: PackedBatch, params: Params | None = None) -> jax.Array:
-        """Log-probs `[R, T]` of the targets under the current weights at `temperature`
-        (meaningless on padding; the loss masks them).
+        """Log-probs `[R, T]` of the targets under the current weights at the objective's
+        temperature (meaningless on padding; the loss masks them).
 
         `params` (default: the current weights) may be another set laid out like `self.params`
         (same dtype and shardings, e.g. a frozen reference copy): the same compiled program runs.
@@ -169,35 +167,12 @@ class PolicyTrainer:
         with self._activation_rules():
             return self._logprobs_fn(self._params if params is None else params, batch)
 
-    def with_proximal_logprobs(self, minibatches: Sequence[Sequence[PackedBatch]]) -> list[list[PackedBatch]]:
-        """Adds `proximal_logprobs` to every micro-batch lacking it: the current weights' log-probs
-        (decoupled) or the behavior log-probs (naive PPO). Call before any update of the step."""
-        out = []
-        for mb in minibatches:
-            row = []
-            for micro in mb:
-                if "proximal_logprobs" not in micro.arrays:
-                    prox = (self.compute_logprobs(micro) if self.ppo_config.decoupled
-                            else micro.arrays["behavior_logprobs"])
-                    micro = micro.with_arrays(proximal_logprobs=prox)
-                row.append(micro)
-            out.append(row)
-        return out
-
-    def with_proximal_alpha(self, minibatches: Sequence[Sequence[PackedBatch]], current_version: int
-                            ) -> list[list[PackedBatch]]:
-        """Adds A-3PO's `proximal_alpha` `[R, T]` (from the token versions, on the host) to every
-        micro-batch lacking pi_prox: the loss then approximates pi_prox without a forward."""
-        return [[m if PROXIMAL_KEY in m.arrays or ALPHA_KEY in m.arrays
-                 else m.with_arrays(**{ALPHA_KEY: loglinear_alpha(np.asarray(m.arrays["versions"]), current_version)})
-                 for m in mb] for mb in minibatches]
-
     def _with_routing(self, micro: PackedBatch, keys: Sequence[str], loss: bool = False) -> tuple[str, ...]:
-        """`keys` plus the engine's experts where a MoE policy replays them (PPOConfig.moe_routing;
+        """`keys` plus the engine's experts where a MoE policy replays them (TrainEngineConfig.moe_routing;
         the program refuses a replay without them), and for the `loss` forward whenever the batch
         has them (it measures how often its own routing differs)."""
         moe_policy = self.model_config.moe is not None and MOE_ROUTING_KEY in micro.arrays
-        wanted = loss or self.ppo_config.moe_routing == "replay"
+        wanted = loss or self.engine_config.moe_routing == "replay"
         return (*keys, MOE_ROUTING_KEY) if moe_policy and wanted else tuple(keys)
 
     def _moe_metrics(self, total: dict, n_valid: float) -> dict[str, float]:
@@ -214,30 +189,26 @@ class PolicyTrainer:
             out["moe_route_mismatch"] = float(total["moe_route_mismatched"]) / float(total["moe_route_pairs"])
         return out
 
-    def minibatch_gradients(self, microbatches: Sequence[PackedBatch], *, self_proximal: bool = False,
+    def minibatch_gradients(self, microbatches: Sequence[PackedBatch], *,
                             minibatch_index: int = 0) -> tuple[Params, dict[str, jax.Array]]:
-        """Summed gradients of one minibatch's loss and its summed loss stats (incl. "loss",
-        the minibatch token-mean loss, and "entropy_sum").
+        """Summed gradients of one minibatch's loss and its summed stats (`programs.loss_stats_shapes`:
+        the objective's metrics summed over valid tokens, "loss" the minibatch token-mean loss,
+        "n_valid", "entropy_sum", ...).
 
-        Needs proximal_logprobs (or A-3PO's proximal_alpha) present, unless `self_proximal`: then
-        pi_prox is the current weights' own log-probs (stop-gradient) from the loss forward, which
-        is what a separate proximal forward would compute when this minibatch is the step's first
-        update. With LoRA dropout, micro-batch u draws its masks from (LoRAConfig.seed, the step
-        counter, `minibatch_index`, u): the same on a resumed run, whose step counter is restored."""
+        A micro-batch without `proximal_logprobs` gets the current weights' own log-probs
+        (stop-gradient) from the loss forward, which is what a separate proximal forward computes
+        when this minibatch is the step's first update. With LoRA dropout, micro-batch u draws its
+        masks from (LoRAConfig.seed, the step counter, `minibatch_index`, u): the same on a resumed
+        run, whose step counter is restored."""
         if not microbatches:
             raise ValueError("a minibatch needs at least one micro-batch")
         grads = self._zeros_like_params(self._trainable(self._params))
         stats = dict(self._zero_stats)
         with self._activation_rules():
             for u, micro in enumerate(microbatches):
-                keys = LOSS_KEYS
-                if not self_proximal:
-                    given = [k for k in (PROXIMAL_KEY, ALPHA_KEY) if k in micro.arrays]
-                    if not given:
-                        raise ValueError("micro-batch has no proximal_logprobs; call with_proximal_logprobs "
-                                         "(or with_proximal_alpha) first")
-                    keys = (*LOSS_KEYS, given[0])  # the exact log-probs win over the approximation
-                keys = (*keys, FRESH_KEY) if FRESH_KEY in micro.arrays else keys
+                # Every [R, T] array the algorithm packed goes to the objective (the loss reads what it needs).
+                keys = (*LOSS_KEYS, *sorted(k for k in micro.arrays if k not in LOSS_KEYS and k != MOE_ROUTING_KEY
+                                            and k not in ("segment_ids", "positions")))
                 batch = self._to_device(micro, self._with_routing(micro, keys, loss=True))
                 denom = np.float32(micro.minibatch_valid_tokens)
                 extra = ()
@@ -246,68 +217,52 @@ class PolicyTrainer:
                 grads, stats = self._grad_fn(self._params, grads, stats, batch, denom, *extra)
         return grads, stats
 
-    def train_step(self, minibatches: Sequence[Sequence[PackedBatch]], *,
-                   current_version: int | None = None) -> dict[str, Any]:
-        """One PPO training step: one optimizer update per minibatch.
+    def train_step(self, minibatches: Sequence[Sequence[PackedBatch]]) -> dict[str, Any]:
+        """One training step: one optimizer update per minibatch.
 
         Args:
-            minibatches: from `make_microbatches` (proximal_logprobs added here if missing).
-            current_version: the policy version being trained; enables the version-lag stats
-                of trained tokens (lag = current_version - version that sampled the token).
-                Required by `prox_logp_method = "loglinear"` with several minibatches.
+            minibatches: from `make_microbatches`, with whatever per-token arrays the objective
+                reads beyond LOSS_KEYS (e.g. the algorithm's `proximal_logprobs`).
         Returns:
-            Scalars (loss, grad_norm, clip_frac, imp_weight_mean/max, capped_frac, ratio_mean,
-            entropy, approx_kl, skipped_updates, trained_tokens, lr, timings, ...) plus
-            "version_lag_hist" ({lag: tokens}) when current_version is given.
+            The objective's metrics by name (token means over the step's valid tokens; a "_max"
+            metric's max; a per-token vector metric as a NumPy array), and the engine's: loss
+            (mean over minibatches), grad_norm (mean) and grad_norm_max, entropy, behav_logp_gap
+            (the first minibatch's, whose forward runs on the pre-update weights) and fresh_logp_gap
+            (the same over its tokens marked FRESH_KEY; NaN without), skipped_updates,
+            trained_tokens, n_valid_tokens, lr, step, num_minibatches, num_microbatches, MoE
+            router metrics, and timings (time_step_s).
         """
         if not minibatches or any(len(mb) == 0 for mb in minibatches):
             raise ValueError("train_step needs non-empty minibatches of micro-batches")
         t_start = time.perf_counter()
-        # One update: the proximal policy is the weights being differentiated (module docstring).
-        self_proximal = (self.ppo_config.decoupled and len(minibatches) == 1
-                         and not any("proximal_logprobs" in m.arrays for m in minibatches[0]))
-        loglinear = self.ppo_config.decoupled and self.ppo_config.prox_logp_method == "loglinear"
-        if loglinear and not self_proximal:
-            if current_version is None:
-                raise ValueError("PPOConfig.prox_logp_method = 'loglinear' needs train_step(current_version=...)")
-            minibatches = self.with_proximal_alpha(minibatches, current_version)
-        elif not self_proximal:
-            minibatches = self.with_proximal_logprobs(minibatches)
-            jax.block_until_ready([m.arrays["proximal_logprobs"] for mb in minibatches for m in mb])
-        t_prox = time.perf_counter()
-        if current_version is not None:  # which tokens the weights being trained sampled (lag 0)
-            minibatches = [[m.with_arrays(**{FRESH_KEY: (np.asarray(m.arrays["versions"]) == current_version)
-                                             .astype(np.float32)}) for m in mb] for mb in minibatches]
-
-        total, first, per_mb, skipped, trained_tokens, norms = None, None, [], 0, 0.0, []
+        total, first, skipped, trained_tokens, norms, losses, per_mb = None, None, 0, 0.0, [], [], []
         for m, mb in enumerate(minibatches):
-            grads, stats = self.minibatch_gradients(mb, self_proximal=self_proximal, minibatch_index=m)
+            grads, stats = self.minibatch_gradients(mb, minibatch_index=m)
             frozen, trainable = lora_lib.split_trainable(self._params)
             trainable, self._opt_state, grad_norm, finite = self._update_fn(trainable, self._opt_state, grads)
             self._params = lora_lib.join_trainable(frozen, trainable)
             del grads
             finite = bool(finite)
-            summary = summarize_loss_stats(stats)
-            summary.update(loss=float(stats["loss"]), grad_norm=float(grad_norm), skipped=float(not finite),
-                           entropy=float(stats["entropy_sum"]) / max(summary["n_valid_tokens"], 1.0))
-            per_mb.append(summary)
+            losses.append(float(stats["loss"]))
             norms.append(float(grad_norm))
-            if finite or not self.ppo_config.skip_nonfinite:
-                trained_tokens += summary["n_valid_tokens"]
+            if finite or not self.engine_config.skip_nonfinite:
+                trained_tokens += float(stats["n_valid"])
             else:
                 skipped += 1
+            per_mb.append({**_objective_metrics(stats), "loss": losses[-1], "grad_norm": norms[-1],
+                           "skipped": float(not finite)})
             first = stats if total is None else first
-            total = accumulate_loss_stats(total, stats)
+            total = stats if total is None else accumulate_stats(total, stats)
         t_end = time.perf_counter()
         self._step += 1
         self.last_minibatch_metrics = per_mb
 
-        metrics: dict[str, Any] = summarize_loss_stats(total)
-        n_valid = max(metrics["n_valid_tokens"], 1.0)
+        n_valid = max(float(total["n_valid"]), 1.0)  # an all-padding step logs zeros
+        metrics: dict[str, Any] = _objective_metrics(total)
         count = self.num_updates
         applied = len(minibatches) - skipped
         metrics.update(
-            loss=float(np.mean([m["loss"] for m in per_mb])),
+            loss=float(np.mean(losses)),
             grad_norm=float(np.mean(norms)),
             grad_norm_max=float(np.max(norms)),
             entropy=float(total["entropy_sum"]) / n_valid,
@@ -319,17 +274,14 @@ class PolicyTrainer:
                             if float(first["n_fresh"]) else math.nan),
             skipped_updates=float(skipped),
             trained_tokens=float(trained_tokens),
+            n_valid_tokens=float(total["n_valid"]),
             lr=float(self._schedule(count - 1 if applied else count)),
             step=float(self._step),
             num_minibatches=float(len(minibatches)),
             num_microbatches=float(sum(len(mb) for mb in minibatches)),
             **self._moe_metrics(total, n_valid),
-            time_proximal_s=t_prox - t_start,
-            time_update_s=t_end - t_prox,
             time_step_s=t_end - t_start,
         )
-        if current_version is not None:
-            metrics.update(_version_lag_stats(minibatches, current_version))
         return metrics
 
     # ---- placement ------------------------------------------------------------------------------
@@ -391,7 +343,7 @@ class PolicyTrainer:
     # ---- compiled programs ----------------------------------------------------------------------
 
     def _build_programs(self) -> None:
-        programs = build_train_programs(self.model_config, self.ppo_config, self._optimizer,
+        programs = build_train_programs(self.model_config, self.engine_config, self.objective, self._optimizer,
                                         param_shardings=(None if self._param_shardings is None
                                                          else self._trainable(self._param_shardings)),
                                         opt_state_shardings=self._opt_state_shardings, counts=self.compile_counts,
@@ -413,17 +365,15 @@ def _copy_to(tree, shardings):
     return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(jax.device_put(tree, shardings))
 
 
-def _version_lag_stats(minibatches: Sequence[Sequence[PackedBatch]], current_version: int) -> dict[str, Any]:
-    """Histogram {lag: tokens}, max and mean of current_version - version over trained tokens."""
-    lags = []
-    for mb in minibatches:
-        for micro in mb:
-            mask = np.asarray(micro.arrays["loss_mask"]) > 0
-            lags.append(current_version - np.asarray(micro.arrays["versions"])[mask])
-    lag = np.concatenate(lags) if lags else np.zeros(0, np.int64)
-    values, counts = np.unique(lag, return_counts=True)
-    return {
-        "version_lag_hist": {int(v): int(c) for v, c in zip(values, counts)},
-        "version_lag_max": float(lag.max()) if lag.size else 0.0,
-        "version_lag_mean": float(lag.mean()) if lag.size else 0.0,
-    }
+def _objective_metrics(stats: Mapping[str, jax.Array]) -> dict[str, Any]:
+    """The objective's accumulated metrics as logged numbers: token means over the valid tokens (a
+    per-token vector's per component, a NumPy array), a "_max" metric's max."""
+    n_valid = max(float(stats["n_valid"]), 1.0)
+    out: dict[str, Any] = {}
+    for name, value in stats.items():
+        if name in ENGINE_STATS:
+            continue
+        value = np.asarray(value, np.float64)
+        value = value if name.endswith("_max") else value / n_valid
+        out[name] = float(value) if value.ndim == 0 else value
+    return out
