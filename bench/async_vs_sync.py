@@ -56,7 +56,7 @@ from areal_jax.parallel import MeshConfig  # noqa: E402
 from areal_jax.ppo import AdvantageConfig  # noqa: E402
 from areal_jax.rollout.workflow import RLVRConfig  # noqa: E402
 from areal_jax.tasks.tokenizer_builder import build_tokenizer  # noqa: E402
-from areal_jax.trainer import OptimizerConfig, PPOConfig, RLConfig  # noqa: E402
+from areal_jax.trainer import OptimizerConfig, PPOConfig, RLConfig, TrainEngineConfig  # noqa: E402
 from areal_jax.jobs.rl_loop_builder import build_rl_loop  # noqa: E402
 from areal_jax.trainer.loop import RLLoop  # noqa: E402
 from bench.common import CompileClock, machine  # noqa: E402
@@ -95,7 +95,8 @@ def build_loop(mode: str, args, tokenizer, cfg, params, **callbacks) -> RLLoop:
     # One slot per sample of a synchronous batch (B x n): the baseline's full concurrency, and
     # the same engine shape for every row.
     return build_rl_loop(cfg, params, tokenizer=tokenizer, data_iter=rows(tokenizer), rl=rl,
-                         ppo=PPOConfig(num_minibatches=args.minibatches, max_tokens_per_microbatch=args.mb_tokens),
+                         ppo=PPOConfig(num_minibatches=args.minibatches),
+                         train_engine=TrainEngineConfig(max_tokens_per_microbatch=args.mb_tokens),
                          optimizer=OptimizerConfig(lr=1e-5), advantages=AdvantageConfig(norm="group"),
                          workflow=rollout_config(args, tokenizer),
                          engine=EngineConfig(num_slots=args.batch * args.n, max_seq_len=args.max_new + 48,
@@ -139,7 +140,7 @@ def run(mode: str, args, tokenizer, cfg, params, clock: CompileClock) -> dict:
 
     loop = build_loop(mode, args, tokenizer, cfg, params, on_step=on_step, on_rollouts=on_rollouts)
     if args.run_dir:
-        (out / "config.gin").write_text(gin_bindings(loop.rl, loop.cluster.trainer.ppo_config,
+        (out / "config.gin").write_text(gin_bindings(loop.rl, loop.algorithm.ppo, loop.cluster.trainer.engine_config,
                                                      rollout_config(args, tokenizer), loop.cluster.engine.config,
                                                      mesh_for(mode, args)))
         (out / "devices.json").write_text(json.dumps({"devices_per_host": jax.device_count(), "hosts": 1}))

@@ -134,7 +134,7 @@ def run_areal(mode: str, model_dir: pathlib.Path, rows: list[dict], args, clock:
     from areal_jax.models.tokenizer import Tokenizer
     from areal_jax.ppo import AdvantageConfig
     from areal_jax.rollout.workflow import RLVRConfig
-    from areal_jax.trainer import OptimizerConfig, PPOConfig, RLConfig
+    from areal_jax.trainer import OptimizerConfig, PPOConfig, RLConfig, TrainEngineConfig
     from areal_jax.jobs.rl_loop_builder import build_rl_loop
 
     sync = mode == "sync"
