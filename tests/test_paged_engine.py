@@ -354,8 +354,9 @@ def test_fp8_behaviour_logprobs_are_the_engines_and_the_lag0_gap_shows_it():
     from areal_jax.ppo import AdvantageConfig
     from areal_jax.rollout.types import Trajectory, TrajectoryGroup
     from areal_jax.trainer.batching import build_sequences, make_microbatches
+    from areal_jax.trainer.algorithm import PPOStep, ppo_trainer
+    from areal_jax.trainer.config import PPOConfig
     from areal_jax.trainer.optimizer import OptimizerConfig
-    from areal_jax.trainer.train_step import PolicyTrainer, PPOConfig
 
     params = init_params(CFG, 0, std=0.05)
     sp = SamplingParams(max_new_tokens=24, temperature=1.0)
@@ -367,8 +368,9 @@ def test_fp8_behaviour_logprobs_are_the_engines_and_the_lag0_gap_shows_it():
         seqs = build_sequences([TrajectoryGroup("0", rows, 0)], AdvantageConfig())
         minibatches = make_microbatches(seqs, max_tokens_per_microbatch=128, num_minibatches=1, buckets=(64, 128))
         for version in (0, 1):
-            trainer = PolicyTrainer(CFG, params, OptimizerConfig(), PPOConfig(temperature=1.0))
-            gaps[name, version] = trainer.train_step(minibatches, current_version=version)
+            ppo = PPOConfig(temperature=1.0)
+            step = PPOStep(ppo_trainer(CFG, params, OptimizerConfig(), ppo), AdvantageConfig(), ppo)
+            gaps[name, version] = step.train(minibatches, version)  # marks the tokens `version` sampled
     assert gaps["f32", 0]["fresh_logp_gap"] < 1e-4
     assert gaps["fp8", 0]["fresh_logp_gap"] > 10 * max(gaps["f32", 0]["fresh_logp_gap"], 1e-5)
     assert gaps["fp8", 0]["fresh_logp_gap"] == pytest.approx(gaps["fp8", 0]["behav_logp_gap"], rel=1e-5)

@@ -37,7 +37,7 @@ class InferenceEngine(Protocol):
     `GroupResult`: n Completions whose `tokens`, `logprobs` (behaviour, at `sampling.temperature`)
     and `versions` (per token) have equal lengths, and a `stop_reason` ("stop", "length" or
     "aborted"); for a MoE policy, `moe_routing` `[P + G, L_moe, k]` (the experts each input token
-    was routed to; None where not recorded, and PPOConfig.moe_routing = "replay" then refuses the
+    was routed to; None where not recorded, and TrainEngineConfig.moe_routing = "replay" then refuses the
     batch). `abort` ends a request's unfinished samples as "aborted" (tokens so far kept).
     `update_weights` returns a Future that resolves True once the weights serve (False if a newer
     push superseded them); tokens sampled after that carry `version`. `pause` stops scheduling

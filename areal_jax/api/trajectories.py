@@ -40,7 +40,7 @@ class Trajectory:
     stop_reason: str = "stop"
     loss_mask: np.ndarray | None = None
     # MoE policies: the engine's chosen experts `[P + G, L_moe, k]` per input token and sparse layer
-    # (models/moe.py `record`: uint8 up to 256 experts), replayed by PPOConfig.moe_routing = "replay".
+    # (models/moe.py `record`: uint8 up to 256 experts), replayed by TrainEngineConfig.moe_routing = "replay".
     moe_routing: np.ndarray | None = None
 
     def __post_init__(self):
