@@ -1,5 +1,5 @@
-"""User code is found where a user keeps it: the two complete examples of docs/user_guide.md ("Your
-own reward", "Your own workflow") run as written, from the working directory, through real
+"""User code is found where a user keeps it: the complete examples of docs/user_guide.md ("Your
+own reward", "Your own workflow", "Your own loss") run as written, from the working directory, through real
 `areal-jax` processes; --import_path works from elsewhere; a name that does not resolve stops the
 job before any work in one line that names the module and says how to make it importable."""
 
@@ -84,6 +84,20 @@ def test_own_workflow_runs_from_the_working_directory(tmp_path):
     for s in samples:  # the task's 0/1 reward less 0.01 per generated token
         base = s["reward"] + 0.01 * len(s["versions"])  # one version per generated token
         assert min(abs(base), abs(base - 1.0)) < 1e-6, s
+
+
+def test_own_loss_trains_and_logs_its_metrics_under_train(tmp_path):
+    """The guide's "Your own loss", as written: selected by PPOConfig.objective = "module:function"
+    from the working directory, it trains, and its metric is in metrics.jsonl as train/<name>."""
+    (tmp_path / "my_loss.py").write_text(guide_example("my_loss.py"))
+    run = tmp_path / "run"
+    done = areal_jax(*train_args(run, "PPOConfig.objective = 'my_loss:capped_ratio_pg'"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = read_jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1]
+    for r in records:  # one update per step: the ratio to the pre-update policy is 1 on every token
+        assert r["train/ratio"] == pytest.approx(1.0, abs=1e-5) and r["train/trained_tokens"] > 0
+        assert "train/clip_frac" not in r  # the built-in loss's metrics are the built-in's
 
 
 def test_import_path_finds_code_kept_elsewhere(tmp_path):
