@@ -95,9 +95,9 @@ def test_own_loss_trains_and_logs_its_metrics_under_train(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     records = read_jsonl(run / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1]
-    for r in records:  # one update per step: the ratio to the pre-update policy is 1 on every token
-        assert r["train/ratio"] == pytest.approx(1.0, abs=1e-5) and r["train/trained_tokens"] > 0
-        assert "train/clip_frac" not in r  # the built-in loss's metrics are the built-in's
+    for m in (r["metrics"] for r in records):  # one update per step: the ratio to the pre-update policy is 1
+        assert m["train/ratio"] == pytest.approx(1.0, abs=1e-5) and m["train/trained_tokens"] > 0
+        assert "train/clip_frac" not in m  # the built-in loss's metrics are the built-in's
 
 
 def test_import_path_finds_code_kept_elsewhere(tmp_path):
