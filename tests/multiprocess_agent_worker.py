@@ -25,7 +25,7 @@ def run(process_id: int, args: list[str]) -> dict:
     from areal_jax.parallel import MeshConfig
     from areal_jax.ppo import AdvantageConfig
     from areal_jax.rollout.workflow import RLVRConfig
-    from areal_jax.trainer import OptimizerConfig, PPOConfig, RLConfig
+    from areal_jax.trainer import OptimizerConfig, PPOConfig, RLConfig, TrainEngineConfig
     from areal_jax.workflows.agent import AgentConfig, AgentWorkflow
     from tests.test_rl_loop import rows
 
@@ -37,7 +37,7 @@ def run(process_id: int, args: list[str]) -> dict:
     loop = build_rl_loop(
         cfg, init_params(cfg, 0, std=0.3), tokenizer=tokenizer, data_iter=rows(tokenizer, offset=1000 * process_id),
         rl=RLConfig(steps=2, batch_size=4, max_staleness=1, max_concurrent=4),
-        ppo=PPOConfig(num_minibatches=1, max_tokens_per_microbatch=256), optimizer=OptimizerConfig(lr=1e-3),
+        ppo=PPOConfig(num_minibatches=1), train_engine=TrainEngineConfig(max_tokens_per_microbatch=256), optimizer=OptimizerConfig(lr=1e-3),
         advantages=AdvantageConfig(norm="group"), workflow=workflow,
         engine=EngineConfig(num_slots=8, max_seq_len=128, decode_chunk=2),
         mesh=MeshConfig(num_generation_devices_per_host=2), devices=None)

@@ -46,7 +46,7 @@ def test_the_guides_agent_trains_through_the_endpoint(tmp_path):
     run = tmp_path / "run"
     done = areal_jax(*train_args(run, "RLConfig.workflow = 'areal_jax.workflows.agent:AgentWorkflow'",
                                  "AgentConfig.agent = 'my_agent:solve'", "RLConfig.dump_rollouts_every = 1",
-                                 "PPOConfig.max_tokens_per_microbatch = 256", "EngineConfig.max_seq_len = 256"),
+                                 "TrainEngineConfig.max_tokens_per_microbatch = 256", "EngineConfig.max_seq_len = 256"),
                      cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     records = read_jsonl(run / "metrics.jsonl")

@@ -369,9 +369,9 @@ def test_the_budget_is_per_training_device():
 
 
 def test_a_budget_below_the_longest_bucket_is_refused():
-    from areal_jax.trainer import PPOConfig
+    from areal_jax.trainer import TrainEngineConfig
 
-    with pytest.raises(ValueError, match=r"PPOConfig\.max_tokens_per_microbatch \(16384\) is smaller than the "
-                                         r"longest of PPOConfig\.row_buckets \(17408\)"):
-        PPOConfig(max_tokens_per_microbatch=16384, row_buckets=(1024, 17408))
-    assert PPOConfig(max_tokens_per_microbatch=17408, row_buckets=(1024, 17408)).row_buckets == (1024, 17408)
+    with pytest.raises(ValueError, match=r"TrainEngineConfig\.max_tokens_per_microbatch \(16384\) is smaller than "
+                                         r"the longest of TrainEngineConfig\.row_buckets \(17408\)"):
+        TrainEngineConfig(max_tokens_per_microbatch=16384, row_buckets=(1024, 17408))
+    assert TrainEngineConfig(max_tokens_per_microbatch=17408, row_buckets=(1024, 17408)).row_buckets == (1024, 17408)
