@@ -18,7 +18,7 @@ import areal_jax as aj
 
 QUICKSTART = pathlib.Path(__file__).resolve().parents[1] / "configs" / "quickstart.gin"
 # The quickstart, shrunk: a 1-layer model, a few SFT steps on the rows' worked answers, 2 RL steps.
-SMALL = ["ModelSource.hidden_size = 32", "ModelSource.num_layers = 1", "SFTConfig.steps = 10", "SFTConfig.warmup = 2",
+SMALL = ["ModelSource.hidden_size = 32", "ModelSource.num_layers = 1", "SFTConfig.steps = 10", "SFTConfig.warmup_steps = 2",
          "SFTConfig.eval_every = 0", "SFTConfig.stop_accuracy = 0.0", "RLConfig.steps = 2", "RLConfig.batch_size = 2",
          "RLConfig.max_concurrent = 4", "RLConfig.eval_every = 1", "RLVRConfig.n_samples = 2",
          "RLVRConfig.max_new_tokens = 12", "RLVRConfig.filter_all_equal_rewards = False", "EngineConfig.num_slots = 8",

@@ -16,7 +16,10 @@ from areal_jax.models import ModelConfig, forward, init_params
 from areal_jax.models.sharding import TRAIN_RULES, activation_rules
 from areal_jax.ppo import token_entropy, token_logprobs
 from areal_jax.ppo.logprobs import chunk_layout, hidden_logprobs, hidden_logprobs_and_entropy, weight_head
-from areal_jax.trainer.sft import completion_loss
+from areal_jax.api import PackedBatch
+from areal_jax.trainer.config import OptimizerConfig, TrainEngineConfig
+from areal_jax.trainer.sft import sft_objective
+from areal_jax.trainer.train_step import PolicyTrainer
 
 V = 1001  # a multiple of nothing convenient
 TEMPERATURE = 0.7
@@ -192,8 +195,12 @@ def test_sft_loss_chunked_equals_dense(tied):
         return -jnp.sum(logp * batch["loss_mask"]) / jnp.sum(batch["loss_mask"])
 
     ref_loss, ref_grads = jax.value_and_grad(dense_loss)(params)
-    (loss, n), grads = jax.value_and_grad(lambda p: completion_loss(p, cfg, batch, logit_chunk_tokens=16),
-                                          has_aux=True)(params)
+    # SFT's loss on the training engine, its log-probs 16 tokens at a time (3 x 20 tokens: chunked).
+    trainer = PolicyTrainer(cfg, params, OptimizerConfig(), sft_objective(),
+                            engine=TrainEngineConfig(logit_chunk_tokens=16))
+    arrays = {**{k: np.asarray(v) for k, v in batch.items()}, "positions": np.tile(np.arange(T, dtype=np.int32), (R, 1))}
+    grads, stats = trainer.minibatch_gradients([PackedBatch(arrays, (), int(np.sum(arrays["loss_mask"])))])
+    loss, n = stats["loss"], stats["n_valid"]
     assert float(n) == float(jnp.sum(batch["loss_mask"]))
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
     for (path, got), want in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(ref_grads)):

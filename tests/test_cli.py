@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 QUICKSTART = str(ROOT / "configs" / "quickstart.gin")
 SHORT = [  # the quickstart, shrunk to seconds
     "ModelSource.hidden_size = 32", "ModelSource.num_layers = 1", "TaskSource.train_size = 300",
-    "TaskSource.eval_size = 8", "SFTConfig.steps = 10", "SFTConfig.warmup = 2", "RLConfig.steps = 2",
+    "TaskSource.eval_size = 8", "SFTConfig.steps = 10", "SFTConfig.warmup_steps = 2", "RLConfig.steps = 2",
     "RLConfig.batch_size = 2", "RLConfig.max_concurrent = 4", "RLConfig.eval_every = 1",
     "RLVRConfig.n_samples = 2", "RLVRConfig.max_new_tokens = 8", "RLVRConfig.filter_all_equal_rewards = False",
     "RLConfig.eval_max_new_tokens = 8", "EngineConfig.num_slots = 8", "EngineConfig.max_seq_len = 64",

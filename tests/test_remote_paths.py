@@ -92,7 +92,7 @@ TINY_RUN = [
     f"--gin_file={ROOT / 'configs' / 'quickstart.gin'}",
     *[f"--gin_param={p}" for p in (
         "ModelSource.hidden_size = 32", "ModelSource.num_layers = 1", "TaskSource.train_size = 50",
-        "TaskSource.eval_size = 2", "SFTConfig.steps = 2", "SFTConfig.warmup = 1", "SFTConfig.eval_every = 0",
+        "TaskSource.eval_size = 2", "SFTConfig.steps = 2", "SFTConfig.warmup_steps = 1", "SFTConfig.eval_every = 0",
         "SFTConfig.stop_accuracy = 0.0",
         "RLConfig.steps = 2", "RLConfig.batch_size = 2", "RLConfig.max_concurrent = 4",
         "RLConfig.dump_rollouts_every = 1", "RLVRConfig.n_samples = 2", "RLVRConfig.max_new_tokens = 4",

@@ -30,7 +30,7 @@ ARGS = [
     f"--gin_file={ROOT / 'configs' / 'quickstart.gin'}",
     *[f"--gin_param={p}" for p in (
         "ModelSource.hidden_size = 32", "ModelSource.num_layers = 1", "TaskSource.train_size = 300",
-        "TaskSource.eval_size = 4", "SFTConfig.steps = 10", "SFTConfig.warmup = 2", "RLConfig.steps = 6",
+        "TaskSource.eval_size = 4", "SFTConfig.steps = 10", "SFTConfig.warmup_steps = 2", "RLConfig.steps = 6",
         "SFTConfig.eval_every = 0", "SFTConfig.stop_accuracy = 0.0",  # 10 SFT steps: no accuracy stop
         "RLConfig.batch_size = 2", "RLConfig.max_concurrent = 4", "RLVRConfig.n_samples = 2",
         "RLVRConfig.max_new_tokens = 8", "RLVRConfig.filter_all_equal_rewards = False",

@@ -1,4 +1,5 @@
-"""SFT: packed batches, completion-only loss (packed == unpacked), training to 100% on a few examples."""
+"""SFT: packed batches, completion-only loss (packed == unpacked) on the RL trainer's engine, training to
+100% on a few examples."""
 
 import dataclasses
 import jax
@@ -13,15 +14,19 @@ from areal_jax.tasks import arithmetic as ar
 from areal_jax.tasks.tokenizer_builder import build_tokenizer, task_model_config
 from areal_jax.data import SFTExample
 from areal_jax.evaluation.held_out import GreedyAccuracy, evaluate_accuracy, sample_rewards
+from areal_jax.ppo import token_logprobs
+from areal_jax.trainer.config import TrainEngineConfig
 from areal_jax.trainer.optimizer import OptimizerConfig, build_optimizer, learning_rate_schedule
 from areal_jax.trainer.sft import (
     PackedBatches,
     SFTConfig,
-    completion_loss,
     packed_eval_batches,
     run_sft,
     sequence_arrays,
+    sft_microbatch,
+    sft_objective,
 )
+from areal_jax.trainer.train_step import PolicyTrainer
 
 TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
 
@@ -29,6 +34,16 @@ TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermedi
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory) -> Tokenizer:
     return Tokenizer.from_pretrained(build_tokenizer(tmp_path_factory.mktemp("tok")))
+
+
+def completion_loss(params, cfg, batch, **forward_kw):
+    """The reference: token-mean negative log-likelihood of the trained tokens of a packed batch, by
+    the plain decoder (no engine); (loss, trained tokens)."""
+    logits, _ = forward(params, cfg, batch["input_ids"], batch.get("positions"), batch.get("segment_ids"),
+                        **forward_kw)
+    mask = batch["loss_mask"].astype(jnp.float32)
+    n = jnp.sum(mask)
+    return -jnp.sum(token_logprobs(logits, batch["targets"]) * mask) / jnp.maximum(n, 1.0), n
 
 
 def _random_examples(rng, n, vocab=50):
@@ -76,8 +91,8 @@ def test_too_long_example_is_rejected():
 
 
 @pytest.mark.parametrize("kwargs, culprit", [
-    ({"steps": 0}, "steps"), ({"warmup": 20, "steps": 10}, "warmup"), ({"lr": 0.0}, "lr"),
-    ({"compute_dtype": "float16"}, "compute_dtype"), ({"batch_size": 0}, "batch_size"),
+    ({"steps": 0}, "steps"), ({"warmup_steps": 20, "steps": 10}, "warmup_steps"), ({"lr": 0.0}, "lr"),
+    ({"max_grad_norm": 0.0}, "max_grad_norm"), ({"batch_size": 0}, "batch_size"),
     ({"min_lr_ratio": 2.0}, "min_lr_ratio"), ({"eval_every": -1}, "eval_every"), ({"eval_from": -2}, "eval_from"),
     ({"stop_accuracy": 1.5, "eval_every": 10}, "stop_accuracy"), ({"stop_accuracy": 0.5}, "eval_every > 0"),
     ({"steps": 100, "eval_every": 20, "eval_from": 101}, "no validation check"),
@@ -90,7 +105,7 @@ def test_config_validation_names_the_culprit(kwargs, culprit):
 
 @pytest.mark.parametrize("steps, warmup", [(10, 10), (10, 0), (10, 3), (1, 1)])
 def test_schedule_warms_up_to_the_peak_and_decays_to_the_floor(steps, warmup):
-    cfg = SFTConfig(steps=steps, warmup=warmup, lr=1e-2, min_lr_ratio=0.1)
+    cfg = SFTConfig(steps=steps, warmup_steps=warmup, lr=1e-2, min_lr_ratio=0.1)
     lr = [float(learning_rate_schedule(cfg.optimizer_config())(s)) for s in range(steps + 1)]
     assert lr[warmup] == pytest.approx(1e-2, rel=1e-6)
     assert all(a <= b + 1e-12 for a, b in zip(lr[:warmup], lr[1:warmup + 1]))  # rising warm-up
@@ -106,9 +121,11 @@ def test_sft_updates_with_the_rl_trainers_optimizer():
     cfg = task_model_config(vocab_size=50, **TINY)
     params = init_params(cfg, jax.random.key(1), std=0.2)
     examples = _random_examples(np.random.default_rng(11), 10)
-    sft = SFTConfig(steps=4, batch_size=2, max_len=24, lr=3e-3, warmup=2, min_lr_ratio=0.2, weight_decay=0.05,
-                    grad_clip=0.5, log_every=1, seed=3, scan_layers=False, attention_impl="reference")
-    trained, metrics = run_sft(cfg, params, examples, sft, progress=False)
+    sft = SFTConfig(steps=4, batch_size=2, max_len=24, lr=3e-3, warmup_steps=2, min_lr_ratio=0.2, weight_decay=0.05,
+                    max_grad_norm=0.5, log_every=1, seed=3)
+    trained, metrics = run_sft(cfg, params, examples, sft, progress=False,
+                               engine=TrainEngineConfig(scan_layers=False, attention_impl="reference"))
+    assert sft_objective().name == "sft"
     opt_cfg = OptimizerConfig(lr=3e-3, warmup_steps=2, schedule="cosine", total_steps=4, min_lr_ratio=0.2,
                               weight_decay=0.05, b2=0.98, max_grad_norm=0.5)
     assert sft.optimizer_config() == opt_cfg
@@ -138,7 +155,10 @@ def test_packed_loss_equals_per_sequence_reference():
     rng = np.random.default_rng(3)
     examples = _random_examples(rng, 11)
     batch = next(PackedBatches(examples, batch_size=4, max_len=24, seed=0))
-    packed_loss, n = completion_loss(params, cfg, {k: jnp.asarray(v) for k, v in batch.items()})
+    # The training engine's loss of the batch as SFT runs it: one micro-batch, the completion loss.
+    trainer = PolicyTrainer(cfg, params, OptimizerConfig(), sft_objective())
+    _, stats = trainer.minibatch_gradients([sft_microbatch(batch)])
+    packed_loss, n = stats["loss"], stats["n_valid"]
 
     # Reference: each packed sequence alone, NumPy log-softmax, token mean over the batch.
     groups, start = [], 0
@@ -200,7 +220,7 @@ def test_per_step_records_and_validation_loss():
     examples = [SFTExample(ids, np.arange(ids.size) % 3 == 2) for ids in (rng.integers(1, 50, n) for n in
                                                                             rng.integers(4, 12, 16))]
     held_out = [SFTExample.from_pair(p, c) for p, c in _random_examples(rng, 7)]
-    sft = SFTConfig(steps=5, batch_size=2, max_len=24, warmup=1, log_every=2, val_every=2, lr=3e-3,
+    sft = SFTConfig(steps=5, batch_size=2, max_len=24, warmup_steps=1, log_every=2, val_every=2, lr=3e-3,
                     eval_paths=("held_out.jsonl",))  # run_sft takes the examples: the paths are the job's
     records = []
     trained, metrics = run_sft(cfg, params, examples, sft, progress=False, val_examples=held_out,
@@ -226,7 +246,7 @@ def six_problems(tokenizer):
 
 def test_sft_overfits_a_handful_of_problems(tokenizer, six_problems):
     examples, rows, cfg, params = six_problems
-    sft = SFTConfig(steps=120, batch_size=2, max_len=96, lr=1e-2, warmup=10, log_every=20, seed=0)
+    sft = SFTConfig(steps=120, batch_size=2, max_len=96, lr=1e-2, warmup_steps=10, log_every=20, seed=0)
     trained, metrics = run_sft(cfg, params, examples, sft, progress=False)
     assert [m["step"] for m in metrics] == [20, 40, 60, 80, 100, 120]
     assert metrics[-1]["loss"] < 0.05 < metrics[0]["loss"]
@@ -252,7 +272,7 @@ def test_validation_checks_run_where_configured_and_the_first_to_reach_the_targe
         seen.append(p["embed"].shape)
         return next(curve)
 
-    sft = SFTConfig(steps=20, batch_size=2, max_len=32, warmup=2, log_every=5, eval_every=3, eval_from=4,
+    sft = SFTConfig(steps=20, batch_size=2, max_len=32, warmup_steps=2, log_every=5, eval_every=3, eval_from=4,
                     stop_accuracy=0.5)
     _, metrics = run_sft(cfg, params, examples, sft, progress=False, validate=validate)
     # Checks at steps 6, 9, 12 (multiples of 3 from step 4); 12 reaches 0.5 and ends the run.
@@ -273,7 +293,7 @@ def test_sft_stops_once_greedy_accuracy_on_validation_rows_reaches_the_target(to
     """The real probe: one engine across checks; the run ends at the first check with every row right."""
     examples, rows, cfg, params = six_problems
     probe = GreedyAccuracy(cfg, rows, tokenizer, max_new_tokens=32, slots=4)
-    sft = SFTConfig(steps=160, batch_size=2, max_len=96, lr=1e-2, warmup=10, log_every=20, seed=0,
+    sft = SFTConfig(steps=160, batch_size=2, max_len=96, lr=1e-2, warmup_steps=10, log_every=20, seed=0,
                     eval_every=10, eval_from=30, stop_accuracy=1.0)
     trained, metrics = run_sft(cfg, params, examples, sft, progress=False, validate=probe)
     checks = [m["val_accuracy"] for m in metrics if "val_accuracy" in m]
@@ -292,7 +312,7 @@ def test_sft_on_a_sharded_train_mesh_equals_sft_on_one_device(tokenizer, six_pro
     from areal_jax.parallel.meshes import MeshConfig, build_meshes
 
     examples, _, cfg, params = six_problems
-    sft = SFTConfig(steps=12, batch_size=2, max_len=96, lr=1e-2, warmup=2, log_every=4, seed=0,
+    sft = SFTConfig(steps=12, batch_size=2, max_len=96, lr=1e-2, warmup_steps=2, log_every=4, seed=0,
                     eval_every=6, eval_from=6)
     mesh = build_meshes(MeshConfig(num_generation_devices_per_host=4, train_tensor=2), jax.devices()[:8]).train
     assert dict(mesh.shape) == {"fsdp": 2, "expert": 1, "tensor": 2}

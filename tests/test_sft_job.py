@@ -14,7 +14,7 @@ from areal_jax.trainer.sft import SFTConfig
 from tests.test_cli import _tiny_model_dir
 
 TINY_RUN = ["ModelSource.hidden_size = 32", "ModelSource.num_layers = 1", "TaskSource.kind = 'dataset'",
-            "TaskSource.eval_size = 0", "SFTConfig.steps = 6", "SFTConfig.warmup = 1", "SFTConfig.batch_size = 4",
+            "TaskSource.eval_size = 0", "SFTConfig.steps = 6", "SFTConfig.warmup_steps = 1", "SFTConfig.batch_size = 4",
             "SFTConfig.max_len = 160", "SFTConfig.log_every = 4", "Stages.plot = False",
             "MeshConfig.num_generation_devices_per_host = 4"]
 
@@ -47,7 +47,7 @@ def strict_json(text: str):
 
 
 def test_sft_step_index_orders_sft_before_rl():
-    cfg = SFTConfig(steps=6, warmup=1)
+    cfg = SFTConfig(steps=6, warmup_steps=1)
     assert [sft_step_index(cfg, s) for s in range(1, 7)] == [-6, -5, -4, -3, -2, -1]
 
 

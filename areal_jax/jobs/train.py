@@ -273,7 +273,8 @@ def _sft_stage(run: _Run, params: Any) -> Any:
     # SFT trains on the RL trainer's mesh (sharded, across hosts); on a single device as is.
     sft_mesh = run.meshes.train if run.meshes.train.devices.size > 1 else None
     run.metrics_log = metrics_log = metrics_logger(cfg, run.run_dir, progress=False)  # SFT has its own bar
-    params, sft_log = run_sft(work.model_config, params, work.sft_examples, cfg.sft, progress=run.progress,
+    params, sft_log = run_sft(work.model_config, params, work.sft_examples, cfg.sft, engine=cfg.train_engine,
+                              progress=run.progress,
                               validate=validate, mesh=sft_mesh, val_examples=work.sft_val_examples,
                               on_step=lambda step, m: metrics_log.log(sft_step_index(cfg.sft, step), {"sft": m}))
     del validate, probe  # its engine (weights, KV cache) is not kept through RL

@@ -12,7 +12,6 @@ import dataclasses
 import math
 from typing import Any, Literal
 
-from areal_jax.models.transformer import ATTENTION_IMPLS
 from areal_jax.parallel.weight_sync import DEFAULT_GROUP_BYTES
 from areal_jax.ppo.loss import BEHAV_IMP_WEIGHT_MODES, IMPORTANCE_SAMPLING_LEVELS
 from areal_jax.rollout.workflow import resolve_workflow_class
@@ -211,6 +210,10 @@ MOVED_FIELDS: dict[str, str] = {
         "max_tokens_per_microbatch", "row_buckets", "compute_dtype", "remat", "scan_layers", "attention_impl",
         "skip_nonfinite", "logit_chunk_tokens", "moe_routing")},
     "PPOConfig.decoupled": "PPOConfig.objective ('decoupled', or 'naive' for decoupled = False)",
+    "SFTConfig.warmup": "SFTConfig.warmup_steps",
+    "SFTConfig.grad_clip": "SFTConfig.max_grad_norm",
+    **{f"SFTConfig.{name}": f"TrainEngineConfig.{name} (SFT runs on the RL trainer's engine)"
+       for name in ("compute_dtype", "scan_layers", "attention_impl")},
 }
 
 
@@ -225,13 +228,11 @@ class SFTConfig:
     steps: optimizer steps. batch_size: packed rows per step (B). max_len: tokens per row (T);
     every example must fit in one row. lr: peak AdamW learning rate (the default suits a pretrained
     model, as TRL's; the built-in task's tiny model wants ~3e-3, as configs/quickstart.gin sets),
-    reached after `warmup` linear steps, then cosine decay to `lr * min_lr_ratio`; weight_decay and
-    grad_clip (a global norm) as OptimizerConfig's (`optimizer_config`: the RL trainer's optimizer). compute_dtype: "float32" or
-    "bfloat16" for matmuls (weights and optimizer state stay float32). log_every: steps between
-    metric read-backs (reading forces a device sync). scan_layers: run the layers as a scan (one
-    compiled layer body) or unrolled (faster per step on CPU, longer compile for deep models).
-    attention_impl: self-attention of the SFT forward, as `TrainEngineConfig.attention_impl` ("auto" =
-    flash attention by platform; "blocked" = the blocked formula under autodiff).
+    reached after `warmup_steps` linear steps, then cosine decay to `lr * min_lr_ratio`;
+    weight_decay and max_grad_norm (a global norm) as OptimizerConfig's, whose names these are
+    (`optimizer_config`). log_every: steps between metric read-backs (reading forces a device
+    sync). SFT runs on the RL trainer's engine (trainer/sft.py): its compute dtype, layer scan and
+    attention are TrainEngineConfig's.
 
     Validation (needs validation prompts, e.g. TaskSource.validation_size for the built-in task):
     eval_every: steps between greedy-accuracy checks on them (0 = none), from step `eval_from`
@@ -249,16 +250,13 @@ class SFTConfig:
     steps: int = 1000
     batch_size: int = 16
     lr: float = 2e-5
-    warmup: int = 50
+    warmup_steps: int = 50
     max_len: int = 256
     seed: int = 0
-    compute_dtype: str = "float32"
     weight_decay: float = 0.01
-    grad_clip: float = 1.0
+    max_grad_norm: float = 1.0
     min_lr_ratio: float = 0.1
     log_every: int = 10
-    scan_layers: bool = True
-    attention_impl: str = "auto"
     eval_every: int = 0
     eval_from: int = 0
     stop_accuracy: float = 0.0
@@ -271,20 +269,15 @@ class SFTConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"SFTConfig.{name} must be an int >= 1, got {value!r}")
-        if not isinstance(self.warmup, int) or not 0 <= self.warmup <= self.steps:
-            raise ValueError(f"SFTConfig.warmup must be an int in [0, steps={self.steps}], got {self.warmup!r}")
+        if not isinstance(self.warmup_steps, int) or not 0 <= self.warmup_steps <= self.steps:
+            raise ValueError(f"SFTConfig.warmup_steps must be an int in [0, steps={self.steps}], "
+                             f"got {self.warmup_steps!r}")
         if not self.lr > 0:
             raise ValueError(f"SFTConfig.lr must be positive, got {self.lr!r}")
-        if not isinstance(self.scan_layers, bool):
-            raise ValueError(f"SFTConfig.scan_layers must be a bool, got {self.scan_layers!r}")
-        if self.attention_impl not in ATTENTION_IMPLS:
-            raise ValueError(f"SFTConfig.attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
-        if self.compute_dtype not in COMPUTE_DTYPE_NAMES:
-            raise ValueError(f"SFTConfig.compute_dtype must be one of {COMPUTE_DTYPE_NAMES}, got {self.compute_dtype!r}")
         if not self.weight_decay >= 0:
             raise ValueError(f"SFTConfig.weight_decay must be >= 0, got {self.weight_decay!r}")
-        if not self.grad_clip > 0:
-            raise ValueError(f"SFTConfig.grad_clip must be positive, got {self.grad_clip!r}")
+        if not self.max_grad_norm > 0:
+            raise ValueError(f"SFTConfig.max_grad_norm must be positive, got {self.max_grad_norm!r}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"SFTConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
         for name in ("paths", "eval_paths"):
@@ -305,7 +298,7 @@ class SFTConfig:
         try:  # what SFTConfig's checks above let through and the shared optimizer would refuse
             self.optimizer_config()
         except ValueError as e:
-            raise ValueError(f"SFTConfig (lr, warmup, weight_decay, grad_clip, min_lr_ratio): {e}") from None
+            raise ValueError(f"SFTConfig (lr, warmup_steps, weight_decay, max_grad_norm, min_lr_ratio): {e}") from None
         # The first check: the first multiple of eval_every at or after eval_from (steps count from 1).
         if self.eval_every and -(-max(self.eval_from, 1) // self.eval_every) * self.eval_every > self.steps:
             raise ValueError(f"SFTConfig.eval_every = {self.eval_every} with eval_from = {self.eval_from} runs no "
@@ -314,13 +307,13 @@ class SFTConfig:
 
     def optimizer_config(self) -> OptimizerConfig:
         """SFT's optimizer as the RL trainer's (trainer/optimizer.py, one AdamW and schedule for
-        both): global-norm clipping at `grad_clip`, AdamW (b2 0.98, `weight_decay`), linear warmup
-        over `warmup` updates (update s at lr * (s + 1) / warmup), then cosine decay to
+        both): global-norm clipping at `max_grad_norm`, AdamW (b2 0.98, `weight_decay`), linear warmup
+        over `warmup_steps` updates (update s at lr * (s + 1) / warmup_steps), then cosine decay to
         lr * min_lr_ratio at update `steps`."""
-        return OptimizerConfig(lr=self.lr, warmup_steps=self.warmup, schedule="cosine",
-                               total_steps=max(self.steps, self.warmup + 1),  # warmup == steps: warmup only
+        return OptimizerConfig(lr=self.lr, warmup_steps=self.warmup_steps, schedule="cosine",
+                               total_steps=max(self.steps, self.warmup_steps + 1),  # warmup == steps: warmup only
                                min_lr_ratio=self.min_lr_ratio, weight_decay=self.weight_decay, b2=0.98,
-                               max_grad_norm=self.grad_clip)
+                               max_grad_norm=self.max_grad_norm)
 
     def validates_at(self, step: int) -> bool:
         """Whether step `step` (1-based) ends with a validation check."""

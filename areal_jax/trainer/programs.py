@@ -247,11 +247,15 @@ def build_train_programs(model_cfg: ModelConfig, engine_cfg: TrainEngineConfig, 
                     stats[name] = jnp.sum(jnp.where(where, m, 0.0), axis=(0, 1))
             stats["n_valid"] = jnp.sum(valid.astype(jnp.float32))
             stats["entropy_sum"] = jnp.sum(jnp.where(valid, entropy, 0.0))
-            gap = jnp.abs(batch["behavior_logprobs"].astype(jnp.float32) - jax.lax.stop_gradient(logp))
-            stats["behav_logp_gap_sum"] = jnp.sum(jnp.where(valid, gap, 0.0))
-            fresh = valid & (batch[FRESH_KEY] > 0) if FRESH_KEY in batch else jnp.zeros_like(valid)
-            stats["fresh_logp_gap_sum"] = jnp.sum(jnp.where(fresh, gap, 0.0))
-            stats["n_fresh"] = jnp.sum(fresh).astype(jnp.float32)
+            if "behavior_logprobs" in batch:  # RL batches (SFT's have no sampler)
+                gap = jnp.abs(batch["behavior_logprobs"].astype(jnp.float32) - jax.lax.stop_gradient(logp))
+                stats["behav_logp_gap_sum"] = jnp.sum(jnp.where(valid, gap, 0.0))
+                fresh = valid & (batch[FRESH_KEY] > 0) if FRESH_KEY in batch else jnp.zeros_like(valid)
+                stats["fresh_logp_gap_sum"] = jnp.sum(jnp.where(fresh, gap, 0.0))
+                stats["n_fresh"] = jnp.sum(fresh).astype(jnp.float32)
+            else:
+                stats.update({k: jnp.zeros((), jnp.float32) for k in ("behav_logp_gap_sum", "fresh_logp_gap_sum",
+                                                                      "n_fresh")})
             stats.update({k: jnp.zeros((), jnp.float32) for k in MOE_STATS})
             if routing is not None:
                 # The micro-batch's aux loss weighted by its share of the minibatch's tokens, so

@@ -15,8 +15,6 @@ trained iff token j + 1 is a completion token (for a pair of prompt length P: j 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import functools
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -24,23 +22,23 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
+from areal_jax.api import PackedBatch
 from areal_jax.data.sft_data import SFTExample
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.transformer import Params, forward, lm_head
-from areal_jax.models.sharding import TRAIN_RULES, activation_rules, sharding_for
+from areal_jax.models.transformer import Params
 from areal_jax.packing import ffd_allocate, pack_sequences
-from areal_jax.parallel.distributed import fully_local
-from areal_jax.ppo.logprobs import DEFAULT_LOGIT_CHUNK_TOKENS, hidden_logprobs
+from areal_jax.parallel.distributed import agree_sum_array, fully_local
 from areal_jax.trainer.config import SFTConfig
-from areal_jax.trainer.optimizer import build_optimizer, learning_rate_schedule
-from areal_jax.trainer.train_step import opt_state_shardings, param_shardings
+from areal_jax.trainer.engine_config import Objective, TrainEngineConfig
+from areal_jax.trainer.objectives import completion_nll
+from areal_jax.trainer.optimizer import learning_rate_schedule
+from areal_jax.trainer.reference import process_local_rows
+from areal_jax.trainer.train_step import PolicyTrainer
 
 Example = tuple[Sequence[int], Sequence[int]] | SFTExample  # (prompt_ids, completion_ids), or ids + trained mask
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 # ---- data -----------------------------------------------------------------------------------------
@@ -122,69 +120,25 @@ class PackedBatches:
         return _pack_bins(self.seqs, [[chosen[j] for j in b] for b in kept], self.max_len, self.batch_size)
 
 
-# ---- loss and step --------------------------------------------------------------------------------
+# ---- the step ---------------------------------------------------------------------------------------
 
 
-def completion_loss(params: Params, model_cfg: ModelConfig, batch: Mapping[str, jax.Array], *,
-                    compute_dtype=None, scan_layers: bool = True,
-                    logit_chunk_tokens: int = DEFAULT_LOGIT_CHUNK_TOKENS,
-                    attention_impl: str = "auto") -> tuple[jax.Array, jax.Array]:
-    """Token-mean cross-entropy over completion tokens of a packed (or padded) batch.
-
-    batch: input_ids, targets, loss_mask `[B, T]`, and optionally segment_ids / positions `[B, T]`
-    (without them each row is one sequence starting at position 0). Returns (loss, n_tokens).
-    A batch of more than `logit_chunk_tokens` tokens takes its log-probs chunk by chunk
-    (ppo/logprobs.py), so its logits `[B, T, V]` never exist whole.
-    """
-    hidden, _ = forward(params, model_cfg, batch["input_ids"], batch.get("positions"), batch.get("segment_ids"),
-                        compute_dtype=compute_dtype, scan_layers=scan_layers, return_hidden=True,
-                        attention_impl=attention_impl)
-    logp = hidden_logprobs(hidden, functools.partial(lm_head, params, model_cfg), batch["targets"],
-                           chunk_tokens=logit_chunk_tokens)  # [B, T]
-    mask = batch["loss_mask"].astype(jnp.float32)
-    n = jnp.sum(mask)
-    return -jnp.sum(logp * mask) / jnp.maximum(n, 1.0), n
+def sft_objective() -> Objective:
+    """SFT's loss for the training engine: the token-mean negative log-likelihood of the trained
+    (completion) tokens at temperature 1 (`trainer.objectives.completion_nll`)."""
+    return Objective(completion_nll, None, 1.0, name="sft")
 
 
-def make_train_step(model_cfg: ModelConfig, optimizer: optax.GradientTransformation, compute_dtype=None,
-                    scan_layers: bool = True, out_shardings: Any = None, attention_impl: str = "auto"
-                    ) -> Callable[..., tuple[Params, Any, dict[str, jax.Array]]]:
-    """Jitted `(params, opt_state, batch) -> (params, opt_state, metrics)`; params/state donated.
-    out_shardings: (params, opt_state, metrics) shardings on a mesh, so every step keeps one layout."""
-
-    def step(params, opt_state, batch):
-        (loss, n), grads = jax.value_and_grad(
-            lambda p: completion_loss(p, model_cfg, batch, compute_dtype=compute_dtype, scan_layers=scan_layers,
-                                      attention_impl=attention_impl),
-            has_aux=True)(params)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        return params, opt_state, {"loss": loss, "tokens": n, "grad_norm": optax.tree.norm(grads)}
-
-    return jax.jit(step, donate_argnums=(0, 1), **({} if out_shardings is None else {"out_shardings": out_shardings}))
-
-
-class _MeshPlacement:
-    """SFT state on a train mesh: weights and optimizer state sharded by the training rule table
-    (FSDP x TP), batch rows over "fsdp". Works across processes: every process builds the same
-    host batch and places the rows its devices hold."""
-
-    def __init__(self, model_cfg: ModelConfig, mesh: Mesh, batch_shape: tuple[int, int]):
-        self.mesh = mesh
-        self.params = param_shardings(model_cfg, TRAIN_RULES, mesh)
-        self.rows = sharding_for(("batch", "seq"), TRAIN_RULES, mesh, batch_shape)  # every batch is [B, T]
-        self.replicated = NamedSharding(mesh, PartitionSpec())
-
-    @staticmethod
-    def _global(host: np.ndarray, sharding) -> jax.Array:
-        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-
-    def place_params(self, params: Params) -> Params:
-        host = jax.tree.map(lambda a: np.asarray(a, np.float32), jax.device_get(fully_local(params)))
-        return jax.tree.map(self._global, host, self.params)
-
-    def batch(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
-        return {k: self._global(np.asarray(v), self.rows) for k, v in batch.items()}
+def sft_microbatch(batch: Mapping[str, np.ndarray]) -> PackedBatch:
+    """A packed batch `[B, T]` (the same on every process) as the engine's one micro-batch of a
+    one-micro-batch minibatch, its loss divided by the batch's trained tokens (the token mean):
+    this process's share of the rows (the engine stacks the processes' rows into one array)."""
+    count, index = jax.process_count(), jax.process_index()
+    rows = len(batch["input_ids"]) // count
+    if rows * count != len(batch["input_ids"]):
+        raise ValueError(f"SFTConfig.batch_size {len(batch['input_ids'])} must divide over {count} processes")
+    local = {k: np.asarray(v)[index * rows:(index + 1) * rows] for k, v in batch.items()}
+    return PackedBatch(local, (), int(np.asarray(batch["loss_mask"]).sum()))
 
 
 def _whole_on_this_host(tree: Any) -> Any:
@@ -194,7 +148,7 @@ def _whole_on_this_host(tree: Any) -> Any:
 
 
 def run_sft(model_cfg: ModelConfig, params: Params, examples: Sequence[Example], cfg: SFTConfig, *,
-            progress: bool = True, validate: Callable[[Params], float] | None = None, mesh: Mesh | None = None,
+            engine: TrainEngineConfig | None = None, progress: bool = True, validate: Callable[[Params], float] | None = None, mesh: Mesh | None = None,
             val_examples: Sequence[Example] = (), on_step: Callable[[int, dict[str, float]], None] | None = None
             ) -> tuple[Params, list[dict[str, float]]]:
     """Fine-tunes `params` on examples (pairs or `SFTExample`s); returns new params and metrics.
@@ -215,6 +169,10 @@ def run_sft(model_cfg: ModelConfig, params: Params, examples: Sequence[Example],
     (required when `cfg.eval_every` > 0; e.g. a `GreedyAccuracy`), with whole weights on this
     process's default device.
 
+    engine: how the training engine computes (TrainEngineConfig: compute dtype, layer scan, attention,
+    logit chunks; the RL trainer's); SFT runs on the same engine (`PolicyTrainer`) as RL, with the
+    completion loss (`sft_objective`), one optimizer update per packed batch.
+
     mesh: a train mesh (("fsdp", "expert", "tensor"), `parallel.build_meshes(...).train`), possibly spanning
     processes: weights, optimizer state and batch rows are sharded on it, as the RL trainer's are.
     On a multi-host run every process calls run_sft alike (same examples and config). Without it,
@@ -222,67 +180,46 @@ def run_sft(model_cfg: ModelConfig, params: Params, examples: Sequence[Example],
     """
     if cfg.eval_every and validate is None:
         raise ValueError("SFTConfig.eval_every > 0 needs a `validate` function (validation prompts)")
-    compute_dtype = _DTYPES[cfg.compute_dtype]
     opt_cfg = cfg.optimizer_config()
-    optimizer = build_optimizer(opt_cfg)
-    placement = _MeshPlacement(model_cfg, mesh, (cfg.batch_size, cfg.max_len)) if mesh is not None else None
-    if placement is None:
-        params = jax.tree.map(lambda a: jnp.array(a, jnp.float32), params)  # own copy: the step donates it
-        opt_state = optimizer.init(params)
-        step_fn = make_train_step(model_cfg, optimizer, compute_dtype, cfg.scan_layers,
-                                  attention_impl=cfg.attention_impl)
-    else:
-        params = placement.place_params(params)
-        opt_shardings = opt_state_shardings(optimizer, params, placement.params, mesh)
-        opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
-        step_fn = make_train_step(model_cfg, optimizer, compute_dtype, cfg.scan_layers,
-                                  out_shardings=(placement.params, opt_shardings, placement.replicated),
-                                  attention_impl=cfg.attention_impl)
+    trainer = PolicyTrainer(model_cfg, params, opt_cfg, sft_objective(), engine=engine, mesh=mesh)
+    del params  # the trainer holds its own fp32 copy
     schedule = learning_rate_schedule(opt_cfg)
     batches = PackedBatches(examples, cfg.batch_size, cfg.max_len, cfg.seed)
     val_batches = packed_eval_batches(val_examples, cfg.batch_size, cfg.max_len) if val_examples else []
-    loss_fn = jax.jit(functools.partial(completion_loss, model_cfg=model_cfg, compute_dtype=compute_dtype,
-                                        scan_layers=cfg.scan_layers, attention_impl=cfg.attention_impl))
 
     def val_loss() -> float:
-        sums = []  # (loss * tokens, tokens) per batch: the mean over every held-out token
+        total = np.zeros(2)  # nll sum and tokens over every held-out token (this process's rows)
         for b in val_batches:
-            if placement is None:
-                loss, n = loss_fn(params, batch=b)
-            else:
-                with activation_rules(TRAIN_RULES, placement.mesh):
-                    loss, n = loss_fn(params, batch=placement.batch(b))
-            sums.append((loss * n, n))
-        host = jax.device_get(fully_local(sums))
-        return float(sum(s for s, _ in host) / max(sum(n for _, n in host), 1.0))
+            micro = sft_microbatch(b)
+            logp = process_local_rows(trainer.compute_logprobs(micro))  # [B / processes, T]
+            mask = np.asarray(micro.arrays["loss_mask"], np.float64)
+            total += (-float(np.sum(logp * mask)), float(mask.sum()))
+        if jax.process_count() > 1:
+            total = agree_sum_array(total)
+        return float(total[0] / max(total[1], 1.0))
 
     metrics: list[dict[str, float]] = []
     window: list[dict[str, jax.Array]] = []
     start = time.perf_counter()
     bar = tqdm(total=cfg.steps, desc="sft", disable=not progress, dynamic_ncols=True)
     for step in range(1, cfg.steps + 1):
-        if placement is None:
-            params, opt_state, m = step_fn(params, opt_state, next(batches))
-        else:
-            with activation_rules(TRAIN_RULES, placement.mesh):
-                params, opt_state, m = step_fn(params, opt_state, placement.batch(next(batches)))
-        window.append(m)
-        accuracy = validate(_whole_on_this_host(params) if placement else params) if cfg.validates_at(step) else None
+        window.append(trainer.update([sft_microbatch(next(batches))]))  # device values: no sync per step
+        accuracy = validate(_whole_on_this_host(trainer.params)) if cfg.validates_at(step) else None
         stop = accuracy is not None and cfg.stop_accuracy > 0 and accuracy >= cfg.stop_accuracy
         last = step == cfg.steps or stop
         loss_val = val_loss() if val_batches and (last or (cfg.val_every and step % cfg.val_every == 0)) else None
         if step % cfg.log_every == 0 or last or accuracy is not None or loss_val is not None:
-            host = jax.device_get(fully_local(window))
+            host = [{"loss": float(w["loss"]), "tokens": float(w["n_valid"]), "grad_norm": float(w["grad_norm"])}
+                    for w in jax.device_get(fully_local(window))]
             entry = {"step": step, "loss": float(np.mean([w["loss"] for w in host])),
-                     "tokens": float(sum(w["tokens"] for w in host)), "grad_norm": float(host[-1]["grad_norm"]),
+                     "tokens": float(sum(w["tokens"] for w in host)), "grad_norm": host[-1]["grad_norm"],
                      "lr": float(schedule(step - 1)), "seconds": time.perf_counter() - start}
             checks = {"val_accuracy": accuracy, "val_loss": loss_val}
             entry.update({k: float(v) for k, v in checks.items() if v is not None})
             metrics.append(entry)
             if on_step is not None:
                 for k, w in enumerate(host, start=step - len(host) + 1):
-                    record = {"loss": float(w["loss"]), "tokens": float(w["tokens"]),
-                              "grad_norm": float(w["grad_norm"]), "lr": float(schedule(k - 1))}
+                    record = {**w, "lr": float(schedule(k - 1))}
                     on_step(k, record if k < step else {**record, **{n: entry[n] for n in checks if n in entry}})
             window = []
             bar.set_postfix(loss=f"{entry['loss']:.4f}", **({} if accuracy is None else {"val": f"{accuracy:.2f}"}))
@@ -291,5 +228,5 @@ def run_sft(model_cfg: ModelConfig, params: Params, examples: Sequence[Example],
             metrics[-1]["stopped_early"] = True
             break
     bar.close()
-    return (params if placement is None else _whole_on_this_host(params)), metrics
+    return _whole_on_this_host(trainer.params), metrics
 

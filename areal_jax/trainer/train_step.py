@@ -207,8 +207,8 @@ class PolicyTrainer:
         with self._activation_rules():
             for u, micro in enumerate(microbatches):
                 # Every [R, T] array the algorithm packed goes to the objective (the loss reads what it needs).
-                keys = (*LOSS_KEYS, *sorted(k for k in micro.arrays if k not in LOSS_KEYS and k != MOE_ROUTING_KEY
-                                            and k not in ("segment_ids", "positions")))
+                keys = (*FORWARD_KEYS, "loss_mask",
+                        *sorted(k for k in micro.arrays if k not in (*FORWARD_KEYS, "loss_mask", MOE_ROUTING_KEY)))
                 batch = self._to_device(micro, self._with_routing(micro, keys, loss=True))
                 denom = np.float32(micro.minibatch_valid_tokens)
                 extra = ()
@@ -216,6 +216,16 @@ class PolicyTrainer:
                     extra = (np.array([self._step, minibatch_index, u], np.uint32),)
                 grads, stats = self._grad_fn(self._params, grads, stats, batch, denom, *extra)
         return grads, stats
+
+    def update(self, microbatches: Sequence[PackedBatch], *, minibatch_index: int = 0) -> dict[str, jax.Array]:
+        """One optimizer update on one minibatch's gradients (`minibatch_gradients`); its stats, the
+        gradient's "grad_norm" and whether it was "finite", left on the device (reading them waits
+        for the step: SFT reads a window of steps at once)."""
+        grads, stats = self.minibatch_gradients(microbatches, minibatch_index=minibatch_index)
+        frozen, trainable = lora_lib.split_trainable(self._params)
+        trainable, self._opt_state, grad_norm, finite = self._update_fn(trainable, self._opt_state, grads)
+        self._params = lora_lib.join_trainable(frozen, trainable)
+        return {**stats, "grad_norm": grad_norm, "finite": finite}
 
     def train_step(self, minibatches: Sequence[Sequence[PackedBatch]]) -> dict[str, Any]:
         """One training step: one optimizer update per minibatch.
@@ -237,12 +247,8 @@ class PolicyTrainer:
         t_start = time.perf_counter()
         total, first, skipped, trained_tokens, norms, losses, per_mb = None, None, 0, 0.0, [], [], []
         for m, mb in enumerate(minibatches):
-            grads, stats = self.minibatch_gradients(mb, minibatch_index=m)
-            frozen, trainable = lora_lib.split_trainable(self._params)
-            trainable, self._opt_state, grad_norm, finite = self._update_fn(trainable, self._opt_state, grads)
-            self._params = lora_lib.join_trainable(frozen, trainable)
-            del grads
-            finite = bool(finite)
+            stats = self.update(mb, minibatch_index=m)
+            grad_norm, finite = stats.pop("grad_norm"), bool(stats.pop("finite"))
             losses.append(float(stats["loss"]))
             norms.append(float(grad_norm))
             if finite or not self.engine_config.skip_nonfinite:
