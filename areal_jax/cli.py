@@ -221,7 +221,7 @@ def _run_command(args) -> int:
     if args.command == "plan":
         return _plan(args)
     if args.command == "simulate":
-        from areal_jax.simulate.driver import main as simulate_main
+        from areal_jax.simulate.command import main as simulate_main
 
         return simulate_main(args)
     if args.command == "config":
