@@ -108,6 +108,21 @@ class Stages:
     # minutes unless CheckpointConfig binds an interval, and always after the last step. False: none.
     checkpoint: bool = True
 
+
+def training_temperature(ppo: PPOConfig, rollout: RLVRConfig) -> PPOConfig:
+    """`ppo` with its temperature derived from the rollouts' (`RLVRConfig.temperature`): the trainer's
+    log-probs must be of the distribution that sampled the tokens, or the importance weights
+    pi_prox / pi_behav measure the temperature, not the staleness. The one place it is derived:
+    JobConfigs (the gin and Python job paths) and `jobs.rl_loop_builder.build_rl_loop` (direct
+    callers) both call this. A different value already set is refused."""
+    if ppo.temperature is None:
+        return dataclasses.replace(ppo, temperature=rollout.temperature)
+    if ppo.temperature != rollout.temperature:
+        raise ConfigError(f"PPOConfig.temperature ({ppo.temperature}) is derived from RLVRConfig.temperature "
+                          f"({rollout.temperature}): the trainer takes log-probs at the sampling temperature; "
+                          "set RLVRConfig.temperature only")
+    return ppo
+
 @dataclasses.dataclass(frozen=True)
 class JobConfigs:
     """Every config of a job. Parts left out take their defaults; `__post_init__` fills every field
@@ -169,13 +184,8 @@ class JobConfigs:
                               "no files: leave TaskSource.kind unset (or 'dataset') to train on them")
         if self.task.kind == "dataset" and self.data is None:
             raise ConfigError("TaskSource.kind = 'dataset' needs JobConfigs.data (a DataConfig with paths)")
-        ppo, rollout = self.ppo, self.rollout
-        if ppo.temperature is None:
-            object.__setattr__(self, "ppo", dataclasses.replace(ppo, temperature=rollout.temperature))
-        elif ppo.temperature != rollout.temperature:
-            raise ConfigError(f"PPOConfig.temperature ({ppo.temperature}) is derived from RLVRConfig.temperature "
-                              f"({rollout.temperature}): the trainer takes log-probs at the sampling temperature; "
-                              "set RLVRConfig.temperature only")
+        rollout = self.rollout
+        object.__setattr__(self, "ppo", training_temperature(self.ppo, rollout))
         if self.rl.eval_max_new_tokens is None:  # held-out checks sample as long as the rollouts
             object.__setattr__(self, "rl", dataclasses.replace(self.rl, eval_max_new_tokens=rollout.max_new_tokens))
         if self.engine is None:

@@ -11,7 +11,7 @@ run), through the public APIs the RL loop uses:
    median over repeats after a warm-up run of the same workload (which compiles every program).
    The engine attends over a power-of-two window of the cache, not just the part in use, so the
    window roofline (`roofline_window_tokens_per_s`) is the tighter bound for this engine.
-2. Train: `PolicyTrainer` (bf16 compute, one minibatch) on packed micro-batches of full-length
+2. Train: `JaxTrainEngine` (bf16 compute, one minibatch) on packed micro-batches of full-length
    sequences (no padding), tokens/s and MFU = 6 * flop_params * tokens/s / peak FLOP/s, where
    flop_params counts the matrices each token multiplies by (layers + LM head, not the embedding
    lookup) and attention's score/value products are left out, as MFU is usually quoted.

@@ -12,7 +12,7 @@ Three parts, each recorded on its own (a failure leaves the others' figures):
 2. engine: `GenerationEngine` with `EngineConfig.kv_layout` "paged" and "dense" on the same
    ragged workload (each request's max_new_tokens drawn from the same lognormal): decode tokens/s
    (busy slot-steps over decode seconds) and wall tokens/s. Needs the paged engine (issue 25).
-3. train: `PolicyTrainer` steps with `TrainEngineConfig.attention_impl` "pallas" (flash kernel) and the
+3. train: `JaxTrainEngine` steps with `TrainEngineConfig.attention_impl` "pallas" (flash kernel) and the
    jnp path: tokens/s and MFU as bench/accelerator_probe.py counts it. Needs the flash attention
    config field (issue 25).
 

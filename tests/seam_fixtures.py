@@ -4,7 +4,7 @@ The policy is a bigram table: logits[prev token, next token], shape [V, V]. `Big
 samples from it on its own thread, token by token, reporting each token's behaviour log-prob and
 the version of the table that drew it; weights pushed with `update_weights` are swapped in
 between tokens (a sample may span versions, as the native engine's do), `abort` ends a request's
-samples, `pause` holds the thread. `BigramTrainer` takes the loop's packed micro-batches and
+samples, `pause` holds the thread. `BigramTrainEngine` takes the loop's packed micro-batches and
 takes real gradient steps on the table of the objective it is given (the built-in decoupled PPO,
 or a user's `module:function` such as `reinforce_loss` below), masked and normalised as the engine
 contract says (trainer/objectives.py); where the algorithm gave no proximal log-probs, the table
@@ -192,7 +192,7 @@ class BigramEngine:
         handle.set_result(GroupResult(rid, prompt, completions))
 
 
-class BigramTrainer:
+class BigramTrainEngine:
     """api.TrainEngine over a [V, V] logits table (see the module docstring)."""
 
     def __init__(self, params: Mapping[str, np.ndarray], objective: Objective, *, lr: float,

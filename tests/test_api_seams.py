@@ -8,7 +8,7 @@ from areal_jax import api
 from areal_jax.generation.sampling import SamplingParams
 from areal_jax.trainer.algorithm import ppo_objective, ppo_trainer
 from areal_jax.trainer.config import PPOConfig
-from tests.seam_fixtures import BigramEngine, BigramTrainer
+from tests.seam_fixtures import BigramEngine, BigramTrainEngine
 
 V = 12  # the bigram policy's vocabulary
 
@@ -34,7 +34,7 @@ def test_native_engine_trainer_and_workflows_implement_the_protocols():
     # The seams are structural: the bigram doubles share no code with the native classes.
     table = {"table": np.zeros((V, V), np.float32)}
     assert isinstance(BigramEngine(table, max_seq_len=8), api.InferenceEngine)
-    assert isinstance(BigramTrainer(table, ppo_objective(PPOConfig()), lr=0.1), api.TrainEngine)
+    assert isinstance(BigramTrainEngine(table, ppo_objective(PPOConfig()), lr=0.1), api.TrainEngine)
     # ...and they are checked: a trainer is no engine, an engine no trainer.
     assert not isinstance(trainer, api.InferenceEngine) and not isinstance(engine, api.TrainEngine)
     del jax
@@ -101,7 +101,7 @@ def test_the_loop_runs_on_a_second_implementation_of_both_engines(objective, met
     rollout = RLVRConfig(n_samples=4, max_new_tokens=8, reward="tests.seam_fixtures:letter_reward")
     table = {"table": np.random.default_rng(1).normal(scale=0.1, size=(V, V)).astype(np.float32)}
     ppo = PPOConfig(objective=objective, num_minibatches=1, temperature=1.0)
-    trainer = BigramTrainer(table, ppo_objective(ppo), lr=40.0, engine=TrainEngineConfig(max_tokens_per_microbatch=64))
+    trainer = BigramTrainEngine(table, ppo_objective(ppo), lr=40.0, engine=TrainEngineConfig(max_tokens_per_microbatch=64))
     engine = BigramEngine(table, max_seq_len=32)
     cluster = RLCluster(trainer, engine, lambda p: {"table": np.asarray(p["table"])}, rl=rl)
     cluster.connect(RLVRWorkflow(rollout), prompt_rows(), tokenizer=LetterTokenizer())

@@ -19,7 +19,7 @@ from areal_jax.ppo.logprobs import chunk_layout, hidden_logprobs, hidden_logprob
 from areal_jax.api import PackedBatch
 from areal_jax.trainer.config import OptimizerConfig, TrainEngineConfig
 from areal_jax.trainer.sft import sft_objective
-from areal_jax.trainer.train_step import PolicyTrainer
+from areal_jax.trainer.train_step import JaxTrainEngine
 
 V = 1001  # a multiple of nothing convenient
 TEMPERATURE = 0.7
@@ -196,7 +196,7 @@ def test_sft_loss_chunked_equals_dense(tied):
 
     ref_loss, ref_grads = jax.value_and_grad(dense_loss)(params)
     # SFT's loss on the training engine, its log-probs 16 tokens at a time (3 x 20 tokens: chunked).
-    trainer = PolicyTrainer(cfg, params, OptimizerConfig(), sft_objective(),
+    trainer = JaxTrainEngine(cfg, params, OptimizerConfig(), sft_objective(),
                             engine=TrainEngineConfig(logit_chunk_tokens=16))
     arrays = {**{k: np.asarray(v) for k, v in batch.items()}, "positions": np.tile(np.arange(T, dtype=np.int32), (R, 1))}
     grads, stats = trainer.minibatch_gradients([PackedBatch(arrays, (), int(np.sum(arrays["loss_mask"])))])

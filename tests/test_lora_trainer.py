@@ -1,4 +1,4 @@
-"""PolicyTrainer with LoRA: a frozen bf16 base, adapter-only gradients and optimizer state, and
+"""JaxTrainEngine with LoRA: a frozen bf16 base, adapter-only gradients and optimizer state, and
 exact resume from an Orbax checkpoint."""
 
 from __future__ import annotations

@@ -208,7 +208,7 @@ def test_on_a_train_mesh_equals_single_device(fresh):
     assert got.kl_mean == pytest.approx(want.kl_mean, abs=1e-6)
     for a, b in zip(got.sequences, want.sequences):
         np.testing.assert_allclose(a["advantages"], b["advantages"], atol=1e-5)
-    with pytest.raises(ValueError, match="another PolicyTrainer"):
+    with pytest.raises(ValueError, match="another JaxTrainEngine"):
         sequences_with_kl(groups, cfg, fresh, reference)
 
 

@@ -116,7 +116,7 @@ def test_areal_eta_name_is_refused_with_a_pointer():
 def test_sampling_and_training_temperatures_must_agree(tokenizer):
     cfg = ModelConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=8)
-    with pytest.raises(ValueError, match=r"RLVRConfig.temperature \(0.7\) and PPOConfig.temperature \(1.0\)"):
+    with pytest.raises(ValueError, match=r"PPOConfig.temperature \(1.0\) is derived from RLVRConfig.temperature \(0.7\)"):
         build_rl_loop(cfg, init_params(cfg, 0), tokenizer=tokenizer, data_iter=rows(tokenizer), rl=RLConfig(),
                       ppo=PPOConfig(temperature=1.0), optimizer=OptimizerConfig(), advantages=AdvantageConfig(),
                       workflow=RLVRConfig(n_samples=2, max_new_tokens=4, reward=REWARD, temperature=0.7),

@@ -26,7 +26,7 @@ from areal_jax.trainer.sft import (
     sft_microbatch,
     sft_objective,
 )
-from areal_jax.trainer.train_step import PolicyTrainer
+from areal_jax.trainer.train_step import JaxTrainEngine
 
 TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
 
@@ -156,7 +156,7 @@ def test_packed_loss_equals_per_sequence_reference():
     examples = _random_examples(rng, 11)
     batch = next(PackedBatches(examples, batch_size=4, max_len=24, seed=0))
     # The training engine's loss of the batch as SFT runs it: one micro-batch, the completion loss.
-    trainer = PolicyTrainer(cfg, params, OptimizerConfig(), sft_objective())
+    trainer = JaxTrainEngine(cfg, params, OptimizerConfig(), sft_objective())
     _, stats = trainer.minibatch_gradients([sft_microbatch(batch)])
     packed_loss, n = stats["loss"], stats["n_valid"]
 

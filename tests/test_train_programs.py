@@ -1,7 +1,7 @@
 """trainer/programs.py: the training step's programs, described ahead of time as ProgramSpecs.
 
 A spec must describe what the run executes: it lowers and compiles without real arrays, its
-compiled program accepts the arrays PolicyTrainer places and computes what the trainer
+compiled program accepts the arrays JaxTrainEngine places and computes what the trainer
 computes, and the specs cover every micro-batch shape make_microbatches can produce.
 """
 

@@ -490,3 +490,12 @@ def test_a_user_objective_trains_and_reports_its_metrics(fresh):
     mask = batch["loss_mask"] > 0
     assert metrics["advantage_mean"] == pytest.approx(float(batch["advantages"][mask].mean()), rel=1e-5)
     assert "clip_frac" not in metrics  # nothing of PPO's
+
+
+def test_the_engines_old_name_still_resolves_with_a_warning():
+    import areal_jax.trainer as trainer_pkg
+    from areal_jax.trainer import train_step
+
+    for module in (train_step, trainer_pkg):
+        with pytest.warns(DeprecationWarning, match="JaxTrainEngine"):
+            assert module.PolicyTrainer is train_step.JaxTrainEngine

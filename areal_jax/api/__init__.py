@@ -9,7 +9,7 @@ Types (plain dataclasses over NumPy arrays):
 
 Seams (protocols.py), named as in AReaL's `api/engine_api.py`:
 - `InferenceEngine`: a generation backend (the native one: generation.engine.GenerationEngine).
-- `TrainEngine`: a policy trainer (the native one: trainer.train_step.PolicyTrainer).
+- `TrainEngine`: a training engine (the native one: trainer.train_step.JaxTrainEngine).
 - `RolloutWorkflow`: one prompt row -> one TrajectoryGroup, `arun(client, row, *, version)`.
 - `RolloutClient`: what a workflow receives (rollout.workflow.RolloutClient is the native one).
 

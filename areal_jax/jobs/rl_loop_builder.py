@@ -12,7 +12,6 @@ position).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -21,6 +20,7 @@ import jax
 from areal_jax.api import Hook
 from areal_jax.checkpoint import Checkpointer
 from areal_jax.generation.config import EngineConfig
+from areal_jax.job_config import training_temperature
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.lora import LoRAConfig
 from areal_jax.models.transformer import Params
@@ -37,7 +37,7 @@ from areal_jax.trainer.hooks import EvaluationHook, record_hook, rollout_dump_ho
 from areal_jax.trainer.loop import RLLoop
 from areal_jax.trainer.reference import ReferencePolicy
 
-__all__ = ["build_rl_loop", "sampling_temperature"]
+__all__ = ["build_rl_loop"]
 
 
 def build_rl_loop(model_cfg: ModelConfig, params: Params, *, tokenizer: Any, data_iter: Iterator[Any],
@@ -67,7 +67,8 @@ def build_rl_loop(model_cfg: ModelConfig, params: Params, *, tokenizer: Any, dat
     HF export's directory. `lora`: adapters trained on a frozen base (models/lora.py). `train_engine`:
     how the trainer packs and computes (TrainEngineConfig; default its defaults).
     """
-    ppo = sampling_temperature(workflow, ppo)
+    rollout = _rollout_config(workflow)
+    ppo = ppo if rollout is None else training_temperature(ppo, rollout)  # as JobConfigs derives it
     cluster = RLCluster.build(model_cfg, params, rl=rl, ppo=ppo, optimizer=optimizer, engine=engine,
                               train_engine=train_engine, mesh=mesh,
                               devices=devices, start_version=start_version, donate_params=donate_params,
@@ -77,7 +78,6 @@ def build_rl_loop(model_cfg: ModelConfig, params: Params, *, tokenizer: Any, dat
     reference = ReferencePolicy(cluster.trainer) if advantages.kl_coef > 0 else None
     algorithm = PPOStep(cluster.trainer, advantages, ppo, reference=reference,
                         rows_per_process=cluster.rows_per_process)
-    rollout = _rollout_config(workflow)
     runner = (RLVRWorkflow(workflow, learned_devices=cluster.meshes.learned_reward_devices)
               if isinstance(workflow, RLVRConfig) else workflow)
     data = cluster.connect(runner, data_iter, tokenizer=tokenizer, reward_pool=reward_pool)
@@ -108,19 +108,3 @@ def _rollout_config(workflow: Any) -> RLVRConfig | None:
     """The RLVRConfig the rollouts sample with: `workflow` itself, or a custom workflow's `rollout`."""
     rollout = workflow if isinstance(workflow, RLVRConfig) else workflow.rollout
     return rollout if isinstance(rollout, RLVRConfig) else None
-
-
-def sampling_temperature(workflow: Any, ppo: PPOConfig) -> PPOConfig:
-    """`ppo` with the rollouts' sampling temperature, which it must equal when set: the trainer's
-    log-probs must be of the distribution that sampled the tokens, or the importance weights
-    pi_prox / pi_behav measure the temperature, not the staleness."""
-    rollout = _rollout_config(workflow)
-    if rollout is None:
-        return ppo
-    if ppo.temperature is None:  # derived: the sampling temperature
-        ppo = dataclasses.replace(ppo, temperature=rollout.temperature)
-    if rollout.temperature != ppo.temperature:
-        raise ValueError(f"RLVRConfig.temperature ({rollout.temperature}) and PPOConfig.temperature "
-                         f"({ppo.temperature}) must be equal: behavior log-probs are taken at the sampling "
-                         "temperature and the trainer recomputes them at PPOConfig.temperature")
-    return ppo

@@ -12,7 +12,7 @@ from areal_jax.trainer.batching import (
 from areal_jax.trainer.optimizer import OptimizerConfig, build_optimizer, learning_rate_schedule
 from areal_jax.trainer.config import PPOConfig, RLConfig
 from areal_jax.trainer.engine_config import Objective, TrainEngineConfig
-from areal_jax.trainer.train_step import PolicyTrainer
+from areal_jax.trainer.train_step import JaxTrainEngine
 
 __all__ = [
     "SEQUENCE_KEYS",
@@ -20,7 +20,7 @@ __all__ = [
     "OptimizerConfig",
     "PPOConfig",
     "PackedBatch",
-    "PolicyTrainer",
+    "JaxTrainEngine",
     "RLConfig",
     "TrainEngineConfig",
     "build_optimizer",
@@ -30,3 +30,11 @@ __all__ = [
     "rows_for_bin",
     "rows_for_bucket",
 ]
+
+
+def __getattr__(name: str):
+    if name == "PolicyTrainer":  # the training engine's name before issue 38, with its warning
+        from areal_jax.trainer import train_step
+
+        return train_step.PolicyTrainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -33,7 +33,7 @@ from areal_jax.trainer.engine_config import Objective, OptimizerConfig, TrainEng
 from areal_jax.trainer.objectives import ALPHA_KEY, PROXIMAL_KEY, resolve_objective
 from areal_jax.trainer.programs import FRESH_KEY
 from areal_jax.trainer.reference import ReferencePolicy, sequences_with_kl
-from areal_jax.trainer.train_step import PolicyTrainer
+from areal_jax.trainer.train_step import JaxTrainEngine
 
 __all__ = ["PPOStep", "StepOutput", "attach_proximal", "mark_fresh", "ppo_objective", "ppo_trainer", "proximal_keys",
            "version_lag_hist"]
@@ -46,9 +46,9 @@ def ppo_objective(ppo: PPOConfig) -> Objective:
 
 
 def ppo_trainer(model_cfg: ModelConfig, params: Any, opt_cfg: OptimizerConfig, ppo: PPOConfig, *,
-                engine: TrainEngineConfig | None = None, **kwargs: Any) -> PolicyTrainer:
-    """The native training engine set up for `ppo` (kwargs: PolicyTrainer's mesh, rules, lora)."""
-    return PolicyTrainer(model_cfg, params, opt_cfg, ppo_objective(ppo), engine=engine, **kwargs)
+                engine: TrainEngineConfig | None = None, **kwargs: Any) -> JaxTrainEngine:
+    """The native training engine set up for `ppo` (kwargs: JaxTrainEngine's mesh, rules, lora)."""
+    return JaxTrainEngine(model_cfg, params, opt_cfg, ppo_objective(ppo), engine=engine, **kwargs)
 
 
 def proximal_keys(ppo: PPOConfig, num_minibatches: int | None = None) -> tuple[str, ...]:

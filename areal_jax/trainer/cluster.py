@@ -80,7 +80,7 @@ class RLCluster:
               mesh: MeshConfig = MeshConfig(),
               devices: Sequence[jax.Device] | None = None, start_version: int = 0, donate_params: bool = False,
               weight_sync: WeightSync | AdapterSync | None = None, lora: LoRAConfig = LoRAConfig()) -> RLCluster:
-        """The native cluster: meshes from `mesh` over `devices`, a PolicyTrainer of `ppo`'s objective
+        """The native cluster: meshes from `mesh` over `devices`, a JaxTrainEngine of `ppo`'s objective
         (run as `train_engine` says) on the train mesh (its own fp32 copy of `params`; with `donate_params` the given buffers are then deleted),
         a GenerationEngine on this host's generation mesh serving the trainer's weights through a
         WeightSync (`weight_sync`: one of the same meshes to reuse, its programs compiled). `lora`:

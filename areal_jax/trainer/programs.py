@@ -1,6 +1,6 @@
 """The compiled programs of a training step, and their ahead-of-time descriptions.
 
-`build_train_programs` jits the four programs `PolicyTrainer` runs: per micro-batch shape a
+`build_train_programs` jits the four programs `JaxTrainEngine` runs: per micro-batch shape a
 log-prob forward (proximal / reference log-probs) and a gradient micro-step (loss forward and
 backward, gradients and the objective's metrics accumulated), plus one optimizer update and one
 zeros-like for the gradient accumulator. The loss is the `Objective` the engine is given
@@ -175,7 +175,7 @@ def build_train_programs(model_cfg: ModelConfig, engine_cfg: TrainEngineConfig, 
                          optimizer: optax.GradientTransformation, *,
                          param_shardings: Any = None, opt_state_shardings: Any = None,
                          counts: collections.Counter | None = None, lora: LoRAConfig | None = None) -> TrainPrograms:
-    """The jitted programs of `PolicyTrainer` (see TrainPrograms).
+    """The jitted programs of `JaxTrainEngine` (see TrainPrograms).
 
     param_shardings / opt_state_shardings: the layouts `update` and `zeros_like` return (None:
     wherever the inputs are). counts: incremented per trace of each program ("logprobs", "grad",
@@ -333,7 +333,7 @@ def train_program_specs(model_cfg: ModelConfig, engine_cfg: TrainEngineConfig, o
 
     Per row length T (`possible_microbatch_shapes`, each at its largest row count, which bounds its
     memory): "train/grad[rows=R,len=T]" and "train/logprobs[rows=R,len=T]"; then "train/update"
-    and "train/zeros_like". Arguments are ShapeDtypeStructs sharded as PolicyTrainer places
+    and "train/zeros_like". Arguments are ShapeDtypeStructs sharded as JaxTrainEngine places
     them: fp32 params and optimizer state by the rule table, batch rows over "fsdp". The
     optimizer state is resident during every micro-batch program. The grad program takes the
     `[R, T]` inputs every objective reads plus `extra_keys`, what the algorithm adds (its proximal
@@ -342,7 +342,7 @@ def train_program_specs(model_cfg: ModelConfig, engine_cfg: TrainEngineConfig, o
 
     num_processes: processes sharing the train mesh (rows per micro-batch scale with it).
     lora: with rank > 0, the weights are the frozen base in `lora.base_dtype` plus fp32 adapters,
-    and gradients, optimizer state and the update cover the adapters alone (as PolicyTrainer).
+    and gradients, optimizer state and the update cover the adapters alone (as JaxTrainEngine).
     """
     if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
         raise ValueError(f"num_processes must be an int >= 1, got {num_processes!r}")

@@ -36,14 +36,14 @@ from areal_jax.ppo import AdvantageConfig, kl_estimate
 from areal_jax.api import TrajectoryGroup
 from areal_jax.trainer.batching import PackedBatch, build_sequences, make_microbatches
 from areal_jax.trainer.programs import PROXIMAL_KEY
-from areal_jax.trainer.train_step import PolicyTrainer
+from areal_jax.trainer.train_step import JaxTrainEngine
 
 
 class ReferencePolicy:
     """Frozen reference weights on the trainer's mesh, with the trainer's shardings.
 
     Args:
-        trainer: the PolicyTrainer whose log-prob program and layout are used.
+        trainer: the JaxTrainEngine whose log-prob program and layout are used.
         params: reference weights (the trainer's layout, any float dtype; stored in the
             trainer's dtypes). Default: a copy of `trainer.params` now. Always copied: the
             trainer donates its own buffers on every `train_step`, and the caller's arrays stay
@@ -51,9 +51,9 @@ class ReferencePolicy:
             donated) and copies only the adapters.
     """
 
-    def __init__(self, trainer: PolicyTrainer, params: Params | None = None):
-        if not isinstance(trainer, PolicyTrainer):
-            raise TypeError(f"trainer must be a PolicyTrainer, got {type(trainer).__name__}")
+    def __init__(self, trainer: JaxTrainEngine, params: Params | None = None):
+        if not isinstance(trainer, JaxTrainEngine):
+            raise TypeError(f"trainer must be a JaxTrainEngine, got {type(trainer).__name__}")
         current = trainer.params
         source = current if params is None else params
         want, got = jax.tree.structure(current), jax.tree.structure(source)
@@ -116,7 +116,7 @@ class KLSequences:
 def sequences_with_kl(
     groups: Sequence[TrajectoryGroup],
     adv_cfg: AdvantageConfig,
-    trainer: PolicyTrainer,
+    trainer: JaxTrainEngine,
     reference: ReferencePolicy | None,
     *,
     row_multiple: int = 1,
@@ -153,7 +153,7 @@ def sequences_with_kl(
     if not isinstance(reference, ReferencePolicy):
         raise TypeError(f"kl_coef={adv_cfg.kl_coef} needs a ReferencePolicy, got {type(reference).__name__}")
     if reference.trainer is not trainer:
-        raise ValueError("reference was built for another PolicyTrainer; its layout and program may differ")
+        raise ValueError("reference was built for another JaxTrainEngine; its layout and program may differ")
     rows = build_sequences(groups, dataclasses.replace(adv_cfg, kl_coef=0.0))  # token arrays; advantages redone
     logprobs, ref_logprobs = _per_sequence_logprobs(rows, trainer, reference, row_multiple=row_multiple,
                                                     buckets=buckets, agree_max=agree_max)
@@ -172,7 +172,7 @@ def sequences_with_kl(
                        logprobs=logprobs, ref_logprobs=ref_logprobs)
 
 
-def _per_sequence_logprobs(rows, trainer: PolicyTrainer, reference: ReferencePolicy, *, row_multiple, buckets,
+def _per_sequence_logprobs(rows, trainer: JaxTrainEngine, reference: ReferencePolicy, *, row_multiple, buckets,
                            agree_max) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """`[L_i]` target log-probs of every row under the trainer's weights and the reference."""
     [microbatches] = make_microbatches(rows, max_tokens_per_microbatch=trainer.engine_config.max_tokens_per_microbatch,
@@ -204,7 +204,7 @@ def _per_sequence_logprobs(rows, trainer: PolicyTrainer, reference: ReferencePol
 def process_local_rows(x: jax.Array) -> np.ndarray:
     """This process's rows of a row-sharded `[R * processes, ...]` result, in local order.
 
-    The inverse of `jax.make_array_from_process_local_data` (which PolicyTrainer uses to build
+    The inverse of `jax.make_array_from_process_local_data` (which JaxTrainEngine uses to build
     a micro-batch): the process's data covers the row ranges of its addressable shards,
     concatenated by increasing global row. With one process that is the whole array.
     """

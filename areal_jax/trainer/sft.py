@@ -36,7 +36,7 @@ from areal_jax.trainer.engine_config import Objective, TrainEngineConfig
 from areal_jax.trainer.objectives import completion_nll
 from areal_jax.trainer.optimizer import learning_rate_schedule
 from areal_jax.trainer.reference import process_local_rows
-from areal_jax.trainer.train_step import PolicyTrainer
+from areal_jax.trainer.train_step import JaxTrainEngine
 
 Example = tuple[Sequence[int], Sequence[int]] | SFTExample  # (prompt_ids, completion_ids), or ids + trained mask
 
@@ -170,7 +170,7 @@ def run_sft(model_cfg: ModelConfig, params: Params, examples: Sequence[Example],
     process's default device.
 
     engine: how the training engine computes (TrainEngineConfig: compute dtype, layer scan, attention,
-    logit chunks; the RL trainer's); SFT runs on the same engine (`PolicyTrainer`) as RL, with the
+    logit chunks; the RL trainer's); SFT runs on the same engine (`JaxTrainEngine`) as RL, with the
     completion loss (`sft_objective`), one optimizer update per packed batch.
 
     mesh: a train mesh (("fsdp", "expert", "tensor"), `parallel.build_meshes(...).train`), possibly spanning
@@ -181,7 +181,7 @@ def run_sft(model_cfg: ModelConfig, params: Params, examples: Sequence[Example],
     if cfg.eval_every and validate is None:
         raise ValueError("SFTConfig.eval_every > 0 needs a `validate` function (validation prompts)")
     opt_cfg = cfg.optimizer_config()
-    trainer = PolicyTrainer(model_cfg, params, opt_cfg, sft_objective(), engine=engine, mesh=mesh)
+    trainer = JaxTrainEngine(model_cfg, params, opt_cfg, sft_objective(), engine=engine, mesh=mesh)
     del params  # the trainer holds its own fp32 copy
     schedule = learning_rate_schedule(opt_cfg)
     batches = PackedBatches(examples, cfg.batch_size, cfg.max_len, cfg.seed)

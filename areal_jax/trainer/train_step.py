@@ -25,6 +25,7 @@ import collections
 import contextlib
 import math
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -55,12 +56,14 @@ from areal_jax.trainer.programs import (
     zero_loss_stats,
 )
 
-__all__ = ["COMPUTE_DTYPES", "FORWARD_KEYS", "LOSS_KEYS", "REMATS", "PolicyTrainer", "opt_state_shardings",
+__all__ = ["COMPUTE_DTYPES", "FORWARD_KEYS", "LOSS_KEYS", "REMATS", "JaxTrainEngine", "opt_state_shardings",
            "param_shardings"]
 
 
-class PolicyTrainer:
-    """Holds fp32 params + AdamW state and runs training steps of the objective it is given.
+class JaxTrainEngine:
+    """The training engine (`api.TrainEngine`'s native implementation; PolicyTrainer before issue
+    38, a name that still resolves with a DeprecationWarning): holds fp32 params + AdamW state and
+    runs training steps of the objective it is given.
 
     Args:
         model_cfg: the decoder's ModelConfig.
@@ -383,3 +386,12 @@ def _objective_metrics(stats: Mapping[str, jax.Array]) -> dict[str, Any]:
         value = value if name.endswith("_max") else value / n_valid
         out[name] = float(value) if value.ndim == 0 else value
     return out
+
+
+def __getattr__(name: str) -> Any:
+    # The training engine's name before issue 38 ("Trainer" is the Python API's, aj.Trainer).
+    if name == "PolicyTrainer":
+        warnings.warn("areal_jax.trainer.train_step.PolicyTrainer is now JaxTrainEngine", DeprecationWarning,
+                      stacklevel=2)
+        return JaxTrainEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
