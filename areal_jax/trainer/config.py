@@ -131,8 +131,9 @@ class PPOConfig:
         minibatch_seed: seeds the order of a step's groups before the minibatch split (with the
             step: `batching.minibatch_indices`).
         temperature: sampling temperature the log-probs are taken at. None (the default): the
-            rollout's, RLVRConfig.temperature, derived in one place (`job_config.training_temperature`, which JobConfigs and build_rl_loop call) (one field, so
-            the two cannot differ); 1.0 for a trainer used alone.
+            rollout's, RLVRConfig.temperature, derived in one place (`job_config.training_temperature`,
+            which JobConfigs and build_rl_loop call; one field, so the two cannot differ); 1.0 for a
+            trainer used alone.
         num_minibatches: optimizer updates per training step.
     """
 
