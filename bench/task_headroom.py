@@ -170,7 +170,7 @@ def main(argv=None) -> None:
     table: list[dict] = []
 
     def sft(steps):
-        cfg = SFTConfig(steps=steps, batch_size=args.batch_size, max_len=args.max_len, lr=args.lr,
+        cfg = SFTConfig(steps=steps, rows_per_step=args.batch_size, max_len=args.max_len, lr=args.lr,
                         warmup=min(30, steps), seed=args.seed, log_every=50)
         t = time.perf_counter()
         p, metrics = run_sft(mcfg, params0, examples, cfg, progress=False)

@@ -140,7 +140,10 @@ def test_process_dependent_checks_run_when_the_process_count_is_known():
 @pytest.mark.parametrize("old, new", [("PPOConfig.remat = 'full'", "TrainEngineConfig.remat"),
                                       ("PPOConfig.max_tokens_per_microbatch = 64",
                                        "TrainEngineConfig.max_tokens_per_microbatch"),
-                                      ("PPOConfig.decoupled = False", "PPOConfig.objective")])
+                                      ("PPOConfig.decoupled = False", "PPOConfig.objective"),
+                                      ("SFTConfig.batch_size = 8", "SFTConfig.rows_per_step"),
+                                      ("SFTConfig.warmup = 5", "SFTConfig.warmup_steps"),
+                                      ("SFTConfig.scan_layers = False", "TrainEngineConfig.scan_layers")])
 def test_a_moved_field_names_where_it_went(old, new):
     with pytest.raises(cs.ConfigError, match=rf"{re.escape(old.split(' ')[0])} moved: bind {re.escape(new)}"):
         _load(old)

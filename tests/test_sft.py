@@ -63,7 +63,7 @@ def test_sequence_arrays_shift_and_mask():
 def test_packed_batches_cover_each_example_once_per_epoch():
     rng = np.random.default_rng(0)
     examples = _random_examples(rng, 57)
-    batches = PackedBatches(examples, batch_size=3, max_len=16, seed=1)
+    batches = PackedBatches(examples, rows=3, max_len=16, seed=1)
     seen = []
     while batches.epoch < 2 or batches._pending:  # stop at an epoch boundary, after at least two
         batch = next(batches)
@@ -87,12 +87,12 @@ def test_packed_batches_cover_each_example_once_per_epoch():
 
 def test_too_long_example_is_rejected():
     with pytest.raises(ValueError, match="example 1 .*max_len"):
-        PackedBatches([([1, 2], [3]), ([1] * 10, [2] * 10)], batch_size=2, max_len=16)
+        PackedBatches([([1, 2], [3]), ([1] * 10, [2] * 10)], rows=2, max_len=16)
 
 
 @pytest.mark.parametrize("kwargs, culprit", [
     ({"steps": 0}, "steps"), ({"warmup_steps": 20, "steps": 10}, "warmup_steps"), ({"lr": 0.0}, "lr"),
-    ({"max_grad_norm": 0.0}, "max_grad_norm"), ({"batch_size": 0}, "batch_size"),
+    ({"max_grad_norm": 0.0}, "max_grad_norm"), ({"rows_per_step": 0}, "rows_per_step"),
     ({"min_lr_ratio": 2.0}, "min_lr_ratio"), ({"eval_every": -1}, "eval_every"), ({"eval_from": -2}, "eval_from"),
     ({"stop_accuracy": 1.5, "eval_every": 10}, "stop_accuracy"), ({"stop_accuracy": 0.5}, "eval_every > 0"),
     ({"steps": 100, "eval_every": 20, "eval_from": 101}, "no validation check"),
@@ -121,7 +121,7 @@ def test_sft_updates_with_the_rl_trainers_optimizer():
     cfg = task_model_config(vocab_size=50, **TINY)
     params = init_params(cfg, jax.random.key(1), std=0.2)
     examples = _random_examples(np.random.default_rng(11), 10)
-    sft = SFTConfig(steps=4, batch_size=2, max_len=24, lr=3e-3, warmup_steps=2, min_lr_ratio=0.2, weight_decay=0.05,
+    sft = SFTConfig(steps=4, rows_per_step=2, max_len=24, lr=3e-3, warmup_steps=2, min_lr_ratio=0.2, weight_decay=0.05,
                     max_grad_norm=0.5, log_every=1, seed=3)
     trained, metrics = run_sft(cfg, params, examples, sft, progress=False,
                                engine=TrainEngineConfig(scan_layers=False, attention_impl="reference"))
@@ -132,7 +132,7 @@ def test_sft_updates_with_the_rl_trainers_optimizer():
     optimizer = build_optimizer(opt_cfg)
     want, state = jax.tree.map(jnp.asarray, params), None
     state = optimizer.init(want)
-    batches = PackedBatches(examples, batch_size=2, max_len=24, seed=3)
+    batches = PackedBatches(examples, rows=2, max_len=24, seed=3)
     for _ in range(4):
         batch = {k: jnp.asarray(v) for k, v in next(batches).items()}
         grads = jax.grad(lambda p: completion_loss(p, cfg, batch, scan_layers=False,
@@ -154,7 +154,7 @@ def test_packed_loss_equals_per_sequence_reference():
     params = init_params(cfg, jax.random.key(0), std=0.2)
     rng = np.random.default_rng(3)
     examples = _random_examples(rng, 11)
-    batch = next(PackedBatches(examples, batch_size=4, max_len=24, seed=0))
+    batch = next(PackedBatches(examples, rows=4, max_len=24, seed=0))
     # The training engine's loss of the batch as SFT runs it: one micro-batch, the completion loss.
     trainer = JaxTrainEngine(cfg, params, OptimizerConfig(), sft_objective())
     _, stats = trainer.minibatch_gradients([sft_microbatch(batch)])
@@ -183,7 +183,7 @@ def test_packing_and_completion_mask_match_a_hand_computed_layout():
     a = SFTExample(ids=[10, 11, 12, 13, 14], trained=[0, 0, 1, 0, 1])  # two trained spans (a chat's turns)
     b = ([20, 21], [22, 23])  # a (prompt, completion) pair
     c = SFTExample(ids=[30, 31, 32], trained=[0, 1, 1])
-    (batch,) = packed_eval_batches([a, b, c], batch_size=2, max_len=8)
+    (batch,) = packed_eval_batches([a, b, c], rows=2, max_len=8)
     # First-fit-decreasing over the input lengths 4, 3, 2 in rows of 8: a and b share row 0, c opens row 1.
     expected = {
         "input_ids": [[10, 11, 12, 13, 20, 21, 22, 0], [30, 31, 0, 0, 0, 0, 0, 0]],
@@ -220,7 +220,7 @@ def test_per_step_records_and_validation_loss():
     examples = [SFTExample(ids, np.arange(ids.size) % 3 == 2) for ids in (rng.integers(1, 50, n) for n in
                                                                             rng.integers(4, 12, 16))]
     held_out = [SFTExample.from_pair(p, c) for p, c in _random_examples(rng, 7)]
-    sft = SFTConfig(steps=5, batch_size=2, max_len=24, warmup_steps=1, log_every=2, val_every=2, lr=3e-3,
+    sft = SFTConfig(steps=5, rows_per_step=2, max_len=24, warmup_steps=1, log_every=2, val_every=2, lr=3e-3,
                     eval_paths=("held_out.jsonl",))  # run_sft takes the examples: the paths are the job's
     records = []
     trained, metrics = run_sft(cfg, params, examples, sft, progress=False, val_examples=held_out,
@@ -246,7 +246,7 @@ def six_problems(tokenizer):
 
 def test_sft_overfits_a_handful_of_problems(tokenizer, six_problems):
     examples, rows, cfg, params = six_problems
-    sft = SFTConfig(steps=120, batch_size=2, max_len=96, lr=1e-2, warmup_steps=10, log_every=20, seed=0)
+    sft = SFTConfig(steps=120, rows_per_step=2, max_len=96, lr=1e-2, warmup_steps=10, log_every=20, seed=0)
     trained, metrics = run_sft(cfg, params, examples, sft, progress=False)
     assert [m["step"] for m in metrics] == [20, 40, 60, 80, 100, 120]
     assert metrics[-1]["loss"] < 0.05 < metrics[0]["loss"]
@@ -272,7 +272,7 @@ def test_validation_checks_run_where_configured_and_the_first_to_reach_the_targe
         seen.append(p["embed"].shape)
         return next(curve)
 
-    sft = SFTConfig(steps=20, batch_size=2, max_len=32, warmup_steps=2, log_every=5, eval_every=3, eval_from=4,
+    sft = SFTConfig(steps=20, rows_per_step=2, max_len=32, warmup_steps=2, log_every=5, eval_every=3, eval_from=4,
                     stop_accuracy=0.5)
     _, metrics = run_sft(cfg, params, examples, sft, progress=False, validate=validate)
     # Checks at steps 6, 9, 12 (multiples of 3 from step 4); 12 reaches 0.5 and ends the run.
@@ -293,7 +293,7 @@ def test_sft_stops_once_greedy_accuracy_on_validation_rows_reaches_the_target(to
     """The real probe: one engine across checks; the run ends at the first check with every row right."""
     examples, rows, cfg, params = six_problems
     probe = GreedyAccuracy(cfg, rows, tokenizer, max_new_tokens=32, slots=4)
-    sft = SFTConfig(steps=160, batch_size=2, max_len=96, lr=1e-2, warmup_steps=10, log_every=20, seed=0,
+    sft = SFTConfig(steps=160, rows_per_step=2, max_len=96, lr=1e-2, warmup_steps=10, log_every=20, seed=0,
                     eval_every=10, eval_from=30, stop_accuracy=1.0)
     trained, metrics = run_sft(cfg, params, examples, sft, progress=False, validate=probe)
     checks = [m["val_accuracy"] for m in metrics if "val_accuracy" in m]
@@ -312,7 +312,7 @@ def test_sft_on_a_sharded_train_mesh_equals_sft_on_one_device(tokenizer, six_pro
     from areal_jax.parallel.meshes import MeshConfig, build_meshes
 
     examples, _, cfg, params = six_problems
-    sft = SFTConfig(steps=12, batch_size=2, max_len=96, lr=1e-2, warmup_steps=2, log_every=4, seed=0,
+    sft = SFTConfig(steps=12, rows_per_step=2, max_len=96, lr=1e-2, warmup_steps=2, log_every=4, seed=0,
                     eval_every=6, eval_from=6)
     mesh = build_meshes(MeshConfig(num_generation_devices_per_host=4, train_tensor=2), jax.devices()[:8]).train
     assert dict(mesh.shape) == {"fsdp": 2, "expert": 1, "tensor": 2}

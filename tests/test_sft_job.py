@@ -14,7 +14,7 @@ from areal_jax.trainer.sft import SFTConfig
 from tests.test_cli import _tiny_model_dir
 
 TINY_RUN = ["ModelSource.hidden_size = 32", "ModelSource.num_layers = 1", "TaskSource.kind = 'dataset'",
-            "TaskSource.eval_size = 0", "SFTConfig.steps = 6", "SFTConfig.warmup_steps = 1", "SFTConfig.batch_size = 4",
+            "TaskSource.eval_size = 0", "SFTConfig.steps = 6", "SFTConfig.warmup_steps = 1", "SFTConfig.rows_per_step = 4",
             "SFTConfig.max_len = 160", "SFTConfig.log_every = 4", "Stages.plot = False",
             "MeshConfig.num_generation_devices_per_host = 4"]
 

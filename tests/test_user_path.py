@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 QUICKSTART = str(ROOT / "configs" / "quickstart.gin")
 TEMPLATE = "DataConfig.prompt_template = 'Question: {question}\\nAnswer:'"
 SHORT = [  # SFT then RL, each a few steps of a 1-layer model, one device
-    "SFTConfig.steps = 4", "SFTConfig.warmup_steps = 1", "SFTConfig.batch_size = 4", "SFTConfig.max_len = 160",
+    "SFTConfig.steps = 4", "SFTConfig.warmup_steps = 1", "SFTConfig.rows_per_step = 4", "SFTConfig.max_len = 160",
     "RLConfig.steps = 2", "RLConfig.batch_size = 2", "RLConfig.max_concurrent = 4", "RLConfig.eval_every = 0",
     "RLConfig.mode = 'sync'", "RLConfig.max_staleness = 0", "RLVRConfig.n_samples = 2",
     "RLVRConfig.max_new_tokens = 8", "RLVRConfig.filter_all_equal_rewards = False", "EngineConfig.num_slots = 4",

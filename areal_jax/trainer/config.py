@@ -213,6 +213,8 @@ MOVED_FIELDS: dict[str, str] = {
     "PPOConfig.decoupled": "PPOConfig.objective ('decoupled', or 'naive' for decoupled = False)",
     "SFTConfig.warmup": "SFTConfig.warmup_steps",
     "SFTConfig.grad_clip": "SFTConfig.max_grad_norm",
+    # RLConfig.batch_size counts prompt groups; SFT's count is of packed rows.
+    "SFTConfig.batch_size": "SFTConfig.rows_per_step",
     **{f"SFTConfig.{name}": f"TrainEngineConfig.{name} (SFT runs on the RL trainer's engine)"
        for name in ("compute_dtype", "scan_layers", "attention_impl")},
 }
@@ -226,7 +228,8 @@ def _is_number(x) -> bool:
 class SFTConfig:
     """SFT hyper-parameters.
 
-    steps: optimizer steps. batch_size: packed rows per step (B). max_len: tokens per row (T);
+    steps: optimizer steps. rows_per_step: packed rows per step (B; each holds several examples,
+    so not an example count). max_len: tokens per row (T);
     every example must fit in one row. lr: peak AdamW learning rate (the default suits a pretrained
     model, as TRL's; the built-in task's tiny model wants ~3e-3, as configs/quickstart.gin sets),
     reached after `warmup_steps` linear steps, then cosine decay to `lr * min_lr_ratio`;
@@ -249,7 +252,7 @@ class SFTConfig:
     """
 
     steps: int = 1000
-    batch_size: int = 16
+    rows_per_step: int = 16
     lr: float = 2e-5
     warmup_steps: int = 50
     max_len: int = 256
@@ -266,7 +269,7 @@ class SFTConfig:
     val_every: int = 0
 
     def __post_init__(self):
-        for name in ("steps", "batch_size", "max_len", "log_every"):
+        for name in ("steps", "rows_per_step", "max_len", "log_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"SFTConfig.{name} must be an int >= 1, got {value!r}")

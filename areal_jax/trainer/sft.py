@@ -69,11 +69,11 @@ def _pack_bins(seqs: Sequence[Mapping[str, np.ndarray]], bins: Sequence[Sequence
     return pack_sequences([seqs[i] for i in order], groups, max_len, num_rows=rows)
 
 
-def packed_eval_batches(examples: Sequence[Example], batch_size: int, max_len: int) -> list[dict[str, np.ndarray]]:
+def packed_eval_batches(examples: Sequence[Example], rows: int, max_len: int) -> list[dict[str, np.ndarray]]:
     """Every example once, packed first-fit-decreasing into batches `[B, T]` (the last one padded)."""
     seqs = [example_arrays(e) for e in examples]
     bins = ffd_allocate([len(s["input_ids"]) for s in seqs], max_len)
-    return [_pack_bins(seqs, bins[i:i + batch_size], max_len, batch_size) for i in range(0, len(bins), batch_size)]
+    return [_pack_bins(seqs, bins[i:i + rows], max_len, rows) for i in range(0, len(bins), rows)]
 
 
 class PackedBatches:
@@ -81,7 +81,7 @@ class PackedBatches:
     each `[B, T]`, over epochs reshuffled from `seed`. Sequences left over when B rows are full
     start the next batch, so every example is seen once per epoch."""
 
-    def __init__(self, examples: Sequence[Example], batch_size: int, max_len: int, seed: int = 0):
+    def __init__(self, examples: Sequence[Example], rows: int, max_len: int, seed: int = 0):
         if not examples:
             raise ValueError("SFT needs at least one example")
         self.seqs = [example_arrays(e) for e in examples]
@@ -90,7 +90,7 @@ class PackedBatches:
             if n > max_len:
                 raise ValueError(f"example {i} has {n + 1} tokens, more than max_len + 1 = {max_len + 1}; raise "
                                  "SFTConfig.max_len")
-        self.batch_size, self.max_len = batch_size, max_len
+        self.rows, self.max_len = rows, max_len
         self._rng = np.random.default_rng(seed)
         self._pending: collections.deque[int] = collections.deque()
         self.epoch = 0
@@ -103,7 +103,7 @@ class PackedBatches:
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
-        budget = self.batch_size * self.max_len
+        budget = self.rows * self.max_len
         chosen: list[int] = []
         tokens = 0
         while tokens < budget:
@@ -113,11 +113,11 @@ class PackedBatches:
             chosen.append(idx)
             tokens += self.lengths[idx]
         bins = ffd_allocate([self.lengths[i] for i in chosen], self.max_len)
-        kept, extra = bins[:self.batch_size], bins[self.batch_size:]
+        kept, extra = bins[:self.rows], bins[self.rows:]
         # Sequences that did not fit go back to the front, in their original order.
         leftover = [chosen[j] for j in sorted(j for b in extra for j in b)]
         self._pending.extendleft(reversed(leftover))
-        return _pack_bins(self.seqs, [[chosen[j] for j in b] for b in kept], self.max_len, self.batch_size)
+        return _pack_bins(self.seqs, [[chosen[j] for j in b] for b in kept], self.max_len, self.rows)
 
 
 # ---- the step ---------------------------------------------------------------------------------------
@@ -136,7 +136,7 @@ def sft_microbatch(batch: Mapping[str, np.ndarray]) -> PackedBatch:
     count, index = jax.process_count(), jax.process_index()
     rows = len(batch["input_ids"]) // count
     if rows * count != len(batch["input_ids"]):
-        raise ValueError(f"SFTConfig.batch_size {len(batch['input_ids'])} must divide over {count} processes")
+        raise ValueError(f"SFTConfig.rows_per_step {len(batch['input_ids'])} must divide over {count} processes")
     local = {k: np.asarray(v)[index * rows:(index + 1) * rows] for k, v in batch.items()}
     return PackedBatch(local, (), int(np.asarray(batch["loss_mask"]).sum()))
 
@@ -184,8 +184,8 @@ def run_sft(model_cfg: ModelConfig, params: Params, examples: Sequence[Example],
     trainer = JaxTrainEngine(model_cfg, params, opt_cfg, sft_objective(), engine=engine, mesh=mesh)
     del params  # the trainer holds its own fp32 copy
     schedule = learning_rate_schedule(opt_cfg)
-    batches = PackedBatches(examples, cfg.batch_size, cfg.max_len, cfg.seed)
-    val_batches = packed_eval_batches(val_examples, cfg.batch_size, cfg.max_len) if val_examples else []
+    batches = PackedBatches(examples, cfg.rows_per_step, cfg.max_len, cfg.seed)
+    val_batches = packed_eval_batches(val_examples, cfg.rows_per_step, cfg.max_len) if val_examples else []
 
     def val_loss() -> float:
         total = np.zeros(2)  # nll sum and tokens over every held-out token (this process's rows)
