@@ -171,7 +171,7 @@ def main(argv=None) -> None:
 
     def sft(steps):
         cfg = SFTConfig(steps=steps, rows_per_step=args.batch_size, max_len=args.max_len, lr=args.lr,
-                        warmup=min(30, steps), seed=args.seed, log_every=50)
+                        warmup_steps=min(30, steps), seed=args.seed, log_every=50)
         t = time.perf_counter()
         p, metrics = run_sft(mcfg, params0, examples, cfg, progress=False)
         return p, time.perf_counter() - t, metrics[-1]["loss"]

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     sft = aj.Trainer(QUICKSTART, run_dir=root / "sft", train_data=rows, overrides=[
         *COMMON, *small, *seed, "Stages.rl = False", f"SFTConfig.steps = {args.sft_steps}",
-        f"SFTConfig.warmup = {min(50, args.sft_steps // 5)}",
+        f"SFTConfig.warmup_steps = {min(50, args.sft_steps // 5)}",
         f"SFTConfig.paths = ('{inputs / 'sft.jsonl'}',)"])
     if not (args.reuse_sft and (root / "sft" / "final_model" / "config.json").is_file()):
         sft.train(overwrite=args.overwrite, progress=False)
