@@ -95,7 +95,7 @@ def main():
         "loglinear_over_recompute": float(np.median(times["loglinear"]) / np.median(times["recompute"])),
         # Each step pair ran back to back: its ratio sees the same machine load on both sides.
         "paired_ratio_median": float(np.median(np.array(times["loglinear"]) / np.array(times["recompute"]))),
-        "logprob_compiles": {m: t.compile_counts["logprobs"] for m, t in sides.items()},
+        "logprob_compiles": {m: t.trainer.compile_counts["logprobs"] for m, t in sides.items()},
         "wall_s": time.perf_counter() - t0,
     }
     print(json.dumps(result))
