@@ -30,7 +30,8 @@
 #   engine     bench/engine_speed_check.py (issue 41): paged decode attention and the engine's decode
 #              tokens/s with the KV pool in bfloat16 vs float8_e4m3fn (EngineConfig.kv_dtype), and
 #              wall tokens/s with weight swaps every few rounds under EngineConfig.on_swap "recompute"
-#              vs "keep" (tokens re-prefilled, prefill seconds).
+#              vs "keep" (tokens re-prefilled, prefill seconds); decode by live slots vs the full
+#              batch (EngineConfig.decode_min_rows), groups with shared vs copied prompt pages.
 #   tests      tests/test_generation.py + tests/test_train_step.py + tests/test_paged_kernels.py (the
 #              Pallas paged kernel natively against the reference) on the GPU.
 #   quickstart the command launch/quickstart.sh execs (the script itself would build .venv from the
@@ -245,7 +246,7 @@ else
 
   run_step moe 120 "$PY" -m bench.moe_gpu_check "${PROBE_ARGS[@]}" --out "$OUT/moe_gpu_check.json"
 
-  run_step engine 150 "$PY" -m bench.engine_speed_check "${PROBE_ARGS[@]}" --out "$OUT/engine_speed_check.json"
+  run_step engine 240 "$PY" -m bench.engine_speed_check "${PROBE_ARGS[@]}" --out "$OUT/engine_speed_check.json"
 
   # One GPU: the tests that build 2x2 meshes over jax.devices() need several devices. fp32 matmuls
   # at full precision, since the tests compare against fp32 references (GPUs default to TF32).

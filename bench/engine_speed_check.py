@@ -9,8 +9,12 @@ Three parts, each recorded on its own (a failure leaves the others' figures):
    ragged workload: decode tokens/s (busy slot-steps over decode seconds) and wall tokens/s.
 3. swap: the same engine swapping weights every `swap_every` scheduling rounds under
    `EngineConfig.on_swap` "recompute" and "keep": wall tokens/s, tokens re-prefilled, prefill seconds.
+4. live: decode by live slots (`EngineConfig.decode_min_rows` 16) against the full batch every chunk
+   (decode_min_rows = slots), on the ragged workload: decode and wall tokens/s.
+5. share: groups of 4 samples per prompt with `EngineConfig.share_prompt_pages` on and off, on a
+   pool of a quarter of the dense cache: wall tokens/s, pages shared, samples preempted.
 
-Usage: python -m bench.engine_speed_check [--tiny] [--out engine_speed_check.json] [--skip kernel|decode|swap]
+Usage: python -m bench.engine_speed_check [--tiny] [--out engine_speed_check.json] [--skip PART]
 `--tiny` (CPU smoke run) interprets the Pallas GPU kernel; its figures prove the plumbing only.
 Prints one JSON object (last line of stdout).
 """
@@ -75,13 +79,14 @@ def _engine(cfg, params, p: dict, max_seq_len: int, **config):
     return GenerationEngine((cfg, params), ec)
 
 
-def _run(engine, prompts, budgets, seed0: int, swap=None, swap_every: int = 0):
-    """Runs the requests to the end (swapping to `swap` every `swap_every` rounds): (decode tokens/s,
-    wall tokens/s, re-prefilled tokens, prefill seconds)."""
+def _run(engine, prompts, budgets, seed0: int, swap=None, swap_every: int = 0, n: int = 1):
+    """Runs the requests (`n` samples each) to the end (swapping to `swap` every `swap_every`
+    rounds): (decode tokens/s, wall tokens/s, re-prefilled tokens, prefill seconds, pages shared,
+    samples preempted)."""
     from areal_jax.generation import SamplingParams
 
     before, t0 = engine.stats(), time.perf_counter()
-    handles = [engine.submit(pr, SamplingParams(max_new_tokens=int(b), temperature=1.0), seed=seed0 + i)
+    handles = [engine.submit(pr, SamplingParams(max_new_tokens=int(b), temperature=1.0), n=n, seed=seed0 + i)
                for i, (pr, b) in enumerate(zip(prompts, budgets))]
     rounds, version = 0, engine.version
     while engine.step():
@@ -89,11 +94,12 @@ def _run(engine, prompts, budgets, seed0: int, swap=None, swap_every: int = 0):
         if swap is not None and swap_every and rounds % swap_every == 0:
             version += 1
             engine.update_weights(swap[version % 2], version)
-    generated = sum(len(h.result().completions[0].tokens) for h in handles)
+    generated = sum(len(c.tokens) for h in handles for c in h.result().completions)
     after = engine.stats()
     return ((after.busy_slot_steps - before.busy_slot_steps) / max(after.decode_s - before.decode_s, 1e-9),
             generated / (time.perf_counter() - t0), after.reprefill_tokens - before.reprefill_tokens,
-            after.prefill_s - before.prefill_s)
+            after.prefill_s - before.prefill_s, after.kv_pages_shared - before.kv_pages_shared,
+            after.preempted_samples - before.preempted_samples)
 
 
 def probe_decode(cfg, params, p: dict) -> dict:
@@ -127,13 +133,48 @@ def probe_swap(cfg, params, p: dict, swap_every: int) -> dict:
     return out
 
 
+def _variants(cfg, params, p: dict, variants: dict[str, dict], n: int = 1, prompts_scale: int = 1) -> dict:
+    """Each engine variant (EngineConfig fields) on the ragged workload, compiled first, medians of
+    `decode_repeats` runs."""
+    prompts, budgets, max_seq_len = _workload(cfg, p)
+    prompts, budgets = prompts[:len(prompts) // prompts_scale], budgets[:len(budgets) // prompts_scale]
+    out: dict = {"requests": len(prompts), "samples_per_request": n}
+    for name, config in variants.items():
+        engine = _engine(cfg, params, p, max_seq_len, kv_dtype="bfloat16", **config)
+        _run(engine, prompts, budgets, 10_000, n=n)  # compiles
+        runs = [_run(engine, prompts, budgets, 20_000 + 1000 * r, n=n) for r in range(p["decode_repeats"])]
+        out[name] = {"decode_tokens_per_s": statistics.median(r[0] for r in runs),
+                     "wall_tokens_per_s": statistics.median(r[1] for r in runs),
+                     "kv_pages_shared": statistics.median(r[4] for r in runs),
+                     "preempted_samples": statistics.median(r[5] for r in runs)}
+        del engine
+    return out
+
+
+def probe_live(cfg, params, p: dict) -> dict:
+    out = _variants(cfg, params, p, {"full_batch": dict(decode_min_rows=p["slots"]),
+                                     "live_slots": dict(decode_min_rows=min(16, p["slots"]))})
+    out["live_over_full_decode"] = out["live_slots"]["decode_tokens_per_s"] / out["full_batch"]["decode_tokens_per_s"]
+    return out
+
+
+def probe_share(cfg, params, p: dict) -> dict:
+    # A quarter of the dense cache's pages (16-token pages): sharing decides how many samples fit.
+    pages = max(p["slots"] * (p["prompt_len"] + p["new_tokens"] * 4) // (16 * 4), 1)
+    pool = dict(kv_pool_pages=max(pages, -(-(p["prompt_len"] + p["new_tokens"] * 4) // 16)), page_size=16)
+    out = _variants(cfg, params, p, {"copied": dict(share_prompt_pages=False, **pool),
+                                     "shared": dict(share_prompt_pages=True, **pool)}, n=4, prompts_scale=4)
+    out["shared_over_copied_wall"] = out["shared"]["wall_tokens_per_s"] / out["copied"]["wall_tokens_per_s"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="tiny shapes; the GPU kernel interpreted (CPU smoke test)")
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--hbm-bandwidth", type=float, default=H200_HBM_BYTES_PER_S, help="HBM bytes/s")
     ap.add_argument("--swap-every", type=int, default=4, help="scheduling rounds between weight swaps")
-    ap.add_argument("--skip", choices=("kernel", "decode", "swap"), action="append", default=[])
+    ap.add_argument("--skip", choices=("kernel", "decode", "swap", "live", "share"), action="append", default=[])
     args = ap.parse_args(argv)
     preset = "tiny" if args.tiny else "full"
     p = dict(PRESETS[preset])
@@ -149,6 +190,8 @@ def main(argv: list[str] | None = None) -> dict:
                                        hbm=args.hbm_bandwidth),
         "decode": lambda: probe_decode(cfg, params, p),
         "swap": lambda: probe_swap(cfg, params, p, args.swap_every),
+        "live": lambda: probe_live(cfg, params, p),
+        "share": lambda: probe_share(cfg, params, p),
     }
     return run_parts(result, parts, args.skip, args.out, tag="engine_speed_check")
 

@@ -101,6 +101,7 @@ class BigramEngine:
         class Stats:  # the counters the rollout side reads
             tokens_per_s = self.generated_tokens / self._busy_s if self._busy_s else 0.0
             preempted_samples = 0
+            kv_pages_shared = 0
             reprefill_tokens = 0  # in-flight samples continue across a swap: nothing to recompute
 
         return Stats()

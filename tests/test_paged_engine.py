@@ -306,7 +306,7 @@ def test_fp8_specs_hold_e4m3_pools_with_scales_and_compile():
     decode = next(s for s in specs if "decode" in s.name)
     pool = decode.args[1][0]
     assert pool.k.dtype == jnp.float8_e4m3fn and pool.k.shape == (2, 2 * 79, 8, 8)  # 4x the fp32 pages
-    assert pool.k_scale.shape == (2,) and pool.k_scale.sharding.spec == ("tensor",)
+    assert pool.k_scale.shape == (2,) and tuple(pool.k_scale.sharding.spec) == ("tensor",)
     assert "EngineConfig.kv_dtype" in decode.fields
     assert decode.lower().compile().memory_analysis() is not None
 

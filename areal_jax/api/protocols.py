@@ -26,6 +26,7 @@ class EngineStatsView(Protocol):
     tokens_per_s: float  # generation throughput since the engine started
     preempted_samples: int  # samples evicted and re-run (0 for an engine that never preempts)
     reprefill_tokens: int  # history tokens prefilled again (weight swaps, resumed preemptions) so far
+    kv_pages_shared: int  # KV pages a group's samples shared instead of each taking them, so far (0: none)
 
 
 @runtime_checkable

@@ -95,10 +95,20 @@ class EngineConfig:
     # areal_jax/kernels/), "reference" (a jnp gather of each slot's pages), or "auto" (pallas where
     # one is registered for the platform, else reference).
     attention_impl: str = "auto"
+    # Paged layout: a decode chunk runs over the live slots only. Its batch per data replica is the
+    # most live slots of a replica rounded up to a power of two, at least this many, at most the
+    # replica's slots; the live slots' page tables are gathered into it (no KV moves). One compiled
+    # chunk per (window, batch): num_slots / data or more turns it off. At 240 slots and ~17 live a
+    # full-batch step computes ~14x the rows it needs (the weights' FLOPs per row).
+    decode_min_rows: int = 16
+    # Paged layout: a group's samples hold its prompt's full pages together (reference-counted;
+    # each its own copy of the partial last page), so the pool and admission count them once
+    # (generation/pages.py). Off: every sample its own copy, as the dense cache holds.
+    share_prompt_pages: bool = True
 
     def __post_init__(self):
         for name in ("num_slots", "max_seq_len", "decode_chunk", "max_prefill_batch", "reprefill_pack_width",
-                     "max_prefill_tokens", "prefill_chunk"):
+                     "max_prefill_tokens", "prefill_chunk", "decode_min_rows"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {v!r}")
@@ -204,6 +214,18 @@ class EngineConfig:
     def decode_pages(self, window: int) -> int:
         """Page-table width M of a paged decode chunk attending over `window` positions."""
         return -(-window // self.page_size)
+
+    def decode_rows(self, live: int, data: int = 1) -> int:
+        """Decode batch rows per data replica when its busiest replica has `live` live slots:
+        the next power of two of `live`, at least `decode_min_rows`, at most num_slots / data."""
+        per_replica = self.num_slots // data
+        if not 0 <= live <= per_replica:
+            raise ValueError(f"a replica holds 0 to {per_replica} live slots, got {live}")
+        return _round_up_pow(max(live, self.decode_min_rows, 1), 2, per_replica)
+
+    def decode_row_counts(self, data: int = 1) -> tuple[int, ...]:
+        """Every decode batch per replica `decode_rows` gives (the last: all of a replica's slots)."""
+        return tuple(sorted({self.decode_rows(n, data) for n in range(self.num_slots // data + 1)}))
 
     def bucket(self, length: int) -> int:
         return next(b for b in self.prefill_buckets if b >= length)

@@ -236,6 +236,7 @@ class GenerationEngine:
         with self._lock:
             s = dataclasses.replace(self._stats)
             s.queued_requests = len(self._queue)
+        s.kv_pages_shared = self._pages.shared_pages if self._pages is not None else 0
         s.active_slots = sum(x is not None for x in self._slot_sample)
         return s
 
@@ -299,7 +300,7 @@ class GenerationEngine:
         with self._placement():
             self._apply_aborts()
             draining = self._maybe_swap_weights()
-            self._slots.resume_preempted(self._params)  # in flight already: resumed even while draining for a swap
+            self._slots.resume_preempted(self._params, self._version)  # in flight already: resumed even while draining for a swap
             if not draining and not self._preempted:
                 self._admit()
             if self._slots.busy():
@@ -393,7 +394,8 @@ class GenerationEngine:
         """Gives the request's next samples free slots (and their pages): ([(slot, request, sample
         index)], slots left)."""
         slots, free = self._slots.take(free, req.n - req.next_sample,
-                                      self.config.chunk_tokens(req.prompt.size, req.sampling.max_new_tokens - 1))
+                                       self.config.chunk_tokens(req.prompt.size, req.sampling.max_new_tokens - 1),
+                                       req, self._version)
         started = [(slot, req, req.next_sample + j) for j, slot in enumerate(slots)]
         for slot, _, index in started:
             self._slots.set_key(slot, req.seed, index)
@@ -420,11 +422,13 @@ class GenerationEngine:
                 if batch and self.config.bucket(req.prompt.size) != self.config.bucket(batch[0].prompt.size):
                     break
                 want = req.n - req.next_sample
-                if pages is not None:  # samples the free pages can start
+                if pages is not None:  # samples the free pages can start (later ones share the prompt's)
                     need = self._slots.admission_pages(req)
+                    prefix = self._slots.prefix(req, self._version)
+                    later = max(1, need - (prefix.pages if prefix is not None else 0))
                     if budget < need:
                         break
-                    budget -= min(want, budget // need) * need
+                    budget -= need + (min(want, 1 + (budget - need) // later) - 1) * later
                 batch.append(req)
                 room -= want
         return batch

@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from areal_jax.generation.config import EngineConfig
+from areal_jax.generation.live_slots import gather_state, live_order, scatter_outputs
 from areal_jax.generation.paged import page_bytes, pool_scale_bytes, zero_pools
 from areal_jax.generation.pages import PageAllocator
 from areal_jax.generation.programs import EnginePrograms, build_programs, cache_sharding, mesh_sizes
@@ -193,12 +194,23 @@ class EngineCache:
 
     def decode(self, params: Params, state: tuple[np.ndarray, ...], window: int):
         """One decode chunk over every slot (`state`: the per-slot arrays and exit_free) attending over
-        `window` positions (paged: the page tables cut to the window's pages). Returns host
-        (tokens, logprobs, valid) `[B, C]` each, steps taken, the call's wall time and (MoE; else
-        None) the experts of each step's input token `[B, C, L_moe, k]`."""
+        `window` positions (paged: the page tables cut to the window's pages, and the batch only
+        the live slots', generation/live_slots.py). Returns host (tokens, logprobs, valid) `[B, C]`
+        each, steps taken, the call's wall time and (MoE; else None) the experts of each step's
+        input token `[B, C, L_moe, k]`."""
         t0 = time.perf_counter()
-        self.cache, out = self.programs.decode(
-            params, self.cache, *self.put(*state, *self.tables(self.config.decode_pages(window))), window=window)
+        B = self.config.num_slots
+        tables = self.tables(self.config.decode_pages(window))
+        order = real = None
+        if self.pages is not None:
+            order, real = live_order(state[2], self.config, self.data)
+            if order.shape[0] < B:
+                state, tables = gather_state(state, order, real), (tables[0][order],)
+            else:
+                order = None
+        self.cache, out = self.programs.decode(params, self.cache, *self.put(*state, *tables), window=window)
         tokens, logprobs, valid, steps, chosen = jax.device_get(out)
+        if order is not None:
+            tokens, logprobs, valid, chosen = scatter_outputs((tokens, logprobs, valid, chosen), order, real, B)
         return (np.asarray(tokens), np.asarray(logprobs), np.asarray(valid), int(steps), time.perf_counter() - t0,
                 chosen)

@@ -15,6 +15,15 @@ Pages are taken as a sequence grows (`grow`, before each decode chunk) and all g
 it finishes or is preempted (`release`). Freed pages are reused last-in first-out, so a slot's
 pages end up anywhere in its replica's range, in any order.
 
+Shared prompt pages: the samples of one group (same prompt, same weights version) on one replica
+hold the prompt's *full* pages together: the first to take a slot registers them as the group's
+prefix, later ones put the same page ids first in their tables and take their own pages only from
+the prompt's partial last page on (each writes its own copy of it: copy on write, as decode writes
+from the prompt's end). A page is reference-counted by the slots holding it and freed when the
+last lets go; the prefix is forgotten with its last holder. Writes into a shared page (every
+holder's prefill, re-prefill after a swap) write the same prompt under the same weights, so they
+agree; a prefix written under other weights is never shared (its key carries the version).
+
 The engine's policy over them lives here too: admission hands out slots with their pages while a
 busy replica keeps a watermark free (`take_slots`), and before each chunk `reserve` grows the
 running slots oldest first, emptying the newest of a dry replica (vLLM's recompute preemption).
@@ -22,7 +31,18 @@ running slots oldest first, emptying the newest of a dry replica (vLLM's recompu
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Hashable
+
 import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefix:
+    """A group's shareable prompt: `key` names it (request and weights version), `pages` full pages."""
+
+    key: Hashable
+    pages: int
 
 
 class PageAllocator:
@@ -38,6 +58,11 @@ class PageAllocator:
         self._free = [list(range((r + 1) * pages_per_replica - 1, r * pages_per_replica - 1, -1))
                       for r in range(replicas)]
         self._held: list[list[int]] = [[] for _ in range(num_slots)]
+        self._refs = np.zeros(replicas * pages_per_replica, np.int32)  # slots holding each page
+        self._prefixes: dict[tuple[Hashable, int], list[int]] = {}  # (key, replica) -> its shared pages
+        self._slot_prefix: list[tuple[Hashable, int] | None] = [None] * num_slots
+        self._holders: dict[tuple[Hashable, int], int] = {}  # slots holding each prefix
+        self.shared_pages = 0  # page references that took no page (counted at each sharing)
         self.tables = np.zeros((num_slots, table_width), np.int32)
         for slot in range(num_slots):
             self.tables[slot] = self._first_page(slot)
@@ -76,16 +101,62 @@ class PageAllocator:
         if need > len(free):
             return False
         for _ in range(need):
-            page = free.pop()
-            self.tables[slot, len(self._held[slot])] = page
-            self._held[slot].append(page)
+            self._hold(slot, free.pop())
         return True
 
+    def _hold(self, slot: int, page: int) -> None:
+        self.tables[slot, len(self._held[slot])] = page
+        self._held[slot].append(page)
+        self._refs[page] += 1
+
+    def shareable(self, slot: int, prefix: Prefix | None) -> int:
+        """Pages of `prefix` the slot would share on its replica (0: none registered there)."""
+        if prefix is None:
+            return 0
+        return len(self._prefixes.get((prefix.key, self.replica(slot)), ()))
+
+    def start(self, slot: int, tokens: int, prefix: Prefix | None = None) -> bool:
+        """An empty slot's pages for positions [0, tokens): the prefix's pages shared where its group
+        registered them on this replica, else taken (and registered for the group's later samples).
+        False with nothing taken when the replica has too few free pages."""
+        if self._held[slot]:
+            raise ValueError(f"slot {slot} still holds pages")
+        shared = self._prefixes.get((prefix.key, self.replica(slot))) if prefix is not None else None
+        if shared is None:
+            if not self.grow(slot, tokens):
+                return False
+            if prefix is not None and prefix.pages and self.held(slot) >= prefix.pages:
+                name = (prefix.key, self.replica(slot))
+                self._prefixes[name], self._holders[name] = list(self._held[slot][:prefix.pages]), 1
+                self._slot_prefix[slot] = name
+            return True
+        if len(shared) != prefix.pages or self.pages_for(tokens) < prefix.pages:
+            raise ValueError(f"prefix {prefix.key!r}: {prefix.pages} pages for {tokens} tokens, registered with "
+                             f"{len(shared)}: one key, one prompt")
+        if self.pages_for(tokens) - len(shared) > self.free_pages(self.replica(slot)):
+            return False
+        name = (prefix.key, self.replica(slot))
+        for page in shared:
+            self._hold(slot, page)
+        self._slot_prefix[slot] = name
+        self._holders[name] += 1
+        self.shared_pages += len(shared)
+        return self.grow(slot, tokens)
+
     def release(self, slot: int) -> None:
-        """Gives back every page of the slot."""
-        self._free[self.replica(slot)].extend(reversed(self._held[slot]))
+        """Lets go of every page of the slot: those no other slot holds are free again."""
+        free = self._free[self.replica(slot)]
+        for page in reversed(self._held[slot]):
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                free.append(page)
         self._held[slot] = []
         self.tables[slot] = self._first_page(slot)
+        name, self._slot_prefix[slot] = self._slot_prefix[slot], None
+        if name is not None:
+            self._holders[name] -= 1
+            if self._holders[name] == 0:  # its pages went free with their last holder
+                del self._holders[name], self._prefixes[name]
 
     # ---- the engine's policy over pages -----------------------------------------------------------
 
@@ -97,18 +168,20 @@ class PageAllocator:
         """Pages new samples may take now, over all replicas: a busy replica keeps its watermark."""
         return sum(max(0, self.free_pages(r) - (self.watermark if self.busy(r) else 0)) for r in range(self.replicas))
 
-    def take_slots(self, free: list[int], count: int, tokens: int) -> tuple[list[int], list[int]]:
-        """Up to `count` of the `free` slots, each given the pages for positions [0, tokens): (taken,
-        left). Slots come from the replica with the most free pages; none is taken that would leave
-        a busy replica with less than its watermark (an idle one may be filled)."""
+    def take_slots(self, free: list[int], count: int, tokens: int, prefix: Prefix | None = None
+                   ) -> tuple[list[int], list[int]]:
+        """Up to `count` of the `free` slots, each given the pages for positions [0, tokens) (sharing
+        `prefix`'s full pages within a replica): (taken, left). Slots come from the replica with the
+        most free pages after this sample; none is taken that would leave a busy replica with less
+        than its watermark (an idle one may be filled)."""
         taken, left = [], list(free)
-        need = self.pages_for(tokens)
+        full = self.pages_for(tokens)
         while len(taken) < count and left:
-            slot = max(left, key=lambda s: self.free_pages(self.replica(s)))
+            slot = max(left, key=lambda s: self.free_pages(self.replica(s)) + self.shareable(s, prefix))
             r = self.replica(slot)
-            if self.free_pages(r) - need < (self.watermark if self.busy(r) else 0):
+            if self.free_pages(r) - (full - self.shareable(slot, prefix)) < (self.watermark if self.busy(r) else 0):
                 break
-            self.grow(slot, tokens)
+            self.start(slot, tokens, prefix)
             taken.append(slot)
             left.remove(slot)
         return taken, left
@@ -128,14 +201,29 @@ class PageAllocator:
         return emptied
 
     def check(self) -> None:
-        """Raises AssertionError unless every page is either free or held by exactly one slot of its
-        replica, and the tables list exactly the held pages."""
+        """Raises AssertionError unless every page is either free or held, by exactly as many slots
+        of its replica as its count says (more than one only for a registered prefix's pages), the
+        tables list exactly the held pages, and every prefix is the leading pages of its holders."""
+        holders: dict[tuple, int] = {}
         for r in range(self.replicas):
-            owned = list(self._free[r])
+            free = list(self._free[r])
+            assert len(set(free)) == len(free) and all(self._refs[p] == 0 for p in free), f"replica {r}: free list"
+            counts: dict[int, int] = {}
             for slot in range(r * self._slots_per_replica, (r + 1) * self._slots_per_replica):
                 held = self._held[slot]
                 assert list(self.tables[slot, :len(held)]) == held, f"slot {slot}: table differs from its pages"
                 assert (self.tables[slot, len(held):] == self._first_page(slot)).all(), f"slot {slot}: stale entries"
-                owned += held
+                assert len(set(held)) == len(held), f"slot {slot}: a page twice"
+                for page in held:
+                    counts[page] = counts.get(page, 0) + 1
+                name = self._slot_prefix[slot]
+                if name is not None:
+                    assert name[1] == r and held[:len(self._prefixes[name])] == self._prefixes[name], \
+                        f"slot {slot}: its prefix is not its first pages"
+                    holders[name] = holders.get(name, 0) + 1
+            assert all(self._refs[p] == n for p, n in counts.items()), f"replica {r}: reference counts"
+            shared = {p for pages in (v for (_, rr), v in self._prefixes.items() if rr == r) for p in pages}
+            assert all(n == 1 or p in shared for p, n in counts.items()), f"replica {r}: a page shared unregistered"
             want = range(r * self.pages_per_replica, (r + 1) * self.pages_per_replica)
-            assert sorted(owned) == list(want), f"replica {r}: pages lost or owned twice"
+            assert sorted(free + list(counts)) == list(want), f"replica {r}: pages lost or owned twice"
+        assert holders == self._holders and set(holders) == set(self._prefixes), "prefix holders"

@@ -276,7 +276,8 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
         of `window` positions (every position reached is below it)."""
         *state, page_tables = state
         counts["decode"] += 1
-        traced[program_name("decode", window=window)] += 1
+        rows = page_tables.shape[0]  # the live slots' batch (generation/live_slots.py), else every slot
+        traced[program_name("decode", window=window, **({} if rows == ec.num_slots else dict(rows=rows)))] += 1
         attend = make_attend(page_tables, page_size=ec.page_size, impl=ec.attention_impl, platform=platform,
                              mesh=mesh, pages_per_replica=pools[0].num_pages // data, quantized=pools[0].quantized)
 
@@ -349,10 +350,11 @@ def engine_program_specs(model_cfg: ModelConfig, engine_cfg: EngineConfig, *, me
     max_prompt_len) and row count; first_tokens[rows=R] and insert[rows=R,len=P] for the later
     samples of a group from its kept block; reprefill_packed[rows=R] for every packed row count;
     prefill[rows=R,len=P] + insert for histories longer than a packed row; decode[window=W] for
-    every window; split_weights (a swap of stacked weights; split weights install without a
-    program). Resident: the weights and cache where they are not arguments; with role
-    "generation" one incoming weight copy (a transfer can land while any program runs); during
-    decode the block a partly started group keeps (the largest admission block).
+    every window (paged: also decode[window=max,rows=R] for every live-slot batch below num_slots);
+    split_weights (a swap of stacked weights; split weights install without a program). Resident:
+    the weights and cache where they are not arguments; with role "generation" one incoming weight
+    copy (a transfer can land while any program runs); during decode the block a partly started
+    group keeps (the largest admission block).
 
     `platform` is the target (default: jax's default backend): it resolves `kv_layout` "auto" and
     the paged attention kernel. Paged: the cache is L pools of `data x pool_pages` pages (pages
@@ -438,12 +440,18 @@ def engine_program_specs(model_cfg: ModelConfig, engine_cfg: EngineConfig, *, me
     slot_state = (host((B,), jnp.int32), host((B,), jnp.int32), host((B,), bool), host((B,), jnp.int32),
                   host((B,), jnp.float32), host((B,), jnp.float32), host((B,), jnp.int32),
                   host((B, MAX_STOP_IDS), jnp.int32), host((B, 2), jnp.uint32), host((), jnp.int32))
+    decode_fields = cache_fields + ("EngineConfig.decode_windows", "EngineConfig.decode_chunk") + _PREFILL_FIELDS
     for window in ec.decode_windows:
         window_tables = (host((B, ec.decode_pages(window)), jnp.int32),) if paged else ()
         add("decode", dict(window=window), programs.decode, (params, cache, *slot_state, *window_tables),
-            kept + incoming,
-            cache_fields + ("EngineConfig.decode_windows", "EngineConfig.decode_chunk") + _PREFILL_FIELDS,
-            kwargs=dict(window=window))
+            kept + incoming, decode_fields, kwargs=dict(window=window))
+    if paged:  # the live slots' batches (generation/live_slots.py), at the widest window (a bound)
+        W = ec.decode_windows[-1]
+        for b in ec.decode_row_counts(data)[:-1]:
+            rows = tuple(host((data * b, *a.shape[1:]), a.dtype) for a in slot_state[:-1]) + slot_state[-1:]
+            add("decode", dict(window=W, rows=data * b), programs.decode,
+                (params, cache, *rows, host((data * b, ec.decode_pages(W)), jnp.int32)), kept + incoming,
+                decode_fields + ("EngineConfig.decode_min_rows",), kwargs=dict(window=W))
     add("split_weights", {}, programs.split, (param_structs(cfg, mesh, param_dtype, split=False),),
         (cache,) + incoming, cache_fields)
     return specs

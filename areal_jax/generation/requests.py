@@ -32,6 +32,8 @@ class EngineStats:
     active_slots: int = 0
     # Samples preempted when the paged KV pool ran dry (recomputed later), counted at each preemption.
     preempted_samples: int = 0
+    # Page references a group's samples shared instead of taking pages (paged; a prompt's full pages).
+    kv_pages_shared: int = 0
 
     @property
     def tokens_per_s(self) -> float:

@@ -20,6 +20,7 @@ import numpy as np
 
 from areal_jax.generation.config import EngineConfig
 from areal_jax.generation.engine_cache import EngineCache
+from areal_jax.generation.pages import Prefix
 from areal_jax.generation.requests import EngineStats, Request, Sample, StopReason
 from areal_jax.generation.sampling import MAX_STOP_IDS
 from areal_jax.generation.timings import CallTimings, decode_key
@@ -59,12 +60,20 @@ class SlotTable:
 
     # ---- starting samples ----------------------------------------------------------------------
 
-    def take(self, free: list[int], count: int, tokens: int) -> tuple[list[int], list[int]]:
+    def take(self, free: list[int], count: int, tokens: int, req: Request | None = None, version: int = 0
+             ) -> tuple[list[int], list[int]]:
         """Up to `count` free slots for samples holding `tokens` positions: (taken, left); paged,
-        only with their pages (`PageAllocator.take_slots`)."""
+        only with their pages (`PageAllocator.take_slots`), samples of `req` sharing its prompt's
+        full pages written under weights `version`."""
         if self._kv.pages is None:
             return free[:count], free[count:]
-        return self._kv.pages.take_slots(free, count, tokens)
+        return self._kv.pages.take_slots(free, count, tokens, self.prefix(req, version))
+
+    def prefix(self, req: Request | None, version: int) -> Prefix | None:
+        """The shareable prompt of `req`'s samples under weights `version` (None: nothing to share)."""
+        if req is None or not self.config.share_prompt_pages:
+            return None
+        return Prefix((req.request_id, version), req.prompt.size // self.config.page_size)
 
     def admission_pages(self, req: Request) -> int:
         """Pages a new sample of `req` takes: its prompt and first decode chunk."""
@@ -136,17 +145,18 @@ class SlotTable:
         self.preempted.sort(key=lambda x: x.stamp)
         self._stats.preempted_samples += 1
 
-    def resume_preempted(self, params: Params) -> None:
+    def resume_preempted(self, params: Params, version: int) -> None:
         """Puts preempted samples back into free slots, oldest first, while the pool has room:
-        their KV cache is recomputed from prompt + generated tokens (under the current weights;
-        the tokens keep their versions)."""
+        their KV cache is recomputed from prompt + generated tokens (under the current weights,
+        `version`, sharing the prompt pages a sibling holds under them; the tokens keep their
+        versions)."""
         free = self.free()
         histories = {}
         while self.preempted and free:
             sample = self.preempted[0]
             position = sample.request.prompt.size + len(sample.tokens) - 1
             remaining = sample.request.sampling.max_new_tokens - len(sample.tokens)
-            taken, free = self.take(free, 1, self.config.chunk_tokens(position, remaining))
+            taken, free = self.take(free, 1, self.config.chunk_tokens(position, remaining), sample.request, version)
             if not taken:
                 break
             self.preempted.pop(0)

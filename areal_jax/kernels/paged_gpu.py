@@ -14,7 +14,9 @@ Dimension letters as in kernels/paged_attention.py, plus:
 
 Grid (B, K, X): one program per slot, kv head and split. Each reads the pages of its split up to the
 slot's length and writes an unnormalised output with its running max and sum; the splits are merged
-in jnp (X = 1 unless few slots hold long sequences).
+in jnp. X is chosen per call from its static shapes (`auto_splits`): when B x K programs would
+leave SMs idle (a live-slot batch of 16 x 8 kv heads is 128 programs on an H200's 132 SMs), each
+slot's pages are split so about two programs run per SM, as long as every split keeps a block.
 """
 
 from __future__ import annotations
@@ -79,16 +81,39 @@ def limits(head_dim: int, page_size: int, slots: int = 0, pages_per_slot: int = 
     return None
 
 
+# SMs of the GPU the programs are for: the device's when one is attached, else an H100/H200's (132),
+# the planner's deviceless targets.
+DEFAULT_SM_COUNT = 132
+
+
+def sm_count() -> int:
+    try:
+        return int(getattr(jax.devices("gpu")[0], "core_count", 0)) or DEFAULT_SM_COUNT
+    except RuntimeError:  # no GPU backend: compiling for a target
+        return DEFAULT_SM_COUNT
+
+
+def auto_splits(slots: int, kv_heads: int, blocks_per_slot: int, sms: int) -> int:
+    """Splits of each slot's page table: 1 when slots x kv_heads programs reach 2x the SMs, else
+    enough to reach it, at most one per online-softmax block of the table (a split with no block
+    would only add a merge)."""
+    programs = slots * kv_heads
+    if programs >= 2 * sms:
+        return 1
+    return max(1, min(-(-2 * sms // programs), blocks_per_slot))
+
+
 @functools.partial(jax.jit, static_argnames=("pages_per_block", "splits", "num_warps", "num_stages", "interpret"))
 def pallas_triton_paged_attention(q: jax.Array, pool: PagePool, lengths: jax.Array, page_tables: jax.Array, *,
-                                  pages_per_block: int | None = None, splits: int = 1, num_warps: int = 4,
+                                  pages_per_block: int | None = None, splits: int | None = None, num_warps: int = 4,
                                   num_stages: int = 2, interpret: bool = False) -> jax.Array:
     """`reference_paged_attention`'s semantics on a "heads" pool; reads only live pages. An FP8
     pool's pages are read as bytes and upcast in the kernel; its per-kv-head scales are folded into
     q (keys) and the output (values) around it.
 
     pages_per_block: pages per online-softmax block (a power of two; default: 128 tokens' worth).
-    splits: programs per slot and kv head, each over a contiguous share of the page table.
+    splits: programs per slot and kv head, each over a contiguous share of the page table (default:
+    `auto_splits` for this call's shapes and the GPU's SMs).
     interpret: run the kernel in Pallas' interpreter (CPU, tests)."""
     if pool.layout != "heads":
         raise ValueError(f"pallas_triton_paged_attention reads a 'heads' pool, got {pool.layout!r}")
@@ -104,6 +129,8 @@ def pallas_triton_paged_attention(q: jax.Array, pool: PagePool, lengths: jax.Arr
     if not _pow2(C):
         raise ValueError(f"pages_per_block must be a power of two, got {C}")
     G = N // K
+    if splits is None:
+        splits = auto_splits(B, K, -(-M // C), sm_count())
     Gp = max(16, 1 << (G - 1).bit_length())
     per_split = -(-M // splits)
     per_split = -(-per_split // C) * C  # whole blocks per split

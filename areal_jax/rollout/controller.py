@@ -113,6 +113,8 @@ class ControllerStats:
     # History tokens the engine re-prefilled so far (weight swaps under on_swap "recompute", resumed
     # preemptions).
     generation_reprefill_tokens: int = 0
+    # KV pages the engine's groups shared so far (their prompts' full pages, paged layout).
+    generation_kv_pages_shared: int = 0
 
     @property
     def rejected_total(self) -> int:
@@ -330,7 +332,8 @@ class RolloutController:
                 admission_version=self._admission_version, generation_tokens_per_s=tokens_per_s, error=self._error,
                 finished_trajectories=self._finished_trajectories, finished_reward_sum=self._finished_reward_sum,
                 generation_preempted_samples=engine.preempted_samples,
-                generation_reprefill_tokens=engine.reprefill_tokens)
+                generation_reprefill_tokens=engine.reprefill_tokens,
+                generation_kv_pages_shared=engine.kv_pages_shared)
 
     # ---- the loop -----------------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ class StepMetrics:
         self.cluster = cluster
         self._reward_tally = (0, 0.0)  # (trajectories, reward sum) finished before the last step
         self._reprefill_seen = 0  # the engine's re-prefilled tokens at the previous step's record
+        self._shared_seen = 0  # the engine's shared KV pages at the previous step's record
         self._pool_seen = (0, 0)  # the pool's (timeouts, crashes + errors) counted by earlier steps
         self._timings_seen: dict | None = None  # engine timings at the previous step's record
 
@@ -45,6 +46,8 @@ class StepMetrics:
         n_new = ctl.finished_trajectories - n_prev
         reprefill, self._reprefill_seen = (ctl.generation_reprefill_tokens - self._reprefill_seen,
                                            ctl.generation_reprefill_tokens)
+        shared, self._shared_seen = (ctl.generation_kv_pages_shared - self._shared_seen,
+                                     ctl.generation_kv_pages_shared)
         lag = train.get("version_lag_hist", {})
         metrics = {
             "step": step,
@@ -65,6 +68,8 @@ class StepMetrics:
             # History tokens re-prefilled since the last step (EngineConfig.on_swap "recompute": every
             # in-flight history at each swap; also resumed preemptions).
             "rollout/reprefill_tokens": reprefill,
+            # KV pages a group's samples shared (their prompt's full pages) since the last step.
+            "rollout/kv_pages_shared": shared,
             "throughput/tokens_per_s": train.get("trained_tokens", 0.0) / max(train.get("time_step_s", 1e-9), 1e-9),
             "time/wait_batch_s": wait_s,
             "time/train_step_s": train.get("time_step_s", math.nan),
