@@ -9,8 +9,8 @@ Three parts, each recorded on its own (a failure leaves the others' figures):
    ragged workload: decode tokens/s (busy slot-steps over decode seconds) and wall tokens/s.
 3. swap: the same engine swapping weights every `swap_every` scheduling rounds under
    `EngineConfig.on_swap` "recompute" and "keep": wall tokens/s, tokens re-prefilled, prefill seconds.
-4. live: decode by live slots (`EngineConfig.decode_min_rows` 16) against the full batch every chunk
-   (decode_min_rows = slots), on the ragged workload: decode and wall tokens/s.
+4. live: decode by live slots (`EngineConfig.decode_min_rows` 16, at most slots / 8) against the full
+   batch every chunk (decode_min_rows = slots), on the ragged workload: decode and wall tokens/s.
 5. share: groups of 4 samples per prompt with `EngineConfig.share_prompt_pages` on and off, on a
    pool of a quarter of the dense cache: wall tokens/s, pages shared, samples preempted.
 
@@ -153,15 +153,16 @@ def _variants(cfg, params, p: dict, variants: dict[str, dict], n: int = 1, promp
 
 def probe_live(cfg, params, p: dict) -> dict:
     out = _variants(cfg, params, p, {"full_batch": dict(decode_min_rows=p["slots"]),
-                                     "live_slots": dict(decode_min_rows=min(16, p["slots"]))})
+                                     "live_slots": dict(decode_min_rows=min(16, max(1, p["slots"] // 8)))})
     out["live_over_full_decode"] = out["live_slots"]["decode_tokens_per_s"] / out["full_batch"]["decode_tokens_per_s"]
     return out
 
 
 def probe_share(cfg, params, p: dict) -> dict:
-    # A quarter of the dense cache's pages (16-token pages): sharing decides how many samples fit.
-    pages = max(p["slots"] * (p["prompt_len"] + p["new_tokens"] * 4) // (16 * 4), 1)
-    pool = dict(kv_pool_pages=max(pages, -(-(p["prompt_len"] + p["new_tokens"] * 4) // 16)), page_size=16)
+    # A quarter of the dense cache's pages: sharing decides how many samples fit. Pages of 16 tokens
+    # (4 for prompts under 32 tokens, so a prompt holds full pages to share).
+    S, longest = (16 if p["prompt_len"] >= 32 else 4), p["prompt_len"] + p["new_tokens"] * 4
+    pool = dict(kv_pool_pages=max(p["slots"] * longest // (S * 4), -(-longest // S)), page_size=S)
     out = _variants(cfg, params, p, {"copied": dict(share_prompt_pages=False, **pool),
                                      "shared": dict(share_prompt_pages=True, **pool)}, n=4, prompts_scale=4)
     out["shared_over_copied_wall"] = out["shared"]["wall_tokens_per_s"] / out["copied"]["wall_tokens_per_s"]
