@@ -371,7 +371,7 @@ def test_multi_turn_workflow_trains_from_the_command_line_with_wandb_offline(tmp
     assert progress_series([r["metrics"] for r in rl])[0] == [r["step"] for r in rl]
     (run,) = finished_runs(tmp_path, 1)
     assert run["run"]["name"] == "multi-turn" and run["run"]["tags"] == ["test"]
-    assert run["config"]["rl"]["workflow"] == PATH and run["config"]["workflow"]["max_turns"] == 2
+    assert run["config"]["rl"]["workflow"] == PATH and run["config"]["workflow_config"]["max_turns"] == 2
     logged = [h for h in run["history"] if "reward/mean" in h]
     assert [h["step"] for h in logged] == [r["step"] for r in rl]
     for h, r in zip(logged, rl):
