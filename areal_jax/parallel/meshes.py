@@ -249,8 +249,9 @@ def build_meshes(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -
     train_devices = [d for devs in train_by_host for d in devs]
     group = cfg.train_expert * cfg.train_tensor
     if len(train_devices) % (group * cfg.num_slices):
-        raise ValueError(f"train_expert={cfg.train_expert} x train_tensor={cfg.train_tensor} x num_slices="
-                         f"{cfg.num_slices} does not divide the {len(train_devices)} training device(s)")
+        slices = f" x num_slices={cfg.num_slices}" if cfg.num_slices > 1 else ""
+        raise ValueError(f"train_expert={cfg.train_expert} x train_tensor={cfg.train_tensor}{slices} does not "
+                         f"divide the {len(train_devices)} training device(s)")
     train_grid = slice_major(train_devices, cfg.num_slices).reshape(-1, cfg.train_expert, cfg.train_tensor)
     train_mesh = Mesh(train_grid, TRAIN_AXES, axis_types=(AxisType.Auto,) * 3)
     return Meshes(
