@@ -28,3 +28,17 @@ def reference() -> Reference:
             pytest.fail(msg)
         pytest.skip(msg)
     return ref
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs_after_each_module():
+    """The default suite runs ~1,700 tests in one process, each module compiling its own programs;
+    dropping a finished module's executables keeps the process's memory flat instead of growing to
+    the end (a late XLA compile crashed once in a long CI run)."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
