@@ -51,10 +51,11 @@ ASYNC = [f"--gin_param={p}" for p in (
     f"RLConfig.steps = {ASYNC_STEPS}", f"RLConfig.batch_size = {ASYNC_BATCH}",
     f"RLConfig.max_concurrent = {ASYNC_CONCURRENT}", "RLConfig.dump_rollouts_every = 1",
     "CheckpointConfig.save_interval_steps = 3")]
-# Wall-clock measurements differ between runs, and so do the rollout side's progress counters (groups
-# finished, accepted or queued when the step's metrics are read): rewards are scored in worker
-# processes, so how far admission got after the weight update is a race. What was trained is not.
-TIMING = ("time/", "throughput/", "timings", "rollout/")
+# Wall-clock measurements (time/, throughput/, transfer/seconds) differ between runs, and so do the
+# rollout side's progress counters (groups finished, accepted or queued when the step's metrics are
+# read): rewards are scored in worker processes, so how far admission got after the weight update
+# is a race. What was trained is not.
+TIMING = ("time/", "throughput/", "timings", "rollout/", "transfer/seconds")
 # This process's 8 fake devices: 4 train, 4 generate (the engine's 8 slots split evenly over "data").
 SPLIT_8 = "--gin_param=MeshConfig.num_generation_devices_per_host = 4"
 
