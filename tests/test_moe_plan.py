@@ -5,6 +5,7 @@ decode step reads."""
 
 import pathlib
 
+import numpy as np
 import pytest
 
 from areal_jax.aot import ProgramSpec
@@ -89,3 +90,26 @@ def test_roofline_reads_touched_experts_and_computes_active_ones(a3b):
     dense = ModelConfig(vocab_size=50, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=2,
                         num_kv_heads=1, head_dim=8)
     assert est.weight_share_read(dense, 1) == 1.0 and est.active_params(dense) == dense.num_params()
+
+
+def test_paged_decode_computes_the_live_batch_and_reads_the_experts_its_live_tokens_touch(a3b):
+    # Decode by live slots (generation/live_slots.py): a step of a 48-slot replica whose busiest
+    # replica has 5 live slots computes 16 rows (decode_rows: at least 16) and reads the experts 5
+    # tokens touch, not 48; 200 cached tokens read per replica.
+    target = parse_target("4x8xh100")
+    costs = RooflineCosts(model=a3b, target=target, estimate_context=est.EstimateContext(model=a3b), replicas=2,
+                          generation_tensor=2, slots_per_replica=48, train_devices=16, hosts=4,
+                          generation_weight_bytes=2 * a3b.num_params(), kv_bytes_per_token=98_304,
+                          separate_proximal=False, transfer_bytes_per_s=1e10)
+    row = est.analytic_flops(ProgramSpec(name="generation/prefill[rows=1,len=1]", role="generation", fn=None),
+                             est.EstimateContext(model=a3b), 2)
+    flops = 3 * 16 * row + 4.0 * 48 * 32 * 128 * 400 / 2 / 2
+    accessed = (3 * costs.weights_read(5) + 400 / 2 * 98_304) / 2
+    want = max(flops / target.peak_flops_per_device, accessed / target.bandwidth_per_device)
+    got = costs.paged_decode_s(np.asarray([3]), np.asarray([400.0]), rows=np.asarray([16]), live_rows=np.asarray([5]))
+    assert got[0] == pytest.approx(want, rel=1e-12)
+    assert costs.weights_read(5) < 0.4 * costs.weights_read(48)  # 5 tokens touch 34 of 128 experts per layer
+    # Without rows: every slot computed and its experts read (a run's full batch).
+    full = costs.paged_decode_s(3, 400.0)
+    assert full == pytest.approx(max((3 * 48 * row + 4.0 * 48 * 32 * 128 * 400 / 4) / target.peak_flops_per_device,
+                                     (3 * costs.weights_read(48) + 200 * 98_304) / 2 / target.bandwidth_per_device))

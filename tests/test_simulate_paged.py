@@ -120,3 +120,30 @@ def test_keep_swaps_reprefill_nothing_and_recompute_swaps_reprefill_every_histor
     assert out["recompute"].reprefill_per_trained_token > 0.0
     assert out["keep"].reprefill_per_trained_token == 0.0
     assert out["keep"].trained_tokens_per_s >= out["recompute"].trained_tokens_per_s
+
+
+def test_decode_chunks_are_costed_at_the_busiest_replicas_live_batch():
+    # 2 replicas of 32 slots; both groups (8 + 12 samples) take the lowest free slots, as the
+    # engine does: all 20 live in replica 0, so its batch is 32 rows; once the 12 short ones finish,
+    # 8 live give 16 rows (decode_min_rows). Replica 1 stays empty.
+    calls = []
+
+    class Recording(LinearCosts):
+        def decode_chunk_s(self, steps, slot_steps, window, live_tokens=None, rows=None, live_rows=None):
+            calls.append((np.asarray(rows).tolist(), np.asarray(live_rows).tolist()))
+            return super().decode_chunk_s(steps, slot_steps, window, live_tokens=live_tokens)
+
+    clock = EventQueue()
+    done = []
+    engine = SimEngine(EngineConfig(num_slots=64, max_seq_len=432, decode_chunk=8), 2, Recording(decode_step=1e-3),
+                       clock, on_group_done=done.append, on_swap=lambda: None, pool_pages=1000, page_size=16)
+    groups = [SimGroup(0, 0, PROMPT, np.full(8, 40)), SimGroup(1, 0, PROMPT, np.full(12, 20))]
+    for g in groups:
+        engine.submit(g)
+    clock.run(lambda: len(done) == len(groups))
+    rows, live = calls[0]
+    assert live[0] == 20 and rows[0] == 32  # both groups live in replica 0's 32 slots
+    last_rows, last_live = calls[-1]
+    assert last_live[-1] == 8 and last_rows[-1] == 16  # the 40-token group alone after the 20s finish
+    assert all(r == EngineConfig(num_slots=64, max_seq_len=432).decode_rows(n, 2)
+               for rs, ls in calls for r, n in zip(rs, ls))

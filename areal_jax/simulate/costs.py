@@ -2,11 +2,13 @@
 planner's roofline of the target's published figures (`roofline_costs`).
 
 One interface, per host engine and for the whole trainer:
-    decode_chunk_s(steps, slot_steps, window, live_tokens=None)
+    decode_chunk_s(steps, slot_steps, window, live_tokens=None, rows=None, live_rows=None)
                                                 a decode chunk (slot_steps: active slots summed over its
                                                 steps; live_tokens: with a paged KV cache, the cached
                                                 tokens its steps read, summed over steps and slots;
-                                                None: the dense cache, every slot read up to `window`)
+                                                None: the dense cache, every slot read up to `window`;
+                                                paged: rows, the decode batch per replica, and
+                                                live_rows, the live slots of the busiest replica)
     prefill_s(rows, length)                     an admission prefill call (rows of one length bucket)
     insert_s()                                  later samples of a group started from its kept block
     reprefill_s(calls, tokens)                  the packed re-prefill of a weight swap
@@ -18,6 +20,7 @@ One interface, per host engine and for the whole trainer:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -61,8 +64,9 @@ class LinearCosts:
             if f.name != "label" and not (isinstance(value, (int, float)) and value >= 0):
                 raise ValueError(f"LinearCosts.{f.name} must be a number >= 0, got {value!r}")
 
-    def decode_chunk_s(self, steps: int, slot_steps: int, window: int, live_tokens=None) -> float:
-        if live_tokens is not None:
+    def decode_chunk_s(self, steps: int, slot_steps: int, window: int, live_tokens=None, rows=None,
+                       live_rows=None) -> float:
+        if live_tokens is not None:  # rows: fitted to the run's own batches (decode_step per step)
             return steps * self.decode_step + slot_steps * self.decode_slot + live_tokens * self.decode_token
         return steps * (self.decode_step + window * self.decode_window) + slot_steps * self.decode_slot
 
@@ -150,23 +154,35 @@ class RooflineCosts:
         accessed = (self.weights_read(slots) + slots * window * self.kv_bytes_per_token) / self.generation_tensor
         return self._time(flops, accessed)
 
-    def decode_chunk_s(self, steps: int, slot_steps: int, window: int, live_tokens=None) -> float:
+    def decode_chunk_s(self, steps: int, slot_steps: int, window: int, live_tokens=None, rows=None,
+                       live_rows=None) -> float:
         if live_tokens is None:
             return steps * self.decode_step_s(window)
-        return self.paged_decode_s(steps, live_tokens)
+        return self.paged_decode_s(steps, live_tokens, rows=rows, live_rows=live_rows)
 
-    def paged_decode_s(self, steps, live_tokens):
-        """`steps` decode steps of every slot of a replica (the program computes every slot) that
-        read `live_tokens` cached tokens over the host (summed over steps and slots): the weights
-        once per step plus the live keys and values, each replica its share. Arrays work too."""
+    def paged_decode_s(self, steps, live_tokens, *, rows=None, live_rows=None):
+        """`steps` decode steps of a replica that read `live_tokens` cached tokens over the host
+        (summed over steps and slots): the weights once per step plus the live keys and values,
+        each replica its share. The engine decodes by live slots (generation/live_slots.py): each
+        step computes `rows` rows per replica (EngineConfig.decode_rows of the busiest replica's
+        live slots; None: every slot), and a MoE model's step reads the experts its `live_rows`
+        live tokens touch (the padding rows repeat a live slot's token; None: `rows`). Arrays
+        (one entry per chunk) work too."""
         m = self.model
-        flops = self._flops(f"generation/prefill[rows={self.slots_per_replica},len=1]", "generation",
-                            self.generation_tensor) * steps
+        rows = self.slots_per_replica if rows is None else rows
+        live_rows = rows if live_rows is None else live_rows
+        flops = self._row_flops * rows * steps
         flops = flops + 4.0 * m.num_layers * m.num_heads * m.head_dim * live_tokens / self.replicas \
             / self.generation_tensor
-        accessed = (self.weights_read(self.slots_per_replica) * steps
-                    + live_tokens / self.replicas * self.kv_bytes_per_token) / self.generation_tensor
+        weights = np.vectorize(self.weights_read, otypes=[float])(np.maximum(live_rows, 1))
+        accessed = (weights * steps + live_tokens / self.replicas * self.kv_bytes_per_token) / self.generation_tensor
         return np.maximum(flops / self.target.peak_flops_per_device, accessed / self.target.bandwidth_per_device)
+
+    @functools.cached_property
+    def _row_flops(self) -> float:
+        """FLOPs per device of one decode row (weights and head of one token): a one-token
+        prefill's FLOPs are linear in its rows."""
+        return self._flops("generation/prefill[rows=1,len=1]", "generation", self.generation_tensor)
 
     def prefill_s(self, rows: int, length: int) -> float:
         flops = self._flops(f"generation/prefill[rows={rows},len={length}]", "generation",

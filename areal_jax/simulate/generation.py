@@ -9,8 +9,10 @@ With a paged KV cache (`pool_pages` > 0) as the paged engine schedules it: admis
 (a sample's prompt and its first chunk, leaving a 1% watermark), every slot's pages grow to cover
 each chunk, and when the pool runs dry the sample admitted last is preempted (its KV dropped) and
 resumed before new work by a prefill of its history (vLLM's recompute). A decode step then costs the
-weights plus the cached tokens it reads, each slot's rounded up to the kernel's block of pages; the
-replicas of a host share one pool here (the engine's per-replica pools fragment slightly more).
+weights plus the cached tokens it reads, each slot's rounded up to the kernel's block of pages, and
+computes the live slots only (decode by live slots: the busiest replica's live count rounded up to
+`EngineConfig.decode_rows`); the replicas of a host share one pool here (the engine's per-replica
+pools fragment slightly more).
 
 Rows, buckets, windows and pack widths come from the real `EngineConfig`; the costs from a cost
 model (simulate/costs.py). A run of chunks in which no sample finishes is one event (a segment);
@@ -391,9 +393,10 @@ class SimEngine:
         windows = self._windows[index]
         seconds = np.zeros(chunks)
         if self.paged:
-            live, read = self._live_tokens(lengths, remaining, steps)
+            live, read, busiest = self._live_tokens(lengths, remaining, steps, active)
             self._pending_tokens = (live, read)
-            seconds[:] = self.costs.decode_chunk_s(steps, slot_steps, 0, live_tokens=read)
+            rows = np.asarray([self.config.decode_rows(int(b), self.data) for b in busiest])
+            seconds[:] = self.costs.decode_chunk_s(steps, slot_steps, 0, live_tokens=read, rows=rows, live_rows=busiest)
         for w in np.unique(windows) if not self.paged else ():
             at = windows == w
             seconds[at] = self.costs.decode_chunk_s(steps[at], slot_steps[at], int(w))
@@ -417,11 +420,12 @@ class SimEngine:
                 hi = mid - 1
         return lo
 
-    def _live_tokens(self, lengths: np.ndarray, remaining: np.ndarray, steps: np.ndarray
-                     ) -> tuple[np.ndarray, np.ndarray]:
-        """Per chunk: cached tokens the steps attend over (each active slot, each of its steps), and
-        the same with each slot's last kernel block read whole (half a block more per slot-step on
-        average)."""
+    def _live_tokens(self, lengths: np.ndarray, remaining: np.ndarray, steps: np.ndarray, active: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per chunk: cached tokens the steps attend over (each active slot, each of its steps), the
+        same with each slot's last kernel block read whole (half a block more per slot-step on
+        average), and the live slots of the busiest replica at the chunk's start (slots
+        [r * B / data, (r + 1) * B / data) are replica r's, as the engine's; its decode batch)."""
         C = self.config.decode_chunk
         offsets = C * np.arange(steps.size)
         # Slot i runs m = clip(remaining_i - offset, 0, steps) steps of the chunk at lengths
@@ -429,7 +433,9 @@ class SimEngine:
         m = np.clip(remaining[None, :] - offsets[:, None], 0, steps[:, None])  # [chunks, slots]
         live = (m * (lengths[None, :] + offsets[:, None]) + m * (m - 1) // 2).sum(axis=1)
         read = live + m.sum(axis=1) * (self.block_tokens // 2)
-        return live.astype(np.float64), read.astype(np.float64)
+        replica = active // (self.config.num_slots // self.data)  # [slots]
+        per_replica = np.stack([(m[:, replica == r] > 0).sum(axis=1) for r in range(self.data)], axis=1)
+        return live.astype(np.float64), read.astype(np.float64), per_replica.max(axis=1)
 
     def _truncate(self, chunks: int) -> None:
         seg = self._segment
