@@ -27,8 +27,9 @@ up while requests wait (`refill_after`).
 
 The compiled programs are built in generation/programs.py (which also describes them for
 ahead-of-time planning) and called, on the cache they write, by generation/engine_cache.py. The
-slots, what each holds and the decode chunk over them are generation/slots.py's; this module is the
-engine's front (requests, threads, weights) and its admission from the queue. On a generation
+slots, what each holds and the decode chunk over them are generation/slots.py's, admission from the
+queue into free slots generation/admission.py's; this module is the engine's front (requests,
+threads, weights, aborts) and its scheduling round (`step`). On a generation
 mesh every batch dimension is a multiple of its "data" size (EngineConfig's row counts).
 """
 
@@ -46,15 +47,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from areal_jax.generation.admission import Admission
 from areal_jax.generation.config import EngineConfig
 from areal_jax.generation.engine_cache import EngineCache
 from areal_jax.generation.pages import PageAllocator
-from areal_jax.generation.programs import (EnginePrograms, check_mesh, layout_mismatch, mesh_of, mesh_sizes,
+from areal_jax.generation.programs import (EnginePrograms, check_mesh, layout_mismatch, mesh_of,
                                            param_shardings, placed_like, weight_layout)
 from areal_jax.generation.requests import (Completion, EngineStats, GroupResult, Request, RequestHandle, Sample,
                                            StopReason)
 from areal_jax.generation.sampling import SamplingParams
-from areal_jax.generation.slots import SlotTable, Start
+from areal_jax.generation.slots import SlotTable
 from areal_jax.generation.timings import CallTimings
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.sharding import GENERATION_RULES, activation_rules
@@ -83,7 +85,6 @@ class GenerationEngine:
         home = params["embed"].sharding
         self._mesh = mesh_of(params)
         check_mesh(cfg, ec, self._mesh)
-        self._data = mesh_sizes(self._mesh)[0]  # prefill and re-prefill rows are multiples of it
         dtype = jnp.dtype(ec.block_dtype(params["embed"].dtype))  # prefill blocks (and a dense cache)
         self._param_shardings = param_shardings(cfg, self._mesh, split=True) if self._mesh is not None else None
         self.compile_counts: collections.Counter[str] = collections.Counter()
@@ -94,6 +95,7 @@ class GenerationEngine:
         self._slots = SlotTable(ec, self._kv, self._stats, self._timings, on_done=self._complete_sample)
         self._lock = threading.Condition()
         self._queue: collections.deque[Request] = collections.deque()
+        self._admission = Admission(ec, self._slots, self._kv, self._queue, self._lock)
         self._requests: dict[str, Request] = {}
         self._aborts: set[str] = set()
         self._pending_weights: tuple[Params, int, concurrent.futures.Future] | None = None
@@ -370,96 +372,10 @@ class GenerationEngine:
         else:
             self._params = self._programs.split(params)
 
-    # ---- admission -----------------------------------------------------------------------------
+    # ---- admission (generation/admission.py) ---------------------------------------------------
 
     def _admit(self) -> None:
-        """Fills free slots from the queue head: one program per prefill call prefills the prompts,
-        copies each into the slots of its samples and samples their first tokens. Paged: only as
-        many samples as the pool has pages for (prompt and first chunk, plus a watermark)."""
-        free = self._slots.free()
-        while free:
-            with self._lock:
-                if not self._queue:
-                    break
-                head = self._queue[0]
-            before = len(free)
-            if head.prefix is None:
-                free = self._prefill_and_start(free)
-            else:  # samples left of a group prefilled when too few slots were free
-                free = self._start_from_prefix(head, free)
-            if len(free) == before:  # nothing started: the pool has no room now
-                break
-
-    def _assign(self, req: Request, free: list[int]) -> tuple[list[tuple[int, Request, int]], list[int]]:
-        """Gives the request's next samples free slots (and their pages): ([(slot, request, sample
-        index)], slots left)."""
-        slots, free = self._slots.take(free, req.n - req.next_sample,
-                                       self.config.chunk_tokens(req.prompt.size, req.sampling.max_new_tokens - 1),
-                                       req, self._version)
-        started = [(slot, req, req.next_sample + j) for j, slot in enumerate(slots)]
-        for slot, _, index in started:
-            self._slots.set_key(slot, req.seed, index)
-        req.next_sample += len(slots)
-        if req.next_sample == req.n:
-            req.prefix = None  # the group's prefill block is no longer needed
-            with self._lock:
-                if self._queue and self._queue[0] is req:
-                    self._queue.popleft()
-        return started, free
-
-    def _queue_head_batch(self, free_slots: int) -> list[Request]:
-        """The queued requests, from the head, to prefill in one call: while their samples fit in
-        the free slots (and pages), up to the first whose prompt falls in another length bucket (a
-        call pads every row to its longest prompt) or that holds a prefill already."""
-        pages = self._pages
-        budget = pages.admission_budget() if pages is not None else 0
-        with self._lock:
-            batch, room = [], free_slots
-            most = self.config.max_prefill_prompts(self._queue[0].prompt.size, self._data) if self._queue else 0
-            for req in self._queue:
-                if len(batch) == most or room <= 0 or req.prefix is not None:
-                    break
-                if batch and self.config.bucket(req.prompt.size) != self.config.bucket(batch[0].prompt.size):
-                    break
-                want = req.n - req.next_sample
-                if pages is not None:  # samples the free pages can start (later ones share the prompt's)
-                    need = self._slots.admission_pages(req)
-                    prefix = self._slots.prefix(req, self._version)
-                    later = max(1, need - (prefix.pages if prefix is not None else 0))
-                    if budget < need:
-                        break
-                    budget -= need + (min(want, 1 + (budget - need) // later) - 1) * later
-                batch.append(req)
-                room -= want
-        return batch
-
-    def _prefill_and_start(self, free: list[int]) -> list[int]:
-        batch = self._queue_head_batch(len(free))
-        if not batch:
-            return free
-        plan: list[Start] = []
-        for row, req in enumerate(batch):
-            started, free = self._assign(req, free)
-            plan += [(slot, r, index, row) for slot, r, index in started]
-        block, logits, tokens, logprobs, routing = self._kv.prefill_start(
-            self._params, [req.prompt for req in batch], self._slots.start_arrays(plan))
-        for row, req in enumerate(batch):
-            if req.next_sample < req.n:
-                req.prefix = (block, row, logits, routing[row])
-        for (slot, req, index, row), token, logprob in zip(plan, tokens, logprobs):
-            self._slots.start(slot, req, index, int(token), float(logprob), self._version, routing[row])
-        return free
-
-    def _start_from_prefix(self, req: Request, free: list[int]) -> list[int]:
-        block, row, logits, routing = req.prefix
-        started, free = self._assign(req, free)
-        if not started:
-            return free
-        plan = [(slot, r, index, row) for slot, r, index in started]
-        tokens, logprobs = self._kv.start_from_block(block, logits, self._slots.start_arrays(plan), len(plan))
-        for (slot, _, index, _), token, logprob in zip(plan, tokens, logprobs):
-            self._slots.start(slot, req, index, int(token), float(logprob), self._version, routing)
-        return free
+        self._admission.admit(self._params, self._version)
 
     # ---- decoding ------------------------------------------------------------------------------
 
