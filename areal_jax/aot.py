@@ -22,8 +22,8 @@ import numpy as np
 
 from areal_jax.kernels import dispatch  # kernels chosen for the target platform while tracing
 
-Role = Literal["train", "generation", "transfer", "eval"]
-ROLES: tuple[str, ...] = ("train", "generation", "transfer", "eval")
+Role = Literal["train", "generation", "transfer", "eval", "reward"]
+ROLES: tuple[str, ...] = ("train", "generation", "transfer", "eval", "reward")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +32,8 @@ class ProgramSpec:
 
     Attributes:
         name: unique and readable, shapes included, e.g. "train/grad[rows=8,len=2048]".
-        role: which devices run it ("transfer" runs on the training devices).
+        role: which devices run it ("transfer" runs on the training devices; "reward": a learned
+            reward's, on the reward devices or beside the generation engine).
         fn: the `jax.jit`-wrapped function the run calls.
         args, kwargs: as the run passes them, with arrays replaced by ShapeDtypeStructs
             (sharded) and static arguments as their Python values.

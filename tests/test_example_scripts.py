@@ -99,3 +99,39 @@ def test_agent_calculator_example_runs_sft_then_rl_through_the_endpoint(tmp_path
     # RL went through the agent workflow: the dumps carry the sessions' messages.
     dumped = read_jsonl(tmp_path / "rl" / "rollouts" / "step_0.jsonl")
     assert dumped and all("messages" in d and "loss_mask" in d for d in dumped)
+
+
+
+def test_learned_reward_model_example_runs_end_to_end(tmp_path):
+    """The reward-model example in its smoke mode (a 1-layer policy, a few steps): the reward model
+    is trained, saved as a Qwen2ForSequenceClassification and loaded as the run's only reward."""
+    _run("learned_reward_model.py", f"--run_dir={tmp_path}", "--small")
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["rl_steps"] == 2 and 0.0 <= result["rm_sign_accuracy"] <= 1.0
+    rm_dir = tmp_path / "reward_model"
+    config = json.loads((rm_dir / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForSequenceClassification"] and config["num_labels"] == 1
+    # The RL run's reward is the reward model alone; the verifier (weight 0) is logged beside it.
+    run_config = json.loads((tmp_path / "rl" / "config.json").read_text())
+    assert run_config["rollout"]["reward"] == [[f"rm:{rm_dir}", 1.0], ["arithmetic", 0.0]]
+    records = read_jsonl(tmp_path / "rl" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1]
+    for record in records:
+        m = record["metrics"]
+        assert m[f"reward/rm:{rm_dir}/failed"] == 0
+        assert m["reward/mean"] == pytest.approx(m[f"reward/rm:{rm_dir}/mean"], abs=1e-5)
+        assert m["reward/arithmetic/mean"] in (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+@pytest.mark.slow  # a second SFT + RL smoke run (~3 min on a 2-core host)
+def test_learned_judge_example_runs_end_to_end(tmp_path):
+    out = _run("learned_judge.py", f"--run_dir={tmp_path}", "--small")
+    assert "after RL on the judge alone" in out
+    config = json.loads((tmp_path / "rl" / "config.json").read_text())
+    assert config["rollout"]["judge"]["parse"] == "logprob"
+    assert config["rollout"]["reward"] == [["judge", 1.0], ["arithmetic", 0.0]]
+    records = read_jsonl(tmp_path / "rl" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1]
+    for record in records:
+        m = record["metrics"]
+        assert m["reward/judge/failed"] == 0 and 0.0 <= m["reward/judge/mean"] <= 1.0

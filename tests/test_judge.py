@@ -75,7 +75,7 @@ def test_logprob_judge_reads_the_choices_probabilities(judge_dir):
     for choices, values in [(("Yes", "No"), None), (tuple(str(i) for i in range(1, 6)), None),
                             (("good", "bad", "so-so"), (1.0, -1.0, 0.25))]:
         config = JudgeConfig(model=str(judge_dir), parse="logprob", choices=choices, values=values or (),
-                             batch_size=2)  # 3 pairs: a full batch of 2, then one padded row
+                             batch_size=2, timeout_s=600.0)  # 3 pairs: a full batch of 2, then one padded row; no deadline in play on a loaded host
         judge = Judge(config)
         verdicts = judge.score(PAIRS)
         expected_values = np.asarray(config.choice_values)

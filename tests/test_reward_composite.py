@@ -194,5 +194,5 @@ def test_the_plan_report_names_the_learned_rewards_bytes():
                                       roofline_s=0.01, source="test", program_bytes=1, resident_bytes=0, temp_bytes=0,
                                       compile_s=0.0, fields=()),),
                 prediction=pred, headroom=0.1)
-    assert ("learned rewards (first generation device; not in the compiled peaks above): rm:/m/rm 3.00 GiB, "
-            "judge 1.00 GiB + KV 0.50 GiB") in format_plan(plan)
+    assert ("learned rewards (first generation device; their reward/ programs above, their bytes in the peaks of the "
+            "programs sharing their devices): rm:/m/rm 3.00 GiB, judge 1.00 GiB + KV 0.50 GiB") in format_plan(plan)

@@ -105,6 +105,12 @@ def sequence_scores(params: Params, cfg: ModelConfig, head: ScoreHead, input_ids
     return jnp.dot(h, params["score"].astype(h.dtype), preferred_element_type=jnp.float32)
 
 
+def scoring_program(cfg: ModelConfig, head: ScoreHead):
+    """The jitted scorer `(params, input_ids [B, T], segment_ids [B, T]) -> [B, num_labels]` a
+    `RewardModel` runs and the planner compiles for its target (reward/programs.py)."""
+    return jax.jit(lambda params, input_ids, segment_ids: sequence_scores(params, cfg, head, input_ids, segment_ids))
+
+
 def init_score_head(cfg: ModelConfig, head: ScoreHead, key: int, std: float = 0.02) -> np.ndarray:
     """A random score head `[D, num_labels]` (to put on a causal LM's backbone before training it)."""
     return np.random.default_rng(key).normal(0.0, std, size=(cfg.hidden_size, head.num_labels)).astype(np.float32)

@@ -22,6 +22,10 @@ dimensions (letters of models/config.py):
   final hidden states: nothing is kept for a backward.
 - update: nothing beyond its arguments (weights and moments are donated and updated in place).
 - transfer: the group being moved, in the generation dtype, twice (cast and gathered).
+- a learned reward's forward ("score": a reward model, "choices": a logprob judge, on its own
+  model's sizes, `EstimateContext.learned`): one layer's activations `[R, T, 2D + 3F]`, its scores
+  unless flash, the final hidden states (fp32) and the last position's logits (choices). A regex
+  judge's engine programs are estimated as the policy's engine's, on the judge's sizes.
 Everything per device: sharded dimensions divided by their mesh axis. For a mixture-of-experts
 model the MLP terms are those of its widest layer (`mlp_acts`): a sparse layer's k routed experts
 and shared expert in place of 3F, plus the token buffers that place tokens with their experts
@@ -61,6 +65,16 @@ class EstimateContext:
     logit_chunk_tokens: int = 4096
     decode_chunk: int = 1
     prefill_chunk: int = 512  # EngineConfig.prefill_chunk: queries per step of a chunked prefill
+    # The learned rewards' models (reward/programs.py), by label ("rm", "judge"): a "reward"
+    # program is estimated on its own model's sizes (`for_spec`).
+    learned: tuple[tuple[str, "EstimateContext"], ...] = ()
+
+    def for_spec(self, spec: ProgramSpec) -> "EstimateContext":
+        """The sizes of the model `spec` runs: a learned reward's for its programs, else these."""
+        if spec.role != "reward":
+            return self
+        label = spec.name.split("/")[1]
+        return next(c for name, c in self.learned if name == label)
 
 
 def _dims(name: str) -> dict[str, int]:
@@ -69,7 +83,9 @@ def _dims(name: str) -> dict[str, int]:
 
 
 def _kind(name: str) -> str:
-    return name.split("/", 1)[-1].split("[")[0]
+    """"train/grad[...]" -> "grad"; a learned reward's "reward/judge/decode[...]" -> "decode"."""
+    base = name.split("[")[0]
+    return base.rsplit("/", 1)[-1] if base.startswith("reward/") else base.split("/", 1)[-1]
 
 
 # Kernels (plan/measure.py's names) that keep no `[T, T]` or `[B, N, W]` scores: flash attention
@@ -150,10 +166,17 @@ def temporaries(spec: ProgramSpec, ctx: EstimateContext, attention: Sequence[str
     `attention`: the kernels compiled into it; a flash or paged kernel keeps no score tensor."""
     flash = any(k in FLASH_KERNELS for k in attention)
     paged = any(k in PAGED_KERNELS for k in attention)
+    ctx = ctx.for_spec(spec)
     m, d = ctx.model, _dims(spec.name)
     kind = _kind(spec.name)
     D, N, K, H, V, L = m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, m.vocab_size, m.num_layers
-    if spec.role in ("generation", "eval"):
+    if kind in ("score", "choices"):  # a learned reward's whole forward, nothing cached
+        R, T = d.get("rows", 1), d.get("len", 1)
+        acts = ctx.cache_bytes * R * T * (2 * D + mlp_acts(m))  # one layer's, in the weights' dtype
+        scores = 4 * R * N * T * (1 if flash else T)
+        head = 4 * R * (2 * V if kind == "choices" else 1)  # the last position's logits (and log-softmax)
+        return acts + scores + 4 * R * T * D + head  # + the final hidden states (fp32)
+    if spec.role in ("generation", "eval", "reward"):
         t = ctx.generation_tensor
         if kind == "decode":
             W = d.get("window", 1)
@@ -267,6 +290,7 @@ def analytic_flops(spec: ProgramSpec, ctx: EstimateContext, num_devices: int) ->
     and the query chunks of a chunked prefill are then undercounted by their trip count, so the
     planner takes the larger of XLA's figure and this one. Decode chunks count one step either way
     (XLA's figure is used: their layers are unrolled)."""
+    ctx = ctx.for_spec(spec)
     m, d, kind = ctx.model, _dims(spec.name), _kind(spec.name)
     D, N, K, H, V, L = m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, m.vocab_size, m.num_layers
     layers = 2 * (L * (D * (N + 2 * K) * H + N * H * D) + mlp_flops(m))  # per token
@@ -284,9 +308,9 @@ def analytic_flops(spec: ProgramSpec, ctx: EstimateContext, num_devices: int) ->
         chunked = chunk_layout(d.get("rows", 1), d.get("len", 1), ctx.logit_chunk_tokens)[0] > 1
         again = (body if ctx.remat == "full" else 0) + (tokens * head if chunked else 0)
         total = forward if kind == "logprobs" else 3 * forward + again
-    elif kind in ("prefill_start", "prefill"):
+    elif kind in ("prefill_start", "prefill", "score", "choices"):  # the last two: a learned reward's forward
         R, P = d.get("rows", 1), d.get("len", 1)
-        total = R * P * layers + attention(R * P, P / 2) + R * head
+        total = R * P * layers + attention(R * P, P / 2) + (R * head if kind != "score" else 0)
     elif kind == "reprefill_packed":
         R, W = d.get("rows", 1), _last_dim(spec.args[-1])
         total = R * W * layers + attention(R * W, W / 4)  # several sequences share a row

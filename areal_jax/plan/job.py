@@ -107,6 +107,13 @@ def collect_specs(job: JobConfigs, model_cfg: ModelConfig, target: Target, meshe
     if job.task.eval_size and (job.task.kind == "arithmetic" or job.task.eval_paths):
         specs += engine_program_specs(model_cfg, eval_engine_config(job, longest_prompt, data, target.hosts, model_cfg),
                                       mesh=meshes.generation, param_dtype=gen_dtype(job), role="eval", **on_target)
+    if job.rollout.learned_terms:  # reward models and the judge, on one device of theirs
+        from areal_jax.reward.programs import learned_models, learned_reward_specs
+        from areal_jax.reward.reward_model import DEFAULT_BATCH
+
+        specs += learned_reward_specs(learned_models(job.rollout.reward_terms, job.rollout.judge), job.rollout.judge,
+                                      meshes.reward, data=max(1, job.mesh.reward_devices), rm_batch=DEFAULT_BATCH,
+                                      longest_sequence=job.engine.max_seq_len, **on_target)
     # The run hands both engines their weights per layer (the transfer's split layout), which they
     # install as given: the split program of stacked weights never runs in `train`.
     return [s for s in specs if not s.name.endswith("/split_weights")]
@@ -231,6 +238,15 @@ def plan_inputs(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_fi
 
     persistent = {role: max((bytes_per_device(_persistent(s)) for s in specs if s.role == role), default=0)
                   for role in ("train", "generation")}
+    # Each learned reward's weights (and a regex judge's KV cache) stay on its devices throughout:
+    # by default the first generation device, beside the policy's engine (and, colocated, the
+    # training state); with MeshConfig.reward_devices devices of their own.
+    learned = {}
+    for s in specs:
+        if s.role == "reward":
+            label = s.name.split("/")[1]
+            learned[label] = max(learned.get(label, 0), bytes_per_device(_persistent(s)))
+    shared = not job.mesh.reward_devices
 
     from areal_jax.generation.programs import param_structs
 
@@ -241,12 +257,18 @@ def plan_inputs(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_fi
     lora_base = gen_weights if job.lora.enabled else 0
 
     def extra_resident(spec: ProgramSpec) -> int:
+        beside = sum(learned.values()) if shared else 0  # the learned rewards, where they share devices
+        if spec.role == "reward":
+            others = sum(v for k, v in learned.items() if k != spec.name.split("/")[1])
+            if not shared:
+                return others
+            return others + persistent["generation"] + lora_base + (persistent["train"] if split.colocated else 0)
         # Colocated: each side's state stays on the devices while the other side's programs run.
         if split.colocated and spec.role in ("generation", "eval"):
-            return persistent["train"] + lora_base
+            return persistent["train"] + lora_base + beside
         if split.colocated and spec.role in ("train", "transfer"):
-            return persistent["generation"] + lora_base
-        return lora_base if spec.role in ("generation", "eval") else 0
+            return persistent["generation"] + lora_base + beside
+        return lora_base + beside if spec.role in ("generation", "eval") else 0
 
     ctx = EstimateContext(
         model=model_cfg, fsdp=meshes.train.shape["fsdp"], train_tensor=job.mesh.train_tensor,
@@ -254,10 +276,26 @@ def plan_inputs(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_fi
         generation_expert=job.mesh.generation_expert, compute_bytes=2 if job.train_engine.compute_dtype == "bfloat16" else 4,
         cache_bytes=jnp.dtype(job.engine.cache_dtype or gen_dtype(job)).itemsize, remat=job.train_engine.remat,
         logit_chunk_tokens=job.train_engine.logit_chunk_tokens, decode_chunk=job.engine.decode_chunk,
-        prefill_chunk=job.engine.prefill_chunk)
+        prefill_chunk=job.engine.prefill_chunk, learned=learned_contexts(job))
     return PlanInputs(model_cfg=model_cfg, split=split, meshes=meshes, specs=tuple(specs), ctx=ctx,
                       extra_resident=extra_resident, gen_weights=gen_weights, mean_prompt=mean_prompt,
                       mean_completion=mean_completion)
+
+
+def learned_contexts(job: JobConfigs) -> tuple[tuple[str, EstimateContext], ...]:
+    """The hand estimate's sizes of each learned reward's model (one device; a regex judge's
+    engine chunks as `judge_engine_config`'s)."""
+    if not job.rollout.learned_terms:
+        return ()
+    from areal_jax.reward.judge import judge_engine_config
+    from areal_jax.reward.programs import learned_models
+
+    out = []
+    for m in learned_models(job.rollout.reward_terms, job.rollout.judge):
+        engine = judge_engine_config(job.rollout.judge) if m.label == "judge" else job.engine
+        out.append((m.label, EstimateContext(model=m.config, cache_bytes=m.dtype.itemsize,
+                                             decode_chunk=engine.decode_chunk, prefill_chunk=engine.prefill_chunk)))
+    return tuple(out)
 
 
 def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files: Sequence[str] = (),
@@ -312,6 +350,7 @@ def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files
 
         prediction["learned_rewards"] = learned_reward_memory(job.rollout.reward_terms, job.rollout.judge)
         prediction["learned_rewards_devices"] = "own" if job.mesh.reward_devices else "first generation device"
+        add_learned_reward_time(prediction, programs, job, colocated=split.colocated, live=live)
     # The bytes each step's weight swap moves: the model in the generation dtype, or with LoRA its
     # adapters (parallel/adapter_sync.py).
     from areal_jax.parallel.adapter_sync import adapter_bytes
@@ -322,6 +361,55 @@ def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files
     return Plan(target=target, split=split, train_devices=split.num_train * target.hosts,
                 generation_devices=split.num_generation * target.hosts, programs=tuple(programs),
                 prediction=prediction, headroom=plan_cfg.headroom)
+
+
+def learned_reward_step_s(programs: Sequence[ProgramPlan], job: JobConfigs) -> float:
+    """Seconds the learned rewards take per step at their compiled programs' rooflines, every call
+    at its largest shapes (a bound): a step's completions in calls of a reward model's 16 rows, or
+    of the judge's batch_size (a regex judge: its prefill, then max_new_tokens greedy steps in
+    decode chunks at its widest window)."""
+    from areal_jax.reward.judge import judge_engine_config
+    from areal_jax.reward.reward_model import DEFAULT_BATCH
+
+    completions = job.rl.batch_size * job.rollout.n_samples
+    largest: dict[tuple[str, str], float] = {}
+    for p in programs:
+        if p.role == "reward":
+            label, kind = p.name.split("/")[1], p.name.split("/")[2].split("[")[0]
+            largest[label, kind] = max(largest.get((label, kind), 0.0), p.roofline_s)
+    total = 0.0
+    for (label, kind), seconds in largest.items():
+        batch = job.rollout.judge.batch_size if label == "judge" else DEFAULT_BATCH
+        calls = -(-completions // batch)
+        if kind in ("score", "choices", "prefill_start"):
+            total += calls * seconds
+        elif kind == "decode":
+            chunk = judge_engine_config(job.rollout.judge).decode_chunk
+            total += calls * -(-job.rollout.judge.max_new_tokens // chunk) * seconds
+    return total
+
+
+def add_learned_reward_time(prediction: dict[str, Any], programs: Sequence[ProgramPlan], job: JobConfigs, *,
+                            colocated: bool, live: dict[str, Any] | None = None) -> None:
+    """`learned_reward_s_per_step`; where the learned rewards share the generation devices their time
+    is generation's, and the step is predicted again with it."""
+    seconds = learned_reward_step_s(programs, job)
+    prediction["learned_reward_s_per_step"] = seconds
+    if job.mesh.reward_devices or "step_generation_s" not in prediction:
+        return
+    t_gen = prediction["step_generation_s"] + seconds
+    t_train = prediction["step_train_s"]
+    t_step = t_gen + t_train if colocated else max(t_gen, t_train)
+    tokens = prediction["trained_tokens_per_s"] * prediction["step_s"]
+    prediction.update(step_generation_s=t_gen, step_s=t_step, trained_tokens_per_s=tokens / t_step,
+                      bound="generation" if t_gen >= t_train else "training")
+    if live is not None and live.get("step_s"):  # set beside the simulated step again
+        from areal_jax.plan.planner import step_disagreement
+
+        prediction["step_vs_simulate"] = t_step / live["step_s"]
+        prediction.pop("step_disagreement", None)
+        if not 0.85 <= t_step / live["step_s"] <= 1.15:
+            prediction["step_disagreement"] = step_disagreement(t_step, live)
 
 
 def network_transfer(weight_bytes: float, target: Target) -> dict[str, Any]:

@@ -146,6 +146,7 @@ class RoleMeshes:
     train: Mesh
     generation: Mesh  # one data replica
     generation_replicas_per_host: int
+    reward: Mesh | None = None  # one device of the learned rewards (reward/programs.py)
 
 
 def role_meshes(target: Target, split: DeviceSplit, train_tensor: int, generation_tensor: int,
@@ -171,7 +172,8 @@ def role_meshes(target: Target, split: DeviceSplit, train_tensor: int, generatio
                                       train_tensor), TRAIN_AXES)
     replica = generation_expert * generation_tensor
     generation = _mesh(topology_devices(target, replica), (1, generation_expert, generation_tensor), GENERATION_AXES)
-    return RoleMeshes(split, train, generation, split.num_generation // replica)
+    reward = generation if replica == 1 else _mesh(topology_devices(target, 1), (1, 1, 1), GENERATION_AXES)
+    return RoleMeshes(split, train, generation, split.num_generation // replica, reward)
 
 
 SpecSource = Callable[..., list[ProgramSpec]]
@@ -183,13 +185,14 @@ SpecSource = Callable[..., list[ProgramSpec]]
 REFUSE_FACTOR = 2.0
 
 # Program kinds that attend (the rest: optimizer update, transfers, inserts, splits).
-_ATTENDING = ("decode", "prefill_start", "prefill", "reprefill_packed", "reprefill", "grad", "logprobs", "forward")
+_ATTENDING = ("decode", "prefill_start", "prefill", "reprefill_packed", "reprefill", "grad", "logprobs", "forward",
+              "score", "choices")
 
 
 def attention_name(spec_name: str, kernels: Sequence[str]) -> str:
     if kernels:
         return "+".join(kernels)
-    kind = spec_name.split("/", 1)[-1].split("[")[0]
+    kind = spec_name.split("[")[0].rsplit("/", 1)[-1]  # "reward/judge/decode[...]" -> "decode"
     return "reference" if kind.startswith(_ATTENDING) else "none"
 
 

@@ -68,8 +68,8 @@ def format_plan(plan: Plan, steps: int | None = None) -> str:
     if pred.get("learned_rewards"):
         parts = [f"{name} {m['weights_bytes'] / GiB:.2f} GiB" + (f" + KV {m['kv_bytes'] / GiB:.2f} GiB" if m["kv_bytes"] else "")
                  for name, m in pred["learned_rewards"].items()]
-        lines.append(f"learned rewards ({pred['learned_rewards_devices']}; not in the compiled peaks above): "
-                     + ", ".join(parts))
+        lines.append(f"learned rewards ({pred['learned_rewards_devices']}; their reward/ programs above, their bytes in "
+                     "the peaks of the programs sharing their devices): " + ", ".join(parts))
     if "transfer_bytes_per_step" in pred:
         lines.append(f"weight swap: {pred['transfer_bytes_per_step'] / 2**20:,.1f} MiB per step"
                      + (f" ({pred['transfer_s_per_step'] * 1e3:.2f} ms at the roofline)" if "transfer_s_per_step" in pred

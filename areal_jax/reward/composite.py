@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-__all__ = ["LearnedRewards", "check_terms", "is_learned", "normalize_reward", "term_metrics"]
+__all__ = ["LearnedRewards", "check_terms", "is_learned", "normalize_reward", "rm_input_ids", "term_metrics"]
 
 RewardTerms = tuple[tuple[str, float], ...]
 RM_PREFIX = "rm:"
@@ -210,14 +210,22 @@ def learned_reward_memory(terms: Iterable[tuple[str, float]], judge: Any = None,
     return out
 
 
+def rm_input_ids(tokenizer: Any, question: str, answer: str) -> list[int]:
+    """The tokens a reward-model term scores for one (question, answer): the chat
+    [user: question, assistant: answer] through the RM's chat template, or the two texts joined
+    (special tokens added) when it has none. Training an RM on these ids trains it on what it
+    will be asked (examples/learned_reward_model.py)."""
+    if tokenizer.has_chat_template:
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": question},
+                                                   {"role": "assistant", "content": answer}], tokenize=True))
+    return list(tokenizer.encode(question + answer))
+
+
 def _rm_batch(rm: Any, items: list[tuple[str, str]]) -> list[tuple[float, str | None]]:
-    """A reward model's scores of (question, answer) pairs: the chat through its template, or the
-    two texts joined when it has none."""
-    if rm.tokenizer is not None and rm.tokenizer.has_chat_template:
-        scores = rm.score_chats([[{"role": "user", "content": q}, {"role": "assistant", "content": a}]
-                                 for q, a in items])
-    else:
-        scores = rm.score([q + a for q, a in items])
+    """A reward model's scores of (question, answer) pairs (`rm_input_ids`)."""
+    if rm.tokenizer is None:
+        raise ValueError(f"reward model {rm.name}: no tokenizer to read the completions with")
+    scores = rm.score_ids([rm_input_ids(rm.tokenizer, q, a) for q, a in items])
     return [(float(s), None) if math.isfinite(s) else (0.0, "non-finite") for s in scores]
 
 

@@ -39,8 +39,10 @@ from areal_jax.models.hf_io import load_params
 from areal_jax.models.tokenizer import Tokenizer
 from areal_jax.models.transformer import forward, lm_head
 from areal_jax.reward.judge_config import DEFAULT_TEMPLATE, JudgeConfig
+from areal_jax.reward.reward_model import length_bucket
 
-__all__ = ["DEFAULT_TEMPLATE", "Judge", "JudgeConfig", "JudgeStats", "Verdict", "parse_regex_score"]
+__all__ = ["DEFAULT_TEMPLATE", "Judge", "JudgeConfig", "JudgeStats", "Verdict", "choices_program", "judge_engine_config",
+           "judge_prompt_ids", "parse_regex_score"]
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
@@ -93,18 +95,14 @@ class Judge:
         if config.parse == "regex":
             self._sampling = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=0.0,
                                             stop_token_ids=self.tokenizer.stop_token_ids)
-            rows = mesh.shape["data"] if mesh is not None else 1
-            self.engine = GenerationEngine((self.model_config, params), EngineConfig(
-                num_slots=-(-config.batch_size // rows) * rows, max_seq_len=config.max_seq_len,
-                max_prefill_batch=-(-config.batch_size // rows) * rows))
+            self.engine = GenerationEngine((self.model_config, params),
+                                           judge_engine_config(config, mesh.shape["data"] if mesh is not None else 1))
             self.engine.start()
         else:
             self._params = params
             self._choice_ids = self._first_tokens(config.choices)
             self._values = np.asarray(config.choice_values, np.float32)
-            cfg = self.model_config
-            self._next_logprobs = jax.jit(lambda p, ids, seg, last: _choice_logprobs(p, cfg, ids, seg, last,
-                                                                                     self._choice_ids))
+            self._next_logprobs = choices_program(self.model_config, self._choice_ids)
 
     def _first_tokens(self, choices: Sequence[str]) -> np.ndarray:
         ids = []
@@ -119,11 +117,8 @@ class Judge:
         return np.asarray(ids, np.int32)
 
     def prompt_ids(self, question: str, answer: str) -> list[int]:
-        """The judge's prompt for one answer (the template, as a chat's user turn when it has one)."""
-        text = self.config.template.format(question=question, answer=answer)
-        if self.config.chat and self.tokenizer.has_chat_template:
-            return self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        return self.tokenizer.encode(text)
+        """The judge's prompt for one answer (`judge_prompt_ids`)."""
+        return judge_prompt_ids(self.tokenizer, self.config, question, answer)
 
     def score(self, pairs: Sequence[tuple[str, str]]) -> list[Verdict]:
         """Verdicts of (question, answer) pairs, all submitted at once (one batch for the engine)."""
@@ -178,7 +173,7 @@ class Judge:
                 for i in rows:
                     out[i] = Verdict(0.0, "timeout")
                 continue
-            T = max(16, 1 << (max(len(prompts[i]) for i in rows) - 1).bit_length())
+            T = length_bucket(max(len(prompts[i]) for i in rows))
             nb = B if len(rows) == B else max(1, 1 << (len(rows) - 1).bit_length())
             ids, seg = np.zeros((nb, T), np.int32), np.zeros((nb, T), np.int32)  # [B, T], right-padded
             last = np.zeros((nb,), np.int32)
@@ -201,6 +196,29 @@ class Judge:
     def close(self) -> None:
         if self.engine is not None:
             self.engine.stop()
+
+
+def judge_prompt_ids(tokenizer: Tokenizer, config: JudgeConfig, question: str, answer: str) -> list[int]:
+    """The judge's prompt for one answer: the template, as a chat's user turn (generation prompt
+    added) when `config.chat` and the tokenizer has a chat template, else encoded as is. Training a
+    judge on these ids trains it on what it will be asked (examples/learned_judge.py)."""
+    text = config.template.format(question=question, answer=answer)
+    if config.chat and tokenizer.has_chat_template:
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+    return list(tokenizer.encode(text))
+
+
+def judge_engine_config(config: JudgeConfig, data: int = 1) -> EngineConfig:
+    """The regex judge's engine over `data` replicas: `batch_size` slots (rounded up to split evenly),
+    all admitted in one prefill."""
+    slots = -(-config.batch_size // data) * data
+    return EngineConfig(num_slots=slots, max_seq_len=config.max_seq_len, max_prefill_batch=slots)
+
+
+def choices_program(cfg, choice_ids: np.ndarray):
+    """The jitted logprob-mode read `(params, input_ids [B, T], segment_ids [B, T], last [B]) ->
+    [B, C]` a `Judge` runs and the planner compiles for its target (reward/programs.py)."""
+    return jax.jit(lambda params, ids, seg, last: _choice_logprobs(params, cfg, ids, seg, last, choice_ids))
 
 
 def _choice_logprobs(params, cfg, input_ids, segment_ids, last, choice_ids) -> jax.Array:

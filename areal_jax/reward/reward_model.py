@@ -22,17 +22,24 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from areal_jax.models import sharding as shd
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.reward_head import ScoreHead, load_reward_params, sequence_scores
+from areal_jax.models.reward_head import ScoreHead, load_reward_params, scoring_program
 from areal_jax.models.tokenizer import Tokenizer
 from areal_jax.models.transformer import Params
 
-__all__ = ["RewardModel"]
+__all__ = ["DEFAULT_BATCH", "RewardModel", "length_bucket", "rows_per_device"]
 
 _MIN_LENGTH = 16
+DEFAULT_BATCH = 16  # rows per scoring call (the learned-reward threads' RewardModel)
 
 
-def _bucket(n: int) -> int:
+def length_bucket(n: int) -> int:
+    """The padded length a sequence of `n` tokens is scored at (a power of two, at least 16)."""
     return max(_MIN_LENGTH, 1 << (max(n, 1) - 1).bit_length())
+
+
+def rows_per_device(batch_size: int, data: int) -> int:
+    """Rows of one scoring call on each "data" replica: `batch_size` rounded up to split evenly."""
+    return -(-batch_size // data)
 
 
 class RewardModel:
@@ -40,18 +47,18 @@ class RewardModel:
     `[N, num_labels]` otherwise."""
 
     def __init__(self, cfg: ModelConfig, head: ScoreHead, params: Params, tokenizer: Tokenizer | None = None, *,
-                 mesh: Mesh | None = None, batch_size: int = 16, name: str = "<memory>") -> None:
+                 mesh: Mesh | None = None, batch_size: int = DEFAULT_BATCH, name: str = "<memory>") -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"RewardModel batch_size must be an int >= 1, got {batch_size!r}")
         self.config, self.head, self.params, self.tokenizer = cfg, head, params, tokenizer
         self.mesh, self.name = mesh, name
-        rows = mesh.shape["data"] if mesh is not None else 1
-        self.batch_size = -(-batch_size // rows) * rows  # rows split evenly over "data"
-        self._score = jax.jit(lambda p, ids, seg: sequence_scores(p, cfg, head, ids, seg))
+        data = mesh.shape["data"] if mesh is not None else 1
+        self.batch_size = rows_per_device(batch_size, data) * data  # rows split evenly over "data"
+        self._score = scoring_program(cfg, head)
 
     @classmethod
     def from_pretrained(cls, path: str | pathlib.Path, *, dtype=jnp.float32, mesh: Mesh | None = None,
-                        tokenizer: str | pathlib.Path | Tokenizer | None = None, batch_size: int = 16) -> "RewardModel":
+                        tokenizer: str | pathlib.Path | Tokenizer | None = None, batch_size: int = DEFAULT_BATCH) -> "RewardModel":
         """Loads a reward-model directory (config.json, safetensors, and its tokenizer unless
         `tokenizer` names another directory or passes one)."""
         cfg, head, params = load_reward_params(path, dtype=dtype, mesh=mesh)
@@ -105,7 +112,7 @@ class RewardModel:
             T *= 2
 
     def _batch(self, seqs: list[np.ndarray], padding: str) -> np.ndarray:
-        T = _bucket(max(s.size for s in seqs))
+        T = length_bucket(max(s.size for s in seqs))
         B = self.batch_size  # one row count: a length bucket is one compiled program (`warmup`)
         pad = self.head.pad_token_id if self.head.pad_token_id is not None else 0
         ids = np.full((B, T), pad, np.int32)  # [B, T]

@@ -15,6 +15,8 @@ One interface, per host engine and for the whole trainer:
     reprefill_long_s(rows, length)              a long history's prefill call after a swap
     train_step_s(shapes)                        a training step; shapes [minibatch][micro-batch] = (rows, row length)
     transfer_s, reward_s                        weight transfer per step; reward latency per group
+    learned_rewards                             roofline costs only, None without learned reward terms:
+                                                `LearnedRewardCosts`, their scoring per group
 """
 
 from __future__ import annotations
@@ -121,6 +123,7 @@ class RooflineCosts:
     transfer_sent_fraction: float = 1.0
     reward_s: float = 0.0
     label: str = "roofline"
+    learned_rewards: "LearnedRewardCosts | None" = None
 
     @property
     def transfer_s(self) -> float:
@@ -240,4 +243,67 @@ class RooflineCosts:
                 "generation_tensor": self.generation_tensor, "slots_per_replica": self.slots_per_replica,
                 "train_devices": self.train_devices, "transfer_s": self.transfer_s,
                 "transfer_bytes_per_s": self.transfer_bytes_per_s,
-                "transfer_sent_fraction": self.transfer_sent_fraction, "reward_s": self.reward_s}
+                "transfer_sent_fraction": self.transfer_sent_fraction, "reward_s": self.reward_s,
+                **({"learned_rewards": self.learned_rewards.as_json()} if self.learned_rewards else {})}
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnedModelCost:
+    """One learned reward's model as its scoring costs it: `kind` "score" (a reward model's
+    forward), "choices" (a logprob judge's forward and the last position's logits) or "engine"
+    (a regex judge: a prefill, then `new_tokens` greedy decode steps); `ctx` its sizes
+    (plan/job.learned_contexts)."""
+
+    label: str
+    kind: str
+    ctx: object  # plan.estimate.EstimateContext of its model
+    weight_bytes: float
+    kv_bytes_per_token: float = 0.0
+    new_tokens: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnedRewardCosts:
+    """The learned rewards' scoring of one group at the roofline of one device of theirs: each
+    model reads its weights once per call, and its FLOPs are `plan/estimate.analytic_flops` of the
+    call's rows x the length bucket of the group's longest sample (prompt + completion; a judge's
+    template is not counted). `data`: the reward devices' replicas a group's rows split over (1
+    beside the engine). `shared`: they run on the generation devices (the engine waits for them)
+    rather than on MeshConfig.reward_devices of their own."""
+
+    target: object
+    models: tuple[LearnedModelCost, ...]
+    data: int = 1
+    shared: bool = True
+
+    def _time(self, flops: float, accessed: float) -> float:
+        from areal_jax.plan.planner import roofline_s
+
+        return roofline_s(flops, accessed, self.target)
+
+    def group_s(self, n: int, prompt: int, lengths) -> float:
+        from areal_jax.aot import ProgramSpec
+        from areal_jax.plan.estimate import analytic_flops
+        from areal_jax.reward.reward_model import length_bucket
+
+        T = length_bucket(int(prompt + max(int(x) for x in lengths)))
+        R = -(-n // self.data)
+
+        def flops(m, kind, rows, length):  # the forward of its own model (role "generation": no lookup)
+            return analytic_flops(ProgramSpec(f"generation/{kind}[rows={rows},len={length}]", "generation", None),
+                                  m.ctx, 1)
+
+        total = 0.0
+        for m in self.models:
+            if m.kind != "engine":
+                total += self._time(flops(m, m.kind, R, T), m.weight_bytes)
+                continue
+            cfg = m.ctx.model  # the judge's prompt prefill, then each greedy step over its context
+            total += self._time(flops(m, "prefill", R, T), m.weight_bytes + R * T * m.kv_bytes_per_token)
+            step = flops(m, "prefill", R, 1) + 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * R * T
+            total += m.new_tokens * self._time(step, m.weight_bytes + R * T * m.kv_bytes_per_token)
+        return total
+
+    def as_json(self) -> dict:
+        return {"models": [m.label for m in self.models], "data": self.data,
+                "devices": "shared with generation" if self.shared else "own"}

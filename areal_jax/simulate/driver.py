@@ -166,13 +166,37 @@ def roofline_costs(job, plan_cfg, gin_files, target, workload, row, *, transfer_
         from areal_jax.parallel.delta_sync import sent_fraction
 
         sent = sent_fraction(transfer_changed, gen_dtype(job).itemsize)
-    return RooflineCosts(model=model, target=target, estimate_context=ctx, replicas=replicas,
+    return RooflineCosts(learned_rewards=learned_reward_costs(job, target), model=model, target=target,
+                         estimate_context=ctx, replicas=replicas,
                          generation_tensor=job.mesh.generation_tensor * job.mesh.generation_expert,
                          slots_per_replica=engine.num_slots // replicas,
                          train_devices=train_devices, hosts=workload.hosts, generation_weight_bytes=weight_bytes,
                          kv_bytes_per_token=kv_bytes, separate_proximal=job.ppo.decoupled and job.ppo.num_minibatches > 1,
                          transfer_bytes_per_s=transfer_bytes_per_s, pack_width=engine.pack_width, reward_s=reward_s,
                          transfer_sent_fraction=sent)
+
+
+def learned_reward_costs(job, target):
+    """`LearnedRewardCosts` of the job's reward models and judge on `target`, None without any."""
+    if not job.rollout.learned_terms:
+        return None
+    from areal_jax.plan.job import learned_contexts
+    from areal_jax.reward.programs import learned_models
+    from areal_jax.simulate.costs import LearnedModelCost, LearnedRewardCosts
+
+    contexts, judge, entries = dict(learned_contexts(job)), job.rollout.judge, []
+    for m in learned_models(job.rollout.reward_terms, judge):
+        cfg, item = m.config, m.dtype.itemsize
+        if m.label != "judge":  # a reward model: no lm_head, a one-label score head
+            params = cfg.num_params() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+            entries.append(LearnedModelCost(m.label, "score", contexts[m.label], params * item))
+        else:
+            entries.append(LearnedModelCost(
+                m.label, "engine" if judge.parse == "regex" else "choices", contexts[m.label], cfg.num_params() * item,
+                kv_bytes_per_token=2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * item,
+                new_tokens=judge.max_new_tokens))
+    return LearnedRewardCosts(target=target, models=tuple(entries), data=max(1, job.mesh.reward_devices),
+                              shared=not job.mesh.reward_devices)
 
 
 def _rows(base, sweeps, *, include_sync: bool) -> list:
@@ -394,6 +418,10 @@ def format_rows(report: dict[str, Any]) -> str:
                      + (f" {r['preempted_per_step']:9.1f} {r['decode_bytes_ratio']:10.3f}" if paged else ""))
     sync = next((r for r in report["rows"] if "async_bound" in r and r["mode"] == "sync"), None)
     lines.append("")
+    if any(r.get("learned_reward_s_per_step") for r in report["rows"]):
+        lines.append("learned rewards' scoring per step and host (in gen busy where they share its devices): "
+                     + ", ".join(f"{r['mode']} eta {r['eta']} {r['learned_reward_s_per_step']:.3f} s"
+                                 for r in report["rows"]))
     if sync:
         lines.append(f"async bound: 1 + g (1 / e_s - 1) = 1 + {sync['generation_share']:.3f} x "
                      f"(1 / {sync['sync_generation_efficiency']:.3f} - 1) = {sync['async_bound']:.2f}x "

@@ -70,6 +70,7 @@ class EngineCounters:
     recomputed_tokens: int = 0  # paged: history tokens prefilled again when they resumed
     live_tokens: int = 0  # paged: cached tokens the decode steps attended over (sum over steps and slots)
     read_tokens: int = 0  # paged: the same rounded up to the kernel's block per slot (what it reads)
+    charged_s: float = 0.0  # other programs on these devices (learned rewards beside the engine), in busy_s
 
 
 @dataclasses.dataclass
@@ -128,6 +129,7 @@ class SimEngine:
         self._starts = 0
         self.resumes: collections.deque[tuple[SimGroup, int, int, int]] = collections.deque()  # preempted samples
         self._pending_tokens: tuple[np.ndarray, np.ndarray] | None = None
+        self._charged = 0.0  # seconds of other programs waiting for the devices (`charge`)
 
     @property
     def paged(self) -> bool:
@@ -157,6 +159,13 @@ class SimEngine:
         self.queue.append(group)
         if not self.active.all():  # free slots are refilled at the next chunk boundary
             self._end_at_next_boundary()
+        self._kick()
+
+    def charge(self, seconds: float) -> None:
+        """Another program takes the engine's devices for `seconds` (a learned reward scoring
+        beside the policy): it runs at the next chunk boundary, and the engine waits meanwhile."""
+        self._charged += seconds
+        self._end_at_next_boundary()
         self._kick()
 
     def deliver_weights(self, version: int) -> None:
@@ -196,7 +205,8 @@ class SimEngine:
             return
         self._in_round = True
         t = self.clock.now
-        setup = 0.0
+        setup, self._charged = self._charged, 0.0  # what other programs took of the devices first
+        self.counters.charged_s += setup
         draining = False
         if self.pending_version is not None:
             if self.active_samples and not self.config.interruptible:

@@ -59,6 +59,9 @@ class RowResult:
     roofline_fraction: float | None = None  # trained tokens/s per device over R*
     generation_s_per_step: float = 0.0  # engine busy seconds per step (mean over hosts)
     train_s_per_step: float = 0.0  # training and weight transfer seconds per step
+    # Learned rewards' scoring seconds per step per host (simulate/costs.LearnedRewardCosts): in
+    # generation_s_per_step where they share the generation devices.
+    learned_reward_s_per_step: float = 0.0
     records: tuple[dict[str, Any], ...] = dataclasses.field(repr=False, default=())
 
     def as_json(self) -> dict[str, Any]:
@@ -93,6 +96,7 @@ class _Host:
                                 on_swap=self._swapped, pool_pages=wl.kv_pool_pages * data, page_size=wl.page_size,
                                 block_tokens=wl.block_tokens)
         self._ids = 0
+        self.reward_free = 0.0  # when the learned rewards' devices finish the scoring queued so far
 
     def admit(self) -> None:
         """The controller's admission loop: start groups while capacity allows."""
@@ -110,7 +114,19 @@ class _Host:
         self.sim.engine_swapped()
 
     def _group_done(self, group: SimGroup) -> None:
-        self.sim.clock.after(self.sim.costs.reward_s, lambda: self._accept(group))
+        """The group's reward: the verifier's latency (`costs.reward_s`) after the learned rewards'
+        scoring, which takes the generation devices (the engine waits) where they share them, or
+        queues on the host's reward devices."""
+        sim, delay = self.sim, 0.0
+        learned = getattr(sim.costs, "learned_rewards", None)
+        if learned is not None:  # one scoring call per group, one call at a time on their devices
+            seconds = learned.group_s(group.n, group.prompt, group.lengths)
+            sim.learned_reward_s += seconds
+            self.reward_free = max(self.reward_free, sim.clock.now) + seconds
+            delay = self.reward_free - sim.clock.now
+            if learned.shared:
+                self.engine.charge(seconds)
+        sim.clock.after(delay + sim.costs.reward_s, lambda: self._accept(group))
 
     def _accept(self, group: SimGroup) -> None:
         sim = self.sim
@@ -145,6 +161,8 @@ class Simulation:
         self.clock = EventQueue()
         self.version = 0
         self.rejected_groups = 0
+        self.learned_reward_s = 0.0  # device seconds of learned-reward scoring, every host
+        self.learned_at_step: list[float] = []
         generating = row.generating_devices(workload)
         engine_config, max_concurrent = workload.engine_for(row, scale=scale_engine)
         data = workload.generation_replicas(generating)
@@ -216,6 +234,7 @@ class Simulation:
         self.train_busy_s += step_s + self.costs.transfer_s
         self.step_ends.append(self.clock.now)
         self.trained_tokens.append(tokens)
+        self.learned_at_step.append(self.learned_reward_s)
         self.packing.append(packing)
         self.lag_hist.append(lags)
         self.snapshots.append({"engine_busy": [h.engine.counters.busy_s for h in self.hosts],
@@ -308,4 +327,6 @@ class Simulation:
             roofline=roofline,
             roofline_fraction=per_device / roofline["tokens_per_s_per_device"] if roofline else None,
             generation_s_per_step=float(engine_busy) / steps_measured,
+            learned_reward_s_per_step=(self.learned_at_step[-1] - (self.learned_at_step[w - 1] if w else 0.0))
+            / steps_measured / self.workload.hosts,
             train_s_per_step=delta("train_busy") / steps_measured, records=tuple(self.records))
