@@ -145,7 +145,8 @@ def test_hooks_receive_data_not_the_loop():
 
     names = {f.name for f in dataclasses.fields(StepInfo)}
     assert {"step", "version", "groups", "metrics"} <= names and "loop" not in names
-    assert names == {"step", "version", "groups", "metrics", "trained_tokens", "last", "stopped"}
+    assert names == {"step", "version", "groups", "metrics", "trained_tokens", "last", "stopped",
+                     "counters"}
     info = StepInfo(3, 4, (), {}, 10.0, last=False)
     assert not hasattr(info, "loop")
     with pytest.raises(dataclasses.FrozenInstanceError):

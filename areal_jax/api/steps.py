@@ -13,7 +13,7 @@ is built with. Stages of a step, in order (trainer/hooks.py has the built-in hoo
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from areal_jax.api.trajectories import TrajectoryGroup
@@ -32,7 +32,10 @@ class StepInfo:
     trajectory groups it trained on, in the order it trained them; metrics: its record (empty at
     "update"; hooks at "metrics" add to this dict); trained_tokens: over the whole run, resumes
     included, this step's counted; last: whether it is the run's last step (RLConfig.steps - 1);
-    stopped: at "end", whether a stop request (SIGTERM/SIGINT) ended the run early.
+    stopped: at "end", whether a stop request (SIGTERM/SIGINT) ended the run early; counters: the
+    run's cumulative counts of what it trained, resumes included, this step's counted (the agent
+    workflow's "agent/sessions", "agent/failed_sessions", "agent/timed_out_sessions",
+    "agent/calls"; empty for other workflows). A checkpoint saves them.
     """
 
     step: int
@@ -42,6 +45,7 @@ class StepInfo:
     trained_tokens: float = 0.0
     last: bool = False
     stopped: bool = False
+    counters: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

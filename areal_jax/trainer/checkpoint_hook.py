@@ -29,14 +29,16 @@ __all__ = ["CheckpointHook", "Resume"]
 
 @dataclasses.dataclass(frozen=True)
 class Resume:
-    """Where a restored loop continues: its first step, the version, the tokens trained so far,
-    and what the restore cost (groups queued or generating at the save, lost with it)."""
+    """Where a restored loop continues: its first step, the version, the tokens trained so far and
+    the run's other counters (StepInfo.counters), and what the restore cost (groups queued or
+    generating at the save, lost with it)."""
 
     step: int
     version: int
     trained_tokens: float
     lost_groups: int
     capacity: int  # admission capacity at the restored version
+    counters: dict[str, int] = dataclasses.field(default_factory=dict)  # StepInfo.counters at the save
 
     def report(self) -> dict[str, int]:
         return {"step": self.step, "version": self.version, "lost_groups": self.lost_groups,
@@ -81,7 +83,8 @@ class CheckpointHook:
             self.last_point = None
             return
         meta = {"step": info.step, "version": info.version, "staleness": self.cluster.staleness.state_dict(),
-                "engine_seed": self.cluster.engine.seed, "trained_tokens": info.trained_tokens}
+                "engine_seed": self.cluster.engine.seed, "trained_tokens": info.trained_tokens,
+                "counters": dict(info.counters)}
         data = _FrozenPosition(self.data.get_state()) if self.data is not None else None
         self.last_point = {"step": info.step, "meta": meta, "data": data}
         self._pending = self.last_point if due else None
@@ -127,7 +130,8 @@ class CheckpointHook:
         lost = self.cluster.resume_at(version, meta["staleness"])
         resume = Resume(step=int(meta["step"]) + 1, version=version,
                         trained_tokens=float(meta.get("trained_tokens", 0.0)), lost_groups=lost,
-                        capacity=self.cluster.staleness.capacity(version))
+                        capacity=self.cluster.staleness.capacity(version),
+                        counters={str(k): int(v) for k, v in meta.get("counters", {}).items()})
         logger.info("resumed at step %d, version %d: %d groups queued or in flight at the save were lost, "
                     "admission capacity %d", resume.step, version, lost, resume.capacity)
         return resume

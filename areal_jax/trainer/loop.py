@@ -39,7 +39,7 @@ from areal_jax.trainer.checkpoint_hook import Resume
 from areal_jax.trainer.cluster import RLCluster
 from areal_jax.trainer.config import RLConfig
 from areal_jax.trainer.hooks import Hooks
-from areal_jax.trainer.step_metrics import StepMetrics
+from areal_jax.trainer.step_metrics import StepMetrics, agent_counters
 from areal_jax.trainer.stopping import StopPolling
 
 __all__ = ["LoopResult", "RLLoop"]
@@ -74,6 +74,8 @@ class RLLoop:
         self.resume = resume
         self.first_step = resume.step if resume is not None else 0
         self.trained_tokens = resume.trained_tokens if resume is not None else 0.0  # resumes included
+        # Cumulative counts of what was trained (StepInfo.counters), resumes included.
+        self.counters: dict[str, int] = dict(resume.counters) if resume is not None else {}
         self._run_tokens = 0.0  # by this process since it started
         self.stop = StopPolling(should_stop)
         self.metrics = StepMetrics(cluster)
@@ -96,7 +98,8 @@ class RLLoop:
         if cluster.controller is None:
             raise ValueError("RLLoop.run: the cluster's rollout side is not connected (RLCluster.connect)")
         history: list[dict[str, Any]] = []
-        last = StepInfo(self.first_step - 1, cluster.version, (), {}, self.trained_tokens, last=False)
+        last = StepInfo(self.first_step - 1, cluster.version, (), {}, self.trained_tokens, last=False,
+                        counters=dict(self.counters))
         report = None
         cluster.start()
         t_start = time.perf_counter()
@@ -131,7 +134,10 @@ class RLLoop:
         tokens = float(out.train.get("trained_tokens", 0.0))
         self.trained_tokens += tokens
         self._run_tokens += tokens
-        info = StepInfo(step, cluster.version, tuple(groups), {}, self.trained_tokens, last=step == self.rl.steps - 1)
+        for name, count in agent_counters(groups).items():
+            self.counters[name] = self.counters.get(name, 0) + count
+        info = StepInfo(step, cluster.version, tuple(groups), {}, self.trained_tokens, last=step == self.rl.steps - 1,
+                        counters=dict(self.counters))
         # Before the new weights reach the generator: a checkpoint's resume point (in "sync" mode
         # nothing is in flight or queued here, so the data position is exactly what the trained
         # steps consumed).
@@ -146,7 +152,8 @@ class RLLoop:
         metrics = self.metrics(step, groups, out, wait_s=wait_s, transfer_s=transfer_s)
         wall_s = time.perf_counter() - t_start
         metrics.update({"time/wall_s": wall_s, "train/trained_tokens_total": self.trained_tokens,
-                        "throughput/trained_tokens_per_s": self._run_tokens / wall_s})
+                        "throughput/trained_tokens_per_s": self._run_tokens / wall_s,
+                        **{f"{name}_total": count for name, count in self.counters.items()}})
         info = dataclasses.replace(info, metrics=metrics)
         self.hooks.run("metrics", info)  # rollout dumps, held-out evaluation
         # The step's records, then (a checkpoint never holds a step its records lack: a resumed

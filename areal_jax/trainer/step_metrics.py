@@ -19,7 +19,7 @@ from areal_jax.api import TrajectoryGroup
 from areal_jax.trainer.algorithm import StepOutput
 from areal_jax.trainer.cluster import RLCluster
 
-__all__ = ["StepMetrics"]
+__all__ = ["StepMetrics", "agent_counters"]
 
 
 class StepMetrics:
@@ -81,13 +81,10 @@ class StepMetrics:
             "transfer/seconds": _last_transfer_stat(cluster.weight_sync, "total_s"),
             "transfer/sparse": float(_last_transfer_stat(cluster.weight_sync, "mode") == "sparse"),
         }
-        agent = [g.info for g in groups if "failed_sessions" in g.info]
+        agent = agent_counters(groups)
         if agent:  # the agent workflow's sessions behind this step's groups (workflows/agent.py)
-            sessions = sum(len(info["turns"]) for info in agent)
-            metrics["agent/sessions"] = sessions
-            metrics["agent/failed_sessions"] = sum(info["failed_sessions"] for info in agent)
-            metrics["agent/timed_out_sessions"] = sum(info["timed_out_sessions"] for info in agent)
-            metrics["agent/calls_mean"] = sum(sum(info["turns"]) for info in agent) / max(sessions, 1)
+            metrics.update({k: v for k, v in agent.items() if k != "agent/calls"})
+            metrics["agent/calls_mean"] = agent["agent/calls"] / max(agent["agent/sessions"], 1)
         pool = cluster.reward_pool
         if pool is not None:  # calls past their deadline (scored 0.0), and ones that crashed or raised
             stats = pool.stats()
@@ -120,6 +117,18 @@ class StepMetrics:
                         "microbatches": len(shapes), "padded_tokens": sum(r * t for r, t in shapes),
                         "attention": float(sum(r * t * t for r, t in shapes))}
         return out
+
+
+def agent_counters(groups: Sequence[TrajectoryGroup]) -> dict[str, int]:
+    """The agent workflow's sessions behind `groups` (workflows/agent.py's group info): sessions,
+    failed and timed-out ones, model calls. Empty when no group came from that workflow."""
+    agent = [g.info for g in groups if "failed_sessions" in g.info]
+    if not agent:
+        return {}
+    return {"agent/sessions": sum(len(info["turns"]) for info in agent),
+            "agent/failed_sessions": sum(info["failed_sessions"] for info in agent),
+            "agent/timed_out_sessions": sum(info["timed_out_sessions"] for info in agent),
+            "agent/calls": sum(sum(info["turns"]) for info in agent)}
 
 
 def _last_transfer_stat(sync: Any, name: str) -> Any:
