@@ -66,12 +66,47 @@ def _plan(tmp_path, gin, *args, check=True):
 
 
 @pytest.fixture(scope="module")
-def small_plan(tmp_path_factory):
-    """One plan of the small model on one 8xH100 node, shared by the tests that read it."""
+def small_plan_run(tmp_path_factory):
+    """One plan of the small model on one 8xH100 node, shared by the tests that read it: (its
+    directory, holding the plan cache, its gin file, the plan's JSON)."""
     tmp_path = tmp_path_factory.mktemp("small_plan")
-    out = _plan(tmp_path, _config(tmp_path), "--target=8xh100", "--json")
+    gin = _config(tmp_path)
+    out = _plan(tmp_path, gin, "--target=8xh100", "--json")
     assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout)
+    return tmp_path, gin, json.loads(out.stdout)
+
+
+@pytest.fixture(scope="module")
+def small_plan(small_plan_run):
+    return small_plan_run[2]
+
+
+@needs_gpu_compiler
+def test_the_tune_reads_a_planned_configs_compiled_peaks_without_lowering(small_plan_run, monkeypatch):
+    # `plan` indexed each program's cache entry by the config (plan/peak_index.py): the tune's fit
+    # check reads every compiled peak back with nothing lowered, and its verdict is the plan's.
+    from areal_jax import config_system as cs
+    from areal_jax.aot import ProgramSpec
+    from areal_jax.jobs.configs import load_job_configs
+    from areal_jax.plan.config import PlanConfig
+    from areal_jax.plan.fit import estimate_fit
+    from areal_jax.plan.targets import parse_target
+
+    tmp_path, gin, plan = small_plan_run
+    monkeypatch.setenv("AREAL_JAX_PLAN_CACHE", str(tmp_path / "cache"))
+    job = load_job_configs([str(gin)], [], run_dir="simulate")
+    plan_cfg = cs.build(PlanConfig)
+    monkeypatch.setattr(ProgramSpec, "lower", lambda self: pytest.fail(f"{self.name} was lowered"))
+    fit = estimate_fit(job, plan_cfg, parse_target("8xh100"), gin_files=[str(gin)], compiled_within_s=60.0)
+    peaks = {p["name"]: p["peak_bytes_per_device"] for p in plan["programs"]}
+    tightest = max(peaks, key=peaks.get)
+    assert fit.source == "compiled (plan cache)" and fit.fits
+    assert fit.tightest == tightest and fit.peak_fraction == pytest.approx(peaks[tightest] / (80 * 2**30), rel=1e-12)
+    # Another config (one more slot per replica) has no index entry: with no time to lower, its
+    # verdict is the estimate's.
+    other = load_job_configs([str(gin)], ["EngineConfig.num_slots = 54"], run_dir="simulate")
+    assert estimate_fit(other, plan_cfg, parse_target("8xh100"), gin_files=[str(gin)],
+                        compiled_within_s=1e-9).source == "estimate"
 
 
 @needs_gpu_compiler

@@ -103,22 +103,42 @@ def paged_kernel_refusal(job, target: Target, inputs) -> str | None:
 
 def _compiled_peaks(job, plan_cfg, target, gin_files, model_cfg, peaks: dict[str, int], within_s: float) -> int:
     """Replaces `peaks` entries by the plan cache's compiled figures where it holds them; returns
-    how many it replaced."""
+    how many it replaced. The peak index (plan/peak_index.py) names them without lowering; the
+    rest are lowered, one at a time, while the time left exceeds the slowest lowering so far."""
+    from areal_jax.plan import peak_index
     from areal_jax.plan.job import plan_inputs
-    from areal_jax.plan.measure import cached_measure
+    from areal_jax.plan.measure import cache_path, cached_measure
     from areal_jax.plan.targets import LibtpuBusy
 
     deadline = time.monotonic() + within_s
+    key = peak_index.index_key(job, plan_cfg, target.name, model_cfg)
+    indexed, uncompiled = peak_index.read(key)
+    found = 0
+    for name, (m, resident) in indexed.items():
+        if name in peaks:
+            peaks[name] = m.program_peak_bytes + resident
+            found += 1
+    missing = set(peaks) - set(indexed) - uncompiled
+    if not missing:
+        return found
     try:
         inputs = plan_inputs(job, plan_cfg, target, gin_files=gin_files, model_cfg=model_cfg)
     except LibtpuBusy:
-        return 0
-    found = 0
+        return found
+    slowest, lowered_entries = 0.0, {}
     for spec in inputs.specs:
-        if time.monotonic() > deadline:
+        if spec.name not in missing:
+            continue
+        if deadline - time.monotonic() <= slowest:  # the next lowering would likely overrun
             break
-        m = cached_measure(target.name, spec.lower().as_text())
+        t0 = time.monotonic()
+        text = spec.lower().as_text()
+        slowest = max(slowest, time.monotonic() - t0)
+        resident = bytes_per_device(spec.resident) + inputs.extra_resident(spec)
+        lowered_entries[spec.name] = {"file": cache_path(target.name, text).name, "resident": resident}
+        m = cached_measure(target.name, text)
         if m is not None:
-            peaks[spec.name] = m.program_peak_bytes + bytes_per_device(spec.resident) + inputs.extra_resident(spec)
+            peaks[spec.name] = m.program_peak_bytes + resident
             found += 1
+    peak_index.add(key, lowered_entries)
     return found

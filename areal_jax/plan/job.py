@@ -19,6 +19,7 @@ from areal_jax.aot import ProgramSpec, bytes_per_device
 from areal_jax.job_config import JobConfigs
 from areal_jax.models.config import ModelConfig
 from areal_jax.parallel.meshes import check_model_fits_mesh, split_local_devices
+from areal_jax.plan import peak_index
 from areal_jax.plan.config import PlanConfig
 from areal_jax.plan.estimate import (EstimateContext, analytic_flops, estimate_peak, lower_bound_peak,
                                      weight_share_read)
@@ -310,11 +311,16 @@ def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files
     model_cfg, split, meshes, specs, ctx = inputs.model_cfg, inputs.split, inputs.meshes, inputs.specs, inputs.ctx
     extra_resident, gen_weights = inputs.extra_resident, inputs.gen_weights
     mean_prompt, mean_completion = inputs.mean_prompt, inputs.mean_completion
+    cache_files: dict[str, str] = {}
     programs = measure_programs(specs, target, extra_resident=extra_resident, headroom=plan_cfg.headroom,
                                 use_cache=use_cache, estimator=lambda s, kernels: estimate_peak(s, ctx, kernels),
                                 lower_bound=lambda s: lower_bound_peak(s, ctx),
                                 flop_counter=lambda s, n: analytic_flops(s, ctx, n), on_program=on_program,
-                                workers=workers)
+                                workers=workers, cache_files=cache_files)
+    # Where each compiled peak sits in the plan cache, so `simulate --tune` reads it unlowered.
+    peak_index.add(peak_index.index_key(job, plan_cfg, target.name, model_cfg),
+                   {p.name: {"file": cache_files[p.name], "resident": p.resident_bytes}
+                    for p in programs if p.name in cache_files and not p.refused})
     replica_engine = replica_engine_config(job.engine, meshes.generation_replicas_per_host)
     cache_itemsize = job.engine.kv_itemsize(gen_dtype(job))  # 1 with kv_dtype float8_e4m3fn
     kv_bytes_per_token = (2 * model_cfg.num_layers * (model_cfg.num_kv_heads // job.mesh.generation_tensor)

@@ -124,7 +124,7 @@ def attention_kernels(program_text: str) -> tuple[str, ...]:
     return tuple(found)
 
 
-def _cache_path(target_name: str, text: str) -> pathlib.Path:
+def cache_path(target_name: str, text: str) -> pathlib.Path:
     key = hashlib.sha256(f"{_CACHE_VERSION}\n{target_name}\n{text}".encode()).hexdigest()[:32]
     return cache_dir() / f"{key}.json"
 
@@ -132,7 +132,7 @@ def _cache_path(target_name: str, text: str) -> pathlib.Path:
 def cached_measure(target_name: str, text: str) -> Measured | None:
     """The plan cache's figures of a lowered program (its `as_text()`), None where it holds none:
     compiled peaks without compiling (`simulate --tune`)."""
-    path = _cache_path(target_name, text)
+    path = cache_path(target_name, text)
     try:
         return dataclasses.replace(Measured(**json.loads(path.read_text())), cached=True)
     except (OSError, ValueError, TypeError):
@@ -147,7 +147,7 @@ def measure(spec: ProgramSpec, target_name: str, *, use_cache: bool = True,
     lowered = lowered if lowered is not None else spec.lower()
     text = text if text is not None else lowered.as_text()
     kernels = attention_kernels(text)
-    path = _cache_path(target_name, text)
+    path = cache_path(target_name, text)
     if use_cache and path.exists():
         try:
             return dataclasses.replace(Measured(**json.loads(path.read_text())), cached=True, attention=kernels)

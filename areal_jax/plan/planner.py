@@ -28,7 +28,8 @@ from jax.sharding import AxisType, Mesh
 from areal_jax.aot import ProgramSpec, bytes_per_device
 from areal_jax.models.config import ModelConfig
 from areal_jax.parallel.meshes import GENERATION_AXES, TRAIN_AXES, DeviceSplit, hybrid_train_grid
-from areal_jax.plan.measure import Measured, attention_kernels, grouped_matmul_kernels, measure, spec_devices
+from areal_jax.plan.measure import (Measured, attention_kernels, cache_path, grouped_matmul_kernels, measure,
+                                    spec_devices)
 from areal_jax.plan.targets import Target
 
 
@@ -217,7 +218,8 @@ def measure_programs(specs: Sequence[ProgramSpec], target: Target, *, extra_resi
                      flop_counter: Callable[[ProgramSpec, int], float] | None = None,
                      on_program: Callable[[ProgramPlan], None] | None = None,
                      lower_bound: Callable[[ProgramSpec], int] | None = None,
-                     refuse_factor: float = REFUSE_FACTOR, workers: int = 1) -> list[ProgramPlan]:
+                     refuse_factor: float = REFUSE_FACTOR, workers: int = 1,
+                     cache_files: dict[str, str] | None = None) -> list[ProgramPlan]:
     """Compiles and measures every spec; `extra_resident(spec)` adds bytes the run holds beside it.
 
     `estimator(spec, attention_kernels)`: the hand estimate of the program's peak, printed beside
@@ -227,7 +229,8 @@ def measure_programs(specs: Sequence[ProgramSpec], target: Target, *, extra_resi
 
     `workers` > 1: that many compiles run at once on threads of this process (the compiler
     releases the GIL; one process holds libtpu, which allows one process at a time), while the
-    next programs are lowered; `on_program` still sees the programs in order."""
+    next programs are lowered; `on_program` still sees the programs in order. `cache_files`
+    (filled when given): each compiled program's plan cache file name (plan/peak_index.py)."""
     import concurrent.futures
 
     source = "libtpu" if target.platform == "tpu" else "xla-gpu"
@@ -261,6 +264,8 @@ def measure_programs(specs: Sequence[ProgramSpec], target: Target, *, extra_resi
             text = lowered.as_text()
             kernels = attention_kernels(text)
             grouped = "+".join(grouped_matmul_kernels(text)) or "none"
+            if cache_files is not None:
+                cache_files[spec.name] = cache_path(target.name, text).name
             estimate = (estimator(spec, kernels) + extra_resident(spec)) if estimator is not None else 0
             floor = (lower_bound(spec) + extra_resident(spec)) if lower_bound is not None else 0
             if lower_bound is not None and floor > refuse_factor * capacity:

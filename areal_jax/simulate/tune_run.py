@@ -8,7 +8,8 @@ config's own eta: eta trades staleness for throughput, which the simulator canno
 Each point is bound as gin parameters after the config's own and simulated as `simulate` would
 (the roofline costs of the target); only points whose programs fit the target with the plan's
 headroom are simulated (plan/fit.py: the hand estimate of each program's peak, or the plan
-cache's compiled peak where `--tune_compiled_s` allows looking it up). Prints the best points,
+cache's compiled peaks, from the best point down until one fits on them, where
+`--tune_compiled_s` allows looking them up). Prints the best points,
 each as the gin bindings that make it, with trained tokens/s per device; `--write` writes the
 best's bindings, to pass after the config (`--gin_file=CONFIG --gin_file=TUNED.gin`).
 """
@@ -267,15 +268,18 @@ def run_tune(args) -> dict[str, Any]:
                 "eta": f"searched over {etas}" + ("" if "eta" in sweeps else " (the config's; widen with --sweep eta=...)"),
                 "memory": f"every program of the plan's bounding set within {1 - base.plan_cfg.headroom:.0%} of a "
                           f"device; the hand estimate (plan/estimate.py) unless a point says compiled (the plan "
-                          f"cache's peaks, looked up for the best {args.tune_top} within {args.tune_compiled_s:g} s)",
+                          f"cache's peaks, looked up from the best down until one fits, at most {args.tune_top}, within "
+                          f"{args.tune_compiled_s:g} s)",
                 "costs": f"analytic roofline on {base.target.name}, {args.steps} steps simulated "
                          f"({args.warmup} warm-up), seed {args.seed}"}}
 
 
 def _with_compiled_peaks(result: SearchResult, args, job_at, model_cfg) -> SearchResult:
-    """The best `--tune_top` points' verdicts again, from the plan cache's compiled peaks where it
-    holds them (lowering each program to find its entry: seconds each, so within
-    `--tune_compiled_s`); a point the compiled peaks refuse leaves the ranking."""
+    """The best points' verdicts again, from the plan cache's compiled peaks where it holds them,
+    walking down from the best until one fits on them (the points below it cannot change the
+    answer), at most `--tune_top`, within `--tune_compiled_s` (plan/fit.py: the peak index names
+    each point's cached peaks without lowering; programs it does not know are lowered while time
+    allows). A point the compiled peaks refuse leaves the ranking."""
     from areal_jax.plan.fit import estimate_fit
     from areal_jax.plan.measure import cache_dir
 
@@ -293,9 +297,9 @@ def _with_compiled_peaks(result: SearchResult, args, job_at, model_cfg) -> Searc
         i = points.index(pt)
         if fit.fits:
             points[i] = dataclasses.replace(pt, fit=fit)
-        else:
-            points.pop(i)
-            refused.append((pt.knobs, fit))
+            break
+        points.pop(i)
+        refused.append((pt.knobs, fit))
     return dataclasses.replace(result, points=tuple(points), refused=tuple(refused))
 
 
