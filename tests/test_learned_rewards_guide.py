@@ -47,3 +47,23 @@ def test_a_composite_reward_trains_and_logs_each_term(dirs, tmp_path):
         assert r["reward/mean"] == pytest.approx(0.5 * r[f"reward/rm:{rm_dir}/mean"] + 0.5 * r["reward/judge/mean"],
                                                  abs=1e-4)
         assert 0.0 <= r["reward/judge/mean"] <= 1.0
+
+
+def test_the_guides_example_commands_name_the_scripts_and_their_flags():
+    """The section's commands run the examples tests/test_example_scripts.py runs; each names a
+    script there and flags its parser takes (the runs themselves are those tests)."""
+    import re
+    import runpy
+
+    guide = (ROOT / "docs" / "user_guide.md").read_text()
+    section = guide[guide.index("### Learned rewards"):guide.index("### Your own workflow")]
+    commands = re.findall(r"^python (examples/\S+\.py)(.*?)(?:\s+#.*)?$", section, re.M)
+    assert {script for script, _ in commands} == {"examples/learned_reward_model.py", "examples/learned_judge.py"}
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        for script, args in commands:
+            module = runpy.run_path(str(ROOT / script))
+            parsed = module["parse_args"](args.split(), module["__doc__"])
+            assert parsed.run_dir.name in ("example_rm", "example_judge")
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
