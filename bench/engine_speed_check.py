@@ -13,8 +13,11 @@ Three parts, each recorded on its own (a failure leaves the others' figures):
    batch every chunk (decode_min_rows = slots), on the ragged workload: decode and wall tokens/s.
 5. share: groups of 4 samples per prompt with `EngineConfig.share_prompt_pages` on and off, on a
    pool of a quarter of the dense cache: wall tokens/s, pages shared, samples preempted.
+6. overlap: `EngineConfig.overlap` off and on (the next decode chunk dispatched before the last is
+   read back) on the ragged workload: wall tokens/s and the chunks that overlapped.
 
 Usage: python -m bench.engine_speed_check [--tiny] [--out engine_speed_check.json] [--skip PART]
+(`--only overlap`: that part alone)
 `--tiny` (CPU smoke run) interprets the Pallas GPU kernel; its figures prove the plumbing only.
 Prints one JSON object (last line of stdout).
 """
@@ -146,7 +149,8 @@ def _variants(cfg, params, p: dict, variants: dict[str, dict], n: int = 1, promp
         out[name] = {"decode_tokens_per_s": statistics.median(r[0] for r in runs),
                      "wall_tokens_per_s": statistics.median(r[1] for r in runs),
                      "kv_pages_shared": statistics.median(r[4] for r in runs),
-                     "preempted_samples": statistics.median(r[5] for r in runs)}
+                     "preempted_samples": statistics.median(r[5] for r in runs),
+                     "overlapped_chunks": engine.stats().overlapped_chunks}
         del engine
     return out
 
@@ -169,13 +173,21 @@ def probe_share(cfg, params, p: dict) -> dict:
     return out
 
 
+def probe_overlap(cfg, params, p: dict) -> dict:
+    out = _variants(cfg, params, p, {"serial": dict(overlap=False), "overlapped": dict(overlap=True)})
+    out["overlapped_over_serial_wall"] = out["overlapped"]["wall_tokens_per_s"] / out["serial"]["wall_tokens_per_s"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="tiny shapes; the GPU kernel interpreted (CPU smoke test)")
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--hbm-bandwidth", type=float, default=H200_HBM_BYTES_PER_S, help="HBM bytes/s")
     ap.add_argument("--swap-every", type=int, default=4, help="scheduling rounds between weight swaps")
-    ap.add_argument("--skip", choices=("kernel", "decode", "swap", "live", "share"), action="append", default=[])
+    ap.add_argument("--skip", choices=("kernel", "decode", "swap", "live", "share", "overlap"), action="append", default=[])
+    ap.add_argument("--only", choices=("kernel", "decode", "swap", "live", "share", "overlap"), action="append",
+                    default=[], help="run only these parts")
     args = ap.parse_args(argv)
     preset = "tiny" if args.tiny else "full"
     p = dict(PRESETS[preset])
@@ -193,8 +205,10 @@ def main(argv: list[str] | None = None) -> dict:
         "swap": lambda: probe_swap(cfg, params, p, args.swap_every),
         "live": lambda: probe_live(cfg, params, p),
         "share": lambda: probe_share(cfg, params, p),
+        "overlap": lambda: probe_overlap(cfg, params, p),
     }
-    return run_parts(result, parts, args.skip, args.out, tag="engine_speed_check")
+    skip = args.skip + ([name for name in parts if name not in args.only] if args.only else [])
+    return run_parts(result, parts, skip, args.out, tag="engine_speed_check")
 
 
 if __name__ == "__main__":

@@ -105,6 +105,17 @@ class EngineConfig:
     # each its own copy of the partial last page), so the pool and admission count them once
     # (generation/pages.py). Off: every sample its own copy, as the dense cache holds.
     share_prompt_pages: bool = True
+    # Overlapped host scheduling: the next decode chunk is dispatched (from the last one's final
+    # state, left on the device) before the last one's tokens are read back, so the device runs
+    # while the host folds tokens, finishes and refills slots. Slots the last chunk freed are
+    # refilled one chunk later; aborts, weight swaps and a pool too dry for both chunks' pages
+    # first read the chunk in flight (tokens, log-probs and versions are those of overlap off).
+    overlap: bool = False
+    # Decode steps between checks of a chunk's exit (every slot done, or refill_after slots free):
+    # the steps between run as a fixed-count loop, masked after the exit. On GPU every check is a
+    # device-to-host round trip. 0: auto (8 or the chunk on GPU, 1 elsewhere, where a check is
+    # free).
+    decode_exit_every: int = 0
 
     def __post_init__(self):
         for name in ("num_slots", "max_seq_len", "decode_chunk", "max_prefill_batch", "reprefill_pack_width",
@@ -112,6 +123,11 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {v!r}")
+        if not isinstance(self.decode_exit_every, int) or self.decode_exit_every < 0:
+            raise ValueError(f"EngineConfig.decode_exit_every must be an int >= 0 (0: auto), "
+                             f"got {self.decode_exit_every!r}")
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"EngineConfig.overlap must be a bool, got {self.overlap!r}")
         if not isinstance(self.refill_after, int) or self.refill_after < 0:
             raise ValueError(f"EngineConfig.refill_after must be an int >= 0, got {self.refill_after!r}")
         if self.kv_layout not in KV_LAYOUTS:
@@ -165,6 +181,12 @@ class EngineConfig:
         if self.kv_layout != "auto":
             return self.kv_layout
         return "dense" if platform == "cpu" and self.kv_dtype != FP8_KV else "paged"
+
+    def exit_every(self, platform: str) -> int:
+        """Decode steps between exit checks on `platform`: `decode_exit_every` with 0 resolved."""
+        if self.decode_exit_every:
+            return min(self.decode_exit_every, self.decode_chunk)
+        return min(8, self.decode_chunk) if platform == "gpu" else 1
 
     def block_dtype(self, weights_dtype) -> str:
         """Dtype of prefill blocks and of a dense cache: kv_dtype unless FP8, else cache_dtype, else

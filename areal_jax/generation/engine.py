@@ -248,8 +248,7 @@ class GenerationEngine:
 
     def has_work(self) -> bool:
         with self._lock:
-            return bool(self._queue or self._aborts or self._pending_weights or self._preempted
-                        or any(s is not None for s in self._slot_sample))
+            return bool(self._queue or self._aborts or self._pending_weights or not self._slots.idle())
 
     def run_until_idle(self) -> None:
         """Drives the engine from the calling thread until nothing is queued or running."""
@@ -275,6 +274,7 @@ class GenerationEngine:
         if abort_pending:
             with self._lock:
                 self._aborts.update(self._requests)
+            self._slots.drain()
             self._apply_aborts()
 
     # ---- the scheduling loop ------------------------------------------------------------------
@@ -298,8 +298,13 @@ class GenerationEngine:
         Returns whether work remains (False while paused).
         """
         if self._paused:
+            self._slots.drain()
             return False
         with self._placement():
+            with self._lock:
+                sync = bool(self._aborts) or self._pending_weights is not None
+            if sync:  # aborts and swaps act on every token dispatched so far (the chunk in flight read first)
+                self._slots.drain()
             self._apply_aborts()
             draining = self._maybe_swap_weights()
             self._slots.resume_preempted(self._params, self._version)  # in flight already: resumed even while draining for a swap
@@ -307,6 +312,8 @@ class GenerationEngine:
                 self._admit()
             if self._slots.busy():
                 self._decode_chunk()
+            else:
+                self._slots.drain()
         return self.has_work()
 
     def _placement(self):

@@ -7,11 +7,15 @@ device calls in host terms (prompts, histories, slots), each padded to a compile
 the engine's stats and per-shape timings. Which slot gets which sample, and when, is the
 scheduler's business (generation/engine.py).
 
-Shapes: B slots, R prefill rows, P prompt bucket, C decode chunk, V vocab.
+Decode chunks are dispatched (`dispatch_decode`) and read back (`read_decode`) apart, so the host
+can dispatch the next one before reading the last (EngineConfig.overlap, generation/slots.py).
+
+Shapes: B slots, B' a decode chunk's batch rows, R prefill rows, P prompt bucket, C decode chunk, V vocab.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -192,25 +196,51 @@ class EngineCache:
 
     # ---- decoding ------------------------------------------------------------------------------
 
-    def decode(self, params: Params, state: tuple[np.ndarray, ...], window: int):
-        """One decode chunk over every slot (`state`: the per-slot arrays and exit_free) attending over
-        `window` positions (paged: the page tables cut to the window's pages, and the batch only
-        the live slots', generation/live_slots.py). Returns host (tokens, logprobs, valid) `[B, C]`
-        each, steps taken, the call's wall time and (MoE; else None) the experts of each step's
-        input token `[B, C, L_moe, k]`."""
+    def dispatch_decode(self, params: Params, state: tuple[np.ndarray, ...], window: int, sampler: str,
+                        last: DecodeChunk | None = None, fresh: np.ndarray | None = None) -> DecodeChunk:
+        """Dispatches one decode chunk over every slot (`state`: the per-slot host arrays and
+        exit_free) attending over `window` positions (paged: the page tables cut to the window's
+        pages, and the batch only the live slots', generation/live_slots.py); `sampler`: the live
+        rows' `sampler_kind`. With `last` (a chunk not yet read back) the slots' tokens, positions,
+        active and remaining come from its final state on the device, except the slots `fresh [B]`
+        the host changed since then. Returns without waiting for the device."""
         t0 = time.perf_counter()
         B = self.config.num_slots
         tables = self.tables(self.config.decode_pages(window))
-        order = real = None
         if self.pages is not None:
             order, real = live_order(state[2], self.config, self.data)
-            if order.shape[0] < B:
-                state, tables = gather_state(state, order, real), (tables[0][order],)
-            else:
-                order = None
-        self.cache, out = self.programs.decode(params, self.cache, *self.put(*state, *tables), window=window)
-        tokens, logprobs, valid, steps, chosen = jax.device_get(out)
-        if order is not None:
-            tokens, logprobs, valid, chosen = scatter_outputs((tokens, logprobs, valid, chosen), order, real, B)
-        return (np.asarray(tokens), np.asarray(logprobs), np.asarray(valid), int(steps), time.perf_counter() - t0,
-                chosen)
+        else:
+            order, real = np.arange(B), state[2].copy()
+        if order.shape[0] < B:
+            tables = (tables[0][order],)
+        gathered = gather_state(state, order, real)
+        if last is None:
+            inputs = self.put(*gathered, *tables)
+        else:
+            head = self.programs.carry(last.final, last.slots, *self.put(state[:4], fresh, order, real))
+            inputs = (*head, *self.put(*gathered[4:], *tables))
+        self.cache, (tokens, logprobs, valid, steps, chosen, final) = self.programs.decode(
+            params, self.cache, *inputs, window=window, sampler=sampler)
+        return DecodeChunk((tokens, logprobs, valid, steps, chosen), final, np.where(real, order, B), order, real, t0)
+
+    def read_decode(self, chunk: DecodeChunk):
+        """Waits for a dispatched chunk: host (tokens, logprobs, valid) `[B, C]` each, steps taken and
+        (MoE; else None) the experts of each step's input token `[B, C, L_moe, k]`."""
+        B = self.config.num_slots
+        tokens, logprobs, valid, steps, chosen = jax.device_get(chunk.out)
+        if chunk.order.shape[0] < B:
+            tokens, logprobs, valid, chosen = scatter_outputs((tokens, logprobs, valid, chosen), chunk.order,
+                                                              chunk.real, B)
+        return np.asarray(tokens), np.asarray(logprobs), np.asarray(valid), int(steps), chosen
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeChunk:
+    """A dispatched decode chunk: its outputs and final slot state on the device, its batch rows."""
+
+    out: tuple  # tokens, logprobs, valid `[B', C]`, steps, experts `[B', C, L_moe, k]` or None
+    final: tuple  # tokens, positions, active, remaining `[B']` after the chunk
+    slots: np.ndarray  # `[B']` the slot of each row, B for a padding row
+    order: np.ndarray  # `[B']` the slot each row reads (padding rows repeat one)
+    real: np.ndarray  # `[B']` whether the row is a live slot
+    t0: float  # when it was dispatched (perf_counter)

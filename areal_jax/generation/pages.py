@@ -200,6 +200,19 @@ class PageAllocator:
                 emptied.append(victim)
         return emptied
 
+    def reserve_all(self, running: list[tuple[int, int]]) -> bool:
+        """Grows every slot of `running` = [(slot, tokens)] to hold its tokens when every replica has
+        the pages free; False with nothing taken otherwise (no slot is emptied)."""
+        need = [0] * self.replicas
+        for slot, tokens in running:
+            need[self.replica(slot)] += self.missing(slot, tokens)
+        if any(n > self.free_pages(r) for r, n in enumerate(need)):
+            return False
+        for slot, tokens in running:
+            grown = self.grow(slot, tokens)
+            assert grown, f"slot {slot}: pages counted free are not"
+        return True
+
     def check(self) -> None:
         """Raises AssertionError unless every page is either free or held, by exactly as many slots
         of its replica as its count says (more than one only for a registered prefix's pages), the

@@ -145,6 +145,22 @@ def sample_rows(logits: jax.Array, rows: jax.Array, key_data: jax.Array, positio
     return sample_tokens(logits[rows], keys, temperature, top_p, top_k)
 
 
+def carry_state(last: tuple[jax.Array, ...], last_slots: jax.Array, host: tuple[jax.Array, ...], fresh: jax.Array,
+                order: jax.Array, real: jax.Array) -> tuple[jax.Array, ...]:
+    """The next decode chunk's (tokens, positions, active, remaining) `[B']` for batch rows `order`
+    (slots; `real` False: a padding row, inactive), on the device: each slot's from the last chunk's
+    final state `last` (`[B_last]`, row j holding slot last_slots[j], B for a padding row), unless
+    the host has changed the slot since that chunk was dispatched (`fresh [B]`: started, finished,
+    preempted), where the host's `[B]` arrays hold it. So a chunk is dispatched before the last one's
+    tokens are read back."""
+    out = []
+    for prev, mine in zip(last, host, strict=True):
+        merged = jnp.where(fresh, mine, mine.at[last_slots].set(prev, mode="drop"))
+        out.append(merged[order])
+    out[2] = out[2] & real
+    return tuple(out)
+
+
 @dataclasses.dataclass(frozen=True)
 class EnginePrograms:
     """The jitted programs of one engine. `counts` counts traces per kind (one per compilation),
@@ -156,7 +172,8 @@ class EnginePrograms:
     first_tokens: Any  # (logits, rows, keys, positions, T, top_p, top_k) -> (tokens, logprobs)
     prefill: Any  # (params, tokens, lengths) -> block: histories longer than a packed row
     reprefill: Any  # (params, cache*, tokens, segment_ids, slot_ids) -> cache
-    decode: Any  # (params, cache*, per-slot state..., exit_free, *, window) -> (cache, outputs)
+    decode: Any  # (params, cache*, per-slot state..., exit_free, *, window, sampler) -> (cache, outputs)
+    carry: Any  # (last chunk's state, its slots, host state, fresh, next order) -> next chunk's state
     counts: collections.Counter
     traced: collections.Counter
     # "dense" or "paged". Paged programs take the cache as L per-layer `PagePool`s and the page
@@ -172,6 +189,7 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
     for, which resolves `kv_layout` "auto" and the paged attention kernel."""
     cfg, ec = model_cfg, engine_cfg
     layout = ec.layout(platform or jax.default_backend())
+    exit_every = ec.exit_every(platform or jax.default_backend())
     data = mesh_sizes(mesh)[0]
     cache_dtype = jnp.dtype(cache_dtype)
     counts = collections.Counter() if counts is None else counts
@@ -218,46 +236,58 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
         return prefill_into_slots(params, cfg, tokens, segment_ids, slot_ids, cache)
 
     def decode_loop(model_step, cache, tokens, positions, active, remaining, temperature, top_p, top_k, stop_ids,
-                    key_data, exit_free):
+                    key_data, exit_free, *, sampler, exit_every):
         """Up to `decode_chunk` steps for all slots; stops after the step that leaves every slot
         done or at least `exit_free` slots free. Outputs `[B, C]`; steps past the exit are invalid.
         `model_step(cache, tokens [B], positions [B]) -> (logits [B, V], cache, experts)`, position
         -1 for an inactive slot (nothing written); experts `[B, L_moe, k]` of the input tokens (MoE;
-        else None) come out as a fifth output `[B, C, L_moe, k]` (else None)."""
+        else None) come out as a fifth output `[B, C, L_moe, k]` (else None); the sixth is the slots'
+        state after the chunk (tokens, positions, active, remaining `[B]`, left on the device: the
+        next chunk can start from it before the host has read this one's tokens).
+
+        The exit is checked every `exit_every` steps (static; the steps between run as a loop of
+        fixed trip count, masked once the chunk has exited): on GPU each check is a device-to-host
+        round trip. `sampler` (static): generation/sampling.py's kind for the live rows."""
         B, C, S = tokens.shape[0], ec.decode_chunk, ec.max_seq_len
         slot_keys = jax.random.wrap_key_data(key_data)
 
+        def exiting(active, i):
+            return (i < C) & jnp.any(active) & (jnp.sum(~active) < exit_free)
+
         def step(carry):
-            cache, tokens, positions, active, remaining, i, out = carry
-            logits, cache, chosen = model_step(cache, tokens, jnp.where(active, positions, -1))
+            cache, tokens, positions, active, remaining, i, go, out = carry
+            valid = active & go  # nothing runs once the chunk has exited (a fixed-count loop's tail)
+            logits, cache, chosen = model_step(cache, tokens, jnp.where(valid, positions, -1))
             # The token sampled from the input at position p uses the slot's key folded with p.
             keys = jax.vmap(jax.random.fold_in)(slot_keys, positions)
-            new, lp = sample_tokens(logits, keys, temperature, top_p, top_k)
-            valid = active
+            new, lp = sample_tokens(logits, keys, temperature, top_p, top_k, kind=sampler)
             positions = positions + valid
             remaining = remaining - valid
             hit_stop = jnp.any(new[:, None] == stop_ids, axis=-1)
-            done = hit_stop | (remaining <= 0) | (positions >= S - 1)
+            done = valid & (hit_stop | (remaining <= 0) | (positions >= S - 1))
             tokens = jnp.where(valid, new, tokens)
             step_out = (new, lp, valid) + ((chosen,) if record else ())
-            out = tuple(jax.lax.dynamic_update_index_in_dim(buf, x, i, axis=0) for buf, x in zip(out, step_out))
-            return cache, tokens, positions, active & ~done, remaining, i + 1, out
+            at = jnp.where(go, i, C)  # past the chunk's end: dropped
+            out = tuple(buf.at[at].set(x, mode="drop") for buf, x in zip(out, step_out))
+            active, i = active & ~done, i + go
+            return cache, tokens, positions, active, remaining, i, go & exiting(active, i), out
 
-        def keep_going(carry):
-            active, i = carry[3], carry[5]
-            return (i < C) & jnp.any(active) & (jnp.sum(~active) < exit_free)
+        def block(carry):
+            if exit_every == 1:
+                return step(carry)
+            return jax.lax.fori_loop(0, exit_every, lambda _, c: step(c), carry)
 
         out = (jnp.zeros((C, B), jnp.int32), jnp.zeros((C, B), jnp.float32), jnp.zeros((C, B), bool))
         if record:  # [C, B, L_moe, k]
             out += (jnp.zeros((C, B, len(moe.sparse_layer_ids(cfg)), cfg.moe.num_experts_per_tok),
                               moe.record_dtype(cfg)),)
-        carry = (cache, tokens, positions, active, remaining, jnp.int32(0), out)
-        cache, *_, steps, out = jax.lax.while_loop(keep_going, step, carry)
+        carry = (cache, tokens, positions, active, remaining, jnp.int32(0), exiting(active, jnp.int32(0)), out)
+        cache, tokens, positions, active, remaining, steps, _, out = jax.lax.while_loop(lambda c: c[6], block, carry)
         new, lp, valid, *chosen = out
         chosen = jnp.swapaxes(chosen[0], 0, 1) if record else None  # [B, C, L_moe, k]
-        return cache, (new.T, lp.T, valid.T, steps, chosen)  # [B, C] each, []
+        return cache, (new.T, lp.T, valid.T, steps, chosen, (tokens, positions, active, remaining))
 
-    def decode(params, cache, *state, window):
+    def decode(params, cache, *state, window, sampler="filter"):
         """`decode_loop` attending over cache positions [0, window) (static; every position
         reached is below it)."""
         counts["decode"] += 1
@@ -269,9 +299,9 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
             chosen = moe.record(cfg, routing.experts[:, :, 0]) if record else None  # [B, L_moe, k]
             return logits[:, 0], cache, chosen
 
-        return decode_loop(model_step, cache, *state)
+        return decode_loop(model_step, cache, *state, sampler=sampler, exit_every=exit_every)
 
-    def paged_decode(params, pools, *state, window):
+    def paged_decode(params, pools, *state, window, sampler="filter"):
         """`decode_loop` over the pages: the last argument is the page tables `[B, M]`, M the pages
         of `window` positions (every position reached is below it)."""
         *state, page_tables = state
@@ -284,7 +314,7 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
         def model_step(pools, tokens, positions):
             return paged_decode_step(params, cfg, tokens, positions, pools, attend, return_routing=True)
 
-        return decode_loop(model_step, pools, *state)
+        return decode_loop(model_step, pools, *state, sampler=sampler, exit_every=exit_every)
 
     def paged_prefill_start(params, pools, tokens, lengths, rows, slots, key_data, positions, temperature, top_p,
                             top_k, page_tables):
@@ -326,7 +356,8 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
         first_tokens=jax.jit(counted("first_tokens", first_tokens)),
         prefill=jax.jit(counted("prefill", prefill)),
         reprefill=jax.jit(paged_reprefill if paged else reprefill, donate_argnums=(1,)),
-        decode=jax.jit(paged_decode if paged else decode, donate_argnums=(1,), static_argnames=("window",)),
+        decode=jax.jit(paged_decode if paged else decode, donate_argnums=(1,), static_argnames=("window", "sampler")),
+        carry=jax.jit(counted("carry", carry_state)),
         counts=counts, traced=traced, layout=layout)
 
 

@@ -25,6 +25,8 @@ class EngineStats:
     decode_steps: int = 0
     busy_slot_steps: int = 0  # sum over decode steps of slots that were generating
     chunks: int = 0
+    # Chunks dispatched while the last one was still in flight (EngineConfig.overlap).
+    overlapped_chunks: int = 0
     weight_swaps: int = 0
     finished_samples: int = 0
     aborted_samples: int = 0

@@ -15,10 +15,12 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from areal_jax.api.sampling import MAX_STOP_IDS, SamplingParams
 
-__all__ = ["MAX_STOP_IDS", "SamplingParams", "allowed_mask", "behavior_logprobs", "first_argmax", "sample_tokens"]
+__all__ = ["MAX_STOP_IDS", "SAMPLERS", "SamplingParams", "allowed_mask", "behavior_logprobs", "first_argmax",
+           "sample_tokens", "sampler_kind"]
 
 def first_argmax(logits: jax.Array) -> jax.Array:
     """`jnp.argmax` over the last axis (first index of the maximum) as two plain reductions:
@@ -63,33 +65,58 @@ def allowed_mask(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, to
     return scaled >= threshold
 
 
+SAMPLERS = ("greedy", "sample", "filter")  # host-static sampler kinds, least work first
+
+
+def sampler_kind(temperature: np.ndarray, top_p: np.ndarray, top_k: np.ndarray) -> str:
+    """The least sampler that serves rows with these params (host arrays `[B]`, the live rows'):
+    "greedy" (all temperature 0), "sample" (no top-k/top-p on a sampled row) or "filter"."""
+    sampled = temperature > 0
+    if not sampled.any():
+        return "greedy"
+    return "filter" if ((top_k[sampled] > 0) | (top_p[sampled] < 1.0)).any() else "sample"
+
+
 def sample_tokens(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array,
-                  top_k: jax.Array) -> tuple[jax.Array, jax.Array]:
+                  top_k: jax.Array, kind: str | None = None) -> tuple[jax.Array, jax.Array]:
     """Samples one token per row. logits `[B, V]`, per-row params `[B]` -> (tokens `[B]`, logprobs `[B]`).
 
     `key` is one key for the whole batch, or a key per row `[B]` (the engine's: each sample's
     randomness then depends only on its own seed and position, not on what else is batched).
     Inverse-CDF sampling: one uniform per row instead of V Gumbel draws, since generating V
     random numbers per row per step dominated the decode step on CPU.
+
+    `kind` (static, `sampler_kind` of the rows): which sampler runs; None decides on the device
+    (two conditionals, each a device-to-host round trip on GPU).
     """
     greedy = first_argmax(logits)
     # All-greedy batches (evaluation, benchmarks) skip the sampler: its [B, V] cumsum and
     # random draws would cost about as much as the logprobs themselves.
-    sampled = jax.lax.cond(jnp.any(temperature > 0),
-                           lambda: _inverse_cdf_sample(logits, key, temperature, top_p, top_k), lambda: greedy)
+    if kind is None:
+        sampled = jax.lax.cond(jnp.any(temperature > 0),
+                               lambda: _inverse_cdf_sample(logits, key, temperature, top_p, top_k), lambda: greedy)
+    elif kind not in SAMPLERS:
+        raise ValueError(f"sampler kind must be one of {SAMPLERS}, got {kind!r}")
+    else:
+        sampled = greedy if kind == "greedy" else _inverse_cdf_sample(logits, key, temperature, top_p, top_k,
+                                                                      kind == "filter")
     tokens = jnp.where(temperature > 0, sampled, greedy)
     return tokens, behavior_logprobs(logits, tokens, temperature)
 
 
 def _inverse_cdf_sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array,
-                        top_k: jax.Array) -> jax.Array:
-    """One draw per row from the tempered, top-k/top-p filtered distribution: `[B, V] -> [B]` int32."""
+                        top_k: jax.Array, filtered: bool | None = None) -> jax.Array:
+    """One draw per row from the tempered, top-k/top-p filtered distribution: `[B, V] -> [B]` int32.
+    `filtered` (static): whether any row filters; None decides on the device."""
     B, V = logits.shape
     t = jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)
     scaled = logits.astype(jnp.float32) / t[:, None]
-    needs_filter = jnp.any((top_k > 0) | (top_p < 1.0))
-    mask = jax.lax.cond(needs_filter, lambda: allowed_mask(logits, temperature, top_p, top_k),
-                        lambda: jnp.ones(logits.shape, bool))
+    if filtered is None:
+        mask = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1.0)),
+                            lambda: allowed_mask(logits, temperature, top_p, top_k),
+                            lambda: jnp.ones(logits.shape, bool))
+    else:
+        mask = allowed_mask(logits, temperature, top_p, top_k) if filtered else jnp.ones(logits.shape, bool)
     weights = jnp.where(mask, jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True)), 0.0)
     cdf = jnp.cumsum(weights, axis=-1)  # [B, V], unnormalized
     if key.ndim == 0:

@@ -4,7 +4,10 @@ travel with every chunk call, and what happens to a sample once it has a slot.
 `SlotTable` starts samples in slots, runs a decode chunk and folds its tokens into the samples,
 finishes them (stop token, length, abort), and in the paged layout gives every running sample the
 pages its next chunk may write, preempting the newest when a replica's pool runs dry and resuming
-preempted samples, oldest first, by re-prefill. Its device calls go through generation/engine_cache.py;
+preempted samples, oldest first, by re-prefill. With `EngineConfig.overlap` a chunk is dispatched
+before the last one is read back (`InFlight`): its tokens are folded in one chunk late, into the
+samples it ran, and the slots the host changed meanwhile (`_fresh`) start the next chunk from the
+host's state instead of the device's. Its device calls go through generation/engine_cache.py;
 the queue, the requests' futures and the weights are the engine's (generation/engine.py), told of
 each finished sample through `on_done`.
 
@@ -13,21 +16,34 @@ Shapes: B slots, C decode chunk, X stop ids per slot.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import time
 from collections.abc import Callable
 
 import numpy as np
 
 from areal_jax.generation.config import EngineConfig
-from areal_jax.generation.engine_cache import EngineCache
+from areal_jax.generation.engine_cache import DecodeChunk, EngineCache
 from areal_jax.generation.pages import Prefix
 from areal_jax.generation.requests import EngineStats, Request, Sample, StopReason
-from areal_jax.generation.sampling import MAX_STOP_IDS
+from areal_jax.generation.sampling import MAX_STOP_IDS, sampler_kind
 from areal_jax.generation.timings import CallTimings, decode_key
 from areal_jax.models.transformer import Params
 
 # A started sample: (slot, request, sample index, prefill row).
 Start = tuple[int, Request, int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class InFlight:
+    """A decode chunk dispatched and not yet read back, with what the host knew at its dispatch."""
+
+    chunk: DecodeChunk
+    samples: list[Sample | None]  # `[B]` each slot's sample: its tokens go to that sample only
+    active: np.ndarray  # `[B]` the slots it ran
+    version: int  # the weights it ran: its tokens' version
+    window: int
 
 
 class SlotTable:
@@ -47,7 +63,14 @@ class SlotTable:
         self.stop_ids = np.full((B, MAX_STOP_IDS), -1, np.int32)  # [B, X]
         self.keys = np.zeros((B, 2), np.uint32)  # threefry key data of each slot's sample
         self.preempted: list[Sample] = []  # out of the pool, oldest first: resumed before new admissions
+        self.in_flight: InFlight | None = None  # the decode chunk dispatched and not yet read back
+        self._fresh = np.ones(B, bool)  # slots the host changed since the last dispatch
+        self._last_read = 0.0  # when the last chunk was read back (perf_counter)
         self._stamps = itertools.count()  # start order of samples
+
+    def idle(self) -> bool:
+        """Nothing running, preempted or in flight."""
+        return not self.busy() and not self.preempted and self.in_flight is None
 
     def free(self) -> list[int]:
         return [i for i, s in enumerate(self.samples) if s is None]
@@ -115,6 +138,7 @@ class SlotTable:
         generated one."""
         sp = sample.request.sampling
         self.samples[slot] = sample
+        self._fresh[slot] = True
         self.tokens[slot] = sample.tokens[-1]
         self.positions[slot] = sample.request.prompt.size + len(sample.tokens) - 1
         self.remaining[slot] = sp.max_new_tokens - len(sample.tokens)
@@ -141,6 +165,7 @@ class SlotTable:
         generated."""
         sample = self.samples[slot]
         self.samples[slot] = None
+        self._fresh[slot] = True
         self.preempted.append(sample)
         self.preempted.sort(key=lambda x: x.stamp)
         self._stats.preempted_samples += 1
@@ -170,35 +195,88 @@ class SlotTable:
 
     def decode_chunk(self, params: Params, version: int, waiting: bool) -> None:
         """One decode chunk over every running slot; its tokens carry `version`. With requests
-        `waiting`, the chunk ends early once `refill_after` more slots are free."""
-        self.reserve_chunk()
+        `waiting`, the chunk ends early once `refill_after` more slots are free.
+
+        Overlapped (`EngineConfig.overlap`): while the last chunk is still in flight, this one is
+        dispatched from its final state on the device (pages reserved for both chunks' tokens), then
+        the last one is read back and folded in; this one stays in flight. When the pool cannot hold
+        both chunks' pages, the last chunk is read first and this one reserved exactly (preempting
+        as without overlap)."""
+        ec = self.config
+        if self.in_flight is not None and not self._reserve_ahead():
+            self.drain()
+        if self.in_flight is None:
+            self.reserve_chunk()
         active = np.array([s is not None for s in self.samples])
         if not active.any():
+            self.drain()
             return
-        ec = self.config
         exit_free = (int((~active).sum()) + ec.refill_after if waiting and ec.refill_after
                      else ec.num_slots + 1)
         # Positions reached by the end of the chunk: the attention window (paged: the pages of the
         # page tables) must hold them.
-        window = ec.decode_window(int(self.positions[active].max()) + ec.decode_chunk)
-        tokens, logprobs, valid, steps, elapsed, chosen = self._kv.decode(params, (  # [B, C] each but steps
+        window = ec.decode_window(int(self._ahead()[0][active].max()) + ec.decode_chunk)
+        last = self.in_flight
+        chunk = self._kv.dispatch_decode(params, (
             self.tokens, self.positions, active, self.remaining, self.temperature, self.top_p, self.top_k,
-            self.stop_ids, self.keys, np.int32(exit_free)), window)
+            self.stop_ids, self.keys, np.int32(exit_free)), window,
+            sampler_kind(self.temperature[active], self.top_p[active], self.top_k[active]),
+            None if last is None else last.chunk, self._fresh)
+        self._fresh[:] = False
+        self.in_flight = InFlight(chunk, list(self.samples), active, version, window)
+        if last is not None:
+            self._stats.overlapped_chunks += 1
+            self._fold(last)
+        if not ec.overlap:
+            self.drain()
+
+    def drain(self) -> None:
+        """Reads back and folds in the chunk in flight, if any."""
+        if self.in_flight is not None:
+            last, self.in_flight = self.in_flight, None
+            self._fold(last)
+
+    def _ahead(self) -> tuple[np.ndarray, np.ndarray]:
+        """(positions, remaining) `[B]` every slot may have reached once the chunk in flight ends:
+        a bound for the slots in it (each may have taken its whole chunk), the host's for the others."""
+        pos, rem = self.positions, self.remaining
+        if self.in_flight is None:
+            return pos, rem
+        steps = np.where(self.in_flight.active & ~self._fresh, np.minimum(self.config.decode_chunk, rem), 0)
+        return np.minimum(pos + steps, self.config.max_seq_len - 1), rem - steps
+
+    def _reserve_ahead(self) -> bool:
+        """Paged, with a chunk in flight: gives every running sample the pages of the in-flight
+        chunk and the next one, when every replica has them free; False (nothing taken) otherwise."""
+        if self._kv.pages is None:
+            return True
+        pos, rem = self._ahead()
+        running = sorted(self.running(), key=lambda s: self.samples[s].stamp)
+        return self._kv.pages.reserve_all([(s, self.config.chunk_tokens(int(pos[s]), int(rem[s]))) for s in running])
+
+    def _fold(self, flight: InFlight) -> None:
+        """Reads back a dispatched chunk and folds its tokens into the samples it ran: a sample
+        taken out of its slot since (finished, aborted) keeps none of them."""
+        ec = self.config
+        tokens, logprobs, valid, steps, chosen = self._kv.read_decode(flight.chunk)
+        now = time.perf_counter()
+        elapsed = now - max(flight.chunk.t0, self._last_read)  # from when the device could start it
+        self._last_read = now
         self._stats.decode_s += elapsed
         self._stats.chunks += 1
         self._stats.decode_steps += steps
         self._stats.busy_slot_steps += int(valid.sum())
-        self._timings.add("decode", decode_key(window, int(active.sum()), ec.num_slots), steps=steps,
+        self._timings.add("decode", decode_key(flight.window, int(flight.active.sum()), ec.num_slots), steps=steps,
                           slot_steps=int(valid.sum()), s=elapsed)
-        for slot in np.flatnonzero(active):
-            sample = self.samples[slot]
+        for slot in np.flatnonzero(flight.active):
+            sample = flight.samples[slot]
             got = int(valid[slot].sum())  # valid steps form a prefix of the chunk
-            if got == 0:
+            if got == 0 or self.samples[slot] is not sample:
                 continue
             new = tokens[slot, :got]
             sample.tokens.extend(new.tolist())
             sample.logprobs.extend(logprobs[slot, :got].tolist())
-            sample.versions.extend([version] * got)
+            sample.versions.extend([flight.version] * got)
             if sample.routing is not None:  # the experts of the chunk's input tokens [got, L_moe, k]
                 sample.routing.append(chosen[slot, :got].copy())  # a copy: the chunk's [B, C, ..] is freed
             self._stats.generated_tokens += got
@@ -219,6 +297,7 @@ class SlotTable:
         """Frees the slot (and its pages) and hands its sample to the engine."""
         sample = self.samples[slot]
         self.samples[slot] = None
+        self._fresh[slot] = True
         if self._kv.pages is not None:
             self._kv.pages.release(slot)
         self._on_done(sample, reason)
