@@ -75,7 +75,7 @@ def test_logprob_judge_reads_the_choices_probabilities(judge_dir):
     for choices, values in [(("Yes", "No"), None), (tuple(str(i) for i in range(1, 6)), None),
                             (("good", "bad", "so-so"), (1.0, -1.0, 0.25))]:
         config = JudgeConfig(model=str(judge_dir), parse="logprob", choices=choices, values=values or (),
-                             batch_size=2, timeout_s=600.0)  # 3 pairs: a full batch of 2, then one padded row; no deadline in play on a loaded host
+                             batch_size=2, timeout_s=600.0)  # 3 pairs: a full batch of 2, then one padded row
         judge = Judge(config)
         verdicts = judge.score(PAIRS)
         expected_values = np.asarray(config.choice_values)
@@ -96,7 +96,8 @@ def test_logprob_choices_must_differ_in_their_first_token(judge_dir):
 
 def test_regex_judge_generates_on_its_engine_and_parses_the_text(judge_dir):
     _, params = load_params(judge_dir)
-    judge = Judge(JudgeConfig(model=str(judge_dir), parse="regex", pattern=r"(\S)", max_new_tokens=5, batch_size=2))
+    judge = Judge(JudgeConfig(model=str(judge_dir), parse="regex", pattern=r"(\S)", max_new_tokens=5, batch_size=2,
+                              timeout_s=600.0))  # no deadline in play on a loaded host
     try:
         verdicts = judge.score(PAIRS)
         for (q, a), v in zip(PAIRS, verdicts):  # greedy by hand, one full forward per token
@@ -135,7 +136,8 @@ def test_the_judge_engine_never_receives_policy_weights(judge_dir):
     """The policy's engine takes weight pushes; the judge's, an engine of the same shape, keeps its
     own weights and version, and scores as before."""
     cfg, judge_params = load_params(judge_dir)
-    judge = Judge(JudgeConfig(model=str(judge_dir), parse="regex", pattern=r"(\S)", max_new_tokens=4))
+    judge = Judge(JudgeConfig(model=str(judge_dir), parse="regex", pattern=r"(\S)", max_new_tokens=4,
+                              timeout_s=600.0))  # no deadline in play on a loaded host
     policy = GenerationEngine((cfg, init_params(cfg, 9, std=0.3)), EngineConfig(num_slots=2, max_seq_len=128))
     try:
         before = judge.score(PAIRS[:2])
