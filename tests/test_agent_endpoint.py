@@ -77,6 +77,11 @@ CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*3"}}
 
 
 def _script(text: str, sample: int) -> str:
+    # A forced opening (tool_choice "required" / a named function): the model continues the call.
+    if text.endswith('<tool_call>\n{"name": "'):
+        return 'calculator", "arguments": {"expression": "7*6"}}\n</tool_call>'
+    if text.endswith('"arguments": '):
+        return '{"expression": "7*6"}}\n</tool_call>'
     if "<tool_response>" in text:
         return f"It is \\boxed{{36}} (sample {sample})."
     if "calculator" in text:  # the tools are offered
@@ -134,6 +139,19 @@ def test_chat_n_and_usage(served):
         assert node.loss_mask[len(fed):].all() and (node.versions[len(fed):] == 0).all()
 
 
+def _assert_two_call_row(row, first_fed, sampled, second_fed):
+    """`row` is the first call's prompt, its `sampled` reply, the glue, then the second call's reply:
+    only the sampled tokens trained (mask 1, the engine's version and log-probs), the rest fed."""
+    assert second_fed[:len(first_fed) + len(sampled)] == first_fed + sampled
+    assert row.tokens[:len(second_fed)].tolist() == second_fed
+    mask = np.zeros(len(row.tokens))
+    mask[len(first_fed):len(first_fed) + len(sampled)] = 1
+    mask[len(second_fed):] = 1
+    np.testing.assert_array_equal(row.loss_mask, mask)
+    np.testing.assert_array_equal(row.versions, np.where(mask > 0, 0, -1))
+    assert (row.logprobs[mask == 0] == 0).all() and (row.logprobs[mask > 0] < 0).all()
+
+
 def test_tool_call_round_trip_continues_the_row_token_exactly(served):
     endpoint, sessions, engine, tokenizer = served
 
@@ -157,32 +175,68 @@ def test_tool_call_round_trip_continues_the_row_token_exactly(served):
     (row,) = session.leaves()
     first_fed, second_fed = engine.fed[-2], engine.fed[-1]
     sampled = tokenizer.encode(CALL, add_special_tokens=False) + [tokenizer.eos_token_id]
-    assert second_fed[:len(first_fed) + len(sampled)] == first_fed + sampled
     assert row.tokens.tolist() == second_fed + tokenizer.encode(second.choices[0].message.content,
                                                                add_special_tokens=False) + [tokenizer.eos_token_id]
-    mask = np.zeros(len(row.tokens))
-    mask[len(first_fed):len(first_fed) + len(sampled)] = 1
-    mask[len(second_fed):] = 1
-    np.testing.assert_array_equal(row.loss_mask, mask)
-    np.testing.assert_array_equal(row.versions, np.where(mask > 0, 0, -1))
-    assert (row.logprobs[mask == 0] == 0).all() and (row.logprobs[mask > 0] < 0).all()
+    _assert_two_call_row(row, first_fed, sampled, second_fed)
     # The inserted tokens are what the template writes after the call: exactly the tool turn.
     inserted = tokenizer.decode(second_fed[len(first_fed) + len(sampled):])
     assert inserted == "\n<|im_start|>user\n<tool_response>\n36\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     assert session.messages[1]["messages"][-1]["content"] == "36"
 
 
-def test_malformed_tool_call_is_content_with_finish_stop(served):
-    endpoint, sessions, _, _ = served
+@pytest.mark.parametrize("question, choice, content", [
+    ("MALFORMED", "auto", 'bad call <tool_call>\n{"name": "calculator"'),
+    ("Add.", "none", CALL),  # a well-formed call, not read: the tools are still rendered, as OpenAI does
+])
+def test_malformed_or_unread_tool_call_is_content_with_finish_stop(served, question, choice, content):
+    endpoint, sessions, engine, tokenizer = served
+    messages = [{"role": "user", "content": question}]
 
     async def agent(client):
-        return await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "MALFORMED"}],
-                                                    tools=[CALCULATOR_TOOL], tool_choice="auto")
+        return await client.chat.completions.create(model="m", messages=messages, tools=[CALCULATOR_TOOL],
+                                                    tool_choice=choice)
 
     reply, _ = _run(endpoint, sessions, agent)
     (choice,) = reply.choices
-    assert choice.finish_reason == "stop" and not choice.message.tool_calls
-    assert choice.message.content == 'bad call <tool_call>\n{"name": "calculator"'
+    assert choice.finish_reason == "stop" and not choice.message.tool_calls and choice.message.content == content
+    # Nothing was forced after the generation prompt.
+    assert engine.fed[-1] == tokenizer.apply_chat_template(messages, tools=[CALCULATOR_TOOL],
+                                                           add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("choice, forced", [
+    ("required", '<tool_call>\n{"name": "'),
+    ({"type": "function", "function": {"name": "calculator"}}, '<tool_call>\n{"name": "calculator", "arguments": '),
+])
+def test_tool_choice_required_or_named_forces_the_call_opening(served, choice, forced):
+    """The call's opening is fed after the generation prompt (not sampled: mask 0, log-prob 0,
+    version -1), the model continues it, the reply is a call, and the next turn extends the row."""
+    endpoint, sessions, engine, tokenizer = served
+    question = [{"role": "user", "content": "Say hello."}]  # the script would not call a tool by itself
+
+    async def agent(client):
+        first = await client.chat.completions.create(model="m", messages=question, tools=[CALCULATOR_TOOL],
+                                                     tool_choice=choice)
+        message = first.choices[0].message
+        messages = [*question, message, {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "42"}]
+        second = await client.chat.completions.create(model="m", messages=messages, tools=[CALCULATOR_TOOL])
+        return first, second
+
+    (first, second), session = _run(endpoint, sessions, agent, f"forced-{len(forced)}")
+    (call_choice,) = first.choices
+    assert call_choice.finish_reason == "tool_calls" and call_choice.message.content is None
+    (call,) = call_choice.message.tool_calls
+    assert call.function.name == "calculator" and json.loads(call.function.arguments) == {"expression": "7*6"}
+    assert second.choices[0].message.content == "It is \\boxed{36} (sample 0)."
+    prompt = tokenizer.apply_chat_template(question, tools=[CALCULATOR_TOOL], add_generation_prompt=True)
+    opening = tokenizer.encode(forced, add_special_tokens=False)
+    first_fed, second_fed = engine.fed[-2], engine.fed[-1]
+    assert first_fed == prompt + opening
+    (row,) = session.leaves()  # the tool turn continues the forced call's row, token for token
+    sampled = row.tokens[len(first_fed):len(first_fed) + int(row.loss_mask[len(first_fed):].argmin())].tolist()
+    assert tokenizer.decode(opening + sampled[:-1]) == CALL.replace("12*3", "7*6")
+    _assert_two_call_row(row, first_fed, sampled, second_fed)
+    assert row.prompt_len == len(first_fed)  # the forced opening is part of the row's prompt
 
 
 def test_stop_strings_cut_the_reply_at_the_token_that_completes_them(served):

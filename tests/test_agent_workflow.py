@@ -72,6 +72,19 @@ async def two_turn_agent(client, row) -> float:
     return 1.0
 
 
+NAMED = {"type": "function", "function": {"name": "calculator"}}
+
+
+async def forced_call_agent(client, row) -> float:
+    """Two calls whose replies open as calls: a named function, then any function ("required")."""
+    messages = list(row.messages)
+    for choice in (NAMED, "required"):
+        reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=3,
+                                                     tools=[CALCULATOR_TOOL], tool_choice=choice)
+        messages += [reply.choices[0].message, {"role": "user", "content": "Go."}]  # short: 128 positions
+    return 1.0
+
+
 def _workflow(tokenizer, agent, **config):
     rollout = RLVRConfig(n_samples=config.pop("n_samples", 2), max_new_tokens=8, temperature=1.0)
     return AgentWorkflow(rollout, tokenizer, AgentConfig(agent=f"{HERE}:{agent}", **config))
@@ -137,6 +150,39 @@ def test_trained_rows_are_what_the_engine_was_fed_and_sampled(tokenizer, engine)
         assert training["input_ids"].tolist() == row and training["loss_mask"].sum() == mask.sum()
     # The session's messages ride along for the rollout dumps.
     assert group.info["messages"][0][1]["messages"][-1] == {"role": "tool", "content": "42"}
+
+
+def test_forced_call_openings_are_fed_not_sampled_in_the_trained_row(tokenizer, engine):
+    """tool_choice "required" / a named function: the call's opening is fed after the generation
+    prompt, and the trained row still equals what the engine was fed and sampled, the forced tokens
+    with loss mask 0, behaviour log-prob 0 and version -1."""
+    client = RecordingClient(engine, tokenizer)
+    workflow = _workflow(tokenizer, "forced_call_agent", transport="inprocess", n_samples=1)
+    try:
+        group = _drive(engine, lambda: asyncio.run(workflow.arun(client, _row(tokenizer), version=0)))
+    finally:
+        client.close()
+    (t,) = group.trajectories  # the second call continues the first: one row
+    row = np.concatenate([t.prompt_ids, t.completion_ids]).tolist()
+    (first_fed, first), (last_fed, last) = [(fed, result.completions[0]) for fed, result in client.calls]
+    assert row == last_fed + last.tokens.tolist()
+    assert row[:len(first_fed) + len(first.tokens)] == first_fed + first.tokens.tolist()
+    for fed, forced in ((first_fed, '<tool_call>{"name": "calculator", "arguments": '),
+                        (last_fed, '<tool_call>{"name": "')):
+        opening = tokenizer.encode(forced, add_special_tokens=False)
+        assert fed[-len(opening):] == opening  # fed right after the generation prompt
+    mask = np.zeros(len(row))
+    mask[len(first_fed):len(first_fed) + len(first.tokens)] = 1
+    mask[len(last_fed):] = 1
+    p = len(first_fed)  # the first forced opening belongs to the row's prompt
+    assert len(t.prompt_ids) == p
+    np.testing.assert_array_equal(t.loss_mask, mask[p:])
+    np.testing.assert_array_equal(t.versions, np.where(mask[p:] > 0, engine.version, -1))
+    logprobs = np.zeros(len(row))
+    logprobs[len(first_fed):len(first_fed) + len(first.tokens)] = first.logprobs
+    logprobs[len(last_fed):] = last.logprobs
+    np.testing.assert_allclose(t.behavior_logprobs, logprobs[p:])
+    assert t.training_row()["input_ids"].tolist() == row
 
 
 def test_masks_and_versions_across_a_weight_swap_in_the_middle_of_a_turn(tokenizer, engine):

@@ -15,6 +15,14 @@ new training row.
 
 Stop strings are applied to the sampled text: the reply ends with the token that completes the
 first stop string (the tokens kept are exactly the ones the model sampled up to there).
+
+`tool_choice`. "none" reads no calls from the reply (the tools are still rendered, as OpenAI does).
+"required" and a named function are enforced by opening the reply as a call: the text the chat
+template writes for an assistant tool call before the function's name ("required") or before its
+arguments (a named function: `<tool_call>{"name": "fn", "arguments": ` for hermes) is fed after
+the generation prompt, and the model continues from there. Those forced tokens are fed, not
+sampled, so the row has them with loss mask 0, behaviour log-prob 0 and version -1; the reply is
+read as the forced text followed by the sampled text (a malformed rest still comes back as content).
 """
 
 from __future__ import annotations
@@ -38,6 +46,8 @@ __all__ = ["ChatService", "GenerationAbortedError"]
 
 # Stands for a reply while the template renders what follows it (never sampled, never fed).
 _MARK = "\u2063reply\u2063"
+# Stand for a function's name / arguments while the template renders a forced call's opening.
+_NAME_MARK, _ARGS_MARK = "fn\u2063name\u2063", "args_mark_7f3a"
 
 
 class GenerationAbortedError(RequestError):
@@ -90,11 +100,15 @@ class ChatService:
     async def chat(self, session: Session, body: Any) -> dict[str, Any]:
         request = parse_chat_request(body)
         prompt_ids, prompt_text = self._chat_prompt(session, request)
+        forced = self._forced_opening(request, prompt_text)
+        if forced:  # fed after the generation prompt: part of the row's prompt (mask 0, version -1)
+            prompt_ids = [*prompt_ids, *self.tokenizer.encode(forced, add_special_tokens=False)]
         completions = await self._generate(session, prompt_ids, request.sampling, "messages")
         parse = request.tools is not None and request.tool_choice != "none"
         choices, usage = [], 0
         for index, completion in enumerate(completions):
             completion, text = self._apply_stop(completion, request.sampling.stop)
+            text = forced + text
             usage += len(completion.tokens)
             node = session.record(prompt_ids, completion)
             content, calls, _ = parse_tool_calls(text, self.tool_format if parse else "none")
@@ -151,6 +165,30 @@ class ChatService:
                                                       tools=tools, **self.template_kwargs)
         except ValueError as exc:  # the template refused the conversation (a role it has no place for)
             raise RequestError(f"the chat template cannot render these messages: {exc}", param="messages") from exc
+
+    def _forced_opening(self, request: ChatRequest, prompt_text: str) -> str:
+        """The text a reply is forced to open with under `tool_choice` (see the module docstring);
+        "" when the choice leaves the reply free."""
+        choice = request.tool_choice
+        if choice is None or choice in ("none", "auto"):
+            return ""
+        named = not isinstance(choice, str)
+        name = choice["function"]["name"] if named else _NAME_MARK
+        call = {"id": "call_0", "type": "function",
+                "function": {"name": name, "arguments": {_ARGS_MARK: 0} if named else {}}}
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [*request.messages, {"role": "assistant", "content": "", "tool_calls": [call]}],
+                tokenize=False, tools=request.tools, **self.template_kwargs)
+        except ValueError as exc:
+            raise RequestError(f"the chat template cannot render a tool call here: {exc}",
+                               param="tool_choice") from exc
+        reply = text[len(prompt_text):] if text.startswith(prompt_text) else None
+        at = -1 if reply is None else reply.find(f'{{"{_ARGS_MARK}"' if named else _NAME_MARK)
+        if at < 0:
+            raise RequestError("tool_choice cannot be enforced with this chat template (it does not write a tool "
+                               "call after the generation prompt)", param="tool_choice")
+        return reply[:at]
 
     def _chat_prompt(self, session: Session, request: ChatRequest) -> tuple[list[int], str]:
         """The call's prompt ids and the template's text of its messages (see the module docstring)."""
