@@ -147,3 +147,18 @@ def test_decode_chunks_are_costed_at_the_busiest_replicas_live_batch():
     assert last_live[-1] == 8 and last_rows[-1] == 16  # the 40-token group alone after the 20s finish
     assert all(r == EngineConfig(num_slots=64, max_seq_len=432).decode_rows(n, 2)
                for rs, ls in calls for r, n in zip(rs, ls))
+
+
+def test_evict_swaps_wait_out_the_transfer_on_the_generation_side():
+    """EngineConfig.weight_swap "evict": the engine holds no weights during a push, so each swap
+    costs the generation side the transfer's seconds; at a free transfer nothing changes."""
+    row = RowConfig(mode="async", eta=2, generation_devices=2, steps=8, warmup_steps=2)
+    out = {}
+    for transfer_s in (0.0, 0.2):
+        costs = LinearCosts(decode_step=1e-3, decode_token=2e-7, reprefill_call=5e-3, reprefill_token=1e-5,
+                            train_step=0.05, transfer_s=transfer_s)
+        for swap in ("alongside", "evict"):
+            workload = dataclasses.replace(WORKLOAD, engine=dataclasses.replace(ENGINE, weight_swap=swap))
+            out[transfer_s, swap] = simulate(row, "uniform:lo=50,hi=380", workload, costs)
+    assert out[0.0, "evict"].trained_tokens_per_s == pytest.approx(out[0.0, "alongside"].trained_tokens_per_s)
+    assert out[0.2, "evict"].trained_tokens_per_s < out[0.2, "alongside"].trained_tokens_per_s

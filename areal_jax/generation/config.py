@@ -18,6 +18,7 @@ from areal_jax.kernels.dispatch import IMPLS as ATTENTION_IMPLS
 KV_LAYOUTS = ("auto", "paged", "dense")
 KV_DTYPES = ("bfloat16", "float8_e4m3fn")
 ON_SWAP = ("recompute", "keep")
+WEIGHT_SWAPS = ("alongside", "evict")
 FP8_KV = "float8_e4m3fn"
 
 
@@ -67,6 +68,12 @@ class EngineConfig:
     # the swap carry the new version either way, so the recorded versions and log-probs are the
     # same kind of record (the mixed-weights KV is part of the behaviour policy under "keep").
     on_swap: str = "recompute"
+    # Where the incoming weights of a push land. "alongside": next to the served ones, which keep
+    # generating during the transfer (two weight copies at the swap's peak). "evict": the engine
+    # first drops its weights at a chunk boundary (in-flight samples keep their slots and cache),
+    # the transfer lands in their place, and generation waits for it: one copy at the peak, for a
+    # model whose two copies leave no useful KV pool (a 70B on 4 H100s: 35 of 80 GiB each).
+    weight_swap: str = "alongside"
     cache_dtype: str | None = None  # default: the dtype of the weights
     # Storage of the KV cache. None: cache_dtype. "bfloat16". "float8_e4m3fn": e4m3 pages with one
     # scale per layer and kv head for keys and one for values (set by the first prefill written,
@@ -134,6 +141,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
         if self.on_swap not in ON_SWAP:
             raise ValueError(f"EngineConfig.on_swap must be one of {ON_SWAP}, got {self.on_swap!r}")
+        if self.weight_swap not in WEIGHT_SWAPS:
+            raise ValueError(f"EngineConfig.weight_swap must be one of {WEIGHT_SWAPS}, got {self.weight_swap!r}")
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"EngineConfig.kv_dtype must be None (cache_dtype) or one of {KV_DTYPES}, "
                              f"got {self.kv_dtype!r}")

@@ -12,6 +12,9 @@ later tokens carry the new version (histories are packed several to a row and wr
 into their slots, `reprefill_pack_width`). With `on_swap="keep"` (PipelineRL's in-flight update)
 they continue on the KV cache the old weights wrote instead: no re-prefill. With `interruptible=False` the engine instead stops
 admitting, lets in-flight samples finish on the old weights, then swaps (the ablation).
+`release_weights()` drops the served weights at the next chunk boundary (in-flight samples keep
+their slots and cache) and generation waits for the next `update_weights`: the push of
+`EngineConfig.weight_swap = "evict"` lands in their place, never beside them.
 
 Device state is the KV cache, one `[B, K, S, H]` buffer per layer (B = slots, S = max_seq_len) or,
 paged (`kv_layout`), one pool of pages per layer with the page tables on the host (pages.py):
@@ -99,6 +102,8 @@ class GenerationEngine:
         self._requests: dict[str, Request] = {}
         self._aborts: set[str] = set()
         self._pending_weights: tuple[Params, int, concurrent.futures.Future] | None = None
+        self._release: concurrent.futures.Future | None = None  # asked for, not yet done
+        self._released = False  # no weights held: nothing decodes or admits until the next swap
         self._ids = itertools.count()
         self._seeds = itertools.count()
         self._thread: threading.Thread | None = None
@@ -214,6 +219,24 @@ class GenerationEngine:
             self._lock.notify_all()
         return done
 
+    def release_weights(self) -> concurrent.futures.Future:
+        """Drops the served weights at the next chunk boundary; the future resolves once they are gone.
+
+        In-flight samples keep their slots and cache; nothing is admitted or decoded until the next
+        `update_weights` installs weights (then, as after any swap, in-flight histories are
+        re-prefilled or kept by `on_swap`). A non-interruptible engine lets its in-flight samples
+        finish first. Without a driving thread this call runs one scheduling round (`step`), which
+        drops them at once unless in-flight samples must finish first (later rounds then do)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._release is not None:
+                self._release.set_result(False)  # superseded by this call
+            self._release = done
+            self._lock.notify_all()
+        if self._thread is None:
+            self.step()
+        return done
+
     def pause(self) -> None:
         """Stops scheduling after the current chunk (in-flight samples keep their slots and cache).
 
@@ -231,6 +254,9 @@ class GenerationEngine:
     @property
     def params(self) -> Params:
         """The weights being served, in the usual stacked layout (a copy; for inspection)."""
+        if self._params is None:
+            raise RuntimeError("the engine holds no weights: released for a push (release_weights) "
+                               "and not yet given new ones (update_weights)")
         layers = self._params["layers"]
         return {**self._params, "layers": jax.tree.map(lambda *a: jnp.stack(a), *layers)}
 
@@ -248,7 +274,10 @@ class GenerationEngine:
 
     def has_work(self) -> bool:
         with self._lock:
-            return bool(self._queue or self._aborts or self._pending_weights or not self._slots.idle())
+            if self._released and self._pending_weights is None:  # waiting for weights: only aborts to do
+                return bool(self._aborts)
+            return bool(self._queue or self._aborts or self._pending_weights or self._release
+                        or not self._slots.idle())
 
     def run_until_idle(self) -> None:
         """Drives the engine from the calling thread until nothing is queued or running."""
@@ -288,8 +317,8 @@ class GenerationEngine:
                 raise
             if not busy:
                 with self._lock:
-                    idle = not (self._queue or self._aborts or self._pending_weights)
-                    if (idle or self._paused) and not self._stop_event.is_set():
+                    idle = not (self._queue or self._aborts or self._pending_weights or self._release)
+                    if (idle or self._paused or self._released) and not self._stop_event.is_set():
                         self._lock.wait(timeout=0.1)
 
     def step(self) -> bool:
@@ -299,14 +328,18 @@ class GenerationEngine:
         """
         if self._paused:
             self._slots.drain()
+            self._maybe_release_weights()  # a push of the colocated baseline lands while paused
             return False
         with self._placement():
             with self._lock:
-                sync = bool(self._aborts) or self._pending_weights is not None
+                sync = bool(self._aborts) or self._pending_weights is not None or self._release is not None
             if sync:  # aborts and swaps act on every token dispatched so far (the chunk in flight read first)
                 self._slots.drain()
             self._apply_aborts()
-            draining = self._maybe_swap_weights()
+            # A release before a swap: weights pushed after a release land after it, never dropped by it.
+            draining = self._maybe_release_weights() or self._maybe_swap_weights()
+            if self._released:
+                return self.has_work()
             self._slots.resume_preempted(self._params, self._version)  # in flight already: resumed even while draining for a swap
             if not draining and not self._preempted:
                 self._admit()
@@ -357,6 +390,7 @@ class GenerationEngine:
                 req.prefix = None
         del pending
         self._install_weights(params)
+        self._released = False
         del params  # the caller's reference, if any, is the only one left
         self._version = version
         self._stats.weight_swaps += 1
@@ -366,6 +400,23 @@ class GenerationEngine:
         if self.config.on_swap == "recompute":
             self._kv.recompute(self._params, {slot: self._slot_sample[slot].history() for slot in active})
         done.set_result(True)
+        return False
+
+    def _maybe_release_weights(self) -> bool:
+        """Drops the weights if asked and allowed now; returns True while draining to release them."""
+        with self._lock:
+            release = self._release
+        if release is None:
+            return False
+        if (self._slots.running() or self._preempted) and not self.config.interruptible:
+            return True  # in-flight samples finish on the old weights first, as for a swap
+        self._params = None  # a running program keeps its own reference until it ends
+        self._released = True
+        with self._lock:
+            self._release = None
+            for req in self._queue:  # their prefill blocks hold the dropped weights' keys and values
+                req.prefix = None
+        release.set_result(True)
         return False
 
     def _install_weights(self, params: Params) -> None:

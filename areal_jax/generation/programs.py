@@ -384,7 +384,7 @@ def engine_program_specs(model_cfg: ModelConfig, engine_cfg: EngineConfig, *, me
     every window (paged: also decode[window=max,rows=R] for every live-slot batch below num_slots);
     split_weights (a swap of stacked weights; split weights install without a program). Resident:
     the weights and cache where they are not arguments; with role "generation" one incoming weight
-    copy (a transfer can land while any program runs); during decode the block a partly started
+    copy (a transfer can land while any program runs; none under weight_swap "evict"); during decode the block a partly started
     group keeps (the largest admission block).
 
     `platform` is the target (default: jax's default backend): it resolves `kv_layout` "auto" and
@@ -408,7 +408,8 @@ def engine_program_specs(model_cfg: ModelConfig, engine_cfg: EngineConfig, *, me
         cache = KVCache((layer,) * cfg.num_layers, (layer,) * cfg.num_layers)
         cache_fields = _CACHE_FIELDS
     params = param_structs(cfg, mesh, param_dtype, split=True)
-    incoming = (params,) if role == "generation" else ()
+    # A push lands beside the served weights, unless the engine evicts them first (weight_swap).
+    incoming = (params,) if role == "generation" and ec.weight_swap == "alongside" else ()
     replicated = NamedSharding(mesh, PartitionSpec())
 
     def host(shape, dtype):  # per-call inputs from the host, replicated as the engine puts them

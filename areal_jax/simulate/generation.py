@@ -1,7 +1,7 @@
 """One host's generation engine, simulated round by round as `generation/engine.py` schedules:
 
     swap pending weights (interruptible: re-prefill every in-flight sample's history, unless
-    EngineConfig.on_swap is "keep")
+    EngineConfig.on_swap is "keep"; with weight_swap "evict" first wait out the transfer)
     -> admit from the queue head into free slots (one prefill call per bucket batch)
     -> decode chunks of `decode_chunk` steps over every slot, at the window of the longest sequence
 
@@ -234,10 +234,12 @@ class SimEngine:
         for group in self.queue:  # kept prefill blocks hold the old weights' keys and values
             group.prefix_kept = False
         ec = self.config
+        # weight_swap "evict": the engine dropped its weights for the push, so the devices wait out
+        # the transfer (charged here, where the new version lands) instead of decoding beside it.
+        cost = self.costs.transfer_s if ec.weight_swap == "evict" else 0.0
         histories = (self.prompt + self.generated - 1)[self.active].tolist()
         if not histories or ec.on_swap == "keep":  # "keep": in-flight samples continue on their KV
-            return 0.0
-        cost = 0.0
+            return cost
         packed = [h for h in histories if h <= ec.pack_width]
         if packed:
             rows = len(ffd_allocate(packed, ec.pack_width))

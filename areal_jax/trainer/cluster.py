@@ -33,7 +33,7 @@ from areal_jax.parallel.weight_sync import WeightSync
 from areal_jax.rollout.channel import TrajectoryChannel
 from areal_jax.rollout.controller import RolloutController, ShutdownReport
 from areal_jax.rollout.staleness import StalenessManager
-from areal_jax.trainer.config import OptimizerConfig, PPOConfig, RLConfig, TrainEngineConfig
+from areal_jax.trainer.config import OptimizerConfig, PPOConfig, RLConfig, TrainEngineConfig, weight_swap_conflict
 
 __all__ = ["RLCluster", "generation_weight_sync"]
 
@@ -58,7 +58,7 @@ class RLCluster:
 
     def __init__(self, trainer: api.TrainEngine, engine: api.InferenceEngine, to_engine: Callable[[Any], Any], *,
                  rl: RLConfig, meshes: Meshes | None = None, weight_sync: WeightSync | AdapterSync | None = None,
-                 rows_per_process: int = 1):
+                 rows_per_process: int = 1, evict_before_push: bool = False):
         local_batch = rl.batch_size // jax.process_count()
         if local_batch * jax.process_count() != rl.batch_size:
             raise ValueError(f"RLConfig.batch_size {rl.batch_size} must divide over {jax.process_count()} processes")
@@ -67,6 +67,8 @@ class RLCluster:
         self.meshes, self.weight_sync = meshes, weight_sync
         self.local_batch = local_batch
         self.rows_per_process = rows_per_process
+        # EngineConfig.weight_swap "evict": the engine drops its weights before each push lands.
+        self.evict_before_push = evict_before_push
         self.staleness = StalenessManager(rl.max_staleness, local_batch, rl.max_concurrent)
         self.channel = TrajectoryChannel(rl.channel_capacity or 4 * local_batch)
         self.max_group_age = rl.max_group_age
@@ -90,6 +92,9 @@ class RLCluster:
         from areal_jax.trainer.algorithm import ppo_trainer
 
         check_model_fits_mesh(model_cfg, mesh)
+        conflict = weight_swap_conflict(engine.weight_swap, rl, lora.rank)
+        if conflict:
+            raise ValueError(conflict)
         meshes = build_meshes(mesh, devices)
         trainer = ppo_trainer(model_cfg, params, optimizer, ppo, engine=train_engine, mesh=meshes.train, lora=lora)
         if donate_params:
@@ -104,7 +109,8 @@ class RLCluster:
         served = GenerationEngine((model_cfg, sync.transfer(trainer.params)), engine, version=start_version)
         # Micro-batch rows split over "fsdp" x "expert": each process contributes a multiple of its share.
         rows = max(batch_shards(meshes.train) // jax.process_count(), 1)
-        return cls(trainer, served, sync.transfer, rl=rl, meshes=meshes, weight_sync=sync, rows_per_process=rows)
+        return cls(trainer, served, sync.transfer, rl=rl, meshes=meshes, weight_sync=sync, rows_per_process=rows,
+                   evict_before_push=engine.weight_swap == "evict")
 
     def connect(self, workflow: api.RolloutWorkflow, data_iter: Iterator[Any], *, tokenizer: Any = None,
                 reward_pool: Any = None) -> Iterator[Any]:
@@ -122,7 +128,12 @@ class RLCluster:
         return self.data
 
     def push_weights(self, version: int) -> concurrent.futures.Future:
-        """The trainer's current weights to the engine as `version`; resolves once they serve."""
+        """The trainer's current weights to the engine as `version`; resolves once they serve.
+
+        With `evict_before_push` the engine first drops its weights (at its next chunk boundary)
+        and the transfer waits for that, so the generation devices never hold two copies."""
+        if self.evict_before_push:
+            self.engine.release_weights().result()
         return self.engine.update_weights(self.to_engine(self.trainer.params), version)
 
     def resume_at(self, version: int, staleness_state: dict[str, Any]) -> int:

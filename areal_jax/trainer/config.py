@@ -322,3 +322,22 @@ class SFTConfig:
     def validates_at(self, step: int) -> bool:
         """Whether step `step` (1-based) ends with a validation check."""
         return self.eval_every > 0 and step >= self.eval_from and step % self.eval_every == 0
+
+
+def weight_swap_conflict(weight_swap: str, rl: RLConfig, lora_rank: int) -> str | None:
+    """Why `EngineConfig.weight_swap` cannot be used with this run's push, or None.
+
+    "evict" lands a push where the served weights were, so the push must not read them: a delta
+    push writes the changed elements into a copy of the served weights, and a LoRA push merges
+    the adapters into a base held on the generation devices beside the served weights (two
+    copies whatever the swap does)."""
+    if weight_swap != "evict":
+        return None
+    if lora_rank > 0:
+        return ("EngineConfig.weight_swap = 'evict' with LoRAConfig.rank > 0: a LoRA push merges adapters into a "
+                "base copy kept on the generation devices, so evicting the served weights saves nothing; use "
+                "'alongside'")
+    if rl.transfer_mode == "delta":
+        return ("EngineConfig.weight_swap = 'evict' with RLConfig.transfer_mode = 'delta': a delta push writes the "
+                "changed elements into a copy of the served weights, which eviction drops; use transfer_mode 'full'")
+    return None
