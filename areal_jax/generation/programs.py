@@ -195,6 +195,11 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
     counts = collections.Counter() if counts is None else counts
     traced: collections.Counter = collections.Counter()
 
+    # Prefill and re-prefill attend by the platform's kernels where attention_impl resolves to them
+    # (kernels/prefill_attention.py for a prompt's chunks, kernels/flash_attention.py for packed
+    # histories), as decode does by the paged kernel.
+    attention = dict(attention_impl=ec.attention_impl, platform=platform)
+
     # MoE models: prefill and decode also return the experts each token was routed to, `[..., L_moe,
     # k]` (models/moe.py `record`), which the engine keeps per token for routing replay.
     record = cfg.moe is not None
@@ -204,7 +209,7 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
         tokens' experts `[R, P, L_moe, k]` (else None): only the last position needs logits (the
         LM head over all P would be ~40% of a small model's prefill)."""
         block, last, *chosen = prefill_block(params, cfg, tokens, lengths, chunk=ec.prefill_chunk,
-                                             cache_dtype=cache_dtype, return_routing=record)
+                                             cache_dtype=cache_dtype, return_routing=record, **attention)
         return block, constrain(lm_head(params, cfg, last[:, None])[:, 0], LOGITS_AXES), (chosen or [None])[0]
 
     def insert(cache, block, rows, slots):
@@ -227,13 +232,14 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
 
     def prefill(params, tokens, lengths):
         traced[program_name("prefill", rows=tokens.shape[0], len=tokens.shape[1])] += 1
-        block, _ = prefill_block(params, cfg, tokens, lengths, chunk=ec.prefill_chunk, cache_dtype=cache_dtype)
+        block, _ = prefill_block(params, cfg, tokens, lengths, chunk=ec.prefill_chunk, cache_dtype=cache_dtype,
+                                 **attention)
         return block
 
     def reprefill(params, cache, tokens, segment_ids, slot_ids):
         counts["reprefill"] += 1
         traced[program_name("reprefill_packed", rows=tokens.shape[0])] += 1
-        return prefill_into_slots(params, cfg, tokens, segment_ids, slot_ids, cache)
+        return prefill_into_slots(params, cfg, tokens, segment_ids, slot_ids, cache, **attention)
 
     def decode_loop(model_step, cache, tokens, positions, active, remaining, temperature, top_p, top_k, stop_ids,
                     key_data, exit_free, *, sampler, exit_every):
@@ -333,7 +339,7 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
     def paged_reprefill(params, pools, tokens, segment_ids, slot_ids, page_tables):
         counts["reprefill"] += 1
         traced[program_name("reprefill_packed", rows=tokens.shape[0])] += 1
-        return prefill_into_pages(params, cfg, tokens, segment_ids, slot_ids, pools, page_tables)
+        return prefill_into_pages(params, cfg, tokens, segment_ids, slot_ids, pools, page_tables, **attention)
 
     def counted(kind, fn):
         def run(*args):

@@ -10,6 +10,10 @@ the cache length. `attention` is the same formula for `[B, S, K, H]` keys.
 attends to its own keys (causal) and to the earlier keys already in its KV block, read in blocks
 with an online softmax, so no score tensor is larger than `[B, K, G*T, block]`.
 
+`prefill_kernel_attention` is the same chunk's attention by a Pallas kernel
+(kernels/prefill_attention.py) on GPU and TPU, over the KV block with the chunk's keys already
+written; the engine's prefill takes it where `prefill.kernel_fits`, else `chunk_attention`.
+
 `training_attention` is the training forward's flash attention (kernels/flash_attention.py: no
 `[T, T]` saved for the backward; `causal_attention` under autodiff is the "blocked" alternative).
 Under a mesh a Pallas kernel runs per shard (`shard_map` over rows and heads): XLA cannot split
@@ -32,6 +36,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from areal_jax.kernels import flash_attention as flash
+from areal_jax.kernels import prefill_attention as prefill
 from areal_jax.models import sharding as shd
 
 # Query block of 32 tokens: the fastest of 16/32/64/128 for 512-token rows on the 2-core CPU
@@ -214,3 +219,21 @@ def training_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: ja
     run = jax.shard_map(call, mesh=shd.active()[1], in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec,
                         check_vma=False)
     return run(q, k, v, seg)
+
+
+def prefill_kernel_attention(q: jax.Array, ck: jax.Array, cv: jax.Array, start: jax.Array | int, impl: str, *,
+                             platform: str | None = None, **options) -> jax.Array:
+    """`chunk_attention` by the platform's prefill kernel: q `[R, T, N, H]` at positions
+    [start, start + T), ck/cv `[R, K, S, H]` the KV block already holding the chunk's own keys ->
+    `[R, T, N, H]`. Per shard under the active mesh (rows and heads), as `training_attention`."""
+    call = lambda q, k, v, s: prefill.prefill_attention(q, k, v, s, impl=impl, platform=platform, **options)  # noqa: E731
+    R, _, _, H = q.shape
+    specs = _shard_specs(q, jax.ShapeDtypeStruct((R, ck.shape[2], ck.shape[1], H), ck.dtype))
+    start = jnp.asarray(start, jnp.int32)
+    if specs is None:
+        return call(q, ck, cv, start)
+    q_spec, kv_spec, _ = specs
+    block_spec = PartitionSpec(kv_spec[0], kv_spec[2], None, None)
+    run = jax.shard_map(call, mesh=shd.active()[1], in_specs=(q_spec, block_spec, block_spec, PartitionSpec()),
+                        out_specs=q_spec, check_vma=False)
+    return run(q, ck, cv, start)

@@ -15,7 +15,9 @@ import jax.numpy as jnp
 
 from areal_jax.kernels.paged_attention import PagePool, flat_index, write_tokens
 from areal_jax.models import moe
-from areal_jax.models.attention import chunk_attention
+from areal_jax.kernels import flash_attention as flash
+from areal_jax.kernels import prefill_attention as prefill
+from areal_jax.models.attention import chunk_attention, prefill_kernel_attention, training_attention
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.sharding import constrain
 from areal_jax.models.transformer import (KVCache, Params, Rotary, attention_inputs, decoder_layer, embed_tokens,
@@ -23,25 +25,33 @@ from areal_jax.models.transformer import (KVCache, Params, Rotary, attention_inp
                                           split_layers)
 
 
-def packed_kv(params: Params, cfg: ModelConfig, input_ids: jax.Array, segment_ids: jax.Array, compute_dtype
-               ) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
+def packed_kv(params: Params, cfg: ModelConfig, input_ids: jax.Array, segment_ids: jax.Array, compute_dtype, *,
+              attention_impl: str = "reference", platform: str | None = None
+              ) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
     """Positions within each segment `[R, W]` and every layer's keys and values `[R, W, K, H]` of
-    packed rows (attention causal within each segment)."""
+    packed rows (attention causal within each segment). `attention_impl` resolving to a flash
+    kernel on `platform` (kernels/flash_attention.py: GPU, TPU) attends by it; else the blocked
+    formula under the packed mask."""
     R, W = input_ids.shape
     positions = segment_positions(segment_ids)
     rope = Rotary.at(cfg, positions)
-    mask = self_attention_mask(R, W, segment_ids)
+    attend = None
+    if flash.resolve_impl(attention_impl, platform) == "pallas":
+        attend = lambda q, k, v: training_attention(q, k, v, segment_ids, attention_impl, platform=platform)  # noqa: E731
+    mask = self_attention_mask(R, W, segment_ids) if attend is None else None
     x = embed_tokens(params, input_ids, compute_dtype)
     out = []
     # The last layer's attention output and MLP feed nothing returned, so XLA drops them.
     for i, p in enumerate(split_layers(params)["layers"]):
-        x, kv, _ = decoder_layer(cfg, rope, x, p, mask, None, None, compute_dtype, layer=i, valid=segment_ids > 0)
+        x, kv, _ = decoder_layer(cfg, rope, x, p, mask, None, None, compute_dtype, attend=attend, layer=i,
+                                 valid=segment_ids > 0)
         out.append(kv)
     return positions, out
 
 
 def prefill_into_slots(params: Params, cfg: ModelConfig, input_ids: jax.Array, segment_ids: jax.Array,
-                       slot_ids: jax.Array, cache: KVCache, *, compute_dtype=None) -> KVCache:
+                       slot_ids: jax.Array, cache: KVCache, *, compute_dtype=None, attention_impl: str = "reference",
+                       platform: str | None = None) -> KVCache:
     """Writes the keys and values of packed sequences straight into a per-layer decode cache.
 
     input_ids, segment_ids, slot_ids `[R, W]`: rows of several sequences each (segment 0 =
@@ -49,9 +59,11 @@ def prefill_into_slots(params: Params, cfg: ModelConfig, input_ids: jax.Array, s
     segment, so a sequence must start at position 0 of its slot. Attention is causal within each
     segment, so each slot receives what a prefill of its sequence alone would give. No logits:
     this recomputes the cache of sequences already being decoded (after a weight swap), whose
-    next input token is known. cache: `KVCache.per_layer()`, L x `[B, K, S, H]`.
+    next input token is known. cache: `KVCache.per_layer()`, L x `[B, K, S, H]`. attention_impl,
+    platform: the packed rows' attention (`packed_kv`).
     """
-    positions, kvs = packed_kv(params, cfg, input_ids, segment_ids, compute_dtype or params["embed"].dtype)
+    positions, kvs = packed_kv(params, cfg, input_ids, segment_ids, compute_dtype or params["embed"].dtype,
+                               attention_impl=attention_impl, platform=platform)
     B = cache.k[0].shape[0]
     dest = jnp.where(segment_ids > 0, slot_ids, B)  # slot B is out of range: padding writes nothing
     new_k, new_v = [], []
@@ -63,11 +75,13 @@ def prefill_into_slots(params: Params, cfg: ModelConfig, input_ids: jax.Array, s
 
 def prefill_into_pages(params: Params, cfg: ModelConfig, input_ids: jax.Array, segment_ids: jax.Array,
                        slot_ids: jax.Array, pools: tuple[PagePool, ...], page_tables: jax.Array, *,
-                       compute_dtype=None) -> tuple[PagePool, ...]:
+                       compute_dtype=None, attention_impl: str = "reference", platform: str | None = None
+                       ) -> tuple[PagePool, ...]:
     """`prefill_into_slots` for a paged cache: each token goes to its slot's page for its position.
     pools: L per-layer `PagePool`s; page_tables `[B, M]` (every slot's pages, global ids)."""
     R, W = input_ids.shape
-    positions, kvs = packed_kv(params, cfg, input_ids, segment_ids, compute_dtype or params["embed"].dtype)
+    positions, kvs = packed_kv(params, cfg, input_ids, segment_ids, compute_dtype or params["embed"].dtype,
+                               attention_impl=attention_impl, platform=platform)
     tables = page_tables[jnp.clip(slot_ids, 0, page_tables.shape[0] - 1)].reshape(R * W, -1)  # [R*W, M]
     index = flat_index(tables, jnp.where(segment_ids > 0, positions, -1).reshape(R * W, 1), pools[0].page_size)
     return tuple(write_tokens(pool, k.reshape(R * W, *k.shape[2:]), v.reshape(R * W, *v.shape[2:]), index[:, 0],
@@ -107,7 +121,8 @@ def paged_decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, posit
 
 
 def prefill_block(params: Params, cfg: ModelConfig, input_ids: jax.Array, lengths: jax.Array, *, chunk: int,
-                  cache_dtype, compute_dtype=None, return_routing: bool = False):
+                  cache_dtype, compute_dtype=None, return_routing: bool = False, attention_impl: str = "reference",
+                  platform: str | None = None):
     """Prefills rows into a fresh per-layer KV block, `chunk` query tokens at a time.
 
     input_ids `[R, P]` (row r holds `lengths[r]` tokens at positions 0.. and padding after) ->
@@ -120,12 +135,16 @@ def prefill_block(params: Params, cfg: ModelConfig, input_ids: jax.Array, length
     `forward` over the whole row (cache and last-token hidden state) within fp32 rounding.
     With `return_routing` (MoE models) a third value: the experts of every token `[R, P, L_moe, k]`
     (`moe.record`; zeros past a row's length), what the engine records for routing replay.
+    `attention_impl` resolving to a prefill kernel on `platform` that takes these shapes
+    (kernels/prefill_attention.py: GPU, TPU): each chunk's keys go into the block first and the
+    kernel attends over the block; else `chunk_attention`.
     """
     R, P = input_ids.shape
     compute_dtype = compute_dtype or params["embed"].dtype
     layers = split_layers(params)["layers"]
     C = min(chunk, P)
     full, tail = divmod(P, C)
+    kernel = prefill.kernel_fits(attention_impl, platform, cfg.head_dim, P, C)
     shape = (R, cfg.num_kv_heads, P, cfg.head_dim)
     zeros = lambda: constrain(jnp.zeros(shape, cache_dtype), ("batch", "kv_heads", None, "head_dim"))  # noqa: E731
 
@@ -144,9 +163,14 @@ def prefill_block(params: Params, cfg: ModelConfig, input_ids: jax.Array, length
             q, k, v = attention_inputs(cfg, rope, x, p, compute_dtype)
             # Rounded to the cache dtype first: the chunk attends to its keys as they will be stored.
             k, v = (jnp.where(valid, a, 0).astype(cache_dtype) for a in (k, v))  # padding stores zeros
-            attn = chunk_attention(q, k.astype(compute_dtype), v.astype(compute_dtype), ck, cv, start, C)
-            new_k.append(jax.lax.dynamic_update_slice_in_dim(ck, k.transpose(0, 2, 1, 3), start, axis=2))
-            new_v.append(jax.lax.dynamic_update_slice_in_dim(cv, v.transpose(0, 2, 1, 3), start, axis=2))
+            nk = jax.lax.dynamic_update_slice_in_dim(ck, k.transpose(0, 2, 1, 3), start, axis=2)
+            nv = jax.lax.dynamic_update_slice_in_dim(cv, v.transpose(0, 2, 1, 3), start, axis=2)
+            if kernel:
+                attn = prefill_kernel_attention(q, nk, nv, start, attention_impl, platform=platform)
+            else:
+                attn = chunk_attention(q, k.astype(compute_dtype), v.astype(compute_dtype), ck, cv, start, C)
+            new_k.append(nk)
+            new_v.append(nv)
             x, routing = layer_output(cfg, x, attn, p, compute_dtype, i, valid=valid[:, :, 0, 0])
             experts.append(None if routing is None else routing.experts)  # [R, Cq, k]
         at = lengths - 1 - start  # the row's last token, if this chunk holds it

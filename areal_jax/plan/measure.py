@@ -95,6 +95,8 @@ def _cost(lowered: jax.stages.Lowered, compiled: jax.stages.Compiled, num_device
 _ATTENTION_KERNELS = (
     ("ragged_paged_attention", "ragged_paged"),  # jax's TPU kernel (kernels/paged_tpu.py)
     ("pallas_triton_paged_attention", "pallas_triton_paged"),  # ours (kernels/paged_gpu.py)
+    ("pallas_triton_prefill_attention", "pallas_triton_prefill"),  # ours (kernels/prefill_gpu.py)
+    ("pallas_mosaic_prefill_attention", "pallas_mosaic_prefill"),  # ours (kernels/prefill_tpu.py)
     ("splash_mha", "splash"), ("splash_mqa", "splash"),  # jax's TPU flash attention
     ("mha_forward", "pallas_triton_flash"), ("mha_backward", "pallas_triton_flash"),  # jax's Triton `mha`
     ("__cudnn$fmha", "cudnn"),  # jax.nn.dot_product_attention(implementation="cudnn")

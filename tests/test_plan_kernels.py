@@ -1,0 +1,94 @@
+"""Every program of every shipped config names an attention kernel on its target (issue 41, point 7):
+prefill, re-prefill, decode and training alike, never the jnp `reference` (the CPU's path).
+
+The programs are those `areal-jax plan` reports by default (the largest of each family), lowered for
+the config's own target without compiling (a kernel shows in the lowered text, as plan/measure.py
+reads it); every prompt and history bucket of the engine is also checked against the prefill
+kernel's limits, since a bucket the kernel refused would prefill by the reference.
+"""
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None or \
+    importlib.util.find_spec("jax_cuda12_plugin") is not None
+
+_LOWER = """
+import json, sys
+from areal_jax import config_system as cs
+from areal_jax.jobs.configs import load_job_configs
+from areal_jax.kernels import prefill_attention
+from areal_jax.plan.config import PlanConfig
+from areal_jax.plan.job import plan_inputs
+from areal_jax.plan.measure import attention_kernels
+from areal_jax.plan.planner import attention_name
+from areal_jax.plan.targets import parse_target
+for gin in sys.argv[1:]:
+    job = load_job_configs([gin], [], run_dir="plan")
+    plan_cfg = cs.build(PlanConfig)
+    target = parse_target(plan_cfg.target)
+    inputs = plan_inputs(job, plan_cfg, target, gin_files=[gin])
+    ec, H = job.engine, inputs.model_cfg.head_dim
+    buckets = sorted(set(ec.admission_buckets()) | set(ec.long_history_buckets()))
+    refused = [P for P in buckets if not prefill_attention.kernel_fits(
+        ec.attention_impl, target.platform, H, P, min(ec.prefill_chunk, P))]
+    print(json.dumps(dict(config=gin, program="prefill buckets", attention="refused %s" % refused if refused
+                          else "fit")), flush=True)
+    for spec in inputs.specs:
+        text = spec.lower().as_text()
+        print(json.dumps(dict(config=gin, program=spec.name, attention=attention_name(spec.name,
+                                                                                  attention_kernels(text)))),
+              flush=True)
+"""
+
+
+def _lowered(configs):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TPU_SKIP_MDS_QUERY": "1"}
+    out = subprocess.run([sys.executable, "-c", _LOWER, *configs], capture_output=True, text=True, cwd=ROOT,
+                         env=env, timeout=3600)
+    if "in use by another process" in out.stderr or "LibtpuBusy" in out.stderr:
+        pytest.skip("another process holds libtpu (one at a time)")
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def _shipped(platform):
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").glob(f"*_{platform}.gin"))
+
+
+def _check(rows, configs):
+    assert {r["config"] for r in rows} == set(configs)
+    bad = [r for r in rows if r["attention"] in ("reference",) or r["attention"].startswith("refused")]
+    assert not bad, bad
+    # Every attending family named a kernel: prefill, admission's prefill_start, re-prefill, decode.
+    for config in configs:
+        kinds = {r["program"].split("[")[0].rsplit("/", 1)[-1]: r["attention"] for r in rows if r["config"] == config}
+        assert {"prefill_start", "reprefill_packed", "decode", "grad"} <= set(kinds), (config, kinds)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_CUDA_PLUGIN, reason="jax-cuda12-plugin not installed ([plan] extra)")
+def test_no_program_of_a_shipped_gpu_config_attends_by_the_reference():
+    configs = _shipped("gpu")
+    rows = _lowered(configs)
+    _check(rows, configs)
+    names = {r["attention"] for r in rows}
+    assert {"pallas_triton_prefill", "pallas_triton_flash", "pallas_triton_paged"} <= names
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed ([plan] extra)")
+def test_no_program_of_a_shipped_tpu_config_attends_by_the_reference():
+    configs = _shipped("tpu")
+    rows = _lowered(configs)
+    _check(rows, configs)
+    names = {r["attention"] for r in rows}
+    assert {"pallas_mosaic_prefill", "splash", "ragged_paged"} <= names
