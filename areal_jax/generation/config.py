@@ -98,9 +98,10 @@ class EngineConfig:
     # length: many short sequences in flight.
     kv_pool_pages: int = 0  # pool pages per data replica (0: unset)
     kv_pool_bytes: int = 0  # pool bytes per data replica, all layers' keys and values (0: unset)
-    # Decode attention kernel of the paged layout: "pallas" (the platform's Pallas kernel,
-    # areal_jax/kernels/), "reference" (a jnp gather of each slot's pages), or "auto" (pallas where
-    # one is registered for the platform, else reference).
+    # Attention kernels of the engine: paged decode, prefill chunks and packed re-prefill. "pallas"
+    # (the platform's Pallas kernels, areal_jax/kernels/), "reference" (jnp: a gather of each slot's
+    # pages, `chunk_attention`, the blocked formula), or "auto" (pallas where one is registered for
+    # the platform, else reference).
     attention_impl: str = "auto"
     # Paged layout: a decode chunk runs over the live slots only. Its batch per data replica is the
     # most live slots of a replica rounded up to a power of two, at least this many, at most the

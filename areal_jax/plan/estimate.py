@@ -89,8 +89,9 @@ def _kind(name: str) -> str:
 
 
 # Kernels (plan/measure.py's names) that keep no `[T, T]` or `[B, N, W]` scores: flash attention
-# keeps a log-sum-exp per query, the paged decode kernels one block of scores on chip.
-FLASH_KERNELS = ("splash", "pallas_triton_flash", "cudnn")
+# keeps a log-sum-exp per query, the paged decode kernels one block of scores on chip, the prefill
+# kernels one block of a chunk's scores.
+FLASH_KERNELS = ("splash", "pallas_triton_flash", "cudnn", "pallas_triton_prefill", "pallas_mosaic_prefill")
 PAGED_KERNELS = ("ragged_paged", "pallas_triton_paged")
 
 
