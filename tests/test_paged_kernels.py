@@ -280,13 +280,12 @@ def test_a_tpu_page_table_past_smem_is_refused_by_name_and_auto_falls_back():
     # ragged_paged_attention prefetches the page table into the TPU's 1 MiB SMEM; libtpu refused the
     # 7B v5p engine at 240 slots x 1,152 pages (1,105,920 B). Say so before compiling, and how many fit.
     from areal_jax.kernels import paged_attention as pa
-    from areal_jax.kernels.paged_tpu import SMEM_BYTES
 
     why = pa.KERNELS.unfit("tpu", 128, 16, 240, 1152)
-    assert "1,105,920 B" in why and "SMEM" in why and "at most 227 slots" in why and "EngineConfig.num_slots" in why
-    assert pa.KERNELS.unfit("tpu", 128, 16, 224, 1152) is None
-    most = (SMEM_BYTES // 4 - 2) // (1152 + 2)
-    assert 4 * (most * 1152 + 2 * most + 2) <= SMEM_BYTES < 4 * ((most + 1) * 1152 + 2 * (most + 1) + 2)
+    assert "1,105,920 B" in why and "SMEM" in why and "at most 224 slots" in why and "EngineConfig.num_slots" in why
+    # By hand: 224 x 1,152 x 4 = 1,032,192 B of table + 4 x (256 + 256 + 256) = 3,072 B of scalars fit;
+    # 225 slots pad to 232 rows, 1,069,056 B of table alone.
+    assert pa.KERNELS.unfit("tpu", 128, 16, 224, 1152) is None and pa.KERNELS.unfit("tpu", 128, 16, 225, 1152)
     assert pa.KERNELS.unfit("gpu", 128, 16, 4096, 4096) is None  # Triton reads the table from HBM
 
     B, M, S, K, N, H = 240, 1152, 16, 2, 4, 128  # traced abstractly: no 1 MB table is materialised
@@ -297,6 +296,26 @@ def test_a_tpu_page_table_past_smem_is_refused_by_name_and_auto_falls_back():
         jax.eval_shape(lambda *a: paged_attention(*a, impl="pallas", platform="tpu"), q, pool, lengths, tables)
     out = jax.eval_shape(lambda *a: paged_attention(*a, impl="auto", platform="tpu"), q, pool, lengths, tables)
     assert out.shape == (B, N, H)  # the reference gather, with a warning naming the limit
+
+
+def test_tpu_smem_and_decode_block_sizes_by_hand():
+    from areal_jax.kernels.paged_tpu import SMEM_BYTES, block_sizes, most_slots, smem_bytes
+
+    # libtpu's page-table allocations (deviceless v5e compiles): 230 x 1,088 -> 1,069,056 B (232 x 1,152
+    # words), 262 x 1,000 -> 1,081,344 B (264 x 1,024); the lengths, offsets and scalars on top.
+    assert smem_bytes(230, 1088) == 1_069_056 + 4 * (256 + 256 + 256)
+    assert smem_bytes(262, 1000) == 1_081_344 + 4 * (384 + 384 + 256)
+    assert smem_bytes(256, 1000) > SMEM_BYTES >= smem_bytes(1000, 250)  # refused / compiled by libtpu
+    assert most_slots(1152) == 224
+    # The v5p 7B engine: 17,408 positions in 128-token pages, 136 per slot (padded to 256 words):
+    # 1 KiB of table per slot, so 1,008 slots fit where 16-token pages allowed 224: 1,008 x 256 + 1,024 +
+    # 1,024 + 256 = 260,352 words of 262,144; 1,016 slots need 262,400.
+    assert smem_bytes(160, 136) == 4 * (160 * 256 + 256 + 256 + 256) and most_slots(136) == 1008
+    # Decode blocks: 2 pages of 128 tokens (256 tokens), the fewest queries whose 7 query heads per kv
+    # head fill 8 sublanes (2), not 32; VMEM: 4x two page blocks and the accumulators, at least 32 MiB.
+    assert block_sizes(160, 128, 136, 4, 128, 2, q_heads_per_kv_head=7) == (2, 2, 32 << 20)
+    assert block_sizes(160, 16, 1088, 4, 128, 2, q_heads_per_kv_head=8)[:2] == (16, 1)
+    assert block_sizes(4, 64, 272, 2, 128, 2, q_heads_per_kv_head=1)[:2] == (4, 4)  # 8 queries, capped by slots
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
