@@ -315,6 +315,9 @@ def _check_sft(cfg: JobConfigs) -> None:
         raise ConfigError(
             "SFTConfig.eval_every > 0 needs validation prompts: TaskSource.kind = 'arithmetic' with "
             f"TaskSource.validation_size > 0 (got kind {task.kind!r}, validation_size {task.validation_size})")
+    if cfg.sft.eval_every and cfg.rollout.verifier is None:
+        raise ConfigError(f"SFTConfig.eval_every > 0 stops SFT on accuracy, which needs a verifier term in "
+                          f"RLVRConfig.reward (got {cfg.rollout.reward!r}); set SFTConfig.eval_every = 0")
     if (cfg.sft.paths or cfg.sft.eval_paths) and task.kind != "dataset":
         raise ConfigError("SFTConfig.paths / SFTConfig.eval_paths are read with DataConfig's format and templates: "
                              f"they need TaskSource.kind = 'dataset' (got {task.kind!r})")

@@ -230,7 +230,8 @@ class Trainer:
         out = out_dir if out_dir is not None else paths.as_path(self.run_dir) / "eval"
         with _named_as_parameters():
             return evaluate_run(self.run_dir, files, out_dir=out, n_samples=n_samples, temperature=temperature,
-                                reward=self.config.rollout.verifier, reward_pool=self.config.reward_pool,
+                                reward=self.config.rollout.reward, judge=self.config.rollout.judge,
+                                reward_pool=self.config.reward_pool,
                                 sandbox=self.config.sandbox)
 
     def export(self, out: str | os.PathLike, *, dtype: str = "float32", overwrite: bool = False) -> str:

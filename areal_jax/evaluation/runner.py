@@ -63,6 +63,9 @@ from areal_jax.models.config import ModelConfig
 from areal_jax.models.transformer import Params, Transformer
 from areal_jax.parallel.distributed import gather_json
 from areal_jax.parallel.meshes import generation_mesh
+from areal_jax.reward.composite import (JUDGE, TermsScorer, is_learned, normalize_reward, question_text,
+                                        term_metrics)
+from areal_jax.reward.judge_config import JudgeConfig
 from areal_jax.reward.registry import load_reward_function
 from areal_jax.reward.scoring import RewardScorer
 
@@ -84,7 +87,12 @@ class EvalConfig:
     n_samples: samples per prompt. temperature 0 is greedy and then needs n_samples == 1.
     ks: the k of pass@k and maj@k (each 1 <= k <= n_samples); stored sorted and deduplicated.
     reward: registered reward name ("math", "code") or "package.module:function", called as
-        reward(completion_text, gold) with gold = row.answer (math) or row.test_cases (code).
+        reward(completion_text, gold) with gold = row.answer (math) or row.test_cases (code); or
+        weighted terms as RLVRConfig.reward takes them (verifiers, "rm:<dir>", "judge"), scored as
+        the rollouts score them: a sample's reward is the weighted sum, and the report adds each
+        term's "reward/<name>/mean" and "reward/<name>/failed". A sample is then correct by the
+        first verifier term; with none, the report has no accuracy, pass@k or maj@k.
+    judge: the JudgeConfig of a "judge" term.
     reward_timeout_s: per-call deadline in the RewardPool (in-process calls have none).
     correct_threshold: a sample is correct when its reward >= this.
     num_slots, max_seq_len, decode_chunk, seed: the generation engine's shape and sampling seed
@@ -106,7 +114,8 @@ class EvalConfig:
     top_k: int = 0
     max_new_tokens: int = 512
     ks: tuple[int, ...] = (1,)
-    reward: str = "math"
+    reward: str | tuple[tuple[str, float], ...] = "math"
+    judge: JudgeConfig | None = None
     reward_timeout_s: float = 10.0
     correct_threshold: float = 1.0
     num_slots: int = 32
@@ -143,8 +152,13 @@ class EvalConfig:
                 raise ValueError(f"EvalConfig.ks contains k={k} > n_samples={self.n_samples} "
                                  "(pass@k and maj@k need at least k samples per prompt)")
         object.__setattr__(self, "ks", tuple(sorted(set(ks))))
-        if not isinstance(self.reward, str) or not self.reward:
-            raise ValueError(f"EvalConfig.reward must name a reward function, got {self.reward!r}")
+        object.__setattr__(self, "reward", normalize_reward(self.reward, "EvalConfig.reward"))
+        if isinstance(self.judge, Mapping):  # a run's config.json holds it as a dict
+            object.__setattr__(self, "judge", JudgeConfig(**self.judge))
+        if self.judge is not None and not isinstance(self.judge, JudgeConfig):
+            raise ValueError(f"EvalConfig.judge must be a JudgeConfig, got {type(self.judge).__name__}")
+        if JUDGE in self.terms and self.judge is None:
+            raise ValueError("EvalConfig.reward has a 'judge' term: set EvalConfig.judge (a JudgeConfig)")
         if not _is_real(self.reward_timeout_s) or not 0.0 < self.reward_timeout_s < math.inf:
             raise ValueError(f"EvalConfig.reward_timeout_s must be a positive finite number, "
                              f"got {self.reward_timeout_s!r}")
@@ -156,6 +170,17 @@ class EvalConfig:
                              f"got {self.answer_extractor!r}")
         if self.dtype not in WEIGHT_DTYPES:
             raise ValueError(f"EvalConfig.dtype must be one of {WEIGHT_DTYPES}, got {self.dtype!r}")
+
+
+    @property
+    def terms(self) -> tuple[str, ...]:
+        """The reward's term names (a single reward is one term)."""
+        return (self.reward,) if isinstance(self.reward, str) else tuple(name for name, _ in self.reward)
+
+    @property
+    def verifier(self) -> str | None:
+        """The reward correctness is read from: the reward, or its first term that is not learned."""
+        return next((name for name in self.terms if not is_learned(name)), None)
 
 
 def _is_real(x: object) -> bool:
@@ -222,6 +247,8 @@ class _Sample:
     correct: bool
     stop_reason: str
     num_tokens: int
+    terms: dict[str, float] | None = None  # a composite reward's term values
+    failed_terms: tuple[str, ...] = ()  # its terms that failed (scored 0.0)
 
 
 def dataset_of(source: str) -> str:
@@ -260,7 +287,8 @@ def run_evaluation(model: Transformer | tuple[ModelConfig, Params], tokenizer: A
         raise ValueError("run_evaluation: no rows to evaluate")
     # Name problems (unknown reward, bad extractor) before minutes of generation; with a pool the
     # calls run there under the deadline, else in this process after generation.
-    scorer = RewardScorer(config.reward, reward_pool, timeout_s=config.reward_timeout_s)
+    composite = not isinstance(config.reward, str)
+    scorer = None if composite else RewardScorer(config.reward, reward_pool, timeout_s=config.reward_timeout_s)
     extract = _load_extractor(config.answer_extractor)
     failures_before = _pool_failures(reward_pool)
 
@@ -272,21 +300,24 @@ def run_evaluation(model: Transformer | tuple[ModelConfig, Params], tokenizer: A
 
     t_scoring = time.perf_counter()
     samples_of: dict[int, list[_Sample]] = {}
-    for i, group, group_rewards in zip(mine, local, rewards(local, scorer), strict=True):
+    scored = _scored(local, config, scorer, reward_pool)
+    for i, group, group_scores in zip(mine, local, scored, strict=True):
         row = group.example.row
         samples_of[i] = [
             _Sample(query_id=group.example.query_id, source=row.source, dataset=dataset_of(row.source), sample=j,
                     completion=text, answer=extract(text), gold=row.answer, reward=reward,
-                    correct=reward >= config.correct_threshold, stop_reason=c.stop_reason,
-                    num_tokens=int(len(c.tokens)))
-            for j, (c, text, reward) in enumerate(zip(group.result.completions, group.texts, group_rewards))]
+                    correct=correct, stop_reason=c.stop_reason, num_tokens=int(len(c.tokens)),
+                    terms=terms, failed_terms=failed)
+            for j, (c, text, (reward, correct, terms, failed))
+            in enumerate(zip(group.result.completions, group.texts, group_scores))]
     scoring_s = time.perf_counter() - t_scoring
     failures = _pool_failures(reward_pool) - failures_before
     if processes > 1:
         parts = gather_json({"samples": {str(i): [dataclasses.asdict(x) for x in g] for i, g in samples_of.items()},
                              "generation_s": generation_s, "scoring_s": scoring_s,
                              "engine_tokens": engine_tokens, "failures": failures})
-        samples_of = {int(i): [_Sample(**x) for x in g] for part in parts for i, g in part["samples"].items()}
+        samples_of = {int(i): [_Sample(**{**x, "failed_terms": tuple(x["failed_terms"])}) for x in g]
+                      for part in parts for i, g in part["samples"].items()}
         generation_s = max(part["generation_s"] for part in parts)
         scoring_s = max(part["scoring_s"] for part in parts)
         engine_tokens = sum(part["engine_tokens"] for part in parts)
@@ -296,7 +327,7 @@ def run_evaluation(model: Transformer | tuple[ModelConfig, Params], tokenizer: A
 
     if out_path is not None and process == 0:
         _write_jsonl(paths.as_path(out_path), samples)
-    overall = _metrics(samples, config.ks)
+    overall = _metrics(samples, config)
     if overall["generated_tokens"] != engine_tokens:  # an accounting slip would skew tokens_per_s
         logger.warning("completions hold %d tokens but the engine counted %d", overall["generated_tokens"],
                        engine_tokens)
@@ -307,12 +338,34 @@ def run_evaluation(model: Transformer | tuple[ModelConfig, Params], tokenizer: A
     by_dataset: dict[str, list[list[_Sample]]] = {}
     for group in samples:
         by_dataset.setdefault(group[0].dataset, []).append(group)
-    per_dataset = {name: _metrics(groups_, config.ks) for name, groups_ in by_dataset.items()}
+    per_dataset = {name: _metrics(groups_, config) for name, groups_ in by_dataset.items()}
     return EvalReport(overall=overall, per_dataset=per_dataset, config=dataclasses.asdict(config))
 
 
+def _scored(groups: list[SampledGroup], config: EvalConfig, scorer: RewardScorer | None, pool: Any
+            ) -> list[list[tuple[float, bool, dict[str, float] | None, tuple[str, ...]]]]:
+    """(reward, correct, term values, failed terms) of each group's samples: by the single reward,
+    or by every term of a composite one (`TermsScorer`, its learned models loaded here)."""
+    if scorer is not None:
+        return [[(r, r >= config.correct_threshold, None, ()) for r in rs] for rs in rewards(groups, scorer)]
+    terms = TermsScorer(config.reward, pool=pool, timeout_s=config.reward_timeout_s, judge=config.judge)
+    try:
+        items = [(question_text(g.example), text, g.example.gold) for g in groups for text in g.texts]
+        flat_rewards, values, failures, _ = terms.score(items)
+    finally:
+        terms.close()
+    verifier = config.verifier
+    flat = [(r, verifier is not None and v[verifier] >= config.correct_threshold, v, failed)
+            for r, v, failed in zip(flat_rewards, values, failures, strict=True)]
+    out, at = [], 0
+    for g in groups:
+        out.append(flat[at:at + len(g.texts)])
+        at += len(g.texts)
+    return out
+
+
 def _generate(model_cfg: ModelConfig, params: Params, tokenizer: Any, examples: list[PromptExample],
-              config: EvalConfig, scorer: RewardScorer) -> tuple[list[SampledGroup], float, int]:
+              config: EvalConfig, scorer: RewardScorer | None) -> tuple[list[SampledGroup], float, int]:
     """`held_out.sample` of `config.n_samples` completions per example on one engine of its own;
     returns the groups, the generation seconds and the engine's generated tokens."""
     if not examples:  # a process with no rows (fewer rows than processes)
@@ -371,11 +424,18 @@ def _pool_failures(pool: Any) -> int:
     return stats.timeouts + stats.crashes + stats.errors
 
 
-def _metrics(groups: list[list[_Sample]], ks: tuple[int, ...]) -> dict[str, float]:
-    """pass@k / maj@k / accuracy over prompts, plus sample and token counts."""
-    prompts = [PromptSamples(tuple(s.answer for s in g), tuple(s.correct for s in g)) for g in groups]
-    out: dict[str, float] = summarize(prompts, ks)
+def _metrics(groups: list[list[_Sample]], config: EvalConfig) -> dict[str, float]:
+    """pass@k / maj@k / accuracy over prompts (a reward with a verifier), plus sample and token
+    counts, the mean reward and a composite reward's terms."""
+    out: dict[str, float] = {}
+    if config.verifier is not None:
+        prompts = [PromptSamples(tuple(s.answer for s in g), tuple(s.correct for s in g)) for g in groups]
+        out.update(summarize(prompts, config.ks))
     flat = [s for g in groups for s in g]
+    if not isinstance(config.reward, str):
+        out.update(term_metrics([{"reward_terms": {name: [sum(s.terms[name] for s in flat), len(flat),
+                                                          sum(name in s.failed_terms for s in flat)]
+                                                   for name in config.terms}}]))
     out["num_prompts"] = len(groups)
     out["num_samples"] = len(flat)
     out["mean_reward"] = sum(s.reward for s in flat) / len(flat)

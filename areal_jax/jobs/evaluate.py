@@ -29,6 +29,7 @@ def evaluate_model(model_dir: str, data: Any, cfg: Any, *, pool_cfg: Any, sandbo
     from areal_jax.data.pipeline import build_prompt_loader
     from areal_jax.evaluation import engine_mesh, run_evaluation
     from areal_jax.jobs.inputs import check_data_paths, input_errors
+    from areal_jax.reward.composite import check_terms, is_learned
     from areal_jax.reward.registry import check_reward_function
     from areal_jax.reward.sandbox import SandboxUnavailable
     from areal_jax.reward.scoring import open_reward_pool
@@ -36,8 +37,12 @@ def evaluate_model(model_dir: str, data: Any, cfg: Any, *, pool_cfg: Any, sandbo
     # Every row once, in file order (every process reads them all; run_evaluation shares them out).
     data = dataclasses.replace(data, shuffle=False, num_epochs=1, even_shards=False)
     check_data_paths(data.paths, "DataConfig.paths")
+    verifiers = cfg.reward if isinstance(cfg.reward, str) else [n for n in cfg.terms if not is_learned(n)]
     try:
-        check_reward_function(cfg.reward, "EvalConfig.reward")
+        if isinstance(cfg.reward, str):
+            check_reward_function(cfg.reward, "EvalConfig.reward")
+        else:  # a composite's verifiers resolve and its reward models' directories hold one
+            check_terms(cfg.reward, check_reward_function, "EvalConfig.reward")
     except ValueError as e:
         raise cs.ConfigError(str(e)) from None
     try:  # in worker processes under EvalConfig.reward_timeout_s, unless declared in-process
@@ -45,7 +50,7 @@ def evaluate_model(model_dir: str, data: Any, cfg: Any, *, pool_cfg: Any, sandbo
         hidden = tuple(os.path.abspath(p) for p in data.paths if "://" not in str(p))
         if sandbox is not None:
             sandbox = dataclasses.replace(sandbox, hidden_paths=tuple(dict.fromkeys(sandbox.hidden_paths + hidden)))
-        pool = open_reward_pool(cfg.reward, pool_cfg, sandbox)
+        pool = open_reward_pool(verifiers, pool_cfg, sandbox)
     except (SandboxUnavailable, ValueError) as e:
         raise cs.ConfigError(str(e)) from None
     out_dir = paths.as_path(out_dir)
@@ -70,7 +75,7 @@ def evaluate_model(model_dir: str, data: Any, cfg: Any, *, pool_cfg: Any, sandbo
 
 
 def evaluate_run(run_dir: str, files: Sequence[str], *, out_dir: paths.PathLike, n_samples: int = 1,
-                 temperature: float = 0.0, reward: str | None = None, reward_pool: Any = None,
+                 temperature: float = 0.0, reward: Any = None, judge: Any = None, reward_pool: Any = None,
                  sandbox: Any = None) -> dict[str, Any]:
     """A finished run's final model on `files`, evaluated as the run evaluated itself (its reward,
     prompt encoding and completion budget: `run_settings.eval_defaults`); pass@1..n_samples.
@@ -86,6 +91,8 @@ def evaluate_run(run_dir: str, files: Sequence[str], *, out_dir: paths.PathLike,
     data_over["paths"] = tuple(files)
     if reward is not None:
         eval_over["reward"] = reward
+    if judge is not None:
+        eval_over["judge"] = judge
     cfg = EvalConfig(**{**eval_over, "n_samples": n_samples, "temperature": temperature,
                         "ks": tuple(range(1, n_samples + 1))})
     report = evaluate_model(model_dir, DataConfig(**data_over), cfg, pool_cfg=reward_pool or RewardPoolConfig(),

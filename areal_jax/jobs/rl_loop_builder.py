@@ -86,7 +86,7 @@ def build_rl_loop(model_cfg: ModelConfig, params: Params, *, tokenizer: Any, dat
     if on_rollouts is not None and rl.dump_rollouts_every:
         metrics.append(rollout_dump_hook(on_rollouts, tokenizer, every=rl.dump_rollouts_every))
     evaluation = EvaluationHook(cluster.engine, eval_rows, tokenizer=tokenizer, rl=rl, rollout=rollout,
-                                reward_pool=reward_pool)
+                                reward_pool=reward_pool, learned=getattr(runner, "learned", None))
     metrics.append(Hook(evaluation, stage="metrics"))
     if on_step is not None:
         record.append(record_hook(on_step))

@@ -92,7 +92,9 @@ def eval_defaults(run_dir: str, *, require_eval_paths: bool = True, held_out_dir
                          "DataConfig.paths")
     rl, engine = cfg.get("rl") or {}, cfg.get("engine") or {}
     budget = rl.get("eval_max_new_tokens") or rollout.get("max_new_tokens")
-    evals = {"reward": rollout.get("reward"), "max_new_tokens": budget, "max_seq_len": engine.get("max_seq_len")}
+    # The run's whole reward (a composite's terms, its judge), as its held-out evaluation scored.
+    evals = {"reward": rollout.get("reward"), "judge": rollout.get("judge"), "max_new_tokens": budget,
+             "max_seq_len": engine.get("max_seq_len")}
     datas = {"paths": tuple(task.get("eval_paths") or ()), "format": data.get("format"),
              "max_prompt_tokens": data.get("max_prompt_tokens")}
     return (str(model), {k: v for k, v in evals.items() if v is not None},

@@ -104,7 +104,7 @@ class _Run:
     t0: float  # when this segment started (perf_counter)
     meshes: Any
     work: Workload
-    reward_fn: RewardScorer  # held-out and validation accuracy: the rollouts' pool and deadline
+    reward_fn: RewardScorer | None  # held-out and validation accuracy (None: no verifier term)
     sync: Any  # the run's WeightSync: train mesh -> this host's generation devices, reused by RL
     eval_slots: int
     checkpointer: Checkpointer | None
@@ -184,8 +184,10 @@ def _prepare_run(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: Rewa
     on_every_process(lambda: check_sources(cfg))
     check_model_fit(cfg, meshes.generation.devices.flat[0].platform)  # the same on every process
     # Held-out and validation accuracy score in the same pool as the rollouts, under the same deadline.
-    reward_fn = RewardScorer(cfg.rollout.verifier, reward_pool, timeout_s=cfg.rollout.reward_timeout_s)
-    on_every_process(lambda: check_solution_rewards(cfg, reward_fn.checked_map))  # a reward that cannot read the data
+    reward_fn = None  # a reward of learned terms alone: no accuracy (its RL records still log each term)
+    if cfg.rollout.verifier is not None:
+        reward_fn = RewardScorer(cfg.rollout.verifier, reward_pool, timeout_s=cfg.rollout.reward_timeout_s)
+        on_every_process(lambda: check_solution_rewards(cfg, reward_fn.checked_map))  # a reward that cannot read the data
     # One device: the weights stay unplaced, as SFT then runs without a mesh.
     work = prepare_workload(cfg, run_dir, mesh=meshes.train if meshes.train.devices.size > 1 else None)
     if overwrite:
@@ -229,6 +231,8 @@ def held_out_accuracy(run: _Run, params: Any) -> float | None:
     from areal_jax.evaluation.held_out import GreedyAccuracy
 
     work = run.work
+    if run.reward_fn is None:  # no verifier term: nothing to call right
+        return None
     if not _on_any_process(bool(work.eval_rows)):
         run.summary["held_out_problems"] = 0
         return None  # no held-out rows: no accuracy (null in summary.json, not NaN)

@@ -23,7 +23,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-__all__ = ["LearnedRewards", "check_terms", "is_learned", "normalize_reward", "rm_input_ids", "term_metrics"]
+__all__ = ["LearnedRewards", "TermsScorer", "check_terms", "is_learned", "normalize_reward", "question_text",
+           "rm_input_ids", "term_metrics"]
 
 RewardTerms = tuple[tuple[str, float], ...]
 RM_PREFIX = "rm:"
@@ -210,6 +211,12 @@ def learned_reward_memory(terms: Iterable[tuple[str, float]], judge: Any = None,
     return out
 
 
+def question_text(example: Any) -> str:
+    """What a learned reward reads as the question of a prompt example: its row's last user turn."""
+    users = [m.get("content", "") for m in example.row.messages if m.get("role") == "user"]
+    return str(users[-1]) if users else ""
+
+
 def rm_input_ids(tokenizer: Any, question: str, answer: str) -> list[int]:
     """The tokens a reward-model term scores for one (question, answer): the chat
     [user: question, assistant: answer] through the RM's chat template, or the two texts joined
@@ -229,9 +236,9 @@ def _rm_batch(rm: Any, items: list[tuple[str, str]]) -> list[tuple[float, str | 
     return [(float(s), None) if math.isfinite(s) else (0.0, "non-finite") for s in scores]
 
 
-def term_metrics(infos: Iterable[Mapping[str, Any]]) -> dict[str, float]:
-    """reward/<name>/mean (over the completions scored) and reward/<name>/failed (a count) of
-    every term recorded in the groups' `info["reward_terms"]`."""
+def term_metrics(infos: Iterable[Mapping[str, Any]], prefix: str = "") -> dict[str, float]:
+    """`prefix`reward/<name>/mean (over the completions scored) and `prefix`reward/<name>/failed (a
+    count) of every term recorded in the groups' `info["reward_terms"]`."""
     totals: dict[str, list[float]] = {}
     for info in infos:
         for name, (total, count, failed) in (info.get("reward_terms") or {}).items():
@@ -241,6 +248,78 @@ def term_metrics(infos: Iterable[Mapping[str, Any]]) -> dict[str, float]:
             t[2] += failed
     out: dict[str, float] = {}
     for name, (total, count, failed) in totals.items():
-        out[f"reward/{name}/mean"] = total / count if count else math.nan
-        out[f"reward/{name}/failed"] = int(failed)
+        out[f"{prefix}reward/{name}/mean"] = total / count if count else math.nan
+        out[f"{prefix}reward/{name}/failed"] = int(failed)
     return out
+
+
+class TermsScorer:
+    """Every term of a reward over (question, completion text, gold) items, on the caller's thread:
+    the held-out evaluation and `areal-jax eval` score with the rollouts' definition
+    (`rollout.workflow.score_terms`): the weighted sum, a term that fails counting 0.0, counted.
+
+    Verifier terms run as `RewardScorer`s (in `pool` under `timeout_s`, else in this process);
+    learned terms on `learned` (the rollouts' own `LearnedRewards`, shared), or on ones loaded here
+    (`judge`: the JudgeConfig of a "judge" term) and closed by `close`."""
+
+    def __init__(self, terms: RewardTerms, *, pool: Any = None, learned: LearnedRewards | None = None,
+                 timeout_s: float, judge: Any = None, devices: Sequence[Any] | None = None) -> None:
+        from areal_jax.reward.scoring import RewardScorer
+
+        self.terms, self.timeout_s = tuple(terms), timeout_s
+        self.verifier = next((name for name, _ in self.terms if not is_learned(name)), None)
+        self._verifiers = {name: RewardScorer(name, pool, timeout_s=timeout_s)
+                           for name, _ in self.terms if not is_learned(name)}
+        learned_names = [name for name, _ in self.terms if is_learned(name)]
+        self._owned = None
+        if learned_names and learned is None:
+            learned = self._owned = LearnedRewards(learned_names, judge=judge, devices=devices)
+        self.learned = learned
+
+    def score(self, items: Sequence[tuple[str, str, Any]]
+              ) -> tuple[list[float], list[dict[str, float]], list[tuple[str, ...]], dict[str, list]]:
+        """(weighted reward of each item, each item's term values, each item's failed terms, per
+        term [sum, count, failed]).
+        Every call is submitted before any is awaited (the pool's workers and the learned models'
+        batches take them together)."""
+        submitted = []
+        for question, text, gold in items:
+            calls: dict[str, Any] = {}
+            for name, _ in self.terms:
+                try:
+                    calls[name] = (self.learned.submit(name, question, text) if is_learned(name)
+                                   else self._verifiers[name].submit(text, gold))
+                except Exception as e:  # noqa: BLE001 - an in-process verifier raised: failed, counted
+                    calls[name] = e
+            submitted.append(calls)
+        values: list[dict[str, float]] = []
+        failures: list[tuple[str, ...]] = []
+        totals = {name: [0.0, 0, 0] for name, _ in self.terms}
+        for calls in submitted:
+            got, failed_names = {}, []
+            for name, call in calls.items():
+                got[name], failed = self._result(name, call)
+                t = totals[name]
+                t[0], t[1], t[2] = t[0] + got[name], t[1] + 1, t[2] + int(failed)
+                if failed:
+                    failed_names.append(name)
+            values.append(got)
+            failures.append(tuple(failed_names))
+        rewards = [sum(w * v[name] for name, w in self.terms) for v in values]
+        return rewards, values, failures, totals
+
+    def _result(self, name: str, call: Any) -> tuple[float, bool]:
+        if isinstance(call, BaseException):
+            return 0.0, True
+        try:
+            if is_learned(name):
+                score, failed = call.result(timeout=self.learned.deadline_s(name, self.timeout_s))
+                return float(score), failed is not None
+            return float(call.result()), False
+        except Exception:  # noqa: BLE001 - past its deadline or raised: 0.0, counted
+            return 0.0, True
+
+    def close(self) -> None:
+        """Stops the learned models loaded here (shared ones are their owner's)."""
+        if self._owned is not None:
+            self._owned.close()

@@ -217,9 +217,6 @@ class RLVRConfig:
         object.__setattr__(self, "reward", composite.normalize_reward(self.reward))
         if self.judge is not None and not isinstance(self.judge, JudgeConfig):
             raise ValueError(f"RLVRConfig.judge must be a JudgeConfig, got {type(self.judge).__name__}")
-        if not isinstance(self.reward, str) and self.verifier is None:
-            raise ValueError(f"RLVRConfig.reward {self.reward!r} has no verifier term: held-out accuracy reads one "
-                             "(add e.g. ('math', 0.0): a term of weight 0 is scored and logged, not trained on)")
         if composite.JUDGE in self.learned_terms and self.judge is None:
             raise ValueError("RLVRConfig.reward has a 'judge' term: set RLVRConfig.judge (a JudgeConfig)")
         if not (isinstance(self.reward_timeout_s, (int, float)) and 0 < self.reward_timeout_s < float("inf")):
@@ -234,8 +231,8 @@ class RLVRConfig:
 
     @property
     def verifier(self) -> str | None:
-        """The verifier held-out accuracy and `eval` score with: the reward, or its first term that
-        is not learned."""
+        """The verifier held-out accuracy is read from: the reward, or its first term that is not
+        learned (None: a reward of learned terms alone has no accuracy, only its reward)."""
         return next((name for name, _ in self.reward_terms if not composite.is_learned(name)), None)
 
     @property
@@ -315,10 +312,7 @@ class RLVRWorkflow(RolloutWorkflow):
         return equal_rewards_filter(group) if self.config.filter_all_equal_rewards else None
 
 
-def question_text(example: Any) -> str:
-    """What a learned reward reads as the question: the row's last user turn."""
-    users = [m.get("content", "") for m in example.row.messages if m.get("role") == "user"]
-    return str(users[-1]) if users else ""
+question_text = composite.question_text  # what a learned reward reads as the question
 
 
 async def score_terms(client: RolloutClient, learned: composite.LearnedRewards | None, cfg: RLVRConfig,
