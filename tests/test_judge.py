@@ -122,12 +122,20 @@ def test_regex_judge_generates_on_its_engine_and_parses_the_text(judge_dir):
 
 
 def test_a_judge_past_its_deadline_scores_zero_and_is_counted(judge_dir):
+    """The same warm judge meets a generous deadline and misses a tiny one: the deadline, not a
+    compile or a broken engine, is what fails the calls, and the judge scores as before after."""
     for parse in ("regex", "logprob"):
-        judge = Judge(JudgeConfig(model=str(judge_dir), parse=parse, max_new_tokens=64, timeout_s=1e-4))
+        judge = Judge(JudgeConfig(model=str(judge_dir), parse=parse, max_new_tokens=64, timeout_s=600.0))
         try:
-            verdicts = judge.score(PAIRS)  # the first call compiles: far past 0.1 ms
+            warm = judge.score(PAIRS)  # compiles the programs, well within the deadline
+            assert all(v.failed != "timeout" for v in warm) and judge.stats.timeouts == 0
+            judge.config = dataclasses.replace(judge.config, timeout_s=1e-4)
+            verdicts = judge.score(PAIRS)  # compiled, but no forward finishes in 0.1 ms
             assert verdicts == [Verdict(0.0, "timeout")] * 3
-            assert judge.stats.timeouts == 3 and judge.stats.failed == 3
+            assert judge.stats.timeouts == 3 and judge.stats.failed == 3 + sum(v.failed is not None for v in warm)
+            judge.config = dataclasses.replace(judge.config, timeout_s=600.0)
+            assert judge.score(PAIRS) == warm  # late requests were aborted; the engine serves on
+            assert judge.stats.timeouts == 3
         finally:
             judge.close()
 
