@@ -27,7 +27,7 @@ from areal_jax import config_system as cs
 from areal_jax.jobs.configs import load_job_configs
 from areal_jax.kernels import prefill_attention
 from areal_jax.plan.config import PlanConfig
-from areal_jax.plan.job import plan_inputs
+from areal_jax.plan.job import eval_engine_config, generation_lengths, plan_inputs
 from areal_jax.plan.measure import attention_kernels
 from areal_jax.plan.planner import attention_name
 from areal_jax.plan.targets import parse_target
@@ -37,9 +37,15 @@ for gin in sys.argv[1:]:
     target = parse_target(plan_cfg.target)
     inputs = plan_inputs(job, plan_cfg, target, gin_files=[gin])
     ec, H = job.engine, inputs.model_cfg.head_dim
-    buckets = sorted(set(ec.admission_buckets()) | set(ec.long_history_buckets()))
-    refused = [P for P in buckets if not prefill_attention.kernel_fits(
-        ec.attention_impl, target.platform, H, P, min(ec.prefill_chunk, P))]
+    longest = generation_lengths(job, plan_cfg)[2]
+    evals = [eval_engine_config(job, longest, 1, target.hosts, inputs.model_cfg)] if job.task.eval_size else []
+    refused = []
+    for engine in [ec] + evals:
+        for P in sorted(set(engine.admission_buckets()) | set(engine.long_history_buckets())):
+            C = min(engine.prefill_chunk, P)
+            run = prefill_attention.kernel_block_len(engine.attention_impl, target.platform, H, P, C)
+            if not prefill_attention.kernel_fits(engine.attention_impl, target.platform, H, run, min(C, run)):
+                refused.append(P)
     print(json.dumps(dict(config=gin, program="prefill buckets", attention="refused %s" % refused if refused
                           else "fit")), flush=True)
     for spec in inputs.specs:

@@ -109,6 +109,25 @@ def test_a_chunked_prefill_through_the_gpu_kernel_equals_the_cpu_path(monkeypatc
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=0)
 
 
+def test_a_block_length_the_kernel_refuses_is_padded_to_one_it_takes(monkeypatch):
+    # 200 positions: not a multiple of the GPU kernel's 64-key blocks. The prefill runs a 256-position
+    # block through the kernel and returns the 200 asked for, equal to the CPU path's.
+    assert pa.kernel_block_len("auto", "gpu", 16, 200, 64) == 256 and pa.kernel_block_len("auto", "cpu", 16, 200, 64) == 200
+    assert pa.kernel_block_len("auto", "tpu", 128, 17424, 512) == 17536 and pa.kernel_block_len("auto", "gpu", 128, 17408, 512) == 17408
+    params, rng = _params(), np.random.default_rng(3)
+    lengths = jnp.array([200, 7], jnp.int32)
+    ids = jnp.asarray(rng.integers(1, 64, size=(2, 200)), jnp.int32)
+    want_kv, want_last = prefill_block(params, CFG, ids, lengths, chunk=64, cache_dtype=jnp.float32)
+    _interpreted(monkeypatch, pa.KERNELS, "gpu")
+    with target_platform("gpu"):
+        got_kv, got_last = prefill_block(params, CFG, ids, lengths, chunk=64, cache_dtype=jnp.float32,
+                                         attention_impl="pallas")
+    assert got_kv.k[0].shape == (2, 2, 200, 16)
+    np.testing.assert_allclose(np.asarray(got_last), np.asarray(want_last), atol=2e-5, rtol=0)
+    for g, w in zip(got_kv.k + got_kv.v, want_kv.k + want_kv.v):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=0)
+
+
 def test_a_packed_reprefill_through_the_flash_kernel_equals_the_cpu_path(monkeypatch):
     # Two histories packed in a row and one alone, into their slots: the flash kernel (segments)
     # writes the same cache as the blocked formula under the packed mask.

@@ -73,6 +73,15 @@ def kernel_fits(impl: str, platform: str | None, head_dim: int, block_len: int, 
     return resolve_impl(impl, platform) == "pallas" and KERNELS.unfit(platform, head_dim, block_len, chunk) is None
 
 
+def kernel_block_len(impl: str, platform: str | None, head_dim: int, block_len: int, chunk: int) -> int:
+    """`block_len`, or where the platform's kernel refuses it but takes a longer block (a multiple of
+    128 positions), that length: a prefill pads its block to it. No kernel: `block_len`."""
+    if resolve_impl(impl, platform) != "pallas" or kernel_fits(impl, platform, head_dim, block_len, chunk):
+        return block_len
+    padded = -(-block_len // 128) * 128
+    return padded if kernel_fits(impl, platform, head_dim, padded, min(chunk, padded)) else block_len
+
+
 def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array | int, *, impl: str = "auto",
                       platform: str | None = None, **options) -> jax.Array:
     """See the module docstring. `options` go to the kernel (block sizes, `interpret=True` on CPU)."""

@@ -139,9 +139,15 @@ def prefill_block(params: Params, cfg: ModelConfig, input_ids: jax.Array, length
     (kernels/prefill_attention.py: GPU, TPU): each chunk's keys go into the block first and the
     kernel attends over the block; else `chunk_attention`.
     """
-    R, P = input_ids.shape
+    R, P_out = input_ids.shape
     compute_dtype = compute_dtype or params["embed"].dtype
     layers = split_layers(params)["layers"]
+    # A kernel that cannot take the block's length (a long-history bucket of max_seq_len, say
+    # 17,424) runs on a block padded to one it takes; the padding positions are past every row's
+    # length and are cut off the result.
+    P = prefill.kernel_block_len(attention_impl, platform, cfg.head_dim, P_out, min(chunk, P_out))
+    if P != P_out:
+        input_ids = jnp.pad(input_ids, ((0, 0), (0, P - P_out)))
     C = min(chunk, P)
     full, tail = divmod(P, C)
     kernel = prefill.kernel_fits(attention_impl, platform, cfg.head_dim, P, C)
@@ -198,5 +204,8 @@ def prefill_block(params: Params, cfg: ModelConfig, input_ids: jax.Array, length
     if tail:
         carry = run(carry, input_ids[:, full * C:], full * C)
     block_k, block_v, last, chosen = carry
+    if P != P_out:
+        block_k, block_v = (tuple(b[:, :, :P_out] for b in blocks) for blocks in (block_k, block_v))
+        chosen = chosen[:, :P_out] if record else chosen
     out = KVCache(block_k, block_v), rms_norm(last, params["final_norm"], cfg.rms_norm_eps)
     return (*out, chosen) if return_routing else out
