@@ -81,6 +81,7 @@ def _check(rows, configs):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # lowering five real models' programs: ~15 minutes on a loaded 2-core host
 @pytest.mark.skipif(not HAS_CUDA_PLUGIN, reason="jax-cuda12-plugin not installed ([plan] extra)")
 def test_no_program_of_a_shipped_gpu_config_attends_by_the_reference():
     configs = _shipped("gpu")
@@ -91,6 +92,7 @@ def test_no_program_of_a_shipped_gpu_config_attends_by_the_reference():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 @pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed ([plan] extra)")
 def test_no_program_of_a_shipped_tpu_config_attends_by_the_reference():
     configs = _shipped("tpu")
