@@ -283,6 +283,7 @@ def test_a_tpu_page_table_past_smem_is_refused_by_name_and_auto_falls_back():
 
     why = pa.KERNELS.unfit("tpu", 128, 16, 240, 1152)
     assert "1,105,920 B" in why and "SMEM" in why and "at most 224 slots" in why and "EngineConfig.num_slots" in why
+    assert "EngineConfig.page_size = 64 fits 240 slots" in why  # 288 pages of 64: 240 x 384 words, 368,640 B
     # By hand: 224 x 1,152 x 4 = 1,032,192 B of table + 4 x (256 + 256 + 256) = 3,072 B of scalars fit;
     # 225 slots pad to 232 rows, 1,069,056 B of table alone.
     assert pa.KERNELS.unfit("tpu", 128, 16, 224, 1152) is None and pa.KERNELS.unfit("tpu", 128, 16, 225, 1152)

@@ -100,6 +100,11 @@ def _up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+# Page sizes for TPU pools: a page is one DMA of the kernel's kv block (256 tokens), and 16-token
+# pages leave the page table 4-16x the SMEM of these.
+PAGE_SIZES = (64, 128, 256)
+
+
 def smem_bytes(slots: int, pages_per_slot: int) -> int:
     """SMEM the kernel's prefetched scalars take: the page table `[slots, pages]` padded to (8, 128)
     words, as libtpu allocates it (a deviceless v5e compile of 230 x 1,088 asked for 1,069,056 B =
@@ -135,10 +140,13 @@ def limits(head_dim: int, page_size: int, slots: int = 0, pages_per_slot: int = 
                 "EngineConfig.kv_dtype bfloat16")
     if slots and smem_bytes(slots, pages_per_slot) > SMEM_BYTES:
         table = 4 * _up(slots, 8) * _up(pages_per_slot, 128)
+        larger = next((p for p in PAGE_SIZES if p > page_size
+                       and smem_bytes(slots, -(-pages_per_slot * page_size // p)) <= SMEM_BYTES), None)
         return (f"its page table ({slots} slots x {pages_per_slot} pages of {page_size} tokens x 4 B, padded "
                 f"to (8, 128) words: {table:,} B) and lengths must fit the TPU's {SMEM_BYTES:,}-byte SMEM: "
                 f"at most {most_slots(pages_per_slot)} slots per replica at this page_size "
-                "(EngineConfig.num_slots), or larger pages (EngineConfig.page_size: 64-256 tokens)")
+                "(EngineConfig.num_slots), or larger pages (EngineConfig.page_size"
+                + (f" = {larger} fits {slots} slots)" if larger else ": none of 64-256 tokens fits these slots)"))
     return None
 
 
