@@ -32,8 +32,9 @@
 #              wall tokens/s with weight swaps every few rounds under EngineConfig.on_swap "recompute"
 #              vs "keep" (tokens re-prefilled, prefill seconds); decode by live slots vs the full
 #              batch (EngineConfig.decode_min_rows), groups with shared vs copied prompt pages.
-#   tests      tests/test_generation.py + tests/test_train_step.py + tests/test_paged_kernels.py (the
-#              Pallas paged kernel natively against the reference) on the GPU.
+#   tests      tests/test_generation.py + tests/test_train_step.py + tests/test_paged_kernels.py +
+#              tests/test_prefill_kernels.py (the Pallas paged and prefill kernels natively against
+#              the reference) on the GPU.
 #   quickstart the command launch/quickstart.sh execs (the script itself would build .venv from the
 #              registry), capped by the time left; summary.json and metrics.jsonl are copied to $OUT.
 #
@@ -252,7 +253,7 @@ else
   # at full precision, since the tests compare against fp32 references (GPUs default to TF32).
   # -v: a line per test, so a run cut by its timeout still shows which passed.
   JAX_DEFAULT_MATMUL_PRECISION=highest run_step tests 150 "$PY" -m pytest -v -p no:cacheprovider \
-    tests/test_generation.py tests/test_train_step.py tests/test_paged_kernels.py \
+    tests/test_generation.py tests/test_train_step.py tests/test_paged_kernels.py tests/test_prefill_kernels.py \
     -k "not sharded_step_matches_single_device and not generation_mesh_of_its_weights"
 
   RUN_DIR="${RUN_DIR:-$WORK/quickstart}"

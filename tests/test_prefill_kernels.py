@@ -27,8 +27,13 @@ HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None or \
     importlib.util.find_spec("jax_cuda12_plugin") is not None
 
-# Each platform's kernel, interpreted (the TPU kernel wants whole 128-lane heads).
+# Each platform's kernel (the TPU kernel wants whole 128-lane heads), natively on its own backend
+# (bench/accelerator_check.sh runs this file on a GPU), else interpreted.
 KERNELS = [("gpu", 16), ("tpu", 128)]
+
+
+def interpret(platform: str) -> bool:
+    return jax.default_backend() != platform
 
 
 def _case(seed, R, T, N, K, H, S):
@@ -48,7 +53,8 @@ def _case(seed, R, T, N, K, H, S):
 def test_kernel_matches_the_reference_at_chunk_offsets(platform, H, T, start, S, N, K):
     q, k, v = _case(T + start + N, 2, T, N, K, H, S)
     want = pa.reference_prefill_attention(q, k, v, start)
-    got = pa.prefill_attention(q, k, v, jnp.int32(start), impl="pallas", platform=platform, interpret=True)
+    got = pa.prefill_attention(q, k, v, jnp.int32(start), impl="pallas", platform=platform,
+                               interpret=interpret(platform))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=3e-6, rtol=0)
     # ... which is what the engine's CPU path computes from the chunk's keys and the earlier ones.
     own = lambda a: a[:, :, start:start + T].transpose(0, 2, 1, 3)  # noqa: E731
@@ -61,7 +67,7 @@ def test_key_blocks_past_the_chunk_are_never_read():
     # position (47) must not reach any output: the kernel stops before them.
     q, k, v = _case(0, 1, 16, 4, 2, 16, 128)
     k, v = (a.at[:, :, 64:].set(jnp.nan) for a in (k, v))
-    got = pa.prefill_attention(q, k, v, jnp.int32(32), impl="pallas", platform="gpu", interpret=True)
+    got = pa.prefill_attention(q, k, v, jnp.int32(32), impl="pallas", platform="gpu", interpret=interpret("gpu"))
     assert np.isfinite(np.asarray(got)).all()
 
 
@@ -87,10 +93,10 @@ def _params():
 
 
 def _interpreted(monkeypatch, table, platform, **options):
-    """`table`'s kernel for `platform`, run by Pallas' interpreter (jax's backend here is the CPU)."""
+    """`table`'s kernel for `platform`, run by Pallas' interpreter off its own backend."""
     entry = table.entry(platform)
     monkeypatch.setitem(table.kernels, platform, dataclasses.replace(
-        entry, fn=lambda *a, **o: entry.fn(*a, interpret=True, **options, **o)))
+        entry, fn=lambda *a, **o: entry.fn(*a, interpret=interpret(platform), **options, **o)))
 
 
 def test_a_chunked_prefill_through_the_gpu_kernel_equals_the_cpu_path(monkeypatch):
