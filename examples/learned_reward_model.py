@@ -1,26 +1,30 @@
 """RL on a learned reward alone: train a tiny reward model, then RL the quickstart policy on its score.
 
 1. SFT: the quickstart's SFT stage (configs/quickstart.gin, RL off) gives the policy.
-2. Reward model: the SFT'd policy's weights learn to tell right worked answers from wrong ones.
-   The answers are the task's own solutions (right) and the same solutions with one slip
-   (a step's result off by a little, carried on to the box; a wrong box; a copied value changed;
-   no box). Their labels come from the exact verifier. The RM is trained by SFT through the
-   training engine's objective seam (the built-in "sft" objective, `trainer/objectives.py`).
-   The row's prompt is the chat the RM will score, [user: question, assistant: answer]
-   (`reward.composite.rm_input_ids`), and its completion is one label token, "Y" or "N". The
-   score head is then the difference of those two rows of the LM head, so the score
-   logit(Y) - logit(N) is read from the last token's hidden state. That is exactly what a
-   one-label `Qwen2ForSequenceClassification` computes, so the RM is saved as one
-   (`models/reward_head.save_reward_params`) and loaded as any other `rm:` term.
+2. Reward model, the standard RLHF recipe: the SFT'd policy's weights (so it starts with whatever
+   arithmetic the policy knows), trained on the policy's OWN answers: 8 samples per training
+   problem at RL's temperature, labelled by the exact verifier (an RM trained on right vs slipped
+   copies of the task's solutions learned their format instead, docs/benchmarks.md). By default
+   (`--rm_loss label`) each distinct answer of a problem is one row, as many wrong as right, and
+   the RM is SFT'd through the training engine's objective seam (the built-in "sft" objective) on
+   one label token, "Y" or "N", after the chat it will score, [user: question, assistant: answer]
+   (`reward.composite.rm_input_ids`); the score head is then logit(Y) - logit(N) read from the last
+   token. `--rm_loss pairwise` instead puts a fresh score head on the policy's backbone and trains
+   the Bradley-Terry loss -log sigmoid(score(right) - score(wrong)) on pairs of one problem's
+   answers. Either is saved as a one-label `Qwen2ForSequenceClassification` and loaded as any
+   other `rm:` term. Its ranking is measured on held-out (test-split) problems' samples: the share
+   of (right, wrong) pairs of one problem it orders right ("pairwise": all that group-normalised
+   advantages use) and the AUC over all samples, before RL and again on the RL'd policy's samples
+   (reward hacking shows as a drop there).
 3. RL: the quickstart's RL stage from the SFT'd policy, rewarded by the RM alone:
    `RLVRConfig.reward = (('rm:<dir>', 1.0), ('arithmetic', 0.0))`. The verifier's weight is 0:
    it is logged and used for held-out accuracy, never trained on.
 
     python examples/learned_reward_model.py --run_dir runs/example_rm             # the quickstart's sizes
-    python examples/learned_reward_model.py --run_dir runs/example_rm --small     # a smoke run, ~2 min
+    python examples/learned_reward_model.py --run_dir runs/example_rm --small     # a smoke run, minutes
 
-The last line printed and RUN/summary.json give the held-out greedy accuracy (200 prompts,
-exact verifier) after SFT and after RL on the RM's reward.
+The last line printed and RUN/result.json give the held-out greedy accuracy (200 prompts,
+exact verifier) after SFT and after RL on the RM's reward, and the RM's ranking figures.
 """
 
 from __future__ import annotations
@@ -123,10 +127,89 @@ def train_labeller(policy_dir: pathlib.Path, examples, *, steps: int, seed: int,
     return cfg, params
 
 
-def train_reward_model(policy_dir: pathlib.Path, out: pathlib.Path, *, n_problems: int, steps: int, seed: int,
-                       arithmetic) -> pathlib.Path:
-    """A one-label reward model at `out` (a Qwen2ForSequenceClassification directory with the
-    policy's tokenizer), trained on right vs slipped answers (module docstring)."""
+def policy_samples(policy_dir: pathlib.Path, items, *, k: int, temperature: float, seed: int,
+                   max_new_tokens: int = 48) -> list[tuple[str, list[str], list[bool]]]:
+    """(question, k sampled answers, each right by the exact verifier) per problem in `items`: the
+    policy at `policy_dir` sampled on the run's prompts (chat-templated, as RL samples them)."""
+    import jax.numpy as jnp
+
+    from areal_jax.api import SamplingParams
+    from areal_jax.data.examples import prompt_example
+    from areal_jax.evaluation.held_out import rewards, sample
+    from areal_jax.generation.config import prompts_engine_config
+    from areal_jax.generation.engine import GenerationEngine
+    from areal_jax.models.hf_io import load_params
+    from areal_jax.models.tokenizer import Tokenizer
+    from areal_jax.tasks.arithmetic import prompt_rows
+    from areal_jax.tasks.reward import arithmetic_reward
+
+    cfg, params = load_params(policy_dir, dtype=jnp.float32)
+    tok = Tokenizer.from_pretrained(policy_dir)
+    examples = [prompt_example(r) for r in prompt_rows(tok, items)]
+    engine = GenerationEngine((cfg, params), prompts_engine_config(
+        len(examples) * k, max(len(e.prompt_ids) for e in examples), max_new_tokens, slots=64, seed=seed))
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                              stop_token_ids=tuple(tok.stop_token_ids))
+    groups = sample(engine, examples, sampling, arithmetic_reward, tok, n=k)
+    return [(p.question, list(g.texts), [r >= 1.0 for r in rs])
+            for p, g, rs in zip(items, groups, rewards(groups, arithmetic_reward))]
+
+
+def ranking_quality(rm_dir: pathlib.Path, samples) -> dict[str, float]:
+    """How the RM at `rm_dir` orders `policy_samples`' answers: `pairwise` is the share of (right,
+    wrong) pairs of one problem's samples scored right > wrong (ties count half; what group-
+    normalised advantages use), `auc` the same over all pairs of all problems, `sign` the share
+    whose score's sign matches the verifier, with the pair and sample counts."""
+    import numpy as np
+
+    from areal_jax.reward import RewardModel
+    from areal_jax.reward.composite import rm_input_ids
+
+    rm = RewardModel.from_pretrained(rm_dir, batch_size=64)
+    flat = [(q, t, ok) for q, texts, oks in samples for t, ok in zip(texts, oks)]
+    scores = rm.score_ids([rm_input_ids(rm.tokenizer, q, t) for q, t, _ in flat])
+    oks = np.array([ok for _, _, ok in flat])
+
+    def ordered(pos, neg) -> tuple[float, int]:
+        if not len(pos) or not len(neg):
+            return 0.0, 0
+        d = pos[:, None] - neg[None, :]
+        return float((d > 0).sum() + 0.5 * (d == 0).sum()), d.size
+
+    won = pairs = 0.0
+    at = 0
+    for _, texts, group_oks in samples:
+        s, g = scores[at:at + len(texts)], np.array(group_oks)
+        at += len(texts)
+        w, n = ordered(s[g], s[~g])
+        won, pairs = won + w, pairs + n
+    w_all, n_all = ordered(scores[oks], scores[~oks])
+    return {"pairwise": won / pairs if pairs else float("nan"), "pairs": int(pairs),
+            "auc": w_all / n_all if n_all else float("nan"), "sign": float(((scores > 0) == oks).mean()),
+            "samples": len(flat), "right_share": float(oks.mean())}
+
+
+def balanced_rows(samples, items, seed: int) -> list[tuple[str, str, bool]]:
+    """(question, answer, right) rows of `policy_samples` of `items`: each distinct answer of a
+    problem once, the problem's own solution among them (a right answer even where the policy
+    found none), as many wrong as right ones (the larger class subsampled), shuffled."""
+    rng = random.Random(seed)
+    right, wrong = [], []
+    for (question, texts, oks), item in zip(samples, items):
+        for text, ok in dict(zip(texts + [item.solution], oks + [True])).items():
+            (right if ok else wrong).append((question, text, ok))
+    n = min(len(right), len(wrong))
+    rows = rng.sample(right, n) + rng.sample(wrong, n)
+    rng.shuffle(rows)
+    return rows
+
+
+def train_label_rm(policy_dir: pathlib.Path, out: pathlib.Path, rows, *, steps: int, seed: int, lr: float
+                   ) -> pathlib.Path:
+    """A one-label reward model at `out` from the policy's weights, SFT'd on one label token ("Y"
+    right, "N" wrong) after the chat it will score (`balanced_rows`); its score head is then
+    logit(Y) - logit(N) read from the last token, which is what a one-label
+    Qwen2ForSequenceClassification computes."""
     import numpy as np
 
     from areal_jax.models.reward_head import ScoreHead, save_reward_params
@@ -134,32 +217,94 @@ def train_reward_model(policy_dir: pathlib.Path, out: pathlib.Path, *, n_problem
     from areal_jax.reward.composite import rm_input_ids
 
     tok = Tokenizer.from_pretrained(policy_dir)
-    rows = labelled_answers(aj.TaskSource(), arithmetic, n_problems, seed)
     cfg, params = train_labeller(policy_dir, label_examples(tok, rows, lambda q, a: rm_input_ids(tok, q, a)),
-                                 steps=steps, seed=seed)
+                                 steps=steps, seed=seed, lr=lr)
     yes, no = (tok.encode(t, add_special_tokens=False)[0] for t in LABELS)
     head = np.asarray(params["embed"] if cfg.tie_word_embeddings else params["lm_head"].T, np.float32)  # [V, D]
     rm_params = {k: v for k, v in params.items() if k != "lm_head"}
     rm_params["score"] = (head[yes] - head[no])[:, None]  # [D, 1]: logit(Y) - logit(N)
     save_reward_params(rm_params, cfg, ScoreHead(num_labels=1, pad_token_id=tok.pad_token_id), out)
-    for f in policy_dir.iterdir():  # the tokenizer (and its chat template) travels with the RM
-        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
-            shutil.copy(f, out / f.name)
+    _copy_tokenizer(policy_dir, out)
     return out
 
 
-def rm_accuracy(rm_dir: pathlib.Path, arithmetic, n: int = 200) -> float:
-    """Share of held-out (test split) right and slipped answers the RM's score sign gets right."""
-    from areal_jax.reward import RewardModel
-    from areal_jax.tasks.arithmetic import problems
-    from areal_jax.tasks.reward import arithmetic_reward
+def _copy_tokenizer(policy_dir: pathlib.Path, out: pathlib.Path) -> None:
+    for f in policy_dir.iterdir():  # the tokenizer (and its chat template) travels with the RM
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, out / f.name)
 
-    rm = RewardModel.from_pretrained(rm_dir)
-    rng = random.Random(1)
-    pairs = [(p.question, a, arithmetic_reward(a, p.answer) == 1.0)
-             for p in problems(arithmetic, "test", n, seed=1) for a in (p.solution, slipped(p.solution, rng))]
-    scores = rm.score_chats([[{"role": "user", "content": q}, {"role": "assistant", "content": a}] for q, a, _ in pairs])
-    return float(sum((s > 0) == right for s, (_, _, right) in zip(scores, pairs)) / len(pairs))
+
+def ranked_pairs(samples, items, seed: int) -> list[tuple[str, str, str]]:
+    """(question, right answer, wrong answer) pairs of one problem each, from `policy_samples` of
+    `items`: every distinct wrong answer of a problem against one of its right ones (the policy's,
+    or the problem's own solution where the policy found none), shuffled."""
+    rng = random.Random(seed)
+    pairs = []
+    for (question, texts, oks), item in zip(samples, items):
+        right = sorted({t for t, ok in zip(texts, oks) if ok} | {item.solution})
+        for wrong in sorted({t for t, ok in zip(texts, oks) if not ok}):
+            pairs.append((question, rng.choice(right), wrong))
+    rng.shuffle(pairs)
+    return pairs
+
+
+def train_pairwise_rm(policy_dir: pathlib.Path, out: pathlib.Path, pairs, *, steps: int, seed: int, lr: float,
+                      pairs_per_step: int = 32) -> pathlib.Path:
+    """A one-label reward model at `out`: the policy's backbone (so it starts with the policy's
+    arithmetic) under a fresh score head, trained on `ranked_pairs` by the Bradley-Terry loss
+    -log sigmoid(score(right) - score(wrong)): what group-normalised advantages use is the order
+    of one problem's answers, so that is what it learns (not which problems are hard)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from areal_jax.models.hf_io import load_params
+    from areal_jax.models.reward_head import ScoreHead, init_score_head, save_reward_params, sequence_scores
+    from areal_jax.models.tokenizer import Tokenizer
+    from areal_jax.reward.composite import rm_input_ids
+    from areal_jax.reward.reward_model import length_bucket
+
+    cfg, params = load_params(policy_dir, dtype=jnp.float32)
+    tok = Tokenizer.from_pretrained(policy_dir)
+    head = ScoreHead(num_labels=1, pad_token_id=tok.pad_token_id)
+    params = {k: v for k, v in params.items() if k != "lm_head"}
+    params["score"] = jnp.asarray(init_score_head(cfg, head, seed))
+    ids = [(rm_input_ids(tok, q, r), rm_input_ids(tok, q, w)) for q, r, w in pairs]
+    T = length_bucket(max(len(x) for pair in ids for x in pair))
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, min(20, steps // 5), steps, lr * 0.1)
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
+    state = opt.init(params)
+
+    def loss_fn(p, tokens, seg):  # rows 0..P-1 right, P..2P-1 their wrong answers
+        s = sequence_scores(p, cfg, head, tokens, seg)[:, 0]
+        margin = s[:pairs_per_step] - s[pairs_per_step:]
+        return jnp.mean(jax.nn.softplus(-margin)), jnp.mean(margin > 0)
+
+    @jax.jit
+    def step(p, st, tokens, seg):
+        (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(p, tokens, seg)
+        updates, st = opt.update(grads, st, p)
+        return optax.apply_updates(p, updates), st, loss, acc
+
+    rng = np.random.default_rng(seed)
+    pad = head.pad_token_id if head.pad_token_id is not None else 0
+    log = []
+    for i in range(steps):
+        pick = rng.choice(len(ids), pairs_per_step, replace=len(ids) < pairs_per_step)
+        rows = [ids[j][0] for j in pick] + [ids[j][1] for j in pick]
+        tokens, seg = np.full((len(rows), T), pad, np.int32), np.zeros((len(rows), T), np.int32)
+        for b, r in enumerate(rows):
+            tokens[b, :len(r)], seg[b, :len(r)] = r, 1
+        params, state, loss, acc = step(params, state, tokens, seg)
+        log.append((float(loss), float(acc)))
+        if (i + 1) % max(1, steps // 5) == 0:
+            recent = log[-max(1, steps // 5):]
+            print(f"[example] reward model step {i + 1}/{steps}: pairwise loss {np.mean([x for x, _ in recent]):.3f}, "
+                  f"ordered {np.mean([a for _, a in recent]):.3f}", flush=True)
+    save_reward_params(jax.device_get(params), cfg, head, out)
+    _copy_tokenizer(policy_dir, out)
+    return out
 
 
 def sft_policy(run_dir: pathlib.Path, overrides: list[str], *, overwrite: bool) -> tuple[pathlib.Path, aj.JobConfigs]:
@@ -188,26 +333,60 @@ def parse_args(argv, doc: str) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="the quickstart's seed: ModelSource.init_seed and SFTConfig.seed")
     parser.add_argument("--small", action="store_true", help="a smoke run: a 1-layer model, a few steps")
     parser.add_argument("--label_steps", type=int, default=None, help="SFT steps of the reward model or judge (default 300; 10 small)")
-    parser.add_argument("--label_problems", type=int, default=None, help="problems its right/slipped answers come from")
+    parser.add_argument("--label_problems", type=int, default=None, help="training problems its labelled answers come from")
+    parser.add_argument("--label_lr", type=float, default=1e-3, help="the reward model's or judge's SFT learning rate")
+    parser.add_argument("--rm_loss", choices=("label", "pairwise"), default="label",
+                        help="reward model: SFT on a right/wrong label token (balanced rows), or Bradley-Terry on right/wrong pairs")
+    parser.add_argument("--samples", type=int, default=8, help="reward model: the policy's samples per problem")
+    parser.add_argument("--check_problems", type=int, default=None, help="reward model: held-out problems its ranking is measured on")
+    parser.add_argument("--rl_steps", type=int, default=None, help="RL steps (default the quickstart's 120)")
     parser.add_argument("--overwrite", action="store_true", help="replace runs already in --run_dir")
     args = parser.parse_args(argv)
     args.run_dir = pathlib.Path(args.run_dir).resolve()
     args.overrides = (SMALL if args.small else []) + [f"ModelSource.init_seed = {args.seed}", f"SFTConfig.seed = {args.seed}"]
+    if args.rl_steps:
+        args.overrides += [f"RLConfig.steps = {args.rl_steps}", f"OptimizerConfig.total_steps = {args.rl_steps}"]
     args.label_steps = args.label_steps or (10 if args.small else 300)
     args.label_problems = args.label_problems or (50 if args.small else 3000)
+    args.check_problems = args.check_problems or (8 if args.small else 200)
     return args
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from areal_jax.tasks.arithmetic import problems
+
     args = parse_args(argv, __doc__)
     policy, cfg = sft_policy(args.run_dir / "sft", args.overrides, overwrite=args.overwrite)
-    rm_dir = train_reward_model(policy, args.run_dir / "reward_model", n_problems=args.label_problems,
-                                steps=args.label_steps, seed=args.seed, arithmetic=cfg.arithmetic)
-    rm_acc = rm_accuracy(rm_dir, cfg.arithmetic, n=20 if args.small else 200)
-    print(f"[example] reward model: sign right on {rm_acc:.3f} of held-out right/slipped answers", flush=True)
+    temperature = cfg.rollout.temperature  # RL's own sampling: the answers the RM will rank
+    # Training-split problems past the run's own prompts (a separate draw), and test-split ones
+    # the RM never trains on for its held-out ranking.
+    train_items = problems(cfg.arithmetic, "train", args.label_problems, seed=10_000 + args.seed)
+    check_items = problems(cfg.arithmetic, "test", args.check_problems, seed=20_000 + args.seed)
+
+    def sampled(model_dir, items, seed):
+        return policy_samples(model_dir, items, k=args.samples, temperature=temperature, seed=seed,
+                              max_new_tokens=cfg.rollout.max_new_tokens)
+
+    samples = sampled(policy, train_items, args.seed)
+    if args.rm_loss == "pairwise":
+        data = ranked_pairs(samples, train_items, args.seed)
+        rm_dir = train_pairwise_rm(policy, args.run_dir / "reward_model", data, steps=args.label_steps,
+                                   seed=args.seed, lr=args.label_lr)
+    else:
+        data = balanced_rows(samples, train_items, args.seed)
+        rm_dir = train_label_rm(policy, args.run_dir / "reward_model", data, steps=args.label_steps, seed=args.seed,
+                                lr=args.label_lr)
+    before = ranking_quality(rm_dir, sampled(policy, check_items, 1_000 + args.seed))
+    print(f"[example] reward model ({args.rm_loss} loss, {len(data)} rows of the policy's own answers): held-out "
+          f"within-problem pairwise {before['pairwise']:.3f}, AUC {before['auc']:.3f}", flush=True)
     summary = rl_on_reward(policy, args.run_dir / "rl", args.overrides, f"(('rm:{rm_dir}', 1.0), ('arithmetic', 0.0))",
                            overwrite=args.overwrite)
-    return report(args, summary, "the reward model", rm_sign_accuracy=rm_acc)
+    # Reward hacking shows as the RM ranking the RL'd policy's answers worse than the SFT policy's.
+    after = ranking_quality(rm_dir, sampled(args.run_dir / "rl" / "final_model", check_items, 1_000 + args.seed))
+    print(f"[example] reward model on the RL'd policy's answers: pairwise {after['pairwise']:.3f}, "
+          f"AUC {after['auc']:.3f}", flush=True)
+    return report(args, summary, "the reward model", rm_loss=args.rm_loss, rm_rows=len(data), rm_before_rl=before,
+                  rm_after_rl=after)
 
 
 def report(args: argparse.Namespace, summary: dict, reward: str, **extra) -> dict:

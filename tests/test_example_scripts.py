@@ -104,10 +104,13 @@ def test_agent_calculator_example_runs_sft_then_rl_through_the_endpoint(tmp_path
 
 def test_learned_reward_model_example_runs_end_to_end(tmp_path):
     """The reward-model example in its smoke mode (a 1-layer policy, a few steps): the reward model
-    is trained, saved as a Qwen2ForSequenceClassification and loaded as the run's only reward."""
+    is trained on the policy's own samples, saved as a Qwen2ForSequenceClassification, loaded as
+    the run's only reward, and its ranking measured before and after RL."""
     _run("learned_reward_model.py", f"--run_dir={tmp_path}", "--small")
     result = json.loads((tmp_path / "result.json").read_text())
-    assert result["rl_steps"] == 2 and 0.0 <= result["rm_sign_accuracy"] <= 1.0
+    assert result["rl_steps"] == 2 and result["rm_loss"] == "label" and result["rm_rows"] > 0
+    for figures in (result["rm_before_rl"], result["rm_after_rl"]):  # 8 held-out problems x 8 samples
+        assert figures["samples"] == 64 and 0.0 <= figures["sign"] <= 1.0
     rm_dir = tmp_path / "reward_model"
     config = json.loads((rm_dir / "config.json").read_text())
     assert config["architectures"] == ["Qwen2ForSequenceClassification"] and config["num_labels"] == 1
