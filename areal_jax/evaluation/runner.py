@@ -449,4 +449,7 @@ def _write_jsonl(path: paths.Path, samples: list[list[_Sample]]) -> None:
     with path.open("w", encoding="utf-8") as f:  # local or remote (gs://): areal_jax.paths
         for group in samples:
             for s in group:
-                f.write(json.dumps(dataclasses.asdict(s), ensure_ascii=False) + "\n")
+                row = dataclasses.asdict(s)
+                if s.terms is None:  # a single reward: the terms' fields say nothing
+                    del row["terms"], row["failed_terms"]
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
