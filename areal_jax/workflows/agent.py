@@ -110,8 +110,13 @@ class AgentWorkflow(RolloutWorkflow):
             raise ValueError("AgentWorkflow needs the policy's tokenizer (its chat template renders the messages)")
         self.rollout, self.config, self.tokenizer = rollout, config, tokenizer
         self.agent = load_agent(config.agent)
-        if config.transport == "http":
-            import openai  # noqa: F401 - fail at construction when the [agents] extra is missing
+        if config.transport == "http":  # fail at construction, naming the extra, not in the server's thread
+            for module in ("openai", "aiohttp"):
+                try:
+                    __import__(module)
+                except ImportError:
+                    raise ImportError(f"AgentConfig.transport = 'http' needs {module}: pip install 'areal-jax[agents]' "
+                                      "(or use transport 'inprocess')") from None
         self.template_kwargs = dict(prompt_encoder.chat_template_kwargs) if prompt_encoder is not None else {}
         self.sessions = SessionRegistry()
         self.service: ChatService | None = None
