@@ -99,20 +99,26 @@ def _interpreted(monkeypatch, table, platform, **options):
         entry, fn=lambda *a, **o: entry.fn(*a, interpret=interpret(platform), **options, **o)))
 
 
-def test_a_chunked_prefill_through_the_gpu_kernel_equals_the_cpu_path(monkeypatch):
-    # Rows of ragged lengths over two 48-token chunks and a 32-token tail: the same KV block and
-    # last hidden states as the CPU path (`chunk_attention`).
-    params, rng = _params(), np.random.default_rng(1)
-    lengths = jnp.array([120, 5, 49], jnp.int32)
-    ids = jnp.asarray(rng.integers(1, 64, size=(3, 128)), jnp.int32)
-    want_kv, want_last = prefill_block(params, CFG, ids, lengths, chunk=48, cache_dtype=jnp.float32)
+def _gpu_kernel_prefill_matches_cpu(monkeypatch, ids, lengths, chunk):
+    """Chunked prefill through the GPU kernel (interpreted) against the CPU path; its KV block."""
+    params = _params()
+    want_kv, want_last = prefill_block(params, CFG, ids, lengths, chunk=chunk, cache_dtype=jnp.float32)
     _interpreted(monkeypatch, pa.KERNELS, "gpu")
     with target_platform("gpu"):
-        got_kv, got_last = prefill_block(params, CFG, ids, lengths, chunk=48, cache_dtype=jnp.float32,
+        got_kv, got_last = prefill_block(params, CFG, ids, lengths, chunk=chunk, cache_dtype=jnp.float32,
                                          attention_impl="pallas")
     np.testing.assert_allclose(np.asarray(got_last), np.asarray(want_last), atol=2e-5, rtol=0)
     for g, w in zip(got_kv.k + got_kv.v, want_kv.k + want_kv.v):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=0)
+    return got_kv
+
+
+def test_a_chunked_prefill_through_the_gpu_kernel_equals_the_cpu_path(monkeypatch):
+    # Rows of ragged lengths over two 48-token chunks and a 32-token tail: the same KV block and
+    # last hidden states as the CPU path (`chunk_attention`).
+    rng = np.random.default_rng(1)
+    ids = jnp.asarray(rng.integers(1, 64, size=(3, 128)), jnp.int32)
+    _gpu_kernel_prefill_matches_cpu(monkeypatch, ids, jnp.array([120, 5, 49], jnp.int32), chunk=48)
 
 
 def test_a_block_length_the_kernel_refuses_is_padded_to_one_it_takes(monkeypatch):
@@ -120,18 +126,10 @@ def test_a_block_length_the_kernel_refuses_is_padded_to_one_it_takes(monkeypatch
     # block through the kernel and returns the 200 asked for, equal to the CPU path's.
     assert pa.kernel_block_len("auto", "gpu", 16, 200, 64) == 256 and pa.kernel_block_len("auto", "cpu", 16, 200, 64) == 200
     assert pa.kernel_block_len("auto", "tpu", 128, 17424, 512) == 17536 and pa.kernel_block_len("auto", "gpu", 128, 17408, 512) == 17408
-    params, rng = _params(), np.random.default_rng(3)
-    lengths = jnp.array([200, 7], jnp.int32)
+    rng = np.random.default_rng(3)
     ids = jnp.asarray(rng.integers(1, 64, size=(2, 200)), jnp.int32)
-    want_kv, want_last = prefill_block(params, CFG, ids, lengths, chunk=64, cache_dtype=jnp.float32)
-    _interpreted(monkeypatch, pa.KERNELS, "gpu")
-    with target_platform("gpu"):
-        got_kv, got_last = prefill_block(params, CFG, ids, lengths, chunk=64, cache_dtype=jnp.float32,
-                                         attention_impl="pallas")
+    got_kv = _gpu_kernel_prefill_matches_cpu(monkeypatch, ids, jnp.array([200, 7], jnp.int32), chunk=64)
     assert got_kv.k[0].shape == (2, 2, 200, 16)
-    np.testing.assert_allclose(np.asarray(got_last), np.asarray(want_last), atol=2e-5, rtol=0)
-    for g, w in zip(got_kv.k + got_kv.v, want_kv.k + want_kv.v):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=0)
 
 
 def test_a_packed_reprefill_through_the_flash_kernel_equals_the_cpu_path(monkeypatch):
