@@ -10,6 +10,11 @@ token t attends to the tokens s <= t of its own non-zero segment (`segment_ids` 
 = one segment per row); a query with no allowed key (padding) gets zeros. These are the semantics
 of `models.attention.causal_attention` under `models.transformer.self_attention_mask`.
 
+`key_ends [B, T]` (optional; shared-prefix training, trainer/prefix_tree.py) narrows that further:
+key s is seen only by the queries t < key_ends[s]. A prefix trie packed in depth-first order sets
+it to the end of each token's subtree, so a token sees exactly its ancestors. Only the reference
+takes it; `flash_attention` runs the reference for it whatever `impl` (and says so once).
+
 `impl` chooses the kernel, as for paged decode attention:
   "reference"  chunked jnp with its own reverse rule (`reference_flash_attention`): CPU, and the
                semantics every kernel matches
@@ -25,7 +30,9 @@ never holds the `[B, N, T, T]` scores that differentiating the blocked formula k
 from __future__ import annotations
 
 import functools
+import logging
 import math
+
 import jax
 import jax.numpy as jnp
 
@@ -62,7 +69,7 @@ class _Blocks:
     the keys heads-first `[B, K, T', H]` with their segments `[B, T']` and indices `[T']`, padded
     to whole key blocks (padding keys have segment 0: never attended to)."""
 
-    def __init__(self, q, k, v, seg, block_q: int, block_k: int):
+    def __init__(self, q, k, v, seg, ends, block_q: int, block_k: int):
         B, T, N, H = q.shape
         self.T, self.K, self.G, self.scale = T, k.shape[2], N // k.shape[2], H ** -0.5
         self.bq = max(block_q, math.ceil(T / MAX_QUERY_BLOCKS))
@@ -75,7 +82,8 @@ class _Blocks:
             kt = jnp.pad(kt, ((0, 0), (0, 0), (0, pad), (0, 0)))
             vt = jnp.pad(vt, ((0, 0), (0, 0), (0, pad), (0, 0)))
             seg = jnp.pad(seg, ((0, 0), (0, pad)))
-        self.keys = (kt, vt, seg, jnp.arange(self.padded, dtype=jnp.int32))
+            ends = None if ends is None else jnp.pad(ends, ((0, 0), (0, pad)))
+        self.keys = (kt, vt, seg, jnp.arange(self.padded, dtype=jnp.int32), ends)
 
     def key_blocks(self, end: int) -> int:
         """Key blocks a query block ending at `end` meets: 1 = the keys [0, end) at once."""
@@ -83,32 +91,37 @@ class _Blocks:
 
     def all_keys(self, end: int):
         """The keys [0, end) as one block."""
-        kt, vt, seg, pos = self.keys
-        return kt[:, :, :end], vt[:, :, :end], seg[:, :end], pos[:end]
+        kt, vt, seg, pos, ends = self.keys
+        return kt[:, :, :end], vt[:, :, :end], seg[:, :end], pos[:end], None if ends is None else ends[:, :end]
 
     def key_block(self, j):
         """Key block j (traced): `bk` tokens of each."""
-        kt, vt, seg, pos = self.keys
+        kt, vt, seg, pos, ends = self.keys
         at, size = j * self.bk, self.bk
         return (jax.lax.dynamic_slice_in_dim(kt, at, size, 2), jax.lax.dynamic_slice_in_dim(vt, at, size, 2),
-                jax.lax.dynamic_slice_in_dim(seg, at, size, 1), jax.lax.dynamic_slice_in_dim(pos, at, size, 0))
+                jax.lax.dynamic_slice_in_dim(seg, at, size, 1), jax.lax.dynamic_slice_in_dim(pos, at, size, 0),
+                None if ends is None else jax.lax.dynamic_slice_in_dim(ends, at, size, 1))
 
 
-def _scores(qb, kb, seg_q, seg_k, pos_q, pos_k, scale, G):
+def _scores(qb, kb, seg_q, seg_k, pos_q, pos_k, end_k, scale, G):
     """Masked scaled scores `[B, K, G, Q, S]` (fp32) and the mask `[B, 1, 1, Q, S]`.
-    qb `[B, K, G*Q, H]`, kb `[B, K, S, H]`; seg_* `[B, Q|S]`, pos_* `[Q|S]` token indices."""
+    qb `[B, K, G*Q, H]`, kb `[B, K, S, H]`; seg_* `[B, Q|S]`, pos_* `[Q|S]` token indices,
+    end_k `[B, S]` the keys' key_ends or None."""
     B, K, GQ, _ = qb.shape
     s = jnp.einsum("bkqh,bksh->bkqs", qb, kb, preferred_element_type=jnp.float32) * scale
     s = s.reshape(B, K, G, GQ // G, -1)
     mask = ((pos_k[None, None, :] <= pos_q[None, :, None]) & (seg_q[:, :, None] == seg_k[:, None, :])
-            & (seg_k[:, None, :] > 0))[:, None, None]
+            & (seg_k[:, None, :] > 0))
+    if end_k is not None:
+        mask = mask & (pos_q[None, :, None] < end_k[:, None, :])
+    mask = mask[:, None, None]
     return jnp.where(mask, s, _NEG), mask
 
 
-def _forward(q, k, v, seg, block_q, block_k):
+def _forward(q, k, v, seg, ends, block_q, block_k):
     """Output `[B, T, N, H]` and log-sum-exp `[B, K, G, T]` (fp32; +inf for a query with no key)."""
     B, T, N, H = q.shape
-    blocks = _Blocks(q, k, v, seg, block_q, block_k)
+    blocks = _Blocks(q, k, v, seg, ends, block_q, block_k)
     K, G, scale = blocks.K, blocks.G, blocks.scale
     outs, lses = [], []
     for start, end in blocks.queries:
@@ -116,9 +129,9 @@ def _forward(q, k, v, seg, block_q, block_k):
         seg_q, pos_q = seg[:, start:end], jnp.arange(start, end, dtype=jnp.int32)
         Q = end - start
 
-        def step(carry, kb, vb, seg_k, pos_k, qb=qb, seg_q=seg_q, pos_q=pos_q, Q=Q):
+        def step(carry, kb, vb, seg_k, pos_k, end_k, qb=qb, seg_q=seg_q, pos_q=pos_q, Q=Q):
             peak, total, acc = carry  # [B, K, G, Q, 1] fp32 (x2), [B, K, G, Q, H] fp32
-            s, mask = _scores(qb, kb, seg_q, seg_k, pos_q, pos_k, scale, G)
+            s, mask = _scores(qb, kb, seg_q, seg_k, pos_q, pos_k, end_k, scale, G)
             new_peak = jnp.maximum(peak, jnp.max(s, axis=-1, keepdims=True))
             p = jnp.where(mask, jnp.exp(s - new_peak), 0.0)  # masked keys exactly 0, even in an all-masked block
             fade = jnp.exp(peak - new_peak)
@@ -141,11 +154,11 @@ def _forward(q, k, v, seg, block_q, block_k):
     return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=-1)
 
 
-def _backward(q, k, v, seg, out, lse, d_out, block_q, block_k):
+def _backward(q, k, v, seg, ends, out, lse, d_out, block_q, block_k):
     """dq, dk, dv of `_forward`'s output, each block's probabilities recomputed from the log-sum-exp:
     dS = P * (dP - rowsum(dO * O)), all in fp32; dk, dv accumulate over query blocks in fp32."""
     B, T, N, H = q.shape
-    blocks = _Blocks(q, k, v, seg, block_q, block_k)
+    blocks = _Blocks(q, k, v, seg, ends, block_q, block_k)
     K, G, scale = blocks.K, blocks.G, blocks.scale
     # rowsum(dO * O) per query: [B, K, G, T, 1]
     delta = _fold(jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True), K)
@@ -160,9 +173,10 @@ def _backward(q, k, v, seg, out, lse, d_out, block_q, block_k):
         seg_q, pos_q = seg[:, start:end], jnp.arange(start, end, dtype=jnp.int32)
         lse_b, delta_b = lse[:, :, :, start:end, None], delta[:, :, :, start:end]
 
-        def grads(kb, vb, seg_k, pos_k, qb=qb, dob=dob, seg_q=seg_q, pos_q=pos_q, lse_b=lse_b, delta_b=delta_b, Q=Q):
+        def grads(kb, vb, seg_k, pos_k, end_k, qb=qb, dob=dob, seg_q=seg_q, pos_q=pos_q, lse_b=lse_b,
+                  delta_b=delta_b, Q=Q):
             """This query block's dq and the key block's dk, dv contributions (fp32)."""
-            s, mask = _scores(qb, kb, seg_q, seg_k, pos_q, pos_k, scale, G)
+            s, mask = _scores(qb, kb, seg_q, seg_k, pos_q, pos_k, end_k, scale, G)
             p = jnp.where(mask, jnp.exp(s - lse_b), 0.0)  # [B, K, G, Q, S]
             dp = jnp.einsum("bkqh,bksh->bkqs", dob, vb, preferred_element_type=jnp.float32).reshape(p.shape)
             ds = (p * (dp - delta_b)).reshape(B, K, G * Q, -1)
@@ -196,25 +210,25 @@ def _backward(q, k, v, seg, out, lse, d_out, block_q, block_k):
     return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _flash(q, k, v, seg, block_q, block_k):
-    return _forward(q, k, v, seg, block_q, block_k)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _flash(q, k, v, seg, ends, block_q, block_k):
+    return _forward(q, k, v, seg, ends, block_q, block_k)[0]
 
 
-def _flash_fwd(q, k, v, seg, block_q, block_k):
-    out, lse = _forward(q, k, v, seg, block_q, block_k)
-    return out, (q, k, v, seg, out, lse)  # everything O(T): no [T, T] residual
+def _flash_fwd(q, k, v, seg, ends, block_q, block_k):
+    out, lse = _forward(q, k, v, seg, ends, block_q, block_k)
+    return out, (q, k, v, seg, ends, out, lse)  # everything O(T): no [T, T] residual
 
 
 def _flash_bwd(block_q, block_k, residuals, d_out):
-    q, k, v, seg, out, lse = residuals
-    return (*_backward(q, k, v, seg, out, lse, d_out, block_q, block_k), None)
+    q, k, v, seg, ends, out, lse = residuals
+    return (*_backward(q, k, v, seg, ends, out, lse, d_out, block_q, block_k), None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def _check(q, k, v, segment_ids) -> None:
+def _check(q, k, v, segment_ids, key_ends=None) -> None:
     B, T, N, H = q.shape
     if k.shape != v.shape or k.shape[:2] != (B, T) or k.shape[3] != H:
         raise ValueError(f"flash_attention needs k, v [B, T, K, H] matching q [B, T, N, H]: q {q.shape}, "
@@ -223,22 +237,26 @@ def _check(q, k, v, segment_ids) -> None:
         raise ValueError(f"query heads ({N}) must be a multiple of kv heads ({k.shape[2]})")
     if segment_ids is not None and segment_ids.shape != (B, T):
         raise ValueError(f"segment_ids must be [B, T] = {(B, T)}, got {segment_ids.shape}")
+    if key_ends is not None and key_ends.shape != (B, T):
+        raise ValueError(f"key_ends must be [B, T] = {(B, T)}, got {key_ends.shape}")
 
 
 def reference_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, *,
-                              block_q: int | None = None, block_k: int | None = None) -> jax.Array:
+                              block_q: int | None = None, block_k: int | None = None,
+                              key_ends: jax.Array | None = None) -> jax.Array:
     """Chunked flash attention in jnp: query blocks of `block_q` tokens (default QUERY_BLOCK,
     raised so there are at most MAX_QUERY_BLOCKS, unrolled at trace time) meet only the keys up
     to their own end, in key blocks of `block_k` (default KEY_BLOCK) with an online softmax in
     fp32; key blocks above the diagonal are never computed. Its reverse rule recomputes the
-    probabilities from the saved log-sum-exp."""
-    _check(q, k, v, segment_ids)
+    probabilities from the saved log-sum-exp. `key_ends`: see the module docstring."""
+    _check(q, k, v, segment_ids, key_ends)
     block_q = QUERY_BLOCK if block_q is None else block_q
     block_k = KEY_BLOCK if block_k is None else block_k
     if block_q < 1 or block_k < 1:
         raise ValueError(f"block_q ({block_q}) and block_k ({block_k}) must be >= 1")
     seg = (jnp.ones(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32))
-    return _flash(q, k, v, seg, block_q, block_k)
+    ends = None if key_ends is None else key_ends.astype(jnp.int32)
+    return _flash(q, k, v, seg, ends, block_q, block_k)
 
 
 # Platform -> kernel with `reference_flash_attention`'s signature (plus keyword options).
@@ -252,10 +270,30 @@ kernel_name = KERNELS.kernel_name
 
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, *,
-                    impl: str = "auto", platform: str | None = None, **options) -> jax.Array:
+                    impl: str = "auto", platform: str | None = None, key_ends: jax.Array | None = None,
+                    **options) -> jax.Array:
     """Causal attention within segments; see the module docstring for shapes and semantics.
-    `options` go to the chosen kernel (block sizes, `interpret=True` for a Pallas kernel on CPU)."""
-    if resolve_impl(impl, platform) == "reference":
-        return reference_flash_attention(q, k, v, segment_ids, **options)
+    `options` go to the chosen kernel (block sizes, `interpret=True` for a Pallas kernel on CPU).
+    With `key_ends` (a prefix trie's mask) the reference runs: no Pallas kernel takes that mask."""
+    resolved = resolve_impl(impl, platform)
+    if key_ends is not None and resolved != "reference":
+        _log_tree_fallback(kernel_name(impl, platform))
+        resolved = "reference"
+        options = {k: v for k, v in options.items() if k in ("block_q", "block_k")}
+    if resolved == "reference":
+        return reference_flash_attention(q, k, v, segment_ids, key_ends=key_ends, **options)
     _check(q, k, v, segment_ids)
     return KERNELS.kernel(platform)(q, k, v, segment_ids, **options)
+
+
+_LOG = logging.getLogger(__name__)
+_FALLBACKS_LOGGED: set[str] = set()
+
+
+def _log_tree_fallback(kernel: str) -> None:
+    """Says once per kernel that a prefix trie's attention runs the jnp reference instead."""
+    if kernel not in _FALLBACKS_LOGGED:
+        _FALLBACKS_LOGGED.add(kernel)
+        _LOG.warning("flash attention: the %s kernel has no prefix-trie mask (key_ends); shared-prefix "
+                     "training (TrainEngineConfig.share_prefixes) runs the jnp reference flash attention instead",
+                     kernel)

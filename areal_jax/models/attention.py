@@ -205,11 +205,15 @@ def _shard_specs(q: jax.Array, k: jax.Array) -> tuple[PartitionSpec, PartitionSp
 
 
 def training_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, impl: str, *,
-                       platform: str | None = None, **options) -> jax.Array:
+                       platform: str | None = None, key_ends: jax.Array | None = None, **options) -> jax.Array:
     """Flash attention (kernels/flash_attention.py: causal within segments, padding queries get
     zeros) for the no-cache forward, per shard under the active mesh when the impl is a Pallas
     kernel. q `[B, T, N, H]`, k/v `[B, T, K, H]`, segment_ids `[B, T]` (0 = padding) or None ->
-    `[B, T, N, H]`. impl: "auto", "reference" or "pallas"; platform and options as there."""
+    `[B, T, N, H]`. impl: "auto", "reference" or "pallas"; platform and options as there.
+    `key_ends [B, T]`: a prefix trie's mask (shared-prefix training), which only the jnp reference
+    takes: it then runs whatever `impl`."""
+    if key_ends is not None:  # jnp: XLA partitions it like any other code
+        return flash.flash_attention(q, k, v, segment_ids, impl=impl, platform=platform, key_ends=key_ends)
     call = lambda q, k, v, s: flash.flash_attention(q, k, v, s, impl=impl, platform=platform, **options)  # noqa: E731
     specs = _shard_specs(q, k) if flash.resolve_impl(impl, platform) == "pallas" else None
     if specs is None:  # jnp: XLA partitions it like any other code

@@ -196,13 +196,18 @@ def segment_positions(segment_ids: jax.Array) -> jax.Array:
     return jnp.where(segment_ids > 0, idx - start_idx, 0)
 
 
-def self_attention_mask(B: int, T: int, segment_ids: jax.Array | None) -> jax.Array:
-    """`[B, T, T]`: causal by array index, and within one non-zero segment when `segment_ids`."""
+def self_attention_mask(B: int, T: int, segment_ids: jax.Array | None, key_ends: jax.Array | None = None
+                        ) -> jax.Array:
+    """`[B, T, T]`: causal by array index, and within one non-zero segment when `segment_ids`; with
+    `key_ends [B, T]` (a packed prefix trie, trainer/prefix_tree.py) key s is seen only by the
+    queries before key_ends[s]: a trie token's ancestors."""
     idx = jnp.arange(T)
     mask = idx[None, :, None] >= idx[None, None, :]
     if segment_ids is not None:
         same = segment_ids[:, :, None] == segment_ids[:, None, :]
         mask = mask & same & (segment_ids[:, None, :] > 0)
+    if key_ends is not None:
+        mask = mask & (idx[None, :, None] < key_ends[:, None, :])
     return jnp.broadcast_to(mask, (B, T, T))
 
 
@@ -316,6 +321,7 @@ def forward(
     attention_impl: str = "blocked",
     moe_routing: jax.Array | None = None,
     return_routing: bool = False,
+    key_ends: jax.Array | None = None,
 ):
     """Logits `[B, T, V]` (fp32) and the updated cache (and with `return_routing`, a third value:
     the pass's `moe.Routing`, None for a dense model).
@@ -336,8 +342,13 @@ def forward(
     or flash attention ("auto", "reference", "pallas"; kernels/flash_attention.py).
     `moe_routing` `[L, B, T, k]` (MoE models): replay these experts instead of routing afresh
     (routing replay, e.g. the generation engine's choices; dense layers' entries are ignored).
+    `key_ends [B, T]` (no cache only): rows hold prefix tries in depth-first order (shared-prefix
+    training, trainer/prefix_tree.py); key s is seen only by the queries before key_ends[s], so a
+    token attends to its ancestors. Positions must then be given (each token's depth).
     """
     B, T = input_ids.shape
+    if key_ends is not None and (cache is not None or positions is None):
+        raise ValueError("forward with key_ends (a packed prefix trie) needs explicit positions and no cache")
     if attention_impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {attention_impl!r}")
     compute_dtype = compute_dtype or params["embed"].dtype
@@ -352,9 +363,10 @@ def forward(
     attend = None
     if cache is None and attention_impl != "blocked":
         mask = write_index = None
-        attend = lambda q, k, v: training_attention(q, k, v, segment_ids, attention_impl)  # noqa: E731
+        attend = lambda q, k, v: training_attention(q, k, v, segment_ids, attention_impl,  # noqa: E731
+                                                    key_ends=key_ends)
     elif cache is None:
-        mask = self_attention_mask(B, T, segment_ids)
+        mask = self_attention_mask(B, T, segment_ids, key_ends)
         write_index = None
     else:
         S = cache.k[0].shape[2] if cache.is_per_layer else cache.k.shape[3]

@@ -148,7 +148,8 @@ class PPOStep:
                                         num_minibatches=min(ppo.num_minibatches, len(seqs)),
                                         row_multiple=self.rows_per_process,
                                         agree_max=agree_max if multi else None, agree_sum=agree_sum if multi else None,
-                                        group_ids=sequence_group_ids(groups), shuffle_seed=(ppo.minibatch_seed, step))
+                                        group_ids=sequence_group_ids(groups), shuffle_seed=(ppo.minibatch_seed, step),
+                                        share_prefixes=engine.share_prefixes)
         train = self.train(minibatches, version)
         return StepOutput(train=train, minibatches=minibatches, kl_mean=shaped.kl_mean)
 

@@ -37,6 +37,7 @@ from areal_jax.packing import default_buckets, ffd_allocate, pack_sequences
 from areal_jax.ppo import AdvantageConfig, compute_advantages
 from areal_jax.api.batches import PAD_VALUES, SEQUENCE_KEYS, PackedBatch
 from areal_jax.api.trajectories import TrajectoryGroup
+from areal_jax.trainer.prefix_tree import pack_tree_bin, trie_units
 
 def build_sequences(groups: Sequence[TrajectoryGroup], adv_cfg: AdvantageConfig, *,
                     logprobs: Sequence[np.ndarray] | None = None,
@@ -110,6 +111,7 @@ def make_microbatches(
     agree_sum: Callable[[int], int] | None = None,
     group_ids: Sequence[int] | None = None,
     shuffle_seed: int | Sequence[int] | None = None,
+    share_prefixes: bool = False,
 ) -> list[list[PackedBatch]]:
     """Minibatches of packed micro-batches.
 
@@ -135,6 +137,9 @@ def make_microbatches(
             share a minibatch. None: every sequence is its own group.
         shuffle_seed: seeds the order of the groups before the split (e.g. (seed, step)); None
             keeps the given order.
+        share_prefixes: each group's sequences of a minibatch packed as a prefix trie, the
+            budget counting trie tokens (trainer/prefix_tree.py; TrainEngineConfig.share_prefixes).
+            One process only (no agree_max).
     Returns:
         M lists of PackedBatch.
     """
@@ -146,6 +151,9 @@ def make_microbatches(
     _check_lengths(lengths, budget, candidates)
     if len(seqs) < m:
         raise ValueError(f"num_minibatches={m} needs at least {m} sequences, got {len(seqs)}")
+    if share_prefixes and agree_max is not None:
+        raise ValueError("share_prefixes packs on one process only: several training processes (agree_max) "
+                         "are not supported with TrainEngineConfig.share_prefixes")
 
     minibatches = []
     for index in minibatch_indices(lengths, m, group_ids, shuffle_seed):
@@ -153,9 +161,15 @@ def make_microbatches(
         if agree_sum is not None:
             valid = agree_sum(valid)
         micro = []
-        for b, row_len, num_rows in _plan_bins([lengths[i] for i in index], candidates, budget, row_multiple,
-                                               agree_max):
-            micro.append(_pack_bin(seqs, [index[j] for j in b], lengths, row_len, num_rows, valid))
+        if share_prefixes:  # bins of whole tries, by trie tokens
+            units = trie_units(seqs, index, group_ids, candidates[-1])
+            for b, row_len, num_rows in _plan_bins([u[1].num_nodes for u in units], candidates, budget,
+                                                   row_multiple, None):
+                micro.append(pack_tree_bin(seqs, [units[j] for j in b], row_len, num_rows, valid, row_multiple))
+        else:
+            for b, row_len, num_rows in _plan_bins([lengths[i] for i in index], candidates, budget, row_multiple,
+                                                   agree_max):
+                micro.append(_pack_bin(seqs, [index[j] for j in b], lengths, row_len, num_rows, valid))
         minibatches.append(micro)
     return minibatches
 

@@ -62,6 +62,14 @@ class TrainEngineConfig:
             chose, batch key `moe_routing`, are used; the router still weighs them and learns).
             At staleness > 0 replay keeps each token's routing at the behaviour version that
             sampled it. Ignored for dense policies.
+        share_prefixes: shared-prefix ("tree") training: each prompt group's rows (an agent's
+            sessions and turns, a prompt's samples) packed as one prefix trie, every shared prefix
+            computed once; the loss is unchanged (each row's own advantage, behaviour and proximal
+            log-probs, summed over the rows through a shared token). The micro-batch budget
+            counts trie tokens. Attention takes a trie mask: the "blocked" formula, or the jnp
+            reference flash attention for "auto"/"reference"/"pallas" (no Pallas kernel takes the
+            mask: it falls back, logged once). Dense policies, one training process
+            (trainer/prefix_tree.py).
     """
 
     max_tokens_per_microbatch: int = 4096
@@ -73,6 +81,7 @@ class TrainEngineConfig:
     skip_nonfinite: bool = True
     logit_chunk_tokens: int = DEFAULT_LOGIT_CHUNK_TOKENS
     moe_routing: Literal["recompute", "replay"] = "recompute"
+    share_prefixes: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_tokens_per_microbatch", "logit_chunk_tokens"):
@@ -104,7 +113,7 @@ class TrainEngineConfig:
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"TrainEngineConfig.attention_impl must be one of {ATTENTION_IMPLS}, "
                              f"got {self.attention_impl!r}")
-        for name in ("scan_layers", "skip_nonfinite"):
+        for name in ("scan_layers", "skip_nonfinite", "share_prefixes"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"TrainEngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
 

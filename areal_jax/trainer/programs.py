@@ -47,6 +47,7 @@ from areal_jax.ppo.logprobs import hidden_logprobs, hidden_logprobs_and_entropy
 from areal_jax.trainer.batching import candidate_row_lengths, rows_for_bucket
 from areal_jax.trainer.engine_config import Objective, TrainEngineConfig
 from areal_jax.trainer.optimizer import OptimizerConfig, build_optimizer
+from areal_jax.trainer.prefix_tree import TREE_INDEX_KEY, TREE_KEYS
 from areal_jax.parallel.meshes import batch_shards
 
 # The device dtypes of TrainEngineConfig.compute_dtype (trainer/engine_config.py names them).
@@ -65,7 +66,8 @@ MOE_ROUTING_KEY = "moe_routing"
 # come from the log-prob program). Other `[R, T]` keys an algorithm adds travel as float32.
 BATCH_DTYPES = {"input_ids": jnp.int32, "targets": jnp.int32, "segment_ids": jnp.int32, "positions": jnp.int32,
                 "loss_mask": jnp.float32, "behavior_logprobs": jnp.float32, "advantages": jnp.float32,
-                "versions": jnp.int32, PROXIMAL_KEY: jnp.float32}
+                "versions": jnp.int32, PROXIMAL_KEY: jnp.float32,
+                **{k: jnp.int32 for k in TREE_KEYS}}
 
 
 # ---- layouts -----------------------------------------------------------------------------------------
@@ -198,16 +200,34 @@ def build_train_programs(model_cfg: ModelConfig, engine_cfg: TrainEngineConfig, 
         return moe.replay_layers(cfg, batch[MOE_ROUTING_KEY])
 
     def hidden_of(params, batch, with_routing=False):
-        hidden, _, routing = forward(params, cfg, batch["input_ids"], batch["positions"], batch["segment_ids"],
+        # A shared-prefix batch (trainer/prefix_tree.py) runs the forward on its trie rows.
+        tree = "tree_" if TREE_INDEX_KEY in batch else ""
+        hidden, _, routing = forward(params, cfg, batch[tree + "input_ids"], batch[tree + "positions"],
+                                     batch[tree + "segment_ids"],
                                      compute_dtype=compute_dtype, remat=engine.remat, return_hidden=True,
                                      scan_layers=engine.scan_layers, attention_impl=engine.attention_impl,
-                                     return_routing=True, moe_routing=replayed(batch))
+                                     return_routing=True, moe_routing=replayed(batch),
+                                     key_ends=batch.get("tree_key_ends"))
         head = functools.partial(lm_head, params, cfg)  # [R, T, D], its head -> fp32 logits
         return (hidden, head, routing) if with_routing else (hidden, head)
 
+    def target_logprobs(hidden, head, batch, entropy=False):
+        """Log-probs of batch["targets"] `[R, T]` (and the entropy with `entropy`). A shared-prefix
+        batch takes them once per trie node (its token from its parent's hidden state) and gathers
+        them onto the plain rows, whose loss then runs as for plain packing; the gather's gradient
+        adds every row's term onto the shared node."""
+        take = hidden_logprobs_and_entropy if entropy else hidden_logprobs
+        if TREE_INDEX_KEY not in batch:
+            return take(hidden, head, batch["targets"], temperature, chunk_tokens=engine.logit_chunk_tokens)
+        R, T, D = hidden.shape
+        parents = hidden.reshape(R * T, D)[batch["tree_sources"].reshape(-1)].reshape(R, T, D)
+        out = take(parents, head, batch["tree_input_ids"], temperature, chunk_tokens=engine.logit_chunk_tokens)
+        gather = lambda x: x.reshape(-1)[batch[TREE_INDEX_KEY]]  # noqa: E731  [R_plain, T_plain]
+        return tuple(map(gather, out)) if entropy else gather(out)
+
     def policy_logprobs(params, batch):
         hidden, head = hidden_of(params, batch)
-        return hidden_logprobs(hidden, head, batch["targets"], temperature, chunk_tokens=engine.logit_chunk_tokens)
+        return target_logprobs(hidden, head, batch)
 
     def logprobs(params, batch):
         counts["logprobs"] += 1  # runs once per trace, i.e. per compilation
@@ -226,9 +246,8 @@ def build_train_programs(model_cfg: ModelConfig, engine_cfg: TrainEngineConfig, 
             # will sample, so importance ratios against it would measure the noise.
             dropped = with_dropout(p, dropout_key(lora.seed, dropout_index), dropout) if dropout else p
             hidden, head, routing = hidden_of(dropped, batch, with_routing=True)
-            logp, entropy = hidden_logprobs_and_entropy(hidden, head, batch["targets"], temperature,
-                                                        chunk_tokens=engine.logit_chunk_tokens)
-            inputs = {k: v for k, v in batch.items() if k != MOE_ROUTING_KEY}
+            logp, entropy = target_logprobs(hidden, head, batch, entropy=True)
+            inputs = {k: v for k, v in batch.items() if k != MOE_ROUTING_KEY and k not in TREE_KEYS}
             if PROXIMAL_KEY not in inputs:  # the weights' own log-probs before this update, no gradient:
                 # with dropout a deterministic forward of its own, else the loss forward's
                 inputs[PROXIMAL_KEY] = jax.lax.stop_gradient(

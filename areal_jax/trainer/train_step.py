@@ -43,6 +43,7 @@ from areal_jax.models.sharding import TRAIN_RULES, Rules, activation_rules, shar
 from areal_jax.models.transformer import Params, param_axes
 from areal_jax.trainer.engine_config import REMATS, Objective, TrainEngineConfig
 from areal_jax.trainer.optimizer import OptimizerConfig, build_optimizer, learning_rate_schedule
+from areal_jax.trainer.prefix_tree import TREE_KEYS
 from areal_jax.trainer.programs import (
     COMPUTE_DTYPES,
     ENGINE_STATS,
@@ -108,6 +109,9 @@ class JaxTrainEngine:
             if lora_lib.adapters_of(params) is None:
                 params = lora_lib.attach(params, lora_lib.init_adapters(model_cfg, lora))
         self._check_params(params)
+        if engine.share_prefixes and model_cfg.moe is not None:
+            raise ValueError("TrainEngineConfig.share_prefixes supports dense policies only: a mixture-of-experts "
+                             "policy's routing records and router metrics are per plain row")
         self._param_shardings = self._make_param_shardings()
         self._params = self._place_params(params)
         self._opt_state_shardings = self._make_opt_state_shardings()
@@ -166,7 +170,8 @@ class JaxTrainEngine:
         `params` (default: the current weights) may be another set laid out like `self.params`
         (same dtype and shardings, e.g. a frozen reference copy): the same compiled program runs.
         """
-        batch = self._to_device(microbatch, self._with_routing(microbatch, FORWARD_KEYS))
+        keys = (*FORWARD_KEYS, *(k for k in TREE_KEYS if k in microbatch.arrays))
+        batch = self._to_device(microbatch, self._with_routing(microbatch, keys))
         with self._activation_rules():
             return self._logprobs_fn(self._params if params is None else params, batch)
 
