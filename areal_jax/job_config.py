@@ -28,7 +28,7 @@ from areal_jax.reward.sandbox import SandboxLimits
 from areal_jax.rollout.workflow import RLVRConfig
 from areal_jax.tasks.arithmetic import ArithmeticConfig
 from areal_jax.trainer.config import (OptimizerConfig, PPOConfig, RLConfig, SFTConfig, TrainEngineConfig,
-                                     weight_swap_conflict)
+                                     weight_dtype_conflict, weight_swap_conflict)
 
 __all__ = ["DEFAULT_EVAL_SIZE", "DEFAULT_SAVE_INTERVAL_S", "DEFAULT_SAVE_INTERVAL_STEPS", "EVAL_SLOTS", "JobConfigs",
            "ModelSource", "RUN_DIR", "Stages", "TaskSource", "check_cross_fields", "derived_max_seq_len"]
@@ -343,7 +343,8 @@ def _check_rl(cfg: JobConfigs) -> None:
             f"the longest sample ({longest} tokens: EngineConfig.max_seq_len, or EngineConfig.max_prompt_len + "
             f"RLVRConfig.max_new_tokens) exceeds the longest of TrainEngineConfig.row_buckets ({max(buckets)}); "
             "such a sample could not be packed into a row")
-    conflict = weight_swap_conflict(engine.weight_swap, cfg.rl, cfg.lora.rank)
+    conflict = (weight_swap_conflict(engine.weight_swap, cfg.rl, cfg.lora.rank)
+                or weight_dtype_conflict(engine.weight_dtype, cfg.rl, cfg.lora.rank))
     if conflict:
         raise ConfigError(conflict)
     sequences = cfg.rl.batch_size * rollout.n_samples

@@ -19,6 +19,7 @@ KV_LAYOUTS = ("auto", "paged", "dense")
 KV_DTYPES = ("bfloat16", "float8_e4m3fn")
 ON_SWAP = ("recompute", "keep")
 WEIGHT_SWAPS = ("alongside", "evict")
+WEIGHT_DTYPES = ("int8",)  # models/quantize.WEIGHT_DTYPES (this module imports no model code)
 FP8_KV = "float8_e4m3fn"
 
 
@@ -74,6 +75,18 @@ class EngineConfig:
     # the transfer lands in their place, and generation waits for it: one copy at the peak, for a
     # model whose two copies leave no useful KV pool (a 70B on 4 H100s: 35 of 80 GiB each).
     weight_swap: str = "alongside"
+    # Storage of the served weights' large matmuls (models/quantize.py). None: as pushed
+    # (RLConfig.generation_dtype). "int8": weight-only int8, a symmetric absmax scale per output
+    # channel, for the attention projections, MLP and expert weights (embedding, LM head, norms and
+    # routers stay as pushed): about half the bytes of bf16, so a model whose bf16 copy does not fit
+    # a replica's devices can, and decode reads half the weight bytes. Each push quantizes on the
+    # way (parallel/weight_sync.py), so the generation devices never hold a bf16 copy; the forward
+    # dequantizes each weight into its matmul. The sampled tokens and recorded behaviour log-probs
+    # are then those of the quantized policy: the decoupled objective (PPOConfig.decoupled) already
+    # treats the behaviour policy as distinct from the proximal one the trainer recomputes in full
+    # precision, so the importance weight corrects for it. Not with LoRA pushes or
+    # RLConfig.transfer_mode "delta" (both write into served weights; trainer.config.weight_dtype_conflict).
+    weight_dtype: str | None = None
     cache_dtype: str | None = None  # default: the dtype of the weights
     # Storage of the KV cache. None: cache_dtype. "bfloat16". "float8_e4m3fn": e4m3 pages with one
     # scale per layer and kv head for keys and one for values (set by the first prefill written,
@@ -144,6 +157,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.on_swap must be one of {ON_SWAP}, got {self.on_swap!r}")
         if self.weight_swap not in WEIGHT_SWAPS:
             raise ValueError(f"EngineConfig.weight_swap must be one of {WEIGHT_SWAPS}, got {self.weight_swap!r}")
+        if self.weight_dtype is not None and self.weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"EngineConfig.weight_dtype must be None (as pushed) or one of {WEIGHT_DTYPES}, "
+                             f"got {self.weight_dtype!r}")
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"EngineConfig.kv_dtype must be None (cache_dtype) or one of {KV_DTYPES}, "
                              f"got {self.kv_dtype!r}")

@@ -61,6 +61,7 @@ from areal_jax.generation.requests import (Completion, EngineStats, GroupResult,
 from areal_jax.generation.sampling import SamplingParams
 from areal_jax.generation.slots import SlotTable
 from areal_jax.generation.timings import CallTimings
+from areal_jax.models import quantize
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.sharding import GENERATION_RULES, activation_rules
 from areal_jax.models.transformer import Params, Transformer
@@ -89,7 +90,9 @@ class GenerationEngine:
         self._mesh = mesh_of(params)
         check_mesh(cfg, ec, self._mesh)
         dtype = jnp.dtype(ec.block_dtype(params["embed"].dtype))  # prefill blocks (and a dense cache)
-        self._param_shardings = param_shardings(cfg, self._mesh, split=True) if self._mesh is not None else None
+        self._param_shardings = (param_shardings(cfg, self._mesh, split=True, weight_dtype=ec.weight_dtype)
+                                 if self._mesh is not None else None)
+        params = self._as_served(params)
         self.compile_counts: collections.Counter[str] = collections.Counter()
         self._stats = EngineStats()
         self._timings = CallTimings()  # seconds per program and shape, for the simulator's cost fit
@@ -206,7 +209,10 @@ class GenerationEngine:
         At the swap the old weights are dropped before the new ones are installed: split weights
         laid out as the engine holds them are used as they are, so a swap holds the old copy and the
         incoming one, never more; stacked weights are split after the old copy is gone (the engine
-        then holds the split copy while the caller may still hold the stacked one)."""
+        then holds the split copy while the caller may still hold the stacked one). With
+        EngineConfig.weight_dtype "int8", weights not yet quantized are quantized here, on the
+        caller's thread (a push quantizes them on the way instead: parallel/weight_sync.py)."""
+        params = self._as_served(params)
         problem = layout_mismatch(weight_layout(params), self._param_avals)
         if problem:  # here, on the caller's thread: the engine thread would fail every request
             raise ValueError(f"new weights do not match the served ones ({problem}); stacked or split weights "
@@ -418,6 +424,14 @@ class GenerationEngine:
                 req.prefix = None
         release.set_result(True)
         return False
+
+    def _as_served(self, params: Params) -> Params:
+        """`params` in the served weights' storage (EngineConfig.weight_dtype)."""
+        quantized = quantize.is_quantized(params)
+        if self.config.weight_dtype is None and quantized:
+            raise ValueError("these weights are int8-quantized but EngineConfig.weight_dtype is None: set it to "
+                             "'int8' to serve them")
+        return quantize.quantize_params(params) if self.config.weight_dtype and not quantized else params
 
     def _install_weights(self, params: Params) -> None:
         """Makes `params` (stacked or split) the served weights, holding at most two copies: the

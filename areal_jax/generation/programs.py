@@ -32,7 +32,7 @@ from areal_jax.aot import ProgramSpec, Role
 from areal_jax.generation.config import EngineConfig, round_slots
 from areal_jax.generation.paged import insert_pages, make_attend, page_bytes, pool_scale_bytes, pool_structs
 from areal_jax.generation.sampling import MAX_STOP_IDS, sample_tokens
-from areal_jax.models import moe
+from areal_jax.models import moe, quantize
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.sharding import GENERATION_RULES, activation_rules, constrain, sharding_for
 from areal_jax.models.decoding import paged_decode_step, prefill_block, prefill_into_pages, prefill_into_slots
@@ -95,9 +95,11 @@ def cache_sharding(model_cfg: ModelConfig, engine_cfg: EngineConfig, mesh: Mesh)
     return sharding_for(CACHE_AXES, GENERATION_RULES, mesh, shape)
 
 
-def param_shardings(model_cfg: ModelConfig, mesh: Mesh, *, split: bool) -> Any:
+def param_shardings(model_cfg: ModelConfig, mesh: Mesh, *, split: bool, weight_dtype: str | None = None) -> Any:
     """Sharding of every weight on the generation mesh: stacked (`params["layers"]` a dict of
-    `[L, ...]` arrays) or split (a tuple of L per-layer dicts, the layout the engine holds)."""
+    `[L, ...]` arrays) or split (a tuple of L per-layer dicts, the layout the engine holds). With
+    `weight_dtype` "int8" (EngineConfig.weight_dtype) the quantized weights get a QuantizedWeight of
+    the codes' and the scales' shardings."""
     is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x)  # noqa: E731
     axes, shapes = param_axes(model_cfg), param_shapes(model_cfg)
     out = jax.tree.map(lambda a, s: sharding_for(a, GENERATION_RULES, mesh, s), axes, shapes, is_leaf=is_axes)
@@ -105,18 +107,22 @@ def param_shardings(model_cfg: ModelConfig, mesh: Mesh, *, split: bool) -> Any:
         layer = jax.tree.map(lambda a, s: sharding_for(a[1:], GENERATION_RULES, mesh, s[1:]), axes["layers"],
                              shapes["layers"], is_leaf=is_axes)
         out["layers"] = (layer,) * model_cfg.num_layers
+    if weight_dtype is not None:
+        out = quantize.map_quantized(out, quantize.quantized_sharding)
     return out
 
 
-def param_structs(model_cfg: ModelConfig, mesh: Mesh, dtype, *, split: bool) -> Any:
-    """ShapeDtypeStructs of the weights, laid out as `param_shardings` says."""
+def param_structs(model_cfg: ModelConfig, mesh: Mesh, dtype, *, split: bool, weight_dtype: str | None = None) -> Any:
+    """ShapeDtypeStructs of the weights, laid out as `param_shardings` says; with `weight_dtype`
+    "int8" the quantized weights as int8 codes and fp32 scales (`models/quantize.py`)."""
     is_shape = lambda x: isinstance(x, tuple) and all(isinstance(a, int) for a in x)  # noqa: E731
     shapes = param_shapes(model_cfg)
     if split:
         shapes = {**shapes, "layers": (jax.tree.map(lambda s: s[1:], shapes["layers"], is_leaf=is_shape),)
                   * model_cfg.num_layers}
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s, dtype, sharding=sh), shapes,
-                        param_shardings(model_cfg, mesh, split=split), is_leaf=is_shape)
+    structs = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s, dtype, sharding=sh), shapes,
+                           param_shardings(model_cfg, mesh, split=split), is_leaf=is_shape)
+    return structs if weight_dtype is None else quantize.map_quantized(structs, quantize.quantized_struct)
 
 
 # ---- the programs ------------------------------------------------------------------------------------
@@ -353,7 +359,7 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
 
     # Weights are held per layer, as the unrolled prefill and decode read them: split once per swap
     # of stacked weights instead of once per call.
-    split_out = param_shardings(cfg, mesh, split=True) if mesh is not None else None
+    split_out = param_shardings(cfg, mesh, split=True, weight_dtype=ec.weight_dtype) if mesh is not None else None
     paged = layout == "paged"
     return EnginePrograms(
         split=jax.jit(split, out_shardings=split_out),
@@ -413,7 +419,7 @@ def engine_program_specs(model_cfg: ModelConfig, engine_cfg: EngineConfig, *, me
         layer = jax.ShapeDtypeStruct((B, K, S, H), cache_dtype, sharding=cache_sharding(cfg, ec, mesh))
         cache = KVCache((layer,) * cfg.num_layers, (layer,) * cfg.num_layers)
         cache_fields = _CACHE_FIELDS
-    params = param_structs(cfg, mesh, param_dtype, split=True)
+    params = param_structs(cfg, mesh, param_dtype, split=True, weight_dtype=ec.weight_dtype)
     # A push lands beside the served weights, unless the engine evicts them first (weight_swap).
     incoming = (params,) if role == "generation" and ec.weight_swap == "alongside" else ()
     replicated = NamedSharding(mesh, PartitionSpec())

@@ -200,7 +200,7 @@ def _prepare_run(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: Rewa
                 meshes=meshes, work=work, reward_fn=reward_fn,
                 # Moves weights to this host's generation devices in the generation dtype, per layer;
                 # the RL loop reuses it (and its compiled programs).
-                sync=generation_weight_sync(work.model_config, meshes, cfg.rl, cfg.lora),
+                sync=generation_weight_sync(work.model_config, meshes, cfg.rl, cfg.lora, cfg.engine.weight_dtype),
                 eval_slots=_eval_slots(cfg, work.model_config, meshes), checkpointer=checkpointer,
                 resuming=bool(resume and checkpointer is not None and checkpointer.latest_step() is not None))
 

@@ -100,6 +100,9 @@ class DeltaSync:
     def __init__(self, sync: WeightSync, *, sparse_fraction: float = 1.0):
         if sync.layout != "split":
             raise ValueError(f"DeltaSync needs the 'split' layout (the engine's), got {sync.layout!r}")
+        if sync.weight_dtype is not None:
+            raise ValueError(f"DeltaSync writes changed elements into the served weights, which weight_dtype "
+                             f"{sync.weight_dtype!r} quantizes: use a full push (RLConfig.transfer_mode 'full')")
         if not 0.0 < sparse_fraction <= 1.0:
             raise ValueError(f"sparse_fraction must lie in (0, 1], got {sparse_fraction}")
         self.sync = sync

@@ -55,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from areal_jax.models import quantize
 from areal_jax.parallel.meshes import GENERATION_AXES, TRAIN_AXES, Meshes
 from areal_jax.parallel.transfer_plan import (
     LAYERS,
@@ -112,6 +113,11 @@ class WeightSync:
       layout: "split" gives `params["layers"]` as a tuple of per-layer dicts (a tree with a
         `"layers"` entry whose leaves are stacked on a leading axis; other trees keep their
         structure); "stacked" re-stacks the layers on the generation devices.
+      weight_dtype: EngineConfig.weight_dtype. "int8": each layer weight that models/quantize.py
+        quantizes arrives as a QuantizedWeight (int8 codes and fp32 per-output-channel scales),
+        quantized on the generation devices piece by piece as it lands (one layer of one weight
+        in the generation dtype at a time), so they never hold a full-precision copy. The
+        transfer still moves the generation dtype's bytes. Split layout only.
     """
 
     def __init__(
@@ -123,6 +129,7 @@ class WeightSync:
         *,
         group_bytes: int = DEFAULT_GROUP_BYTES,
         layout: Layout = "split",
+        weight_dtype: str | None = None,
     ):
         check_specs(train_specs, TRAIN_AXES, "train")
         check_specs(generation_specs, GENERATION_AXES, "generation")
@@ -137,6 +144,10 @@ class WeightSync:
             raise ValueError(f"group_bytes must be an int >= 1, got {group_bytes!r}")
         if layout not in ("split", "stacked"):
             raise ValueError(f"layout must be 'split' or 'stacked', got {layout!r}")
+        if weight_dtype is not None and weight_dtype not in quantize.WEIGHT_DTYPES:
+            raise ValueError(f"weight_dtype must be None or one of {quantize.WEIGHT_DTYPES}, got {weight_dtype!r}")
+        if weight_dtype is not None and layout != "split":
+            raise ValueError("weight_dtype 'int8' needs layout='split' (the engine's per-layer weights)")
         self._meshes = meshes
         self._treedef = train_def
         self._train_specs = train_def.flatten_up_to(train_specs)
@@ -148,6 +159,11 @@ class WeightSync:
         self._paths = [jax.tree_util.keystr(p) for p, _ in flat]
         has_layers = isinstance(train_specs, Mapping) and LAYERS in train_specs
         self._stacked = [has_layers and getattr(p[0], "key", None) == LAYERS for p, _ in flat]
+        self._weight_dtype = weight_dtype
+        # Per leaf: the axes its per-layer pieces contract over when quantized, else None.
+        self._quant_axes = [quantize.contracted_axes(getattr(p[-1], "key", None)) if weight_dtype and stacked
+                            else None for (p, _), stacked in zip(flat, self._stacked)]
+        self._quant_programs: dict[int, Any] = {}
         self._layers_def = (jax.tree.structure(train_specs[LAYERS], is_leaf=is_spec) if any(self._stacked)
                             else None)
         if layout == "split":
@@ -171,12 +187,14 @@ class WeightSync:
 
     @classmethod
     def for_model(cls, model_cfg: Any, meshes: Meshes, generation_dtype: jnp.dtype | None = None, *,
-                  group_bytes: int = DEFAULT_GROUP_BYTES, layout: Layout = "split") -> WeightSync:
+                  group_bytes: int = DEFAULT_GROUP_BYTES, layout: Layout = "split",
+                  weight_dtype: str | None = None) -> WeightSync:
         """The transfer of a decoder's parameters, laid out by the train and generation rule tables."""
         train_specs, generation_specs = model_partition_specs(model_cfg, meshes.train,
                                                               meshes.generation.shape["tensor"],
                                                               generation_expert=meshes.generation.shape["expert"])
-        return cls(meshes, train_specs, generation_specs, generation_dtype, group_bytes=group_bytes, layout=layout)
+        return cls(meshes, train_specs, generation_specs, generation_dtype, group_bytes=group_bytes, layout=layout,
+                   weight_dtype=weight_dtype)
 
     @property
     def meshes(self) -> Meshes:
@@ -203,6 +221,10 @@ class WeightSync:
     @property
     def layout(self) -> str:
         return self._layout
+
+    @property
+    def weight_dtype(self) -> str | None:
+        return self._weight_dtype
 
     @staticmethod
     def _build_local_view(meshes: Meshes, view: Mesh) -> Mesh:
@@ -292,7 +314,8 @@ class WeightSync:
             if self.on_group_resharded is not None:
                 self.on_group_resharded(g)
             t1 = time.perf_counter()
-            pieces.update(zip(group.pieces, self._place(on_view, [shardings[i] for i, _ in group.pieces])))
+            placed = self._place(on_view, [shardings[i] for i, _ in group.pieces])
+            pieces.update((piece, self._quantize(piece[0], x, shardings)) for piece, x in zip(group.pieces, placed))
             place_s += time.perf_counter() - t1
         t_stack = time.perf_counter()
         out = self._assemble(plan, pieces)
@@ -330,6 +353,23 @@ class WeightSync:
         for x in local:
             x.delete()
         for x in on_view:
+            x.delete()
+        return out
+
+    def _quantize(self, i: int, x: jax.Array, shardings: dict, free: bool = True) -> Any:
+        """Leaf i's piece `x` (on the generation devices) as its served storage: a quantized
+        weight's int8 codes and scales (with `free`, the full-precision piece is then deleted:
+        only for pieces this transfer made); other pieces as they are."""
+        axes = self._quant_axes[i]
+        if axes is None:
+            return x
+        if i not in self._quant_programs:
+            generation_sh = shardings[i][1]
+            self._quant_programs[i] = jax.jit(lambda w: quantize.quantize(w, axes),
+                                              out_shardings=quantize.quantized_sharding(generation_sh, axes))
+        out = self._quant_programs[i](x)
+        jax.block_until_ready(out)
+        if free:
             x.delete()
         return out
 
@@ -373,7 +413,8 @@ class WeightSync:
         for i, leaf in enumerate(plan.leaves):
             for layer in (range(leaf.shape[0]) if leaf.stacked else (None,)):
                 put = jax.device_put(leaves[i] if layer is None else leaves[i][layer], shardings[i][1])
-                pieces[(i, layer)] = cast(put, leaf.out_dtype)
+                # Not freed here: a put of an array already in place is the caller's array itself.
+                pieces[(i, layer)] = self._quantize(i, cast(put, leaf.out_dtype), shardings, free=False)
                 jax.block_until_ready(pieces[(i, layer)])
                 del put
         return self._assemble(plan, pieces)

@@ -251,7 +251,9 @@ def plan_inputs(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_fi
 
     from areal_jax.generation.programs import param_structs
 
-    gen_weights = bytes_per_device(param_structs(model_cfg, meshes.generation, gen_dtype(job), split=True))
+    # The served copy: int8 codes and scales with EngineConfig.weight_dtype "int8".
+    gen_weights = bytes_per_device(param_structs(model_cfg, meshes.generation, gen_dtype(job), split=True,
+                                                 weight_dtype=job.engine.weight_dtype))
 
     # LoRA: the generation devices keep the frozen base beside the merged weights they serve
     # (parallel/adapter_sync.py), one weight copy more than the engine's own programs hold.

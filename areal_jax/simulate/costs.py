@@ -121,6 +121,9 @@ class RooflineCosts:
     # Share of the generation weights' bytes a push sends (RLConfig.transfer_mode "delta":
     # parallel/delta_sync.sent_fraction of the changed share; 1.0: the full push).
     transfer_sent_fraction: float = 1.0
+    # Bytes of the served copy over the pushed one (EngineConfig.weight_dtype "int8": about 0.5,
+    # models/quantize.served_bytes): what decode and prefill read; a push still sends the pushed.
+    served_weight_fraction: float = 1.0
     reward_s: float = 0.0
     label: str = "roofline"
     learned_rewards: "LearnedRewardCosts | None" = None
@@ -146,7 +149,7 @@ class RooflineCosts:
         FLOPs count the active experts (analytic_flops)."""
         from areal_jax.plan.estimate import weight_share_read
 
-        return self.generation_weight_bytes * weight_share_read(self.model, tokens)
+        return self.generation_weight_bytes * self.served_weight_fraction * weight_share_read(self.model, tokens)
 
     def decode_step_s(self, window: int) -> float:
         """One decode step of every slot of a replica (the program computes every slot, active or not)."""

@@ -145,6 +145,7 @@ def roofline_costs(job, plan_cfg, gin_files, target, workload, row, *, transfer_
                    transfer_changed: float = 1.0):
     """`RooflineCosts` of a row's split on `target` (plan/: the model's shapes, analytic FLOPs, published peaks)."""
     from areal_jax.plan.estimate import EstimateContext
+    from areal_jax.models.quantize import served_bytes
     from areal_jax.plan.job import gen_dtype, model_config_for
     from areal_jax.simulate.costs import RooflineCosts
 
@@ -173,7 +174,9 @@ def roofline_costs(job, plan_cfg, gin_files, target, workload, row, *, transfer_
                          train_devices=train_devices, hosts=workload.hosts, generation_weight_bytes=weight_bytes,
                          kv_bytes_per_token=kv_bytes, separate_proximal=job.ppo.decoupled and job.ppo.num_minibatches > 1,
                          transfer_bytes_per_s=transfer_bytes_per_s, pack_width=engine.pack_width, reward_s=reward_s,
-                         transfer_sent_fraction=sent)
+                         transfer_sent_fraction=sent,
+                         served_weight_fraction=served_bytes(model, gen_dtype(job).itemsize, job.engine.weight_dtype)
+                         / weight_bytes)
 
 
 def learned_reward_costs(job, target):

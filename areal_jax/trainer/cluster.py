@@ -33,19 +33,25 @@ from areal_jax.parallel.weight_sync import WeightSync
 from areal_jax.rollout.channel import TrajectoryChannel
 from areal_jax.rollout.controller import RolloutController, ShutdownReport
 from areal_jax.rollout.staleness import StalenessManager
-from areal_jax.trainer.config import OptimizerConfig, PPOConfig, RLConfig, TrainEngineConfig, weight_swap_conflict
+from areal_jax.trainer.config import (OptimizerConfig, PPOConfig, RLConfig, TrainEngineConfig, weight_dtype_conflict,
+                                      weight_swap_conflict)
 
 __all__ = ["RLCluster", "generation_weight_sync"]
 
 
-def generation_weight_sync(model_cfg: ModelConfig, meshes: Meshes, rl: RLConfig, lora: LoRAConfig | None = None
-                           ) -> WeightSync | DeltaSync | AdapterSync:
+def generation_weight_sync(model_cfg: ModelConfig, meshes: Meshes, rl: RLConfig, lora: LoRAConfig | None = None,
+                           weight_dtype: str | None = None) -> WeightSync | DeltaSync | AdapterSync:
     """The train -> generation transfer of a run: the generation dtype and group size of `rl`,
-    weights delivered per layer (the layout the engine holds). With LoRA, an `AdapterSync`: the
-    base once, then only the adapters, merged on the generation devices."""
+    weights delivered per layer (the layout the engine holds), quantized on the way with
+    `weight_dtype` (EngineConfig.weight_dtype). With LoRA, an `AdapterSync`: the base once, then
+    only the adapters, merged on the generation devices."""
+    conflict = weight_dtype_conflict(weight_dtype, rl, lora.rank if lora is not None else 0)
+    if conflict:
+        raise ValueError(conflict)
     if lora is not None and lora.enabled:
         return AdapterSync(model_cfg, lora, meshes, rl.generation_dtype, group_bytes=rl.transfer_group_bytes)
-    sync = WeightSync.for_model(model_cfg, meshes, rl.generation_dtype, group_bytes=rl.transfer_group_bytes)
+    sync = WeightSync.for_model(model_cfg, meshes, rl.generation_dtype, group_bytes=rl.transfer_group_bytes,
+                                weight_dtype=weight_dtype)
     return DeltaSync(sync) if rl.transfer_mode == "delta" else sync
 
 
@@ -92,7 +98,8 @@ class RLCluster:
         from areal_jax.trainer.algorithm import ppo_trainer
 
         check_model_fits_mesh(model_cfg, mesh)
-        conflict = weight_swap_conflict(engine.weight_swap, rl, lora.rank)
+        conflict = (weight_swap_conflict(engine.weight_swap, rl, lora.rank)
+                    or weight_dtype_conflict(engine.weight_dtype, rl, lora.rank))
         if conflict:
             raise ValueError(conflict)
         meshes = build_meshes(mesh, devices)
@@ -105,7 +112,10 @@ class RLCluster:
             raise ValueError("weight_sync was built for other meshes than this loop's")
         if weight_sync is not None and isinstance(weight_sync, AdapterSync) != lora.enabled:
             raise ValueError("weight_sync must be an AdapterSync exactly when LoRAConfig.rank > 0")
-        sync = weight_sync or generation_weight_sync(model_cfg, meshes, rl, lora)
+        if weight_sync is not None and getattr(weight_sync, "weight_dtype", None) != engine.weight_dtype:
+            raise ValueError(f"weight_sync quantizes to {getattr(weight_sync, 'weight_dtype', None)!r} but "
+                             f"EngineConfig.weight_dtype is {engine.weight_dtype!r}")
+        sync = weight_sync or generation_weight_sync(model_cfg, meshes, rl, lora, engine.weight_dtype)
         served = GenerationEngine((model_cfg, sync.transfer(trainer.params)), engine, version=start_version)
         # Micro-batch rows split over "fsdp" x "expert": each process contributes a multiple of its share.
         rows = max(batch_shards(meshes.train) // jax.process_count(), 1)

@@ -341,3 +341,20 @@ def weight_swap_conflict(weight_swap: str, rl: RLConfig, lora_rank: int) -> str 
         return ("EngineConfig.weight_swap = 'evict' with RLConfig.transfer_mode = 'delta': a delta push writes the "
                 "changed elements into a copy of the served weights, which eviction drops; use transfer_mode 'full'")
     return None
+
+
+def weight_dtype_conflict(weight_dtype: str | None, rl: RLConfig, lora_rank: int) -> str | None:
+    """Why `EngineConfig.weight_dtype` cannot be used with this run's push, or None.
+
+    An int8 engine holds only int8 codes and scales of its matmul weights: a LoRA push merges the
+    adapters into a full-precision base on the generation devices and a delta push writes the
+    changed elements of the generation dtype into the served weights, neither of which exists."""
+    if weight_dtype is None:
+        return None
+    if lora_rank > 0:
+        return (f"EngineConfig.weight_dtype = {weight_dtype!r} with LoRAConfig.rank > 0: a LoRA push merges adapters "
+                "into full-precision served weights; use weight_dtype None")
+    if rl.transfer_mode == "delta":
+        return (f"EngineConfig.weight_dtype = {weight_dtype!r} with RLConfig.transfer_mode = 'delta': a delta push "
+                "writes changed elements into the served weights, which are quantized; use transfer_mode 'full'")
+    return None
