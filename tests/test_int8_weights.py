@@ -162,8 +162,11 @@ def test_the_combinations_that_write_into_served_weights_are_refused_by_name():
         DeltaSync(WeightSync.for_model(DENSE, meshes, jnp.bfloat16, weight_dtype="int8"))
     with pytest.raises(ValueError, match="layout='split'"):
         WeightSync.for_model(DENSE, meshes, jnp.bfloat16, weight_dtype="int8", layout="stacked")
-    with pytest.raises(ValueError, match="EngineConfig.weight_dtype is None"):
-        GenerationEngine((DENSE, quantize.quantize_params(_params(DENSE))), EngineConfig(**BASE))
+    # An engine handed quantized weights (evaluation on the run's served copy) serves them as int8.
+    served = GenerationEngine((DENSE, quantize.quantize_params(_params(DENSE))), EngineConfig(**BASE))
+    assert served.config.weight_dtype == "int8"
+    with pytest.raises(ValueError, match="do not match the served ones"):
+        served.update_weights(jax.tree.map(lambda a: a.astype(jnp.float32), _params(DENSE)), version=1)
 
 
 def test_the_plan_counts_half_the_generation_weight_bytes():

@@ -86,6 +86,8 @@ class EngineConfig:
     # treats the behaviour policy as distinct from the proximal one the trainer recomputes in full
     # precision, so the importance weight corrects for it. Not with LoRA pushes or
     # RLConfig.transfer_mode "delta" (both write into served weights; trainer.config.weight_dtype_conflict).
+    # An engine given already quantized weights (evaluation on the run's served ones) serves them
+    # as int8 whatever this says.
     weight_dtype: str | None = None
     cache_dtype: str | None = None  # default: the dtype of the weights
     # Storage of the KV cache. None: cache_dtype. "bfloat16". "float8_e4m3fn": e4m3 pages with one

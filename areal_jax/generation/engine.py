@@ -81,6 +81,9 @@ class GenerationEngine:
         dict of `[L, ...]` arrays) or split (a tuple of L per-layer dicts, `split_layers`'s
         layout: installed as given when already laid out as the engine holds them, no copy)."""
         self.model_config, params = (model.config, model.params) if isinstance(model, Transformer) else model
+        if config.weight_dtype is None and quantize.is_quantized(params):
+            # Weights a push already quantized (an evaluation engine given the run's served ones).
+            config = dataclasses.replace(config, weight_dtype="int8")
         self.config = config
         self._version = version
         cfg, ec = self.model_config, config
@@ -428,9 +431,6 @@ class GenerationEngine:
     def _as_served(self, params: Params) -> Params:
         """`params` in the served weights' storage (EngineConfig.weight_dtype)."""
         quantized = quantize.is_quantized(params)
-        if self.config.weight_dtype is None and quantized:
-            raise ValueError("these weights are int8-quantized but EngineConfig.weight_dtype is None: set it to "
-                             "'int8' to serve them")
         return quantize.quantize_params(params) if self.config.weight_dtype and not quantized else params
 
     def _install_weights(self, params: Params) -> None:
