@@ -118,7 +118,8 @@ def table(name: str, report: dict) -> str:
     best = sorted((r for r in rows if r["mode"] == "async"), key=lambda r: -r["trained_tokens_per_s"])
     lines = [f"**{name}** ({report['assumptions']['lengths']}; {report['assumptions']['batch']}; "
              f"{report['assumptions']['hosts']} hosts; sync's async_bound {sync['async_bound']:.2f}x = "
-             f"1 + {sync['generation_share']:.2f} x (1 / {sync['sync_generation_efficiency']:.2f} - 1))", "",
+             f"1 / ({sync['generation_share']:.2f} x {sync['sync_generation_efficiency']:.2f} + "
+             f"{sync['train_share']:.2f} x {sync['sync_train_efficiency']:.2f}))", "",
              "| mode | eta | split (gen:train per host) | trained tok/s | per device | vs sync | of bound | roofline fraction "
              "| padded | gen busy | train busy | slot occupancy | re-prefilled per trained token | staleness max / mean "
              "| step s |",

@@ -53,7 +53,8 @@ def summary(name: str, report: dict) -> dict:
         "async_tok_s": async_row["trained_tokens_per_s"], "sync_tok_s": sync["trained_tokens_per_s"],
         "vs_sync": async_row["vs_sync"], "async_bound": sync["async_bound"],
         "vs_async_bound": async_row["vs_async_bound"], "g": sync["generation_share"],
-        "e_s": sync["sync_generation_efficiency"],
+        "e_s": sync["sync_generation_efficiency"], "t": sync["train_share"], "e_t": sync["sync_train_efficiency"],
+        "bound_live_per_replica": sync["bound_live_per_replica"],
         "eta0_tok_s": eta0["trained_tokens_per_s"],
         "vs_eta0_same_split": async_row["trained_tokens_per_s"] / eta0["trained_tokens_per_s"],
         "tok_s_per_device": async_row["trained_tokens_per_s_per_device"],
@@ -64,7 +65,7 @@ def summary(name: str, report: dict) -> dict:
     }
 
 
-HEADER = ("| config (target) | split, eta | trained tok/s async / fair sync | vs fair sync | async_bound (g, e_s) "
+HEADER = ("| config (target) | split, eta | trained tok/s async / fair sync | vs fair sync | async_bound (g, e_s; t, e_t) "
           "| async / bound | vs eta 0 on the same split (the paper's kind) | tok/s per device | roofline fraction "
           "async / sync | padded async / sync |\n|---|---|---|---|---|---|---|---|---|---|")
 
@@ -72,11 +73,11 @@ HEADER = ("| config (target) | split, eta | trained tok/s async / fair sync | vs
 def line(s: dict) -> str:
     if s["split"] == "colocated":  # both sides on every device at once: roofline costs do not charge the sharing
         return (f"| {s['config']} | colocated, {s['eta']} | {s['async_tok_s']:,.0f} / {s['sync_tok_s']:,.0f} | "
-                f"({s['vs_sync']:.2f}x, not physical) | {s['async_bound']:.2f}x ({s['g']:.2f}, {s['e_s']:.2f}) | - | "
+                f"({s['vs_sync']:.2f}x, not physical) | {s['async_bound']:.2f}x ({s['g']:.2f}, {s['e_s']:.2f}; {s['t']:.2f}, {s['e_t']:.2f}) | - | "
                 f"- | {s['tok_s_per_device']:,.0f} | - / {s['sync_roofline_fraction']:.2f} | "
                 f"{s['padded_async']:.2f}x / {s['padded_sync']:.2f}x |")
     return (f"| {s['config']} | {s['split']}, {s['eta']} | {s['async_tok_s']:,.0f} / {s['sync_tok_s']:,.0f} | "
-            f"{s['vs_sync']:.2f}x | {s['async_bound']:.2f}x ({s['g']:.2f}, {s['e_s']:.2f}) | {s['vs_async_bound']:.2f} | "
+            f"{s['vs_sync']:.2f}x | {s['async_bound']:.2f}x ({s['g']:.2f}, {s['e_s']:.2f}; {s['t']:.2f}, {s['e_t']:.2f}) | {s['vs_async_bound']:.2f} | "
             f"{s['vs_eta0_same_split']:.2f}x | {s['tok_s_per_device']:,.0f} | "
             f"{s['roofline_fraction']:.2f} / {s['sync_roofline_fraction']:.2f} | "
             f"{s['padded_async']:.2f}x / {s['padded_sync']:.2f}x |")

@@ -95,3 +95,18 @@ def test_the_planner_builds_a_hybrid_mesh_on_libtpus_multislice_topology():
     assert meshes.train.shape["fsdp"] == 16
     # create_hybrid_device_mesh: slice 0's 8 training chips, then slice 1's.
     assert [d.slice_index for d in devices] == [0] * 8 + [1] * 8
+
+
+def test_the_tunes_stand_in_devices_build_a_multislice_targets_train_mesh():
+    """`simulate --tune` estimates a point on stand-in GPU devices of one slice (plan/fit.py: no
+    libtpu): on a two-slice target they took the hybrid mesh, whose DCN axis of 2 they cannot fill,
+    and every point of the 70B v5p config was refused. They take the flat mesh, of the same "fsdp"."""
+    from areal_jax.parallel.meshes import split_local_devices
+    from areal_jax.plan.fit import stand_in_devices
+    from areal_jax.plan.planner import role_meshes
+
+    target = parse_target("2xv5p-64")
+    split = split_local_devices(MeshConfig(num_generation_devices_per_host=2, num_slices=2), target.devices_per_host)
+    meshes = role_meshes(target, split, 2, 2, devices=stand_in_devices)
+    assert meshes.train.shape["fsdp"] == 2 * 8 * 2 // 2 and meshes.train.shape["tensor"] == 2
+    assert meshes.generation_replicas_per_host == 1

@@ -332,6 +332,29 @@ def test_a_lora_step_swaps_the_adapters_and_not_the_base():
     assert full["step_train_s"] - lora["step_train_s"] == pytest.approx(2.0 - 0.003)
 
 
+def test_a_swap_counts_every_layer_group_of_the_transfer():
+    """The default plan compiles one program of each family: "transfer/layers[0:k of N]" stands for
+    N / k groups (the bug: a 70B swap of 80 layers was costed at one layer's group, 1.19 ms for 141 GB).
+    By hand: 80 layers in groups of 2 at 3 ms per group, plus the embedding's 5 ms and the head's 4 ms:
+    40 x 3 + 5 + 4 = 129 ms; with every group planned (--all) the same; LoRA's adapters alone."""
+    from areal_jax.plan.planner import ProgramPlan, swap_s
+
+    def program(name, roofline_s):
+        return ProgramPlan(name=name, role="transfer", peak_bytes_per_device=1, capacity_bytes_per_device=2,
+                           fits=True, flops=0.0, bytes_accessed=1e9, roofline_s=roofline_s, source="test",
+                           program_bytes=1, resident_bytes=0, temp_bytes=0, compile_s=0.0, fields=())
+
+    others = [program("transfer/embed[bfloat16]", 0.005), program("transfer/head+final_norm[bfloat16]", 0.004)]
+    default = [program("transfer/layers[0:2 of 80][bfloat16]", 0.003), *others]
+    assert swap_s(default) == pytest.approx(40 * 0.003 + 0.005 + 0.004)
+    every = [program(f"transfer/layers[{a}:{a + 2} of 80][bfloat16]", 0.003) for a in range(0, 80, 2)]
+    assert swap_s([*every, *others]) == pytest.approx(0.129)
+    # A shorter last run is its own (smaller) program: the per-layer figure of the larger one holds.
+    assert swap_s([program("transfer/layers[0:3 of 7][bfloat16]", 0.006), *others]) == pytest.approx(7 * 0.002 + 0.009)
+    lora = [*default, program("transfer/lora/layers[0:80 of 80][float32]", 0.002)]
+    assert swap_s(lora) == pytest.approx(0.002)
+
+
 def test_eval_engine_slots_are_bounded_by_the_rl_engines_pool():
     # Pages of 1,000 bytes, 100 pages per 1,600-token sequence, 2 replicas per host.
     from areal_jax.generation.config import EngineConfig

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import math
 import pathlib
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -164,7 +165,9 @@ def role_meshes(target: Target, split: DeviceSplit, train_tensor: int, generatio
     if len(train_devices) % (train_expert * train_tensor * slices):
         raise ValueError(f"MeshConfig.train_expert = {train_expert} x train_tensor = {train_tensor} does not divide "
                          f"the {len(train_devices) // slices} training devices of each of {slices} slice(s)")
-    if slices > 1 and all(getattr(d, "slice_index", None) is not None for d in train_devices):
+    # Stand-in devices of one slice (plan/fit.stand_in_devices: the estimate reads only shapes and
+    # shardings) carry slice_index 0 alike: they take the flat mesh, whose "fsdp" is as large.
+    if slices > 1 and len({getattr(d, "slice_index", None) for d in train_devices} - {None}) == slices:
         # Several slices over DCN: "fsdp" = slices (outermost) x each slice's devices (parallel/meshes.py).
         train = Mesh(hybrid_train_grid(train_devices, slices, train_expert, train_tensor), TRAIN_AXES,
                      axis_types=(AxisType.Auto,) * 3)
@@ -374,11 +377,8 @@ def predict(programs: Sequence[ProgramPlan], *, target: Target, meshes: RoleMesh
         out["trained_tokens_per_s_compute"] = train_tps
     step_tokens = batch_groups * samples_per_group * mean_seq
     gen_tokens = batch_groups * samples_per_group * mean_completion
-    # A step's weight swap: the whole model, or with LoRA the adapters alone (the base crosses once).
-    swaps = [p for p in programs if p.role == "transfer"]
-    swaps = [p for p in swaps if p.name.startswith("transfer/lora/")] or swaps
     if gen_tps and train_tps:
-        transfer = sum(p.roofline_s for p in swaps)
+        transfer = swap_s(programs)
         out["transfer_s_per_step"] = transfer
         t_train = step_tokens / train_tps + num_minibatches * (update.roofline_s if update else 0.0) + transfer
         t_gen = gen_tokens / gen_tps
@@ -393,6 +393,31 @@ def predict(programs: Sequence[ProgramPlan], *, target: Target, meshes: RoleMesh
             if not 0.85 <= t_step / live["step_s"] <= 1.15:
                 out["step_disagreement"] = step_disagreement(t_step, live)
     return out
+
+
+_LAYER_GROUP = re.compile(r"^(?P<head>.*layers)\[(?P<a>\d+):(?P<b>\d+) of (?P<n>\d+)\](?P<tail>.*)$")
+
+
+def swap_s(programs: Sequence[ProgramPlan]) -> float:
+    """Seconds of one weight swap at the transfer programs' rooflines: the whole model, or with LoRA
+    the adapters alone (the base crosses once). A swap runs every group of `RLConfig.transfer_group_bytes`;
+    runs of equal length share one program, and the default plan compiles only the largest of the
+    family ("transfer/layers[0:k of N]"), so the layer groups are its roofline per layer times the N
+    layers (with `--all`, every group's program is planned and each gives the same per-layer figure).
+    The other groups (embedding, head, norms) are each their own program, counted once."""
+    swaps = [p for p in programs if p.role == "transfer"]
+    swaps = [p for p in swaps if p.name.startswith("transfer/lora/")] or swaps
+    per_layer: dict[tuple[str, str], tuple[float, int]] = {}
+    total = 0.0
+    for p in swaps:
+        m = _LAYER_GROUP.match(p.name)
+        if m is None:
+            total += p.roofline_s
+            continue
+        key, count = (m["head"], m["tail"]), int(m["b"]) - int(m["a"])
+        seconds = p.roofline_s / count
+        per_layer[key] = (max(seconds, per_layer.get(key, (0.0, 0))[0]), int(m["n"]))
+    return total + sum(seconds * layers for seconds, layers in per_layer.values())
 
 
 def step_disagreement(plan_step_s: float, live: dict[str, Any]) -> str:

@@ -72,8 +72,11 @@ def format_plan(plan: Plan, steps: int | None = None) -> str:
                      "the peaks of the programs sharing their devices): " + ", ".join(parts))
     if "transfer_bytes_per_step" in pred:
         lines.append(f"weight swap: {pred['transfer_bytes_per_step'] / 2**20:,.1f} MiB per step"
-                     + (f" ({pred['transfer_s_per_step'] * 1e3:.2f} ms at the roofline)" if "transfer_s_per_step" in pred
-                        else ""))
+                     + (f" ({pred['transfer_s_per_step'] * 1e3:.2f} ms at the training devices' roofline, every "
+                        "group)" if "transfer_s_per_step" in pred else "")
+                     + (f"; {pred['transfer_network_bytes_per_host'] / 2**20:,.1f} MiB per host over "
+                        f"{pred['transfer_network']}: {pred['transfer_network_s']:.2f} s"
+                        if "transfer_network_s" in pred else ""))
     if "step_s" in pred:
         lines.append(f"one step: generation {pred['step_generation_s']:.1f} s, training {pred['step_train_s']:.1f} s "
                      f"-> {pred['step_s']:.1f} s, {pred['trained_tokens_per_s']:,.0f} trained tokens/s; "

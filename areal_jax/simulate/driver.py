@@ -315,15 +315,50 @@ def transfer_bytes_per_s(args, target) -> float:
     return DEFAULT_TRANSFER_BYTES_PER_S
 
 
+def row_costs(p: Prepared, row, args):
+    """The costs a row is simulated with: fitted to a run, else the target's roofline at its split."""
+    return p.fit.costs if p.fit is not None else roofline_costs(
+        p.job, p.plan_cfg, args.gin_file, p.target, p.workload, row,
+        transfer_bytes_per_s=transfer_bytes_per_s(args, p.target), reward_s=args.reward_s,
+        transfer_changed=getattr(args, "transfer_changed", 1.0))
+
+
+def bound_terms(p: Prepared, rows, results, args) -> dict[str, float] | None:
+    """The sync row's g, t, e_s, e_t and async_bound (simulate/roofline.py) against the roofline at
+    the most sequences per replica any compared row sustains; None without a sync row or a roofline."""
+    from areal_jax.simulate.roofline import pipeline_roofline, sync_terms
+
+    at = next((i for i, r in enumerate(results) if r.mode == "sync"), None)
+    if at is None:
+        return None
+    sync, costs = results[at], row_costs(p, rows[at], args)
+    # Colocated async rows share every device between the sides, which roofline costs do not charge.
+    c = max(r.sustained_per_replica for row, r in zip(rows, results) if not (r.mode == "async" and row.colocated))
+    ideal_gen = ideal_train = math.inf
+    for r in results:  # each row's own lengths (their samples differ): the cheapest, so the bound holds for all
+        roof = pipeline_roofline(costs, live_per_replica=c, live_context=r.live_context,
+                                 train_flops_per_token=r.train_flops_per_token,
+                                 prefill_flops_per_token=r.prefill_flops_per_token)
+        if roof is None or not r.trained_tokens_per_s:
+            return None
+        ideal_gen = min(ideal_gen, roof["t_gen_s"] + roof["t_prefill_s"])
+        ideal_train = min(ideal_train, roof["t_train_s"])
+    devices = p.workload.hosts * p.workload.devices_per_host
+    if not (sync.trained_tokens_per_s and sync.generation_s_per_step and sync.train_s_per_step):
+        return None
+    per_token = devices / sync.trained_tokens_per_s / sync.step_s  # device-seconds per trained token per step-second
+    terms = sync_terms(devices / sync.trained_tokens_per_s, sync.generation_s_per_step * per_token,
+                       sync.train_s_per_step * per_token, ideal_gen, ideal_train)
+    terms["bound_live_per_replica"] = c
+    return terms
+
+
 def run_row(p: Prepared, row, args):
     """(RowResult, the lengths' description) of one row of a prepared config."""
     from areal_jax.simulate.lengths import LengthSampler
     from areal_jax.simulate.system import Simulation
 
-    costs = p.fit.costs if p.fit is not None else roofline_costs(
-        p.job, p.plan_cfg, args.gin_file, p.target, p.workload, row,
-        transfer_bytes_per_s=transfer_bytes_per_s(args, p.target), reward_s=args.reward_s,
-        transfer_changed=getattr(args, "transfer_changed", 1.0))
+    costs = row_costs(p, row, args)
     sampler = LengthSampler(p.source, cap=p.cap, prompt=p.mean_prompt, seed=row.seed)
     return Simulation(p.workload, row, costs, sampler, scale_engine=p.fit is None).run(), sampler.describe()
 
@@ -334,8 +369,6 @@ def simulate_rows(args, *, adjust_workload=None, include_sync: bool = True) -> d
     simulated, e.g. a paged KV pool the configs do not state. `include_sync`: add the synchronous
     baseline when no row is one (what "vs sync" and the bound need)."""
     from areal_jax.plan.report import STEP_TIME_NOTE, run_totals
-    from areal_jax.simulate.roofline import sync_terms
-
     p = prepare(args, adjust_workload=adjust_workload)
     job, workload, fit, target, generation = p.job, p.workload, p.fit, p.target, p.generation
     rows = _rows(p.base, _parse_sweeps(args.sweep), include_sync=include_sync)
@@ -350,7 +383,7 @@ def simulate_rows(args, *, adjust_workload=None, include_sync: bool = True) -> d
         results.append(result)
         labels.append(label)
     sync = next((r for r in results if r.mode == "sync"), None)
-    bound = sync_terms(sync.generation_s_per_step, sync.train_s_per_step, sync.slot_occupancy) if sync else None
+    bound = bound_terms(p, rows, results, args)
     out_rows = []
     for r in results:
         d = r.as_json()
@@ -392,8 +425,9 @@ def simulate_rows(args, *, adjust_workload=None, include_sync: bool = True) -> d
         "roofline": "roofline_fraction = trained tokens/s per device over R* = 1 / (t_gen* + t_train*): t_gen* the "
                     "decode device-seconds per token at the row's live sequences per replica (weights / live + live KV), "
                     "t_train* training FLOPs per trained token / peak, no padding (docs/scale.md)",
-        "bound": "async_bound = 1 + g (1 / e_s - 1) from the sync row: g its generation's share of the tail-free "
-                 "device-seconds, e_s its slot occupancy (docs/scale.md); vs_async_bound = vs_sync / async_bound",
+        "bound": "async_bound = 1 / (g e_s + t e_t) from the sync row: g, t its generation's and training's shares of "
+                 "its device-seconds, e_s, e_t their efficiencies against the roofline at the most sequences per "
+                 "replica any row sustains (docs/scale.md); vs_async_bound = vs_sync / async_bound",
         "seed": args.seed,
     }
     return {"rows": out_rows, "assumptions": assumptions}
@@ -426,9 +460,11 @@ def format_rows(report: dict[str, Any]) -> str:
                      + ", ".join(f"{r['mode']} eta {r['eta']} {r['learned_reward_s_per_step']:.3f} s"
                                  for r in report["rows"]))
     if sync:
-        lines.append(f"async bound: 1 + g (1 / e_s - 1) = 1 + {sync['generation_share']:.3f} x "
-                     f"(1 / {sync['sync_generation_efficiency']:.3f} - 1) = {sync['async_bound']:.2f}x "
-                     "(g: sync's tail-free generation share, e_s: its slot occupancy)")
+        lines.append(f"async bound: 1 / (g e_s + t e_t) = 1 / ({sync['generation_share']:.3f} x "
+                     f"{sync['sync_generation_efficiency']:.3f} + {sync['train_share']:.3f} x "
+                     f"{sync['sync_train_efficiency']:.3f}) = {sync['async_bound']:.2f}x (g, t: sync's generation "
+                     f"and training shares of its device-seconds, idle {sync['idle_share']:.3f}; e_s, e_t: their "
+                     f"efficiencies against the roofline at {sync['bound_live_per_replica']:.1f} sequences per replica)")
     lines += [f"{k}: {v}" for k, v in report["assumptions"].items() if k != "cost_model"]
     return "\n".join(lines)
 

@@ -55,6 +55,8 @@ class RowResult:
     live_per_replica: float = 0.0  # sequences live per generation replica, mean over decode steps
     live_context: float = 0.0  # tokens a generated token attends over, mean over generated tokens
     train_flops_per_token: float = 0.0  # roofline costs: training FLOPs per trained token, no padding
+    prefill_flops_per_token: float = 0.0  # roofline costs: the prompts' prefill FLOPs per trained token
+    sustained_per_replica: float = 0.0  # the concurrency the roofline takes (async: live; sync: one batch)
     roofline: dict[str, Any] | None = None  # t_gen*, t_train*, R* (pipeline_roofline)
     roofline_fraction: float | None = None  # trained tokens/s per device over R*
     generation_s_per_step: float = 0.0  # engine busy seconds per step (mean over hosts)
@@ -198,7 +200,7 @@ class Simulation:
         lags: collections.Counter = collections.Counter()
         tokens = 0
         step_s, host0_shapes = 0.0, None
-        packing = {"padded": 0, "packed": 0, "flops": 0.0, "context": 0.0}
+        packing = {"padded": 0, "packed": 0, "flops": 0.0, "context": 0.0, "prefill_flops": 0.0}
         for batch in batches:
             groups = [g.info["sim"] for g in batch]
             lengths = [g.prompt + int(n) for g in groups for n in g.lengths]
@@ -216,6 +218,8 @@ class Simulation:
                 packing["flops"] += self.costs.train_flops(shapes) / wl.hosts
             for g in groups:
                 tokens += g.completion_tokens
+                if hasattr(self.costs, "decode_token_flops"):  # one prefill of the prompt per group, causal
+                    packing["prefill_flops"] += g.prompt * self.costs.decode_token_flops((g.prompt + 1) / 2)
                 # A generated token attends over its prompt and the tokens before it.
                 packing["context"] += float(sum(int(n) * g.prompt + int(n) * (int(n) + 1) / 2 for n in g.lengths))
                 for segs in g.segments:
@@ -295,7 +299,7 @@ class Simulation:
         bytes_ratio = ((steps * weights + read / replicas * kv) / (steps * weights + live / replicas * kv)
                        if live and weights and kv else 0.0)
         steps_measured = self.row.steps - w
-        packing = {k: sum(p[k] for p in self.packing[w:]) for k in ("padded", "packed", "flops", "context")}
+        packing = {k: sum(p[k] for p in self.packing[w:]) for k in ("padded", "packed", "flops", "context", "prefill_flops")}
         devices = self.workload.hosts * self.workload.devices_per_host
         per_device = tokens / wall / devices if wall > 0 else 0.0
         engine_replicas = self.workload.generation_replicas(self.row.generating_devices(self.workload))
@@ -303,12 +307,14 @@ class Simulation:
                             if delta("decode_steps") else 0.0)
         live_context = packing["context"] / tokens if tokens else 0.0
         flops_per_token = packing["flops"] / packing["padded"] * packing["packed"] / tokens if tokens and packing["padded"] else 0.0
+        prefill_flops_per_token = packing["prefill_flops"] / tokens if tokens else 0.0
         # The concurrency the workload sustains: async's is what the row keeps live (Little's law:
         # group latency x groups per unit time); sync admits a whole batch at once, so its roofline
         # is at one batch's samples per replica, and its long tail counts against it.
         sustained = num_slots / engine_replicas if self.row.mode == "sync" else live_per_replica
         roofline = pipeline_roofline(self.costs, live_per_replica=sustained, live_context=live_context,
-                                     train_flops_per_token=flops_per_token)
+                                     train_flops_per_token=flops_per_token,
+                                     prefill_flops_per_token=prefill_flops_per_token)
         return RowResult(
             preempted_per_step=delta("preemptions") / steps_measured / self.workload.hosts,
             decode_read_over_live=read / live if live else 0.0, decode_bytes_ratio=bytes_ratio,
@@ -324,6 +330,7 @@ class Simulation:
             step_s=wall / steps_measured, trained_tokens_per_s_per_device=per_device,
             padded_token_ratio=packing["padded"] / packing["packed"] if packing["packed"] else 0.0,
             live_per_replica=live_per_replica, live_context=live_context, train_flops_per_token=flops_per_token,
+            prefill_flops_per_token=prefill_flops_per_token, sustained_per_replica=sustained,
             roofline=roofline,
             roofline_fraction=per_device / roofline["tokens_per_s_per_device"] if roofline else None,
             generation_s_per_step=float(engine_busy) / steps_measured,
