@@ -422,9 +422,10 @@ def simulate_rows(args, *, adjust_workload=None, include_sync: bool = True) -> d
         "steps": f"{args.steps} simulated, first {args.warmup} left out; run h and device-h: the mean step "
                  f"times RLConfig.steps = {job.rl.steps} on {workload.hosts * workload.devices_per_host} devices",
         "step time": STEP_TIME_NOTE,
-        "roofline": "roofline_fraction = trained tokens/s per device over R* = 1 / (t_gen* + t_train*): t_gen* the "
-                    "decode device-seconds per token at the row's live sequences per replica (weights / live + live KV), "
-                    "t_train* training FLOPs per trained token / peak, no padding (docs/scale.md)",
+        "roofline": "roofline_fraction = trained tokens/s per device over R* = 1 / (t_gen* + t_prefill* + t_train*): "
+                    "t_gen* the decode device-seconds per token at the row's live sequences per replica (weights / live "
+                    "+ live KV), t_prefill* the prompts' prefill FLOPs per trained token / peak, t_train* training "
+                    "FLOPs per trained token / peak, no padding (docs/scale.md)",
         "bound": "async_bound = 1 / (g e_s + t e_t) from the sync row: g, t its generation's and training's shares of "
                  "its device-seconds, e_s, e_t their efficiencies against the roofline at the most sequences per "
                  "replica any row sustains (docs/scale.md); vs_async_bound = vs_sync / async_bound",
