@@ -29,7 +29,8 @@ or the run directory (`train` refuses a directory that holds a run unless `--ove
 
 SIGINT or SIGTERM ends a command cleanly (exit 130 / 143): the reward pool's workers, its fork
 server and every sandboxed program are stopped and their directories removed before the process
-exits; a second signal ends it at once. During `train`'s RL stage with a CheckpointConfig the first
+exits; a second signal ends it at once. This holds even where SIGINT came in ignored (a command
+started with `&` from a script inherits that): the command handles it. During `train`'s RL stage with a CheckpointConfig the first
 signal is a preemption notice: the last completed step is checkpointed first (jobs/shutdown.py,
 within CheckpointConfig.save_on_signal_s). A full, over-quota or read-only disk is one line naming
 the path and the free space, exit code 74 (jobs/errors.py lists the codes).
@@ -195,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     choose_platforms()  # before jax loads: no CUDA / libtpu plugin noise on a machine without them
     args = build_parser().parse_args(argv)
     previous = signal.signal(signal.SIGTERM, _terminate)
+    # Python keeps an inherited SIG_IGN for SIGINT (any command a script starts with `&`), and then
+    # a SIGINT would be dropped while sandboxed reward programs run on: handle it as documented.
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return _run_command(args)
     except KeyboardInterrupt as e:  # cleanup has run on the way out
@@ -203,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         return 143 if isinstance(e, Terminated) else 130
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
 
 
 def _run_command(args) -> int:

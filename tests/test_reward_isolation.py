@@ -97,7 +97,7 @@ def _alive(procs):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_to_areal_jax_leaves_no_process_behind(tmp_path, sig):
     """`areal-jax eval` whose rewards are sandboxed programs sleeping for minutes, signalled while they
-    run: it exits with 143 / 130, and its fork server, pool workers, sandbox bootstraps and programs
+    run (SIGINT even where it was ignored when the command started): it exits with 143 / 130, and its fork server, pool workers, sandbox bootstraps and programs
     are gone from the process table, their run directories deleted."""
     model_dir = _tiny_model_dir(tmp_path / "model")
     data = _gsm8k(tmp_path / "gsm8k.jsonl", 2)
@@ -107,7 +107,10 @@ def test_a_signal_to_areal_jax_leaves_no_process_behind(tmp_path, sig):
            "--gin_param=EvalConfig.num_slots = 2",
            "--gin_param=EvalConfig.reward = 'tests.reward_fixtures:sandboxed_sleep_reward'",
            "--gin_param=EvalConfig.reward_timeout_s = 600.0", "--gin_param=RewardPoolConfig.preload = ()"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # Started with SIGINT ignored, as a script's `cmd &` starts it (and as some CI runners start the
+    # tests): the command must still handle it.
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     cli = psutil.Process(proc.pid)
     try:
         deadline = time.monotonic() + 300
