@@ -6,6 +6,7 @@ reward (sleep, raise, constant, or a hash of the completion text), so behavior i
 row and is the same in worker processes.
 """
 
+import asyncio
 import logging
 import random
 import threading
@@ -413,6 +414,42 @@ def test_workflow_plugged_in_by_import_path(engine, tokenizer):
         text = tokenizer.decode(second.completion_ids.tolist(), skip_special_tokens=True)
         assert first.reward == second.reward == scripted_reward(text, "text_hash")
         assert g.info["turns"] == 2 and g.info["accepted_version"] == 0
+
+
+class StubbornWorkflow(RolloutWorkflow):
+    """Swallows cancellation: `swallow` times (None: forever), as an agent with a broad `except
+    BaseException` or a library retrying on anything would."""
+
+    def __init__(self, swallow):
+        self.swallow, self.started = swallow, 0
+
+    async def arun(self, engine_client, row, *, version):
+        self.started += 1
+        swallowed = 0
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                swallowed += 1
+                if self.swallow is not None and swallowed > self.swallow:
+                    raise
+
+
+@pytest.mark.parametrize("swallow", [1, 3, None])
+def test_shutdown_is_bounded_when_a_workflow_swallows_cancellation(engine, tokenizer, swallow):
+    """Every in-flight group ends as cancelled within the grace (re-cancelled until it gives in, or
+    left behind), the thread stops and nothing is unaccounted for."""
+    workflow = StubbornWorkflow(swallow)
+    staleness = StalenessManager(4, 2, max_concurrent=3)
+    ctl = RolloutController(engine, workflow, staleness, TrajectoryChannel(4), make_rows(tokenizer, ["1"] * 8),
+                            version_fn=Version(), tokenizer=tokenizer)
+    ctl.start()
+    assert wait_until(lambda: ctl.stats().in_flight == 3)
+    t0 = time.monotonic()
+    report = ctl.shutdown(timeout=1.0)
+    assert time.monotonic() - t0 < 30  # the grace is 5 s; without it the thread never stops
+    assert (report.admitted, report.accepted, report.in_flight) == (3, 0, 3)
+    check_report(report, staleness)
 
 
 def test_load_workflow_names_the_problem():

@@ -76,6 +76,9 @@ logger = logging.getLogger(__name__)
 # While the channel is full the pump retries a blocking put with this timeout, so that a
 # shutdown is noticed quickly and a put never completes after the pump gave up on it.
 _PUT_RETRY_S = 0.05
+# Shutdown: how long cancelled groups get to end, and how often one that swallowed it is cancelled again.
+_CANCEL_GRACE_S = 5.0
+_RECANCEL_S = 0.5
 # Groups failed in a row (none finished otherwise in between) that stop admission: at least a
 # step's worth, and enough that rows failing now and then (1 in 2 would make a streak this long
 # once in 4e9) never stop a run that learns.
@@ -366,12 +369,33 @@ class RolloutController:
                 await asyncio.sleep(self.poll_interval_s)
         if self._drain_deadline is not None and self._tasks:
             await asyncio.wait(set(self._tasks), timeout=max(0.0, self._drain_deadline - time.monotonic()))
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._cancel_in_flight()
         self._pump_stop = True
         outbox_ready.set()
         await pump
+
+    async def _cancel_in_flight(self) -> None:
+        """Cancel every in-flight group and wait for them to end, within _CANCEL_GRACE_S.
+
+        A group ends at its next await once cancelled, unless its workflow swallows the
+        cancellation (an agent with a broad `except BaseException`, a library that retries on
+        anything): such a group is cancelled again every _RECANCEL_S, and past the grace it is
+        left behind, counted as cancelled, so that shutdown stays bounded."""
+        pending = set(self._tasks)
+        deadline = time.monotonic() + _CANCEL_GRACE_S
+        while pending:
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=_RECANCEL_S)
+            if pending and time.monotonic() >= deadline:
+                logger.error("rollout shutdown: %d group(s) ignored cancellation for %.0f s (their workflow "
+                             "swallows asyncio.CancelledError); left behind, counted as cancelled",
+                             len(pending), _CANCEL_GRACE_S)
+                for _ in pending:
+                    self.staleness.on_reject()
+                    self._settle(cancelled=True)
+                self._tasks.difference_update(pending)
+                return
 
     def _admit(self) -> None:
         """Start groups while capacity allows; only this thread admits."""
