@@ -89,6 +89,16 @@ def abstract(tree: Any, shardings: Any = None) -> Any:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
+# Bits of the sub-byte dtypes XLA packs in device memory (NumPy's itemsize says 1 byte for them).
+_SUB_BYTE_BITS = {"int4": 4, "uint4": 4, "int2": 2, "uint2": 2, "float4_e2m1fn": 4}
+
+
+def dtype_bits(dtype: Any) -> int:
+    """Bits one element of `dtype` takes in device memory (jnp.int4: 4)."""
+    dt = np.dtype(dtype)
+    return _SUB_BYTE_BITS.get(dt.name, dt.itemsize * 8)
+
+
 def bytes_per_device(tree: Any) -> int:
     """Bytes the largest shard of each array takes on one device, summed over the pytree.
 
@@ -101,5 +111,5 @@ def bytes_per_device(tree: Any) -> int:
         sharding = getattr(x, "sharding", None)
         if sharding is not None:
             shape = tuple(sharding.shard_shape(shape))
-        total += math.prod(shape) * np.dtype(x.dtype).itemsize
+        total += -(-math.prod(shape) * dtype_bits(x.dtype) // 8)  # jnp.int4: packed, half a byte
     return total

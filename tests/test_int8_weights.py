@@ -4,7 +4,8 @@ The quantizer's round-trip error is at most half a step per output channel; a ti
 under int8 weights stay close to full precision and greedy decoding mostly picks the same tokens;
 a push (WeightSync on 8 fake CPU devices) lands exactly the codes and scales a NumPy quantizer
 gives, push after push; the combinations that write into served weights are refused by name; and
-the plan counts the int8 copy: about half the generation weights' bytes of bf16."""
+the plan counts the int8 copy: about half the generation weights' bytes of bf16. The refusals, the
+plan's count and the simulator's charge are checked for int4 too (its own: tests/test_int4_weights.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -81,8 +82,8 @@ BASE = dict(num_slots=8, max_seq_len=32, decode_chunk=4, prefill_buckets=(8, 32)
             kv_layout="paged", page_size=4)
 
 
-def _generate(params, **config):
-    engine = GenerationEngine((DENSE, params), EngineConfig(**BASE, **config))
+def _generate(params, model=DENSE, **config):
+    engine = GenerationEngine((model, params), EngineConfig(**BASE, **config))
     handles = [engine.submit(p, SamplingParams(max_new_tokens=8, temperature=0.0), seed=i)
                for i, p in enumerate(PROMPTS)]
     engine.run_until_idle()
@@ -123,20 +124,7 @@ def test_a_push_lands_the_reference_quantizers_codes_and_scales_push_after_push(
         host = init_params(model, push, std=0.1 + 0.05 * push)
         out = sync.transfer(jax.device_put(host, shardings))
         assert isinstance(out["layers"], tuple) and len(out["layers"]) == model.num_layers
-        for layer in range(model.num_layers):
-            for name, got in out["layers"][layer].items():
-                want = np.asarray(jnp.asarray(host["layers"][name][layer]).astype(jnp.bfloat16).astype(jnp.float32))
-                axes = quantize.contracted_axes(name)
-                if axes is None:
-                    assert got.dtype == jnp.bfloat16
-                    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want)
-                    continue
-                q, scale = quantize.quantize_reference(want, axes)
-                np.testing.assert_array_equal(np.asarray(got.q), q, err_msg=f"push {push} layer {layer} {name}")
-                np.testing.assert_array_equal(np.asarray(got.scale), scale)
-                wanted = gen_shardings["layers"][layer][name]
-                assert got.q.sharding.is_equivalent_to(wanted.q, got.q.ndim)
-                assert got.scale.sharding.is_equivalent_to(wanted.scale, got.scale.ndim)
+        check_landed(model, host, out, gen_shardings, "int8", f"push {push}")
         # Only the generation devices hold the served weights, as int8 codes beside bf16 rest.
         assert {d for x in jax.tree.leaves(out) for d in x.devices()} <= set(meshes.generation.devices.flat)
         np.testing.assert_array_equal(np.asarray(out["embed"].astype(jnp.float32)),
@@ -145,50 +133,82 @@ def test_a_push_lands_the_reference_quantizers_codes_and_scales_push_after_push(
     assert engine.params["layers"]["wq"].q.dtype == jnp.int8
 
 
-def test_the_combinations_that_write_into_served_weights_are_refused_by_name():
+def check_landed(model, host, out, gen_shardings, weight_dtype, where):
+    """Every layer weight of the pushed `out` is the reference quantizer's codes and scales of the
+    bf16-rounded `host` weight (bit for bit) with the generation shardings; the rest is bf16 as sent."""
+    for layer in range(model.num_layers):
+        for name, got in out["layers"][layer].items():
+            want = np.asarray(jnp.asarray(host["layers"][name][layer]).astype(jnp.bfloat16).astype(jnp.float32))
+            axes = quantize.contracted_axes(name)
+            if axes is None:
+                assert got.dtype == jnp.bfloat16
+                np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want)
+                continue
+            q, scale = quantize.quantize_reference(want, axes, weight_dtype)
+            assert got.q.dtype == quantize.CODE_DTYPES[weight_dtype]
+            assert got.scale.dtype == quantize.SCALE_DTYPES[weight_dtype]
+            np.testing.assert_array_equal(np.asarray(got.q).astype(np.int8), q.astype(np.int8),
+                                          err_msg=f"{where} layer {layer} {name}")
+            np.testing.assert_array_equal(np.asarray(got.scale).astype(np.float32).view(np.int32),
+                                          scale.astype(np.float32).view(np.int32))
+            wanted = gen_shardings["layers"][layer][name]
+            assert got.q.sharding.is_equivalent_to(wanted.q, got.q.ndim)
+            assert got.scale.sharding.is_equivalent_to(wanted.scale, got.scale.ndim)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])  # int4's own tests: tests/test_int4_weights.py
+def test_the_combinations_that_write_into_served_weights_are_refused_by_name(kind):
     with pytest.raises(ValueError, match="EngineConfig.weight_dtype must be None"):
-        EngineConfig(weight_dtype="int4")
+        EngineConfig(weight_dtype="int2")
     assert weight_dtype_conflict(None, RLConfig(transfer_mode="delta"), lora_rank=8) is None
-    assert weight_dtype_conflict("int8", RLConfig(), lora_rank=0) is None
-    assert "LoRAConfig.rank" in weight_dtype_conflict("int8", RLConfig(), 8)
-    assert "transfer_mode = 'delta'" in weight_dtype_conflict("int8", RLConfig(transfer_mode="delta"), 0)
+    assert weight_dtype_conflict(kind, RLConfig(), lora_rank=0) is None
+    assert "LoRAConfig.rank" in weight_dtype_conflict(kind, RLConfig(), 8)
+    assert "transfer_mode = 'delta'" in weight_dtype_conflict(kind, RLConfig(transfer_mode="delta"), 0)
     from tests.test_config_system import _load
 
-    assert _load('EngineConfig.weight_dtype = "int8"').engine.weight_dtype == "int8"
-    with pytest.raises(ConfigError, match="weight_dtype = 'int8' with RLConfig.transfer_mode = 'delta'"):
-        _load('EngineConfig.weight_dtype = "int8"', 'RLConfig.transfer_mode = "delta"')
+    assert _load(f'EngineConfig.weight_dtype = "{kind}"').engine.weight_dtype == kind
+    with pytest.raises(ConfigError, match=f"weight_dtype = '{kind}' with RLConfig.transfer_mode = 'delta'"):
+        _load(f'EngineConfig.weight_dtype = "{kind}"', 'RLConfig.transfer_mode = "delta"')
     meshes = build_meshes(MeshConfig(num_generation_devices_per_host=4))
     with pytest.raises(ValueError, match="DeltaSync writes changed elements"):
-        DeltaSync(WeightSync.for_model(DENSE, meshes, jnp.bfloat16, weight_dtype="int8"))
-    with pytest.raises(ValueError, match="layout='split'"):
-        WeightSync.for_model(DENSE, meshes, jnp.bfloat16, weight_dtype="int8", layout="stacked")
-    # An engine handed quantized weights (evaluation on the run's served copy) serves them as int8.
-    served = GenerationEngine((DENSE, quantize.quantize_params(_params(DENSE))), EngineConfig(**BASE))
-    assert served.config.weight_dtype == "int8"
+        DeltaSync(WeightSync.for_model(DENSE, meshes, jnp.bfloat16, weight_dtype=kind))
+    with pytest.raises(ValueError, match=f"weight_dtype '{kind}' needs layout='split'"):
+        WeightSync.for_model(DENSE, meshes, jnp.bfloat16, weight_dtype=kind, layout="stacked")
+    # An engine handed quantized weights (evaluation on the run's served copy) serves them as they are.
+    served = GenerationEngine((DENSE, quantize.quantize_params(_params(DENSE), kind)), EngineConfig(**BASE))
+    assert served.config.weight_dtype == kind
     with pytest.raises(ValueError, match="do not match the served ones"):
         served.update_weights(jax.tree.map(lambda a: a.astype(jnp.float32), _params(DENSE)), version=1)
 
 
-def test_the_plan_counts_half_the_generation_weight_bytes():
+# Per weight_dtype: the served copy's share of bf16's bytes at the 235B's shapes, and the most of bf16's
+# weight bytes the small model's decode program may take (its embedding and LM head stay bf16).
+PLAN_SHARES = {"int8": ((0.5, 0.505), 0.75), "int4": ((0.25, 0.27), 0.45)}
+
+
+@pytest.mark.parametrize("kind", sorted(PLAN_SHARES))
+def test_the_plan_counts_the_quantized_generation_weight_bytes(kind):
     from tests.test_engine_programs import MESH_CONFIG, _mesh
 
+    (low, high), decode_share = PLAN_SHARES[kind]
     mesh = _mesh(2, 2)
     # Qwen3-235B-A22B's shapes (configs/models/qwen3-235b-a22b.json), as ShapeDtypeStructs only.
     big = ModelConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=94, num_heads=64,
                       num_kv_heads=4, head_dim=128, family="qwen3_moe", qk_norm=True,
                       moe=MoEConfig(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536))
     bf16 = bytes_per_device(param_structs(big, mesh, jnp.bfloat16, split=True))
-    int8 = bytes_per_device(param_structs(big, mesh, jnp.bfloat16, split=True, weight_dtype="int8"))
-    assert 0.5 < int8 / bf16 < 0.505, int8 / bf16  # the embedding and LM head (bf16) and the scales: the rest
+    served = bytes_per_device(param_structs(big, mesh, jnp.bfloat16, split=True, weight_dtype=kind))
+    assert low < served / bf16 < high, served / bf16  # the embedding and LM head (bf16) and the scales: the rest
     specs = engine_program_specs(DENSE, MESH_CONFIG, mesh=mesh, param_dtype=jnp.bfloat16)
-    q_specs = engine_program_specs(DENSE, EngineConfig(**{**vars(MESH_CONFIG), "weight_dtype": "int8"}), mesh=mesh,
+    q_specs = engine_program_specs(DENSE, EngineConfig(**{**vars(MESH_CONFIG), "weight_dtype": kind}), mesh=mesh,
                                    param_dtype=jnp.bfloat16)
     decode, q_decode = (next(s for s in ss if s.name.startswith("generation/decode")) for ss in (specs, q_specs))
-    assert bytes_per_device(q_decode.args[0]) < 0.75 * bytes_per_device(decode.args[0])
-    q_decode.lower().compile()  # the engine's decode compiles on int8 weights
+    assert bytes_per_device(q_decode.args[0]) < decode_share * bytes_per_device(decode.args[0])
+    q_decode.lower().compile()  # the engine's decode compiles on quantized weights
 
 
-def test_the_simulator_costs_int8_decode_reads_but_a_full_push():
+@pytest.mark.parametrize("kind, low, high", [("int8", 0.5, 0.52), ("int4", 0.25, 0.3)])
+def test_the_simulator_costs_quantized_decode_reads_but_a_full_push(kind, low, high):
     from areal_jax.plan import estimate as est
     from areal_jax.plan.targets import parse_target
     from areal_jax.simulate.costs import RooflineCosts
@@ -197,13 +217,13 @@ def test_the_simulator_costs_int8_decode_reads_but_a_full_push():
                       num_kv_heads=4, head_dim=128, family="qwen3_moe", qk_norm=True,
                       moe=MoEConfig(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768))
     pushed = 2 * a3b.num_params()
-    served = quantize.served_bytes(a3b, 2, "int8")
-    assert quantize.served_bytes(a3b, 2, None) == pushed and 0.5 < served / pushed < 0.52
+    served = quantize.served_bytes(a3b, 2, kind)
+    assert quantize.served_bytes(a3b, 2, None) == pushed and low < served / pushed < high, served / pushed
     common = dict(model=a3b, target=parse_target("4x8xh100"), estimate_context=est.EstimateContext(model=a3b),
                   replicas=2, generation_tensor=2, slots_per_replica=48, train_devices=16, hosts=4,
                   generation_weight_bytes=pushed, kv_bytes_per_token=0.0, separate_proximal=False,
                   transfer_bytes_per_s=1e10)
-    bf16, int8 = RooflineCosts(**common), RooflineCosts(**common, served_weight_fraction=served / pushed)
-    assert int8.weights_read(48) == pytest.approx(bf16.weights_read(48) * served / pushed)
-    assert int8.decode_step_s(1024) == pytest.approx(bf16.decode_step_s(1024) * served / pushed)  # bandwidth-bound
-    assert int8.transfer_s == bf16.transfer_s  # the push still sends the generation dtype
+    bf16, q = RooflineCosts(**common), RooflineCosts(**common, served_weight_fraction=served / pushed)
+    assert q.weights_read(48) == pytest.approx(bf16.weights_read(48) * served / pushed)
+    assert q.decode_step_s(1024) == pytest.approx(bf16.decode_step_s(1024) * served / pushed)  # bandwidth-bound
+    assert q.transfer_s == bf16.transfer_s  # the push still sends the generation dtype

@@ -19,7 +19,7 @@ KV_LAYOUTS = ("auto", "paged", "dense")
 KV_DTYPES = ("bfloat16", "float8_e4m3fn")
 ON_SWAP = ("recompute", "keep")
 WEIGHT_SWAPS = ("alongside", "evict")
-WEIGHT_DTYPES = ("int8",)  # models/quantize.WEIGHT_DTYPES (this module imports no model code)
+WEIGHT_DTYPES = ("int8", "int4")  # models/quantize.WEIGHT_DTYPES (this module imports no model code)
 FP8_KV = "float8_e4m3fn"
 
 
@@ -79,7 +79,11 @@ class EngineConfig:
     # (RLConfig.generation_dtype). "int8": weight-only int8, a symmetric absmax scale per output
     # channel, for the attention projections, MLP and expert weights (embedding, LM head, norms and
     # routers stay as pushed): about half the bytes of bf16, so a model whose bf16 copy does not fit
-    # a replica's devices can, and decode reads half the weight bytes. Each push quantizes on the
+    # a replica's devices can, and decode reads half the weight bytes. "int4": symmetric int4 codes
+    # (stored as jnp.int4, packed two a byte) with one bf16 scale per group of 128 inputs
+    # (quantize.INT4_GROUP) of the same weights: about 0.26 of bf16's bytes (a 235B MoE's 470 GB
+    # becomes ~124 GB, two 95 GiB v5p chips' worth), at a wider behaviour/proximal gap than int8
+    # (a step of amax / 7 per group against amax / 127 per channel). Each push quantizes on the
     # way (parallel/weight_sync.py), so the generation devices never hold a bf16 copy; the forward
     # dequantizes each weight into its matmul. The sampled tokens and recorded behaviour log-probs
     # are then those of the quantized policy: the decoupled objective (PPOConfig.decoupled) already
@@ -87,7 +91,7 @@ class EngineConfig:
     # precision, so the importance weight corrects for it. Not with LoRA pushes or
     # RLConfig.transfer_mode "delta" (both write into served weights; trainer.config.weight_dtype_conflict).
     # An engine given already quantized weights (evaluation on the run's served ones) serves them
-    # as int8 whatever this says.
+    # as they are (int8 or int4) whatever this says.
     weight_dtype: str | None = None
     cache_dtype: str | None = None  # default: the dtype of the weights
     # Storage of the KV cache. None: cache_dtype. "bfloat16". "float8_e4m3fn": e4m3 pages with one

@@ -83,7 +83,7 @@ class GenerationEngine:
         self.model_config, params = (model.config, model.params) if isinstance(model, Transformer) else model
         if config.weight_dtype is None and quantize.is_quantized(params):
             # Weights a push already quantized (an evaluation engine given the run's served ones).
-            config = dataclasses.replace(config, weight_dtype="int8")
+            config = dataclasses.replace(config, weight_dtype=quantize.weight_dtype_of(params))
         self.config = config
         self._version = version
         cfg, ec = self.model_config, config
@@ -213,7 +213,7 @@ class GenerationEngine:
         laid out as the engine holds them are used as they are, so a swap holds the old copy and the
         incoming one, never more; stacked weights are split after the old copy is gone (the engine
         then holds the split copy while the caller may still hold the stacked one). With
-        EngineConfig.weight_dtype "int8", weights not yet quantized are quantized here, on the
+        EngineConfig.weight_dtype set, weights not yet quantized are quantized here, on the
         caller's thread (a push quantizes them on the way instead: parallel/weight_sync.py)."""
         params = self._as_served(params)
         problem = layout_mismatch(weight_layout(params), self._param_avals)
@@ -431,7 +431,9 @@ class GenerationEngine:
     def _as_served(self, params: Params) -> Params:
         """`params` in the served weights' storage (EngineConfig.weight_dtype)."""
         quantized = quantize.is_quantized(params)
-        return quantize.quantize_params(params) if self.config.weight_dtype and not quantized else params
+        if self.config.weight_dtype and not quantized:
+            return quantize.quantize_params(params, self.config.weight_dtype)
+        return params
 
     def _install_weights(self, params: Params) -> None:
         """Makes `params` (stacked or split) the served weights, holding at most two copies: the

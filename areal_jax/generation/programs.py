@@ -98,8 +98,8 @@ def cache_sharding(model_cfg: ModelConfig, engine_cfg: EngineConfig, mesh: Mesh)
 def param_shardings(model_cfg: ModelConfig, mesh: Mesh, *, split: bool, weight_dtype: str | None = None) -> Any:
     """Sharding of every weight on the generation mesh: stacked (`params["layers"]` a dict of
     `[L, ...]` arrays) or split (a tuple of L per-layer dicts, the layout the engine holds). With
-    `weight_dtype` "int8" (EngineConfig.weight_dtype) the quantized weights get a QuantizedWeight of
-    the codes' and the scales' shardings."""
+    `weight_dtype` "int8" or "int4" (EngineConfig.weight_dtype) the quantized weights get a
+    QuantizedWeight of the codes' and the scales' shardings."""
     is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x)  # noqa: E731
     axes, shapes = param_axes(model_cfg), param_shapes(model_cfg)
     out = jax.tree.map(lambda a, s: sharding_for(a, GENERATION_RULES, mesh, s), axes, shapes, is_leaf=is_axes)
@@ -108,13 +108,15 @@ def param_shardings(model_cfg: ModelConfig, mesh: Mesh, *, split: bool, weight_d
                              shapes["layers"], is_leaf=is_axes)
         out["layers"] = (layer,) * model_cfg.num_layers
     if weight_dtype is not None:
-        out = quantize.map_quantized(out, quantize.quantized_sharding)
+        layer_shapes = shapes["layers"]  # stacked [L, ...]: a per-layer weight drops the first axis
+        out = quantize.map_quantized(out, lambda sh, axes, name: quantize.quantized_sharding(
+            sh, axes, weight_dtype, layer_shapes[name][1:] if split else layer_shapes[name]))
     return out
 
 
 def param_structs(model_cfg: ModelConfig, mesh: Mesh, dtype, *, split: bool, weight_dtype: str | None = None) -> Any:
     """ShapeDtypeStructs of the weights, laid out as `param_shardings` says; with `weight_dtype`
-    "int8" the quantized weights as int8 codes and fp32 scales (`models/quantize.py`)."""
+    "int8" / "int4" the quantized weights as their codes and scales (`models/quantize.py`)."""
     is_shape = lambda x: isinstance(x, tuple) and all(isinstance(a, int) for a in x)  # noqa: E731
     shapes = param_shapes(model_cfg)
     if split:
@@ -122,7 +124,8 @@ def param_structs(model_cfg: ModelConfig, mesh: Mesh, dtype, *, split: bool, wei
                   * model_cfg.num_layers}
     structs = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s, dtype, sharding=sh), shapes,
                            param_shardings(model_cfg, mesh, split=split), is_leaf=is_shape)
-    return structs if weight_dtype is None else quantize.map_quantized(structs, quantize.quantized_struct)
+    return structs if weight_dtype is None else quantize.map_quantized(
+        structs, lambda st, axes, _: quantize.quantized_struct(st, axes, weight_dtype))
 
 
 # ---- the programs ------------------------------------------------------------------------------------

@@ -113,8 +113,9 @@ class WeightSync:
       layout: "split" gives `params["layers"]` as a tuple of per-layer dicts (a tree with a
         `"layers"` entry whose leaves are stacked on a leading axis; other trees keep their
         structure); "stacked" re-stacks the layers on the generation devices.
-      weight_dtype: EngineConfig.weight_dtype. "int8": each layer weight that models/quantize.py
-        quantizes arrives as a QuantizedWeight (int8 codes and fp32 per-output-channel scales),
+      weight_dtype: EngineConfig.weight_dtype. "int8" / "int4": each layer weight that
+        models/quantize.py quantizes arrives as a QuantizedWeight (int8 codes and fp32
+        per-output-channel scales, or int4 codes and bf16 scales per group of 128 inputs),
         quantized on the generation devices piece by piece as it lands (one layer of one weight
         in the generation dtype at a time), so they never hold a full-precision copy. The
         transfer still moves the generation dtype's bytes. Split layout only.
@@ -147,7 +148,7 @@ class WeightSync:
         if weight_dtype is not None and weight_dtype not in quantize.WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype must be None or one of {quantize.WEIGHT_DTYPES}, got {weight_dtype!r}")
         if weight_dtype is not None and layout != "split":
-            raise ValueError("weight_dtype 'int8' needs layout='split' (the engine's per-layer weights)")
+            raise ValueError(f"weight_dtype {weight_dtype!r} needs layout='split' (the engine's per-layer weights)")
         self._meshes = meshes
         self._treedef = train_def
         self._train_specs = train_def.flatten_up_to(train_specs)
@@ -365,8 +366,10 @@ class WeightSync:
             return x
         if i not in self._quant_programs:
             generation_sh = shardings[i][1]
-            self._quant_programs[i] = jax.jit(lambda w: quantize.quantize(w, axes),
-                                              out_shardings=quantize.quantized_sharding(generation_sh, axes))
+            kind = self._weight_dtype
+            self._quant_programs[i] = jax.jit(lambda w: quantize.quantize(w, axes, kind),
+                                              out_shardings=quantize.quantized_sharding(generation_sh, axes, kind,
+                                                                                        tuple(x.shape)))
         out = self._quant_programs[i](x)
         jax.block_until_ready(out)
         if free:

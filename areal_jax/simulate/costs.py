@@ -122,7 +122,7 @@ class RooflineCosts:
     # parallel/delta_sync.sent_fraction of the changed share; 1.0: the full push).
     transfer_sent_fraction: float = 1.0
     # Bytes of the served copy over the pushed one (EngineConfig.weight_dtype "int8": about 0.5,
-    # models/quantize.served_bytes): what decode and prefill read; a push still sends the pushed.
+    # "int4": about 0.26 of bf16; models/quantize.served_bytes): what decode and prefill read; a push still sends the pushed.
     served_weight_fraction: float = 1.0
     reward_s: float = 0.0
     label: str = "roofline"

@@ -346,7 +346,7 @@ def weight_swap_conflict(weight_swap: str, rl: RLConfig, lora_rank: int) -> str 
 def weight_dtype_conflict(weight_dtype: str | None, rl: RLConfig, lora_rank: int) -> str | None:
     """Why `EngineConfig.weight_dtype` cannot be used with this run's push, or None.
 
-    An int8 engine holds only int8 codes and scales of its matmul weights: a LoRA push merges the
+    A quantized engine (int8 or int4) holds only codes and scales of its matmul weights: a LoRA push merges the
     adapters into a full-precision base on the generation devices and a delta push writes the
     changed elements of the generation dtype into the served weights, neither of which exists."""
     if weight_dtype is None:
