@@ -168,7 +168,7 @@ def test_eval_runs_as_two_processes_and_matches_one(tmp_path):
                                   "qwen2_5_7b_math_tpu.gin", "qwen2_5_32b_math_gpu.gin", "qwen2_5_7b_lora_gpu.gin",
                                   "qwen3_30b_a3b_math_tpu.gin", "qwen3_30b_a3b_math_gpu.gin",
                                   "llama3_3_70b_math_gpu.gin", "llama3_3_70b_math_tpu.gin",
-                                  "qwen3_235b_a22b_math_gpu.gin"])
+                                  "qwen3_235b_a22b_math_gpu.gin", "qwen3_235b_a22b_math_tpu.gin"])
 def test_real_model_configs_parse_and_validate(tmp_path, name):
     from areal_jax import config_system as cs
     from areal_jax.jobs.configs import load_job_configs
