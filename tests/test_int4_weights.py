@@ -214,3 +214,25 @@ def test_int4_counts_half_a_byte_and_the_235b_copy_fits_a_v5p_chip():
     assert int4 < 0.61 * 95 * 2**30  # 57.4 GiB: one replica's copy per v5p chip of 95 at tensor 2
     pushed = 2 * BIG.num_params()  # the simulator's decode reads (served_weight_fraction) against the bf16 push
     assert 0.26 < quantize.served_bytes(BIG, 2, "int4") / pushed < 0.265
+
+
+def test_the_shipped_v5p_config_fits_by_the_planners_estimate(tmp_path):
+    # configs/qwen3_235b_a22b_math_tpu.gin: every bounding program within 90% of a v5p chip by the
+    # hand estimate (the compiled plan needs libtpu: docs/scale.md); its evaluation engine serves the
+    # run's int4 copy, so the eval programs read int4 weights too (bf16 ones would be 2.4 chips).
+    import pathlib
+
+    from areal_jax import config_system as cs
+    from areal_jax.jobs.configs import load_job_configs
+    from areal_jax.plan.config import PlanConfig
+    from areal_jax.plan.fit import estimate_fit
+    from areal_jax.plan.targets import parse_target
+
+    gin = pathlib.Path(__file__).resolve().parents[1] / "configs" / "qwen3_235b_a22b_math_tpu.gin"
+    job = load_job_configs([gin], run_dir=str(tmp_path))
+    plan_cfg = cs.build(PlanConfig)
+    target = parse_target(plan_cfg.target)
+    assert target.name == "2xv5p-128" and job.mesh.num_slices == 2 and job.engine.weight_dtype == "int4"
+    fit = estimate_fit(job, plan_cfg, target, gin_files=[str(gin)])
+    assert fit.fits and fit.tightest.startswith("train/grad"), fit
+    assert fit.generation_fraction < 0.8, fit  # the eval programs included

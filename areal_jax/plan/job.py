@@ -75,7 +75,9 @@ def eval_engine_config(job: JobConfigs, longest_prompt: int, data: int, hosts: i
     rows = max(1, -(-job.task.eval_size // hosts))  # each host evaluates its shard of the rows
     slots = job.eval_engine_slots(model_cfg, data)  # as jobs/train.py sizes the run's
     engine = prompts_engine_config(rows, longest_prompt, job.rl.eval_max_new_tokens, slots=slots, data=data)
-    return dataclasses.replace(engine, num_slots=engine.num_slots // data)
+    # The run's evaluation engine serves the RL engine's weights as they are (int8/int4 codes with
+    # EngineConfig.weight_dtype: generation/engine.py), so its programs read that copy.
+    return dataclasses.replace(engine, num_slots=engine.num_slots // data, weight_dtype=job.engine.weight_dtype)
 
 
 def gen_dtype(job: JobConfigs):
