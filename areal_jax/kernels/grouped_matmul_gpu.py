@@ -17,6 +17,7 @@ of the kernel blocks (`limits`); "auto" falls back to `lax.ragged_dot` otherwise
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
@@ -46,6 +47,10 @@ class RaggedOps(NamedTuple):
     transposed: Callable[..., jax.Array]
 
 
+# Each kernel call is its own jit so that a program's many identical calls (every layer of a MoE
+# model) share one lowering: Mosaic GPU's layout inference runs in Python, and lowered once per call
+# site it made a 94-layer model's plan take hours.
+@functools.partial(jax.jit, static_argnames="transpose_rhs")
 def _mosaic_ragged(lhs, rhs, sizes, transpose_rhs):
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu  # GPU-only package: imported on use
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -83,6 +88,7 @@ def _sized_for_target(module) -> Iterator[None]:
         module.jax = jax
 
 
+@jax.jit
 def _mosaic_transposed(lhs, rhs, sizes):
     from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
     with _sized_for_target(transposed_ragged_dot_mgpu):
