@@ -218,8 +218,9 @@ def test_int4_counts_half_a_byte_and_the_235b_copy_fits_a_v5p_chip():
 
 def test_the_shipped_v5p_config_fits_by_the_planners_estimate(tmp_path):
     # configs/qwen3_235b_a22b_math_tpu.gin: every bounding program within 90% of a v5p chip by the
-    # hand estimate (the compiled plan needs libtpu: docs/scale.md); its evaluation engine serves the
-    # run's int4 copy, so the eval programs read int4 weights too (bf16 ones would be 2.4 chips).
+    # hand estimate (the compiled plan needs libtpu: docs/scale.md, where train/grad compiled 16 GiB
+    # above its estimate); its evaluation engine serves the run's int4 copy, so the eval programs
+    # read int4 weights too (bf16 ones would be 2.4 chips).
     import pathlib
 
     from areal_jax import config_system as cs
@@ -232,7 +233,7 @@ def test_the_shipped_v5p_config_fits_by_the_planners_estimate(tmp_path):
     job = load_job_configs([gin], run_dir=str(tmp_path))
     plan_cfg = cs.build(PlanConfig)
     target = parse_target(plan_cfg.target)
-    assert target.name == "2xv5p-128" and job.mesh.num_slices == 2 and job.engine.weight_dtype == "int4"
+    assert target.name == "2xv5p-256" and job.mesh.num_slices == 2 and job.engine.weight_dtype == "int4"
     fit = estimate_fit(job, plan_cfg, target, gin_files=[str(gin)])
-    assert fit.fits and fit.tightest.startswith("train/grad"), fit
+    assert fit.fits, fit
     assert fit.generation_fraction < 0.8, fit  # the eval programs included
