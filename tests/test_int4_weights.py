@@ -24,11 +24,11 @@ from areal_jax.models import quantize
 from areal_jax.models.config import MoEConfig
 from areal_jax.models.sharding import TRAIN_RULES
 from areal_jax.models.transformer import forward
-from areal_jax.parallel import MeshConfig, WeightSync, build_meshes
+from areal_jax.parallel import WeightSync
 from areal_jax.parallel.delta_sync import DeltaSync
 from areal_jax.trainer.config import RLConfig, weight_dtype_conflict
 from areal_jax.trainer.train_step import param_shardings
-from tests.test_int8_weights import BASE, PROMPTS, check_landed
+from tests.test_int8_weights import BASE, PROMPTS, check_landed, push_setup
 from tests.test_int8_weights import _generate as _generate_on
 
 # Contracted dims of 256 (two groups of 128), 384 (three) and head_dim 64 (one group, under 128).
@@ -173,10 +173,7 @@ def test_an_int4_engine_samples_the_int4_policy_and_starts_near_bf16():
 def test_a_push_lands_the_reference_codes_and_scales_with_the_generation_shardings():
     model = ModelConfig(vocab_size=128, hidden_size=256, intermediate_size=256, num_layers=2, num_heads=4,
                         num_kv_heads=2, head_dim=64, qkv_bias=True, family="qwen2")
-    meshes = build_meshes(MeshConfig(num_generation_devices_per_host=4, train_tensor=2, generation_tensor=2))
-    sync = WeightSync.for_model(model, meshes, jnp.bfloat16, group_bytes=64 << 10, weight_dtype="int4")
-    shardings = param_shardings(model, TRAIN_RULES, meshes.train)
-    gen_shardings = generation_shardings(model, meshes.generation, split=True, weight_dtype="int4")
+    meshes, sync, shardings, gen_shardings = push_setup(model, "int4", group_bytes=64 << 10)
     # w_down's 256 inputs are split over tensor=2: one whole group per shard, so its scales split too.
     assert gen_shardings["layers"][0]["w_down"].scale.spec[0] == "tensor"
     for push in range(2):

@@ -113,13 +113,20 @@ def test_an_int8_engine_serves_quantized_weights_and_mostly_picks_the_bf16_token
     assert engine.version == 2
 
 
+def push_setup(model, weight_dtype: str, *, group_bytes: int):
+    """4 generation + 4 training devices at tensor 2: the meshes, a quantizing WeightSync, and the
+    training and generation shardings a push goes between."""
+    meshes = build_meshes(MeshConfig(num_generation_devices_per_host=4, train_tensor=2, generation_tensor=2))
+    sync = WeightSync.for_model(model, meshes, jnp.bfloat16, group_bytes=group_bytes, weight_dtype=weight_dtype)
+    shardings = param_shardings(model, TRAIN_RULES, meshes.train)
+    gen_shardings = generation_shardings(model, meshes.generation, split=True, weight_dtype=weight_dtype)
+    return meshes, sync, shardings, gen_shardings
+
+
 def test_a_push_lands_the_reference_quantizers_codes_and_scales_push_after_push():
     model = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
                         num_kv_heads=2, head_dim=8, qkv_bias=True, family="qwen2")
-    meshes = build_meshes(MeshConfig(num_generation_devices_per_host=4, train_tensor=2, generation_tensor=2))
-    sync = WeightSync.for_model(model, meshes, jnp.bfloat16, group_bytes=8 << 10, weight_dtype="int8")
-    shardings = param_shardings(model, TRAIN_RULES, meshes.train)
-    gen_shardings = generation_shardings(model, meshes.generation, split=True, weight_dtype="int8")
+    meshes, sync, shardings, gen_shardings = push_setup(model, "int8", group_bytes=8 << 10)
     for push in range(3):
         host = init_params(model, push, std=0.1 + 0.05 * push)
         out = sync.transfer(jax.device_put(host, shardings))
