@@ -1,5 +1,5 @@
-"""pyarrow and datasets (the [data] extra) and wandb (the [wandb] extra) are optional: the job imports
-and logs without them, and what needs one names the package and the extra."""
+"""pyarrow and datasets (the [data] extra), wandb (the [wandb] extra) and aiohttp, httpx and openai
+(the [agents] extra) are optional: the job imports, logs and trains without them, and what needs one names the package and the extra."""
 
 import json
 import pathlib
@@ -12,7 +12,7 @@ BLOCK = """
 import sys
 class Block:
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("pyarrow", "datasets", "wandb"):
+        if name.split(".")[0] in ("pyarrow", "datasets", "wandb", "aiohttp", "httpx", "openai"):
             raise ImportError(f"blocked {name}")
 sys.meta_path.insert(0, Block())
 """
@@ -55,7 +55,7 @@ except ImportError as e:
 
 def test_the_quickstart_trains_end_to_end_without_pyarrow_datasets_or_wandb(tmp_path):
     # The whole job (SFT, asynchronous RL, evaluation, the plot, the saved model) in the short form
-    # of tests/test_cli.py, in a process where importing any of the three fails.
+    # of tests/test_cli.py, in a process where importing any of the optional packages fails.
     from tests.test_cli import QUICKSTART, SHORT
 
     args = ["train", f"--gin_file={QUICKSTART}", *[f"--gin_param={p}" for p in SHORT],
@@ -63,7 +63,8 @@ def test_the_quickstart_trains_end_to_end_without_pyarrow_datasets_or_wandb(tmp_
     code = BLOCK + f"""
 from areal_jax.cli import main
 rc = main({args!r})
-print("BLOCKED_LOADED", sorted(m for m in sys.modules if m.split(".")[0] in ("pyarrow", "datasets", "wandb")))
+print("BLOCKED_LOADED", sorted(m for m in sys.modules
+                              if m.split(".")[0] in ("pyarrow", "datasets", "wandb", "aiohttp", "httpx", "openai")))
 sys.exit(rc)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600,
