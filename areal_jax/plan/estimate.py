@@ -17,9 +17,12 @@ dimensions (letters of models/config.py):
   layer (its recomputed activations `[R, T, 4D + 3F]` and their gradients in the compute dtype,
   and its attention probabilities, the causal half of `[R, N, T, T]` fp32, unless flash), or
   the backward of the head (one logit chunk `[R, Tc, V]` fp32 and its gradient, beside the final
-  hidden states). Without remat, every layer's activations are saved.
+  hidden states). Without remat, every layer's activations are saved. For a mixture of experts
+  also one sparse layer's expert gradient (fp32) and the next layer's experts, gathered
+  (`layer_expert_elements`).
 - logprobs: the larger of one logit chunk and a quarter of a layer's activations, beside the
-  final hidden states: nothing is kept for a backward.
+  final hidden states and two layers of weights gathered (one in use, the next arriving):
+  nothing is kept for a backward.
 - update: nothing beyond its arguments (weights and moments are donated and updated in place).
 - transfer: the group being moved, in the generation dtype, twice (cast and gathered).
 - a learned reward's forward ("score": a reward model, "choices": a logprob judge, on its own
@@ -118,6 +121,14 @@ def mlp_acts(m: ModelConfig, t: int = 1, group: int = 1) -> int:
     sparse = (group * 3 * e.num_experts_per_tok * e.moe_intermediate_size // t
               + 3 * e.shared_expert_intermediate_size // t + e.num_experts + expert_buffers(m, group))
     return max(dense, sparse)
+
+
+def layer_expert_elements(m: ModelConfig, expert: int = 1, t: int = 1) -> int:
+    """Elements of one sparse layer's routed experts on a device once gathered over fsdp: split
+    over the expert axis (E) and the tensor axis (Fe) only. 0 for a dense model."""
+    if m.moe is None:
+        return 0
+    return 3 * m.moe.num_experts * m.hidden_size * m.moe.moe_intermediate_size // (expert * t)
 
 
 def mlp_flops(m: ModelConfig) -> int:
@@ -229,11 +240,16 @@ def temporaries(spec: ProgramSpec, ctx: EstimateContext, attention: Sequence[str
         hidden = tokens * D * ctx.compute_bytes  # the final hidden states the chunks read
         # The head's chunks and the layers run one after the other (forward: layers then head;
         # backward: head then layers), so only the larger of the two is live at the peak.
-        if kind == "logprobs":
-            return max(logits // 2, recompute // 4) + hidden + 4 * tokens  # nothing kept for a backward
+        if kind == "logprobs":  # nothing kept for a backward; a layer gathered while the next one's gather runs
+            return max(logits // 2, recompute // 4) + hidden + 4 * tokens + 2 * layer_weights
         saved = (L * tokens * D * ctx.compute_bytes if ctx.remat == "full"
                  else L * (recompute + attention) // 2)
-        return saved + max(recompute + attention, logits + hidden) + grads + layer_weights
+        # A sparse layer's experts go through the grouped matmul's kernels, calls XLA does not
+        # overlap with the collectives around them: the backward holds the layer's expert gradient
+        # whole over fsdp (fp32, before its reduce-scatter) while the next layer's experts are
+        # gathered (compiled 235B-A22B: 16 GiB above the terms before these on v5p, 3-9 on H100).
+        experts = layer_expert_elements(m, ex, t) * (4 + ctx.compute_bytes)
+        return saved + max(recompute + attention, logits + hidden) + grads + layer_weights + experts
     return 0
 
 
