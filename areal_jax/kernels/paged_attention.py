@@ -177,6 +177,16 @@ def _calibrated(scale: jax.Array, x: jax.Array, live: jax.Array) -> jax.Array:
     return jnp.where((scale == 0) & (amax > 0), amax * FP8_HEADROOM / FP8_MAX, scale)
 
 
+def calibrate_pool(pool: PagePool, k: jax.Array, v: jax.Array, live: jax.Array) -> PagePool:
+    """An FP8 pool with each head's unset scales taken from the live tokens of `k, v [T, K, H]`
+    (`live [T]`), as a `write_tokens(..., calibrate=True)` of those tokens would set them (the
+    pool unchanged otherwise): for writes split into several calls that must calibrate as one."""
+    if not pool.quantized:
+        return pool
+    return dataclasses.replace(pool, k_scale=_calibrated(pool.k_scale, k, live),
+                               v_scale=_calibrated(pool.v_scale, v, live))
+
+
 def _quantize(x: jax.Array, scale: jax.Array) -> jax.Array:
     """`x [T, K, H]` over its head's scale `[K]`, saturated at +-448, as e4m3 (a 0 scale stores 0)."""
     safe = jnp.where(scale > 0, scale, 1.0)[None, :, None]
