@@ -155,3 +155,14 @@ def test_moe_training_estimate_within_5_percent_of_the_compiled_peak(tmp_path, c
     kernels = PLATFORM_KERNELS["tpu" if target.platform == "tpu" else "cuda"]
     estimate = (est.estimate_peak(spec, inputs.ctx, kernels) + inputs.extra_resident(spec)) / 2**30
     assert estimate == pytest.approx(compiled_gib, rel=0.05), (estimate, compiled_gib)
+
+
+def test_the_simulators_weight_reads_equal_the_estimates_share_elementwise(a3b):
+    # The simulator asks for a whole array of decode chunks' live rows at once.
+    costs = RooflineCosts(model=a3b, target=parse_target("4x8xh100"), estimate_context=est.EstimateContext(model=a3b),
+                          replicas=2, generation_tensor=2, slots_per_replica=48, train_devices=16, hosts=4,
+                          generation_weight_bytes=2 * a3b.num_params(), kv_bytes_per_token=98_304,
+                          separate_proximal=False, transfer_bytes_per_s=1e10)
+    rows = np.array([1, 2, 5, 48, 300, 10_000])
+    want = [2 * a3b.num_params() * est.weight_share_read(a3b, r) for r in rows]
+    np.testing.assert_allclose(costs.weights_read(rows), want, rtol=1e-12)

@@ -143,13 +143,23 @@ class RooflineCosts:
 
         return analytic_flops(ProgramSpec(name=name, role=role, fn=None), self.estimate_context, devices)
 
-    def weights_read(self, tokens: float) -> float:
-        """Bytes of one replica's weights a forward over `tokens` tokens reads: a MoE model's
-        routed experts only as many as those tokens touch (plan/estimate.weight_share_read);
-        FLOPs count the active experts (analytic_flops)."""
-        from areal_jax.plan.estimate import weight_share_read
+    def weights_read(self, tokens):
+        """Bytes of one replica's weights a forward over `tokens` tokens (a number, or an array of
+        them) reads: a MoE model's routed experts only as many as those tokens touch, as
+        plan/estimate.weight_share_read counts them; FLOPs count the active experts (analytic_flops)."""
+        share = 1.0
+        if self.model.moe is not None:  # vectorized: the simulator asks once per decode chunk
+            e = self.model.moe
+            touched = 1.0 - (1.0 - e.num_experts_per_tok / e.num_experts) ** np.maximum(tokens, 0.0)
+            share = 1.0 - self._routed_share * (1.0 - touched)
+        return self.generation_weight_bytes * self.served_weight_fraction * share
 
-        return self.generation_weight_bytes * self.served_weight_fraction * weight_share_read(self.model, tokens)
+    @functools.cached_property
+    def _routed_share(self) -> float:
+        """The routed experts' share of the model's parameters."""
+        from areal_jax.plan.estimate import expert_params
+
+        return expert_params(self.model) / self.model.num_params()
 
     def decode_step_s(self, window: int) -> float:
         """One decode step of every slot of a replica (the program computes every slot, active or not)."""
@@ -180,7 +190,7 @@ class RooflineCosts:
         flops = self._row_flops * rows * steps
         flops = flops + 4.0 * m.num_layers * m.num_heads * m.head_dim * live_tokens / self.replicas \
             / self.generation_tensor
-        weights = np.vectorize(self.weights_read, otypes=[float])(np.maximum(live_rows, 1))
+        weights = self.weights_read(np.maximum(live_rows, 1))
         accessed = (weights * steps + live_tokens / self.replicas * self.kv_bytes_per_token) / self.generation_tensor
         return np.maximum(flops / self.target.peak_flops_per_device, accessed / self.target.bandwidth_per_device)
 
