@@ -141,7 +141,15 @@ class RooflineCosts:
         from areal_jax.aot import ProgramSpec
         from areal_jax.plan.estimate import analytic_flops
 
-        return analytic_flops(ProgramSpec(name=name, role=role, fn=None), self.estimate_context, devices)
+        key = (name, role, devices)  # a run asks for the same few shapes thousands of times
+        if key not in self._flops_seen:
+            self._flops_seen[key] = analytic_flops(ProgramSpec(name=name, role=role, fn=None), self.estimate_context,
+                                                   devices)
+        return self._flops_seen[key]
+
+    @functools.cached_property
+    def _flops_seen(self) -> dict[tuple[str, str, int], float]:
+        return {}
 
     def weights_read(self, tokens):
         """Bytes of one replica's weights a forward over `tokens` tokens (a number, or an array of
