@@ -74,3 +74,20 @@ sys.exit(rc)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["trained_tokens"] > 0
     assert (tmp_path / "run" / "final_model" / "config.json").exists()
+
+
+def test_the_agent_endpoint_without_aiohttp_names_the_extra_at_once():
+    code = BLOCK + """
+import time
+from areal_jax.agents.server import Endpoint
+t0 = time.monotonic()
+try:
+    Endpoint(None, None).start(timeout_s=30)
+except ImportError as e:
+    print("MESSAGE", e, "AFTER", round(time.monotonic() - t0))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                         env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "MESSAGE" in out.stdout and "aiohttp" in out.stdout and "areal-jax[agents]" in out.stdout
+    assert "AFTER 0" in out.stdout  # not the 30 s start timeout

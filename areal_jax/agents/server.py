@@ -48,6 +48,11 @@ class Endpoint:
     def start(self, timeout_s: float = 30.0) -> None:
         if self._thread is not None:
             raise RuntimeError("the agent endpoint is already started")
+        try:  # here, not on the server thread, where a missing package would only show as a timeout
+            import aiohttp  # noqa: F401
+        except ImportError as err:
+            raise ImportError("the agent endpoint needs the `aiohttp` package: pip install 'areal-jax[agents]' "
+                              "(or use agents.inprocess.InProcessClient, which needs no server)") from err
         self._thread = threading.Thread(target=self._main, name="agent-endpoint", daemon=True)
         self._thread.start()
         if not self._ready.wait(timeout_s):
