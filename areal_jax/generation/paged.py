@@ -113,9 +113,9 @@ def insert_pages(pools: tuple[PagePool, ...], block: KVCache, rows: jax.Array, s
     placed = slots < B
     order = jnp.argsort(~placed, stable=True)  # the real placements first, in their order
     count = jnp.sum(placed)
-    # The positions each block row writes at most: the longest of its placements (0: none).
-    row_len = jnp.zeros((R,), jnp.int32).at[jnp.clip(rows, 0, R - 1)].max(jnp.where(placed, lengths, 0))
     if pools[0].quantized:
+        # The positions each block row writes at most: the longest of its placements (0: none).
+        row_len = jnp.zeros((R,), jnp.int32).at[jnp.clip(rows, 0, R - 1)].max(jnp.where(placed, lengths, 0))
         live = (jnp.arange(Pb)[None, :] < row_len[:, None]).reshape(-1)  # [R * Pb]
 
         def every_row(part):  # [R, K, Pb, H] -> [R * Pb, K, H]

@@ -44,8 +44,11 @@ difference says how much the compiler's scheduling and fusion save or cost.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
+
+import numpy as np
 
 from areal_jax.aot import ProgramSpec, bytes_per_device
 from areal_jax.models.config import ModelConfig
@@ -142,10 +145,10 @@ def mlp_flops(m: ModelConfig) -> int:
         3 * (e.num_experts_per_tok * e.moe_intermediate_size + e.shared_expert_intermediate_size) + e.num_experts)
 
 
-def experts_touched(num_experts: int, k: int, tokens: float) -> float:
-    """Expected distinct experts a layer runs for `tokens` tokens routed k of E each (uniformly):
-    E * (1 - (1 - k/E)^tokens). One token: k; many: all E."""
-    return num_experts * (1.0 - (1.0 - k / num_experts) ** max(tokens, 0.0))
+def experts_touched(num_experts: int, k: int, tokens):
+    """Expected distinct experts a layer runs for `tokens` tokens (a number or an array) routed k
+    of E each (uniformly): E * (1 - (1 - k/E)^tokens). One token: k; many: all E."""
+    return num_experts * (1.0 - (1.0 - k / num_experts) ** np.maximum(tokens, 0.0))
 
 
 def expert_params(m: ModelConfig) -> int:
@@ -162,15 +165,21 @@ def active_params(m: ModelConfig) -> int:
     return m.num_params() - expert_params(m) * (m.moe.num_experts - m.moe.num_experts_per_tok) // m.moe.num_experts
 
 
-def weight_share_read(m: ModelConfig, tokens: float) -> float:
+def weight_share_read(m: ModelConfig, tokens):
     """Share of the weights' bytes a forward over `tokens` tokens (one decode step of that many
-    slots) reads: all of a dense model; of a MoE model the non-expert weights and, per sparse
-    layer, the experts touched (`experts_touched`)."""
+    slots; a number or an array of them) reads: all of a dense model; of a MoE model the
+    non-expert weights and, per sparse layer, the experts touched (`experts_touched`)."""
     if m.moe is None:
         return 1.0
-    e, total, experts = m.moe, m.num_params(), expert_params(m)
+    e = m.moe
     touched = experts_touched(e.num_experts, e.num_experts_per_tok, tokens) / e.num_experts
-    return (total - experts + experts * touched) / total
+    return 1.0 - _routed_share(m) * (1.0 - touched)
+
+
+@functools.lru_cache(maxsize=64)
+def _routed_share(m: ModelConfig) -> float:
+    """The routed experts' share of the parameters (cached: the simulator asks once per decode chunk)."""
+    return expert_params(m) / m.num_params()
 
 
 def temporaries(spec: ProgramSpec, ctx: EstimateContext, attention: Sequence[str] = ()) -> int:

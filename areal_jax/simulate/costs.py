@@ -153,21 +153,11 @@ class RooflineCosts:
 
     def weights_read(self, tokens):
         """Bytes of one replica's weights a forward over `tokens` tokens (a number, or an array of
-        them) reads: a MoE model's routed experts only as many as those tokens touch, as
-        plan/estimate.weight_share_read counts them; FLOPs count the active experts (analytic_flops)."""
-        share = 1.0
-        if self.model.moe is not None:  # vectorized: the simulator asks once per decode chunk
-            e = self.model.moe
-            touched = 1.0 - (1.0 - e.num_experts_per_tok / e.num_experts) ** np.maximum(tokens, 0.0)
-            share = 1.0 - self._routed_share * (1.0 - touched)
-        return self.generation_weight_bytes * self.served_weight_fraction * share
+        them) reads: a MoE model's routed experts only as many as those tokens touch
+        (plan/estimate.weight_share_read); FLOPs count the active experts (analytic_flops)."""
+        from areal_jax.plan.estimate import weight_share_read
 
-    @functools.cached_property
-    def _routed_share(self) -> float:
-        """The routed experts' share of the model's parameters."""
-        from areal_jax.plan.estimate import expert_params
-
-        return expert_params(self.model) / self.model.num_params()
+        return self.generation_weight_bytes * self.served_weight_fraction * weight_share_read(self.model, tokens)
 
     def decode_step_s(self, window: int) -> float:
         """One decode step of every slot of a replica (the program computes every slot, active or not)."""
