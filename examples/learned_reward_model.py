@@ -155,19 +155,24 @@ def policy_samples(policy_dir: pathlib.Path, items, *, k: int, temperature: floa
             for p, g, rs in zip(items, groups, rewards(groups, arithmetic_reward))]
 
 
-def ranking_quality(rm_dir: pathlib.Path, samples) -> dict[str, float]:
-    """How the RM at `rm_dir` orders `policy_samples`' answers: `pairwise` is the share of (right,
-    wrong) pairs of one problem's samples scored right > wrong (ties count half; what group-
-    normalised advantages use), `auc` the same over all pairs of all problems, `sign` the share
-    whose score's sign matches the verifier, with the pair and sample counts."""
+def ranking_quality(rm_dir: pathlib.Path, samples, *, likelihood: bool = False) -> dict[str, float]:
+    """How the RM at `rm_dir` (with `likelihood`, a causal LM scored as an "lm:" term) orders
+    `policy_samples`' answers: `pairwise` is the share of (right, wrong) pairs of one problem's
+    samples scored right > wrong (ties count half; what group-normalised advantages use), `auc`
+    the same over all pairs of all problems, `sign` the share whose score's sign matches the
+    verifier (a scalar head's; a log-likelihood is never positive), with the pair and sample counts."""
     import numpy as np
 
     from areal_jax.reward import RewardModel
     from areal_jax.reward.composite import rm_input_ids
+    from areal_jax.reward.likelihood import LikelihoodReward
 
-    rm = RewardModel.from_pretrained(rm_dir, batch_size=64)
     flat = [(q, t, ok) for q, texts, oks in samples for t, ok in zip(texts, oks)]
-    scores = rm.score_ids([rm_input_ids(rm.tokenizer, q, t) for q, t, _ in flat])
+    if likelihood:
+        scores = LikelihoodReward.from_pretrained(rm_dir, batch_size=64).score([(q, t) for q, t, _ in flat])
+    else:
+        rm = RewardModel.from_pretrained(rm_dir, batch_size=64)
+        scores = rm.score_ids([rm_input_ids(rm.tokenizer, q, t) for q, t, _ in flat])
     oks = np.array([ok for _, _, ok in flat])
 
     def ordered(pos, neg) -> tuple[float, int]:
@@ -307,6 +312,83 @@ def train_pairwise_rm(policy_dir: pathlib.Path, out: pathlib.Path, pairs, *, ste
     return out
 
 
+def distinct_answers(samples) -> list[tuple[str, str, bool]]:
+    """(question, answer, right) rows of `policy_samples`: each distinct answer of a problem once,
+    in the proportions the policy writes them (no balancing, no reference solution)."""
+    rows = []
+    for question, texts, oks in samples:
+        rows += [(question, text, ok) for text, ok in dict(zip(texts, oks)).items()]
+    return rows
+
+
+def train_likelihood_rm(policy_dir: pathlib.Path, out: pathlib.Path, rows, *, steps: int, seed: int, lr: float,
+                        beta: float, rows_per_step: int = 32) -> pathlib.Path:
+    """A causal LM at `out`, scored as an "lm:" term (reward/likelihood.py): the policy's weights
+    tuned as an implicit reward model. Its logit of "right" is beta * sum over the answer's tokens
+    of log pi(token) - log pi_SFT(token), plus a learned bias, trained by binary cross-entropy on
+    the verifier's labels of the policy's own answers (`distinct_answers`). Every answer token gets
+    a gradient through its own log-prob, so the LM learns which written tokens are the slips; a
+    scalar head would have to gather that at the last position. The reward it gives is the tuned
+    LM's mean log-likelihood of an answer, which keeps the SFT policy's own ranking (better than
+    chance before any tuning) and adds what the tuning learned."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from areal_jax.models.hf_io import load_params, save_params
+    from areal_jax.models.tokenizer import Tokenizer
+    from areal_jax.models.transformer import forward, lm_head
+    from areal_jax.ppo.logprobs import hidden_logprobs
+    from areal_jax.reward.likelihood import likelihood_input
+    from areal_jax.reward.reward_model import length_bucket, padded_rows
+
+    cfg, sft = load_params(policy_dir, dtype=jnp.float32)
+    tok = Tokenizer.from_pretrained(policy_dir)
+    inputs = [likelihood_input(tok, q, a) for q, a, _ in rows]
+    T = length_bucket(max(len(ids) for ids, _ in inputs))
+    tokens, seg = padded_rows([np.asarray(ids, np.int32) for ids, _ in inputs], len(inputs), T, pad=0, padding="right")
+    answer = np.zeros((len(inputs), T - 1), np.float32)  # [N, T-1]: 1 where position t predicts an answer token
+    for b, (ids, start) in enumerate(inputs):
+        answer[b, start - 1:len(ids) - 1] = 1
+    right = np.array([ok for _, _, ok in rows], np.float32)
+
+    def token_logprobs(p, tk, sg):  # [B, T-1]: log-prob of each next token
+        hidden, _ = forward(p, cfg, tk, segment_ids=sg, return_hidden=True)
+        return hidden_logprobs(hidden[:, :-1], lambda h: lm_head(p, cfg, h), tk[:, 1:])
+
+    reference = jax.jit(token_logprobs)
+    ref = np.concatenate([np.asarray(reference(sft, tokens[i:i + 256], seg[i:i + 256]))
+                          for i in range(0, len(inputs), 256)])
+    params = {"lm": sft, "bias": jnp.zeros(())}
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, min(20, steps // 5), steps, lr * 0.1)
+    opt = optax.adamw(schedule, weight_decay=0.0)
+    state = opt.init(params)
+
+    def loss_fn(p, tk, sg, mask, ref_lp, y):
+        logit = beta * jnp.sum((token_logprobs(p["lm"], tk, sg) - ref_lp) * mask, axis=1) + p["bias"]
+        return jnp.mean(optax.sigmoid_binary_cross_entropy(logit, y))
+
+    @jax.jit
+    def step(p, st, *batch):
+        loss, grads = jax.value_and_grad(loss_fn)(p, *batch)
+        updates, st = opt.update(grads, st, p)
+        return optax.apply_updates(p, updates), st, loss
+
+    rng = np.random.default_rng(seed)
+    log = []
+    for i in range(steps):
+        pick = rng.integers(0, len(inputs), rows_per_step)
+        params, state, loss = step(params, state, tokens[pick], seg[pick], answer[pick], ref[pick], right[pick])
+        log.append(float(loss))
+        if (i + 1) % max(1, steps // 5) == 0:
+            print(f"[example] likelihood reward model step {i + 1}/{steps}: loss "
+                  f"{np.mean(log[-max(1, steps // 5):]):.3f}", flush=True)
+    save_params(jax.device_get(params["lm"]), cfg, out)
+    _copy_tokenizer(policy_dir, out)
+    return out
+
+
 def sft_policy(run_dir: pathlib.Path, overrides: list[str], *, overwrite: bool) -> tuple[pathlib.Path, aj.JobConfigs]:
     """The quickstart's SFT stage alone; its final model. A finished one already in `run_dir` is
     kept unless `overwrite` (the stage is deterministic for its seed)."""
@@ -335,8 +417,11 @@ def parse_args(argv, doc: str) -> argparse.Namespace:
     parser.add_argument("--label_steps", type=int, default=None, help="SFT steps of the reward model or judge (default 300; 10 small)")
     parser.add_argument("--label_problems", type=int, default=None, help="training problems its labelled answers come from")
     parser.add_argument("--label_lr", type=float, default=1e-3, help="the reward model's or judge's SFT learning rate")
-    parser.add_argument("--rm_loss", choices=("label", "pairwise"), default="label",
-                        help="reward model: SFT on a right/wrong label token (balanced rows), or Bradley-Terry on right/wrong pairs")
+    parser.add_argument("--rm_loss", choices=("likelihood", "label", "pairwise"), default="likelihood",
+                        help="reward model: a causal LM tuned as an implicit reward model and scored by its likelihood "
+                             "of the answer (an 'lm:' term), or a scalar head: SFT on a right/wrong label token "
+                             "(balanced rows), or Bradley-Terry on right/wrong pairs")
+    parser.add_argument("--beta", type=float, default=0.5, help="likelihood reward model: the scale of its log-ratio")
     parser.add_argument("--samples", type=int, default=8, help="reward model: the policy's samples per problem")
     parser.add_argument("--check_problems", type=int, default=None, help="reward model: held-out problems its ranking is measured on")
     parser.add_argument("--rl_steps", type=int, default=None, help="RL steps (default the quickstart's 120)")
@@ -346,8 +431,10 @@ def parse_args(argv, doc: str) -> argparse.Namespace:
     args.overrides = (SMALL if args.small else []) + [f"ModelSource.init_seed = {args.seed}", f"SFTConfig.seed = {args.seed}"]
     if args.rl_steps:
         args.overrides += [f"RLConfig.steps = {args.rl_steps}", f"OptimizerConfig.total_steps = {args.rl_steps}"]
-    args.label_steps = args.label_steps or (10 if args.small else 300)
-    args.label_problems = args.label_problems or (50 if args.small else 3000)
+    args.label_steps = args.label_steps or (10 if args.small else 1000 if args.rm_loss == "likelihood" else 300)
+    if args.rm_loss == "likelihood" and args.label_lr == parser.get_default("label_lr"):
+        args.label_lr = 1e-4  # the tuned LM's head is live from the start: a tenth of a fresh head's rate
+    args.label_problems = args.label_problems or (50 if args.small else 1500 if args.rm_loss == "likelihood" else 3000)
     args.check_problems = args.check_problems or (8 if args.small else 200)
     return args
 
@@ -368,7 +455,12 @@ def main(argv: list[str] | None = None) -> dict:
                               max_new_tokens=cfg.rollout.max_new_tokens)
 
     samples = sampled(policy, train_items, args.seed)
-    if args.rm_loss == "pairwise":
+    likelihood = args.rm_loss == "likelihood"
+    if likelihood:
+        data = distinct_answers(samples)
+        rm_dir = train_likelihood_rm(policy, args.run_dir / "reward_model", data, steps=args.label_steps,
+                                     seed=args.seed, lr=args.label_lr, beta=args.beta)
+    elif args.rm_loss == "pairwise":
         data = ranked_pairs(samples, train_items, args.seed)
         rm_dir = train_pairwise_rm(policy, args.run_dir / "reward_model", data, steps=args.label_steps,
                                    seed=args.seed, lr=args.label_lr)
@@ -376,13 +468,15 @@ def main(argv: list[str] | None = None) -> dict:
         data = balanced_rows(samples, train_items, args.seed)
         rm_dir = train_label_rm(policy, args.run_dir / "reward_model", data, steps=args.label_steps, seed=args.seed,
                                 lr=args.label_lr)
-    before = ranking_quality(rm_dir, sampled(policy, check_items, 1_000 + args.seed))
+    before = ranking_quality(rm_dir, sampled(policy, check_items, 1_000 + args.seed), likelihood=likelihood)
     print(f"[example] reward model ({args.rm_loss} loss, {len(data)} rows of the policy's own answers): held-out "
           f"within-problem pairwise {before['pairwise']:.3f}, AUC {before['auc']:.3f}", flush=True)
-    summary = rl_on_reward(policy, args.run_dir / "rl", args.overrides, f"(('rm:{rm_dir}', 1.0), ('arithmetic', 0.0))",
+    term = f"{'lm' if likelihood else 'rm'}:{rm_dir}"
+    summary = rl_on_reward(policy, args.run_dir / "rl", args.overrides, f"(('{term}', 1.0), ('arithmetic', 0.0))",
                            overwrite=args.overwrite)
     # Reward hacking shows as the RM ranking the RL'd policy's answers worse than the SFT policy's.
-    after = ranking_quality(rm_dir, sampled(args.run_dir / "rl" / "final_model", check_items, 1_000 + args.seed))
+    after = ranking_quality(rm_dir, sampled(args.run_dir / "rl" / "final_model", check_items, 1_000 + args.seed),
+                            likelihood=likelihood)
     print(f"[example] reward model on the RL'd policy's answers: pairwise {after['pairwise']:.3f}, "
           f"AUC {after['auc']:.3f}", flush=True)
     return report(args, summary, "the reward model", rm_loss=args.rm_loss, rm_rows=len(data), rm_before_rl=before,

@@ -105,28 +105,43 @@ def test_agent_calculator_example_runs_sft_then_rl_through_the_endpoint(tmp_path
 
 
 
-def test_learned_reward_model_example_runs_end_to_end(tmp_path):
-    """The reward-model example in its smoke mode (a 1-layer policy, a few steps): the reward model
-    is trained on the policy's own samples, saved as a Qwen2ForSequenceClassification, loaded as
-    the run's only reward, and its ranking measured before and after RL."""
-    _run("learned_reward_model.py", f"--run_dir={tmp_path}", "--small")
+def _check_rm_example(tmp_path, rm_loss: str, term: str, architecture: str) -> None:
     result = json.loads((tmp_path / "result.json").read_text())
-    assert result["rl_steps"] == 2 and result["rm_loss"] == "label" and result["rm_rows"] > 0
+    assert result["rl_steps"] == 2 and result["rm_loss"] == rm_loss and result["rm_rows"] > 0
     for figures in (result["rm_before_rl"], result["rm_after_rl"]):  # 8 held-out problems x 8 samples
         assert figures["samples"] == 64 and 0.0 <= figures["sign"] <= 1.0
     rm_dir = tmp_path / "reward_model"
     config = json.loads((rm_dir / "config.json").read_text())
-    assert config["architectures"] == ["Qwen2ForSequenceClassification"] and config["num_labels"] == 1
+    assert config["architectures"] == [architecture]
     # The RL run's reward is the reward model alone; the verifier (weight 0) is logged beside it.
     run_config = json.loads((tmp_path / "rl" / "config.json").read_text())
-    assert run_config["rollout"]["reward"] == [[f"rm:{rm_dir}", 1.0], ["arithmetic", 0.0]]
+    assert run_config["rollout"]["reward"] == [[f"{term}:{rm_dir}", 1.0], ["arithmetic", 0.0]]
     records = read_jsonl(tmp_path / "rl" / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1]
     for record in records:
         m = record["metrics"]
-        assert m[f"reward/rm:{rm_dir}/failed"] == 0
-        assert m["reward/mean"] == pytest.approx(m[f"reward/rm:{rm_dir}/mean"], abs=1e-5)
+        assert m[f"reward/{term}:{rm_dir}/failed"] == 0
+        assert m["reward/mean"] == pytest.approx(m[f"reward/{term}:{rm_dir}/mean"], abs=1e-5)
         assert m["reward/arithmetic/mean"] in (0.0, 0.25, 0.5, 0.75, 1.0)
+        if term == "lm":  # a mean log-likelihood
+            assert m[f"reward/{term}:{rm_dir}/mean"] < 0
+
+
+def test_learned_reward_model_example_runs_end_to_end(tmp_path):
+    """The reward-model example in its smoke mode (a 1-layer policy, a few steps), its default
+    recipe: the policy tuned as an implicit reward model on its own samples, saved as a causal LM,
+    loaded as the run's only reward ("lm:"), and its ranking measured before and after RL."""
+    _run("learned_reward_model.py", f"--run_dir={tmp_path}", "--small")
+    _check_rm_example(tmp_path, "likelihood", "lm", "Qwen2ForCausalLM")
+
+
+@pytest.mark.slow  # a second SFT + RL smoke run (~2 min on a 2-core host)
+def test_learned_reward_model_example_with_a_scalar_head(tmp_path):
+    """`--rm_loss label`: the RM saved as a one-label Qwen2ForSequenceClassification ("rm:")."""
+    _run("learned_reward_model.py", f"--run_dir={tmp_path}", "--small", "--rm_loss=label")
+    _check_rm_example(tmp_path, "label", "rm", "Qwen2ForSequenceClassification")
+    config = json.loads((tmp_path / "reward_model" / "config.json").read_text())
+    assert config["num_labels"] == 1
 
 
 @pytest.mark.slow  # a second SFT + RL smoke run (~3 min on a 2-core host)

@@ -158,3 +158,28 @@ def test_plans_step_counts_the_scoring_where_it_shares_the_generation_devices(tm
                       "MeshConfig.num_generation_devices_per_host = 7", "MeshConfig.reward_devices = 1")
     add_learned_reward_time(own, programs, own_job, colocated=False)
     assert own == {**pred, "learned_reward_s_per_step": pytest.approx(seconds)}
+
+
+@needs_gpu_compiler
+def test_a_likelihood_reward_is_planned_as_a_whole_lm_beside_the_policy(tmp_path):
+    from areal_jax.aot import bytes_per_device
+    from areal_jax.models.config import ModelConfig
+    from areal_jax.plan.estimate import estimate_peak
+
+    lm = tmp_path / "lm"
+    lm.mkdir()
+    (lm / "config.json").write_text(json.dumps(SMALL_MODEL))  # a *ForCausalLM: lm_head included
+    from areal_jax.jobs.configs import load_job_configs
+
+    d = _dirs(tmp_path)
+    gin = tmp_path / "run.gin"
+    gin.write_text(BASE + f'ModelSource.path = "{d["model"]}"\n' + f"RLVRConfig.reward = (('math', 0.0), ('lm:{lm}', 1.0))\n")
+    inputs = _inputs(load_job_configs([str(gin)], [], run_dir="plan"))
+    spec = next(s for s in inputs.specs if s.role == "reward")
+    assert spec.name == "reward/lm/loglik[rows=16,len=512]"
+    assert bytes_per_device(spec.args[0]) == 4 * ModelConfig.from_hf(SMALL_MODEL).num_params()
+    decode = next(s for s in inputs.specs if s.name.startswith("generation/decode"))
+    assert inputs.extra_resident(decode) >= bytes_per_device(spec.args[0])  # shared devices: beside the policy
+    # The estimate holds every position's logits of one chunk (fp32, with their log-softmax).
+    V = SMALL_MODEL["vocab_size"]
+    assert estimate_peak(spec, inputs.ctx, ("pallas_triton_flash",)) >= bytes_per_device(spec.args) + 2 * 4 * 16 * 256 * V

@@ -197,6 +197,12 @@ def temporaries(spec: ProgramSpec, ctx: EstimateContext, attention: Sequence[str
         scores = 4 * R * N * T * (1 if flash else T)
         head = 4 * R * (2 * V if kind == "choices" else 1)  # the last position's logits (and log-softmax)
         return acts + scores + 4 * R * T * D + head  # + the final hidden states (fp32)
+    if kind == "loglik":  # a likelihood reward's forward and its logits, a chunk of positions at a time
+        R, T = d.get("rows", 1), d.get("len", 1)
+        acts = ctx.cache_bytes * R * T * (2 * D + mlp_acts(m))
+        scores = 4 * R * N * T * (1 if flash else T)
+        n, tc = chunk_layout(R, T, ctx.logit_chunk_tokens)
+        return acts + scores + 4 * R * T * D + 2 * 4 * R * tc * V  # fp32 hidden states; a chunk's logits, log-softmax
     if spec.role in ("generation", "eval", "reward"):
         t = ctx.generation_tensor
         if kind == "decode":
@@ -334,9 +340,10 @@ def analytic_flops(spec: ProgramSpec, ctx: EstimateContext, num_devices: int) ->
         chunked = chunk_layout(d.get("rows", 1), d.get("len", 1), ctx.logit_chunk_tokens)[0] > 1
         again = (body if ctx.remat == "full" else 0) + (tokens * head if chunked else 0)
         total = forward if kind == "logprobs" else 3 * forward + again
-    elif kind in ("prefill_start", "prefill", "score", "choices"):  # the last two: a learned reward's forward
+    elif kind in ("prefill_start", "prefill", "score", "choices", "loglik"):  # the last three: a learned reward's
         R, P = d.get("rows", 1), d.get("len", 1)
-        total = R * P * layers + attention(R * P, P / 2) + (R * head if kind != "score" else 0)
+        total = (R * P * layers + attention(R * P, P / 2)
+                 + {"score": 0, "loglik": R * P * head}.get(kind, R * head))  # loglik: every position's logits
     elif kind == "reprefill_packed":
         R, W = d.get("rows", 1), _last_dim(spec.args[-1])
         total = R * W * layers + attention(R * W, W / 4)  # several sequences share a row

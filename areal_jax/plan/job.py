@@ -391,7 +391,7 @@ def learned_reward_step_s(programs: Sequence[ProgramPlan], job: JobConfigs) -> f
     for (label, kind), seconds in largest.items():
         batch = job.rollout.judge.batch_size if label == "judge" else DEFAULT_BATCH
         calls = -(-completions // batch)
-        if kind in ("score", "choices", "prefill_start"):
+        if kind in ("score", "loglik", "choices", "prefill_start"):
             total += calls * seconds
         elif kind == "decode":
             chunk = judge_engine_config(job.rollout.judge).decode_chunk

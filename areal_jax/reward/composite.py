@@ -4,7 +4,8 @@
 
 A term is a verifier (a registered name or "package.module:function", run as a single reward is),
 "rm:<directory>" (a `RewardModel`, scoring the chat [user: question, assistant: completion] with
-its own template) or "judge" (the `Judge` of `RLVRConfig.judge`). The reward of a completion is
+its own template), "lm:<directory>" (a causal LM scoring the completion by its mean log-likelihood,
+reward/likelihood.py) or "judge" (the `Judge` of `RLVRConfig.judge`). The reward of a completion is
 the weighted sum of its terms; a term that fails (past its deadline, unparseable, raised) counts
 0.0 and is counted as failed. Each group records per term [sum, count, failed] in
 `info["reward_terms"]`, which the step's record turns into reward/<name>/mean and
@@ -28,11 +29,12 @@ __all__ = ["LearnedRewards", "TermsScorer", "check_terms", "is_learned", "normal
 
 RewardTerms = tuple[tuple[str, float], ...]
 RM_PREFIX = "rm:"
+LM_PREFIX = "lm:"
 JUDGE = "judge"
 
 
 def is_learned(name: str) -> bool:
-    return name == JUDGE or name.startswith(RM_PREFIX)
+    return name == JUDGE or name.startswith((RM_PREFIX, LM_PREFIX))
 
 
 def normalize_reward(reward: Any, field: str = "RLVRConfig.reward") -> str | RewardTerms:
@@ -54,8 +56,9 @@ def normalize_reward(reward: Any, field: str = "RLVRConfig.reward") -> str | Rew
             raise ValueError(f"{field}: term name {name!r} must be a non-empty str")
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
             raise ValueError(f"{field}: weight of {name!r} must be a finite number, got {weight!r}")
-        if name.startswith(RM_PREFIX) and not name[len(RM_PREFIX):]:
-            raise ValueError(f"{field}: term {name!r} must name the reward model's directory after 'rm:'")
+        for prefix in (RM_PREFIX, LM_PREFIX):
+            if name.startswith(prefix) and not name[len(prefix):]:
+                raise ValueError(f"{field}: term {name!r} must name the reward model's directory after {prefix!r}")
         out.append((name, float(weight)))
     names = [n for n, _ in out]
     if len(set(names)) != len(names):
@@ -75,6 +78,13 @@ def check_terms(terms: RewardTerms, check_verifier: Callable[[str, str], None], 
             try:
                 read_reward_config(pathlib.Path(name[len(RM_PREFIX):]))
             except (OSError, ValueError) as e:
+                raise ValueError(f"{field}: term {name!r}: {e}") from None
+        elif name.startswith(LM_PREFIX):
+            from areal_jax.reward.likelihood import check_causal_lm
+
+            try:
+                check_causal_lm(name[len(LM_PREFIX):])
+            except ValueError as e:
                 raise ValueError(f"{field}: term {name!r}: {e}") from None
         elif name != JUDGE:
             check_verifier(name, f"{field} term {name!r}")
@@ -157,6 +167,12 @@ class LearnedRewards:
                 rm = RewardModel.from_pretrained(name[len(RM_PREFIX):], dtype=jnp.dtype(rm_dtype), mesh=mesh)
                 rm.warmup(warmup_tokens)
                 self._batchers[name] = _Batcher(name, lambda items, rm=rm: _rm_batch(rm, items))
+            elif name.startswith(LM_PREFIX):
+                from areal_jax.reward.likelihood import LikelihoodReward, likelihood_batch
+
+                lm = LikelihoodReward.from_pretrained(name[len(LM_PREFIX):], dtype=jnp.dtype(rm_dtype), mesh=mesh)
+                lm.warmup(warmup_tokens)
+                self._batchers[name] = _Batcher(name, lambda items, lm=lm: likelihood_batch(lm, items))
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -200,6 +216,9 @@ def learned_reward_memory(terms: Iterable[tuple[str, float]], judge: Any = None,
             lm_head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
             params = cfg.num_params() - lm_head + cfg.hidden_size  # + the one-label score head
             out[name] = {"weights_bytes": params * np.dtype(rm_dtype).itemsize, "kv_bytes": 0}
+        elif name.startswith(LM_PREFIX):  # the whole LM, output head included, in `rm_dtype`
+            cfg = read_config(pathlib.Path(name[len(LM_PREFIX):]))
+            out[name] = {"weights_bytes": cfg.num_params() * np.dtype(rm_dtype).itemsize, "kv_bytes": 0}
         elif name == JUDGE and judge is not None:
             import ml_dtypes  # noqa: F401  names numpy's bfloat16
 

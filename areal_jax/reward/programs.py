@@ -3,13 +3,16 @@ for the target as it does the policy's).
 
 - a reward model ("rm:<dir>" term): its scorer (`models.reward_head.scoring_program`) over one
   call's rows on one device, at the length bucket of the policy's longest sequence;
+- a likelihood reward ("lm:<dir>"): its scorer (`reward.likelihood.likelihood_program`), the same
+  rows and length;
 - a logprob judge: its choices read (`reward.judge.choices_program`) over `JudgeConfig.batch_size`
   prompts at the bucket of `JudgeConfig.max_seq_len`;
 - a regex judge: its own engine's programs (`generation.programs.engine_program_specs` of
   `judge_engine_config`), which never receive weights.
 
 Every spec's role is "reward" and its name says whose it is: "reward/rm/score[rows=R,len=T]"
-("rm1", "rm2" ... with several reward models), "reward/judge/choices[...]", "reward/judge/decode[...]".
+("rm1", "rm2" ... with several reward models), "reward/lm/loglik[...]", "reward/judge/choices[...]",
+"reward/judge/decode[...]".
 One "data" replica of the reward devices is compiled (each scores its share of the rows).
 """
 
@@ -26,7 +29,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from areal_jax.aot import ProgramSpec
-from areal_jax.reward.composite import JUDGE, RM_PREFIX
+from areal_jax.reward.composite import JUDGE, LM_PREFIX, RM_PREFIX
 
 __all__ = ["LearnedModel", "learned_models", "learned_reward_specs"]
 
@@ -37,7 +40,7 @@ class LearnedModel:
     config and the dtype of its weights."""
 
     term: str
-    label: str  # "rm", "rm1", ..., "judge"
+    label: str  # "rm", "rm1", ..., "lm", "lm1", ..., "judge"
     config: Any  # ModelConfig
     dtype: Any  # numpy dtype of the weights
 
@@ -55,6 +58,10 @@ def learned_models(terms: Sequence[tuple[str, float]], judge: Any = None, rm_dty
     for i, name in enumerate(rms):
         cfg, _ = read_reward_config(pathlib.Path(name[len(RM_PREFIX):]))
         out.append(LearnedModel(name, "rm" if len(rms) == 1 else f"rm{i + 1}", cfg, np.dtype(rm_dtype)))
+    lms = [name for name, _ in terms if name.startswith(LM_PREFIX)]
+    for i, name in enumerate(lms):
+        out.append(LearnedModel(name, "lm" if len(lms) == 1 else f"lm{i + 1}", read_config(pathlib.Path(name[len(LM_PREFIX):])),
+                                np.dtype(rm_dtype)))
     if judge is not None and any(name == JUDGE for name, _ in terms):
         out.append(LearnedModel(JUDGE, "judge", read_config(pathlib.Path(judge.model)), np.dtype(judge.dtype)))
     return out
@@ -79,6 +86,7 @@ def learned_reward_specs(models: Sequence[LearnedModel], judge: Any, mesh: Mesh,
     from areal_jax.models import sharding as shd
     from areal_jax.models.reward_head import read_reward_config, scoring_program
     from areal_jax.reward.judge import choices_program, judge_engine_config
+    from areal_jax.reward.likelihood import likelihood_program
     from areal_jax.reward.reward_model import length_bucket, rows_per_device
 
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -99,6 +107,13 @@ def learned_reward_specs(models: Sequence[LearnedModel], judge: Any, mesh: Mesh,
             specs.append(ProgramSpec(
                 f"reward/{m.label}/{program_name('score', rows=R, len=T)}", "reward", scoring_program(cfg, head),
                 args=(_rm_params(cfg, mesh, m.dtype, head.num_labels), host((R, T)), host((R, T))),
+                context=context, fields=("RLVRConfig.reward", "EngineConfig.max_seq_len")))
+        elif m.term.startswith(LM_PREFIX):
+            R = rows_per_device(rm_batch, data)
+            T = length_bucket(min(longest_sequence, cfg.max_position_embeddings))
+            specs.append(ProgramSpec(
+                f"reward/{m.label}/{program_name('loglik', rows=R, len=T)}", "reward", likelihood_program(cfg),
+                args=(param_structs(cfg, mesh, m.dtype, split=False), host((R, T)), host((R, T)), host((R, T))),
                 context=context, fields=("RLVRConfig.reward", "EngineConfig.max_seq_len")))
         elif judge.parse == "logprob":
             B, T = judge.batch_size, length_bucket(judge.max_seq_len)

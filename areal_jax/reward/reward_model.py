@@ -26,7 +26,7 @@ from areal_jax.models.reward_head import ScoreHead, load_reward_params, scoring_
 from areal_jax.models.tokenizer import Tokenizer
 from areal_jax.models.transformer import Params
 
-__all__ = ["DEFAULT_BATCH", "RewardModel", "length_bucket", "rows_per_device"]
+__all__ = ["DEFAULT_BATCH", "RewardModel", "check_scored_tokens", "length_bucket", "padded_rows", "rows_per_device"]
 
 _MIN_LENGTH = 16
 DEFAULT_BATCH = 16  # rows per scoring call (the learned-reward threads' RewardModel)
@@ -40,6 +40,28 @@ def length_bucket(n: int) -> int:
 def rows_per_device(batch_size: int, data: int) -> int:
     """Rows of one scoring call on each "data" replica: `batch_size` rounded up to split evenly."""
     return -(-batch_size // data)
+
+
+def check_scored_tokens(tokens: np.ndarray, cfg: ModelConfig, what: str) -> None:
+    """ValueError naming `what` ("reward model X: sequence 3") unless the tokens fit the model:
+    at most max_position_embeddings of them, every id inside the vocabulary."""
+    if tokens.size > cfg.max_position_embeddings:
+        raise ValueError(f"{what} has {tokens.size} tokens, more than max_position_embeddings "
+                         f"{cfg.max_position_embeddings}")
+    if tokens.min() < 0 or tokens.max() >= cfg.vocab_size:
+        raise ValueError(f"{what} has a token id outside [0, {cfg.vocab_size})")
+
+
+def padded_rows(seqs: Sequence[np.ndarray], rows: int, length: int, *, pad: int, padding: str
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, segment ids), both `[rows, length]` int32: each sequence in its row, on the left or the
+    right of it; segment ids are 1 on a sequence's tokens, and rows past `seqs` stay all padding."""
+    ids = np.full((rows, length), pad, np.int32)
+    seg = np.zeros((rows, length), np.int32)
+    for b, s in enumerate(seqs):
+        span = slice(0, s.size) if padding == "right" else slice(length - s.size, length)
+        ids[b, span], seg[b, span] = s, 1
+    return ids, seg
 
 
 class RewardModel:
@@ -92,12 +114,7 @@ class RewardModel:
         for i, s in enumerate(seqs):
             if s.size == 0:
                 raise ValueError(f"reward model {self.name}: sequence {i} is empty")
-            if s.size > self.config.max_position_embeddings:
-                raise ValueError(f"reward model {self.name}: sequence {i} has {s.size} tokens, more than "
-                                 f"max_position_embeddings {self.config.max_position_embeddings}")
-            if s.min() < 0 or s.max() >= self.config.vocab_size:
-                raise ValueError(f"reward model {self.name}: sequence {i} has a token id outside "
-                                 f"[0, {self.config.vocab_size})")
+            check_scored_tokens(s, self.config, f"reward model {self.name}: sequence {i}")
         out = [self._batch(seqs[i:i + self.batch_size], padding) for i in range(0, len(seqs), self.batch_size)]
         labels = self.head.num_labels
         scores = np.concatenate(out) if out else np.zeros((0, labels), np.float32)
@@ -115,11 +132,7 @@ class RewardModel:
         T = length_bucket(max(s.size for s in seqs))
         B = self.batch_size  # one row count: a length bucket is one compiled program (`warmup`)
         pad = self.head.pad_token_id if self.head.pad_token_id is not None else 0
-        ids = np.full((B, T), pad, np.int32)  # [B, T]
-        seg = np.zeros((B, T), np.int32)  # 1 on a sequence's tokens; padding rows stay all 0
-        for b, s in enumerate(seqs):
-            span = slice(0, s.size) if padding == "right" else slice(T - s.size, T)
-            ids[b, span], seg[b, span] = s, 1
+        ids, seg = padded_rows(seqs, B, T, pad=pad, padding=padding)  # [B, T] each
         if self.mesh is None:
             scores = self._score(self.params, ids, seg)
         else:

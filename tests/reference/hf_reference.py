@@ -177,6 +177,33 @@ def seq_scores(model, sequences=None, tokenizer=None, conversations=None):
 
 OPS["seq_scores"] = seq_scores
 
+
+@torch.no_grad()
+def answer_loglik(model, tokenizer, pairs):
+    """Per (question, answer): the mean log-prob of the answer's tokens under a causal LM, the
+    question rendered as a chat's user turn with the generation prompt, the answer as the
+    assistant's turn when the full chat's rendering begins with the prompt's, else appended."""
+    m = _load(model)
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer)
+
+    def ids(conv, gen):
+        enc = tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=gen)
+        return list(map(int, enc["input_ids"] if hasattr(enc, "keys") else enc))
+
+    out = []
+    for question, answer in pairs:
+        user = [{"role": "user", "content": question}]
+        prompt, full = ids(user, True), ids(user + [{"role": "assistant", "content": answer}], False)
+        if not (full[:len(prompt)] == prompt and len(full) > len(prompt)):
+            full = prompt + tok.encode(answer, add_special_tokens=False)
+        logp = torch.log_softmax(m(input_ids=torch.tensor([full])).logits[0].float(), -1)
+        target = torch.tensor(full[len(prompt):])
+        out.append(float(logp[len(prompt) - 1:len(full) - 1].gather(-1, target[:, None]).mean()))
+    return {"scores": out}
+
+
+OPS["answer_loglik"] = answer_loglik
+
 if __name__ == "__main__":
     torch.set_num_threads(2)
     request = json.loads(sys.stdin.read())
