@@ -1,24 +1,31 @@
 """RL on a learned reward alone: train a tiny reward model, then RL the quickstart policy on its score.
 
 1. SFT: the quickstart's SFT stage (configs/quickstart.gin, RL off) gives the policy.
-2. Reward model, the standard RLHF recipe: the SFT'd policy's weights (so it starts with whatever
-   arithmetic the policy knows), trained on the policy's OWN answers: 8 samples per training
-   problem at RL's temperature, labelled by the exact verifier (an RM trained on right vs slipped
-   copies of the task's solutions learned their format instead, docs/benchmarks.md). By default
-   (`--rm_loss label`) each distinct answer of a problem is one row, as many wrong as right, and
-   the RM is SFT'd through the training engine's objective seam (the built-in "sft" objective) on
-   one label token, "Y" or "N", after the chat it will score, [user: question, assistant: answer]
-   (`reward.composite.rm_input_ids`); the score head is then logit(Y) - logit(N) read from the last
-   token. `--rm_loss pairwise` instead puts a fresh score head on the policy's backbone and trains
-   the Bradley-Terry loss -log sigmoid(score(right) - score(wrong)) on pairs of one problem's
-   answers. Either is saved as a one-label `Qwen2ForSequenceClassification` and loaded as any
-   other `rm:` term. Its ranking is measured on held-out (test-split) problems' samples: the share
-   of (right, wrong) pairs of one problem it orders right ("pairwise": all that group-normalised
-   advantages use) and the AUC over all samples, before RL and again on the RL'd policy's samples
-   (reward hacking shows as a drop there).
+2. Reward model: the SFT'd policy's weights (so it starts with whatever arithmetic the policy
+   knows), trained on the policy's OWN answers: 8 samples per training problem at RL's
+   temperature, labelled by the exact verifier (an RM trained on right vs slipped copies of the
+   task's solutions learned their format instead, docs/benchmarks.md).
+   - By default (`--rm_loss likelihood`) the LM is tuned as an implicit reward model on each
+     distinct answer of a problem: the logit of "right" is beta x the sum over the answer's tokens
+     of log pi(token) - log pi_SFT(token), plus a bias, under binary cross-entropy. It is saved as
+     a causal LM and rewards as an "lm:" term (reward/likelihood.py): the tuned LM's mean
+     log-likelihood of the answer. Every written token gets a gradient through its own log-prob,
+     so the LM learns which tokens are the slips.
+   - `--rm_loss label`: a scalar head. Each distinct answer is one row, as many wrong as right,
+     SFT'd through the training engine's objective seam (the built-in "sft" objective) on one label
+     token, "Y" or "N", after the chat it will score, [user: question, assistant: answer]
+     (`reward.composite.rm_input_ids`); the score head is then logit(Y) - logit(N) read from the
+     last token. `--rm_loss pairwise` puts a fresh score head on the policy's backbone under the
+     Bradley-Terry loss -log sigmoid(score(right) - score(wrong)) on pairs of one problem's answers.
+     Either is saved as a one-label `Qwen2ForSequenceClassification`, an "rm:" term. On this task a
+     head reading the last position ranks answers barely above chance (docs/benchmarks.md).
+   Its ranking is measured on held-out (test-split) problems' samples: the share of (right, wrong)
+   pairs of one problem it orders right ("pairwise": all that group-normalised advantages use) and
+   the AUC over all samples, before RL and again on the RL'd policy's samples (reward hacking
+   shows as a drop there).
 3. RL: the quickstart's RL stage from the SFT'd policy, rewarded by the RM alone:
-   `RLVRConfig.reward = (('rm:<dir>', 1.0), ('arithmetic', 0.0))`. The verifier's weight is 0:
-   it is logged and used for held-out accuracy, never trained on.
+   `RLVRConfig.reward = (('lm:<dir>', 1.0), ('arithmetic', 0.0))` (or 'rm:<dir>'). The verifier's
+   weight is 0: it is logged and used for held-out accuracy, never trained on.
 
     python examples/learned_reward_model.py --run_dir runs/example_rm             # the quickstart's sizes
     python examples/learned_reward_model.py --run_dir runs/example_rm --small     # a smoke run, minutes

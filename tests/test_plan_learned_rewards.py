@@ -1,6 +1,7 @@
 """`plan` and `simulate` count the learned rewards (issue 43): their programs compiled for the
 target, their weights and KV beside the programs that share their devices, their time per group."""
 
+import dataclasses
 import json
 import pathlib
 
@@ -183,3 +184,38 @@ def test_a_likelihood_reward_is_planned_as_a_whole_lm_beside_the_policy(tmp_path
     # The estimate holds every position's logits of one chunk (fp32, with their log-softmax).
     V = SMALL_MODEL["vocab_size"]
     assert estimate_peak(spec, inputs.ctx, ("pallas_triton_flash",)) >= bytes_per_device(spec.args) + 2 * 4 * 16 * 256 * V
+
+
+def test_the_simulator_costs_a_likelihood_reward_as_the_whole_lm_with_every_positions_logits(tmp_path):
+    from areal_jax.jobs.configs import load_job_configs
+    from areal_jax.models.config import ModelConfig
+    from areal_jax.plan.planner import roofline_s
+    from areal_jax.plan.targets import parse_target
+    from areal_jax.simulate.driver import learned_reward_costs
+
+    d = _dirs(tmp_path)
+    lm = tmp_path / "lm"
+    lm.mkdir()
+    (lm / "config.json").write_text(json.dumps(SMALL_MODEL))
+    gin = tmp_path / "run.gin"
+    gin.write_text(BASE + f'ModelSource.path = "{d["model"]}"\n'
+                   + f"RLVRConfig.reward = (('math', 0.0), ('lm:{lm}', 1.0), ('rm:{d['rm']}', 1.0))\n")
+    target = parse_target("8xh100")
+    costs = learned_reward_costs(load_job_configs([str(gin)], [], run_dir="plan"), target)
+    by_label = {m.label: m for m in costs.models}
+    assert by_label["lm"].kind == "loglik" and by_label["rm"].kind == "score"
+    cfg = ModelConfig.from_hf(SMALL_MODEL)
+    V, D = SMALL_MODEL["vocab_size"], SMALL_MODEL["hidden_size"]
+    assert by_label["lm"].weight_bytes == 4 * cfg.num_params()
+    assert by_label["rm"].weight_bytes == 4 * (cfg.num_params() - V * D)
+    # A group of 4 samples, 100-token prompt, longest 150: one call of 4 rows at the 256 bucket.
+    # The LM's forward is the RM's plus the head at every position: 2 x 4 x 256 x D x V FLOPs more.
+    lm_only = dataclasses.replace(costs, models=(by_label["lm"],))
+    rm_only = dataclasses.replace(costs, models=(by_label["rm"],))
+    from areal_jax.aot import ProgramSpec
+    from areal_jax.plan.estimate import analytic_flops
+
+    score = analytic_flops(ProgramSpec("generation/score[rows=4,len=256]", "generation", None), by_label["rm"].ctx, 1)
+    assert rm_only.group_s(4, 100, [150, 120]) == pytest.approx(roofline_s(score, by_label["rm"].weight_bytes, target))
+    assert lm_only.group_s(4, 100, [150, 120]) == pytest.approx(
+        roofline_s(score + 2 * 4 * 256 * D * V, by_label["lm"].weight_bytes, target), rel=1e-9)

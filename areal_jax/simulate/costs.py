@@ -261,7 +261,8 @@ class RooflineCosts:
 @dataclasses.dataclass(frozen=True)
 class LearnedModelCost:
     """One learned reward's model as its scoring costs it: `kind` "score" (a reward model's
-    forward), "choices" (a logprob judge's forward and the last position's logits) or "engine"
+    forward), "loglik" (a likelihood reward's forward and every position's logits), "choices" (a
+    logprob judge's forward and the last position's logits) or "engine"
     (a regex judge: a prefill, then `new_tokens` greedy decode steps); `ctx` its sizes
     (plan/job.learned_contexts)."""
 

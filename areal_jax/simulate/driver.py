@@ -184,13 +184,16 @@ def learned_reward_costs(job, target):
     if not job.rollout.learned_terms:
         return None
     from areal_jax.plan.job import learned_contexts
+    from areal_jax.reward.composite import LM_PREFIX
     from areal_jax.reward.programs import learned_models
     from areal_jax.simulate.costs import LearnedModelCost, LearnedRewardCosts
 
     contexts, judge, entries = dict(learned_contexts(job)), job.rollout.judge, []
     for m in learned_models(job.rollout.reward_terms, judge):
         cfg, item = m.config, m.dtype.itemsize
-        if m.label != "judge":  # a reward model: no lm_head, a one-label score head
+        if m.term.startswith(LM_PREFIX):  # a likelihood reward: the whole LM, every position's logits
+            entries.append(LearnedModelCost(m.label, "loglik", contexts[m.label], cfg.num_params() * item))
+        elif m.label != "judge":  # a reward model: no lm_head, a one-label score head
             params = cfg.num_params() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
             entries.append(LearnedModelCost(m.label, "score", contexts[m.label], params * item))
         else:
