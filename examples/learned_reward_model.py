@@ -329,7 +329,7 @@ def distinct_answers(samples) -> list[tuple[str, str, bool]]:
 
 
 def train_likelihood_rm(policy_dir: pathlib.Path, out: pathlib.Path, rows, *, steps: int, seed: int, lr: float,
-                        beta: float, rows_per_step: int = 32) -> pathlib.Path:
+                        beta: float, reference: bool, rows_per_step: int = 32) -> pathlib.Path:
     """A causal LM at `out`, scored as an "lm:" term (reward/likelihood.py): the policy's weights
     tuned as an implicit reward model. Its logit of "right" is beta * sum over the answer's tokens
     of log pi(token) - log pi_SFT(token), plus a learned bias, trained by binary cross-entropy on
@@ -337,7 +337,9 @@ def train_likelihood_rm(policy_dir: pathlib.Path, out: pathlib.Path, rows, *, st
     a gradient through its own log-prob, so the LM learns which written tokens are the slips; a
     scalar head would have to gather that at the last position. The reward it gives is the tuned
     LM's mean log-likelihood of an answer, which keeps the SFT policy's own ranking (better than
-    chance before any tuning) and adds what the tuning learned."""
+    chance before any tuning) and adds what the tuning learned; with `reference`, the SFT policy is
+    saved beside it (`out/reference`) and the reward is the mean log-ratio to it, what the tuning
+    learned alone (reward/likelihood.py)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -393,6 +395,8 @@ def train_likelihood_rm(policy_dir: pathlib.Path, out: pathlib.Path, rows, *, st
                   f"{np.mean(log[-max(1, steps // 5):]):.3f}", flush=True)
     save_params(jax.device_get(params["lm"]), cfg, out)
     _copy_tokenizer(policy_dir, out)
+    if reference:
+        shutil.copytree(policy_dir, out / "reference", dirs_exist_ok=True)
     return out
 
 
@@ -429,6 +433,10 @@ def parse_args(argv, doc: str) -> argparse.Namespace:
                              "of the answer (an 'lm:' term), or a scalar head: SFT on a right/wrong label token "
                              "(balanced rows), or Bradley-Terry on right/wrong pairs")
     parser.add_argument("--beta", type=float, default=0.5, help="likelihood reward model: the scale of its log-ratio")
+    parser.add_argument("--reward", choices=("likelihood", "ratio"), default="likelihood",
+                        help="likelihood reward model: reward the tuned LM's own mean log-likelihood, or the mean "
+                             "log-ratio to the SFT policy (saved as its reference/; RL hacked it within 20 steps, "
+                             "docs/benchmarks.md)")
     parser.add_argument("--samples", type=int, default=8, help="reward model: the policy's samples per problem")
     parser.add_argument("--check_problems", type=int, default=None, help="reward model: held-out problems its ranking is measured on")
     parser.add_argument("--rl_steps", type=int, default=None, help="RL steps (default the quickstart's 120)")
@@ -466,7 +474,8 @@ def main(argv: list[str] | None = None) -> dict:
     if likelihood:
         data = distinct_answers(samples)
         rm_dir = train_likelihood_rm(policy, args.run_dir / "reward_model", data, steps=args.label_steps,
-                                     seed=args.seed, lr=args.label_lr, beta=args.beta)
+                                     seed=args.seed, lr=args.label_lr, beta=args.beta,
+                                     reference=args.reward == "ratio")
     elif args.rm_loss == "pairwise":
         data = ranked_pairs(samples, train_items, args.seed)
         rm_dir = train_pairwise_rm(policy, args.run_dir / "reward_model", data, steps=args.label_steps,
@@ -486,7 +495,8 @@ def main(argv: list[str] | None = None) -> dict:
                             likelihood=likelihood)
     print(f"[example] reward model on the RL'd policy's answers: pairwise {after['pairwise']:.3f}, "
           f"AUC {after['auc']:.3f}", flush=True)
-    return report(args, summary, "the reward model", rm_loss=args.rm_loss, rm_rows=len(data), rm_before_rl=before,
+    return report(args, summary, "the reward model", rm_loss=args.rm_loss,
+                  reward=args.reward if likelihood else "head", rm_rows=len(data), rm_before_rl=before,
                   rm_after_rl=after)
 
 

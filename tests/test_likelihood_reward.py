@@ -106,3 +106,24 @@ def test_bad_terms_and_inputs_are_refused_by_name(lms, tmp_path):
         lm.score_ids([([1, V], 1)])
     with pytest.raises(ValueError, match="max_position_embeddings"):
         lm.score_ids([(list(range(1, 3)) * lm.config.max_position_embeddings, 1)])
+
+
+def test_a_reference_subdirectory_makes_it_an_implicit_reward_model(lms, tmp_path):
+    """With `reference/` the score is the mean log-ratio to the reference LM (here another family's
+    random model over the same vocabulary): transformers' two mean log-probs subtracted."""
+    (path, own), (ref_path, ref) = lms["qwen2"], lms["qwen3"]
+    implicit = tmp_path / "implicit"
+    shutil.copytree(path, implicit)
+    shutil.copytree(ref_path, implicit / "reference")
+    lm = LikelihoodReward.from_pretrained(implicit, batch_size=4)
+    assert lm.reference is not None
+    np.testing.assert_allclose(lm.score(PAIRS), own - ref, atol=2e-4, rtol=0)
+    memory = composite.learned_reward_memory(((f"lm:{implicit}", 1.0),))
+    from areal_jax.models.hf_io import read_config
+
+    assert memory[f"lm:{implicit}"]["weights_bytes"] == 4 * (read_config(path).num_params()
+                                                             + read_config(ref_path).num_params())
+    (implicit / "reference" / "config.json").write_text(json.dumps(
+        json.loads((ref_path / "config.json").read_text()) | {"vocab_size": V + 1}))
+    with pytest.raises(ValueError, match="reference's vocabulary"):
+        LikelihoodReward.from_pretrained(implicit)

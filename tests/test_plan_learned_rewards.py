@@ -181,9 +181,16 @@ def test_a_likelihood_reward_is_planned_as_a_whole_lm_beside_the_policy(tmp_path
     assert bytes_per_device(spec.args[0]) == 4 * ModelConfig.from_hf(SMALL_MODEL).num_params()
     decode = next(s for s in inputs.specs if s.name.startswith("generation/decode"))
     assert inputs.extra_resident(decode) >= bytes_per_device(spec.args[0])  # shared devices: beside the policy
+    assert spec.args[1] is None  # no reference: a plain likelihood
     # The estimate holds every position's logits of one chunk (fp32, with their log-softmax).
     V = SMALL_MODEL["vocab_size"]
     assert estimate_peak(spec, inputs.ctx, ("pallas_triton_flash",)) >= bytes_per_device(spec.args) + 2 * 4 * 16 * 256 * V
+    # With a reference/ subdirectory (an implicit reward model) its weights are the program's too.
+    (lm / "reference").mkdir()
+    small = {**SMALL_MODEL, "num_hidden_layers": 1}
+    (lm / "reference" / "config.json").write_text(json.dumps(small))
+    spec = next(s for s in _inputs(load_job_configs([str(gin)], [], run_dir="plan")).specs if s.role == "reward")
+    assert bytes_per_device(spec.args[1]) == 4 * ModelConfig.from_hf(small).num_params()
 
 
 def test_the_simulator_costs_a_likelihood_reward_as_the_whole_lm_with_every_positions_logits(tmp_path):

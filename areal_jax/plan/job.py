@@ -298,8 +298,10 @@ def learned_contexts(job: JobConfigs) -> tuple[tuple[str, EstimateContext], ...]
     out = []
     for m in learned_models(job.rollout.reward_terms, job.rollout.judge):
         engine = judge_engine_config(job.rollout.judge) if m.label == "judge" else job.engine
-        out.append((m.label, EstimateContext(model=m.config, cache_bytes=m.dtype.itemsize,
-                                             decode_chunk=engine.decode_chunk, prefill_chunk=engine.prefill_chunk)))
+        for label, model in ((m.label, m.config), (f"{m.label}/reference", m.reference)):
+            if model is not None:  # a likelihood reward's reference LM: its own sizes
+                out.append((label, EstimateContext(model=model, cache_bytes=m.dtype.itemsize,
+                                                   decode_chunk=engine.decode_chunk, prefill_chunk=engine.prefill_chunk)))
     return tuple(out)
 
 

@@ -216,9 +216,12 @@ def learned_reward_memory(terms: Iterable[tuple[str, float]], judge: Any = None,
             lm_head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
             params = cfg.num_params() - lm_head + cfg.hidden_size  # + the one-label score head
             out[name] = {"weights_bytes": params * np.dtype(rm_dtype).itemsize, "kv_bytes": 0}
-        elif name.startswith(LM_PREFIX):  # the whole LM, output head included, in `rm_dtype`
-            cfg = read_config(pathlib.Path(name[len(LM_PREFIX):]))
-            out[name] = {"weights_bytes": cfg.num_params() * np.dtype(rm_dtype).itemsize, "kv_bytes": 0}
+        elif name.startswith(LM_PREFIX):  # the whole LM, output head included, and its reference's, in `rm_dtype`
+            from areal_jax.reward.likelihood import reference_dir
+
+            path = pathlib.Path(name[len(LM_PREFIX):])
+            params = sum(read_config(p).num_params() for p in (path, reference_dir(path)) if p is not None)
+            out[name] = {"weights_bytes": params * np.dtype(rm_dtype).itemsize, "kv_bytes": 0}
         elif name == JUDGE and judge is not None:
             import ml_dtypes  # noqa: F401  names numpy's bfloat16
 

@@ -43,6 +43,7 @@ class LearnedModel:
     label: str  # "rm", "rm1", ..., "lm", "lm1", ..., "judge"
     config: Any  # ModelConfig
     dtype: Any  # numpy dtype of the weights
+    reference: Any = None  # ModelConfig of a likelihood reward's reference LM (reward/likelihood.py), or None
 
 
 def learned_models(terms: Sequence[tuple[str, float]], judge: Any = None, rm_dtype: str = "float32"
@@ -52,6 +53,7 @@ def learned_models(terms: Sequence[tuple[str, float]], judge: Any = None, rm_dty
 
     from areal_jax.models.hf_io import read_config
     from areal_jax.models.reward_head import read_reward_config
+    from areal_jax.reward.likelihood import reference_dir
 
     rms = [name for name, _ in terms if name.startswith(RM_PREFIX)]
     out = []
@@ -60,8 +62,10 @@ def learned_models(terms: Sequence[tuple[str, float]], judge: Any = None, rm_dty
         out.append(LearnedModel(name, "rm" if len(rms) == 1 else f"rm{i + 1}", cfg, np.dtype(rm_dtype)))
     lms = [name for name, _ in terms if name.startswith(LM_PREFIX)]
     for i, name in enumerate(lms):
-        out.append(LearnedModel(name, "lm" if len(lms) == 1 else f"lm{i + 1}", read_config(pathlib.Path(name[len(LM_PREFIX):])),
-                                np.dtype(rm_dtype)))
+        path = pathlib.Path(name[len(LM_PREFIX):])
+        ref = reference_dir(path)
+        out.append(LearnedModel(name, "lm" if len(lms) == 1 else f"lm{i + 1}", read_config(path), np.dtype(rm_dtype),
+                                reference=read_config(ref) if ref is not None else None))
     if judge is not None and any(name == JUDGE for name, _ in terms):
         out.append(LearnedModel(JUDGE, "judge", read_config(pathlib.Path(judge.model)), np.dtype(judge.dtype)))
     return out
@@ -111,9 +115,11 @@ def learned_reward_specs(models: Sequence[LearnedModel], judge: Any, mesh: Mesh,
         elif m.term.startswith(LM_PREFIX):
             R = rows_per_device(rm_batch, data)
             T = length_bucket(min(longest_sequence, cfg.max_position_embeddings))
+            ref = param_structs(m.reference, mesh, m.dtype, split=False) if m.reference is not None else None
             specs.append(ProgramSpec(
-                f"reward/{m.label}/{program_name('loglik', rows=R, len=T)}", "reward", likelihood_program(cfg),
-                args=(param_structs(cfg, mesh, m.dtype, split=False), host((R, T)), host((R, T)), host((R, T))),
+                f"reward/{m.label}/{program_name('loglik', rows=R, len=T)}", "reward",
+                likelihood_program(cfg, m.reference),
+                args=(param_structs(cfg, mesh, m.dtype, split=False), ref, host((R, T)), host((R, T)), host((R, T))),
                 context=context, fields=("RLVRConfig.reward", "EngineConfig.max_seq_len")))
         elif judge.parse == "logprob":
             B, T = judge.batch_size, length_bucket(judge.max_seq_len)

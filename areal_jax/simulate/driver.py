@@ -193,6 +193,9 @@ def learned_reward_costs(job, target):
         cfg, item = m.config, m.dtype.itemsize
         if m.term.startswith(LM_PREFIX):  # a likelihood reward: the whole LM, every position's logits
             entries.append(LearnedModelCost(m.label, "loglik", contexts[m.label], cfg.num_params() * item))
+            if m.reference is not None:  # and its reference's forward, in the same call
+                entries.append(LearnedModelCost(f"{m.label}/reference", "loglik", contexts[f"{m.label}/reference"],
+                                                m.reference.num_params() * item))
         elif m.label != "judge":  # a reward model: no lm_head, a one-label score head
             params = cfg.num_params() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
             entries.append(LearnedModelCost(m.label, "score", contexts[m.label], params * item))
