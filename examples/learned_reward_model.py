@@ -25,7 +25,10 @@
    shows as a drop there).
 3. RL: the quickstart's RL stage from the SFT'd policy, rewarded by the RM alone:
    `RLVRConfig.reward = (('lm:<dir>', 1.0), ('arithmetic', 0.0))` (or 'rm:<dir>'). The verifier's
-   weight is 0: it is logged and used for held-out accuracy, never trained on.
+   weight is 0: it is logged and used for held-out accuracy, never trained on. With a likelihood
+   RM the RL stage adds a KL penalty to the SFT policy (`AdvantageConfig.kl_coef = 0.05`, k3):
+   without it RL went on raising the reward after accuracy had peaked, by making the policy's
+   answers likelier whether right or wrong (docs/benchmarks.md).
 
     python examples/learned_reward_model.py --run_dir runs/example_rm             # the quickstart's sizes
     python examples/learned_reward_model.py --run_dir runs/example_rm --small     # a smoke run, minutes
@@ -433,6 +436,9 @@ def parse_args(argv, doc: str) -> argparse.Namespace:
                              "of the answer (an 'lm:' term), or a scalar head: SFT on a right/wrong label token "
                              "(balanced rows), or Bradley-Terry on right/wrong pairs")
     parser.add_argument("--beta", type=float, default=0.5, help="likelihood reward model: the scale of its log-ratio")
+    parser.add_argument("--kl_coef", type=float, default=None,
+                        help="RL's KL penalty to the SFT policy (AdvantageConfig.kl_coef, k3 estimator; default 0.05 "
+                             "with a likelihood reward model, which RL otherwise over-optimises, else 0)")
     parser.add_argument("--reward", choices=("likelihood", "ratio"), default="likelihood",
                         help="likelihood reward model: reward the tuned LM's own mean log-likelihood, or the mean "
                              "log-ratio to the SFT policy (saved as its reference/; RL hacked it within 20 steps, "
@@ -449,6 +455,8 @@ def parse_args(argv, doc: str) -> argparse.Namespace:
     args.label_steps = args.label_steps or (10 if args.small else 1000 if args.rm_loss == "likelihood" else 300)
     if args.rm_loss == "likelihood" and args.label_lr == parser.get_default("label_lr"):
         args.label_lr = 1e-4  # the tuned LM's head is live from the start: a tenth of a fresh head's rate
+    if args.kl_coef is None:
+        args.kl_coef = 0.05 if args.rm_loss == "likelihood" else 0.0
     args.label_problems = args.label_problems or (50 if args.small else 1500 if args.rm_loss == "likelihood" else 3000)
     args.check_problems = args.check_problems or (8 if args.small else 200)
     return args
@@ -488,15 +496,17 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"[example] reward model ({args.rm_loss} loss, {len(data)} rows of the policy's own answers): held-out "
           f"within-problem pairwise {before['pairwise']:.3f}, AUC {before['auc']:.3f}", flush=True)
     term = f"{'lm' if likelihood else 'rm'}:{rm_dir}"
-    summary = rl_on_reward(policy, args.run_dir / "rl", args.overrides, f"(('{term}', 1.0), ('arithmetic', 0.0))",
-                           overwrite=args.overwrite)
+    kl = [f"AdvantageConfig.kl_coef = {args.kl_coef}", "AdvantageConfig.kl_estimator = 'k3'"] if args.kl_coef else []
+    summary = rl_on_reward(policy, args.run_dir / "rl", args.overrides + kl,
+                           f"(('{term}', 1.0), ('arithmetic', 0.0))", overwrite=args.overwrite)
     # Reward hacking shows as the RM ranking the RL'd policy's answers worse than the SFT policy's.
     after = ranking_quality(rm_dir, sampled(args.run_dir / "rl" / "final_model", check_items, 1_000 + args.seed),
                             likelihood=likelihood)
     print(f"[example] reward model on the RL'd policy's answers: pairwise {after['pairwise']:.3f}, "
           f"AUC {after['auc']:.3f}", flush=True)
     return report(args, summary, "the reward model", rm_loss=args.rm_loss,
-                  reward=args.reward if likelihood else "head", rm_rows=len(data), rm_before_rl=before,
+                  rm_reward=args.reward if likelihood else "head", kl_coef=args.kl_coef, rm_rows=len(data),
+                  rm_before_rl=before,
                   rm_after_rl=after)
 
 

@@ -108,6 +108,7 @@ def test_agent_calculator_example_runs_sft_then_rl_through_the_endpoint(tmp_path
 def _check_rm_example(tmp_path, rm_loss: str, term: str, architecture: str) -> None:
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["rl_steps"] == 2 and result["rm_loss"] == rm_loss and result["rm_rows"] > 0
+    assert result["kl_coef"] == (0.05 if rm_loss == "likelihood" else 0.0)
     for figures in (result["rm_before_rl"], result["rm_after_rl"]):  # 8 held-out problems x 8 samples
         assert figures["samples"] == 64 and 0.0 <= figures["sign"] <= 1.0
     rm_dir = tmp_path / "reward_model"
@@ -123,8 +124,8 @@ def _check_rm_example(tmp_path, rm_loss: str, term: str, architecture: str) -> N
         assert m[f"reward/{term}:{rm_dir}/failed"] == 0
         assert m["reward/mean"] == pytest.approx(m[f"reward/{term}:{rm_dir}/mean"], abs=1e-5)
         assert m["reward/arithmetic/mean"] in (0.0, 0.25, 0.5, 0.75, 1.0)
-        if term == "lm":  # a mean log-likelihood
-            assert m[f"reward/{term}:{rm_dir}/mean"] < 0
+        if term == "lm":  # a mean log-likelihood, and RL's KL penalty to the SFT policy
+            assert m[f"reward/{term}:{rm_dir}/mean"] < 0 and "train/kl_to_reference" in m
 
 
 def test_learned_reward_model_example_runs_end_to_end(tmp_path):
