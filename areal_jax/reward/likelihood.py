@@ -14,8 +14,9 @@ implicit reward model: its score is the mean log-ratio to that reference,
     score(question, answer) = mean_t [log p_LM(answer_t | ...) - log p_reference(answer_t | ...)]
 
 which rewards only what tuning taught the LM (which tokens are right), not how likely the
-reference already found the answer. It is the implicit reward model's own score; as an RL reward
-on the quickstart task it was hacked within 20 steps, where the plain likelihood was not
+reference already found the answer. It is the implicit reward model's own score, but as an RL
+reward on the quickstart task it was hacked within 20 steps (held-out accuracy 0.595 -> 0.27),
+where the plain likelihood with a KL penalty to the SFT policy gained 19.5-30 points
 (docs/benchmarks.md, issue 43).
 
 Why a reward model of this kind: a scalar head reads one position, the last, and must learn to
