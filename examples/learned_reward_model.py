@@ -350,9 +350,7 @@ def train_likelihood_rm(policy_dir: pathlib.Path, out: pathlib.Path, rows, *, st
 
     from areal_jax.models.hf_io import load_params, save_params
     from areal_jax.models.tokenizer import Tokenizer
-    from areal_jax.models.transformer import forward, lm_head
-    from areal_jax.ppo.logprobs import hidden_logprobs
-    from areal_jax.reward.likelihood import likelihood_input
+    from areal_jax.reward.likelihood import likelihood_input, token_logprobs
     from areal_jax.reward.reward_model import length_bucket, padded_rows
 
     cfg, sft = load_params(policy_dir, dtype=jnp.float32)
@@ -365,11 +363,7 @@ def train_likelihood_rm(policy_dir: pathlib.Path, out: pathlib.Path, rows, *, st
         answer[b, start - 1:len(ids) - 1] = 1
     right = np.array([ok for _, _, ok in rows], np.float32)
 
-    def token_logprobs(p, tk, sg):  # [B, T-1]: log-prob of each next token
-        hidden, _ = forward(p, cfg, tk, segment_ids=sg, return_hidden=True)
-        return hidden_logprobs(hidden[:, :-1], lambda h: lm_head(p, cfg, h), tk[:, 1:])
-
-    reference = jax.jit(token_logprobs)
+    reference = jax.jit(lambda p, tk, sg: token_logprobs(p, cfg, tk, sg))
     ref = np.concatenate([np.asarray(reference(sft, tokens[i:i + 256], seg[i:i + 256]))
                           for i in range(0, len(inputs), 256)])
     params = {"lm": sft, "bias": jnp.zeros(())}
@@ -378,7 +372,7 @@ def train_likelihood_rm(policy_dir: pathlib.Path, out: pathlib.Path, rows, *, st
     state = opt.init(params)
 
     def loss_fn(p, tk, sg, mask, ref_lp, y):
-        logit = beta * jnp.sum((token_logprobs(p["lm"], tk, sg) - ref_lp) * mask, axis=1) + p["bias"]
+        logit = beta * jnp.sum((token_logprobs(p["lm"], cfg, tk, sg) - ref_lp) * mask, axis=1) + p["bias"]
         return jnp.mean(optax.sigmoid_binary_cross_entropy(logit, y))
 
     @jax.jit

@@ -191,18 +191,15 @@ def temporaries(spec: ProgramSpec, ctx: EstimateContext, attention: Sequence[str
     m, d = ctx.model, _dims(spec.name)
     kind = _kind(spec.name)
     D, N, K, H, V, L = m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, m.vocab_size, m.num_layers
-    if kind in ("score", "choices"):  # a learned reward's whole forward, nothing cached
+    if kind in ("score", "choices", "loglik"):  # a learned reward's whole forward, nothing cached
         R, T = d.get("rows", 1), d.get("len", 1)
         acts = ctx.cache_bytes * R * T * (2 * D + mlp_acts(m))  # one layer's, in the weights' dtype
         scores = 4 * R * N * T * (1 if flash else T)
-        head = 4 * R * (2 * V if kind == "choices" else 1)  # the last position's logits (and log-softmax)
+        if kind == "loglik":  # every position's logits and log-softmax, a chunk of positions at a time
+            head = 2 * 4 * R * chunk_layout(R, T, ctx.logit_chunk_tokens)[1] * V
+        else:  # the last position's logits (and log-softmax)
+            head = 4 * R * (2 * V if kind == "choices" else 1)
         return acts + scores + 4 * R * T * D + head  # + the final hidden states (fp32)
-    if kind == "loglik":  # a likelihood reward's forward and its logits, a chunk of positions at a time
-        R, T = d.get("rows", 1), d.get("len", 1)
-        acts = ctx.cache_bytes * R * T * (2 * D + mlp_acts(m))
-        scores = 4 * R * N * T * (1 if flash else T)
-        n, tc = chunk_layout(R, T, ctx.logit_chunk_tokens)
-        return acts + scores + 4 * R * T * D + 2 * 4 * R * tc * V  # fp32 hidden states; a chunk's logits, log-softmax
     if spec.role in ("generation", "eval", "reward"):
         t = ctx.generation_tensor
         if kind == "decode":

@@ -53,7 +53,7 @@ from areal_jax.reward.reward_model import (DEFAULT_BATCH, check_scored_tokens, l
                                            rows_per_device)
 
 __all__ = ["REFERENCE", "LikelihoodReward", "check_causal_lm", "likelihood_input", "likelihood_program",
-           "reference_dir"]
+           "reference_dir", "token_logprobs"]
 
 REFERENCE = "reference"  # the subdirectory holding an implicit reward model's reference LM
 
@@ -101,15 +101,17 @@ def likelihood_input(tokenizer: Tokenizer, question: str, answer: str) -> tuple[
     return prompt + list(tokenizer.encode(answer, add_special_tokens=False)), len(prompt)
 
 
+def token_logprobs(params: Params, cfg: ModelConfig, input_ids: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """`[B, T-1]` fp32: the log-prob of each next token (position t predicts token t + 1)."""
+    hidden, _ = forward(params, cfg, input_ids, segment_ids=segment_ids, return_hidden=True)  # [B, T, D]
+    return hidden_logprobs(hidden[:, :-1], lambda h: lm_head(params, cfg, h), input_ids[:, 1:])
+
+
 def likelihood_program(cfg: ModelConfig, reference: ModelConfig | None = None):
     """The jitted score `(params, reference params or None, input_ids [B, T], segment_ids [B, T],
     scored [B, T]) -> [B]`: the mean log-prob of the tokens marked in `scored` (each predicted from
     the position before it; position 0 is never scored), less the reference's with a `reference`
     config. A row with none scores 0."""
-    def token_logprobs(params, model_cfg, input_ids, segment_ids):  # [B, T-1]
-        hidden, _ = forward(params, model_cfg, input_ids, segment_ids=segment_ids, return_hidden=True)  # [B, T, D]
-        return hidden_logprobs(hidden[:, :-1], lambda h: lm_head(params, model_cfg, h), input_ids[:, 1:])
-
     def score(params: Params, ref_params: Params | None, input_ids, segment_ids, scored):
         logp = token_logprobs(params, cfg, input_ids, segment_ids)
         if reference is not None:
