@@ -71,11 +71,6 @@ HEADER = ("| config (target) | split, eta | trained tok/s async / fair sync | vs
 
 
 def line(s: dict) -> str:
-    if s["split"] == "colocated":  # both sides on every device at once: roofline costs do not charge the sharing
-        return (f"| {s['config']} | colocated, {s['eta']} | {s['async_tok_s']:,.0f} / {s['sync_tok_s']:,.0f} | "
-                f"({s['vs_sync']:.2f}x, not physical) | {s['async_bound']:.2f}x ({s['g']:.2f}, {s['e_s']:.2f}; {s['t']:.2f}, {s['e_t']:.2f}) | - | "
-                f"- | {s['tok_s_per_device']:,.0f} | - / {s['sync_roofline_fraction']:.2f} | "
-                f"{s['padded_async']:.2f}x / {s['padded_sync']:.2f}x |")
     return (f"| {s['config']} | {s['split']}, {s['eta']} | {s['async_tok_s']:,.0f} / {s['sync_tok_s']:,.0f} | "
             f"{s['vs_sync']:.2f}x | {s['async_bound']:.2f}x ({s['g']:.2f}, {s['e_s']:.2f}; {s['t']:.2f}, {s['e_t']:.2f}) | {s['vs_async_bound']:.2f} | "
             f"{s['vs_eta0_same_split']:.2f}x | {s['tok_s_per_device']:,.0f} | "

@@ -236,9 +236,8 @@ def plan_inputs(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_fi
     if not every_program:
         specs = bounding_specs(specs, keep=lambda s: s.name.endswith(f"decode[window={typical_window}]")
                                or (s.role == "train" and _dims(s.name).get("len") == typical_row))
-    if only:
-        specs = [s for s in specs if only in s.name]
-
+    # What each side keeps resident comes from all of its programs, also under --only: a colocated
+    # side's programs run beside the other side's state.
     persistent = {role: max((bytes_per_device(_persistent(s)) for s in specs if s.role == role), default=0)
                   for role in ("train", "generation")}
     # Each learned reward's weights (and a regex judge's KV cache) stay on its devices throughout:
@@ -250,6 +249,8 @@ def plan_inputs(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_fi
             label = s.name.split("/")[1]
             learned[label] = max(learned.get(label, 0), bytes_per_device(_persistent(s)))
     shared = not job.mesh.reward_devices
+    if only:
+        specs = [s for s in specs if only in s.name]
 
     from areal_jax.generation.programs import param_structs
 

@@ -128,8 +128,9 @@ class RowConfig:
         eta: max staleness (RLConfig.max_staleness); 0 in sync mode.
         generation_devices: generation devices per host in async mode (the split); in sync mode
             every device does both and this is ignored.
-        colocated: async on shared devices (both sides use every device at once); the costs must
-            then include the sharing (a calibrated run's do, a roofline's do not).
+        colocated: async on shared devices (both sides use every device, one program at a time):
+            the simulation holds the engine while the trainer's programs run (simulate/system.py
+            `share_devices`), except on costs fitted to a colocated run, which hold the sharing.
         steps: training steps simulated; warmup_steps of them are left out of the figures.
         seed: lengths are drawn from it (and nothing else is random).
     """

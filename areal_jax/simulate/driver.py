@@ -23,6 +23,7 @@ from typing import Any
 
 # Imported by `areal-jax`'s parser: the modules that import jax load only when the command runs.
 SWEEP_FIELDS = ("mode", "eta", "split")
+COLOCATED = "colocated"  # --sweep split=colocated: async with both sides on every device
 DEFAULT_TRANSFER_BYTES_PER_S = 50e9
 
 
@@ -41,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          help="lognormal:mean=M,sigma=S | geometric:mean=M | constant:length=L | uniform:lo=A,hi=B; "
                               "each takes cap=N and prompt=N")
     p.add_argument("--sweep", action="append", default=[], metavar="FIELD=v1,v2",
-                   help=f"rows for each value of FIELD in {SWEEP_FIELDS} (repeatable: the product)")
+                   help=f"rows for each value of FIELD in {SWEEP_FIELDS} (repeatable: the product); "
+                        f"split takes generation devices per host or {COLOCATED!r}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=20, help="training steps simulated per row")
     p.add_argument("--warmup", type=int, default=4, help="steps left out of the figures")
@@ -82,10 +84,11 @@ def _parse_sweeps(specs: list[str]) -> list[tuple[str, list[Any]]]:
             raise SimulateError(f"--sweep {spec!r}: use FIELD=v1,v2 with FIELD one of {SWEEP_FIELDS}")
         items = [v.strip() for v in values.split(",") if v.strip()]
         if field != "mode":
-            try:
-                items = [int(v) for v in items]
+            try:  # a split may also be "colocated": both sides on every device
+                items = [v if field == "split" and v == COLOCATED else int(v) for v in items]
             except ValueError:
-                raise SimulateError(f"--sweep {spec!r}: {field} takes integers") from None
+                raise SimulateError(f"--sweep {spec!r}: {field} takes integers"
+                                    + (f" (or {COLOCATED!r})" if field == "split" else "")) from None
         out.append((field, items))
     return out
 
@@ -172,7 +175,9 @@ def roofline_costs(job, plan_cfg, gin_files, target, workload, row, *, transfer_
                          generation_tensor=job.mesh.generation_tensor * job.mesh.generation_expert,
                          slots_per_replica=engine.num_slots // replicas,
                          train_devices=train_devices, hosts=workload.hosts, generation_weight_bytes=weight_bytes,
-                         kv_bytes_per_token=kv_bytes, separate_proximal=job.ppo.decoupled and job.ppo.num_minibatches > 1,
+                         # The cache splits over "tensor" only: every expert group of a replica holds
+                         # and reads all of it (generation_expert copies).
+                         kv_bytes_per_token=kv_bytes * job.mesh.generation_expert, separate_proximal=job.ppo.decoupled and job.ppo.num_minibatches > 1,
                          transfer_bytes_per_s=transfer_bytes_per_s, pack_width=engine.pack_width, reward_s=reward_s,
                          transfer_sent_fraction=sent,
                          served_weight_fraction=served_bytes(model, gen_dtype(job).itemsize, job.engine.weight_dtype)
@@ -221,7 +226,10 @@ def _swept_rows(base, sweeps) -> list:
     names = [f for f, _ in sweeps]
     for values in itertools.product(*(v for _, v in sweeps)):
         change = dict(zip(names, values))
-        if "split" in change:  # a split: the sides get their own devices
+        if change.get("split") == COLOCATED:  # both sides on every device, one program at a time
+            change.pop("split")
+            change["colocated"] = True
+        elif "split" in change:  # a split: the sides get their own devices
             change["generation_devices"] = change.pop("split")
             change["colocated"] = False
         mode = change.get("mode", base.mode)
@@ -329,6 +337,12 @@ def row_costs(p: Prepared, row, args):
         transfer_changed=getattr(args, "transfer_changed", 1.0))
 
 
+def train_seconds_per_token(result, train_devices: int) -> float:
+    """Training device-seconds (steps and weight pushes, on every training device) per trained token."""
+    tokens_per_step = result.trained_tokens_per_s * result.step_s
+    return result.train_s_per_step * train_devices / tokens_per_step if tokens_per_step else math.inf
+
+
 def bound_terms(p: Prepared, rows, results, args) -> dict[str, float] | None:
     """The sync row's g, t, e_s, e_t and async_bound (simulate/roofline.py) against the roofline at
     the most sequences per replica any compared row sustains; None without a sync row or a roofline."""
@@ -338,17 +352,20 @@ def bound_terms(p: Prepared, rows, results, args) -> dict[str, float] | None:
     if at is None:
         return None
     sync, costs = results[at], row_costs(p, rows[at], args)
-    # Colocated async rows share every device between the sides, which roofline costs do not charge.
-    c = max(r.sustained_per_replica for row, r in zip(rows, results) if not (r.mode == "async" and row.colocated))
+    # Colocated async rows count too: the trainer's programs hold the devices they share
+    # (simulate/system.py `share_devices`), as a colocated run's fitted costs hold them.
+    c = max(r.sustained_per_replica for r in results)
     ideal_gen = ideal_train = math.inf
-    for r in results:  # each row's own lengths (their samples differ): the cheapest, so the bound holds for all
+    for row, r in zip(rows, results):  # each row's own lengths (their samples differ): the cheapest, so the bound holds for all
         roof = pipeline_roofline(costs, live_per_replica=c, live_context=r.live_context,
                                  train_flops_per_token=r.train_flops_per_token,
                                  prefill_flops_per_token=r.prefill_flops_per_token)
         if roof is None or not r.trained_tokens_per_s:
             return None
         ideal_gen = min(ideal_gen, roof["t_gen_s"] + roof["t_prefill_s"])
-        ideal_train = min(ideal_train, roof["t_train_s"])
+        # Training as the trainer's programs run it (gathers, optimizer, rows rounded to the devices,
+        # the weight push) at the cheapest any row packs it: no scheduler trains for less.
+        ideal_train = min(ideal_train, train_seconds_per_token(r, row.train_devices(p.workload) * p.workload.hosts))
     devices = p.workload.hosts * p.workload.devices_per_host
     if not (sync.trained_tokens_per_s and sync.generation_s_per_step and sync.train_s_per_step):
         return None
@@ -433,8 +450,9 @@ def simulate_rows(args, *, adjust_workload=None, include_sync: bool = True) -> d
                     "+ live KV), t_prefill* the prompts' prefill FLOPs per trained token / peak, t_train* training "
                     "FLOPs per trained token / peak, no padding (docs/scale.md)",
         "bound": "async_bound = 1 / (g e_s + t e_t) from the sync row: g, t its generation's and training's shares of "
-                 "its device-seconds, e_s, e_t their efficiencies against the roofline at the most sequences per "
-                 "replica any row sustains (docs/scale.md); vs_async_bound = vs_sync / async_bound",
+                 "its device-seconds, e_s generation's efficiency against the roofline at the most sequences per "
+                 "replica any row sustains, e_t training's against the cheapest training per token of the rows "
+                 "(docs/scale.md); vs_async_bound = vs_sync / async_bound",
         "seed": args.seed,
     }
     return {"rows": out_rows, "assumptions": assumptions}
@@ -471,7 +489,8 @@ def format_rows(report: dict[str, Any]) -> str:
                      f"{sync['sync_generation_efficiency']:.3f} + {sync['train_share']:.3f} x "
                      f"{sync['sync_train_efficiency']:.3f}) = {sync['async_bound']:.2f}x (g, t: sync's generation "
                      f"and training shares of its device-seconds, idle {sync['idle_share']:.3f}; e_s, e_t: their "
-                     f"efficiencies against the roofline at {sync['bound_live_per_replica']:.1f} sequences per replica)")
+                     f"efficiencies against the roofline at {sync['bound_live_per_replica']:.1f} sequences per replica and "
+                     "the cheapest training per token of the rows)")
     lines += [f"{k}: {v}" for k, v in report["assumptions"].items() if k != "cost_model"]
     return "\n".join(lines)
 

@@ -71,6 +71,7 @@ class EngineCounters:
     live_tokens: int = 0  # paged: cached tokens the decode steps attended over (sum over steps and slots)
     read_tokens: int = 0  # paged: the same rounded up to the kernel's block per slot (what it reads)
     charged_s: float = 0.0  # other programs on these devices (learned rewards beside the engine), in busy_s
+    held_s: float = 0.0  # the trainer's programs on these devices (colocated async), not in busy_s
 
 
 @dataclasses.dataclass
@@ -130,6 +131,9 @@ class SimEngine:
         self.resumes: collections.deque[tuple[SimGroup, int, int, int]] = collections.deque()  # preempted samples
         self._pending_tokens: tuple[np.ndarray, np.ndarray] | None = None
         self._charged = 0.0  # seconds of other programs waiting for the devices (`charge`)
+        self._held = 0.0  # seconds the trainer holds the shared devices (`hold`)
+        self.push_held = False  # the trainer's hold covers the weight push (shared devices)
+        self._setup_until = 0.0  # the end of the last round's setup work, counted in busy_s when it began
 
     @property
     def paged(self) -> bool:
@@ -165,6 +169,28 @@ class SimEngine:
         """Another program takes the engine's devices for `seconds` (a learned reward scoring
         beside the policy): it runs at the next chunk boundary, and the engine waits meanwhile."""
         self._charged += seconds
+        self._end_at_next_boundary()
+        self._kick()
+
+    def busy_s_at(self, now: float) -> float:
+        """Busy seconds up to `now` exactly: `counters.busy_s` counts a round's setup when it begins
+        and a segment's decoding when it ends."""
+        busy = self.counters.busy_s - max(0.0, self._setup_until - now)
+        seg = self._segment
+        return busy + (max(0.0, now - seg.start) if seg is not None else 0.0)
+
+    def devices_free_at(self) -> float:
+        """When the engine's devices finish the program they run: its next chunk boundary, where
+        its running segment is cut (now when it runs nothing)."""
+        self._end_at_next_boundary()
+        seg = self._segment
+        return float(seg.ends[-1]) if seg is not None else self.clock.now
+
+    def hold(self, seconds: float) -> None:
+        """The trainer takes the devices the engine shares with it (colocated async) for `seconds`
+        from the engine's next chunk boundary (`devices_free_at`); the engine waits meanwhile. Unlike
+        `charge`, the seconds are the trainer's, not the engine's busy time."""
+        self._held += seconds
         self._end_at_next_boundary()
         self._kick()
 
@@ -204,7 +230,9 @@ class SimEngine:
         if self._segment is not None:
             return
         self._in_round = True
-        t = self.clock.now
+        held, self._held = self._held, 0.0  # the trainer's programs run first on shared devices
+        self.counters.held_s += held
+        t = self.clock.now + held
         setup, self._charged = self._charged, 0.0  # what other programs took of the devices first
         self.counters.charged_s += setup
         draining = False
@@ -218,10 +246,11 @@ class SimEngine:
             setup += self._admit(t + setup)
         self._make_room()
         self.counters.busy_s += setup
+        self._setup_until = t + setup  # busy_s holds this round's work ahead of the clock
         self._in_round = False
         if self.active_samples:
             self._plan_segment(t + setup)
-        elif setup > 0:
+        elif setup > 0 or held > 0:  # the devices are taken until then
             self._round_scheduled = True
             self.clock.at(t + setup, self._round)
 
@@ -236,7 +265,7 @@ class SimEngine:
         ec = self.config
         # weight_swap "evict": the engine dropped its weights for the push, so the devices wait out
         # the transfer (charged here, where the new version lands) instead of decoding beside it.
-        cost = self.costs.transfer_s if ec.weight_swap == "evict" else 0.0
+        cost = self.costs.transfer_s if ec.weight_swap == "evict" and not self.push_held else 0.0
         histories = (self.prompt + self.generated - 1)[self.active].tolist()
         if not histories or ec.on_swap == "keep":  # "keep": in-flight samples continue on their KV
             return cost

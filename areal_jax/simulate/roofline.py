@@ -16,21 +16,27 @@ roofline's costs only (`RooflineCosts`): no kernel efficiency, collectives or ho
 
 Async bound. Per trained token, sync spends S device-seconds (every device, the whole step): G
 generating (long tail included), T training (padding and the weight push included) and I idle
-(S = G + T + I). No scheduler on the same hardware spends less than the roofline's
-G* = t_gen*(c) + t_prefill* on generation and T* = t_train* on training, where the decode cost per
-token t_gen*(c) falls as more sequences c share each step's weight read. So with the shares
-g = G / S, t = T / S and sync's efficiencies e_s = G* / G (generation) and e_t = T* / T (training),
+(S = G + T + I). No scheduler on the same hardware and programs spends less than
+G* = t_gen*(c) + t_prefill* on generation, where the decode cost per token t_gen*(c) falls as more
+sequences c share each step's weight read, or less than T* on training, the fewest training
+device-seconds per trained token any compared row spends: the trainer's programs as they run
+(weight gathers, the optimizer, rows rounded to the devices, the weight push), which no scheduler
+changes. So with the shares g = G / S, t = T / S and sync's efficiencies e_s = G* / G (generation)
+and e_t = T* / T (training),
 
     async / sync <= S / (G* + T*) = 1 / (g e_s + t e_t)     (async_bound)
 
-With no idle time and training at its roofline (t = 1 - g, e_t = 1) this is the issue's
-1 + g' (1 / e_s - 1), g' = e_s G / (e_s G + T). What makes it a bound is c: the issue took e_s as
-sync's slot occupancy, i.e. generation at sync's own concurrency (one batch per replica), but async
-keeps up to (eta + 1) batches in flight, so it can decode each token cheaper than any sync step does
-and exceeded that bound (a 70B config by 19%). Here c is the most sequences per replica among the
-rows compared (async's live sequences per replica, sync's one batch per replica), so the bound
-holds for every row of the report; an async row's share of it, vs_async_bound, is then its
-roofline fraction at that c.
+With no idle time and training as cheap in sync as in any row (t = 1 - g, e_t = 1) this is the
+issue's 1 + g' (1 / e_s - 1), g' = e_s G / (e_s G + T): async gains only on generation's tail and
+idle devices. What makes it a bound is c: the issue took e_s as sync's slot occupancy, i.e.
+generation at sync's own concurrency (one batch per replica), but async keeps up to (eta + 1)
+batches in flight, so it can decode each token cheaper than any sync step does and exceeded that
+bound (a 70B config by 19%). Here c is the most sequences per replica among the rows compared
+(async's live sequences per replica, sync's one batch per replica), so the bound holds for every
+row of the report. Training at its FLOPs (t_train*) would count as recoverable what the programs
+themselves cost in every schedule (session 21 took it so: configs busy on both sides all step
+came out at 0.79-0.87 of that bound with nothing left to schedule); that figure stays in the
+roofline fraction.
 """
 
 from __future__ import annotations

@@ -154,10 +154,16 @@ class Simulation:
 
     `scale_engine`: when the row's split differs from the config's, keep the slots per generation
     replica (and groups in flight per slot) rather than the host's slots; off for costs fitted to a
-    run, which hold for that run's engine only."""
+    run, which hold for that run's engine only.
+
+    `share_devices` (default: a colocated async row with costs not fitted to a run): the trainer's
+    programs take the devices the engine decodes on, one program at a time, as they do in the
+    runtime. A training step starts once every host's engine reaches a chunk boundary (a step is
+    one program over every host's devices) and the engines wait until it and the weight push end.
+    Costs fitted to a colocated run already hold the sharing."""
 
     def __init__(self, workload: Workload, row: RowConfig, costs, sampler: LengthSampler, *,
-                 scale_engine: bool = True) -> None:
+                 scale_engine: bool = True, share_devices: bool | None = None) -> None:
         row.check(workload)
         self.workload, self.row, self.costs, self.sampler = workload, row, costs, sampler
         self.clock = EventQueue()
@@ -174,6 +180,8 @@ class Simulation:
         self.hosts = [_Host(h, self, engine_config, data, max_concurrent) for h in range(workload.hosts)]
         train_devices = row.train_devices(workload) * workload.hosts
         self.rows_per_process = max(train_devices // workload.train_tensor // workload.hosts, 1)
+        self.share_devices = (row.colocated and row.mode == "async" and scale_engine if share_devices is None
+                              else share_devices)
         self.training = False
         self.waiting_for_swap = False
         self.steps_done = 0
@@ -228,8 +236,14 @@ class Simulation:
         self.training = True
         if self.row.mode == "sync":
             self.waiting_for_swap = True
-        self.clock.after(step_s + self.costs.transfer_s,
-                         lambda: self._step_done(step_s, tokens, lags, host0_shapes, packing))
+        end = self.clock.now + step_s + self.costs.transfer_s
+        if self.share_devices:
+            free = [h.engine.devices_free_at() for h in self.hosts]
+            end += max(free) - self.clock.now
+            for h, at in zip(self.hosts, free):  # the step and the weight push hold the devices
+                h.engine.push_held = True
+                h.engine.hold(end - at)
+        self.clock.at(end, lambda: self._step_done(step_s, tokens, lags, host0_shapes, packing))
 
     def _step_done(self, step_s: float, tokens: int, lags, shapes, packing) -> None:
         self.version += 1
@@ -241,7 +255,7 @@ class Simulation:
         self.learned_at_step.append(self.learned_reward_s)
         self.packing.append(packing)
         self.lag_hist.append(lags)
-        self.snapshots.append({"engine_busy": [h.engine.counters.busy_s for h in self.hosts],
+        self.snapshots.append({"engine_busy": [h.engine.busy_s_at(self.clock.now) for h in self.hosts],
                                "decode_steps": sum(h.engine.counters.decode_steps for h in self.hosts),
                                "slot_steps": sum(h.engine.counters.slot_steps for h in self.hosts),
                                "reprefill": sum(h.engine.counters.reprefill_tokens for h in self.hosts),
