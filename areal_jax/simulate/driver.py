@@ -23,7 +23,7 @@ from typing import Any
 
 # Imported by `areal-jax`'s parser: the modules that import jax load only when the command runs.
 SWEEP_FIELDS = ("mode", "eta", "split")
-COLOCATED = "colocated"  # --sweep split=colocated: async with both sides on every device
+COLOCATED = "colocated"  # a split value: both sides on every device (--sweep split=..., --tune)
 DEFAULT_TRANSFER_BYTES_PER_S = 50e9
 
 

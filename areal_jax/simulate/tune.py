@@ -23,7 +23,7 @@ class Knobs:
     Attributes:
         generation_devices: generation devices per host (the split); with `colocated` every
             device does both and this is the host's devices.
-        colocated: the config's sides share the devices (MeshConfig.colocated); never changed.
+        colocated: the sides share the devices (MeshConfig.colocated), a split the tune also tries.
         budget: the trainer's max_tokens_per_microbatch (its meaning, per process or per
             device, is the trainer's: the simulator and the planner batch with the trainer's code).
         slots: EngineConfig.num_slots per host.

@@ -22,6 +22,7 @@ import pathlib
 import time
 from typing import Any
 
+from areal_jax.simulate.driver import COLOCATED
 from areal_jax.simulate.tune import Knobs, SearchResult, budget_candidates, distinct, search
 
 BUDGET_FIELD = "max_tokens_per_microbatch"
@@ -61,7 +62,8 @@ def row_buckets_for(buckets: tuple[int, ...], budget: int) -> tuple[int, ...]:
 def bindings(k: Knobs, *, budget_owner: str, paged: bool, buckets: tuple[int, ...] = ()) -> list[str]:
     """The gin parameters that make point `k` (bound after the config's own); `buckets`: the
     config's row buckets (none bound: the trainer's default, powers of two)."""
-    out = [] if k.colocated else [f"MeshConfig.num_generation_devices_per_host = {k.generation_devices}"]
+    out = (["MeshConfig.colocated = True", "MeshConfig.num_generation_devices_per_host = None"] if k.colocated else
+           ["MeshConfig.colocated = False", f"MeshConfig.num_generation_devices_per_host = {k.generation_devices}"])
     out.append(f"{budget_owner}.{BUDGET_FIELD} = {k.budget}")
     if buckets:
         out.append(f"{budget_owner}.row_buckets = {row_buckets_for(buckets, k.budget)}")
@@ -93,11 +95,15 @@ class _Space:
     def replicas(self, generation_devices: int) -> int:
         return max(1, generation_devices // self.replica_devices)
 
-    def splits(self, wanted: list[int] | None) -> list[int]:
-        if self.config.colocated:
-            return [self.config.generation_devices]
-        out = [g for g in range(1, self.devices_per_host)
-               if g % self.replica_devices == 0 and ((self.devices_per_host - g) * self.hosts) % self.train_group == 0]
+    def splits(self, wanted: list[int | str] | None) -> list[int | str]:
+        """Generation devices per host of every split the mesh allows, and COLOCATED (both sides on
+        every device) where a replica fits in a host."""
+        out: list[int | str] = [g for g in range(1, self.devices_per_host)
+                                if g % self.replica_devices == 0
+                                and ((self.devices_per_host - g) * self.hosts) % self.train_group == 0]
+        if self.devices_per_host % self.replica_devices == 0 \
+                and (self.devices_per_host * self.hosts) % self.train_group == 0:
+            out.append(COLOCATED)
         if wanted:
             bad = [g for g in wanted if g not in out]
             if bad:
@@ -107,14 +113,16 @@ class _Space:
             out = list(wanted)
         return out
 
-    def at_split(self, g: int, budget: int) -> Knobs:
-        """The config's engine at split `g`, as `simulate --sweep split` scales it: slots per
-        replica and groups in flight per replica kept."""
+    def at_split(self, g: int | str, budget: int) -> Knobs:
+        """The config's engine at split `g` (or COLOCATED: every device generates), as `simulate
+        --sweep split` scales it: slots per replica and groups in flight per replica kept."""
+        colocated = g == COLOCATED
+        g = self.devices_per_host if colocated else g
         r, r0 = self.replicas(g), self.config_replicas
         slots = self.config.slots // r0 * r
         concurrent = max(1, self.config.max_concurrent * r // r0)
         return dataclasses.replace(self.config, generation_devices=g, budget=budget, slots=slots,
-                                   max_concurrent=concurrent)
+                                   max_concurrent=concurrent, colocated=colocated)
 
     def pools(self, largest: int, preempts: bool) -> list[int]:
         """The config's pool, and where the leader's samples were preempted (the pool ran dry)
