@@ -429,3 +429,25 @@ def test_generation_is_predicted_at_the_simulated_live_concurrency():
     near = predict(programs, live={"live_per_replica": 4.0, "live_context": 1000.0, "step_s": live["step_s"] * 1.1},
                    **kw)
     assert "step_disagreement" not in near
+
+
+def test_only_keeps_the_other_sides_resident_state_beside_a_colocated_program(tmp_path):
+    """Colocated, a training program runs beside the engine's weights and pool: `--only=train/` must
+    count them as a whole plan does (they came from the programs --only kept, i.e. none)."""
+    from areal_jax import config_system as cs
+    from areal_jax.jobs.configs import load_job_configs
+    from areal_jax.plan.config import PlanConfig
+    from areal_jax.plan.fit import stand_in_devices
+    from areal_jax.plan.job import plan_inputs
+    from areal_jax.plan.targets import parse_target
+
+    gin = _config(tmp_path, "MeshConfig.colocated = True\nMeshConfig.num_generation_devices_per_host = None\n")
+    job = load_job_configs([str(gin)], run_dir=str(tmp_path / "run"))
+    plan_cfg = cs.build(PlanConfig)
+    target = parse_target("8xh100")
+    whole = plan_inputs(job, plan_cfg, target, gin_files=[str(gin)], devices=stand_in_devices)
+    only = plan_inputs(job, plan_cfg, target, gin_files=[str(gin)], only="train/", devices=stand_in_devices)
+    assert only.specs and all(s.role == "train" for s in only.specs)
+    for spec in only.specs:
+        beside = only.extra_resident(spec)
+        assert beside > 0 and beside == whole.extra_resident(next(s for s in whole.specs if s.name == spec.name))
