@@ -177,7 +177,8 @@ def roofline_costs(job, plan_cfg, gin_files, target, workload, row, *, transfer_
                          train_devices=train_devices, hosts=workload.hosts, generation_weight_bytes=weight_bytes,
                          # The cache splits over "tensor" only: every expert group of a replica holds
                          # and reads all of it (generation_expert copies).
-                         kv_bytes_per_token=kv_bytes * job.mesh.generation_expert, separate_proximal=job.ppo.decoupled and job.ppo.num_minibatches > 1,
+                         kv_bytes_per_token=kv_bytes * job.mesh.generation_expert,
+                         separate_proximal=job.ppo.decoupled and job.ppo.num_minibatches > 1,
                          transfer_bytes_per_s=transfer_bytes_per_s, pack_width=engine.pack_width, reward_s=reward_s,
                          transfer_sent_fraction=sent,
                          served_weight_fraction=served_bytes(model, gen_dtype(job).itemsize, job.engine.weight_dtype)
@@ -356,7 +357,8 @@ def bound_terms(p: Prepared, rows, results, args) -> dict[str, float] | None:
     # (simulate/system.py `share_devices`), as a colocated run's fitted costs hold them.
     c = max(r.sustained_per_replica for r in results)
     ideal_gen = ideal_train = math.inf
-    for row, r in zip(rows, results):  # each row's own lengths (their samples differ): the cheapest, so the bound holds for all
+    # Each row's own lengths (their samples differ): the cheapest, so the bound holds for all.
+    for row, r in zip(rows, results):
         roof = pipeline_roofline(costs, live_per_replica=c, live_context=r.live_context,
                                  train_flops_per_token=r.train_flops_per_token,
                                  prefill_flops_per_token=r.prefill_flops_per_token)
