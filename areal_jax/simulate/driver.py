@@ -358,7 +358,7 @@ def bound_terms(p: Prepared, rows, results, args) -> dict[str, float] | None:
     c = max(r.sustained_per_replica for r in results)
     ideal_gen = ideal_train = math.inf
     # Each row's own lengths (their samples differ): the cheapest, so the bound holds for all.
-    for row, r in zip(rows, results):
+    for r in results:
         roof = pipeline_roofline(costs, live_per_replica=c, live_context=r.live_context,
                                  train_flops_per_token=r.train_flops_per_token,
                                  prefill_flops_per_token=r.prefill_flops_per_token)
@@ -367,7 +367,7 @@ def bound_terms(p: Prepared, rows, results, args) -> dict[str, float] | None:
         ideal_gen = min(ideal_gen, roof["t_gen_s"] + roof["t_prefill_s"])
         # Training as the trainer's programs run it (gathers, optimizer, rows rounded to the devices,
         # the weight push) at the cheapest any row packs it: no scheduler trains for less.
-        ideal_train = min(ideal_train, train_seconds_per_token(r, row.train_devices(p.workload) * p.workload.hosts))
+        ideal_train = min(ideal_train, train_seconds_per_token(r, r.train_devices * p.workload.hosts))
     devices = p.workload.hosts * p.workload.devices_per_host
     if not (sync.trained_tokens_per_s and sync.generation_s_per_step and sync.train_s_per_step):
         return None

@@ -71,7 +71,6 @@ class EngineCounters:
     live_tokens: int = 0  # paged: cached tokens the decode steps attended over (sum over steps and slots)
     read_tokens: int = 0  # paged: the same rounded up to the kernel's block per slot (what it reads)
     charged_s: float = 0.0  # other programs on these devices (learned rewards beside the engine), in busy_s
-    held_s: float = 0.0  # the trainer's programs on these devices (colocated async), not in busy_s
 
 
 @dataclasses.dataclass
@@ -231,7 +230,6 @@ class SimEngine:
             return
         self._in_round = True
         held, self._held = self._held, 0.0  # the trainer's programs run first on shared devices
-        self.counters.held_s += held
         t = self.clock.now + held
         setup, self._charged = self._charged, 0.0  # what other programs took of the devices first
         self.counters.charged_s += setup

@@ -182,6 +182,8 @@ class Simulation:
         self.rows_per_process = max(train_devices // workload.train_tensor // workload.hosts, 1)
         self.share_devices = (row.colocated and row.mode == "async" and scale_engine if share_devices is None
                               else share_devices)
+        for h in self.hosts:  # the trainer's hold then covers the weight push too
+            h.engine.push_held = self.share_devices
         self.training = False
         self.waiting_for_swap = False
         self.steps_done = 0
@@ -241,7 +243,6 @@ class Simulation:
             free = [h.engine.devices_free_at() for h in self.hosts]
             end += max(free) - self.clock.now
             for h, at in zip(self.hosts, free):  # the step and the weight push hold the devices
-                h.engine.push_held = True
                 h.engine.hold(end - at)
         self.clock.at(end, lambda: self._step_done(step_s, tokens, lags, host0_shapes, packing))
 
