@@ -22,10 +22,10 @@ def _expected(shape, offset):
 GROUP_BYTES = 1152  # 4 layers in bf16, 2 in fp32: several groups, layers in runs
 
 
-def _check_case(name, cfg, dtype, programs, groups, checked):
+def _check_case(name, cfg, dtype, programs, groups, checked, layout="split"):
     """Builds meshes, transfers twice (new values the second time) in groups, checks bitwise.
 
-    `programs`: distinct reshard programs the `groups` need."""
+    `programs`: distinct reshard programs the `groups` need; `layout`: WeightSync's."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -42,22 +42,24 @@ def _check_case(name, cfg, dtype, programs, groups, checked):
     assert owners == sorted(owners), owners
     assert all(d.process_index == jax.process_index() for d in meshes.generation.devices.flat)
 
-    layout = {  # name -> (shape, train spec, generation spec)
+    tree = {  # name -> (shape, train spec, generation spec)
         "embed": ((32, 16), P("fsdp", "tensor"), P(None, "tensor")),
         "block": {
             "w": ((16, 48), P(None, ("fsdp", "tensor")), P("tensor", None)),
             "norm": ((16,), P(), P("data")),
         },
-        # Stacked on 6 layers: they arrive as a tuple of per-layer dicts, in runs of layers.
+        # Stacked on 6 layers: they arrive in runs of layers, as a tuple of per-layer dicts (split
+        # layout) or written into [6, ...] arrays on the generation devices (stacked).
         "layers": {
             "w": ((6, 8, 16), P(None, "fsdp", "tensor"), P(None, None, "tensor")),
             "b": ((6, 16), P(), P()),
         },
     }
     is_entry = lambda x: isinstance(x, tuple) and len(x) == 3  # noqa: E731
-    train_specs = jax.tree.map(lambda e: e[1], layout, is_leaf=is_entry)
-    generation_specs = jax.tree.map(lambda e: e[2], layout, is_leaf=is_entry)
-    sync = WeightSync(meshes, train_specs, generation_specs, generation_dtype=dtype, group_bytes=GROUP_BYTES)
+    train_specs = jax.tree.map(lambda e: e[1], tree, is_leaf=is_entry)
+    generation_specs = jax.tree.map(lambda e: e[2], tree, is_leaf=is_entry)
+    sync = WeightSync(meshes, train_specs, generation_specs, generation_dtype=dtype, group_bytes=GROUP_BYTES,
+                      layout=layout)
 
     for offset in (0.0, 3.0):
         def make(entry):
@@ -65,7 +67,7 @@ def _check_case(name, cfg, dtype, programs, groups, checked):
             full = _expected(shape, offset)
             return jax.make_array_from_callback(shape, NamedSharding(meshes.train, spec), lambda i: full[i])
 
-        train_params = jax.tree.map(make, layout, is_leaf=is_entry)
+        train_params = jax.tree.map(make, tree, is_leaf=is_entry)
         compiles = []
         listener = lambda event, _secs, **kw: compiles.append(event == BACKEND_COMPILE)  # noqa: E731
         jax.monitoring.register_event_duration_secs_listener(listener)
@@ -78,11 +80,15 @@ def _check_case(name, cfg, dtype, programs, groups, checked):
         pieces = []  # (got, want, generation spec of the piece)
         for key in ("block", "embed"):
             pieces += [(got, _expected(shape, offset), spec) for (shape, _, spec), got in zip(
-                jax.tree.leaves(layout[key], is_leaf=is_entry), jax.tree.leaves(out[key]))]
-        assert isinstance(out["layers"], tuple) and len(out["layers"]) == 6
-        for layer, got_layer in enumerate(out["layers"]):
+                jax.tree.leaves(tree[key], is_leaf=is_entry), jax.tree.leaves(out[key]))]
+        if layout == "stacked":
+            pieces += [(got, _expected(shape, offset), spec) for (shape, _, spec), got in zip(
+                jax.tree.leaves(tree["layers"], is_leaf=is_entry), jax.tree.leaves(out["layers"]))]
+        else:
+            assert isinstance(out["layers"], tuple) and len(out["layers"]) == 6
+        for layer, got_layer in enumerate(out["layers"] if layout == "split" else ()):
             pieces += [(got, _expected(shape, offset)[layer], P(*spec[1:])) for (shape, _, spec), got in zip(
-                jax.tree.leaves(layout["layers"], is_leaf=is_entry), jax.tree.leaves(got_layer))]
+                jax.tree.leaves(tree["layers"], is_leaf=is_entry), jax.tree.leaves(got_layer))]
         for got, want, spec in pieces:
             if dtype is not None:
                 want = np.asarray(jnp.asarray(want).astype(dtype))
@@ -123,6 +129,8 @@ def main():
         # bf16: norm | block.w | embed | layers 0-3 | 4-5 (5 programs, 5 groups);
         # fp32: norm | block.w | embed | layers 0-1 | 2-3 | 4-5 (4 programs, 6 groups).
         _check_case("train4x1-gen2x1-bf16", MeshConfig(**split), jnp.bfloat16, 5, 5, result["checked"])
+        _check_case("train4x1-gen2x1-bf16-stacked", MeshConfig(**split), jnp.bfloat16, 5, 5, result["checked"],
+                    layout="stacked")
         _check_case(
             "train2x2-gen1x2-fp32",
             MeshConfig(**split, train_tensor=2, generation_tensor=2),

@@ -1,5 +1,6 @@
 """Train -> generation weight transfer on 8 fake CPU devices, plus the 2-process run."""
 
+import gc
 import json
 import os
 import pathlib
@@ -15,8 +16,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from areal_jax.aot import bytes_per_device
-from areal_jax.models import ModelConfig, init_params
+from areal_jax.generation.programs import param_shardings as generation_shardings
+from areal_jax.models import ModelConfig, init_params, quantize
 from areal_jax.models.sharding import TRAIN_RULES
+from areal_jax.models.transformer import forward
 from areal_jax.parallel import MeshConfig, WeightSync, agree_max, agree_sum, build_meshes, transfer_program_specs
 from areal_jax.trainer.train_step import param_shardings
 from tests.multiprocess import run_all
@@ -155,6 +158,8 @@ def test_transfer_is_exact_and_lands_on_generation_mesh(cfg, staged, dtype, layo
     # The trainer's copy is untouched.
     for got, want in zip(jax.tree.leaves(train_params), jax.tree.leaves(values)):
         assert np.asarray(got).tobytes() == want.tobytes()
+    # Whole weights on one device (put piece by piece) land the same.
+    _assert_transferred(meshes, sync.transfer(jax.tree.map(jnp.asarray, values)), values, dtype, layout)
 
 
 @pytest.mark.parametrize("cfg, _staged", [SPLITS[0], SPLITS[1], SPLITS[3]])
@@ -299,7 +304,8 @@ def test_two_processes_transfer_exactly(tmp_path):
         result = json.loads((tmp_path / f"result_{i}.json").read_text())
         assert result["ok"], result
         assert result["agree_max"] == 4 and result["agree_sum"] == 7
-        assert set(result["checked"]) == {"train4x1-gen2x1-bf16", "train2x2-gen1x2-fp32", "colocated-fp32"}
+        assert set(result["checked"]) == {"train4x1-gen2x1-bf16", "train4x1-gen2x1-bf16-stacked",
+                                          "train2x2-gen1x2-fp32", "colocated-fp32"}
 
 
 # A small decoder: 6 layers of 37,120 weights (74,240 B in bf16), embedding and head 1024 x 64
@@ -337,3 +343,123 @@ def test_program_specs_describe_the_runs_transfer():
         memory = spec.lower().compile().memory_analysis()
         # The output (this group in bf16, laid out like generation on each training device) fits the budget.
         assert 0 < memory.output_size_in_bytes <= budget
+
+
+# ---- the stacked layout: quantized, and its peak on the generation devices --------------------
+
+
+def _stack_split(split):
+    """The split layout's output with its per-layer leaves stacked on a leading layer axis."""
+    return {**split, "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *split["layers"])}
+
+
+def _assert_same_bytes(got, want):
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert np.asarray(g).tobytes() == np.asarray(w).tobytes()
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("cfg, _staged", [SPLITS[1], SPLITS[3]])
+def test_stacked_quantized_is_the_split_result_stacked_on_layers(cfg, _staged, kind):
+    """Codes and scales in the stacked layout are the split layout's, bit for bit, with the layer
+    axis in front, laid out as the engine's stacked generation shardings say; the forward scans them."""
+    meshes = build_meshes(cfg)
+    host = init_params(MODEL, 3, std=0.1)
+    train_params = jax.device_put(host, param_shardings(MODEL, TRAIN_RULES, meshes.train))
+    make = lambda layout: WeightSync.for_model(MODEL, meshes, jnp.bfloat16, group_bytes=2 * LAYER_BYTES,  # noqa: E731
+                                               layout=layout, weight_dtype=kind)
+    split = make("split").transfer(train_params)
+    sync = make("stacked")
+    stacked = sync.transfer(train_params)
+    assert isinstance(stacked["layers"]["wq"], quantize.QuantizedWeight)
+    assert stacked["layers"]["wq"].q.dtype == quantize.CODE_DTYPES[kind]
+    want = _stack_split(split)
+    _assert_same_bytes(stacked, want)
+    wanted = generation_shardings(MODEL, meshes.generation, split=False, weight_dtype=kind)
+    for got, sharding in zip(jax.tree.leaves(stacked), jax.tree.leaves(wanted)):
+        assert got.sharding.is_equivalent_to(sharding, got.ndim)
+    # Whole weights on one device (put piece by piece) land the same.
+    _assert_same_bytes(sync.transfer(jax.tree.map(jnp.asarray, host)), want)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, MODEL.vocab_size, size=(2, 8)), jnp.int32)
+    scanned = jax.jit(lambda p: forward(p, MODEL, tokens, compute_dtype=jnp.float32)[0])(stacked)
+    unrolled = jax.jit(lambda p: forward(p, MODEL, tokens, compute_dtype=jnp.float32, scan_layers=False)[0])(split)
+    np.testing.assert_allclose(np.asarray(scanned), np.asarray(unrolled), rtol=1e-5, atol=1e-5)
+
+
+def _live_bytes(devices) -> int:
+    """Bytes of the live arrays on `devices` (a buffer two arrays share counted once)."""
+    seen = {}
+    for x in jax.live_arrays():
+        for shard in x.addressable_shards:
+            if shard.device in devices:
+                data = shard.data
+                seen[(shard.device.id, data.unsafe_buffer_pointer())] = data.nbytes
+    return sum(seen.values())
+
+
+def _bytes_on(shape, dtype, sharding) -> int:
+    """Bytes of an array of `shape` laid out by `sharding`, summed over its devices (as `_live_bytes`)."""
+    return len(sharding.device_set) * int(np.prod(sharding.shard_shape(shape))) * np.dtype(dtype).itemsize
+
+
+# Twelve layers, so a stacked leaf (w_gate: 12 x 16 KiB in bf16) outweighs a group of one layer
+# (98 KiB summed over 4 generation devices, the small leaves replicated): stacking pieces collected
+# to the end (the old way) overshoots the bound below: by a leaf, twice one group.
+PEAK_MODEL = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=12, num_heads=4,
+                         num_kv_heads=2, head_dim=16, qkv_bias=True, family="qwen2")
+
+
+@pytest.mark.parametrize("kind", [None, "int8", "int4"])
+@pytest.mark.parametrize("cfg, _staged", [SPLITS[1], SPLITS[3]])
+def test_stacked_layout_holds_one_copy_plus_one_group(cfg, _staged, kind, monkeypatch):
+    """The generation devices never hold more than the finished weights plus one group's pieces
+    (plus the codes and scales of the piece being quantized), sampled at every explicit free (where
+    a peak ends: the transfer frees what it made explicitly) and after each group's reshard; and a
+    second transfer compiles nothing."""
+    from jax._src import array as array_impl
+
+    meshes = build_meshes(cfg)
+    devices = set(meshes.generation.devices.flat)
+    train_params = jax.device_put(init_params(PEAK_MODEL, 0), param_shardings(PEAK_MODEL, TRAIN_RULES, meshes.train))
+    sync = WeightSync.for_model(PEAK_MODEL, meshes, jnp.bfloat16, group_bytes=1, layout="stacked", weight_dtype=kind)
+    sync.transfer(train_params)  # compiles (its result is dropped at once)
+    samples = []
+    sample = lambda *_: samples.append(_live_bytes(devices))  # noqa: E731
+    delete = array_impl.ArrayImpl.delete
+    monkeypatch.setattr(array_impl.ArrayImpl, "delete", lambda self: (sample(), delete(self))[1])
+    sync.on_group_resharded = sample
+    gc.collect()
+    before = _live_bytes(devices)
+    with _BackendCompiles() as compiles:
+        out = sync.transfer(train_params)
+    sample()
+    monkeypatch.undo()
+    assert compiles.count == 0  # the writes (the layer index an argument) compiled on the first transfer
+
+    plan, _, shardings = sync._plan(jax.tree.leaves(train_params))
+    assert len(plan.groups) == PEAK_MODEL.num_layers + 3  # a group per layer, embed, final_norm, lm_head
+    piece = {i: _bytes_on(leaf.piece_shape, leaf.out_dtype, shardings[i][1]) for i, leaf in enumerate(plan.leaves)}
+    group = max(sum(piece[i] for i, _ in g.pieces) for g in plan.groups)
+    # A group's pieces are quantized one at a time, each freed once its codes and scales exist.
+    quantized = 0 if kind is None else max(
+        sum(_bytes_on(s.shape, s.dtype, s.sharding) for s in jax.tree.leaves(quantize.quantized_struct(
+            jax.ShapeDtypeStruct(leaf.piece_shape, leaf.out_dtype, sharding=shardings[i][1]), sync._quant_axes[i],
+            kind))) for i, leaf in enumerate(plan.leaves) if sync._quant_axes[i] is not None)
+    weights = sum(_bytes_on(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(out))
+    assert len(samples) > 2 * PEAK_MODEL.num_layers
+    assert max(samples) - before <= weights + group + quantized, (max(samples) - before, weights, group, quantized)
+    assert samples[-1] - before == weights  # nothing but the weights stays
+    # Each write is in place: its output aliases the donated buffer.
+    for i in [i for i, leaf in enumerate(plan.leaves) if leaf.stacked]:
+        leaf = plan.leaves[i]
+        struct = jax.ShapeDtypeStruct(leaf.piece_shape, leaf.out_dtype, sharding=shardings[i][1])
+        axes = sync._quant_axes[i]
+        piece_struct = struct if axes is None else quantize.quantized_struct(struct, axes, kind)
+        buffer = sync._assembly.output_struct(i, leaf)
+        memory = sync._assembly._writes[i].lower(buffer, piece_struct, np.int32(0)).compile().memory_analysis()
+        n = len(jax.tree.leaves(buffer))  # codes and scales come out as a tuple: its pointers are not aliased
+        assert memory.alias_size_in_bytes > 0
+        assert memory.output_size_in_bytes - memory.alias_size_in_bytes == (8 * n if n > 1 else 0)
+        assert memory.temp_size_in_bytes < piece[i]

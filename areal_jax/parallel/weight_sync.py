@@ -21,10 +21,12 @@ layers in runs of 2 compile one program) and packs of the other leaves (embeddin
 final norm), each up to `group_bytes` of generation weights (a single leaf or layer larger
 than that is a group of its own).
 
-Output layout "split" (default): `params["layers"]` becomes a tuple of per-layer dicts, the
-`models.transformer.split_layers` layout the generation engine runs on, so nothing re-stacks
-or re-splits the weights on the generation devices. "stacked" re-stacks them there (a
-transient second copy of the layers on the generation devices).
+Output layouts. "split" (default): `params["layers"]` becomes a tuple of per-layer dicts (the
+`models.transformer.split_layers` layout); each piece lands as its own array, so the generation
+devices hold the weights received so far plus the group in flight. "stacked": a dict of `[L, ...]`
+arrays (the trainer's layout, which a forward scanning over the layers reads), each allocated
+whole at the start of the transfer and written a layer at a time in place as its pieces land
+(parallel/stacked_assembly.py): at its peak one copy of the weights plus one group's pieces.
 
 Step (c) copies whole device buffers when every block of the generation layout exists on
 some training device, i.e. when `generation_tensor` divides the training devices per host
@@ -57,6 +59,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from areal_jax.models import quantize
 from areal_jax.parallel.meshes import GENERATION_AXES, TRAIN_AXES, Meshes
+from areal_jax.parallel.stacked_assembly import StackedAssembly
 from areal_jax.parallel.transfer_plan import (
     LAYERS,
     Leaf,
@@ -88,7 +91,7 @@ class TransferStats:
     index: int  # 1 for the first transfer of this WeightSync
     total_s: float
     reshard_s: float  # steps (a) of every group, including compilation when `compiled`
-    place_s: float  # steps (b) + (c) of every group (and the re-stacking of the "stacked" layout)
+    place_s: float  # steps (b) + (c) of every group (and the "stacked" layout's in-place writes)
     num_bytes: int  # size of this host's generation parameters
     compiled: bool  # a new reshard program was compiled for this transfer
     groups: int = 1  # reshard programs run (one per group)
@@ -112,13 +115,17 @@ class WeightSync:
         training devices hold at most one group of staging buffers at a time.
       layout: "split" gives `params["layers"]` as a tuple of per-layer dicts (a tree with a
         `"layers"` entry whose leaves are stacked on a leading axis; other trees keep their
-        structure); "stacked" re-stacks the layers on the generation devices.
+        structure): the generation devices hold the pieces received so far plus the group in
+        flight. "stacked" gives them stacked, `[L, ...]` arrays laid out by the generation specs
+        (which may then shard the layer axis), allocated at the start and written in place layer
+        by layer: at its peak one copy of the weights plus one group's pieces.
       weight_dtype: EngineConfig.weight_dtype. "int8" / "int4": each layer weight that
         models/quantize.py quantizes arrives as a QuantizedWeight (int8 codes and fp32
         per-output-channel scales, or int4 codes and bf16 scales per group of 128 inputs),
         quantized on the generation devices piece by piece as it lands (one layer of one weight
         in the generation dtype at a time), so they never hold a full-precision copy. The
-        transfer still moves the generation dtype's bytes. Split layout only.
+        transfer still moves the generation dtype's bytes. In the stacked layout the codes and
+        scales are the per-layer ones with the layer axis in front.
     """
 
     def __init__(
@@ -147,8 +154,6 @@ class WeightSync:
             raise ValueError(f"layout must be 'split' or 'stacked', got {layout!r}")
         if weight_dtype is not None and weight_dtype not in quantize.WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype must be None or one of {quantize.WEIGHT_DTYPES}, got {weight_dtype!r}")
-        if weight_dtype is not None and layout != "split":
-            raise ValueError(f"weight_dtype {weight_dtype!r} needs layout='split' (the engine's per-layer weights)")
         self._meshes = meshes
         self._treedef = train_def
         self._train_specs = train_def.flatten_up_to(train_specs)
@@ -176,7 +181,7 @@ class WeightSync:
                                    meshes.generation.shape["expert"])
         self._local_view = self._build_local_view(meshes, self._view)
         self._plans: dict[tuple, tuple[TransferPlan, list[Any], dict]] = {}
-        self._stack_programs: dict[int, Any] = {}
+        self._assembly = StackedAssembly(meshes.generation, self._generation_specs, self._quant_axes, weight_dtype)
         self._count = 0
         self.last_transfer_s: float | None = None
         self.last_stats: TransferStats | None = None
@@ -304,8 +309,10 @@ class WeightSync:
         leaves = self._treedef.flatten_up_to(train_params)
         compiled_before = self.compiled_programs()
         plan, starts, shardings = self._plan(leaves)
+        t_alloc = time.perf_counter()
+        buffers = self._assembly.allocate(plan.leaves) if self._layout == "stacked" else {}
         pieces: dict[tuple[int, int | None], jax.Array] = {}
-        reshard_s = place_s = 0.0
+        reshard_s, place_s = 0.0, time.perf_counter() - t_alloc
         for g, (group, first) in enumerate(zip(plan.groups, starts)):
             t0 = time.perf_counter()
             # (a) one program over the train devices: cast, replicate over hosts, lay out like generation.
@@ -316,11 +323,13 @@ class WeightSync:
                 self.on_group_resharded(g)
             t1 = time.perf_counter()
             placed = self._place(on_view, [shardings[i] for i, _ in group.pieces])
-            pieces.update((piece, self._quantize(piece[0], x, shardings)) for piece, x in zip(group.pieces, placed))
+            del on_view
+            for piece, x in zip(group.pieces, placed):
+                self._keep(pieces, buffers, piece, self._quantize(piece[0], x, shardings))
+            del placed
+            jax.block_until_ready(buffers)
             place_s += time.perf_counter() - t1
-        t_stack = time.perf_counter()
-        out = self._assemble(plan, pieces)
-        place_s += time.perf_counter() - t_stack
+        out = self._assemble(plan, pieces, buffers)
         end = time.perf_counter()
 
         self._count += 1
@@ -376,51 +385,51 @@ class WeightSync:
             x.delete()
         return out
 
-    def _assemble(self, plan: TransferPlan, pieces: dict[tuple[int, int | None], jax.Array]) -> PyTree:
-        """The output tree from its pieces, in the configured layout."""
+    def _keep(self, pieces: dict, buffers: dict[int, Any], piece: tuple[int, int | None], x: Any) -> None:
+        """A landed piece (this transfer's own array): in the stacked layout a layer piece is
+        written into its leaf's buffer and freed; any other is kept for the output."""
+        i, layer = piece
+        if layer is not None and self._layout == "stacked":
+            self._assembly.write(buffers, i, layer, x)
+        else:
+            pieces[piece] = x
+
+    def _assemble(self, plan: TransferPlan, pieces: dict[tuple[int, int | None], jax.Array],
+                  buffers: dict[int, Any]) -> PyTree:
+        """The output tree from its pieces (and the stacked layout's filled buffers)."""
         stacked = [i for i, leaf in enumerate(plan.leaves) if leaf.stacked]
-        flat = [pieces[(i, None)] if not leaf.stacked else None for i, leaf in enumerate(plan.leaves)]
-        if not stacked:
+        flat = [buffers.get(i) if leaf.stacked else pieces[(i, None)] for i, leaf in enumerate(plan.leaves)]
+        if not stacked or self._layout == "stacked":
             return self._treedef.unflatten(flat)
         num_layers = plan.leaves[stacked[0]].shape[0]
-        if self._layout == "stacked":
-            for i in stacked:
-                parts = [pieces[(i, layer)] for layer in range(num_layers)]
-                flat[i] = self._stack_program(i)(parts)
-                for part in parts:
-                    part.delete()
-            return self._treedef.unflatten(flat)
         tree = self._treedef.unflatten(flat)
         layers = tuple(self._layers_def.unflatten([pieces[(i, layer)] for i in stacked])
                        for layer in range(num_layers))
         return {**tree, LAYERS: layers}
 
-    def _stack_program(self, i: int):
-        """Stacks leaf i's per-layer pieces into its generation layout (the "stacked" layout)."""
-        if i not in self._stack_programs:
-            sharding = NamedSharding(self._meshes.generation, self._generation_specs[i])
-            self._stack_programs[i] = jax.jit(jnp.stack, out_shardings=sharding)
-        return self._stack_programs[i]
-
     def _transfer_local(self, params: PyTree) -> PyTree:
         """Weights this process holds whole onto its generation mesh, in the same dtype and layout
         as `_transfer_train`. One piece (a leaf, or one layer of a stacked leaf) at a time is put
         onto the generation devices and cast there, so the source device holds one piece of extra
-        bytes at most."""
+        bytes at most (and the stacked layout writes each layer piece into its buffer at once)."""
         leaves = self._treedef.flatten_up_to(params)
         for path, x in zip(self._paths, leaves):
             if isinstance(x, jax.Array) and not x.is_fully_addressable:
                 raise ValueError(f"{path} spans processes but is not laid out by its train spec on the train mesh")
         plan, _, shardings = self._plan(leaves)
+        buffers = self._assembly.allocate(plan.leaves) if self._layout == "stacked" else {}
         pieces: dict[tuple[int, int | None], jax.Array] = {}
         for i, leaf in enumerate(plan.leaves):
             for layer in (range(leaf.shape[0]) if leaf.stacked else (None,)):
                 put = jax.device_put(leaves[i] if layer is None else leaves[i][layer], shardings[i][1])
-                # Not freed here: a put of an array already in place is the caller's array itself.
-                pieces[(i, layer)] = self._quantize(i, cast(put, leaf.out_dtype), shardings, free=False)
-                jax.block_until_ready(pieces[(i, layer)])
+                # Not freed here: a put of an array already in place is the caller's array itself
+                # (a layer piece never is: indexing made it, so the stacked layout frees it).
+                piece = self._quantize(i, cast(put, leaf.out_dtype), shardings, free=False)
+                jax.block_until_ready(piece)
                 del put
-        return self._assemble(plan, pieces)
+                self._keep(pieces, buffers, (i, layer), piece)
+                del piece
+        return self._assemble(plan, pieces, buffers)
 
 
 # ---- ahead-of-time descriptions -----------------------------------------------------------------
