@@ -143,6 +143,15 @@ class EngineConfig:
     # device-to-host round trip. 0: auto (8 or the chunk on GPU, 1 elsewhere, where a check is
     # free).
     decode_exit_every: int = 0
+    # Paged layout: hold the weights stacked (`[L, ...]`, the trainer's layout) and every layer's
+    # pages in one pool, and run the layers of every program (decode step, prefills, re-prefill,
+    # insert) as a scan: one compiled layer body whatever the depth, so a 94-layer model's programs
+    # compile in about the time of a few layers' (`areal-jax plan` of the 235B and 70B configs).
+    # The same arithmetic as the unrolled programs. Each layer's weights are then a slice of the
+    # stacked arrays: on TPU XLA reads it inside the matmul; on GPU the engine's programs compile
+    # with cuBLAS GEMMs and XLA's dynamic-slice fusion so it is not copied first. The dense layout
+    # (CPU's default) always unrolls.
+    scan_layers: bool = False
 
     def __post_init__(self):
         for name in ("num_slots", "max_seq_len", "decode_chunk", "max_prefill_batch", "reprefill_pack_width",
@@ -153,6 +162,8 @@ class EngineConfig:
         if not isinstance(self.decode_exit_every, int) or self.decode_exit_every < 0:
             raise ValueError(f"EngineConfig.decode_exit_every must be an int >= 0 (0: auto), "
                              f"got {self.decode_exit_every!r}")
+        if not isinstance(self.scan_layers, bool):
+            raise ValueError(f"EngineConfig.scan_layers must be a bool, got {self.scan_layers!r}")
         if not isinstance(self.overlap, bool):
             raise ValueError(f"EngineConfig.overlap must be a bool, got {self.overlap!r}")
         if not isinstance(self.refill_after, int) or self.refill_after < 0:

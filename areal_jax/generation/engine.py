@@ -64,7 +64,7 @@ from areal_jax.generation.timings import CallTimings
 from areal_jax.models import quantize
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.sharding import GENERATION_RULES, activation_rules
-from areal_jax.models.transformer import Params, Transformer
+from areal_jax.models.transformer import Params, Transformer, stack_layers
 
 __all__ = ["Completion", "EngineConfig", "EngineStats", "GenerationEngine", "GroupResult", "RequestHandle"]
 
@@ -93,7 +93,10 @@ class GenerationEngine:
         self._mesh = mesh_of(params)
         check_mesh(cfg, ec, self._mesh)
         dtype = jnp.dtype(ec.block_dtype(params["embed"].dtype))  # prefill blocks (and a dense cache)
-        self._param_shardings = (param_shardings(cfg, self._mesh, split=True, weight_dtype=ec.weight_dtype)
+        # Scanned programs read the weights stacked, unrolled ones per layer (EngineConfig.scan_layers).
+        self._stacked = ec.scan_layers and ec.layout(next(iter(home.device_set)).platform) == "paged"
+        self._param_shardings = (param_shardings(cfg, self._mesh, split=not self._stacked,
+                                                 weight_dtype=ec.weight_dtype)
                                  if self._mesh is not None else None)
         params = self._as_served(params)
         self.compile_counts: collections.Counter[str] = collections.Counter()
@@ -266,8 +269,7 @@ class GenerationEngine:
         if self._params is None:
             raise RuntimeError("the engine holds no weights: released for a push (release_weights) "
                                "and not yet given new ones (update_weights)")
-        layers = self._params["layers"]
-        return {**self._params, "layers": jax.tree.map(lambda *a: jnp.stack(a), *layers)}
+        return stack_layers(self._params) if not self._stacked else jax.tree.map(jnp.copy, self._params)
 
     def stats(self) -> EngineStats:
         with self._lock:
@@ -441,7 +443,7 @@ class GenerationEngine:
         if self._mesh is None:  # on the engine's device (a put only if they are elsewhere)
             params = placed_like(params, jax.tree.map(lambda _: self._kv.inputs_sharding, params))
         self._params = None
-        if isinstance(params["layers"], tuple):  # already per layer: used as they lie when laid out so
+        if isinstance(params["layers"], tuple) != self._stacked:  # already served so: used as they lie
             self._params = params if self._mesh is None else placed_like(params, self._param_shardings)
         else:
             self._params = self._programs.split(params)

@@ -3,7 +3,14 @@
 Shapes (as kernels/paged_attention.py): B slots, L layers, K kv heads, N query heads, H head dim,
 P pages in one layer's pool (all replicas), S tokens per page, M page-table width, R block rows.
 
-Engine state is one `PagePool` per layer. On a generation mesh the pool's pages lie over "data"
+Engine state is one `PagePool` per layer, or with EngineConfig.scan_layers one *stacked* pool
+holding every layer's pages (`stacked_pool_structs`): L x P pages ordered (replica, layer, page),
+so each replica's block of the page axis still holds all of its own pages, and FP8 scales `[L, K]`.
+Layer l's page g (a global id, as the page tables hold) is then page `stacked_page(g, l, ...)`,
+and a layer is read and written through a `layer_view` (the same pages with that layer's scales):
+the kernels see an ordinary pool whose page tables point into that layer's share, so the decode
+step, the prefills and the inserts run as scans over the layers (one compiled layer body).
+On a generation mesh the pool's pages lie over "data"
 (replica r holds pages [r * P/data, (r + 1) * P/data), generation/pages.py hands its slots only
 those) and its kv heads over "tensor". Decode attention runs under `shard_map` over the mesh:
 each replica writes and reads only its own pages with page ids made local, so no page moves
@@ -13,12 +20,15 @@ global page ids on the whole pool, as the dense cache's inserts do; XLA routes t
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from areal_jax.kernels.paged_attention import (FP8, PagePool, calibrate_pool, flat_index, paged_attention, pool_layout,
-                                               scale_bytes, write_tokens)
+from areal_jax.kernels.paged_attention import (FP8, PagePool, calibrate_pool, calibrated_scales, flat_index,
+                                               from_layer_view, layer_view, paged_attention, pool_layout, scale_bytes,
+                                               stacked_page, write_layer, write_tokens)
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoding import PagedAttend
 from areal_jax.models.transformer import KVCache
@@ -39,16 +49,53 @@ def _axis(mesh: Mesh | None, name: str) -> str | None:
     return name if mesh is not None and mesh.shape.get(name, 1) > 1 else None
 
 
-def pool_spec(mesh: Mesh | None, layout: str = "heads", scaled: bool = False) -> PagePool:
+def pool_spec(mesh: Mesh | None, layout: str = "heads", scaled: bool = False, *, stacked: bool = False) -> PagePool:
     """PartitionSpecs of one layer's pool: kv heads over "tensor", pages over "data" (FP8 scales:
-    over "tensor", the same on every replica)."""
-    return PagePool.partition_spec(heads=_axis(mesh, "tensor"), pages=_axis(mesh, "data"), layout=layout,
+    over "tensor", the same on every replica). `stacked`: a stacked pool's (scales `[L, K]`)."""
+    spec = PagePool.partition_spec(heads=_axis(mesh, "tensor"), pages=_axis(mesh, "data"), layout=layout,
                                    scaled=scaled)
+    if stacked and scaled:
+        layer_scales = PartitionSpec(None, _axis(mesh, "tensor"))
+        spec = dataclasses.replace(spec, k_scale=layer_scales, v_scale=layer_scales)
+    return spec
 
 
-def _zeros(cfg: ModelConfig, num_pages: int, page_size: int, dtype, impl: str, platform: str | None) -> PagePool:
-    """One layer's empty pool, laid out for the kernel `impl` resolves to on `platform`."""
-    return PagePool.zeros(cfg.num_kv_heads, num_pages, page_size, cfg.head_dim, dtype, impl=impl, platform=platform)
+# ---- the stacked pool (EngineConfig.scan_layers) -------------------------------------------------
+
+
+def stacked_pool_structs(cfg: ModelConfig, num_pages: int, page_size: int, dtype, mesh: Mesh | None, *,
+                         impl: str = "auto", platform: str | None = None) -> PagePool:
+    """ShapeDtypeStruct of the stacked pool of `num_pages` pages per layer (laid out on `mesh`)."""
+    shape = jax.eval_shape(lambda: _zeros(cfg, cfg.num_layers * num_pages, page_size, dtype, impl, platform,
+                                          stacked=True))
+    if mesh is None:
+        return shape
+    spec = pool_spec(mesh, shape.layout, shape.quantized, stacked=True)
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
+                        shape, spec)
+
+
+def zero_stacked_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype, sharding, *, impl: str = "auto",
+                      platform: str | None = None) -> PagePool:
+    """The stacked pool of zeros, `num_pages` pages per layer. `sharding`: a Mesh or one Sharding."""
+    layout, scaled = pool_layout(impl, platform), jnp.dtype(dtype) == FP8
+    if isinstance(sharding, Mesh):
+        out = jax.tree.map(lambda s: NamedSharding(sharding, s), pool_spec(sharding, layout, scaled, stacked=True))
+    else:
+        out = jax.tree.map(lambda _: sharding, pool_spec(None, layout, scaled, stacked=True))
+    return jax.jit(lambda: _zeros(cfg, cfg.num_layers * num_pages, page_size, dtype, impl, platform, stacked=True),
+                   out_shardings=out)()
+
+
+def _zeros(cfg: ModelConfig, num_pages: int, page_size: int, dtype, impl: str, platform: str | None, *,
+           stacked: bool = False) -> PagePool:
+    """One layer's empty pool (`stacked`: every layer's, scales `[L, K]`), laid out for the kernel
+    `impl` resolves to on `platform`."""
+    pool = PagePool.zeros(cfg.num_kv_heads, num_pages, page_size, cfg.head_dim, dtype, impl=impl, platform=platform)
+    if stacked and pool.quantized:
+        scales = jnp.zeros((cfg.num_layers, cfg.num_kv_heads), jnp.float32)
+        pool = dataclasses.replace(pool, k_scale=scales, v_scale=scales)
+    return pool
 
 
 def pool_structs(cfg: ModelConfig, num_pages: int, page_size: int, dtype, mesh: Mesh | None, *,
@@ -76,26 +123,34 @@ def zero_pools(cfg: ModelConfig, num_pages: int, page_size: int, dtype, sharding
 
 
 def make_attend(page_tables: jax.Array, *, page_size: int, impl: str, platform: str | None, mesh: Mesh | None,
-                pages_per_replica: int, quantized: bool = False) -> PagedAttend:
+                pages_per_replica: int, quantized: bool = False, num_layers: int | None = None) -> PagedAttend:
     """The decode step's write-and-attend for one call: `page_tables [B, M]` (global page ids).
-    `quantized`: FP8 pools (their scales, set by the prefills, are read here, never set)."""
+    `quantized`: FP8 pools (their scales, set by the prefills, are read here, never set).
+    `num_layers`: the pool is stacked (`attend(pool, q, k, v, positions, layer)` reads and writes
+    layer `layer`'s pages); None: one pool per layer (`layer` is ignored)."""
+    stacked = num_layers is not None
 
-    def local(pool, q, k, v, positions, tables):
+    def local(pool, q, k, v, positions, tables, layer):
         if _axis(mesh, "data") is not None:  # this replica's pages, ids from 0
             tables = tables - jax.lax.axis_index("data") * pages_per_replica
-        pool = write_tokens(pool, k, v, flat_index(tables, positions[:, None], page_size)[:, 0])
+        if stacked:  # this replica's share of the stacked pool holds its pages layer after layer
+            tables = tables + layer * pages_per_replica
+        view = layer_view(pool, layer) if stacked else pool
+        view = write_tokens(view, k, v, flat_index(tables, positions[:, None], page_size)[:, 0])
         lengths = jnp.where(positions >= 0, positions + 1, 0)
-        return pool, paged_attention(q, pool, lengths, tables, impl=impl, platform=platform)
+        out = paged_attention(q, view, lengths, tables, impl=impl, platform=platform)
+        return view if not stacked else from_layer_view(pool, view, layer), out
 
     if mesh is None:
-        return lambda pool, q, k, v, positions: local(pool, q, k, v, positions, page_tables)
+        return lambda pool, q, k, v, positions, layer=0: local(pool, q, k, v, positions, page_tables, layer)
     data, tensor = _axis(mesh, "data"), _axis(mesh, "tensor")
     heads = PartitionSpec(data, tensor, None)  # q, k, v [B, *, H]: slots over "data", heads over "tensor"
-    spec = pool_spec(mesh, pool_layout(impl, platform), quantized)
+    spec = pool_spec(mesh, pool_layout(impl, platform), quantized, stacked=stacked)
     sharded = jax.shard_map(local, mesh=mesh, in_specs=(spec, heads, heads, heads, PartitionSpec(data),
-                                                        PartitionSpec(data, None)),
+                                                        PartitionSpec(data, None), PartitionSpec()),
                             out_specs=(spec, heads), check_vma=False)
-    return lambda pool, q, k, v, positions: sharded(pool, q, k, v, positions, page_tables)
+    return lambda pool, q, k, v, positions, layer=0: sharded(pool, q, k, v, positions, page_tables,
+                                                             jnp.asarray(layer, jnp.int32))
 
 
 def insert_pages(pools: tuple[PagePool, ...], block: KVCache, rows: jax.Array, slots: jax.Array,
@@ -137,3 +192,42 @@ def insert_pages(pools: tuple[PagePool, ...], block: KVCache, rows: jax.Array, s
                      for pool, k, v in zip(pools, block.k, block.v, strict=True))
 
     return jax.lax.fori_loop(0, count, place, pools)
+
+
+def insert_pages_stacked(pool: PagePool, block: KVCache, rows: jax.Array, slots: jax.Array, lengths: jax.Array,
+                         page_tables: jax.Array, pages_per_replica: int) -> PagePool:
+    """`insert_pages` into a stacked pool from a stacked block (`[L, R, K, Pb, H]`): the same
+    placements, each a loop over the layers (one compiled layer write, whatever the depth)."""
+    B, S = page_tables.shape[0], pool.page_size
+    L, R, _, Pb, _ = block.k.shape
+    placed = slots < B
+    order = jnp.argsort(~placed, stable=True)  # the real placements first, in their order
+    count = jnp.sum(placed)
+    if pool.quantized:  # every placed row's live tokens calibrate each layer's unset scales at once
+        row_len = jnp.zeros((R,), jnp.int32).at[jnp.clip(rows, 0, R - 1)].max(jnp.where(placed, lengths, 0))
+        live = (jnp.arange(Pb)[None, :] < row_len[:, None]).reshape(-1)  # [R * Pb]
+
+        def every_row(part):  # [L, R, K, Pb, H] -> [L, R * Pb, K, H]
+            return part.transpose(0, 1, 3, 2, 4).reshape(L, R * Pb, part.shape[2], part.shape[4])
+
+        calibrate = jax.vmap(lambda scale, x: calibrated_scales(scale, x, live))
+        pool = dataclasses.replace(pool, k_scale=calibrate(pool.k_scale, every_row(block.k)),
+                                   v_scale=calibrate(pool.v_scale, every_row(block.v)))
+
+    def place(i, pool):
+        j = order[i]
+        row, slot = jnp.clip(rows[j], 0, R - 1), slots[j]
+        positions = jnp.where(jnp.arange(Pb) < lengths[j], jnp.arange(Pb), -1)  # [Pb]
+        table = jax.lax.dynamic_index_in_dim(page_tables, slot, keepdims=True)  # [1, M]
+
+        def write(layer, pool):
+            index = flat_index(stacked_page(table, layer, L, pages_per_replica), positions[None], S)[0]
+
+            def tokens(part):  # [L, R, K, Pb, H] -> this layer's row tokens [Pb, K, H]
+                return part[layer, row].transpose(1, 0, 2)
+
+            return write_layer(pool, layer, tokens(block.k), tokens(block.v), index)
+
+        return jax.lax.fori_loop(0, L, write, pool)
+
+    return jax.lax.fori_loop(0, count, place, pool)

@@ -4,7 +4,7 @@
 cache dtype) alone: admission (`prefill_start`: prefill, copy into slots, first tokens), the kept
 block's later samples (`insert`, `first_tokens`), the decode chunk, the re-prefill after a weight
 swap (`reprefill`: packed histories straight into their slots; `prefill` + `insert` for histories
-longer than a packed row) and the weight split. `engine_program_specs` describes the same
+longer than a packed row) and the change of the weights' layout to the served one. `engine_program_specs` describes the same
 programs at a config's shapes as `aot.ProgramSpec`s (abstract, sharded arguments; nothing
 allocated) for the planner to compile and measure without hardware.
 
@@ -12,7 +12,8 @@ Engine state on the generation mesh ("data", "tensor"): the KV cache as L per-la
 `[B, K, S, H]` (slots over "data", kv heads over "tensor"), or paged as L per-layer page pools
 (pages over "data", kv heads over "tensor"; generation/paged.py), the page tables `[B, M]` then
 the last argument of every program that writes or reads the cache, and the weights split per layer
-(`split_layers`), each laid out by GENERATION_RULES. `check_mesh` refuses shapes the mesh would
+(`split_layers`), each laid out by GENERATION_RULES. With EngineConfig.scan_layers (paged only) the
+weights stay stacked and the cache is one stacked pool: every program runs its layers as a scan. `check_mesh` refuses shapes the mesh would
 silently replicate: slots not divisible by "data", kv heads not divisible by "tensor".
 
 Shapes: B slots, S cache length, R prefill rows, P prompt bucket, W decode window, V vocab.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -30,13 +32,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from areal_jax.aot import ProgramSpec, Role
 from areal_jax.generation.config import EngineConfig, round_slots
-from areal_jax.generation.paged import insert_pages, make_attend, page_bytes, pool_scale_bytes, pool_structs
+from areal_jax.generation.paged import (insert_pages, insert_pages_stacked, make_attend, page_bytes, pool_scale_bytes,
+                                       pool_structs, stacked_pool_structs)
 from areal_jax.generation.sampling import MAX_STOP_IDS, sample_tokens
 from areal_jax.models import moe, quantize
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.sharding import GENERATION_RULES, activation_rules, constrain, sharding_for
 from areal_jax.models.decoding import paged_decode_step, prefill_block, prefill_into_pages, prefill_into_slots
-from areal_jax.models.transformer import KVCache, Params, forward, lm_head, param_axes, param_shapes, split_layers
+from areal_jax.models.transformer import (KVCache, Params, forward, lm_head, param_axes, param_shapes, split_layers,
+                                          stack_layers)
 
 CACHE_AXES = ("cache_slots", "kv_heads", "cache_seq", "head_dim")  # one cache layer [B, K, S, H]
 LOGITS_AXES = ("batch", "act_vocab")  # a prefill's last-position logits [R, V]
@@ -175,7 +179,7 @@ class EnginePrograms:
     """The jitted programs of one engine. `counts` counts traces per kind (one per compilation),
     `traced` per `program_name` (the shapes the engine actually compiled)."""
 
-    split: Any  # stacked weights -> per-layer weights (once per swap of stacked weights)
+    split: Any  # weights -> the served layout (per layer, or stacked with scan_layers), once per swap
     prefill_start: Any  # (params, cache*, tokens, lengths, rows, slots, keys, positions, T, top_p, top_k)
     insert: Any  # (cache*, block, rows, slots) -> cache
     first_tokens: Any  # (logits, rows, keys, positions, T, top_p, top_k) -> (tokens, logprobs)
@@ -188,6 +192,19 @@ class EnginePrograms:
     # "dense" or "paged". Paged programs take the cache as L per-layer `PagePool`s and the page
     # tables `[B, M]` as their last argument; their insert also takes each row's length before them.
     layout: str = "dense"
+    # Stacked weights, one stacked pool and `[L, R, K, P, H]` blocks; every program scans its layers.
+    scan_layers: bool = False
+
+
+def block_dims(block: KVCache) -> tuple[int, int]:
+    """(rows, positions) of a prefill block, per layer or stacked."""
+    shape = block.k[0].shape if block.is_per_layer else block.k.shape[1:]
+    return shape[0], shape[2]
+
+
+# XLA:GPU copies a slice of a stacked weight before a Triton GEMM reads it; a cuBLAS GEMM reads it in
+# place through dynamic-slice fusion. What a scanned engine's programs compile with on GPU.
+SCAN_GPU_OPTIONS = {"xla_gpu_enable_dynamic_slice_fusion": True, "xla_gpu_enable_triton_gemm": False}
 
 
 def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype, *, mesh: Mesh | None = None,
@@ -198,6 +215,8 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
     for, which resolves `kv_layout` "auto" and the paged attention kernel."""
     cfg, ec = model_cfg, engine_cfg
     layout = ec.layout(platform or jax.default_backend())
+    scan = ec.scan_layers and layout == "paged"
+    L = cfg.num_layers
     exit_every = ec.exit_every(platform or jax.default_backend())
     data = mesh_sizes(mesh)[0]
     cache_dtype = jnp.dtype(cache_dtype)
@@ -218,11 +237,13 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
         tokens' experts `[R, P, L_moe, k]` (else None): only the last position needs logits (the
         LM head over all P would be ~40% of a small model's prefill)."""
         block, last, *chosen = prefill_block(params, cfg, tokens, lengths, chunk=ec.prefill_chunk,
-                                             cache_dtype=cache_dtype, return_routing=record, **attention)
+                                             cache_dtype=cache_dtype, return_routing=record, scan_layers=scan,
+                                             **attention)
         return block, constrain(lm_head(params, cfg, last[:, None])[:, 0], LOGITS_AXES), (chosen or [None])[0]
 
     def insert(cache, block, rows, slots):
-        traced[program_name("insert", rows=block.k[0].shape[0], len=block.k[0].shape[2])] += 1
+        R, P = block_dims(block)
+        traced[program_name("insert", rows=R, len=P)] += 1
         return insert_rows(cache, block, rows, slots)
 
     def first_tokens(all_logits, rows, key_data, positions, temperature, top_p, top_k):
@@ -242,7 +263,7 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
     def prefill(params, tokens, lengths):
         traced[program_name("prefill", rows=tokens.shape[0], len=tokens.shape[1])] += 1
         block, _ = prefill_block(params, cfg, tokens, lengths, chunk=ec.prefill_chunk, cache_dtype=cache_dtype,
-                                 **attention)
+                                 scan_layers=scan, **attention)
         return block
 
     def reprefill(params, cache, tokens, segment_ids, slot_ids):
@@ -324,12 +345,24 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
         rows = page_tables.shape[0]  # the live slots' batch (generation/live_slots.py), else every slot
         traced[program_name("decode", window=window, **({} if rows == ec.num_slots else dict(rows=rows)))] += 1
         attend = make_attend(page_tables, page_size=ec.page_size, impl=ec.attention_impl, platform=platform,
-                             mesh=mesh, pages_per_replica=pools[0].num_pages // data, quantized=pools[0].quantized)
+                             mesh=mesh, pages_per_replica=pages_per_replica(pools), quantized=pool_of(pools).quantized,
+                             num_layers=L if scan else None)
 
         def model_step(pools, tokens, positions):
             return paged_decode_step(params, cfg, tokens, positions, pools, attend, return_routing=True)
 
         return decode_loop(model_step, pools, *state, sampler=sampler, exit_every=exit_every)
+
+    def pool_of(pools):  # one layer's pool, or the stacked one
+        return pools if scan else pools[0]
+
+    def pages_per_replica(pools):  # pages of one layer on one data replica
+        return pool_of(pools).num_pages // (data * (L if scan else 1))
+
+    def insert_paged(pools, block, rows, slots, lengths, page_tables):
+        if scan:
+            return insert_pages_stacked(pools, block, rows, slots, lengths, page_tables, pages_per_replica(pools))
+        return insert_pages(pools, block, rows, slots, lengths, page_tables)
 
     def paged_prefill_start(params, pools, tokens, lengths, rows, slots, key_data, positions, temperature, top_p,
                             top_k, page_tables):
@@ -338,17 +371,19 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
         traced[program_name("prefill_start", rows=tokens.shape[0], len=tokens.shape[1])] += 1
         block, logits, chosen = prefill_logits(params, tokens, lengths)
         first, logprobs = sample_rows(logits, rows, key_data, positions, temperature, top_p, top_k)
-        pools = insert_pages(pools, block, rows, slots, positions + 1, page_tables)
+        pools = insert_paged(pools, block, rows, slots, positions + 1, page_tables)
         return pools, block, logits, first, logprobs, chosen
 
     def paged_insert(pools, block, rows, slots, lengths, page_tables):
-        traced[program_name("insert", rows=block.k[0].shape[0], len=block.k[0].shape[2])] += 1
-        return insert_pages(pools, block, rows, slots, lengths, page_tables)
+        R, P = block_dims(block)
+        traced[program_name("insert", rows=R, len=P)] += 1
+        return insert_paged(pools, block, rows, slots, lengths, page_tables)
 
     def paged_reprefill(params, pools, tokens, segment_ids, slot_ids, page_tables):
         counts["reprefill"] += 1
         traced[program_name("reprefill_packed", rows=tokens.shape[0])] += 1
-        return prefill_into_pages(params, cfg, tokens, segment_ids, slot_ids, pools, page_tables, **attention)
+        return prefill_into_pages(params, cfg, tokens, segment_ids, slot_ids, pools, page_tables, **attention,
+                                  pages_per_replica=pages_per_replica(pools) if scan else None)
 
     def counted(kind, fn):
         def run(*args):
@@ -357,23 +392,26 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
         return run
 
     def split(params):
-        traced[program_name("split_weights")] += 1
-        return split_layers(params)
+        traced[program_name("stack_weights" if scan else "split_weights")] += 1
+        return stack_layers(params) if scan else split_layers(params)
 
-    # Weights are held per layer, as the unrolled prefill and decode read them: split once per swap
-    # of stacked weights instead of once per call.
-    split_out = param_shardings(cfg, mesh, split=True, weight_dtype=ec.weight_dtype) if mesh is not None else None
+    # Unrolled programs read weights held per layer: split once per swap of stacked weights instead
+    # of once per call. Scanned ones read them stacked: split weights (a split push) are stacked once.
+    split_out = param_shardings(cfg, mesh, split=not scan, weight_dtype=ec.weight_dtype) if mesh is not None else None
     paged = layout == "paged"
+    # On GPU a scanned program's GEMMs read each layer's slice of the stacked weights in place.
+    options = SCAN_GPU_OPTIONS if scan and (platform or jax.default_backend()) == "gpu" else None
+    jit = functools.partial(jax.jit, compiler_options=options)
     return EnginePrograms(
         split=jax.jit(split, out_shardings=split_out),
-        prefill_start=jax.jit(paged_prefill_start if paged else prefill_start, donate_argnums=(1,)),
-        insert=jax.jit(counted("insert", paged_insert if paged else insert), donate_argnums=(0,)),
+        prefill_start=jit(paged_prefill_start if paged else prefill_start, donate_argnums=(1,)),
+        insert=jit(counted("insert", paged_insert if paged else insert), donate_argnums=(0,)),
         first_tokens=jax.jit(counted("first_tokens", first_tokens)),
-        prefill=jax.jit(counted("prefill", prefill)),
-        reprefill=jax.jit(paged_reprefill if paged else reprefill, donate_argnums=(1,)),
-        decode=jax.jit(paged_decode if paged else decode, donate_argnums=(1,), static_argnames=("window", "sampler")),
+        prefill=jit(counted("prefill", prefill)),
+        reprefill=jit(paged_reprefill if paged else reprefill, donate_argnums=(1,)),
+        decode=jit(paged_decode if paged else decode, donate_argnums=(1,), static_argnames=("window", "sampler")),
         carry=jax.jit(counted("carry", carry_state)),
-        counts=counts, traced=traced, layout=layout)
+        counts=counts, traced=traced, layout=layout, scan_layers=scan)
 
 
 # ---- ahead-of-time descriptions ----------------------------------------------------------------------
@@ -382,7 +420,7 @@ _CACHE_FIELDS = ("EngineConfig.num_slots", "EngineConfig.max_seq_len", "EngineCo
                  "EngineConfig.kv_dtype",
                  "MeshConfig.generation_tensor", "MeshConfig.generation_expert")
 _PAGED_FIELDS = ("EngineConfig.kv_layout", "EngineConfig.page_size", "EngineConfig.kv_pool_pages",
-                 "EngineConfig.kv_pool_bytes", "EngineConfig.attention_impl")
+                 "EngineConfig.kv_pool_bytes", "EngineConfig.attention_impl", "EngineConfig.scan_layers")
 _PREFILL_FIELDS = ("EngineConfig.prefill_buckets", "EngineConfig.max_prompt_len", "EngineConfig.max_prefill_batch",
                    "EngineConfig.max_prefill_tokens", "EngineConfig.prefill_chunk")
 
@@ -397,7 +435,8 @@ def engine_program_specs(model_cfg: ModelConfig, engine_cfg: EngineConfig, *, me
     samples of a group from its kept block; reprefill_packed[rows=R] for every packed row count;
     prefill[rows=R,len=P] + insert for histories longer than a packed row; decode[window=W] for
     every window (paged: also decode[window=max,rows=R] for every live-slot batch below num_slots);
-    split_weights (a swap of stacked weights; split weights install without a program). Resident:
+    split_weights (a swap of stacked weights; split weights install without a program; with
+    scan_layers stack_weights, the other way round). Resident:
     the weights and cache where they are not arguments; with role "generation" one incoming weight
     copy (a transfer can land while any program runs; none under weight_swap "evict"); during decode the block a partly started
     group keeps (the largest admission block).
@@ -416,13 +455,15 @@ def engine_program_specs(model_cfg: ModelConfig, engine_cfg: EngineConfig, *, me
     if paged:
         store = jnp.dtype(ec.storage_dtype(cache_dtype))  # the pool's (FP8 with kv_dtype float8_e4m3fn)
         pages = data * ec.pool_pages(page_bytes(cfg, ec.page_size, store), data, pool_scale_bytes(cfg, store))
-        cache = pool_structs(cfg, pages, ec.page_size, store, mesh, impl=ec.attention_impl, platform=platform)
+        structs = stacked_pool_structs if programs.scan_layers else pool_structs
+        cache = structs(cfg, pages, ec.page_size, store, mesh, impl=ec.attention_impl, platform=platform)
         cache_fields = _CACHE_FIELDS + _PAGED_FIELDS
     else:
         layer = jax.ShapeDtypeStruct((B, K, S, H), cache_dtype, sharding=cache_sharding(cfg, ec, mesh))
         cache = KVCache((layer,) * cfg.num_layers, (layer,) * cfg.num_layers)
         cache_fields = _CACHE_FIELDS
-    params = param_structs(cfg, mesh, param_dtype, split=True, weight_dtype=ec.weight_dtype)
+    scan = programs.scan_layers
+    params = param_structs(cfg, mesh, param_dtype, split=not scan, weight_dtype=ec.weight_dtype)
     # A push lands beside the served weights, unless the engine evicts them first (weight_swap).
     incoming = (params,) if role == "generation" and ec.weight_swap == "alongside" else ()
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -432,6 +473,10 @@ def engine_program_specs(model_cfg: ModelConfig, engine_cfg: EngineConfig, *, me
 
     def block(R, P):  # a prefill's KV block, rows over "data" as its activations
         shard = sharding_for(CACHE_AXES, GENERATION_RULES, mesh, (R, K, P, H))
+        if scan:  # stacked [L, R, K, P, H]
+            shard = NamedSharding(mesh, PartitionSpec(None, *shard.spec))
+            one = jax.ShapeDtypeStruct((cfg.num_layers, R, K, P, H), cache_dtype, sharding=shard)
+            return KVCache(one, one)
         one = jax.ShapeDtypeStruct((R, K, P, H), cache_dtype, sharding=shard)
         return KVCache((one,) * cfg.num_layers, (one,) * cfg.num_layers)
 
@@ -499,7 +544,9 @@ def engine_program_specs(model_cfg: ModelConfig, engine_cfg: EngineConfig, *, me
             add("decode", dict(window=W, rows=data * b), programs.decode,
                 (params, cache, *rows, host((data * b, ec.decode_pages(W)), jnp.int32)), kept + incoming,
                 decode_fields + ("EngineConfig.decode_min_rows",), kwargs=dict(window=W))
-    add("split_weights", {}, programs.split, (param_structs(cfg, mesh, param_dtype, split=False),),
+    # The change of layout at a swap: stacked -> split, or (scanned) a split push -> stacked.
+    add("stack_weights" if scan else "split_weights", {}, programs.split,
+        (param_structs(cfg, mesh, param_dtype, split=scan, weight_dtype=ec.weight_dtype if scan else None),),
         (cache,) + incoming, cache_fields)
     return specs
 

@@ -121,6 +121,10 @@ class PagePool:
         return self.k.shape[2] // 2 if self.layout == "combined" else self.k.shape[0]
 
     @property
+    def head_dim(self) -> int:
+        return self.k.shape[-1]
+
+    @property
     def nbytes(self) -> int:
         return sum(x.size * x.dtype.itemsize for x in (self.k, self.v, self.k_scale, self.v_scale) if x is not None)
 
@@ -169,7 +173,7 @@ def unfold_scales(out: jax.Array, pool: PagePool) -> jax.Array:
     return _scale_per_kv_head(out, pool.v_scale) if pool.quantized else out
 
 
-def _calibrated(scale: jax.Array, x: jax.Array, live: jax.Array) -> jax.Array:
+def calibrated_scales(scale: jax.Array, x: jax.Array, live: jax.Array) -> jax.Array:
     """`scale [K]`, with each head not yet calibrated (0) set from the live tokens of `x [T, K, H]`
     (`live [T]`) so their largest magnitude maps to FP8_MAX / FP8_HEADROOM; a head with no live
     token (or only zeros) stays 0."""
@@ -183,8 +187,8 @@ def calibrate_pool(pool: PagePool, k: jax.Array, v: jax.Array, live: jax.Array) 
     pool unchanged otherwise): for writes split into several calls that must calibrate as one."""
     if not pool.quantized:
         return pool
-    return dataclasses.replace(pool, k_scale=_calibrated(pool.k_scale, k, live),
-                               v_scale=_calibrated(pool.v_scale, v, live))
+    return dataclasses.replace(pool, k_scale=calibrated_scales(pool.k_scale, k, live),
+                               v_scale=calibrated_scales(pool.v_scale, v, live))
 
 
 def _quantize(x: jax.Array, scale: jax.Array) -> jax.Array:
@@ -214,7 +218,7 @@ def write_tokens(pool: PagePool, k: jax.Array, v: jax.Array, index: jax.Array, *
     k_scale, v_scale = pool.k_scale, pool.v_scale
     if pool.quantized:
         if calibrate:
-            k_scale, v_scale = _calibrated(k_scale, k, live), _calibrated(v_scale, v, live)
+            k_scale, v_scale = calibrated_scales(k_scale, k, live), calibrated_scales(v_scale, v, live)
         k, v = _quantize(k, k_scale), _quantize(v, v_scale)
     if pool.layout == "combined":
         _, _, C, H = pool.k.shape
@@ -230,6 +234,58 @@ def write_tokens(pool: PagePool, k: jax.Array, v: jax.Array, index: jax.Array, *
     return PagePool(put(pool.k, k), put(pool.v, v), "heads", k_scale, v_scale)
 
 
+# ---- a stacked pool: every layer's pages in one pool (a scanned engine's) ------------------------
+# Layer l's share of a stacked pool of L x P pages, ordered (replica, layer, page) so that each
+# data replica's block of the page axis holds all of its own pages, is reached by mapping page ids
+# (`stacked_page`); FP8 scales are then `[L, K]` and a layer is read and written through
+# `layer_view`, which the kernels take as an ordinary pool.
+
+
+def stacked_page(pages: jax.Array, layer: jax.Array | int, num_layers: int, pages_per_replica: int) -> jax.Array:
+    """Global page ids (as page tables hold them, any shape) of layer `layer` -> pages of the
+    stacked pool, ordered (replica, layer, page)."""
+    replica, page = pages // pages_per_replica, pages % pages_per_replica
+    return (replica * num_layers + layer) * pages_per_replica + page
+
+
+def layer_view(pool: PagePool, layer: jax.Array | int) -> PagePool:
+    """Layer `layer` of a stacked pool as the kernels take a pool: every page, that layer's scales."""
+    if not pool.quantized:
+        return pool
+    return dataclasses.replace(pool, k_scale=pool.k_scale[layer], v_scale=pool.v_scale[layer])
+
+
+def from_layer_view(pool: PagePool, view: PagePool, layer: jax.Array | int) -> PagePool:
+    """The stacked pool after a write through `layer_view(pool, layer)` returned `view`."""
+    if not pool.quantized:
+        return view
+    return dataclasses.replace(view, k_scale=pool.k_scale.at[layer].set(view.k_scale),
+                               v_scale=pool.v_scale.at[layer].set(view.v_scale))
+
+
+def write_layer(pool: PagePool, layer, k: jax.Array, v: jax.Array, index: jax.Array, *,
+                calibrate: bool = False) -> PagePool:
+    """`write_tokens` into layer `layer` of a stacked pool (`index`: flat indices of its pages)."""
+    return from_layer_view(pool, write_tokens(layer_view(pool, layer), k, v, index, calibrate=calibrate), layer)
+
+
+def gathered_pages(pool: PagePool, page_tables: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Keys and values `[K, B, M*S, H]` of every slot's M pages, dequantized (fp32) for an FP8 pool.
+    Only the listed pages are read and scaled: a pool holding every layer's pages (a scanned
+    engine's) is never converted whole."""
+    B, M = page_tables.shape
+    K, S, H = pool.num_kv_heads, pool.page_size, pool.head_dim
+    if pool.layout == "combined":
+        kv = pool.k[page_tables]  # [B, M, S, 2K, H]
+        k, v = (kv[:, :, :, j::2].transpose(3, 0, 1, 2, 4).reshape(K, B, M * S, H) for j in (0, 1))
+    else:
+        k, v = (x[:, page_tables].reshape(K, B, M * S, H) for x in (pool.k, pool.v))
+    if not pool.quantized:
+        return k, v
+    return (k.astype(jnp.float32) * pool.k_scale[:, None, None, None],
+            v.astype(jnp.float32) * pool.v_scale[:, None, None, None])
+
+
 def reference_paged_attention(q: jax.Array, pool: PagePool, lengths: jax.Array, page_tables: jax.Array) -> jax.Array:
     """q `[B, N, H]` (one query per slot, at position lengths - 1), lengths `[B]` (tokens in the
     cache, the query's own included), page_tables `[B, M]` -> `[B, N, H]`.
@@ -239,12 +295,10 @@ def reference_paged_attention(q: jax.Array, pool: PagePool, lengths: jax.Array, 
     An FP8 pool's pages are dequantized (times their scales) first.
     """
     B, N, H = q.shape
-    pool_k, pool_v = pool.dequantized()
-    K, _, S, _ = pool_k.shape
+    K, S = pool.num_kv_heads, pool.page_size
     G = N // K
     M = page_tables.shape[1]
-    keys = pool_k[:, page_tables].reshape(K, B, M * S, H)  # [K, B, M*S, H]
-    values = pool_v[:, page_tables].reshape(K, B, M * S, H)
+    keys, values = gathered_pages(pool, page_tables)  # [K, B, M*S, H]
     qg = q.reshape(B, K, G, H)
     scores = jnp.einsum("bkgh,kbsh->bkgs", qg, keys.astype(q.dtype), preferred_element_type=jnp.float32) * (H ** -0.5)
     live = jnp.arange(M * S)[None, :] < lengths[:, None]  # [B, M*S]

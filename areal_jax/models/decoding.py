@@ -13,7 +13,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from areal_jax.kernels.paged_attention import PagePool, flat_index, write_tokens
+from areal_jax.kernels.paged_attention import PagePool, flat_index, stacked_page, write_layer, write_tokens
 from areal_jax.models import moe
 from areal_jax.kernels import flash_attention as flash
 from areal_jax.kernels import prefill_attention as prefill
@@ -25,6 +25,20 @@ from areal_jax.models.transformer import (KVCache, Params, Rotary, attention_inp
                                           split_layers)
 
 
+def _packed_inputs(params: Params, cfg: ModelConfig, input_ids: jax.Array, segment_ids: jax.Array, compute_dtype,
+                   attention_impl: str, platform: str | None):
+    """What every layer of a packed prefill shares: positions within segments `[R, W]`, the
+    rotary table, the attention (a flash kernel's closure, or None and the packed mask) and the
+    embedded tokens."""
+    R, W = input_ids.shape
+    positions = segment_positions(segment_ids)
+    attend = None
+    if flash.resolve_impl(attention_impl, platform) == "pallas":
+        attend = lambda q, k, v: training_attention(q, k, v, segment_ids, attention_impl, platform=platform)  # noqa: E731
+    mask = self_attention_mask(R, W, segment_ids) if attend is None else None
+    return positions, Rotary.at(cfg, positions), attend, mask, embed_tokens(params, input_ids, compute_dtype)
+
+
 def packed_kv(params: Params, cfg: ModelConfig, input_ids: jax.Array, segment_ids: jax.Array, compute_dtype, *,
               attention_impl: str = "reference", platform: str | None = None
               ) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
@@ -32,14 +46,8 @@ def packed_kv(params: Params, cfg: ModelConfig, input_ids: jax.Array, segment_id
     packed rows (attention causal within each segment). `attention_impl` resolving to a flash
     kernel on `platform` (kernels/flash_attention.py: GPU, TPU) attends by it; else the blocked
     formula under the packed mask."""
-    R, W = input_ids.shape
-    positions = segment_positions(segment_ids)
-    rope = Rotary.at(cfg, positions)
-    attend = None
-    if flash.resolve_impl(attention_impl, platform) == "pallas":
-        attend = lambda q, k, v: training_attention(q, k, v, segment_ids, attention_impl, platform=platform)  # noqa: E731
-    mask = self_attention_mask(R, W, segment_ids) if attend is None else None
-    x = embed_tokens(params, input_ids, compute_dtype)
+    positions, rope, attend, mask, x = _packed_inputs(params, cfg, input_ids, segment_ids, compute_dtype,
+                                                      attention_impl, platform)
     out = []
     # The last layer's attention output and MLP feed nothing returned, so XLA drops them.
     for i, p in enumerate(split_layers(params)["layers"]):
@@ -74,47 +82,84 @@ def prefill_into_slots(params: Params, cfg: ModelConfig, input_ids: jax.Array, s
 
 
 def prefill_into_pages(params: Params, cfg: ModelConfig, input_ids: jax.Array, segment_ids: jax.Array,
-                       slot_ids: jax.Array, pools: tuple[PagePool, ...], page_tables: jax.Array, *,
-                       compute_dtype=None, attention_impl: str = "reference", platform: str | None = None
-                       ) -> tuple[PagePool, ...]:
+                       slot_ids: jax.Array, pools: tuple[PagePool, ...] | PagePool, page_tables: jax.Array, *,
+                       compute_dtype=None, attention_impl: str = "reference", platform: str | None = None,
+                       pages_per_replica: int | None = None) -> tuple[PagePool, ...] | PagePool:
     """`prefill_into_slots` for a paged cache: each token goes to its slot's page for its position.
-    pools: L per-layer `PagePool`s; page_tables `[B, M]` (every slot's pages, global ids)."""
+    pools: L per-layer `PagePool`s, or one stacked pool (generation/paged.py; `pages_per_replica`
+    given), which the layers then fill as a scan, each writing its keys and values as it goes;
+    page_tables `[B, M]` (every slot's pages, global ids)."""
     R, W = input_ids.shape
-    positions, kvs = packed_kv(params, cfg, input_ids, segment_ids, compute_dtype or params["embed"].dtype,
-                               attention_impl=attention_impl, platform=platform)
+    compute_dtype = compute_dtype or params["embed"].dtype
     tables = page_tables[jnp.clip(slot_ids, 0, page_tables.shape[0] - 1)].reshape(R * W, -1)  # [R*W, M]
+    if isinstance(pools, PagePool):
+        positions, rope, attend, mask, x = _packed_inputs(params, cfg, input_ids, segment_ids, compute_dtype,
+                                                          attention_impl, platform)
+        write_at = jnp.where(segment_ids > 0, positions, -1).reshape(R * W, 1)
+
+        def layer(carry, xs):
+            x, pool = carry
+            p, i = xs
+            x, (k, v), _ = decoder_layer(cfg, rope, x, p, mask, None, None, compute_dtype, attend=attend, layer=i,
+                                         valid=segment_ids > 0)
+            index = flat_index(stacked_page(tables, i, cfg.num_layers, pages_per_replica), write_at, pool.page_size)
+            pool = write_layer(pool, i, k.reshape(R * W, *k.shape[2:]), v.reshape(R * W, *v.shape[2:]), index[:, 0],
+                               calibrate=True)
+            return (x, pool), None
+
+        (_, pools), _ = jax.lax.scan(layer, (x, pools), (params["layers"], jnp.arange(cfg.num_layers)))
+        return pools
+    positions, kvs = packed_kv(params, cfg, input_ids, segment_ids, compute_dtype,
+                               attention_impl=attention_impl, platform=platform)
     index = flat_index(tables, jnp.where(segment_ids > 0, positions, -1).reshape(R * W, 1), pools[0].page_size)
     return tuple(write_tokens(pool, k.reshape(R * W, *k.shape[2:]), v.reshape(R * W, *v.shape[2:]), index[:, 0],
                               calibrate=True)
                  for (k, v), pool in zip(kvs, pools, strict=True))
 
 
-# (pool, q [B, N, H], k [B, K, H], v [B, K, H], positions [B]) -> (pool, attention [B, N, H]): writes
-# each slot's new token at its position (< 0: inactive, nothing written) and attends over its pages.
-PagedAttend = Callable[[PagePool, jax.Array, jax.Array, jax.Array, jax.Array], tuple[PagePool, jax.Array]]
+# (pool, q [B, N, H], k [B, K, H], v [B, K, H], positions [B], layer) -> (pool, attention [B, N, H]):
+# writes each slot's new token at its position (< 0: inactive, nothing written) and attends over
+# its pages; `layer` picks the layer's pages of a stacked pool (ignored for a per-layer one).
+PagedAttend = Callable[..., tuple[PagePool, jax.Array]]
 
 
 def paged_decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
-                      pools: tuple[PagePool, ...], attend: PagedAttend, *, compute_dtype=None,
+                      pools: tuple[PagePool, ...] | PagePool, attend: PagedAttend, *, compute_dtype=None,
                       return_routing: bool = False):
     """One decode step over a paged cache: tokens, positions `[B]` (position < 0: an inactive slot)
-    -> logits `[B, V]` (fp32) and the pools with each token's key and value written. The layers
-    run unrolled over per-layer pools (each updated in place); `attend` writes and reads a layer's
-    pages (generation/ builds it from the page tables, per data replica on a mesh). With `return_routing` (MoE models) a third value: the tokens'
-    experts `[B, L_moe, k]` (`moe.record`)."""
+    -> logits `[B, V]` (fp32) and the pools with each token's key and value written. Over per-layer
+    pools the layers run unrolled (each pool updated in place, weights split per layer or
+    stacked); over one stacked pool (stacked weights) they run as a scan, the pool carried and
+    written in place. `attend` writes and reads a layer's pages (generation/ builds it from the
+    page tables, per data replica on a mesh). With `return_routing` (MoE models) a third value:
+    the tokens' experts `[B, L_moe, k]` (`moe.record`)."""
     compute_dtype = compute_dtype or params["embed"].dtype
     rope = Rotary.at(cfg, jnp.maximum(positions, 0)[:, None])
     x = embed_tokens(params, tokens[:, None], compute_dtype)
-    new, experts = [], []
-    for i, (p, pool) in enumerate(zip(split_layers(params)["layers"], pools, strict=True)):
+    valid = (positions >= 0)[:, None]
+
+    def layer(x, p, pool, i):
         q, k, v = attention_inputs(cfg, rope, x, p, compute_dtype)
-        pool, attn = attend(pool, q[:, 0], k[:, 0], v[:, 0], positions)
-        new.append(pool)
-        x, routing = layer_output(cfg, x, attn[:, None].astype(compute_dtype), p, compute_dtype, i,
-                                   valid=(positions >= 0)[:, None])
-        experts.append(None if routing is None else routing.experts[:, 0])  # [B, k]
+        pool, attn = attend(pool, q[:, 0], k[:, 0], v[:, 0], positions, i)
+        x, routing = layer_output(cfg, x, attn[:, None].astype(compute_dtype), p, compute_dtype, i, valid=valid)
+        return x, pool, None if routing is None else routing.experts[:, 0]  # [B, k]
+
+    if isinstance(pools, PagePool):
+        def body(carry, xs):
+            (x, pool), (p, i) = carry, xs
+            x, pool, experts = layer(x, p, pool, i)
+            return (x, pool), experts
+
+        (x, new), experts = jax.lax.scan(body, (x, pools), (params["layers"], jnp.arange(cfg.num_layers)))
+    else:
+        new, experts = [], []
+        for i, (p, pool) in enumerate(zip(split_layers(params)["layers"], pools, strict=True)):
+            x, pool, chosen = layer(x, p, pool, i)
+            new.append(pool)
+            experts.append(chosen)
+        new = tuple(new)
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    out = lm_head(params, cfg, x)[:, 0], tuple(new)
+    out = lm_head(params, cfg, x)[:, 0], new
     if not return_routing:
         return out
     return (*out, moe.record(cfg, experts) if cfg.moe is not None else None)
@@ -122,7 +167,7 @@ def paged_decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, posit
 
 def prefill_block(params: Params, cfg: ModelConfig, input_ids: jax.Array, lengths: jax.Array, *, chunk: int,
                   cache_dtype, compute_dtype=None, return_routing: bool = False, attention_impl: str = "reference",
-                  platform: str | None = None):
+                  platform: str | None = None, scan_layers: bool = False):
     """Prefills rows into a fresh per-layer KV block, `chunk` query tokens at a time.
 
     input_ids `[R, P]` (row r holds `lengths[r]` tokens at positions 0.. and padding after) ->
@@ -137,11 +182,12 @@ def prefill_block(params: Params, cfg: ModelConfig, input_ids: jax.Array, length
     (`moe.record`; zeros past a row's length), what the engine records for routing replay.
     `attention_impl` resolving to a prefill kernel on `platform` that takes these shapes
     (kernels/prefill_attention.py: GPU, TPU): each chunk's keys go into the block first and the
-    kernel attends over the block; else `chunk_attention`.
+    kernel attends over the block; else `chunk_attention`. `scan_layers` (stacked weights): each
+    chunk runs the layers as a scan and the block is stacked, `[L, R, K, P, H]` keys and values.
     """
     R, P_out = input_ids.shape
     compute_dtype = compute_dtype or params["embed"].dtype
-    layers = split_layers(params)["layers"]
+    L = cfg.num_layers
     # A kernel that cannot take the block's length (a long-history bucket of max_seq_len, say
     # 17,424) runs on a block padded to one it takes; the padding positions are past every row's
     # length and are cut off the result.
@@ -152,7 +198,10 @@ def prefill_block(params: Params, cfg: ModelConfig, input_ids: jax.Array, length
     full, tail = divmod(P, C)
     kernel = prefill.kernel_fits(attention_impl, platform, cfg.head_dim, P, C)
     shape = (R, cfg.num_kv_heads, P, cfg.head_dim)
-    zeros = lambda: constrain(jnp.zeros(shape, cache_dtype), ("batch", "kv_heads", None, "head_dim"))  # noqa: E731
+    axes = ("batch", "kv_heads", None, "head_dim")
+    if scan_layers:
+        shape, axes = (L, *shape), (None, *axes)
+    zeros = lambda: constrain(jnp.zeros(shape, cache_dtype), axes)  # noqa: E731
 
     record = return_routing and cfg.moe is not None
 
@@ -164,8 +213,10 @@ def prefill_block(params: Params, cfg: ModelConfig, input_ids: jax.Array, length
         valid = (positions < lengths[:, None])[:, :, None, None]
         rope = Rotary.at(cfg, positions)
         x = embed_tokens(params, ids, compute_dtype)
-        new_k, new_v, experts = [], [], []
-        for i, (p, ck, cv) in enumerate(zip(layers, block_k, block_v, strict=True)):
+
+        def layer(x, p, ck, cv, i):
+            """Layer i over the chunk, its block ck, cv `[R, K, P, H]`: the chunk's keys and values
+            `[R, K, Cq, H]`, the block with them written, and the layer's experts `[R, Cq, k]`."""
             q, k, v = attention_inputs(cfg, rope, x, p, compute_dtype)
             # Rounded to the cache dtype first: the chunk attends to its keys as they will be stored.
             k, v = (jnp.where(valid, a, 0).astype(cache_dtype) for a in (k, v))  # padding stores zeros
@@ -175,22 +226,44 @@ def prefill_block(params: Params, cfg: ModelConfig, input_ids: jax.Array, length
                 attn = prefill_kernel_attention(q, nk, nv, start, attention_impl, platform=platform)
             else:
                 attn = chunk_attention(q, k.astype(compute_dtype), v.astype(compute_dtype), ck, cv, start, C)
-            new_k.append(nk)
-            new_v.append(nv)
             x, routing = layer_output(cfg, x, attn, p, compute_dtype, i, valid=valid[:, :, 0, 0])
-            experts.append(None if routing is None else routing.experts)  # [R, Cq, k]
+            written = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
+            return x, written, (nk, nv), None if routing is None else routing.experts
+
+        if scan_layers:
+            def body(carry, xs):
+                x, blocks_k, blocks_v = carry
+                p, i = xs
+                x, (k, v), _, experts = layer(x, p, blocks_k[i], blocks_v[i], i)
+                # The chunk goes into the stacked block in place (the layer's slice read above is
+                # a copy, which only the layer's own attention reads).
+                at = (i, 0, 0, start, 0)
+                return (x, jax.lax.dynamic_update_slice(blocks_k, k[None], at),
+                        jax.lax.dynamic_update_slice(blocks_v, v[None], at)), experts
+
+            (x, new_k, new_v), experts = jax.lax.scan(body, (x, block_k, block_v),
+                                                      (params["layers"], jnp.arange(L)))
+        else:
+            new_k, new_v, experts = [], [], []
+            for i, (p, ck, cv) in enumerate(zip(split_layers(params)["layers"], block_k, block_v, strict=True)):
+                x, _, (nk, nv), layer_experts = layer(x, p, ck, cv, i)
+                new_k.append(nk)
+                new_v.append(nv)
+                experts.append(layer_experts)
+            new_k, new_v = tuple(new_k), tuple(new_v)
         at = lengths - 1 - start  # the row's last token, if this chunk holds it
         here = (at >= 0) & (at < Cq)
         picked = jnp.take_along_axis(x, jnp.clip(at, 0, Cq - 1)[:, None, None], axis=1)[:, 0]
         if record:  # padding positions record zeros
             part = jnp.where(valid[:, :, :, :1], moe.record(cfg, experts), 0).astype(chosen.dtype)  # [R, Cq, L_moe, k]
             chosen = jax.lax.dynamic_update_slice_in_dim(chosen, part, start, axis=1)
-        return tuple(new_k), tuple(new_v), jnp.where(here[:, None], picked, last), chosen
+        return new_k, new_v, jnp.where(here[:, None], picked, last), chosen
 
     chosen = (jnp.zeros((R, P, len(moe.sparse_layer_ids(cfg)), cfg.moe.num_experts_per_tok), moe.record_dtype(cfg))
               if record else None)  # [R, P, L_moe, k]
-    carry = (tuple(zeros() for _ in layers), tuple(zeros() for _ in layers),
-             jnp.zeros((R, cfg.hidden_size), compute_dtype), chosen)
+    blocks = ((zeros(), zeros()) if scan_layers
+              else (tuple(zeros() for _ in range(L)), tuple(zeros() for _ in range(L))))
+    carry = (*blocks, jnp.zeros((R, cfg.hidden_size), compute_dtype), chosen)
     if full == 1:
         carry = run(carry, input_ids[:, :C], 0)
     else:  # one compiled chunk, whatever the length
@@ -204,7 +277,9 @@ def prefill_block(params: Params, cfg: ModelConfig, input_ids: jax.Array, length
     if tail:
         carry = run(carry, input_ids[:, full * C:], full * C)
     block_k, block_v, last, chosen = carry
-    if P != P_out:
+    if P != P_out and scan_layers:
+        block_k, block_v = block_k[:, :, :, :P_out], block_v[:, :, :, :P_out]
+    elif P != P_out:
         block_k, block_v = (tuple(b[:, :, :P_out] for b in blocks) for blocks in (block_k, block_v))
         chosen = chosen[:, :P_out] if record else chosen
     out = KVCache(block_k, block_v), rms_norm(last, params["final_norm"], cfg.rms_norm_eps)

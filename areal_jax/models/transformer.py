@@ -187,6 +187,14 @@ def split_layers(params: Params) -> Params:
     return {**params, "layers": tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(count))}
 
 
+def stack_layers(params: Params) -> Params:
+    """The same weights with `params["layers"]` stacked on `L` again (`split_layers`' inverse)."""
+    layers = params["layers"]
+    if not isinstance(layers, tuple):
+        return params
+    return {**params, "layers": jax.tree.map(lambda *a: jnp.stack(a), *layers)}
+
+
 def segment_positions(segment_ids: jax.Array) -> jax.Array:
     """Position of each token within its segment: `[B, T] -> [B, T]` (padding gets 0)."""
     idx = jnp.arange(segment_ids.shape[1])
