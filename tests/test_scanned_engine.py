@@ -168,3 +168,36 @@ def test_scanned_specs_hold_one_stacked_pool_and_compile_one_layer_body():
         scanned, plain = wq_dots(specs[name]), wq_dots(unrolled[name])
         assert scanned * 3 <= plain, (name, scanned, plain)
         assert specs[name].lower().compile().memory_analysis() is not None
+
+
+def test_a_run_pushes_stacked_weights_that_the_scanned_engine_serves_as_they_land():
+    """The run's transfer for a scanned engine delivers stacked weights (generation_weight_sync),
+    installed with no change of layout, push after push; the tokens equal the unrolled engine's
+    on the same pushed weights."""
+    from areal_jax.models.sharding import TRAIN_RULES
+    from areal_jax.parallel import MeshConfig, build_meshes
+    from areal_jax.trainer.cluster import generation_weight_sync
+    from areal_jax.trainer.config import RLConfig
+    from areal_jax.trainer.train_step import param_shardings as train_shardings
+
+    meshes = build_meshes(MeshConfig(num_generation_devices_per_host=4, train_tensor=2, generation_tensor=2))
+    ec = EngineConfig(**{**BASE, "page_size": 4, "scan_layers": True})
+    sync = generation_weight_sync(DENSE, meshes, RLConfig(), stacked=ec.serves_stacked("cpu"))
+    assert sync.layout == "stacked"
+    on_train = train_shardings(DENSE, TRAIN_RULES, meshes.train)
+    pushes = [sync.transfer(jax.device_put(init_params(DENSE, seed, std=0.3), on_train)) for seed in (7, 8)]
+    assert all(not isinstance(p["layers"], tuple) for p in pushes)
+    scanned = GenerationEngine((DENSE, pushes[0]), ec)
+    unrolled = GenerationEngine((DENSE, split_layers(pushes[0])), dataclasses.replace(ec, scan_layers=False))
+    outputs = []
+    for engine in (scanned, unrolled):
+        first = [engine.submit(p, GREEDY, seed=i) for i, p in enumerate(PROMPTS)]
+        engine.run_until_idle()
+        engine.update_weights(pushes[1] if engine is scanned else split_layers(pushes[1]), version=1)
+        second = [engine.submit(p, GREEDY, seed=i) for i, p in enumerate(PROMPTS)]
+        engine.run_until_idle()
+        outputs.append([h.result().completions[0].tokens for h in first + second])
+    for got, want in zip(*outputs, strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert "stack_weights" not in scanned._programs.traced  # installed as they landed
+    assert scanned.version == 1

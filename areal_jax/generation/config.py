@@ -219,6 +219,11 @@ class EngineConfig:
         object.__setattr__(self, "decode_windows", tuple(w for w in windows if w < self.max_seq_len)
                            + (self.max_seq_len,))
 
+    def serves_stacked(self, platform: str) -> bool:
+        """Whether the engine holds its weights stacked on `platform` (scan_layers over the paged
+        layout), the layout a push should then deliver."""
+        return self.scan_layers and self.layout(platform) == "paged"
+
     def layout(self, platform: str) -> str:
         """"paged" or "dense" for a platform ("cpu", "gpu", "tpu"): `kv_layout` with "auto" resolved."""
         if self.kv_layout != "auto":

@@ -94,7 +94,7 @@ class GenerationEngine:
         check_mesh(cfg, ec, self._mesh)
         dtype = jnp.dtype(ec.block_dtype(params["embed"].dtype))  # prefill blocks (and a dense cache)
         # Scanned programs read the weights stacked, unrolled ones per layer (EngineConfig.scan_layers).
-        self._stacked = ec.scan_layers and ec.layout(next(iter(home.device_set)).platform) == "paged"
+        self._stacked = ec.serves_stacked(next(iter(home.device_set)).platform)
         self._param_shardings = (param_shardings(cfg, self._mesh, split=not self._stacked,
                                                  weight_dtype=ec.weight_dtype)
                                  if self._mesh is not None else None)

@@ -200,7 +200,9 @@ def _prepare_run(cfg: JobConfigs, run_dir: str | pathlib.Path, reward_pool: Rewa
                 meshes=meshes, work=work, reward_fn=reward_fn,
                 # Moves weights to this host's generation devices in the generation dtype, per layer;
                 # the RL loop reuses it (and its compiled programs).
-                sync=generation_weight_sync(work.model_config, meshes, cfg.rl, cfg.lora, cfg.engine.weight_dtype),
+                sync=generation_weight_sync(work.model_config, meshes, cfg.rl, cfg.lora, cfg.engine.weight_dtype,
+                                            stacked=cfg.engine.serves_stacked(
+                                                meshes.generation.devices.flat[0].platform)),
                 eval_slots=_eval_slots(cfg, work.model_config, meshes), checkpointer=checkpointer,
                 resuming=bool(resume and checkpointer is not None and checkpointer.latest_step() is not None))
 

@@ -117,9 +117,9 @@ def collect_specs(job: JobConfigs, model_cfg: ModelConfig, target: Target, meshe
         specs += learned_reward_specs(learned_models(job.rollout.reward_terms, job.rollout.judge), job.rollout.judge,
                                       meshes.reward, data=max(1, job.mesh.reward_devices), rm_batch=DEFAULT_BATCH,
                                       longest_sequence=job.engine.max_seq_len, **on_target)
-    # The run hands both engines their weights per layer (the transfer's split layout), which they
-    # install as given: the split program of stacked weights never runs in `train`.
-    return [s for s in specs if not s.name.endswith("/split_weights")]
+    # The run hands both engines their weights in the layout they hold (per layer, or stacked with
+    # EngineConfig.scan_layers), which they install as given: the change of layout never runs in `train`.
+    return [s for s in specs if not s.name.endswith(("/split_weights", "/stack_weights"))]
 
 
 def trained_row_length(job: JobConfigs) -> int:

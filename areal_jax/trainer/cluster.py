@@ -40,18 +40,22 @@ __all__ = ["RLCluster", "generation_weight_sync"]
 
 
 def generation_weight_sync(model_cfg: ModelConfig, meshes: Meshes, rl: RLConfig, lora: LoRAConfig | None = None,
-                           weight_dtype: str | None = None) -> WeightSync | DeltaSync | AdapterSync:
+                           weight_dtype: str | None = None, *, stacked: bool = False
+                           ) -> WeightSync | DeltaSync | AdapterSync:
     """The train -> generation transfer of a run: the generation dtype and group size of `rl`,
-    weights delivered per layer (the layout the engine holds), quantized on the way with
-    `weight_dtype` (EngineConfig.weight_dtype). With LoRA, an `AdapterSync`: the base once, then
-    only the adapters, merged on the generation devices."""
+    weights delivered per layer, or `stacked` (EngineConfig.serves_stacked: the layout the engine
+    holds, so it installs them as they land), quantized on the way with `weight_dtype`
+    (EngineConfig.weight_dtype). With LoRA, an `AdapterSync`: the base once, then only the
+    adapters, merged on the generation devices (per layer; a stacking engine stacks them once
+    per push). A delta transfer also stays per layer."""
     conflict = weight_dtype_conflict(weight_dtype, rl, lora.rank if lora is not None else 0)
     if conflict:
         raise ValueError(conflict)
     if lora is not None and lora.enabled:
         return AdapterSync(model_cfg, lora, meshes, rl.generation_dtype, group_bytes=rl.transfer_group_bytes)
+    layout = "stacked" if stacked and rl.transfer_mode != "delta" else "split"
     sync = WeightSync.for_model(model_cfg, meshes, rl.generation_dtype, group_bytes=rl.transfer_group_bytes,
-                                weight_dtype=weight_dtype)
+                                weight_dtype=weight_dtype, layout=layout)
     return DeltaSync(sync) if rl.transfer_mode == "delta" else sync
 
 
@@ -115,7 +119,9 @@ class RLCluster:
         if weight_sync is not None and getattr(weight_sync, "weight_dtype", None) != engine.weight_dtype:
             raise ValueError(f"weight_sync quantizes to {getattr(weight_sync, 'weight_dtype', None)!r} but "
                              f"EngineConfig.weight_dtype is {engine.weight_dtype!r}")
-        sync = weight_sync or generation_weight_sync(model_cfg, meshes, rl, lora, engine.weight_dtype)
+        sync = weight_sync or generation_weight_sync(
+            model_cfg, meshes, rl, lora, engine.weight_dtype,
+            stacked=engine.serves_stacked(meshes.generation.devices.flat[0].platform))
         served = GenerationEngine((model_cfg, sync.transfer(trainer.params)), engine, version=start_version)
         # Micro-batch rows split over "fsdp" x "expert": each process contributes a multiple of its share.
         rows = max(batch_shards(meshes.train) // jax.process_count(), 1)
