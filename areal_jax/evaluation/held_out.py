@@ -128,7 +128,7 @@ class GreedyAccuracy:
     """
 
     def __init__(self, model_cfg: ModelConfig, rows: Sequence[Mapping[str, Any] | PromptExample], tokenizer: Any, *,
-                 max_new_tokens: int, slots: int = 64, reward_fn: Reward | None = None):
+                 max_new_tokens: int, slots: int = 64, reward_fn: Reward | None = None, scan_layers: bool = False):
         if not rows:
             raise ValueError("GreedyAccuracy needs at least one prompt row")
         self.model_cfg, self.tokenizer = model_cfg, tokenizer
@@ -137,6 +137,7 @@ class GreedyAccuracy:
         self.max_new_tokens = max_new_tokens
         self.longest_prompt = max(len(ex.prompt_ids) for ex in self.examples)
         self.slots = slots
+        self.scan_layers = scan_layers  # the run's EngineConfig.scan_layers: its pushes' layout
         self.engine: GenerationEngine | None = None
         self.calls = 0
 
@@ -148,7 +149,7 @@ class GreedyAccuracy:
         """The engine for these rows on the (generation) mesh the weights lie on
         (`prompts_engine_config`: `areal-jax plan` sizes the run's evaluation engine the same way)."""
         return prompts_engine_config(len(self.examples), self.longest_prompt, self.max_new_tokens, slots=self.slots,
-                                     data=mesh_sizes(mesh_of(params))[0])
+                                     data=mesh_sizes(mesh_of(params))[0], scan_layers=self.scan_layers)
 
     def count(self, params: Params) -> tuple[int, int]:
         """(rows right, rows) under `params`."""

@@ -243,7 +243,7 @@ def held_out_accuracy(run: _Run, params: Any) -> float | None:
     if work.eval_rows:  # a one-off engine: none holds memory during RL
         correct, total = GreedyAccuracy(work.model_config, work.eval_rows, work.tokenizer,
                                         max_new_tokens=run.cfg.rl.eval_max_new_tokens, reward_fn=run.reward_fn,
-                                        slots=run.eval_slots).count(weights)
+                                        slots=run.eval_slots, scan_layers=run.cfg.engine.scan_layers).count(weights)
     del weights
     if jax.process_count() > 1:
         correct, total = agree_sum(correct), agree_sum(total)
@@ -274,7 +274,7 @@ def _sft_stage(run: _Run, params: Any) -> Any:
     if cfg.sft.eval_every:  # on the generation devices too (SFT hands it whole weights: no collective)
         probe = GreedyAccuracy(work.model_config, work.validation_rows, work.tokenizer,
                                max_new_tokens=cfg.rl.eval_max_new_tokens, reward_fn=run.reward_fn,
-                               slots=run.eval_slots)
+                               slots=run.eval_slots, scan_layers=cfg.engine.scan_layers)
         validate = lambda p: probe(run.sync.transfer(p))  # noqa: E731
     # SFT trains on the RL trainer's mesh (sharded, across hosts); on a single device as is.
     sft_mesh = run.meshes.train if run.meshes.train.devices.size > 1 else None

@@ -77,7 +77,9 @@ def eval_engine_config(job: JobConfigs, longest_prompt: int, data: int, hosts: i
     engine = prompts_engine_config(rows, longest_prompt, job.rl.eval_max_new_tokens, slots=slots, data=data)
     # The run's evaluation engine serves the RL engine's weights as they are (int8/int4 codes with
     # EngineConfig.weight_dtype: generation/engine.py), so its programs read that copy.
-    return dataclasses.replace(engine, num_slots=engine.num_slots // data, weight_dtype=job.engine.weight_dtype)
+    # It runs scanned when the RL engine does, on the same stacked push.
+    return dataclasses.replace(engine, num_slots=engine.num_slots // data, weight_dtype=job.engine.weight_dtype,
+                               scan_layers=job.engine.scan_layers)
 
 
 def gen_dtype(job: JobConfigs):
