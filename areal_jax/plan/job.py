@@ -120,8 +120,11 @@ def collect_specs(job: JobConfigs, model_cfg: ModelConfig, target: Target, meshe
                                       meshes.reward, data=max(1, job.mesh.reward_devices), rm_batch=DEFAULT_BATCH,
                                       longest_sequence=job.engine.max_seq_len, **on_target)
     # The run hands both engines their weights in the layout they hold (per layer, or stacked with
-    # EngineConfig.scan_layers), which they install as given: the change of layout never runs in `train`.
-    return [s for s in specs if not s.name.endswith(("/split_weights", "/stack_weights"))]
+    # EngineConfig.scan_layers), which they install as given: the change of layout never runs in
+    # `train`, except the stacking of LoRA and delta pushes, which arrive per layer.
+    unchanged = ("/split_weights",) + (("/stack_weights",) if job.lora.rank == 0 and job.rl.transfer_mode != "delta"
+                                       else ())
+    return [s for s in specs if not s.name.endswith(unchanged)]
 
 
 def trained_row_length(job: JobConfigs) -> int:
