@@ -31,7 +31,8 @@
 #              tokens/s with the KV pool in bfloat16 vs float8_e4m3fn (EngineConfig.kv_dtype), and
 #              wall tokens/s with weight swaps every few rounds under EngineConfig.on_swap "recompute"
 #              vs "keep" (tokens re-prefilled, prefill seconds); decode by live slots vs the full
-#              batch (EngineConfig.decode_min_rows), groups with shared vs copied prompt pages.
+#              batch (EngineConfig.decode_min_rows), groups with shared vs copied prompt pages; the
+#              engine's decode tokens/s scanned vs unrolled (EngineConfig.scan_layers, issue 40).
 #   tests      tests/test_generation.py + tests/test_train_step.py + tests/test_paged_kernels.py +
 #              tests/test_prefill_kernels.py (the Pallas paged and prefill kernels natively against
 #              the reference) on the GPU.

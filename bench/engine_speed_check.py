@@ -15,6 +15,9 @@ Three parts, each recorded on its own (a failure leaves the others' figures):
    pool of a quarter of the dense cache: wall tokens/s, pages shared, samples preempted.
 6. overlap: `EngineConfig.overlap` off and on (the next decode chunk dispatched before the last is
    read back) on the ragged workload: wall tokens/s and the chunks that overlapped.
+7. scan: `EngineConfig.scan_layers` off and on (every program's layers as a scan over stacked
+   weights and one stacked pool; on GPU cuBLAS GEMMs with dynamic-slice fusion) on the ragged
+   workload: decode and wall tokens/s, and the seconds to compile the first round.
 
 Usage: python -m bench.engine_speed_check [--tiny] [--out engine_speed_check.json] [--skip PART]
 (`--only overlap`: that part alone)
@@ -37,6 +40,7 @@ from bench.accelerator_probe import H200_HBM_BYTES_PER_S, PRESETS, run_parts
 from bench.paged_check import KERNEL, _median_s, lognormal_lengths
 
 KV_DTYPES = ("bfloat16", "float8_e4m3fn")
+PARTS = ("kernel", "decode", "swap", "live", "share", "overlap", "scan")
 
 
 def probe_kernel(k: dict, interpret: bool, hbm: float) -> dict:
@@ -179,14 +183,32 @@ def probe_overlap(cfg, params, p: dict) -> dict:
     return out
 
 
+def probe_scan(cfg, params, p: dict) -> dict:
+    prompts, budgets, max_seq_len = _workload(cfg, p)
+    out: dict = {}
+    for name, scan in (("unrolled", False), ("scanned", True)):
+        start = time.perf_counter()
+        engine = _engine(cfg, params, p, max_seq_len, kv_dtype="bfloat16", scan_layers=scan)
+        _run(engine, prompts, budgets, 10_000)  # compiles
+        first_round_s = time.perf_counter() - start
+        runs = [_run(engine, prompts, budgets, 20_000 + 1000 * r) for r in range(p["decode_repeats"])]
+        out[name] = {"decode_tokens_per_s": statistics.median(r[0] for r in runs),
+                     "wall_tokens_per_s": statistics.median(r[1] for r in runs),
+                     "first_round_s_with_compiles": first_round_s}
+        del engine
+    out["scanned_over_unrolled_decode"] = (out["scanned"]["decode_tokens_per_s"]
+                                           / out["unrolled"]["decode_tokens_per_s"])
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="tiny shapes; the GPU kernel interpreted (CPU smoke test)")
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--hbm-bandwidth", type=float, default=H200_HBM_BYTES_PER_S, help="HBM bytes/s")
     ap.add_argument("--swap-every", type=int, default=4, help="scheduling rounds between weight swaps")
-    ap.add_argument("--skip", choices=("kernel", "decode", "swap", "live", "share", "overlap"), action="append", default=[])
-    ap.add_argument("--only", choices=("kernel", "decode", "swap", "live", "share", "overlap"), action="append",
+    ap.add_argument("--skip", choices=PARTS, action="append", default=[])
+    ap.add_argument("--only", choices=PARTS, action="append",
                     default=[], help="run only these parts")
     args = ap.parse_args(argv)
     preset = "tiny" if args.tiny else "full"
@@ -206,6 +228,7 @@ def main(argv: list[str] | None = None) -> dict:
         "live": lambda: probe_live(cfg, params, p),
         "share": lambda: probe_share(cfg, params, p),
         "overlap": lambda: probe_overlap(cfg, params, p),
+        "scan": lambda: probe_scan(cfg, params, p),
     }
     skip = args.skip + ([name for name in parts if name not in args.only] if args.only else [])
     return run_parts(result, parts, skip, args.out, tag="engine_speed_check")
