@@ -201,3 +201,14 @@ def test_a_run_pushes_stacked_weights_that_the_scanned_engine_serves_as_they_lan
         np.testing.assert_array_equal(got, want)
     assert "stack_weights" not in scanned._programs.traced  # installed as they landed
     assert scanned.version == 1
+
+
+def test_scan_layers_is_validated_and_applies_to_the_paged_layout_only():
+    with pytest.raises(ValueError, match="EngineConfig.scan_layers must be a bool"):
+        EngineConfig(scan_layers="yes")
+    assert EngineConfig(scan_layers=True, kv_layout="paged").serves_stacked("cpu")
+    assert not EngineConfig(scan_layers=True).serves_stacked("cpu")  # "auto" is dense on CPU: unrolled
+    assert EngineConfig(scan_layers=True).serves_stacked("gpu") and not EngineConfig().serves_stacked("tpu")
+    engine = GenerationEngine((DENSE, init_params(DENSE, 0)), EngineConfig(**{**BASE, "kv_layout": "dense",
+                                                                                 "scan_layers": True}))
+    assert not engine._programs.scan_layers and isinstance(engine._params["layers"], tuple)
