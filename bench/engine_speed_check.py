@@ -147,14 +147,17 @@ def _variants(cfg, params, p: dict, variants: dict[str, dict], n: int = 1, promp
     prompts, budgets = prompts[:len(prompts) // prompts_scale], budgets[:len(budgets) // prompts_scale]
     out: dict = {"requests": len(prompts), "samples_per_request": n}
     for name, config in variants.items():
+        start = time.perf_counter()
         engine = _engine(cfg, params, p, max_seq_len, kv_dtype="bfloat16", **config)
         _run(engine, prompts, budgets, 10_000, n=n)  # compiles
+        first_round_s = time.perf_counter() - start
         runs = [_run(engine, prompts, budgets, 20_000 + 1000 * r, n=n) for r in range(p["decode_repeats"])]
         out[name] = {"decode_tokens_per_s": statistics.median(r[0] for r in runs),
                      "wall_tokens_per_s": statistics.median(r[1] for r in runs),
                      "kv_pages_shared": statistics.median(r[4] for r in runs),
                      "preempted_samples": statistics.median(r[5] for r in runs),
-                     "overlapped_chunks": engine.stats().overlapped_chunks}
+                     "overlapped_chunks": engine.stats().overlapped_chunks,
+                     "first_round_s_with_compiles": first_round_s}
         del engine
     return out
 
@@ -184,18 +187,7 @@ def probe_overlap(cfg, params, p: dict) -> dict:
 
 
 def probe_scan(cfg, params, p: dict) -> dict:
-    prompts, budgets, max_seq_len = _workload(cfg, p)
-    out: dict = {}
-    for name, scan in (("unrolled", False), ("scanned", True)):
-        start = time.perf_counter()
-        engine = _engine(cfg, params, p, max_seq_len, kv_dtype="bfloat16", scan_layers=scan)
-        _run(engine, prompts, budgets, 10_000)  # compiles
-        first_round_s = time.perf_counter() - start
-        runs = [_run(engine, prompts, budgets, 20_000 + 1000 * r) for r in range(p["decode_repeats"])]
-        out[name] = {"decode_tokens_per_s": statistics.median(r[0] for r in runs),
-                     "wall_tokens_per_s": statistics.median(r[1] for r in runs),
-                     "first_round_s_with_compiles": first_round_s}
-        del engine
+    out = _variants(cfg, params, p, {"unrolled": dict(scan_layers=False), "scanned": dict(scan_layers=True)})
     out["scanned_over_unrolled_decode"] = (out["scanned"]["decode_tokens_per_s"]
                                            / out["unrolled"]["decode_tokens_per_s"])
     return out

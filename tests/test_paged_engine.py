@@ -12,6 +12,7 @@ from areal_jax.generation import EngineConfig, GenerationEngine, SamplingParams,
 from areal_jax.generation.programs import param_shardings, placed_like
 from areal_jax.kernels.paged_attention import PagePool
 from areal_jax.models import ModelConfig, forward, init_params
+from tests.engine_fixtures import serve
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=8, qkv_bias=True, family="qwen2")
@@ -27,14 +28,8 @@ def _run(params, *, prompts=PROMPTS, sp=None, n=1, swap=None, steps_before_swap=
     """Completions of every request ((tokens, logprobs, versions) per sample) and the engine."""
     engine = GenerationEngine((CFG, params), EngineConfig(**{**BASE, **config}))
     sp = sp or SamplingParams(max_new_tokens=40, temperature=0.0)
-    handles = [engine.submit(p, sp, n=n, seed=i) for i, p in enumerate(prompts)]
-    if swap is not None:
-        for _ in range(steps_before_swap):
-            engine.step()
-        engine.update_weights(swap, version=1)
-    engine.run_until_idle()
-    out = [[(c.tokens, c.logprobs, c.versions, c.stop_reason) for c in h.result().completions] for h in handles]
-    return engine, out
+    done = serve(engine, prompts, sp, n=n, swap=swap, steps_before_swap=steps_before_swap)
+    return engine, [[(c.tokens, c.logprobs, c.versions, c.stop_reason) for c in request] for request in done]
 
 
 def _assert_same(got, want):

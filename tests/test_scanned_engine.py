@@ -18,6 +18,7 @@ from areal_jax.kernels.paged_attention import PagePool, stacked_page
 from areal_jax.models import ModelConfig, init_params
 from areal_jax.models.config import MoEConfig
 from areal_jax.models.transformer import split_layers
+from tests.engine_fixtures import serve
 
 DENSE = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
                     head_dim=8, qkv_bias=True, family="qwen2")
@@ -33,14 +34,9 @@ BASE = dict(num_slots=4, max_seq_len=64, decode_chunk=4, prefill_buckets=(8, 16,
 def _run(cfg, params, *, sp, n=1, swap=None, steps_before_swap=2, **config):
     """Every sample's (tokens, logprobs, versions, stop reason, routing) and the engine."""
     engine = GenerationEngine((cfg, params), EngineConfig(**{**BASE, **config}))
-    handles = [engine.submit(p, sp, n=n, seed=i) for i, p in enumerate(PROMPTS)]
-    if swap is not None:
-        for _ in range(steps_before_swap):
-            engine.step()
-        engine.update_weights(swap, version=1)
-    engine.run_until_idle()
-    return engine, [[(c.tokens, c.logprobs, c.versions, c.stop_reason, c.moe_routing) for c in h.result().completions]
-                    for h in handles]
+    done = serve(engine, PROMPTS, sp, n=n, swap=swap, steps_before_swap=steps_before_swap)
+    return engine, [[(c.tokens, c.logprobs, c.versions, c.stop_reason, c.moe_routing) for c in request]
+                    for request in done]
 
 
 def _assert_same(got, want):

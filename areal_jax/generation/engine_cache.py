@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from areal_jax.generation.config import EngineConfig
 from areal_jax.generation.live_slots import gather_state, live_order, scatter_outputs
-from areal_jax.generation.paged import page_bytes, pool_scale_bytes, zero_pools, zero_stacked_pool
+from areal_jax.generation.paged import page_bytes, pool_scale_bytes, zero_pools
 from areal_jax.generation.pages import PageAllocator
 from areal_jax.generation.programs import EnginePrograms, build_programs, cache_sharding, mesh_sizes
 from areal_jax.generation.requests import EngineStats
@@ -58,10 +58,9 @@ class EngineCache:
             store = jnp.dtype(ec.storage_dtype(dtype))  # FP8 pages with kv_dtype float8_e4m3fn
             per_replica = ec.pool_pages(page_bytes(cfg, ec.page_size, store), self.data, pool_scale_bytes(cfg, store))
             self.pages = PageAllocator(ec.num_slots, self.data, per_replica, ec.page_size, ec.pages_per_sequence)
-            zeros = zero_stacked_pool if self.programs.scan_layers else zero_pools
-            self.cache = zeros(cfg, self.data * per_replica, ec.page_size, store,
-                               mesh if mesh is not None else layer_sharding, impl=ec.attention_impl,
-                               platform=device.platform)
+            self.cache = zero_pools(cfg, self.data * per_replica, ec.page_size, store,
+                                    mesh if mesh is not None else layer_sharding, impl=ec.attention_impl,
+                                    platform=device.platform, stacked=self.programs.scan_layers)
         else:
             layer_shape = (ec.num_slots, cfg.num_kv_heads, ec.max_seq_len, cfg.head_dim)  # [B, K, S, H]
             zeros = jax.jit(lambda: jnp.zeros(layer_shape, dtype), out_shardings=layer_sharding)

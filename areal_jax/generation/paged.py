@@ -4,7 +4,7 @@ Shapes (as kernels/paged_attention.py): B slots, L layers, K kv heads, N query h
 P pages in one layer's pool (all replicas), S tokens per page, M page-table width, R block rows.
 
 Engine state is one `PagePool` per layer, or with EngineConfig.scan_layers one *stacked* pool
-holding every layer's pages (`stacked_pool_structs`): L x P pages ordered (replica, layer, page),
+holding every layer's pages (`pool_structs(..., stacked=True)`): L x P pages ordered (replica, layer, page),
 so each replica's block of the page axis still holds all of its own pages, and FP8 scales `[L, K]`.
 Layer l's page g (a global id, as the page tables hold) is then page `stacked_page(g, l, ...)`,
 and a layer is read and written through a `layer_view` (the same pages with that layer's scales):
@@ -60,38 +60,12 @@ def pool_spec(mesh: Mesh | None, layout: str = "heads", scaled: bool = False, *,
     return spec
 
 
-# ---- the stacked pool (EngineConfig.scan_layers) -------------------------------------------------
-
-
-def stacked_pool_structs(cfg: ModelConfig, num_pages: int, page_size: int, dtype, mesh: Mesh | None, *,
-                         impl: str = "auto", platform: str | None = None) -> PagePool:
-    """ShapeDtypeStruct of the stacked pool of `num_pages` pages per layer (laid out on `mesh`)."""
-    shape = jax.eval_shape(lambda: _zeros(cfg, cfg.num_layers * num_pages, page_size, dtype, impl, platform,
-                                          stacked=True))
-    if mesh is None:
-        return shape
-    spec = pool_spec(mesh, shape.layout, shape.quantized, stacked=True)
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
-                        shape, spec)
-
-
-def zero_stacked_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype, sharding, *, impl: str = "auto",
-                      platform: str | None = None) -> PagePool:
-    """The stacked pool of zeros, `num_pages` pages per layer. `sharding`: a Mesh or one Sharding."""
-    layout, scaled = pool_layout(impl, platform), jnp.dtype(dtype) == FP8
-    if isinstance(sharding, Mesh):
-        out = jax.tree.map(lambda s: NamedSharding(sharding, s), pool_spec(sharding, layout, scaled, stacked=True))
-    else:
-        out = jax.tree.map(lambda _: sharding, pool_spec(None, layout, scaled, stacked=True))
-    return jax.jit(lambda: _zeros(cfg, cfg.num_layers * num_pages, page_size, dtype, impl, platform, stacked=True),
-                   out_shardings=out)()
-
-
 def _zeros(cfg: ModelConfig, num_pages: int, page_size: int, dtype, impl: str, platform: str | None, *,
            stacked: bool = False) -> PagePool:
-    """One layer's empty pool (`stacked`: every layer's, scales `[L, K]`), laid out for the kernel
-    `impl` resolves to on `platform`."""
-    pool = PagePool.zeros(cfg.num_kv_heads, num_pages, page_size, cfg.head_dim, dtype, impl=impl, platform=platform)
+    """One layer's empty pool of `num_pages` pages (`stacked`: every layer's, L x `num_pages`
+    pages and scales `[L, K]`), laid out for the kernel `impl` resolves to on `platform`."""
+    pages = cfg.num_layers * num_pages if stacked else num_pages
+    pool = PagePool.zeros(cfg.num_kv_heads, pages, page_size, cfg.head_dim, dtype, impl=impl, platform=platform)
     if stacked and pool.quantized:
         scales = jnp.zeros((cfg.num_layers, cfg.num_kv_heads), jnp.float32)
         pool = dataclasses.replace(pool, k_scale=scales, v_scale=scales)
@@ -99,27 +73,28 @@ def _zeros(cfg: ModelConfig, num_pages: int, page_size: int, dtype, impl: str, p
 
 
 def pool_structs(cfg: ModelConfig, num_pages: int, page_size: int, dtype, mesh: Mesh | None, *,
-                 impl: str = "auto", platform: str | None = None) -> tuple[PagePool, ...]:
-    """ShapeDtypeStructs of the L per-layer pools of `num_pages` pages (laid out on `mesh`)."""
-    shape = jax.eval_shape(lambda: _zeros(cfg, num_pages, page_size, dtype, impl, platform))
-    if mesh is None:
-        return (shape,) * cfg.num_layers
-    spec = pool_spec(mesh, shape.layout, shape.quantized)
-    one = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
-                       shape, spec)
-    return (one,) * cfg.num_layers
+                 impl: str = "auto", platform: str | None = None, stacked: bool = False
+                 ) -> tuple[PagePool, ...] | PagePool:
+    """ShapeDtypeStructs of the L per-layer pools of `num_pages` pages, or (`stacked`:
+    EngineConfig.scan_layers) of the one stacked pool of `num_pages` per layer (laid out on `mesh`)."""
+    shape = jax.eval_shape(lambda: _zeros(cfg, num_pages, page_size, dtype, impl, platform, stacked=stacked))
+    if mesh is not None:
+        spec = pool_spec(mesh, shape.layout, shape.quantized, stacked=stacked)
+        shape = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
+                             shape, spec)
+    return shape if stacked else (shape,) * cfg.num_layers
 
 
 def zero_pools(cfg: ModelConfig, num_pages: int, page_size: int, dtype, sharding, *, impl: str = "auto",
-               platform: str | None = None) -> tuple[PagePool, ...]:
-    """L per-layer pools of zeros. `sharding`: a Mesh (laid out by `pool_spec`) or one Sharding."""
+               platform: str | None = None, stacked: bool = False) -> tuple[PagePool, ...] | PagePool:
+    """L per-layer pools of zeros, or (`stacked`) the one stacked pool of `num_pages` pages per
+    layer. `sharding`: a Mesh (laid out by `pool_spec`) or one Sharding."""
     layout, scaled = pool_layout(impl, platform), jnp.dtype(dtype) == FP8
-    if isinstance(sharding, Mesh):
-        out = jax.tree.map(lambda s: NamedSharding(sharding, s), pool_spec(sharding, layout, scaled))
-    else:
-        out = jax.tree.map(lambda _: sharding, pool_spec(None, layout, scaled))
-    make = jax.jit(lambda: _zeros(cfg, num_pages, page_size, dtype, impl, platform), out_shardings=out)
-    return tuple(make() for _ in range(cfg.num_layers))
+    spec = pool_spec(sharding if isinstance(sharding, Mesh) else None, layout, scaled, stacked=stacked)
+    out = jax.tree.map(lambda s: NamedSharding(sharding, s) if isinstance(sharding, Mesh) else sharding, spec)
+    make = jax.jit(lambda: _zeros(cfg, num_pages, page_size, dtype, impl, platform, stacked=stacked),
+                   out_shardings=out)
+    return make() if stacked else tuple(make() for _ in range(cfg.num_layers))
 
 
 def make_attend(page_tables: jax.Array, *, page_size: int, impl: str, platform: str | None, mesh: Mesh | None,

@@ -4,17 +4,19 @@
 cache dtype) alone: admission (`prefill_start`: prefill, copy into slots, first tokens), the kept
 block's later samples (`insert`, `first_tokens`), the decode chunk, the re-prefill after a weight
 swap (`reprefill`: packed histories straight into their slots; `prefill` + `insert` for histories
-longer than a packed row) and the change of the weights' layout to the served one. `engine_program_specs` describes the same
-programs at a config's shapes as `aot.ProgramSpec`s (abstract, sharded arguments; nothing
-allocated) for the planner to compile and measure without hardware.
+longer than a packed row) and the change of the weights' layout to the served one.
+`engine_program_specs` describes the same programs at a config's shapes as `aot.ProgramSpec`s
+(abstract, sharded arguments; nothing allocated) for the planner to compile and measure without
+hardware.
 
 Engine state on the generation mesh ("data", "tensor"): the KV cache as L per-layer buffers
 `[B, K, S, H]` (slots over "data", kv heads over "tensor"), or paged as L per-layer page pools
 (pages over "data", kv heads over "tensor"; generation/paged.py), the page tables `[B, M]` then
 the last argument of every program that writes or reads the cache, and the weights split per layer
 (`split_layers`), each laid out by GENERATION_RULES. With EngineConfig.scan_layers (paged only) the
-weights stay stacked and the cache is one stacked pool: every program runs its layers as a scan. `check_mesh` refuses shapes the mesh would
-silently replicate: slots not divisible by "data", kv heads not divisible by "tensor".
+weights stay stacked and the cache is one stacked pool: every program runs its layers as a scan.
+`check_mesh` refuses shapes the mesh would silently replicate: slots not divisible by "data", kv
+heads not divisible by "tensor".
 
 Shapes: B slots, S cache length, R prefill rows, P prompt bucket, W decode window, V vocab.
 """
@@ -33,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 from areal_jax.aot import ProgramSpec, Role
 from areal_jax.generation.config import EngineConfig, round_slots
 from areal_jax.generation.paged import (insert_pages, insert_pages_stacked, make_attend, page_bytes, pool_scale_bytes,
-                                       pool_structs, stacked_pool_structs)
+                                       pool_structs)
 from areal_jax.generation.sampling import MAX_STOP_IDS, sample_tokens
 from areal_jax.models import moe, quantize
 from areal_jax.models.config import ModelConfig
@@ -455,8 +457,8 @@ def engine_program_specs(model_cfg: ModelConfig, engine_cfg: EngineConfig, *, me
     if paged:
         store = jnp.dtype(ec.storage_dtype(cache_dtype))  # the pool's (FP8 with kv_dtype float8_e4m3fn)
         pages = data * ec.pool_pages(page_bytes(cfg, ec.page_size, store), data, pool_scale_bytes(cfg, store))
-        structs = stacked_pool_structs if programs.scan_layers else pool_structs
-        cache = structs(cfg, pages, ec.page_size, store, mesh, impl=ec.attention_impl, platform=platform)
+        cache = pool_structs(cfg, pages, ec.page_size, store, mesh, impl=ec.attention_impl, platform=platform,
+                             stacked=programs.scan_layers)
         cache_fields = _CACHE_FIELDS + _PAGED_FIELDS
     else:
         layer = jax.ShapeDtypeStruct((B, K, S, H), cache_dtype, sharding=cache_sharding(cfg, ec, mesh))
