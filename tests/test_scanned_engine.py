@@ -39,11 +39,11 @@ def _run(cfg, params, *, sp, n=1, swap=None, steps_before_swap=2, **config):
                     for request in done]
 
 
-def _assert_same(got, want):
+def _assert_same(got, want, atol=2e-5):
     for g, w in zip(got, want, strict=True):
         for (t1, l1, v1, r1, m1), (t2, l2, v2, r2, m2) in zip(g, w, strict=True):
             np.testing.assert_array_equal(t1, t2)
-            np.testing.assert_allclose(l1, l2, atol=2e-5)  # fp32 sums in another order
+            np.testing.assert_allclose(l1, l2, atol=atol)  # fp32 sums in another order
             np.testing.assert_array_equal(v1, v2)
             assert r1 == r2
             if m2 is not None:
@@ -82,7 +82,9 @@ def test_scanned_engine_matches_the_unrolled_one(cfg, case, config):
     config = dict(config)
     swap = new if config.pop("swap", False) else None
     engine, got, want = _both(cfg, old, sp=SAMPLED, swap=swap, **config)
-    _assert_same(got, want)
+    # FP8 pages: a key the two programs round an ulp apart before it is cast to e4m3 (3 mantissa
+    # bits) can land one FP8 step apart, which moves a log-prob by ~1e-4 (seen on some CPUs).
+    _assert_same(got, want, atol=1e-3 if case == "fp8" else 2e-5)
     if case == "preempt":
         assert engine.stats().preempted_samples > 0
     if case == "swap":
