@@ -14,11 +14,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from areal_jax.aot import dtype_bits
-from areal_jax.models import init_params, quantize
+from areal_jax.models import ModelConfig, init_params, quantize
+from areal_jax.models.config import MoEConfig
 from areal_jax.models.sharding import TRAIN_RULES
-from areal_jax.parallel import WeightSync, build_meshes
+from areal_jax.parallel import MeshConfig, WeightSync, build_meshes
 from areal_jax.trainer.train_step import param_shardings
-from tests.test_weight_sync import PEAK_MODEL, SPLITS, _assert_same_bytes, _bytes_on, _live_bytes
+from tests.test_weight_sync import PEAK_MODEL, SPLITS, _assert_same_bytes, _bytes_on, _live_bytes, _stack_split
 
 # name -> (shape, train spec, generation spec), fp32 on the train mesh. Both layer weights shard
 # their contracted axis over the training devices (w_up's D over fsdp x tensor, w_down's F over
@@ -149,3 +150,25 @@ def test_quantized_push_holds_one_group_and_its_codes_on_the_training_devices(ki
     assert quantize.is_quantized(out) and len(samples) > 2 * PEAK_MODEL.num_layers
     assert 0 < max(samples) - before <= bound, (max(samples) - before, bound)
     assert after == before  # every staged piece and sent copy freed
+
+
+MOE = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=8, family="qwen3_moe", qk_norm=True,
+                  moe=MoEConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16))
+
+
+@pytest.mark.parametrize("layout", ["split", "stacked"])
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_an_expert_parallel_moe_push_is_the_quantized_bf16_model(kind, layout):
+    """Experts split 2 ways (x tensor 2) to train and 4 ways to generate: the push is, bit for bit,
+    `quantize_params` of the bf16-cast model, and moves `quantize.served_bytes` of it."""
+    meshes = build_meshes(MeshConfig(num_generation_devices_per_host=4, train_expert=2, train_tensor=2,
+                                     generation_expert=4))
+    host = init_params(MOE, 5, std=0.1)
+    sync = WeightSync.for_model(MOE, meshes, jnp.bfloat16, group_bytes=1, layout=layout, weight_dtype=kind)
+    out = sync.transfer(jax.device_put(host, param_shardings(MOE, TRAIN_RULES, meshes.train)))
+    want = quantize.quantize_params(jax.tree.map(lambda a: jnp.asarray(a).astype(jnp.bfloat16), host), kind)
+    _assert_same_bytes(out if layout == "stacked" else _stack_split(out), want)
+    if layout == "stacked":  # [L, E, D, Fe]: the codes keep the experts' split
+        assert out["layers"]["we_up"].q.sharding.spec[1] == "expert"
+    assert sync.last_stats.num_bytes == quantize.served_bytes(MOE, 2, kind)

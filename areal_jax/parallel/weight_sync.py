@@ -94,10 +94,10 @@ class TransferStats:
     total_s: float
     reshard_s: float  # steps (a) of every group, including compilation when `compiled`
     place_s: float  # steps (b) + (c) of every group, the quantization between, the "stacked" in-place writes
-    num_bytes: int  # bytes put onto this host's generation devices: its served weights (codes + scales if quantized)
+    num_bytes: int  # bytes delivered to this host's generation devices: served weights (codes + scales if quantized)
     compiled: bool  # a new reshard program was compiled for this transfer
     groups: int = 1  # reshard programs run (one per group)
-    max_group_bytes: int = 0  # bytes the largest group put onto the generation devices (whole arrays)
+    max_group_bytes: int = 0  # bytes the largest group delivered to the generation devices (whole arrays)
     mode: str = "full"  # "full": every weight; "sparse": changed elements only (parallel/delta_sync.py)
     changed_elements: int | None = None  # with DeltaSync: elements whose generation-dtype bits changed
 
