@@ -353,32 +353,39 @@ class WeightSync:
         return out
 
     def _send(self, on_view: list[jax.Array], leaf_ids: list[int], shardings: dict) -> list[Any]:
-        """Steps (b) and (c) for one group's outputs (pieces of leaves `leaf_ids`), each quantized
-        in between where served so; frees the group's staging buffers and sent copies."""
+        """Steps (b) and (c) for one group's outputs (pieces of leaves `leaf_ids`), quantized in
+        between where served so; frees the group's staging buffers and what was sent."""
         # (b) this host's copy as an array on its own training devices (no copy).
         local = [
             jax.make_array_from_single_device_arrays(x.shape, shardings[i][0], [s.data for s in x.addressable_shards])
             for x, i in zip(on_view, leaf_ids)
         ]
-        # Colocated, the local view is the generation mesh: pieces quantize in their generation layout.
-        side = 1 if self._meshes.colocated else 0
-        served = []
-        for i, x, staged in zip(leaf_ids, local, on_view):
-            served.append(self._sender.quantize(i, x, shardings[i][side]))
-            if served[-1] is not x:  # quantized: free its staged piece now, so the codes add one piece at most
-                jax.block_until_ready(served[-1])
-                x.delete()
-                staged.delete()
+        served = self._quantize_staged(local, on_view, leaf_ids, shardings)
         if self._meshes.colocated:
-            return served  # already in place
+            return served  # the local view is the generation mesh: already in place
         # (c) host-local copy onto the generation devices, then free what was sent explicitly
         # (donation does not free across devices on CPU).
         out = jax.device_put(served, [self._sender.sharding(i, shardings[i][1], tuple(x.shape))
-                                      for i, x in zip(leaf_ids, local)])
+                                      for i, x in zip(leaf_ids, on_view)])
         jax.block_until_ready(out)
         for x in (*jax.tree.leaves(served), *local, *on_view):
             x.delete()
         return out
+
+    def _quantize_staged(self, local: list[jax.Array], on_view: list[jax.Array], leaf_ids: list[int],
+                         shardings: dict) -> list[Any]:
+        """The group's staged pieces (`local`, this host's views of `on_view`) as served: a quantized
+        weight's as codes and scales made where it lies, its staged buffers freed at once (so the
+        codes add one piece at most); the others as they are."""
+        side = 1 if self._meshes.colocated else 0  # colocated: quantize in the generation layout
+        served = []
+        for i, x, staged in zip(leaf_ids, local, on_view):
+            served.append(self._sender.quantize(i, x, shardings[i][side]))
+            if served[-1] is not x:
+                jax.block_until_ready(served[-1])
+                x.delete()
+                staged.delete()
+        return served
 
     def _keep(self, pieces: dict, buffers: dict[int, Any], piece: tuple[int, int | None], x: Any) -> None:
         """A landed piece (this transfer's own array): in the stacked layout a layer piece is
@@ -453,7 +460,10 @@ def transfer_program_specs(model_cfg: Any, train_mesh: Mesh, *, num_hosts: int, 
     reads; resident are the other weights and the optimizer state. One spec per group run
     (runs of equal length lower to the same program), so the planner's sum over transfer
     specs is one whole transfer. In colocated mode the generation weights placed so far also
-    stay on these devices; the planner adds the generation side's state there.
+    stay on these devices; the planner adds the generation side's state there. With
+    EngineConfig.weight_dtype set, the staged pieces are then quantized on these devices
+    (parallel/sender_quantize.py), each freed as its codes exist: at most one piece's codes and
+    scales beyond a group's output, which these specs do not count.
     """
     from areal_jax.models import lora as lora_lib
     from areal_jax.models.transformer import param_shapes
