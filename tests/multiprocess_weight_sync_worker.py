@@ -106,6 +106,61 @@ def _check_case(name, cfg, dtype, programs, groups, checked, layout="split"):
     checked.append(name)
 
 
+def _check_quantized_case(name, cfg, kind, layout, checked):
+    """Quantized push: each host quantizes its own copy on its training devices (no collective);
+    twice, codes and scales bit for bit the NumPy quantizer's of the bf16-cast weights, and
+    `last_stats.num_bytes` their size. w_up's contracted axis is split across the two hosts for
+    training; w_down's over "tensor" on each host's view, where it is quantized."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from areal_jax.aot import dtype_bits
+    from areal_jax.models import quantize
+    from areal_jax.parallel import WeightSync, build_meshes
+
+    meshes = build_meshes(cfg)
+    tree = {  # name -> (shape, train spec, generation spec)
+        "embed": ((8, 16), P("fsdp", None), P(None, "tensor")),
+        "layers": {
+            "w_up": ((4, 16, 32), P(None, "fsdp", "tensor"), P(None, None, "tensor")),  # [L, D, F]
+            "w_down": ((4, 32, 16), P(None, "tensor", "fsdp"), P(None, "tensor", None)),  # [L, F, D]
+            "norm": ((4, 16), P(), P()),
+        },
+    }
+    is_entry = lambda x: isinstance(x, tuple) and len(x) == 3  # noqa: E731
+    sync = WeightSync(meshes, jax.tree.map(lambda e: e[1], tree, is_leaf=is_entry),
+                      jax.tree.map(lambda e: e[2], tree, is_leaf=is_entry), jnp.bfloat16, group_bytes=GROUP_BYTES,
+                      layout=layout, weight_dtype=kind)
+    nbytes = lambda x: -(-x.size * dtype_bits(x.dtype) // 8)  # noqa: E731
+    for offset in (0.0, 3.0):
+        full = jax.tree.map(lambda e: (np.sin(np.arange(np.prod(e[0]), dtype=np.float32)).reshape(e[0])
+                                       * np.float32(offset + 1)), tree, is_leaf=is_entry)
+        train_params = jax.tree.map(
+            lambda e, x: jax.make_array_from_callback(e[0], NamedSharding(meshes.train, e[1]), lambda i: x[i]),
+            tree, full, is_leaf=is_entry)
+        out = sync.transfer(train_params)
+        bf16 = jax.tree.map(lambda x: np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32)), full)
+        assert np.asarray(out["embed"].astype(jnp.float32)).tobytes() == bf16["embed"].tobytes()
+        moved = nbytes(out["embed"])
+        for layer in range(4):
+            for key, want in bf16["layers"].items():
+                got = out["layers"][layer][key] if layout == "split" else jax.tree.map(
+                    lambda x: x[layer], out["layers"][key])
+                axes = quantize.contracted_axes(key)
+                wants = [want[layer]] if axes is None else quantize.quantize_reference(want[layer], axes, kind)
+                gots = [got.astype(jnp.float32)] if axes is None else [got.q, got.scale]
+                for g, w in zip(gots, wants):
+                    assert set(g.sharding.device_set) <= set(meshes.generation_devices_local)
+                    assert np.asarray(g).tobytes() == np.asarray(w).tobytes(), (name, layer, key)
+                moved += sum(nbytes(x) for x in jax.tree.leaves(got))
+        assert sync.last_stats.num_bytes == moved, (sync.last_stats, moved)
+        del train_params
+    checked.append(name)
+
+
 def main():
     port, process_id, num_processes, out_dir = sys.argv[1:5]
     process_id, num_processes = int(process_id), int(num_processes)
@@ -147,6 +202,9 @@ def main():
             6,
             result["checked"],
         )
+        quantized = MeshConfig(**split, train_tensor=2, generation_tensor=2)
+        _check_quantized_case("train2x2-gen1x2-int8", quantized, "int8", "split", result["checked"])
+        _check_quantized_case("train2x2-gen1x2-int4-stacked", quantized, "int4", "stacked", result["checked"])
         result["ok"] = True
     except Exception:  # the parent test reports the traceback
         result["error"] = traceback.format_exc()

@@ -84,7 +84,8 @@ class EngineConfig:
     # (quantize.INT4_GROUP) of the same weights: about 0.26 of bf16's bytes (a 235B MoE's 470 GB
     # becomes ~124 GB, two 95 GiB v5p chips' worth), at a wider behaviour/proximal gap than int8
     # (a step of amax / 7 per group against amax / 127 per channel). Each push quantizes on the
-    # way (parallel/weight_sync.py), so the generation devices never hold a bf16 copy; the forward
+    # training devices before the put (parallel/weight_sync.py), so it moves the codes and scales
+    # and the generation devices never hold a bf16 copy; the forward
     # dequantizes each weight into its matmul. The sampled tokens and recorded behaviour log-probs
     # are then those of the quantized policy: the decoupled objective (PPOConfig.decoupled) already
     # treats the behaviour policy as distinct from the proximal one the trainer recomputes in full

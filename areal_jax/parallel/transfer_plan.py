@@ -264,9 +264,6 @@ class TransferPlan:
         xs = [inputs[i] for i in group.leaves]
         return (xs,) if group.layers is None else (xs, start)
 
-    def group_bytes(self, group: _Group) -> int:
-        return sum(self.leaves[i].piece_bytes for i, _ in group.pieces)
-
 
 def describe_leaves(paths: Sequence[str], stacked: Sequence[bool], train_specs: Sequence[PartitionSpec],
                      generation_specs: Sequence[PartitionSpec], leaves: Sequence[Any],

@@ -11,15 +11,17 @@ three steps:
   (b) re-wrap: each process wraps its addressable shards of that output as an array on a
       host-local mesh of its own training devices (no copy).
   (c) place: a host-local `jax.device_put` onto the generation mesh, then the staging
-      buffers of (a) are freed before the next group starts.
+      buffers of (a) are freed before the next group starts. With EngineConfig.weight_dtype
+      "int8" / "int4" each quantized weight's piece is first quantized where (b) left it, on the
+      training devices (parallel/sender_quantize.py): (c) moves its codes and scales.
 
 Streaming: a transfer is a sequence of groups, so the training devices, which already hold
 the fp32 weights and the optimizer state, never hold more than one group of generation
-weights (plus its program's temporaries). Groups are runs of layers of the stacked
-`params["layers"]` leaves (one program per run length, the first layer an argument: 28
-layers in runs of 2 compile one program) and packs of the other leaves (embedding, head,
-final norm), each up to `group_bytes` of generation weights (a single leaf or layer larger
-than that is a group of its own).
+weights (plus its program's temporaries, and its codes and scales when quantized). Groups
+are runs of layers of the stacked `params["layers"]` leaves (one program per run length, the
+first layer an argument: 28 layers in runs of 2 compile one program) and packs of the other
+leaves (embedding, head, final norm), each up to `group_bytes` of generation weights (a single
+leaf or layer larger than that is a group of its own).
 
 Output layouts. "split" (default): `params["layers"]` becomes a tuple of per-layer dicts (the
 `models.transformer.split_layers` layout); each piece lands as its own array, so the generation
@@ -59,6 +61,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from areal_jax.models import quantize
 from areal_jax.parallel.meshes import GENERATION_AXES, TRAIN_AXES, Meshes
+from areal_jax.parallel.sender_quantize import SenderQuantizer
 from areal_jax.parallel.stacked_assembly import StackedAssembly
 from areal_jax.parallel.transfer_plan import (
     LAYERS,
@@ -66,7 +69,6 @@ from areal_jax.parallel.transfer_plan import (
     TransferPlan,
     cast,
     check_specs,
-    copies_whole_buffers,
     describe_leaves,
     fit_spec,
     model_partition_specs,
@@ -91,11 +93,11 @@ class TransferStats:
     index: int  # 1 for the first transfer of this WeightSync
     total_s: float
     reshard_s: float  # steps (a) of every group, including compilation when `compiled`
-    place_s: float  # steps (b) + (c) of every group (and the "stacked" layout's in-place writes)
-    num_bytes: int  # size of this host's generation parameters
+    place_s: float  # steps (b) + (c) of every group, the quantization between, the "stacked" in-place writes
+    num_bytes: int  # bytes delivered to this host's generation devices: served weights (codes + scales if quantized)
     compiled: bool  # a new reshard program was compiled for this transfer
     groups: int = 1  # reshard programs run (one per group)
-    max_group_bytes: int = 0  # generation bytes of the largest group (whole arrays)
+    max_group_bytes: int = 0  # bytes the largest group delivered to the generation devices (whole arrays)
     mode: str = "full"  # "full": every weight; "sparse": changed elements only (parallel/delta_sync.py)
     changed_elements: int | None = None  # with DeltaSync: elements whose generation-dtype bits changed
 
@@ -111,8 +113,9 @@ class WeightSync:
       train_specs: pytree of PartitionSpecs over ("fsdp", "expert", "tensor"), one per parameter.
       generation_specs: same structure, PartitionSpecs over ("data", "expert", "tensor").
       generation_dtype: cast floating parameters to this dtype on the way (None: keep).
-      group_bytes: generation-dtype bytes (whole arrays) one reshard group may move; the
-        training devices hold at most one group of staging buffers at a time.
+      group_bytes: generation-dtype bytes (whole arrays) one reshard group may stage; the
+        training devices hold at most one group of staging buffers at a time (and, quantized,
+        that group's codes and scales).
       layout: "split" gives `params["layers"]` as a tuple of per-layer dicts (a tree with a
         `"layers"` entry whose leaves are stacked on a leading axis; other trees keep their
         structure): the generation devices hold the pieces received so far plus the group in
@@ -122,10 +125,12 @@ class WeightSync:
       weight_dtype: EngineConfig.weight_dtype. "int8" / "int4": each layer weight that
         models/quantize.py quantizes arrives as a QuantizedWeight (int8 codes and fp32
         per-output-channel scales, or int4 codes and bf16 scales per group of 128 inputs),
-        quantized on the generation devices piece by piece as it lands (one layer of one weight
-        in the generation dtype at a time), so they never hold a full-precision copy. The
-        transfer still moves the generation dtype's bytes. In the stacked layout the codes and
-        scales are the per-layer ones with the layer axis in front.
+        quantized piece by piece on the training devices from the staged generation-dtype piece
+        (parallel/sender_quantize.py), so the put onto the generation devices moves the codes
+        and scales (about 1/2 or 1/4 of bf16's bytes) and they never hold a full-precision piece.
+        Bit for bit what quantizing the generation-dtype weights gives. In the stacked layout the
+        codes and scales are the per-layer ones with the layer axis in front. (Weights one
+        process holds whole are still quantized on the generation devices, a piece at a time.)
     """
 
     def __init__(
@@ -169,7 +174,7 @@ class WeightSync:
         # Per leaf: the axes its per-layer pieces contract over when quantized, else None.
         self._quant_axes = [quantize.contracted_axes(getattr(p[-1], "key", None)) if weight_dtype and stacked
                             else None for (p, _), stacked in zip(flat, self._stacked)]
-        self._quant_programs: dict[int, Any] = {}
+        self._sender = SenderQuantizer(self._quant_axes, weight_dtype)
         self._layers_def = (jax.tree.structure(train_specs[LAYERS], is_leaf=is_spec) if any(self._stacked)
                             else None)
         if layout == "split":
@@ -269,7 +274,7 @@ class WeightSync:
 
     def _warn_host_staging(self, leaves: Sequence[Leaf], shardings: dict) -> None:
         staged = tuple(leaf.path for i, leaf in enumerate(leaves)
-                       if not copies_whole_buffers(*shardings[i], leaf.piece_shape))
+                       if not self._sender.copies_whole_buffers(i, *shardings[i], leaf.piece_shape))
         self.host_staged_leaves = staged
         if staged:
             logger.warning(
@@ -322,15 +327,16 @@ class WeightSync:
             if self.on_group_resharded is not None:
                 self.on_group_resharded(g)
             t1 = time.perf_counter()
-            placed = self._place(on_view, [shardings[i] for i, _ in group.pieces])
+            placed = self._send(on_view, [i for i, _ in group.pieces], shardings)
             del on_view
             for piece, x in zip(group.pieces, placed):
-                self._keep(pieces, buffers, piece, self._quantize(piece[0], x, shardings))
+                self._keep(pieces, buffers, piece, x)
             del placed
             jax.block_until_ready(buffers)
             place_s += time.perf_counter() - t1
         out = self._assemble(plan, pieces, buffers)
         end = time.perf_counter()
+        moved = [sum(self._sender.piece_bytes(i, plan.leaves[i]) for i, _ in g.pieces) for g in plan.groups]
 
         self._count += 1
         self.last_transfer_s = end - start
@@ -339,51 +345,47 @@ class WeightSync:
             total_s=end - start,
             reshard_s=reshard_s,
             place_s=place_s,
-            num_bytes=sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(out)),
+            num_bytes=sum(moved),
             compiled=self.compiled_programs() > compiled_before,
             groups=len(plan.groups),
-            max_group_bytes=max(plan.group_bytes(g) for g in plan.groups),
+            max_group_bytes=max(moved),
         )
         return out
 
-    def _place(self, on_view: list[jax.Array], shardings: list[tuple[NamedSharding, NamedSharding]]
-               ) -> list[jax.Array]:
-        """Steps (b) and (c) for one group's outputs; frees the group's staging buffers."""
+    def _send(self, on_view: list[jax.Array], leaf_ids: list[int], shardings: dict) -> list[Any]:
+        """Steps (b) and (c) for one group's outputs (pieces of leaves `leaf_ids`), quantized in
+        between where served so; frees the group's staging buffers and what was sent."""
         # (b) this host's copy as an array on its own training devices (no copy).
         local = [
-            jax.make_array_from_single_device_arrays(x.shape, local_sh, [shard.data for shard in x.addressable_shards])
-            for x, (local_sh, _) in zip(on_view, shardings)
+            jax.make_array_from_single_device_arrays(x.shape, shardings[i][0], [s.data for s in x.addressable_shards])
+            for x, i in zip(on_view, leaf_ids)
         ]
+        served = self._quantize_staged(local, on_view, leaf_ids, shardings)
         if self._meshes.colocated:
-            return local  # the local view is the generation mesh: the buffers are already in place
-        # (c) host-local copy onto the generation devices, then free the staging buffers
-        # explicitly (donation does not free across devices on CPU).
-        out = jax.device_put(local, [generation_sh for _, generation_sh in shardings])
+            return served  # the local view is the generation mesh: already in place
+        # (c) host-local copy onto the generation devices, then free what was sent explicitly
+        # (donation does not free across devices on CPU).
+        out = jax.device_put(served, [self._sender.sharding(i, shardings[i][1], tuple(x.shape))
+                                      for i, x in zip(leaf_ids, on_view)])
         jax.block_until_ready(out)
-        for x in local:
-            x.delete()
-        for x in on_view:
+        for x in (*jax.tree.leaves(served), *local, *on_view):
             x.delete()
         return out
 
-    def _quantize(self, i: int, x: jax.Array, shardings: dict, free: bool = True) -> Any:
-        """Leaf i's piece `x` (on the generation devices) as its served storage: a quantized
-        weight's int8 codes and scales (with `free`, the full-precision piece is then deleted:
-        only for pieces this transfer made); other pieces as they are."""
-        axes = self._quant_axes[i]
-        if axes is None:
-            return x
-        if i not in self._quant_programs:
-            generation_sh = shardings[i][1]
-            kind = self._weight_dtype
-            self._quant_programs[i] = jax.jit(lambda w: quantize.quantize(w, axes, kind),
-                                              out_shardings=quantize.quantized_sharding(generation_sh, axes, kind,
-                                                                                        tuple(x.shape)))
-        out = self._quant_programs[i](x)
-        jax.block_until_ready(out)
-        if free:
-            x.delete()
-        return out
+    def _quantize_staged(self, local: list[jax.Array], on_view: list[jax.Array], leaf_ids: list[int],
+                         shardings: dict) -> list[Any]:
+        """The group's staged pieces (`local`, this host's views of `on_view`) as served: a quantized
+        weight's as codes and scales made where it lies, its staged buffers freed at once (so the
+        codes add one piece at most); the others as they are."""
+        side = 1 if self._meshes.colocated else 0  # colocated: quantize in the generation layout
+        served = []
+        for i, x, staged in zip(leaf_ids, local, on_view):
+            served.append(self._sender.quantize(i, x, shardings[i][side]))
+            if served[-1] is not x:
+                jax.block_until_ready(served[-1])
+                x.delete()
+                staged.delete()
+        return served
 
     def _keep(self, pieces: dict, buffers: dict[int, Any], piece: tuple[int, int | None], x: Any) -> None:
         """A landed piece (this transfer's own array): in the stacked layout a layer piece is
@@ -424,7 +426,7 @@ class WeightSync:
                 put = jax.device_put(leaves[i] if layer is None else leaves[i][layer], shardings[i][1])
                 # Not freed here: a put of an array already in place is the caller's array itself
                 # (a layer piece never is: indexing made it, so the stacked layout frees it).
-                piece = self._quantize(i, cast(put, leaf.out_dtype), shardings, free=False)
+                piece = self._sender.quantize(i, cast(put, leaf.out_dtype), shardings[i][1])
                 jax.block_until_ready(piece)
                 del put
                 self._keep(pieces, buffers, (i, layer), piece)
@@ -458,7 +460,10 @@ def transfer_program_specs(model_cfg: Any, train_mesh: Mesh, *, num_hosts: int, 
     reads; resident are the other weights and the optimizer state. One spec per group run
     (runs of equal length lower to the same program), so the planner's sum over transfer
     specs is one whole transfer. In colocated mode the generation weights placed so far also
-    stay on these devices; the planner adds the generation side's state there.
+    stay on these devices; the planner adds the generation side's state there. With
+    EngineConfig.weight_dtype set, the staged pieces are then quantized on these devices
+    (parallel/sender_quantize.py), each freed as its codes exist: at most one piece's codes and
+    scales beyond a group's output, which these specs do not count.
     """
     from areal_jax.models import lora as lora_lib
     from areal_jax.models.transformer import param_shapes

@@ -1,0 +1,174 @@
+"""The weight push with EngineConfig.weight_dtype set quantizes on the training devices
+(parallel/sender_quantize.py), on 8 fake CPU devices: layer weights land bit for bit as
+`quantize.quantize` of the bf16-cast weights, the put carries codes and scales and `last_stats`
+counts them, and the training devices hold one group and its codes at most. The 2-process
+quantized pushes run in tests/test_weight_sync.py's multi-process test."""
+
+import gc
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from areal_jax.aot import dtype_bits
+from areal_jax.models import ModelConfig, init_params, quantize
+from areal_jax.models.config import MoEConfig
+from areal_jax.models.sharding import TRAIN_RULES
+from areal_jax.parallel import MeshConfig, WeightSync, build_meshes
+from areal_jax.trainer.train_step import param_shardings
+from tests.test_weight_sync import PEAK_MODEL, SPLITS, _assert_same_bytes, _bytes_on, _live_bytes, _stack_split
+
+# name -> (shape, train spec, generation spec), fp32 on the train mesh. Both layer weights shard
+# their contracted axis over the training devices (w_up's D over fsdp x tensor, w_down's F over
+# tensor), and w_down's generation spec (so the piece as staged on the view, where it is
+# quantized) splits it too.
+QUANT_LAYERS = 4
+QUANT_PARAMS = {
+    "embed": ((16, 128), P("fsdp", None), P(None, "tensor")),  # not a layer weight: sent as bf16
+    "layers": {
+        "w_up": ((QUANT_LAYERS, 128, 64), P(None, ("fsdp", "tensor"), None), P(None, None, "tensor")),  # [L, D, F]
+        "w_down": ((QUANT_LAYERS, 512, 32), P(None, "tensor", "fsdp"), P(None, "tensor", None)),  # [L, F, D]
+        "norm": ((QUANT_LAYERS, 32), P(), P()),  # not quantized
+    },
+}
+_is_quant_entry = lambda x: isinstance(x, tuple) and len(x) == 3  # noqa: E731
+
+
+def _quant_specs(which):
+    return jax.tree.map(lambda e: e[which], QUANT_PARAMS, is_leaf=_is_quant_entry)
+
+
+def _served_reference(w, name, kind):
+    """What the old path landed for one layer piece: bf16-cast `w`, quantized by `quantize.quantize`
+    (a tuple (q, scale)), or the bf16 piece itself for a weight that is not quantized."""
+    w = jnp.asarray(w).astype(jnp.bfloat16)
+    axes = quantize.contracted_axes(name)
+    return w if axes is None else jax.tree.leaves(quantize.quantize(w, axes, kind))
+
+
+def _nbytes(x) -> int:
+    return -(-x.size * dtype_bits(x.dtype) // 8)  # jnp.int4: two codes a byte
+
+
+@pytest.mark.parametrize("layout", ["split", "stacked"])
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("cfg, _staged", [SPLITS[1], SPLITS[3]])
+def test_quantized_push_sends_codes_and_scales_bit_for_bit(cfg, _staged, kind, layout, monkeypatch):
+    """Layer weights quantized on the training devices land, bit for bit, as `quantize.quantize` of
+    the bf16-cast weights; the put onto the generation devices carries codes and scales (and the
+    unquantized leaves in bf16), and `last_stats` counts exactly those bytes."""
+    meshes = build_meshes(cfg)
+    rng = np.random.default_rng(7)
+    host = jax.tree.map(lambda e: rng.normal(0, 0.05, size=e[0]).astype(np.float32), QUANT_PARAMS,
+                        is_leaf=_is_quant_entry)
+    train_params = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(meshes.train, s)), host, _quant_specs(1))
+    sync = WeightSync(meshes, _quant_specs(1), _quant_specs(2), jnp.bfloat16, group_bytes=40_000, layout=layout,
+                      weight_dtype=kind)
+    sent = []
+    put = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda x, *a, **kw: (sent.extend(jax.tree.leaves(x)), put(x, *a, **kw))[1])
+    out = sync.transfer(train_params)
+    monkeypatch.undo()
+
+    layers = out["layers"] if layout == "split" else [jax.tree.map(lambda x, i=i: x[i], out["layers"])
+                                                       for i in range(QUANT_LAYERS)]
+    assert len(layers) == QUANT_LAYERS
+    want_bytes = _nbytes(out["embed"])
+    _assert_same_bytes(out["embed"], jnp.asarray(host["embed"]).astype(jnp.bfloat16))
+    for layer, got in enumerate(layers):
+        for name in ("w_up", "w_down", "norm"):
+            want = _served_reference(host["layers"][name][layer], name, kind)
+            _assert_same_bytes(got[name] if name == "norm" else jax.tree.leaves(got[name]), want)
+            want_bytes += sum(_nbytes(x) for x in jax.tree.leaves(want))
+        q, scale = quantize.quantize_reference(np.asarray(jnp.asarray(host["layers"]["w_down"][layer])
+                                                          .astype(jnp.bfloat16).astype(jnp.float32)), (0,), kind)
+        assert np.asarray(got["w_down"].q).tobytes() == q.tobytes()
+        assert np.asarray(got["w_down"].scale).tobytes() == scale.tobytes()
+    # Laid out as the engine's generation shardings say (the stacked ones with the layer axis in front).
+    for path, spec in jax.tree_util.tree_leaves_with_path(_quant_specs(2), is_leaf=lambda x: isinstance(x, P)):
+        name = path[-1].key
+        got = out["layers"][name] if path[0].key == "layers" and layout == "stacked" else None
+        if got is None:
+            continue
+        axes = quantize.contracted_axes(name, stacked=True)
+        wanted = NamedSharding(meshes.generation, spec)
+        wanted = wanted if axes is None else quantize.quantized_sharding(wanted, axes, kind, got.shape)
+        for x, sh in zip(jax.tree.leaves(got), jax.tree.leaves(wanted)):
+            assert x.sharding.is_equivalent_to(sh, x.ndim)
+    stats = sync.last_stats
+    assert stats.num_bytes == want_bytes
+    assert stats.groups > 2 and 0 < stats.max_group_bytes < want_bytes
+    if meshes.colocated:
+        assert not sent  # the view is the generation mesh: nothing crosses
+    else:
+        assert sum(_nbytes(x) for x in sent) == want_bytes
+        # No full-precision copy of a quantized weight is put: its pieces go as codes.
+        assert {np.dtype(x.dtype) for x in sent if x.shape in ((128, 64), (512, 32))} == {
+            np.dtype(quantize.CODE_DTYPES[kind])}
+        assert {np.dtype(x.dtype) for x in sent} == {np.dtype(jnp.bfloat16), np.dtype(quantize.CODE_DTYPES[kind]),
+                                                     np.dtype(quantize.SCALE_DTYPES[kind])}
+    # Whole weights on one device (quantized on the generation devices, a piece at a time) land the same.
+    _assert_same_bytes(sync.transfer(jax.tree.map(jnp.asarray, host)), out)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_push_holds_one_group_and_its_codes_on_the_training_devices(kind, monkeypatch):
+    """The training devices hold at most one group's staged pieces plus their codes and scales
+    (sampled at every explicit free and after each reshard), and nothing once the push is done."""
+    from jax._src import array as array_impl
+
+    meshes = build_meshes(SPLITS[1].values[0])
+    devices = set(meshes.train_devices_local)
+    host = init_params(PEAK_MODEL, 0)
+    train_params = jax.device_put(host, param_shardings(PEAK_MODEL, TRAIN_RULES, meshes.train))
+    sync = WeightSync.for_model(PEAK_MODEL, meshes, jnp.bfloat16, group_bytes=1, weight_dtype=kind)
+    sync.transfer(train_params)  # compiles, and makes the groups' first-layer scalars (kept)
+    samples = []
+    sample = lambda *_: samples.append(_live_bytes(devices))  # noqa: E731
+    delete = array_impl.ArrayImpl.delete
+    monkeypatch.setattr(array_impl.ArrayImpl, "delete", lambda self: (sample(), delete(self))[1])
+    sync.on_group_resharded = sample
+    gc.collect()
+    before = _live_bytes(devices)
+    out = sync.transfer(train_params)
+    monkeypatch.undo()
+    gc.collect()
+    after = _live_bytes(devices)
+
+    plan, _, shardings = sync._plan(jax.tree.leaves(train_params))
+
+    def staged_and_codes(i, leaf) -> int:  # leaf i's piece on the view, plus its codes and scales there
+        struct = jax.ShapeDtypeStruct(leaf.piece_shape, leaf.out_dtype, sharding=shardings[i][0])
+        axes = sync._quant_axes[i]
+        codes = [] if axes is None else jax.tree.leaves(quantize.quantized_struct(struct, axes, kind))
+        return sum(_bytes_on(s.shape, s.dtype, s.sharding) for s in [struct, *codes])
+
+    bound = max(sum(staged_and_codes(i, plan.leaves[i]) for i, _ in g.pieces) for g in plan.groups)
+    assert quantize.is_quantized(out) and len(samples) > 2 * PEAK_MODEL.num_layers
+    assert 0 < max(samples) - before <= bound, (max(samples) - before, bound)
+    assert after == before  # every staged piece and sent copy freed
+
+
+MOE = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=8, family="qwen3_moe", qk_norm=True,
+                  moe=MoEConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16))
+
+
+@pytest.mark.parametrize("layout", ["split", "stacked"])
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_an_expert_parallel_moe_push_is_the_quantized_bf16_model(kind, layout):
+    """Experts split 2 ways (x tensor 2) to train and 4 ways to generate: the push is, bit for bit,
+    `quantize_params` of the bf16-cast model, and moves `quantize.served_bytes` of it."""
+    meshes = build_meshes(MeshConfig(num_generation_devices_per_host=4, train_expert=2, train_tensor=2,
+                                     generation_expert=4))
+    host = init_params(MOE, 5, std=0.1)
+    sync = WeightSync.for_model(MOE, meshes, jnp.bfloat16, group_bytes=1, layout=layout, weight_dtype=kind)
+    out = sync.transfer(jax.device_put(host, param_shardings(MOE, TRAIN_RULES, meshes.train)))
+    want = quantize.quantize_params(jax.tree.map(lambda a: jnp.asarray(a).astype(jnp.bfloat16), host), kind)
+    _assert_same_bytes(out if layout == "stacked" else _stack_split(out), want)
+    if layout == "stacked":  # [L, E, D, Fe]: the codes keep the experts' split
+        assert out["layers"]["we_up"].q.sharding.spec[1] == "expert"
+    assert sync.last_stats.num_bytes == quantize.served_bytes(MOE, 2, kind)
