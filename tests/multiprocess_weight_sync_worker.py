@@ -107,10 +107,10 @@ def _check_case(name, cfg, dtype, programs, groups, checked, layout="split"):
 
 
 def _check_quantized_case(name, cfg, kind, layout, checked):
-    """Quantized push: each host quantizes its own copy on its training devices (no collective);
-    twice, codes and scales bit for bit the NumPy quantizer's of the bf16-cast weights, and
-    `last_stats.num_bytes` their size. w_up's contracted axis is split across the two hosts for
-    training; w_down's over "tensor" on each host's view, where it is quantized."""
+    """Quantized push: the reshard quantizes in the training layout before its gathers (each
+    training device its own shard); twice, codes and scales bit for bit the NumPy quantizer's of the
+    bf16-cast weights, and `last_stats.num_bytes` their size. w_up's contracted axis is split across
+    the two hosts for training (its scales take a max across processes), w_down's over "tensor"."""
     import jax
     import jax.numpy as jnp
     import numpy as np

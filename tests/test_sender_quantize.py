@@ -1,10 +1,15 @@
-"""The weight push with EngineConfig.weight_dtype set quantizes on the training devices
-(parallel/sender_quantize.py), on 8 fake CPU devices: layer weights land bit for bit as
-`quantize.quantize` of the bf16-cast weights, the put carries codes and scales and `last_stats`
-counts them, and the training devices hold one group and its codes at most. The 2-process
-quantized pushes run in tests/test_weight_sync.py's multi-process test."""
+"""The weight push with EngineConfig.weight_dtype set quantizes on the training devices, in the
+training layout, before the reshard (parallel/transfer_plan.py), on 8 fake CPU devices: layer
+weights land bit for bit as `quantize.quantize` of the bf16-cast weights (contracted axes split
+over the training devices too), the reshard's collectives (on a 2-host-shaped mesh as well) and the
+put carry codes and scales and `last_stats` counts them, the planner's specs are the programs that
+run, and the training devices hold one group's codes and scales at most. The 2-process quantized
+pushes run in tests/test_weight_sync.py's multi-process test."""
+
+import re
 
 import gc
+import math
 
 import jax
 import jax.numpy as jnp
@@ -17,9 +22,11 @@ from areal_jax.aot import dtype_bits
 from areal_jax.models import ModelConfig, init_params, quantize
 from areal_jax.models.config import MoEConfig
 from areal_jax.models.sharding import TRAIN_RULES
-from areal_jax.parallel import MeshConfig, WeightSync, build_meshes
+from areal_jax.parallel import MeshConfig, WeightSync, build_meshes, transfer_program_specs
+from areal_jax.parallel.meshes import TRAIN_AXES
 from areal_jax.trainer.train_step import param_shardings
-from tests.test_weight_sync import PEAK_MODEL, SPLITS, _assert_same_bytes, _bytes_on, _live_bytes, _stack_split
+from tests.test_weight_sync import (MODEL, PEAK_MODEL, SPLITS, _assert_same_bytes, _bytes_on, _live_bytes,
+                                    _partitioned_collectives, _stack_split)
 
 # name -> (shape, train spec, generation spec), fp32 on the train mesh. Both layer weights shard
 # their contracted axis over the training devices (w_up's D over fsdp x tensor, w_down's F over
@@ -116,8 +123,9 @@ def test_quantized_push_sends_codes_and_scales_bit_for_bit(cfg, _staged, kind, l
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_quantized_push_holds_one_group_and_its_codes_on_the_training_devices(kind, monkeypatch):
-    """The training devices hold at most one group's staged pieces plus their codes and scales
-    (sampled at every explicit free and after each reshard), and nothing once the push is done."""
+    """The training devices hold at most one group's staged pieces as served (codes and scales of
+    a quantized weight, no bf16 copy of it) plus their program's temporaries (sampled at every
+    explicit free and after each reshard), and nothing once the push is done."""
     from jax._src import array as array_impl
 
     meshes = build_meshes(SPLITS[1].values[0])
@@ -140,16 +148,90 @@ def test_quantized_push_holds_one_group_and_its_codes_on_the_training_devices(ki
 
     plan, _, shardings = sync._plan(jax.tree.leaves(train_params))
 
-    def staged_and_codes(i, leaf) -> int:  # leaf i's piece on the view, plus its codes and scales there
+    def staged(i, leaf) -> int:  # leaf i's piece on the view as served: codes and scales when quantized
         struct = jax.ShapeDtypeStruct(leaf.piece_shape, leaf.out_dtype, sharding=shardings[i][0])
         axes = sync._quant_axes[i]
-        codes = [] if axes is None else jax.tree.leaves(quantize.quantized_struct(struct, axes, kind))
-        return sum(_bytes_on(s.shape, s.dtype, s.sharding) for s in [struct, *codes])
+        served = [struct] if axes is None else jax.tree.leaves(quantize.quantized_struct(struct, axes, kind))
+        return sum(_bytes_on(s.shape, s.dtype, s.sharding) for s in served)
 
-    bound = max(sum(staged_and_codes(i, plan.leaves[i]) for i, _ in g.pieces) for g in plan.groups)
+    bound = max(sum(staged(i, plan.leaves[i]) for i, _ in g.pieces) for g in plan.groups)
     assert quantize.is_quantized(out) and len(samples) > 2 * PEAK_MODEL.num_layers
     assert 0 < max(samples) - before <= bound, (max(samples) - before, bound)
     assert after == before  # every staged piece and sent copy freed
+
+
+# ---- what the reshard moves, and what the planner compiles ---------------------------------------
+
+_COLLECTIVE = re.compile(r"= \(?((?:\w+\[[\d,]*\][^ ]*,? ?)+)\)? "
+                         r"(all-gather|all-to-all|collective-permute|all-reduce)\(")
+
+
+def _collectives(lines) -> list[tuple[str, tuple[int, ...]]]:
+    """(element type, shape) of each array the collectives of a partitioned HLO module output."""
+    out = []
+    for line in lines:
+        m = _COLLECTIVE.search(line)
+        assert m, line
+        out += [(dtype, tuple(int(d) for d in dims.split(",") if d))
+                for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1))]
+    return out
+
+
+def _bytes_by_type(collectives) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for dtype, shape in collectives:
+        bits = {"s4": 4, "u4": 4, "s8": 8, "u8": 8, "bf16": 16, "f16": 16, "s32": 32, "f32": 32}[dtype]
+        out[dtype] = out.get(dtype, 0) + math.prod(shape) * bits // 8
+    return out
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_the_reshard_gathers_codes_across_hosts(kind, tmp_path):
+    """On 8 devices as 2 hosts of 4 (training fsdp 4 x tensor 2, so fsdp spans both hosts), each
+    layer group's reshard (the planner's spec of it) moves the layer weights as int8 / int4 codes:
+    its collectives after SPMD partitioning carry s8 / s4 where the bf16 push's carry bf16, and the
+    bytes they move shrink accordingly. (XLA:CPU's later passes widen s4 and bf16 collectives to s8
+    and f32; the partitioned module is what the program asks every backend to move.)"""
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:8]).reshape(4, 1, 2), TRAIN_AXES)
+    code = {"int8": "s8", "int4": "s4"}[kind]
+
+    def moved(weight_dtype):
+        specs = transfer_program_specs(MODEL, mesh, num_hosts=2, generation_tensor=2, dtype=jnp.bfloat16,
+                                       group_bytes=1, weight_dtype=weight_dtype)
+        (layer,) = [s for s in specs if s.name.startswith("transfer/layers[0:1 ")]
+        return layer.name, _collectives(_partitioned_collectives(layer.fn, layer.args, tmp_path))
+
+    name, bf16 = moved(None)
+    qname, quant = moved(kind)
+    assert qname == name.replace("[bfloat16]", f"[bfloat16->{kind}]")
+    # The bf16 push gathers the layer's weights in bf16 (e.g. bf16[64,64] all-gathers); the quantized
+    # push gathers the same shapes as codes, and none of them in bf16.
+    weights = {shape for _, shape in bf16}
+    assert {dtype for dtype, _ in bf16} == {"bf16"}, bf16
+    assert {dtype for dtype, shape in quant if shape in weights} == {code}, quant
+    assert weights <= {shape for dtype, shape in quant if dtype == code}, (weights, quant)
+    # What is left in bf16 / f32: the scales, and their cross-device max.
+    before, after = _bytes_by_type(bf16), _bytes_by_type(quant)
+    assert after.get("bf16", 0) + after.get("f32", 0) <= 0.1 * before["bf16"], (after, before)
+    assert sum(after.values()) <= {"int8": 0.6, "int4": 0.35}[kind] * before["bf16"], (after, before)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_program_specs_are_the_quantized_programs_that_run(kind):
+    """With `weight_dtype` the planner's transfer specs lower to the very programs a quantized
+    `WeightSync` runs, whose outputs are the layer weights' codes and scales."""
+    meshes = build_meshes(MeshConfig(num_generation_devices_per_host=4, train_tensor=2, generation_tensor=2))
+    specs = transfer_program_specs(MODEL, meshes.train, num_hosts=1, generation_tensor=2, dtype=jnp.bfloat16,
+                                   group_bytes=1, weight_dtype=kind)
+    sync = WeightSync.for_model(MODEL, meshes, jnp.bfloat16, group_bytes=1, weight_dtype=kind)
+    leaves = jax.tree.leaves(jax.device_put(init_params(MODEL, 0), param_shardings(MODEL, TRAIN_RULES, meshes.train)))
+    plan, starts, _ = sync._plan(leaves)
+    assert len(specs) == len(plan.groups) and all(s.name.endswith(f"[bfloat16->{kind}]") for s in specs)
+    for spec, group, start in zip(specs, plan.groups, starts):
+        assert spec.lower().as_text() == group.program.lower(*plan.group_args(group, leaves, start)).as_text()
+    out = jax.eval_shape(specs[-1].fn, *specs[-1].args)  # one layer: its quantized weights as codes
+    served = {np.dtype(x.dtype) for x in jax.tree.leaves([x for x in out if isinstance(x, quantize.QuantizedWeight)])}
+    assert served == {np.dtype(quantize.CODE_DTYPES[kind]), np.dtype(quantize.SCALE_DTYPES[kind])}
 
 
 MOE = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,

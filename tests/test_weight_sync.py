@@ -445,16 +445,14 @@ def test_stacked_layout_holds_one_copy_plus_one_group(cfg, _staged, kind, monkey
         struct = jax.ShapeDtypeStruct(leaf.piece_shape, leaf.out_dtype, sharding=shardings[i][1])
         axes = sync._quant_axes[i]
         served = [struct] if axes is None else jax.tree.leaves(quantize.quantized_struct(struct, axes, kind))
-        if axes is not None and meshes.colocated:  # the staged piece is quantized on these same devices
-            served.append(struct)
         return sum(_bytes_on(s.shape, s.dtype, s.sharding) for s in served)
 
     piece = {i: landed(i, leaf) for i, leaf in enumerate(plan.leaves)}
     group = max(sum(piece[i] for i, _ in g.pieces) for g in plan.groups)
     weights = sum(_bytes_on(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(out))
     assert len(samples) > 2 * PEAK_MODEL.num_layers
-    # Quantized on the training devices, no full-precision piece of a quantized weight comes here
-    # (unless colocated: they are the training devices).
+    # Quantized on the training devices before the reshard, no full-precision piece of a quantized
+    # weight comes here (colocated too: the reshard's outputs are codes and scales).
     assert max(samples) - before <= weights + group, (max(samples) - before, weights, group)
     assert samples[-1] - before == weights  # nothing but the weights stays
     # Each write is in place: its output aliases the donated buffer.

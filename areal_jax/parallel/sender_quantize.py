@@ -1,17 +1,14 @@
-"""The served storage of a weight transfer's pieces, made on the sending side (parallel/weight_sync.py).
+"""The served storage of a weight transfer's pieces (parallel/weight_sync.py), on the sending side.
 
 With EngineConfig.weight_dtype "int8" or "int4", each layer weight that models/quantize.py
-quantizes is quantized on the training devices: after the reshard (step (a)) has laid its piece
-out on this host's view in the generation dtype, before the host-local put (step (c)) sends it to
-the generation devices. The put so moves int8 codes + fp32 scales (about half of bf16's bytes) or
-int4 codes + bf16 scales (about a quarter), and the generation devices never hold a full-precision
-piece of a quantized weight.
-
-Bit for bit what quantizing on the generation devices gave: the program reads the staged piece, a
-real buffer in the generation dtype, with the same `quantize.quantize`. (A program that cast and
-quantized in one could skip the rounding to bf16 where XLA allows excess precision.) The piece's
-layout only places the work: a contracted axis split over devices gets a cross-device max from
-XLA, and a max does not round.
+quantizes is served as int8 codes + fp32 scales (about half of bf16's bytes) or int4 codes + bf16
+scales (about a quarter). The reshard program of step (a) makes them in the training layout
+(parallel/transfer_plan.py, `_quantize_where_it_lies`: each training device quantizes its own
+shard) and then lays them out on the view, so its inter-host gathers, the host-local put (c) and
+the generation devices all carry codes and scales, never a full-precision piece. This module says
+what a served piece is: its shardings, its bytes, whether the put copies whole buffers, and, for
+weights one process holds whole (no reshard), the program quantizing a piece on the generation
+devices. Bit for bit `quantize.quantize` of the generation-dtype weights either way.
 """
 
 from __future__ import annotations
@@ -26,11 +23,12 @@ from jax.sharding import NamedSharding
 
 from areal_jax.aot import dtype_bits
 from areal_jax.models import quantize
-from areal_jax.parallel.transfer_plan import Leaf, copies_whole_buffers
+from areal_jax.parallel.transfer_plan import Leaf, copies_whole_buffers, served_sharding
 
 
 class SenderQuantizer:
-    """Per flat leaf of a transfer: the storage its pieces are served in, and the programs making it.
+    """Per flat leaf of a transfer: the storage its pieces are served in (shardings, bytes), and the
+    programs quantizing a piece of weights held whole (the reshard quantizes the others itself).
 
     Args:
       quant_axes: per flat leaf, the axes its per-layer piece contracts over when quantized, else None.
@@ -43,18 +41,15 @@ class SenderQuantizer:
         # (leaf, output sharding of the piece) -> its jitted quantize: one per device set it runs on.
         self._programs: dict[tuple[int, NamedSharding], Any] = {}
 
-    def quantized(self, i: int) -> bool:
-        return self._axes[i] is not None
-
     def sharding(self, i: int, sharding: NamedSharding, shape: tuple[int, ...]) -> Any:
         """Leaf i's piece of `shape` laid out by `sharding`, as served: a QuantizedWeight of the
         codes' and scales' shardings (`quantize.quantized_sharding`), else `sharding` itself."""
-        axes = self._axes[i]
-        return sharding if axes is None else quantize.quantized_sharding(sharding, axes, self._kind, shape)
+        return served_sharding(sharding, self._axes[i], self._kind, shape)
 
     def quantize(self, i: int, x: jax.Array, sharding: NamedSharding) -> Any:
-        """Leaf i's piece `x` (in the generation dtype) as served, on the devices of `sharding` (the
-        piece's layout there): its codes and scales, else `x` itself. `x` is left alive."""
+        """Leaf i's piece `x` (in the generation dtype, a real buffer: the rounding to it is done) as
+        served, on the devices of `sharding` (the piece's layout there): its codes and scales, else
+        `x` itself. `x` is left alive. For weights held whole; the reshard quantizes its own."""
         axes = self._axes[i]
         if axes is None:
             return x

@@ -1,7 +1,8 @@
 """The plan of a train -> generation weight transfer: which layout each parameter takes on the
 transfer view and on the generation mesh, and how the parameters are cut into groups of at most
 `group_bytes` (runs of stacked layers, packs of the other leaves). Pure shape logic plus the
-jitted cast; `weight_sync.WeightSync` runs the plan."""
+jitted reshard programs (cast, and with EngineConfig.weight_dtype quantize, where the weights lie,
+then lay out on the view); `weight_sync.WeightSync` runs the plan."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
+from areal_jax.models import quantize
 from areal_jax.parallel.meshes import GENERATION_AXES
 
 PyTree = Any
@@ -133,7 +135,8 @@ class Leaf:
     """One parameter as the trainer holds it, and what the generation side gets of it.
 
     A stacked leaf (`stacked`, shape [L, ...]) travels as L pieces of shape [...]; any other
-    leaf as one piece. `generation_spec` is the layout of one piece.
+    leaf as one piece. `generation_spec` is the layout of one piece. `quant_axes`: the axes a
+    piece contracts over when it is served quantized (EngineConfig.weight_dtype), else None.
     """
 
     path: str
@@ -143,6 +146,7 @@ class Leaf:
     train_spec: PartitionSpec
     generation_spec: PartitionSpec
     stacked: bool
+    quant_axes: tuple[int, ...] | None = None
 
     @property
     def piece_shape(self) -> tuple[int, ...]:
@@ -163,6 +167,13 @@ class _Group:
     pieces: tuple[tuple[int, int | None], ...]  # (leaf, layer or None) of each output, in order
 
 
+def served_sharding(sharding: NamedSharding, axes: tuple[int, ...] | None, weight_dtype: str | None,
+                    shape: tuple[int, ...]) -> Any:
+    """A piece of `shape` laid out by `sharding`, as served: a QuantizedWeight of the codes' and the
+    scales' shardings (`quantize.quantized_sharding`) when quantized over `axes`, else `sharding`."""
+    return sharding if axes is None else quantize.quantized_sharding(sharding, axes, weight_dtype, shape)
+
+
 def cast(x: jax.Array, dtype: np.dtype) -> jax.Array:
     return x if x.dtype == dtype else x.astype(dtype)
 
@@ -179,6 +190,30 @@ def _cast_where_it_lies(x: jax.Array, dtype: np.dtype, sharding: NamedSharding) 
     the pin XLA may gather first (fp32, or the whole stack of layers) and cast or slice after,
     moving and holding several times the group's bytes."""
     return jax.lax.with_sharding_constraint(cast(x, dtype), sharding)
+
+
+def _quantize_where_it_lies(x: jax.Array, dtype: np.dtype, sharding: NamedSharding, axes: tuple[int, ...],
+                            weight_dtype: str) -> quantize.QuantizedWeight:
+    """`x` cast to `dtype` and quantized over `axes` on its train layout: each device makes the codes of
+    its own shard (a contracted axis split over devices costs XLA a cross-device max of the scales'
+    size), so the reshard after moves codes and scales. The barrier keeps the cast a real rounding:
+    with excess precision allowed XLA may fold convert(convert(x, bf16), f32) into x, and the codes
+    must be those of the rounded weights."""
+    w = jax.lax.optimization_barrier(_cast_where_it_lies(x, dtype, sharding))
+    q = quantize.quantize(w, axes, weight_dtype)
+    scale_spec = fit_spec(sharding.spec, quantize.scale_shape(tuple(x.shape), axes, weight_dtype), sharding.mesh)
+    return quantize.QuantizedWeight(jax.lax.with_sharding_constraint(q.q, sharding),
+                                    jax.lax.with_sharding_constraint(q.scale, NamedSharding(sharding.mesh, scale_spec)))
+
+
+def _served_where_it_lies(x: jax.Array, leaf: Leaf, sharding: NamedSharding, weight_dtype: str | None) -> Any:
+    """Leaf `leaf`'s `x` (the leaf, or a slice of layers: its pieces with the layer axis in front)
+    as served, made on its train layout: quantized if it is, else cast."""
+    if leaf.quant_axes is None:
+        return _cast_where_it_lies(x, leaf.out_dtype, sharding)
+    lead = x.ndim - len(leaf.piece_shape)  # 1 for a slice of layers
+    return _quantize_where_it_lies(x, leaf.out_dtype, sharding, tuple(a + lead for a in leaf.quant_axes),
+                                   weight_dtype)
 
 
 def _group_bounds(leaves: Sequence[Leaf], group_bytes: int) -> list[tuple[tuple[int, ...], tuple[int, int] | None]]:
@@ -210,12 +245,18 @@ class TransferPlan:
     """The groups and reshard programs of one parameter signature (shapes and dtypes).
 
     Programs are shared between groups of equal shape (all full runs of layers are one
-    program); nothing compiles before its first call.
+    program); nothing compiles before its first call. With `weight_dtype` ("int8" / "int4") the
+    leaves with `quant_axes` come out of their program as QuantizedWeights (codes and scales on
+    the view), quantized before the reshard: its collectives move codes, not the generation dtype.
     """
 
-    def __init__(self, leaves: Sequence[Leaf], train_mesh: Mesh, view: Mesh, group_bytes: int):
+    def __init__(self, leaves: Sequence[Leaf], train_mesh: Mesh, view: Mesh, group_bytes: int,
+                 weight_dtype: str | None = None):
         self.leaves = tuple(leaves)
+        if weight_dtype is None and any(leaf.quant_axes is not None for leaf in self.leaves):
+            raise ValueError("leaves with quant_axes need a weight_dtype")
         self.train_mesh, self.view = train_mesh, view
+        self.weight_dtype = weight_dtype
         self.replicated = NamedSharding(train_mesh, PartitionSpec())
         programs: dict[tuple, Any] = {}
         self.groups: list[_Group] = []
@@ -230,6 +271,7 @@ class TransferPlan:
         self.programs = tuple(programs.values())
 
     def view_sharding(self, leaf: Leaf) -> NamedSharding:
+        """The layout of one piece of `leaf` on the view (of its codes, when quantized)."""
         return NamedSharding(self.view, fit_spec(leaf.generation_spec, leaf.piece_shape, self.view))
 
     def _train_sharding(self, leaf: Leaf, shape: tuple[int, ...] | None = None) -> NamedSharding:
@@ -238,11 +280,14 @@ class TransferPlan:
     def _whole_program(self, idx: tuple[int, ...]):
         leaves = [self.leaves[i] for i in idx]
         train_sh = [self._train_sharding(leaf) for leaf in leaves]
+        kind = self.weight_dtype
 
         def reshard(xs):
-            return [_cast_where_it_lies(x, leaf.out_dtype, sh) for x, leaf, sh in zip(xs, leaves, train_sh)]
+            return [_served_where_it_lies(x, leaf, sh, kind) for x, leaf, sh in zip(xs, leaves, train_sh)]
 
-        return jax.jit(reshard, in_shardings=(train_sh,), out_shardings=[self.view_sharding(x) for x in leaves])
+        out_sh = [served_sharding(self.view_sharding(leaf), leaf.quant_axes, kind, leaf.piece_shape)
+                  for leaf in leaves]
+        return jax.jit(reshard, in_shardings=(train_sh,), out_shardings=out_sh)
 
     def _layers_program(self, idx: tuple[int, ...], count: int):
         """Layers [start, start + count) of every stacked leaf, `start` an argument, as `count`
@@ -250,12 +295,15 @@ class TransferPlan:
         leaves = [self.leaves[i] for i in idx]
         train_sh = [self._train_sharding(leaf) for leaf in leaves]
         slice_sh = [self._train_sharding(leaf, (count, *leaf.shape[1:])) for leaf in leaves]
-        out_sh = [self.view_sharding(leaf) for _ in range(count) for leaf in leaves]
+        kind = self.weight_dtype
+        out_sh = [served_sharding(self.view_sharding(leaf), leaf.quant_axes, kind, leaf.piece_shape)
+                  for _ in range(count) for leaf in leaves]
 
         def reshard(xs, start):
-            parts = [_cast_where_it_lies(jax.lax.dynamic_slice_in_dim(x, start, count), leaf.out_dtype, sh)
+            # Per leaf [count, ...] (codes and scales [count, ...] when quantized), then one output a layer.
+            parts = [_served_where_it_lies(jax.lax.dynamic_slice_in_dim(x, start, count), leaf, sh, kind)
                      for x, leaf, sh in zip(xs, leaves, slice_sh)]
-            return [part[layer] for layer in range(count) for part in parts]
+            return [jax.tree.map(lambda a, layer=layer: a[layer], part) for layer in range(count) for part in parts]
 
         return jax.jit(reshard, in_shardings=(train_sh, self.replicated), out_shardings=out_sh)
 
@@ -265,11 +313,23 @@ class TransferPlan:
         return (xs,) if group.layers is None else (xs, start)
 
 
+def served_axes(names: Sequence[Any], stacked: Sequence[bool], weight_dtype: str | None
+                ) -> list[tuple[int, ...] | None]:
+    """Per leaf (its last key, whether stacked over layers): the axes its per-layer piece contracts
+    over when served quantized (a `quantize.QUANTIZED` layer weight, with `weight_dtype` set), else None."""
+    return [quantize.contracted_axes(name) if weight_dtype and is_stacked else None
+            for name, is_stacked in zip(names, stacked)]
+
+
 def describe_leaves(paths: Sequence[str], stacked: Sequence[bool], train_specs: Sequence[PartitionSpec],
                      generation_specs: Sequence[PartitionSpec], leaves: Sequence[Any],
-                     generation_dtype: np.dtype | None) -> list[Leaf]:
+                     generation_dtype: np.dtype | None,
+                     quant_axes: Sequence[tuple[int, ...] | None] | None = None) -> list[Leaf]:
+    """quant_axes: per leaf, the axes its piece contracts over when served quantized, else None."""
     out = []
-    for path, is_stacked, t_spec, g_spec, x in zip(paths, stacked, train_specs, generation_specs, leaves):
+    quant_axes = [None] * len(paths) if quant_axes is None else quant_axes
+    for path, is_stacked, t_spec, g_spec, x, axes in zip(paths, stacked, train_specs, generation_specs, leaves,
+                                                          quant_axes):
         shape = tuple(x.shape)
         if is_stacked:
             if not shape or shape[0] != leaves[stacked.index(True)].shape[0]:
@@ -277,5 +337,5 @@ def describe_leaves(paths: Sequence[str], stacked: Sequence[bool], train_specs: 
                                  f"a leading layer axis of one length")
             g_spec = PartitionSpec(*tuple(g_spec)[1:])  # a piece is one layer
         out.append(Leaf(path, shape, np.dtype(x.dtype), _out_dtype(x.dtype, generation_dtype), t_spec, g_spec,
-                         is_stacked))
+                         is_stacked, axes))
     return out

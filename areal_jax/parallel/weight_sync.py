@@ -7,17 +7,19 @@ three steps:
   (a) reshard: one jitted program on the train devices. Its outputs live on a *view* of
       the train devices with axes ("hosts", "data", "expert", "tensor"): replicated over "hosts",
       laid out like the generation spec within a host. The dtype cast runs first, on the
-      train layout (pinned there), so the gathers move generation-dtype bytes, not fp32.
+      train layout (pinned there), so the gathers move generation-dtype bytes, not fp32. With
+      EngineConfig.weight_dtype "int8" / "int4" each quantized weight is also quantized there,
+      each training device its own shard (parallel/transfer_plan.py), so the gathers, across
+      hosts too, move its codes and scales (about 1/2 or 1/4 of bf16's bytes).
   (b) re-wrap: each process wraps its addressable shards of that output as an array on a
       host-local mesh of its own training devices (no copy).
-  (c) place: a host-local `jax.device_put` onto the generation mesh, then the staging
-      buffers of (a) are freed before the next group starts. With EngineConfig.weight_dtype
-      "int8" / "int4" each quantized weight's piece is first quantized where (b) left it, on the
-      training devices (parallel/sender_quantize.py): (c) moves its codes and scales.
+  (c) place: a host-local `jax.device_put` onto the generation mesh (codes and scales for a
+      quantized weight: parallel/sender_quantize.py), then the staging buffers of (a) are freed
+      before the next group starts.
 
 Streaming: a transfer is a sequence of groups, so the training devices, which already hold
 the fp32 weights and the optimizer state, never hold more than one group of generation
-weights (plus its program's temporaries, and its codes and scales when quantized). Groups
+weights (as served: codes and scales when quantized) plus its program's temporaries. Groups
 are runs of layers of the stacked `params["layers"]` leaves (one program per run length, the
 first layer an argument: 28 layers in runs of 2 compile one program) and packs of the other
 leaves (embedding, head, final norm), each up to `group_bytes` of generation weights (a single
@@ -72,6 +74,7 @@ from areal_jax.parallel.transfer_plan import (
     describe_leaves,
     fit_spec,
     model_partition_specs,
+    served_axes,
     transfer_view,
 )
 
@@ -92,8 +95,8 @@ class TransferStats:
 
     index: int  # 1 for the first transfer of this WeightSync
     total_s: float
-    reshard_s: float  # steps (a) of every group, including compilation when `compiled`
-    place_s: float  # steps (b) + (c) of every group, the quantization between, the "stacked" in-place writes
+    reshard_s: float  # steps (a) of every group (with their quantization), including compilation when `compiled`
+    place_s: float  # steps (b) + (c) of every group and the "stacked" in-place writes
     num_bytes: int  # bytes delivered to this host's generation devices: served weights (codes + scales if quantized)
     compiled: bool  # a new reshard program was compiled for this transfer
     groups: int = 1  # reshard programs run (one per group)
@@ -114,8 +117,8 @@ class WeightSync:
       generation_specs: same structure, PartitionSpecs over ("data", "expert", "tensor").
       generation_dtype: cast floating parameters to this dtype on the way (None: keep).
       group_bytes: generation-dtype bytes (whole arrays) one reshard group may stage; the
-        training devices hold at most one group of staging buffers at a time (and, quantized,
-        that group's codes and scales).
+        training devices hold at most one group of staging buffers at a time (quantized: that
+        group's codes and scales, less).
       layout: "split" gives `params["layers"]` as a tuple of per-layer dicts (a tree with a
         `"layers"` entry whose leaves are stacked on a leading axis; other trees keep their
         structure): the generation devices hold the pieces received so far plus the group in
@@ -125,10 +128,11 @@ class WeightSync:
       weight_dtype: EngineConfig.weight_dtype. "int8" / "int4": each layer weight that
         models/quantize.py quantizes arrives as a QuantizedWeight (int8 codes and fp32
         per-output-channel scales, or int4 codes and bf16 scales per group of 128 inputs),
-        quantized piece by piece on the training devices from the staged generation-dtype piece
-        (parallel/sender_quantize.py), so the put onto the generation devices moves the codes
-        and scales (about 1/2 or 1/4 of bf16's bytes) and they never hold a full-precision piece.
-        Bit for bit what quantizing the generation-dtype weights gives. In the stacked layout the
+        quantized by the reshard program in the training layout (each device its own shard) from
+        the generation-dtype weights, so the reshard's gathers across hosts and the put onto the
+        generation devices move the codes and scales (about 1/2 or 1/4 of bf16's bytes) and no
+        device holds a full-precision piece on the view or the generation side. Bit for bit what
+        quantizing the generation-dtype weights gives. In the stacked layout the
         codes and scales are the per-layer ones with the layer axis in front. (Weights one
         process holds whole are still quantized on the generation devices, a piece at a time.)
     """
@@ -172,8 +176,7 @@ class WeightSync:
         self._stacked = [has_layers and getattr(p[0], "key", None) == LAYERS for p, _ in flat]
         self._weight_dtype = weight_dtype
         # Per leaf: the axes its per-layer pieces contract over when quantized, else None.
-        self._quant_axes = [quantize.contracted_axes(getattr(p[-1], "key", None)) if weight_dtype and stacked
-                            else None for (p, _), stacked in zip(flat, self._stacked)]
+        self._quant_axes = served_axes([getattr(p[-1], "key", None) for p, _ in flat], self._stacked, weight_dtype)
         self._sender = SenderQuantizer(self._quant_axes, weight_dtype)
         self._layers_def = (jax.tree.structure(train_specs[LAYERS], is_leaf=is_spec) if any(self._stacked)
                             else None)
@@ -252,14 +255,14 @@ class WeightSync:
         signature = tuple((tuple(x.shape), np.dtype(x.dtype)) for x in leaves)
         if signature not in self._plans:
             described = describe_leaves(self._paths, self._stacked, self._train_specs, self._generation_specs,
-                                         leaves, self._dtype)
+                                         leaves, self._dtype, self._quant_axes)
             generation_mesh = self._meshes.generation
             for leaf in described:
                 if fit_spec(leaf.generation_spec, leaf.piece_shape, generation_mesh) != leaf.generation_spec:
                     raise ValueError(
                         f"generation spec {leaf.generation_spec} at {leaf.path} does not split shape "
                         f"{leaf.piece_shape} evenly on the generation mesh {dict(generation_mesh.shape)}")
-            plan = TransferPlan(described, self._meshes.train, self._view, self._group_bytes)
+            plan = TransferPlan(described, self._meshes.train, self._view, self._group_bytes, self._weight_dtype)
             # The first layer of a group, as a replicated scalar on the train mesh (made once).
             starts = [None if g.layers is None else jax.make_array_from_callback(
                 (), plan.replicated, lambda _, s=g.layers[0]: np.asarray(s, np.int32)) for g in plan.groups]
@@ -320,7 +323,8 @@ class WeightSync:
         reshard_s, place_s = 0.0, time.perf_counter() - t_alloc
         for g, (group, first) in enumerate(zip(plan.groups, starts)):
             t0 = time.perf_counter()
-            # (a) one program over the train devices: cast, replicate over hosts, lay out like generation.
+            # (a) one program over the train devices: cast (and quantize), replicate over hosts, lay
+            # out like generation.
             on_view = group.program(*plan.group_args(group, leaves, first))
             jax.block_until_ready(on_view)
             reshard_s += time.perf_counter() - t0
@@ -352,40 +356,27 @@ class WeightSync:
         )
         return out
 
-    def _send(self, on_view: list[jax.Array], leaf_ids: list[int], shardings: dict) -> list[Any]:
-        """Steps (b) and (c) for one group's outputs (pieces of leaves `leaf_ids`), quantized in
-        between where served so; frees the group's staging buffers and what was sent."""
+    def _send(self, on_view: list[Any], leaf_ids: list[int], shardings: dict) -> list[Any]:
+        """Steps (b) and (c) for one group's outputs (pieces of leaves `leaf_ids`, as served: codes
+        and scales of a quantized weight); frees the group's staging buffers and what was sent."""
         # (b) this host's copy as an array on its own training devices (no copy).
-        local = [
-            jax.make_array_from_single_device_arrays(x.shape, shardings[i][0], [s.data for s in x.addressable_shards])
-            for x, i in zip(on_view, leaf_ids)
-        ]
-        served = self._quantize_staged(local, on_view, leaf_ids, shardings)
+        local = [jax.tree.map(self._rewrap, x, self._sender.sharding(i, shardings[i][0], tuple(x.shape)))
+                 for x, i in zip(on_view, leaf_ids)]
         if self._meshes.colocated:
-            return served  # the local view is the generation mesh: already in place
+            return local  # the local view is the generation mesh: already in place
         # (c) host-local copy onto the generation devices, then free what was sent explicitly
         # (donation does not free across devices on CPU).
-        out = jax.device_put(served, [self._sender.sharding(i, shardings[i][1], tuple(x.shape))
-                                      for i, x in zip(leaf_ids, on_view)])
+        out = jax.device_put(local, [self._sender.sharding(i, shardings[i][1], tuple(x.shape))
+                                     for i, x in zip(leaf_ids, on_view)])
         jax.block_until_ready(out)
-        for x in (*jax.tree.leaves(served), *local, *on_view):
+        for x in (*jax.tree.leaves(local), *jax.tree.leaves(on_view)):
             x.delete()
         return out
 
-    def _quantize_staged(self, local: list[jax.Array], on_view: list[jax.Array], leaf_ids: list[int],
-                         shardings: dict) -> list[Any]:
-        """The group's staged pieces (`local`, this host's views of `on_view`) as served: a quantized
-        weight's as codes and scales made where it lies, its staged buffers freed at once (so the
-        codes add one piece at most); the others as they are."""
-        side = 1 if self._meshes.colocated else 0  # colocated: quantize in the generation layout
-        served = []
-        for i, x, staged in zip(leaf_ids, local, on_view):
-            served.append(self._sender.quantize(i, x, shardings[i][side]))
-            if served[-1] is not x:
-                jax.block_until_ready(served[-1])
-                x.delete()
-                staged.delete()
-        return served
+    @staticmethod
+    def _rewrap(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+        """This process's shards of `x` (on the view) as an array laid out by `sharding` (no copy)."""
+        return jax.make_array_from_single_device_arrays(x.shape, sharding, [s.data for s in x.addressable_shards])
 
     def _keep(self, pieces: dict, buffers: dict[int, Any], piece: tuple[int, int | None], x: Any) -> None:
         """A landed piece (this transfer's own array): in the stacked layout a layer piece is
@@ -440,7 +431,7 @@ class WeightSync:
 def transfer_program_specs(model_cfg: Any, train_mesh: Mesh, *, num_hosts: int, generation_tensor: int,
                            dtype: Any, group_bytes: int = DEFAULT_GROUP_BYTES,
                            optimizer_state: PyTree | None = None, lora: Any = None,
-                           generation_expert: int = 1) -> list:
+                           generation_expert: int = 1, weight_dtype: str | None = None) -> list:
     """The reshard programs of one transfer of `model_cfg`'s weights, one spec per group run.
 
     Args:
@@ -455,20 +446,23 @@ def transfer_program_specs(model_cfg: Any, train_mesh: Mesh, *, num_hosts: int, 
       lora: with rank > 0 (models.lora.LoRAConfig), the transfers of parallel/adapter_sync.py:
         the frozen base once (in `lora.base_dtype`), and the adapters (fp32) at every swap,
         named "transfer/lora/...".
+      weight_dtype: EngineConfig.weight_dtype: "int8" / "int4" quantize the layer weights in the
+        programs, which then output their codes and scales (named "...[bfloat16->int8]"); not
+        with LoRA (config.weight_dtype_conflict refuses it).
 
     Every spec runs on the training devices (role "transfer"): arguments are the weights it
     reads; resident are the other weights and the optimizer state. One spec per group run
     (runs of equal length lower to the same program), so the planner's sum over transfer
     specs is one whole transfer. In colocated mode the generation weights placed so far also
-    stay on these devices; the planner adds the generation side's state there. With
-    EngineConfig.weight_dtype set, the staged pieces are then quantized on these devices
-    (parallel/sender_quantize.py), each freed as its codes exist: at most one piece's codes and
-    scales beyond a group's output, which these specs do not count.
+    stay on these devices; the planner adds the generation side's state there.
     """
     from areal_jax.models import lora as lora_lib
     from areal_jax.models.transformer import param_shapes
 
     enabled = lora is not None and lora.enabled
+    if enabled and weight_dtype is not None:
+        raise ValueError(f"weight_dtype {weight_dtype!r} with LoRA: a LoRA push serves full-precision merged "
+                         "weights")
     base_dtype = jnp.dtype(lora.base_dtype) if enabled else jnp.float32
     view = (generation_tensor, generation_expert)
     base = _structs(model_partition_specs(model_cfg, train_mesh, generation_tensor, generation_expert=generation_expert),
@@ -476,7 +470,7 @@ def transfer_program_specs(model_cfg: Any, train_mesh: Mesh, *, num_hosts: int, 
     if not enabled:
         moments = optimizer_state if optimizer_state is not None else (abstract_like(base), abstract_like(base))
         return _group_specs(base, model_cfg, train_mesh, num_hosts, view, dtype, group_bytes,
-                            (moments,), "transfer/")
+                            (moments,), "transfer/", weight_dtype)
     trainable = lambda t: {LAYERS: {k: v for k, v in t.items() if k != lora_lib.SCALE}}  # noqa: E731
     adapters = _structs(model_partition_specs(model_cfg, train_mesh, generation_tensor, lora, generation_expert),
                         trainable(lora_lib.adapter_shapes(model_cfg, lora)), jnp.float32, train_mesh)
@@ -500,13 +494,15 @@ def _structs(specs: tuple[PyTree, PyTree], shapes: PyTree, dtype: Any, train_mes
     treedef = jax.tree.structure(train_specs, is_leaf=is_spec)
     structs = [jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(train_mesh, spec))
                for shape, (_, spec) in zip(treedef.flatten_up_to(shapes), flat)]
-    return _Described([jax.tree_util.keystr(p) for p, _ in flat], [getattr(p[0], "key", None) == LAYERS for p, _ in flat],
+    return _Described([jax.tree_util.keystr(p) for p, _ in flat], [getattr(p[-1], "key", None) for p, _ in flat],
+                      [getattr(p[0], "key", None) == LAYERS for p, _ in flat],
                       [s for _, s in flat], treedef.flatten_up_to(generation_specs), structs)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Described:
     paths: list
+    names: list  # each leaf's last key
     stacked: list
     train_specs: list
     generation_specs: list
@@ -517,14 +513,18 @@ class _Described:
 
 
 def _group_specs(described: _Described, model_cfg: Any, train_mesh: Mesh, num_hosts: int,
-                 generation: tuple[int, int], dtype: Any, group_bytes: int, resident: tuple, prefix: str) -> list:
+                 generation: tuple[int, int], dtype: Any, group_bytes: int, resident: tuple, prefix: str,
+                 weight_dtype: str | None = None) -> list:
     """generation: (tensor, expert) sizes of a generation replica."""
     from areal_jax.aot import ProgramSpec
 
     structs = described.structs
+    quant_axes = served_axes(described.names, described.stacked, weight_dtype)
     leaves = describe_leaves(described.paths, described.stacked, described.train_specs, described.generation_specs,
-                             structs, np.dtype(dtype))
-    plan = TransferPlan(leaves, train_mesh, transfer_view(train_mesh, num_hosts, *generation), group_bytes)
+                             structs, np.dtype(dtype), quant_axes)
+    plan = TransferPlan(leaves, train_mesh, transfer_view(train_mesh, num_hosts, *generation), group_bytes,
+                        weight_dtype)
+    served = np.dtype(dtype).name + (f"->{weight_dtype}" if weight_dtype else "")
     start = jax.ShapeDtypeStruct((), jnp.int32, sharding=plan.replicated)
     num_layers = model_cfg.num_layers
     specs = []
@@ -533,7 +533,7 @@ def _group_specs(described: _Described, model_cfg: Any, train_mesh: Mesh, num_ho
         name = (prefix + "+".join(leaves[i].path.strip("[]'") for i in group.leaves) if group.layers is None
                 else f"{prefix}layers[{group.layers[0]}:{group.layers[1]} of {num_layers}]")
         specs.append(ProgramSpec(
-            name=f"{name}[{np.dtype(dtype).name}]", role="transfer", fn=group.program,
+            name=f"{name}[{served}]", role="transfer", fn=group.program,
             args=plan.group_args(group, structs, start),
             resident=(tuple(s for i, s in enumerate(structs) if i not in read), *resident),
             fields=TRANSFER_FIELDS))

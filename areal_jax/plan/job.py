@@ -102,7 +102,8 @@ def collect_specs(job: JobConfigs, model_cfg: ModelConfig, target: Target, meshe
     specs += transfer_program_specs(model_cfg, meshes.train, num_hosts=target.hosts,
                                     generation_tensor=job.mesh.generation_tensor,
                                     generation_expert=job.mesh.generation_expert, dtype=gen_dtype(job),
-                                    group_bytes=job.rl.transfer_group_bytes, lora=job.lora)
+                                    group_bytes=job.rl.transfer_group_bytes, lora=job.lora,
+                                    weight_dtype=job.engine.weight_dtype)
     # The engine's programs for the target's platform (its KV layout and attention kernel), where
     # the engine takes one (the paged engine of issue 25 does).
     on_target = ({"platform": "tpu" if target.platform == "tpu" else "gpu"}
@@ -369,12 +370,15 @@ def plan_job(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_files
         prediction["learned_rewards"] = learned_reward_memory(job.rollout.reward_terms, job.rollout.judge)
         prediction["learned_rewards_devices"] = "own" if job.mesh.reward_devices else "first generation device"
         add_learned_reward_time(prediction, programs, job, colocated=split.colocated, live=live)
-    # The bytes each step's weight swap moves: the model in the generation dtype, or with LoRA its
-    # adapters (parallel/adapter_sync.py).
+    # The bytes each step's weight swap moves: the model as served (the generation dtype; codes and
+    # scales with EngineConfig.weight_dtype, quantized before the gathers: parallel/transfer_plan.py),
+    # or with LoRA its adapters (parallel/adapter_sync.py).
+    from areal_jax.models.quantize import served_bytes
     from areal_jax.parallel.adapter_sync import adapter_bytes
 
     prediction["transfer_bytes_per_step"] = (adapter_bytes(model_cfg, job.lora, gen_dtype(job)) if job.lora.enabled
-                                             else model_cfg.num_params() * gen_dtype(job).itemsize)
+                                             else served_bytes(model_cfg, gen_dtype(job).itemsize,
+                                                               job.engine.weight_dtype))
     prediction.update(network_transfer(prediction["transfer_bytes_per_step"], target))
     return Plan(target=target, split=split, train_devices=split.num_train * target.hosts,
                 generation_devices=split.num_generation * target.hosts, programs=tuple(programs),
