@@ -194,15 +194,19 @@ def test_the_reshard_gathers_codes_across_hosts(kind, tmp_path):
     and f32; the partitioned module is what the program asks every backend to move.)"""
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:8]).reshape(4, 1, 2), TRAIN_AXES)
     code = {"int8": "s8", "int4": "s4"}[kind]
+    programs = {}
 
     def moved(weight_dtype):
         specs = transfer_program_specs(MODEL, mesh, num_hosts=2, generation_tensor=2, dtype=jnp.bfloat16,
                                        group_bytes=1, weight_dtype=weight_dtype)
         (layer,) = [s for s in specs if s.name.startswith("transfer/layers[0:1 ")]
+        programs[layer.name] = layer
         return layer.name, _collectives(_partitioned_collectives(layer.fn, layer.args, tmp_path))
 
     name, bf16 = moved(None)
     qname, quant = moved(kind)
+    # The rounding to bf16 survives compilation (no pass may fold it into the fp32 weights).
+    assert "mantissa_bits=7" in programs[qname].lower().compile().as_text()
     assert qname == name.replace("[bfloat16]", f"[bfloat16->{kind}]")
     # The bf16 push gathers the layer's weights in bf16 (e.g. bf16[64,64] all-gathers); the quantized
     # push gathers the same shapes as codes, and none of them in bf16.
@@ -214,6 +218,21 @@ def test_the_reshard_gathers_codes_across_hosts(kind, tmp_path):
     before, after = _bytes_by_type(bf16), _bytes_by_type(quant)
     assert after.get("bf16", 0) + after.get("f32", 0) <= 0.1 * before["bf16"], (after, before)
     assert sum(after.values()) <= {"int8": 0.6, "int4": 0.35}[kind] * before["bf16"], (after, before)
+
+
+def test_the_reshards_rounding_to_bf16_is_the_casts():
+    """The fp32 values the reshard quantizes are the bf16 cast's, bit for bit, on every finite fp32
+    bit pattern drawn (ties, subnormals, the largest values), laid out over 8 devices."""
+    from areal_jax.parallel.transfer_plan import _rounded_where_it_lies
+
+    bits = np.random.default_rng(0).integers(0, 2**32, size=1 << 16, dtype=np.uint64).astype(np.uint32)
+    x = bits.view(np.float32)
+    edges = [1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 3.3895314e38, 1e-40, -1e-40, 1e-45, 0.0, -0.0]
+    x = np.concatenate([x[np.isfinite(x)][:(1 << 15) - len(edges)], np.float32(edges)]).astype(np.float32)
+    sharding = NamedSharding(jax.sharding.Mesh(np.asarray(jax.devices()[:8]), ("x",)), P("x"))
+    got = jax.jit(lambda v: _rounded_where_it_lies(v, np.dtype(jnp.bfloat16), sharding))(jax.device_put(x, sharding))
+    want = jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32)
+    assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
@@ -232,6 +251,11 @@ def test_program_specs_are_the_quantized_programs_that_run(kind):
     out = jax.eval_shape(specs[-1].fn, *specs[-1].args)  # one layer: its quantized weights as codes
     served = {np.dtype(x.dtype) for x in jax.tree.leaves([x for x in out if isinstance(x, quantize.QuantizedWeight)])}
     assert served == {np.dtype(quantize.CODE_DTYPES[kind]), np.dtype(quantize.SCALE_DTYPES[kind])}
+    # What the planner sees staged on the training devices shrinks with the codes.
+    bf16 = transfer_program_specs(MODEL, meshes.train, num_hosts=1, generation_tensor=2, dtype=jnp.bfloat16,
+                                  group_bytes=1)[-1]
+    staged = [spec.lower().compile().memory_analysis().output_size_in_bytes for spec in (specs[-1], bf16)]
+    assert staged[0] <= {"int8": 0.6, "int4": 0.35}[kind] * staged[1], staged
 
 
 MOE = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,

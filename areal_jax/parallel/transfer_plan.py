@@ -192,15 +192,27 @@ def _cast_where_it_lies(x: jax.Array, dtype: np.dtype, sharding: NamedSharding) 
     return jax.lax.with_sharding_constraint(cast(x, dtype), sharding)
 
 
+def _rounded_where_it_lies(x: jax.Array, dtype: np.dtype, sharding: NamedSharding) -> jax.Array:
+    """`x` rounded to `dtype`, as fp32 values pinned to its train layout: what the quantizer reads.
+    The rounding must survive compilation: with excess precision allowed XLA may fold
+    convert(convert(x, bf16), f32) back into x (GPU's simplify-fp-conversions pass does), and the
+    codes must be those of the rounded weights. No pass folds a reduce-precision, which rounds as
+    the cast does where the exponent range is fp32's (bf16); another dtype's cast stays behind a
+    barrier."""
+    info = jnp.finfo(dtype)
+    if info.nexp == jnp.finfo(jnp.float32).nexp:
+        w = jax.lax.reduce_precision(x.astype(jnp.float32), exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    else:
+        w = jax.lax.optimization_barrier(cast(x, dtype)).astype(jnp.float32)
+    return jax.lax.with_sharding_constraint(w, sharding)
+
+
 def _quantize_where_it_lies(x: jax.Array, dtype: np.dtype, sharding: NamedSharding, axes: tuple[int, ...],
                             weight_dtype: str) -> quantize.QuantizedWeight:
-    """`x` cast to `dtype` and quantized over `axes` on its train layout: each device makes the codes of
-    its own shard (a contracted axis split over devices costs XLA a cross-device max of the scales'
-    size), so the reshard after moves codes and scales. The barrier keeps the cast a real rounding:
-    with excess precision allowed XLA may fold convert(convert(x, bf16), f32) into x, and the codes
-    must be those of the rounded weights."""
-    w = jax.lax.optimization_barrier(_cast_where_it_lies(x, dtype, sharding))
-    q = quantize.quantize(w, axes, weight_dtype)
+    """`x` rounded to `dtype` and quantized over `axes` on its train layout: each device makes the
+    codes of its own shard (a contracted axis split over devices costs XLA a cross-device max of
+    the scales' size), so the reshard after moves codes and scales."""
+    q = quantize.quantize(_rounded_where_it_lies(x, dtype, sharding), axes, weight_dtype)
     scale_spec = fit_spec(sharding.spec, quantize.scale_shape(tuple(x.shape), axes, weight_dtype), sharding.mesh)
     return quantize.QuantizedWeight(jax.lax.with_sharding_constraint(q.q, sharding),
                                     jax.lax.with_sharding_constraint(q.scale, NamedSharding(sharding.mesh, scale_spec)))
