@@ -231,4 +231,5 @@ def test_the_simulator_costs_quantized_decode_reads_but_a_full_push(kind, low, h
     bf16, q = RooflineCosts(**common), RooflineCosts(**common, served_weight_fraction=served / pushed)
     assert q.weights_read(48) == pytest.approx(bf16.weights_read(48) * served / pushed)
     assert q.decode_step_s(1024) == pytest.approx(bf16.decode_step_s(1024) * served / pushed)  # bandwidth-bound
-    assert q.transfer_s == bf16.transfer_s  # the push still sends the generation dtype
+    # The training devices quantize each piece before it crosses: the push sends the served bytes.
+    assert q.transfer_s == pytest.approx(bf16.transfer_s * served / pushed)

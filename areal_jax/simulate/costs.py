@@ -121,8 +121,9 @@ class RooflineCosts:
     # Share of the generation weights' bytes a push sends (RLConfig.transfer_mode "delta":
     # parallel/delta_sync.sent_fraction of the changed share; 1.0: the full push).
     transfer_sent_fraction: float = 1.0
-    # Bytes of the served copy over the pushed one (EngineConfig.weight_dtype "int8": about 0.5,
-    # "int4": about 0.26 of bf16; models/quantize.served_bytes): what decode and prefill read; a push still sends the pushed.
+    # Bytes of the served copy over the generation dtype's (EngineConfig.weight_dtype "int8": about
+    # 0.5, "int4": about 0.26 of bf16; models/quantize.served_bytes): what decode and prefill read, and
+    # what a full push sends (the training devices quantize each piece before it crosses).
     served_weight_fraction: float = 1.0
     reward_s: float = 0.0
     label: str = "roofline"
@@ -130,7 +131,9 @@ class RooflineCosts:
 
     @property
     def transfer_s(self) -> float:
-        return self.generation_weight_bytes * self.transfer_sent_fraction / self.transfer_bytes_per_s
+        # At most one factor is below 1: a delta push never quantizes (parallel/delta_sync.py refuses it).
+        sent = self.transfer_sent_fraction * self.served_weight_fraction
+        return self.generation_weight_bytes * sent / self.transfer_bytes_per_s
 
     def _time(self, flops: float, accessed: float) -> float:
         from areal_jax.plan.planner import roofline_s
