@@ -524,7 +524,6 @@ def _group_specs(described: _Described, model_cfg: Any, train_mesh: Mesh, num_ho
                              structs, np.dtype(dtype), quant_axes)
     plan = TransferPlan(leaves, train_mesh, transfer_view(train_mesh, num_hosts, *generation), group_bytes,
                         weight_dtype)
-    served = np.dtype(dtype).name + (f"->{weight_dtype}" if weight_dtype else "")
     start = jax.ShapeDtypeStruct((), jnp.int32, sharding=plan.replicated)
     num_layers = model_cfg.num_layers
     specs = []
@@ -532,6 +531,8 @@ def _group_specs(described: _Described, model_cfg: Any, train_mesh: Mesh, num_ho
         read = set(group.leaves)
         name = (prefix + "+".join(leaves[i].path.strip("[]'") for i in group.leaves) if group.layers is None
                 else f"{prefix}layers[{group.layers[0]}:{group.layers[1]} of {num_layers}]")
+        quantized = any(leaves[i].quant_axes is not None for i in group.leaves)
+        served = np.dtype(dtype).name + (f"->{weight_dtype}" if quantized else "")  # what the group outputs
         specs.append(ProgramSpec(
             name=f"{name}[{served}]", role="transfer", fn=group.program,
             args=plan.group_args(group, structs, start),
