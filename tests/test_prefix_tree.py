@@ -126,8 +126,11 @@ def test_ppo_step_with_two_minibatches_equals_plain(trainers):
     assert all("tree_index" in m.arrays for mb in out_tree.minibatches for m in mb)
     for name in ("loss", "entropy", "n_valid_tokens", "grad_norm", "clip_frac"):
         np.testing.assert_allclose(out_tree.train[name], out_plain.train[name], rtol=1e-4, atol=1e-6, err_msg=name)
+    # Two AdamW steps of lr 1e-2 each move a weight up to ~2e-2 whatever its gradient's size, so an
+    # element whose gradient is near zero turns an fp32 summation-order difference into a step
+    # difference; 1e-4 is 0.5% of the steps taken (1.8e-5 seen on some CPUs).
     for a, b in zip(jax.tree.leaves(tree.params), jax.tree.leaves(plain.params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
     reset(plain, tree)
 
 
