@@ -25,8 +25,8 @@ from areal_jax.models.sharding import TRAIN_RULES
 from areal_jax.parallel import MeshConfig, WeightSync, build_meshes, transfer_program_specs
 from areal_jax.parallel.meshes import TRAIN_AXES
 from areal_jax.trainer.train_step import param_shardings
-from tests.test_weight_sync import (MODEL, PEAK_MODEL, SPLITS, _assert_same_bytes, _bytes_on, _live_bytes,
-                                    _partitioned_collectives, _stack_split)
+from tests.test_weight_sync import (MODEL, PEAK_MODEL, SPLITS, _assert_same_bytes, _live_bytes,
+                                    _LiveBytesSampler, _partitioned_collectives, _served_piece_bytes, _stack_split)
 
 # name -> (shape, train spec, generation spec), fp32 on the train mesh. Both layer weights shard
 # their contracted axis over the training devices (w_up's D over fsdp x tensor, w_down's F over
@@ -126,35 +126,24 @@ def test_quantized_push_holds_one_group_and_its_codes_on_the_training_devices(ki
     """The training devices hold at most one group's staged pieces as served (codes and scales of
     a quantized weight, no bf16 copy of it) plus their program's temporaries (sampled at every
     explicit free and after each reshard), and nothing once the push is done."""
-    from jax._src import array as array_impl
-
     meshes = build_meshes(SPLITS[1].values[0])
     devices = set(meshes.train_devices_local)
     host = init_params(PEAK_MODEL, 0)
     train_params = jax.device_put(host, param_shardings(PEAK_MODEL, TRAIN_RULES, meshes.train))
     sync = WeightSync.for_model(PEAK_MODEL, meshes, jnp.bfloat16, group_bytes=1, weight_dtype=kind)
     sync.transfer(train_params)  # compiles, and makes the groups' first-layer scalars (kept)
-    samples = []
-    sample = lambda *_: samples.append(_live_bytes(devices))  # noqa: E731
-    delete = array_impl.ArrayImpl.delete
-    monkeypatch.setattr(array_impl.ArrayImpl, "delete", lambda self: (sample(), delete(self))[1])
-    sync.on_group_resharded = sample
-    gc.collect()
-    before = _live_bytes(devices)
+    sampler = _LiveBytesSampler(sync, devices, monkeypatch)
     out = sync.transfer(train_params)
     monkeypatch.undo()
+    samples, before = sampler.samples, sampler.before
     gc.collect()
     after = _live_bytes(devices)
 
     plan, _, shardings = sync._plan(jax.tree.leaves(train_params))
 
-    def staged(i, leaf) -> int:  # leaf i's piece on the view as served: codes and scales when quantized
-        struct = jax.ShapeDtypeStruct(leaf.piece_shape, leaf.out_dtype, sharding=shardings[i][0])
-        axes = sync._quant_axes[i]
-        served = [struct] if axes is None else jax.tree.leaves(quantize.quantized_struct(struct, axes, kind))
-        return sum(_bytes_on(s.shape, s.dtype, s.sharding) for s in served)
-
-    bound = max(sum(staged(i, plan.leaves[i]) for i, _ in g.pieces) for g in plan.groups)
+    # Each group's pieces on the view as served: codes and scales when quantized.
+    bound = max(sum(_served_piece_bytes(sync, i, plan.leaves[i], shardings[i][0], kind) for i, _ in g.pieces)
+                for g in plan.groups)
     assert quantize.is_quantized(out) and len(samples) > 2 * PEAK_MODEL.num_layers
     assert 0 < max(samples) - before <= bound, (max(samples) - before, bound)
     assert after == before  # every staged piece and sent copy freed

@@ -405,6 +405,32 @@ def _bytes_on(shape, dtype, sharding) -> int:
     return len(sharding.device_set) * int(np.prod(sharding.shard_shape(shape))) * np.dtype(dtype).itemsize
 
 
+def _served_piece_bytes(sync, i, leaf, sharding, kind) -> int:
+    """Bytes of leaf i's piece laid out by `sharding` as served: its codes and scales when quantized."""
+    struct = jax.ShapeDtypeStruct(leaf.piece_shape, leaf.out_dtype, sharding=sharding)
+    axes = sync._quant_axes[i]
+    served = [struct] if axes is None else jax.tree.leaves(quantize.quantized_struct(struct, axes, kind))
+    return sum(_bytes_on(s.shape, s.dtype, s.sharding) for s in served)
+
+
+class _LiveBytesSampler:
+    """Live bytes on `devices` sampled at every explicit free (where a peak ends: the transfer frees
+    what it made explicitly) and after each group's reshard of `sync`, while installed."""
+
+    def __init__(self, sync, devices, monkeypatch):
+        from jax._src import array as array_impl
+
+        self.devices, self.samples = devices, []
+        delete = array_impl.ArrayImpl.delete
+        monkeypatch.setattr(array_impl.ArrayImpl, "delete", lambda x: (self.sample(), delete(x))[1])
+        sync.on_group_resharded = self.sample
+        gc.collect()
+        self.before = _live_bytes(devices)
+
+    def sample(self, *_) -> None:
+        self.samples.append(_live_bytes(self.devices))
+
+
 # Twelve layers, so a stacked leaf (w_gate: 12 x 16 KiB in bf16) outweighs a group of one layer
 # (98 KiB summed over 4 generation devices, the small leaves replicated): stacking pieces collected
 # to the end (the old way) overshoots the bound below: by a leaf, twice one group.
@@ -419,35 +445,23 @@ def test_stacked_layout_holds_one_copy_plus_one_group(cfg, _staged, kind, monkey
     (quantized ones as codes and scales: no full-precision piece), sampled at every explicit free (where
     a peak ends: the transfer frees what it made explicitly) and after each group's reshard; and a
     second transfer compiles nothing."""
-    from jax._src import array as array_impl
-
     meshes = build_meshes(cfg)
     devices = set(meshes.generation.devices.flat)
     train_params = jax.device_put(init_params(PEAK_MODEL, 0), param_shardings(PEAK_MODEL, TRAIN_RULES, meshes.train))
     sync = WeightSync.for_model(PEAK_MODEL, meshes, jnp.bfloat16, group_bytes=1, layout="stacked", weight_dtype=kind)
     sync.transfer(train_params)  # compiles (its result is dropped at once)
-    samples = []
-    sample = lambda *_: samples.append(_live_bytes(devices))  # noqa: E731
-    delete = array_impl.ArrayImpl.delete
-    monkeypatch.setattr(array_impl.ArrayImpl, "delete", lambda self: (sample(), delete(self))[1])
-    sync.on_group_resharded = sample
-    gc.collect()
-    before = _live_bytes(devices)
+    sampler = _LiveBytesSampler(sync, devices, monkeypatch)
     with _BackendCompiles() as compiles:
         out = sync.transfer(train_params)
-    sample()
+    sampler.sample()
     monkeypatch.undo()
+    samples, before = sampler.samples, sampler.before
     assert compiles.count == 0  # the writes (the layer index an argument) compiled on the first transfer
 
     plan, _, shardings = sync._plan(jax.tree.leaves(train_params))
     assert len(plan.groups) == PEAK_MODEL.num_layers + 3  # a group per layer, embed, final_norm, lm_head
-    def landed(i, leaf) -> int:  # leaf i's piece as it lands: its codes and scales when quantized
-        struct = jax.ShapeDtypeStruct(leaf.piece_shape, leaf.out_dtype, sharding=shardings[i][1])
-        axes = sync._quant_axes[i]
-        served = [struct] if axes is None else jax.tree.leaves(quantize.quantized_struct(struct, axes, kind))
-        return sum(_bytes_on(s.shape, s.dtype, s.sharding) for s in served)
-
-    piece = {i: landed(i, leaf) for i, leaf in enumerate(plan.leaves)}
+    # Each leaf's piece as it lands: its codes and scales when quantized.
+    piece = {i: _served_piece_bytes(sync, i, leaf, shardings[i][1], kind) for i, leaf in enumerate(plan.leaves)}
     group = max(sum(piece[i] for i, _ in g.pieces) for g in plan.groups)
     weights = sum(_bytes_on(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(out))
     assert len(samples) > 2 * PEAK_MODEL.num_layers

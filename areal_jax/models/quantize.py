@@ -260,6 +260,14 @@ def quantize_params(params: Mapping[str, Any], weight_dtype: str = "int8") -> di
     return map_quantized(params, lambda w, axes, _: _quantize_program(w, axes, weight_dtype))
 
 
+def quantized_bytes(shape: tuple[int, ...], axes: tuple[int, ...], weight_dtype: str) -> int:
+    """Bytes of a weight of `shape` quantized over `axes`: its codes (int4 packed two a byte) and
+    its scales."""
+    codes = -(-int(np.prod(shape)) * dtype_bits(CODE_DTYPES[weight_dtype]) // 8)
+    scales = int(np.prod(scale_shape(shape, axes, weight_dtype)))
+    return codes + scales * np.dtype(SCALE_DTYPES[weight_dtype]).itemsize
+
+
 def served_bytes(model_cfg: Any, itemsize: int, weight_dtype: str | None) -> int:
     """Bytes of one whole copy of the served weights: `itemsize` a weight (the generation dtype),
     with `weight_dtype` "int8" one byte a quantized weight plus its fp32 scales, with "int4" half a
@@ -271,12 +279,8 @@ def served_bytes(model_cfg: Any, itemsize: int, weight_dtype: str | None) -> int
     if weight_dtype is None:
         return total
     _check(weight_dtype)
-    code_bits = dtype_bits(CODE_DTYPES[weight_dtype])
-    scale_bytes = np.dtype(SCALE_DTYPES[weight_dtype]).itemsize
     for name, shape in shapes["layers"].items():
         axes = contracted_axes(name, stacked=True)
         if axes is not None:
-            n = int(np.prod(shape))
-            total += -n * itemsize + n * code_bits // 8 + scale_bytes * int(np.prod(scale_shape(shape, axes,
-                                                                                                 weight_dtype)))
+            total += quantized_bytes(shape, axes, weight_dtype) - int(np.prod(shape)) * itemsize
     return total

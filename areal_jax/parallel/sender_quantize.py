@@ -13,15 +13,12 @@ devices. Bit for bit `quantize.quantize` of the generation-dtype weights either 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding
 
-from areal_jax.aot import dtype_bits
 from areal_jax.models import quantize
 from areal_jax.parallel.transfer_plan import Leaf, copies_whole_buffers, served_sharding
 
@@ -76,7 +73,4 @@ class SenderQuantizer:
         axes = self._axes[i]
         if axes is None:
             return leaf.piece_bytes
-        shape = leaf.piece_shape
-        codes = -(-math.prod(shape) * dtype_bits(quantize.CODE_DTYPES[self._kind]) // 8)
-        scales = math.prod(quantize.scale_shape(shape, axes, self._kind))
-        return codes + scales * np.dtype(quantize.SCALE_DTYPES[self._kind]).itemsize
+        return quantize.quantized_bytes(leaf.piece_shape, axes, self._kind)
