@@ -451,3 +451,37 @@ def test_only_keeps_the_other_sides_resident_state_beside_a_colocated_program(tm
     for spec in only.specs:
         beside = only.extra_resident(spec)
         assert beside > 0 and beside == whole.extra_resident(next(s for s in whole.specs if s.name == spec.name))
+
+
+def test_a_colocated_evicting_engine_leaves_its_weights_out_of_the_training_programs_memory(tmp_path):
+    """Colocated with weight_swap "evict", the engine drops its served weights before each update
+    (RLCluster.begin_update): a training or transfer program runs beside its KV pool only, exactly
+    two weight copies less than beside an engine that swaps alongside (its served copy and the room
+    for an incoming one); the engine's programs still run beside the whole training state."""
+    from areal_jax import config_system as cs
+    from areal_jax.jobs.configs import load_job_configs
+    from areal_jax.plan.config import PlanConfig
+    from areal_jax.plan.fit import stand_in_devices
+    from areal_jax.plan.job import plan_inputs
+    from areal_jax.plan.targets import parse_target
+
+    colocated = "MeshConfig.colocated = True\nMeshConfig.num_generation_devices_per_host = None\n"
+    inputs = {}
+    for swap in ("alongside", "evict"):
+        (tmp_path / swap).mkdir()
+        gin = _config(tmp_path / swap, colocated + f'EngineConfig.weight_swap = "{swap}"\n')
+        job = load_job_configs([str(gin)], run_dir=str(tmp_path / swap / "run"))
+        inputs[swap] = plan_inputs(job, cs.build(PlanConfig), parse_target("8xh100"), gin_files=[str(gin)],
+                                   devices=stand_in_devices)
+    kept, evicted = inputs["alongside"], inputs["evict"]
+    assert evicted.gen_weights == kept.gen_weights > 0
+    roles = set()
+    for spec in evicted.specs:
+        other = next(s for s in kept.specs if s.name == spec.name)
+        if spec.role in ("train", "transfer"):
+            assert evicted.extra_resident(spec) == kept.extra_resident(other) - 2 * kept.gen_weights, spec.name
+            assert evicted.extra_resident(spec) > 0  # the pool stays
+        elif spec.role in ("generation", "eval"):
+            assert evicted.extra_resident(spec) == kept.extra_resident(other) > 0, spec.name
+        roles.add(spec.role)
+    assert "train" in roles

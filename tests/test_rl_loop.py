@@ -37,7 +37,7 @@ def rows(tokenizer, reward_script="text_hash", offset=0):
 
 
 def make_loop(tokenizer, *, rl: RLConfig, mesh: MeshConfig, devices, reward_script="text_hash", row_offset=0,
-              advantages=AdvantageConfig(norm="group"), workflow=None, data=None, max_seq_len=48, **kw):
+              advantages=AdvantageConfig(norm="group"), workflow=None, data=None, max_seq_len=48, engine=None, **kw):
     cfg = ModelConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=8)
     params = init_params(cfg, 0, std=0.3)
@@ -46,7 +46,8 @@ def make_loop(tokenizer, *, rl: RLConfig, mesh: MeshConfig, devices, reward_scri
         ppo=PPOConfig(num_minibatches=2), train_engine=TrainEngineConfig(max_tokens_per_microbatch=256),
         optimizer=OptimizerConfig(lr=1e-3), advantages=advantages,
         workflow=workflow or RLVRConfig(n_samples=4, max_new_tokens=6, reward=REWARD, filter_all_equal_rewards=False),
-        engine=EngineConfig(num_slots=8, max_seq_len=max_seq_len, decode_chunk=2), mesh=mesh, devices=devices, **kw)
+        engine=engine or EngineConfig(num_slots=8, max_seq_len=max_seq_len, decode_chunk=2), mesh=mesh, devices=devices,
+        **kw)
 
 
 def test_async_loop_bounds_staleness_and_keeps_versions(tokenizer):

@@ -140,3 +140,36 @@ def test_an_async_run_with_evicting_swaps_trains_and_pushes(tmp_path):
     assert records and all(np.isfinite(m["train/loss"]) for m in records if "train/loss" in m)
     assert max(m["version"] for m in records) >= 2  # the pushes landed: later steps trained on them
     assert all(m["transfer/seconds"] > 0 for m in records)
+
+
+@pytest.mark.parametrize("colocated", [True, False], ids=["colocated", "split"])
+def test_a_colocated_evicting_engine_holds_no_weights_while_the_trainer_updates(colocated, tmp_path):
+    """Colocated, the update's programs share the engine's devices: with weight_swap "evict" the
+    engine drops its weights before each update (RLCluster.begin_update), not only before the
+    push, so nothing decodes during it and the update has the served copy's memory. On a split the
+    engine keeps decoding through the update and releases just before the push. Either way every
+    push lands and the engine ends serving the trainer's final weights."""
+    import jax
+
+    from tests.test_rl_loop import make_loop
+    from tests.tokenizer_fixtures import build_tiny_tokenizer
+    from areal_jax.models.tokenizer import Tokenizer
+    from areal_jax.parallel import MeshConfig
+
+    tokenizer = Tokenizer.from_pretrained(build_tiny_tokenizer(tmp_path, "chatml"))
+    steps = 3
+    rl = RLConfig(steps=steps, batch_size=2, max_staleness=1, max_concurrent=4)
+    mesh = MeshConfig(colocated=True) if colocated else MeshConfig(num_generation_devices_per_host=2)
+    loop = make_loop(tokenizer, rl=rl, mesh=mesh, devices=jax.devices()[:1] if colocated else jax.devices()[:4],
+                     engine=EngineConfig(num_slots=8, max_seq_len=48, decode_chunk=2, weight_swap="evict"))
+    engine = loop.cluster.engine
+    assert loop.cluster.evict_for_update is colocated
+    held_at_update = []  # the "update" hooks run after the step's programs, before its push
+    loop.add_hook(lambda info: held_at_update.append(engine._params is not None), stage="update")
+    result = loop.run()
+    assert result.steps == steps and engine.version == steps
+    assert held_at_update == [not colocated] * steps
+    served = jax.tree.map(np.asarray, engine.params)
+    trained = jax.tree.map(np.asarray, result.final_params)
+    np.testing.assert_array_equal(served["embed"], trained["embed"])
+    assert all(np.isfinite(m["train/loss"]) for m in result.history)

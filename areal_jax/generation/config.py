@@ -74,6 +74,8 @@ class EngineConfig:
     # first drops its weights at a chunk boundary (in-flight samples keep their slots and cache),
     # the transfer lands in their place, and generation waits for it: one copy at the peak, for a
     # model whose two copies leave no useful KV pool (a 70B on 4 H100s: 35 of 80 GiB each).
+    # Colocated (MeshConfig.colocated), it drops them before each update instead, so the
+    # trainer's programs run beside the KV pool only (the served weights are stale after it).
     weight_swap: str = "alongside"
     # Storage of the served weights' large matmuls (models/quantize.py). None: as pushed
     # (RLConfig.generation_dtype). "int8": weight-only int8, a symmetric absmax scale per output

@@ -279,7 +279,10 @@ def plan_inputs(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_fi
         if split.colocated and spec.role in ("generation", "eval"):
             return persistent["train"] + lora_base + beside
         if split.colocated and spec.role in ("train", "transfer"):
-            return persistent["generation"] + lora_base + beside
+            # weight_swap "evict": the engine drops its served weights before each update
+            # (RLCluster.begin_update) and the push lands in their place; its KV pool stays.
+            held = persistent["generation"] - (gen_weights if job.engine.weight_swap == "evict" else 0)
+            return held + lora_base + beside
         return lora_base + beside if spec.role in ("generation", "eval") else 0
 
     ctx = EstimateContext(

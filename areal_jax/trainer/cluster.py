@@ -68,7 +68,7 @@ class RLCluster:
 
     def __init__(self, trainer: api.TrainEngine, engine: api.InferenceEngine, to_engine: Callable[[Any], Any], *,
                  rl: RLConfig, meshes: Meshes | None = None, weight_sync: WeightSync | AdapterSync | None = None,
-                 rows_per_process: int = 1, evict_before_push: bool = False):
+                 rows_per_process: int = 1, evict_before_push: bool = False, evict_for_update: bool = False):
         local_batch = rl.batch_size // jax.process_count()
         if local_batch * jax.process_count() != rl.batch_size:
             raise ValueError(f"RLConfig.batch_size {rl.batch_size} must divide over {jax.process_count()} processes")
@@ -79,6 +79,9 @@ class RLCluster:
         self.rows_per_process = rows_per_process
         # EngineConfig.weight_swap "evict": the engine drops its weights before each push lands.
         self.evict_before_push = evict_before_push
+        # ... and, colocated, before each update: the trainer's programs then run on devices that
+        # hold no served weights (the weights the engine served are stale once the update ends).
+        self.evict_for_update = evict_for_update
         self.staleness = StalenessManager(rl.max_staleness, local_batch, rl.max_concurrent)
         self.channel = TrajectoryChannel(rl.channel_capacity or 4 * local_batch)
         self.max_group_age = rl.max_group_age
@@ -125,8 +128,9 @@ class RLCluster:
         served = GenerationEngine((model_cfg, sync.transfer(trainer.params)), engine, version=start_version)
         # Micro-batch rows split over "fsdp" x "expert": each process contributes a multiple of its share.
         rows = max(batch_shards(meshes.train) // jax.process_count(), 1)
+        evict = engine.weight_swap == "evict"
         return cls(trainer, served, sync.transfer, rl=rl, meshes=meshes, weight_sync=sync, rows_per_process=rows,
-                   evict_before_push=engine.weight_swap == "evict")
+                   evict_before_push=evict, evict_for_update=evict and meshes.split.colocated)
 
     def connect(self, workflow: api.RolloutWorkflow, data_iter: Iterator[Any], *, tokenizer: Any = None,
                 reward_pool: Any = None) -> Iterator[Any]:
@@ -142,6 +146,14 @@ class RLCluster:
                                             version_fn=lambda: self.version, tokenizer=tokenizer,
                                             reward_pool=reward_pool, max_group_age=self.max_group_age)
         return self.data
+
+    def begin_update(self) -> None:
+        """Called before each training step. With `evict_for_update` (colocated, weight_swap
+        "evict") the engine first drops its weights at its next chunk boundary: generation pauses
+        until the push, and the update's programs have the memory the served copy held. In-flight
+        samples keep their slots; at the push they are re-prefilled (or kept) as after any swap."""
+        if self.evict_for_update:
+            self.engine.release_weights().result()
 
     def push_weights(self, version: int) -> concurrent.futures.Future:
         """The trainer's current weights to the engine as `version`; resolves once they serve.

@@ -20,7 +20,8 @@ Modes: "async" (the paper's system; eta = max_staleness bounds how far generatio
 and "sync" (the baseline the paper's speedup is measured against): generation waits while
 the trainer trains (engine paused) and nothing generated under old weights is trained, which
 together with max_staleness = 0 is exactly synchronous RL; with MeshConfig.colocated both
-sides use all devices, in turn in "sync" mode and at once in "async" mode.
+sides use all devices, in turn in "sync" mode and at once in "async" mode (in turn there too with
+EngineConfig.weight_swap "evict": the engine drops its weights for each update, RLCluster.begin_update).
 """
 
 from __future__ import annotations
@@ -129,6 +130,7 @@ class RLLoop:
         cluster = self.cluster
         if self.rl.mode == "sync":
             cluster.engine.pause()
+        cluster.begin_update()
         out = self.algorithm(groups, step=step, version=cluster.version)
         cluster.version += 1
         tokens = float(out.train.get("trained_tokens", 0.0))
