@@ -132,10 +132,11 @@ def test_the_backward_holds_one_sparse_layers_expert_gradient_and_the_next_layer
 
 
 @pytest.mark.parametrize("config, program, compiled_gib", [
-    # Compiled peaks recorded in docs/scale.md (2026-12-04): libtpu for 2 x v5p-256, XLA:GPU for 32 x 8 x H100.
+    # Compiled peaks recorded in docs/scale.md: libtpu for 2 x v5p-256 (2026-12-04), XLA:GPU for
+    # 32 x 8 x H100 (2026-12-05, colocated: fsdp 64 x expert 4, beside the KV pool).
     ("qwen3_235b_a22b_math_tpu.gin", "train/grad[rows=128,len=9216]", 66.85),
     ("qwen3_235b_a22b_math_tpu.gin", "train/logprobs[rows=128,len=9216]", 32.04),
-    ("qwen3_235b_a22b_math_gpu.gin", "train/grad[rows=128,len=9216]", 65.21),
+    ("qwen3_235b_a22b_math_gpu.gin", "train/grad[rows=256,len=9216]", 63.52),
 ])
 def test_moe_training_estimate_within_5_percent_of_the_compiled_peak(tmp_path, config, program, compiled_gib):
     # Before the expert-gradient and gathered-layer terms the estimate was 24% (TPU grad), 32% (TPU
