@@ -158,23 +158,30 @@ def test_specs_cover_every_shape_and_compile_on_a_data_tensor_mesh():
     assert len(resident(specs)) == len(resident(evals)) + 1  # the incoming weights, in the run only
 
 
+def run_with_swap(config: EngineConfig, placement, prompts, *, group: int, max_new_tokens: int):
+    """The engine on `placement(weights)`, request `group` of `prompts` a group of four: two rounds,
+    then version 1 pushed, then to the end. Returns it and each request's [(tokens, logprobs,
+    versions)]."""
+    old, new = init_params(CFG, 2, std=0.3), init_params(CFG, 3, std=0.3)
+    sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0)
+    engine = GenerationEngine((CFG, placement(old)), config)
+    handles = [engine.submit(p, sp, n=1 + (i == group) * 3, seed=i) for i, p in enumerate(prompts)]
+    engine.step()
+    engine.step()
+    engine.update_weights(placement(new), version=1)
+    engine.run_until_idle()
+    return engine, [[(c.tokens, c.logprobs, c.versions) for c in h.result().completions] for h in handles]
+
+
 def test_engine_on_a_mesh_runs_only_specced_programs_and_matches_one_device():
     """Admission, a group larger than the free slots, and a swap that re-prefills packed and long
     histories, on (data=2, tensor=2): every program the engine compiles has a spec, and the
     samples equal a single-device engine's."""
     mesh = _mesh(2, 2)
-    old, new = init_params(CFG, 2, std=0.3), init_params(CFG, 3, std=0.3)
-    sp = SamplingParams(max_new_tokens=24, temperature=1.0)
     prompts = [[1 + i] * n for i, n in enumerate([3, 9, 20, 5])]
 
     def run(placement):
-        engine = GenerationEngine((CFG, placement(old)), MESH_CONFIG)
-        handles = [engine.submit(p, sp, n=1 + (i == 1) * 3, seed=i) for i, p in enumerate(prompts)]
-        engine.step()
-        engine.step()
-        engine.update_weights(placement(new), version=1)
-        engine.run_until_idle()
-        return engine, [[(c.tokens, c.logprobs, c.versions) for c in h.result().completions] for h in handles]
+        return run_with_swap(MESH_CONFIG, placement, prompts, group=1, max_new_tokens=24)
 
     sharded, got = run(lambda p: placed_like(p, param_shardings(CFG, mesh, split=False)))
     _, want = run(lambda p: p)

@@ -173,3 +173,4 @@ def test_a_colocated_evicting_engine_holds_no_weights_while_the_trainer_updates(
     trained = jax.tree.map(np.asarray, result.final_params)
     np.testing.assert_array_equal(served["embed"], trained["embed"])
     assert all(np.isfinite(m["train/loss"]) for m in result.history)
+    assert all(0 <= m["rollout/reprefill_shared_tokens"] <= m["rollout/reprefill_tokens"] for m in result.history)

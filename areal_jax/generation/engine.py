@@ -409,7 +409,8 @@ class GenerationEngine:
         # last token, which is the next decode input) under the new weights, in batched calls;
         # with on_swap "keep" they continue on the KV the old weights wrote.
         if self.config.on_swap == "recompute":
-            self._kv.recompute(self._params, {slot: self._slot_sample[slot].history() for slot in active})
+            self._kv.recompute(self._params, {slot: self._slot_sample[slot].history() for slot in active},
+                               {slot: self._slot_sample[slot].request.request_id for slot in active})
         done.set_result(True)
         return False
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Hashable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -28,9 +29,11 @@ from areal_jax.generation.live_slots import gather_state, live_order, scatter_ou
 from areal_jax.generation.paged import page_bytes, pool_scale_bytes, zero_pools
 from areal_jax.generation.pages import PageAllocator
 from areal_jax.generation.programs import EnginePrograms, build_programs, cache_sharding, mesh_sizes
+from areal_jax.generation.reprefill_trie import pack_trie_rows
 from areal_jax.generation.requests import EngineStats
 from areal_jax.generation.timings import CallTimings, shape_key
 from areal_jax.models.config import ModelConfig
+from areal_jax.models.decoding import TrieRows
 from areal_jax.models.transformer import KVCache, Params
 from areal_jax.packing import ffd_allocate
 
@@ -124,12 +127,18 @@ class EngineCache:
 
     # ---- re-prefill ----------------------------------------------------------------------------
 
-    def recompute(self, params: Params, histories: dict[int, np.ndarray]) -> None:
+    def recompute(self, params: Params, histories: dict[int, np.ndarray],
+                  groups: Mapping[int, Hashable] | None = None) -> None:
         """Writes the KV cache of slots (slot -> history) under `params`: after a weight swap, and
-        for preempted samples resuming."""
+        for preempted samples resuming. `groups` (slot -> key): slots whose histories share a
+        prompt, run once per packed row with reprefill_share_prefixes."""
         # Histories that fit a packed row go several to a row, straight into their slots.
         ec = self.config
-        self._reprefill_packed(params, {slot: h for slot, h in histories.items() if h.size <= ec.pack_width})
+        packed = {slot: h for slot, h in histories.items() if h.size <= ec.pack_width}
+        if ec.reprefill_share_prefixes:
+            self._reprefill_tries(params, packed, groups or {})
+        else:
+            self._reprefill_packed(params, packed)
         # Longer ones: each call holds histories of one length bucket (a call pads every row to
         # its longest, so mixed lengths would pad the short ones to a straggler's length).
         by_bucket: dict[int, list[int]] = {}
@@ -184,6 +193,30 @@ class EngineCache:
         self._stats.prefill_tokens += sum(h.size for h in histories.values())
         self._timings.add("reprefill", shape_key(len(bins)), calls=-(-len(bins) // most),
                           tokens=sum(h.size for h in histories.values()), s=elapsed)
+
+    def _reprefill_tries(self, params: Params, histories: dict[int, np.ndarray],
+                         groups: Mapping[int, Hashable]) -> None:
+        """`_reprefill_packed` with each group's histories as one prefix trie per row (split where
+        a row's nodes or writes run out): a shared prompt is computed once per row."""
+        if not histories:
+            return
+        t0 = time.perf_counter()
+        ec = self.config
+        packing = pack_trie_rows(histories, groups, ec.pack_width)
+        most = ec.max_pack_rows(self.data)
+        order = list(range(len(packing.rows)))
+        for start in range(0, len(order), most):
+            part = order[start:start + most]
+            trie = TrieRows(*self.put(*packing.arrays(part, ec.pack_rows(len(part), self.data))))
+            self.cache = self.programs.reprefill(params, self.cache, trie, *self.put(*self.tables()))
+        jax.block_until_ready(self.cache)
+        elapsed = time.perf_counter() - t0
+        tokens = sum(h.size for h in histories.values())
+        self._stats.prefill_s += elapsed
+        self._stats.prefill_tokens += tokens
+        self._stats.reprefill_shared_tokens += tokens - packing.nodes
+        self._timings.add("reprefill", shape_key(len(packing.rows)), calls=-(-len(packing.rows) // most),
+                          tokens=packing.nodes, s=elapsed)
 
     def _insert(self, block: KVCache, placements: list[tuple[int, int]], lengths: list[int]) -> None:
         """Copies block rows into cache slots, `placements` = [(row, slot)] of rows holding

@@ -40,7 +40,9 @@ from areal_jax.generation.sampling import MAX_STOP_IDS, sample_tokens
 from areal_jax.models import moe, quantize
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.sharding import GENERATION_RULES, activation_rules, constrain, sharding_for
-from areal_jax.models.decoding import paged_decode_step, prefill_block, prefill_into_pages, prefill_into_slots
+from areal_jax.generation.reprefill_trie import TRIE_WRITES_PER_NODE
+from areal_jax.models.decoding import (TrieRows, paged_decode_step, prefill_block, prefill_into_pages,
+                                       prefill_into_slots, prefill_trie_into_pages, prefill_trie_into_slots)
 from areal_jax.models.transformer import (KVCache, Params, forward, lm_head, param_axes, param_shapes, split_layers,
                                           stack_layers)
 
@@ -186,7 +188,9 @@ class EnginePrograms:
     insert: Any  # (cache*, block, rows, slots) -> cache
     first_tokens: Any  # (logits, rows, keys, positions, T, top_p, top_k) -> (tokens, logprobs)
     prefill: Any  # (params, tokens, lengths) -> block: histories longer than a packed row
-    reprefill: Any  # (params, cache*, tokens, segment_ids, slot_ids) -> cache
+    # (params, cache*, tokens, segment_ids, slot_ids) -> cache; with reprefill_share_prefixes
+    # (params, cache*, TrieRows) -> cache
+    reprefill: Any
     decode: Any  # (params, cache*, per-slot state..., exit_free, *, window, sampler) -> (cache, outputs)
     carry: Any  # (last chunk's state, its slots, host state, fresh, next order) -> next chunk's state
     counts: collections.Counter
@@ -272,6 +276,11 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
         counts["reprefill"] += 1
         traced[program_name("reprefill_packed", rows=tokens.shape[0])] += 1
         return prefill_into_slots(params, cfg, tokens, segment_ids, slot_ids, cache, **attention)
+
+    def reprefill_trie(params, cache, trie):
+        counts["reprefill"] += 1
+        traced[program_name("reprefill_packed", rows=trie.input_ids.shape[0])] += 1
+        return prefill_trie_into_slots(params, cfg, trie, cache, **attention)
 
     def decode_loop(model_step, cache, tokens, positions, active, remaining, temperature, top_p, top_k, stop_ids,
                     key_data, exit_free, *, sampler, exit_every):
@@ -387,6 +396,12 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
         return prefill_into_pages(params, cfg, tokens, segment_ids, slot_ids, pools, page_tables, **attention,
                                   pages_per_replica=pages_per_replica(pools) if scan else None)
 
+    def paged_reprefill_trie(params, pools, trie, page_tables):
+        counts["reprefill"] += 1
+        traced[program_name("reprefill_packed", rows=trie.input_ids.shape[0])] += 1
+        return prefill_trie_into_pages(params, cfg, trie, pools, page_tables, **attention,
+                                       pages_per_replica=pages_per_replica(pools) if scan else None)
+
     def counted(kind, fn):
         def run(*args):
             counts[kind] += 1
@@ -410,7 +425,8 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
         insert=jit(counted("insert", paged_insert if paged else insert), donate_argnums=(0,)),
         first_tokens=jax.jit(counted("first_tokens", first_tokens)),
         prefill=jit(counted("prefill", prefill)),
-        reprefill=jit(paged_reprefill if paged else reprefill, donate_argnums=(1,)),
+        reprefill=jit(((paged_reprefill_trie if paged else reprefill_trie) if ec.reprefill_share_prefixes else
+                       (paged_reprefill if paged else reprefill)), donate_argnums=(1,)),
         decode=jit(paged_decode if paged else decode, donate_argnums=(1,), static_argnames=("window", "sampler")),
         carry=jax.jit(counted("carry", carry_state)),
         counts=counts, traced=traced, layout=layout, scan_layers=scan)
@@ -524,10 +540,14 @@ def engine_program_specs(model_cfg: ModelConfig, engine_cfg: EngineConfig, *, me
                 (params,) + incoming, fields)
     W = ec.pack_width
     for R in ec.pack_row_counts(data):
-        packed = tuple(host((R, W), jnp.int32) for _ in range(3))
+        if ec.reprefill_share_prefixes:  # one TrieRows: nodes [R, W], write entries [R, E]
+            E = TRIE_WRITES_PER_NODE * W
+            packed = (TrieRows(*(host((R, W), jnp.int32) for _ in range(4)), *(host((R, E), jnp.int32) for _ in range(3))),)
+        else:
+            packed = tuple(host((R, W), jnp.int32) for _ in range(3))
         add("reprefill_packed", dict(rows=R), programs.reprefill, (params, cache, *packed, *tables), incoming,
             cache_fields + ("EngineConfig.reprefill_pack_width", "EngineConfig.max_prefill_batch",
-                            "EngineConfig.max_prefill_tokens"))
+                            "EngineConfig.max_prefill_tokens", "EngineConfig.reprefill_share_prefixes"))
     # A group that found too few free slots keeps its prefill block (and logits) while it waits.
     R, P = max(admission, key=lambda rp: rp[0] * rp[1])
     kept = (block(R, P), logits(R))

@@ -20,6 +20,9 @@ class EngineStats:
     generated_tokens: int = 0
     prefill_tokens: int = 0
     reprefill_tokens: int = 0
+    # Re-prefilled history tokens computed once for several samples (reprefill_share_prefixes):
+    # reprefill_tokens less the trie nodes the packed calls ran.
+    reprefill_shared_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
     decode_steps: int = 0

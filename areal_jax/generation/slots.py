@@ -176,7 +176,7 @@ class SlotTable:
         `version`, sharing the prompt pages a sibling holds under them; the tokens keep their
         versions)."""
         free = self.free()
-        histories = {}
+        histories, groups = {}, {}
         while self.preempted and free:
             sample = self.preempted[0]
             position = sample.request.prompt.size + len(sample.tokens) - 1
@@ -188,8 +188,9 @@ class SlotTable:
             self.set_key(taken[0], sample.request.seed, sample.index)
             self._bind(taken[0], sample)
             histories[taken[0]] = sample.history()
+            groups[taken[0]] = sample.request.request_id
         if histories:
-            self._kv.recompute(params, histories)
+            self._kv.recompute(params, histories, groups)
 
     # ---- decoding ------------------------------------------------------------------------------
 

@@ -295,5 +295,6 @@ def _log_tree_fallback(kernel: str) -> None:
     if kernel not in _FALLBACKS_LOGGED:
         _FALLBACKS_LOGGED.add(kernel)
         _LOG.warning("flash attention: the %s kernel has no prefix-trie mask (key_ends); shared-prefix "
-                     "training (TrainEngineConfig.share_prefixes) runs the jnp reference flash attention instead",
+                     "training (TrainEngineConfig.share_prefixes) and the engine's trie re-prefill "
+                     "(EngineConfig.reprefill_share_prefixes) run the jnp reference flash attention instead",
                      kernel)

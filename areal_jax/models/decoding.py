@@ -9,6 +9,7 @@ never exceed one chunk. Dimension letters as in ModelConfig.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -114,6 +115,107 @@ def prefill_into_pages(params: Params, cfg: ModelConfig, input_ids: jax.Array, s
     index = flat_index(tables, jnp.where(segment_ids > 0, positions, -1).reshape(R * W, 1), pools[0].page_size)
     return tuple(write_tokens(pool, k.reshape(R * W, *k.shape[2:]), v.reshape(R * W, *v.shape[2:]), index[:, 0],
                               calibrate=True)
+                 for (k, v), pool in zip(kvs, pools, strict=True))
+
+
+class TrieRows(NamedTuple):
+    """Packed re-prefill rows laid out as prefix tries (generation/reprefill_trie.py), so a prefix
+    that several histories share (a group's prompt) is computed once. Per row r (W = pack width,
+    E = write entries per row):
+      input_ids, positions, segment_ids, key_ends `[R, W]`: each trie node's token, its position
+        in the sequences through it, its trie's number in the row (0 = padding) and the end of its
+        subtree, so a node attends exactly to its ancestors (`models.transformer.self_attention_mask`);
+      write_node, write_slot, write_pos `[R, E]`: every (slot, position) a history fills, from the
+        node of row r holding that token (write_pos < 0: no write)."""
+
+    input_ids: jax.Array
+    positions: jax.Array
+    segment_ids: jax.Array
+    key_ends: jax.Array
+    write_node: jax.Array
+    write_slot: jax.Array
+    write_pos: jax.Array
+
+
+def _trie_inputs(params: Params, cfg: ModelConfig, trie: TrieRows, compute_dtype, attention_impl: str,
+                 platform: str | None):
+    """`_packed_inputs` of trie rows: the rotary table at the nodes' positions, the attention (a
+    flash kernel's closure taking the trie's `key_ends`: the jnp reference, as shared-prefix
+    training; else None and the trie mask) and the embedded tokens."""
+    R, W = trie.input_ids.shape
+    attend = None
+    if flash.resolve_impl(attention_impl, platform) == "pallas":
+        attend = lambda q, k, v: training_attention(q, k, v, trie.segment_ids, attention_impl,  # noqa: E731
+                                                    platform=platform, key_ends=trie.key_ends)
+    mask = self_attention_mask(R, W, trie.segment_ids, trie.key_ends) if attend is None else None
+    return Rotary.at(cfg, trie.positions), attend, mask, embed_tokens(params, trie.input_ids, compute_dtype)
+
+
+def _trie_kv(params: Params, cfg: ModelConfig, trie: TrieRows, compute_dtype, *, attention_impl: str,
+             platform: str | None) -> list[tuple[jax.Array, jax.Array]]:
+    """Every layer's keys and values `[R, W, K, H]` of the trie rows' nodes (`packed_kv` of a trie)."""
+    rope, attend, mask, x = _trie_inputs(params, cfg, trie, compute_dtype, attention_impl, platform)
+    out = []
+    for i, p in enumerate(split_layers(params)["layers"]):
+        x, kv, _ = decoder_layer(cfg, rope, x, p, mask, None, None, compute_dtype, attend=attend, layer=i,
+                                 valid=trie.segment_ids > 0)
+        out.append(kv)
+    return out
+
+
+def _written(trie: TrieRows, x: jax.Array) -> jax.Array:
+    """Node values `[R, W, ...]` -> the write entries' `[R * E, ...]` (a gather within each row,
+    so rows sharded over "data" stay on their devices)."""
+    R, E = trie.write_node.shape
+    node = jnp.clip(trie.write_node, 0, x.shape[1] - 1).reshape(R, E, *(1,) * (x.ndim - 2))
+    return jnp.take_along_axis(x, node, axis=1).reshape(R * E, *x.shape[2:])
+
+
+def prefill_trie_into_slots(params: Params, cfg: ModelConfig, trie: TrieRows, cache: KVCache, *,
+                            compute_dtype=None, attention_impl: str = "reference",
+                            platform: str | None = None) -> KVCache:
+    """`prefill_into_slots` of histories packed as prefix tries: each node is computed once and
+    its keys and values go to every slot whose history holds it."""
+    kvs = _trie_kv(params, cfg, trie, compute_dtype or params["embed"].dtype, attention_impl=attention_impl,
+                   platform=platform)
+    B = cache.k[0].shape[0]
+    pos = trie.write_pos.reshape(-1)
+    dest = jnp.where(pos >= 0, trie.write_slot.reshape(-1), B)  # slot B is out of range: writes nothing
+    pos = jnp.maximum(pos, 0)
+    new_k, new_v = [], []
+    for (k, v), ck, cv in zip(kvs, cache.k, cache.v, strict=True):
+        new_k.append(ck.at[dest, :, pos].set(_written(trie, k).astype(ck.dtype), mode="drop"))
+        new_v.append(cv.at[dest, :, pos].set(_written(trie, v).astype(cv.dtype), mode="drop"))
+    return KVCache(tuple(new_k), tuple(new_v))
+
+
+def prefill_trie_into_pages(params: Params, cfg: ModelConfig, trie: TrieRows,
+                            pools: tuple[PagePool, ...] | PagePool, page_tables: jax.Array, *, compute_dtype=None,
+                            attention_impl: str = "reference", platform: str | None = None,
+                            pages_per_replica: int | None = None) -> tuple[PagePool, ...] | PagePool:
+    """`prefill_into_pages` of histories packed as prefix tries (`prefill_trie_into_slots` for a
+    paged cache): per-layer pools, or one stacked pool filled as a scan of the layers."""
+    R, E = trie.write_slot.shape
+    compute_dtype = compute_dtype or params["embed"].dtype
+    tables = page_tables[jnp.clip(trie.write_slot, 0, page_tables.shape[0] - 1)].reshape(R * E, -1)  # [R*E, M]
+    write_at = trie.write_pos.reshape(R * E, 1)
+    if isinstance(pools, PagePool):
+        rope, attend, mask, x = _trie_inputs(params, cfg, trie, compute_dtype, attention_impl, platform)
+
+        def layer(carry, xs):
+            x, pool = carry
+            p, i = xs
+            x, (k, v), _ = decoder_layer(cfg, rope, x, p, mask, None, None, compute_dtype, attend=attend, layer=i,
+                                         valid=trie.segment_ids > 0)
+            index = flat_index(stacked_page(tables, i, cfg.num_layers, pages_per_replica), write_at, pool.page_size)
+            pool = write_layer(pool, i, _written(trie, k), _written(trie, v), index[:, 0], calibrate=True)
+            return (x, pool), None
+
+        (_, pools), _ = jax.lax.scan(layer, (x, pools), (params["layers"], jnp.arange(cfg.num_layers)))
+        return pools
+    kvs = _trie_kv(params, cfg, trie, compute_dtype, attention_impl=attention_impl, platform=platform)
+    index = flat_index(tables, write_at, pools[0].page_size)
+    return tuple(write_tokens(pool, _written(trie, k), _written(trie, v), index[:, 0], calibrate=True)
                  for (k, v), pool in zip(kvs, pools, strict=True))
 
 

@@ -116,6 +116,8 @@ class ControllerStats:
     # History tokens the engine re-prefilled so far (weight swaps under on_swap "recompute", resumed
     # preemptions).
     generation_reprefill_tokens: int = 0
+    # Of those, tokens a shared prefix spared recomputing (EngineConfig.reprefill_share_prefixes).
+    generation_reprefill_shared_tokens: int = 0
     # KV pages the engine's groups shared so far (their prompts' full pages, paged layout).
     generation_kv_pages_shared: int = 0
 
@@ -336,6 +338,7 @@ class RolloutController:
                 finished_trajectories=self._finished_trajectories, finished_reward_sum=self._finished_reward_sum,
                 generation_preempted_samples=engine.preempted_samples,
                 generation_reprefill_tokens=engine.reprefill_tokens,
+                generation_reprefill_shared_tokens=getattr(engine, "reprefill_shared_tokens", 0),
                 generation_kv_pages_shared=engine.kv_pages_shared)
 
     # ---- the loop -----------------------------------------------------------------------------

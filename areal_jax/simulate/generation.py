@@ -30,6 +30,7 @@ from collections.abc import Callable
 import numpy as np
 
 from areal_jax.generation.config import EngineConfig
+from areal_jax.generation.reprefill_trie import trie_rows_by_length
 from areal_jax.generation.timings import CallTimings, decode_key, shape_key
 from areal_jax.packing import ffd_allocate
 from areal_jax.simulate.events import Event, EventQueue
@@ -269,14 +270,28 @@ class SimEngine:
             return cost
         packed = [h for h in histories if h <= ec.pack_width]
         if packed:
-            rows = len(ffd_allocate(packed, ec.pack_width))
+            if ec.reprefill_share_prefixes:  # each group's prompt once per trie (generation/reprefill_trie.py)
+                rows, tokens = trie_rows_by_length(self._live_groups(ec.pack_width), ec.pack_width)
+            else:
+                rows, tokens = len(ffd_allocate(packed, ec.pack_width)), sum(packed)
             calls = -(-rows // ec.max_pack_rows(self.data))
-            seconds = self.costs.reprefill_s(calls, sum(packed))
-            self.timings.add("reprefill", shape_key(rows), calls=calls, tokens=sum(packed), s=seconds)
+            seconds = self.costs.reprefill_s(calls, tokens)
+            self.timings.add("reprefill", shape_key(rows), calls=calls, tokens=tokens, s=seconds)
             cost += seconds
         cost += self._prefill_histories(sorted(h for h in histories if h > ec.pack_width))
         self.counters.reprefill_tokens += sum(histories)
         return cost
+
+    def _live_groups(self, width: int) -> list[tuple[int, list[int]]]:
+        """(prompt, [each packed history's tokens after it]) per group of the active samples, in
+        the order of their first slot, as the engine groups them at a swap."""
+        groups: dict[int, tuple[int, list[int]]] = {}
+        for slot in np.flatnonzero(self.active):
+            history = int(self.prompt[slot] + self.generated[slot] - 1)
+            if history <= width:
+                group = self.slot_group[slot]
+                groups.setdefault(group.group_id, (int(self.prompt[slot]), []))[1].append(history - int(self.prompt[slot]))
+        return list(groups.values())
 
     def _prefill_histories(self, histories: list[int]) -> float:
         """Seconds of prefilling histories by length bucket (the long-history path)."""

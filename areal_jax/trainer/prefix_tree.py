@@ -39,77 +39,12 @@ import numpy as np
 
 from areal_jax.api.batches import PAD_VALUES, PackedBatch
 from areal_jax.packing import ffd_allocate, pack_sequences
+from areal_jax.prefix_trie import PrefixTrie
 
 __all__ = ["TREE_INDEX_KEY", "TREE_KEYS", "PrefixTrie", "pack_tree_bin", "trie_units"]
 
 TREE_KEYS = ("tree_input_ids", "tree_positions", "tree_segment_ids", "tree_key_ends", "tree_sources", "tree_index")
 TREE_INDEX_KEY = "tree_index"
-
-
-class PrefixTrie:
-    """A trie of token sequences, one node per distinct prefix.
-
-    Attributes (after `freeze`): tokens, depth (1-based), parent (-1 for a root), order (the
-    node's pre-order index), end (pre-order index past its subtree), all `[nodes]` int arrays,
-    indexed by node id; `paths[i]` the node ids of sequence i's prefixes `[L_i]`.
-    """
-
-    def __init__(self) -> None:
-        self._children: list[dict[int, int]] = [{}]  # node 0 is a virtual root above every first token
-        self._token: list[int] = [-1]
-        self._parent: list[int] = [-1]
-        self.paths: list[np.ndarray] = []
-
-    @property
-    def num_nodes(self) -> int:
-        return len(self._token) - 1
-
-    def new_nodes(self, seq: Sequence[int]) -> int:
-        """How many nodes inserting `seq` would add."""
-        node = 0
-        for depth, tok in enumerate(seq):
-            nxt = self._children[node].get(int(tok))
-            if nxt is None:
-                return len(seq) - depth
-            node = nxt
-        return 0
-
-    def insert(self, seq: Sequence[int]) -> None:
-        path = np.empty(len(seq), np.int64)
-        node = 0
-        for depth, tok in enumerate(seq):
-            tok = int(tok)
-            nxt = self._children[node].get(tok)
-            if nxt is None:
-                nxt = len(self._token)
-                self._children[node][tok] = nxt
-                self._children.append({})
-                self._token.append(tok)
-                self._parent.append(node)
-            node = nxt
-            path[depth] = nxt
-        self.paths.append(path)
-
-    def layout(self) -> dict[str, np.ndarray]:
-        """Per node id (0 = the virtual root, unused): token, depth, parent (0 = none), pre-order
-        index `order` and subtree end `end` over the real nodes (0-based, children in insertion
-        order). Iterative: a sequence thousands of tokens deep must not recurse."""
-        n = len(self._token)
-        order = np.zeros(n, np.int64)
-        size = np.ones(n, np.int64)
-        for node in range(n - 1, 0, -1):  # a parent is created before its children
-            size[self._parent[node]] += size[node]
-        depth = np.zeros(n, np.int64)
-        stack = list(reversed(self._children[0].values()))
-        at = 0
-        while stack:
-            node = stack.pop()
-            order[node] = at
-            depth[node] = depth[self._parent[node]] + 1
-            at += 1
-            stack.extend(reversed(self._children[node].values()))
-        return {"token": np.asarray(self._token, np.int64), "depth": depth, "parent": np.asarray(self._parent),
-                "order": order, "end": order + size}
 
 
 def trie_units(seqs: Sequence[dict], members: Sequence[int], group_ids: Sequence[int] | None,

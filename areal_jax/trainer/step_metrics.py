@@ -33,6 +33,7 @@ class StepMetrics:
         self._reward_tally = (0, 0.0)  # (trajectories, reward sum) finished before the last step
         self._reprefill_seen = 0  # the engine's re-prefilled tokens at the previous step's record
         self._shared_seen = 0  # the engine's shared KV pages at the previous step's record
+        self._spared_seen = 0  # the engine's re-prefill tokens spared by shared prefixes, likewise
         self._pool_seen = (0, 0)  # the pool's (timeouts, crashes + errors) counted by earlier steps
         self._timings_seen: dict | None = None  # engine timings at the previous step's record
 
@@ -48,6 +49,8 @@ class StepMetrics:
                                            ctl.generation_reprefill_tokens)
         shared, self._shared_seen = (ctl.generation_kv_pages_shared - self._shared_seen,
                                      ctl.generation_kv_pages_shared)
+        spared, self._spared_seen = (ctl.generation_reprefill_shared_tokens - self._spared_seen,
+                                     ctl.generation_reprefill_shared_tokens)
         lag = train.get("version_lag_hist", {})
         metrics = {
             "step": step,
@@ -68,6 +71,8 @@ class StepMetrics:
             # History tokens re-prefilled since the last step (EngineConfig.on_swap "recompute": every
             # in-flight history at each swap; also resumed preemptions).
             "rollout/reprefill_tokens": reprefill,
+            # Of those, tokens computed once for several samples (a group's shared prompt).
+            "rollout/reprefill_shared_tokens": spared,
             # KV pages a group's samples shared (their prompt's full pages) since the last step.
             "rollout/kv_pages_shared": shared,
             "throughput/tokens_per_s": train.get("trained_tokens", 0.0) / max(train.get("time_step_s", 1e-9), 1e-9),
