@@ -18,6 +18,10 @@ Three parts, each recorded on its own (a failure leaves the others' figures):
 7. scan: `EngineConfig.scan_layers` off and on (every program's layers as a scan over stacked
    weights and one stacked pool; on GPU cuBLAS GEMMs with dynamic-slice fusion) on the ragged
    workload: decode and wall tokens/s, and the seconds to compile the first round.
+8. trie: groups of 4 samples per prompt swapping weights every `swap_every` rounds, the re-prefill
+   packed at max_seq_len as prefix tries (`EngineConfig.reprefill_share_prefixes`) and as plain
+   rows: wall tokens/s, tokens re-prefilled and of those shared, and re-prefill seconds (the trie
+   attends by the jnp blocked formula, the plain rows by the platform's flash kernel).
 
 Usage: python -m bench.engine_speed_check [--tiny] [--out engine_speed_check.json] [--skip PART]
 (`--only overlap`: that part alone)
@@ -40,7 +44,7 @@ from bench.accelerator_probe import H200_HBM_BYTES_PER_S, PRESETS, run_parts
 from bench.paged_check import KERNEL, _median_s, lognormal_lengths
 
 KV_DTYPES = ("bfloat16", "float8_e4m3fn")
-PARTS = ("kernel", "decode", "swap", "live", "share", "overlap", "scan")
+PARTS = ("kernel", "decode", "swap", "live", "share", "overlap", "scan", "trie")
 
 
 def probe_kernel(k: dict, interpret: bool, hbm: float) -> dict:
@@ -89,7 +93,7 @@ def _engine(cfg, params, p: dict, max_seq_len: int, **config):
 def _run(engine, prompts, budgets, seed0: int, swap=None, swap_every: int = 0, n: int = 1):
     """Runs the requests (`n` samples each) to the end (swapping to `swap` every `swap_every`
     rounds): (decode tokens/s, wall tokens/s, re-prefilled tokens, prefill seconds, pages shared,
-    samples preempted)."""
+    samples preempted, re-prefilled tokens a shared prefix spared)."""
     from areal_jax.generation import SamplingParams
 
     before, t0 = engine.stats(), time.perf_counter()
@@ -106,7 +110,8 @@ def _run(engine, prompts, budgets, seed0: int, swap=None, swap_every: int = 0, n
     return ((after.busy_slot_steps - before.busy_slot_steps) / max(after.decode_s - before.decode_s, 1e-9),
             generated / (time.perf_counter() - t0), after.reprefill_tokens - before.reprefill_tokens,
             after.prefill_s - before.prefill_s, after.kv_pages_shared - before.kv_pages_shared,
-            after.preempted_samples - before.preempted_samples)
+            after.preempted_samples - before.preempted_samples,
+            after.reprefill_shared_tokens - before.reprefill_shared_tokens)
 
 
 def probe_decode(cfg, params, p: dict) -> dict:
@@ -137,6 +142,30 @@ def probe_swap(cfg, params, p: dict, swap_every: int) -> dict:
                         "prefill_s": statistics.median(r[3] for r in runs)}
         del engine
     out["keep_over_recompute_wall"] = out["keep"]["wall_tokens_per_s"] / out["recompute"]["wall_tokens_per_s"]
+    return out
+
+
+def probe_trie(cfg, params, p: dict, swap_every: int) -> dict:
+    prompts, budgets, max_seq_len = _workload(cfg, p)
+    prompts, budgets = prompts[:len(prompts) // 4], budgets[:len(budgets) // 4]  # 4 samples each
+    other = jax.tree.map(lambda x: x * 1.01, params)
+    out = {"requests": len(prompts), "samples_per_request": 4, "swap_every_rounds": swap_every}
+    for name, share in (("plain", False), ("trie", True)):
+        engine = _engine(cfg, params, p, max_seq_len, kv_dtype="bfloat16", reprefill_share_prefixes=share,
+                         reprefill_pack_width=max_seq_len)
+        _run(engine, prompts, budgets, 10_000, swap=(params, other), swap_every=swap_every, n=4)  # compiles
+        runs = [_run(engine, prompts, budgets, 20_000 + 1000 * r, swap=(params, other), swap_every=swap_every, n=4)
+                for r in range(p["decode_repeats"])]
+        reprefill_s = engine.timings().get("reprefill", {})
+        out[name] = {"wall_tokens_per_s": statistics.median(r[1] for r in runs),
+                     "reprefill_tokens": statistics.median(r[2] for r in runs),
+                     "reprefill_shared_tokens": statistics.median(r[6] for r in runs),
+                     "prefill_s": statistics.median(r[3] for r in runs),
+                     "packed_reprefill_s_total": sum(v["s"] for v in reprefill_s.values())}
+        del engine
+    out["trie_over_plain_wall"] = out["trie"]["wall_tokens_per_s"] / out["plain"]["wall_tokens_per_s"]
+    out["trie_over_plain_reprefill_s"] = (out["trie"]["packed_reprefill_s_total"]
+                                          / max(out["plain"]["packed_reprefill_s_total"], 1e-9))
     return out
 
 
@@ -221,6 +250,7 @@ def main(argv: list[str] | None = None) -> dict:
         "share": lambda: probe_share(cfg, params, p),
         "overlap": lambda: probe_overlap(cfg, params, p),
         "scan": lambda: probe_scan(cfg, params, p),
+        "trie": lambda: probe_trie(cfg, params, p, args.swap_every),
     }
     skip = args.skip + ([name for name in parts if name not in args.only] if args.only else [])
     return run_parts(result, parts, skip, args.out, tag="engine_speed_check")
