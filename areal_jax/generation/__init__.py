@@ -9,7 +9,7 @@ from areal_jax.generation.engine import (
     RequestHandle,
 )
 from areal_jax.generation.offline import generate
-from areal_jax.generation.programs import engine_program_specs
+from areal_jax.generation.program_specs import engine_program_specs
 from areal_jax.generation.sampling import SamplingParams, allowed_mask, behavior_logprobs, sample_tokens
 
 __all__ = [

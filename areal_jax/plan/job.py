@@ -88,7 +88,7 @@ def gen_dtype(job: JobConfigs):
 
 def collect_specs(job: JobConfigs, model_cfg: ModelConfig, target: Target, meshes, *, longest_prompt: int
                   ) -> list[ProgramSpec]:
-    from areal_jax.generation.programs import engine_program_specs
+    from areal_jax.generation.program_specs import engine_program_specs
     from areal_jax.parallel.weight_sync import transfer_program_specs
     from areal_jax.trainer.algorithm import ppo_objective, proximal_keys
     from areal_jax.trainer.programs import train_program_specs

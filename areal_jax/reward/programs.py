@@ -86,7 +86,8 @@ def learned_reward_specs(models: Sequence[LearnedModel], judge: Any, mesh: Mesh,
     ("data", "expert", "tensor") = (1, 1, 1)); `data`: the reward devices' replicas (the rows
     each one scores); `rm_batch`: a reward model's rows per call (`RewardModel.batch_size`);
     `longest_sequence`: the longest (prompt + completion) the policy writes, in tokens."""
-    from areal_jax.generation.programs import engine_program_specs, param_structs, program_name
+    from areal_jax.generation.program_specs import engine_program_specs
+    from areal_jax.generation.programs import param_structs, program_name
     from areal_jax.models import sharding as shd
     from areal_jax.models.reward_head import read_reward_config, scoring_program
     from areal_jax.reward.judge import choices_program, judge_engine_config
