@@ -94,11 +94,38 @@ def test_tune_cli_writes_a_point_that_simulates_to_its_figure(tmp_path, capsys, 
     assert "estimate" in table and "# 1:" in table and best["bindings"][-1] in table
 
 
+def test_tune_sweeps_the_caches_dtype_only_when_asked(tmp_path, capsys, monkeypatch):
+    """`--sweep kv_dtype=...` adds each dtype's engine to stage two (the config's own dtype bound by
+    nothing, never simulated twice); a bf16 point binds its dtype and simulates to its figure;
+    without the sweep every point keeps the config's dtype."""
+    monkeypatch.setenv("AREAL_JAX_PLAN_CACHE", str(tmp_path / "plan_cache"))
+    config = str(CONFIGS / "qwen2_5_7b_lora_gpu.gin")  # FP8 keys and values
+    common = ["--steps", "4", "--warmup", "1", "--json"]
+    assert main(["simulate", "--gin_file", config, "--tune", "--sweep", "kv_dtype=bfloat16,float8_e4m3fn",
+                 *common]) == 0
+    report = json.loads(capsys.readouterr().out)
+    dtypes = [p["knobs"]["kv_dtype"] for p in report["points"]]
+    assert set(dtypes) == {"", "bfloat16"}  # float8_e4m3fn is the config's own: ""
+    assert len({json.dumps(p["knobs"], sort_keys=True) for p in report["points"]}) == len(report["points"])
+    bf16 = next(p for p in report["points"] if p["knobs"]["kv_dtype"] == "bfloat16")
+    assert 'EngineConfig.kv_dtype = "bfloat16"' in bf16["bindings"]
+    assert "searched over ['bfloat16', 'float8_e4m3fn']" in report["assumptions"]["kv_dtype"]
+    tuned = tmp_path / "bf16.gin"
+    tuned.write_text("\n".join(bf16["bindings"]) + "\n")
+    assert main(["simulate", "--gin_file", config, "--gin_file", str(tuned), *common]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert math.isclose(rows[0]["trained_tokens_per_s"], bf16["trained_tokens_per_s"], rel_tol=1e-9)
+    assert main(["simulate", "--gin_file", config, "--tune", *common]) == 0
+    assert {p["knobs"]["kv_dtype"] for p in json.loads(capsys.readouterr().out)["points"]} == {""}
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--write", "x.gin"], "--write takes --tune"),
     (["--tune", "--sweep", "mode=sync"], "--tune searches"),
     (["--tune", "--sweep", "split=8"], "--sweep split"),
     (["--tune", "--tune_top", "0"], "--tune_top"),
+    (["--tune", "--sweep", "kv_dtype=fp8"], "kv_dtype takes values of"),
+    (["--sweep", "kv_dtype=bfloat16"], "kv_dtype is swept by --tune"),
 ])
 def test_tune_refuses_bad_flags(argv, message, capsys):
     config = str(CONFIGS / "qwen3_1_7b_gsm8k_gpu.gin")

@@ -80,6 +80,9 @@ def _parse_sweeps(specs: list[str]) -> list[tuple[str, list[Any]]]:
     for spec in specs:
         field, eq, values = spec.partition("=")
         field = field.strip()
+        if field == "kv_dtype":
+            raise SimulateError(f"--sweep {spec!r}: kv_dtype is swept by --tune (each dtype is its own engine); "
+                                "without it, simulate one with --gin_param 'EngineConfig.kv_dtype=\"float8_e4m3fn\"'")
         if not eq or field not in SWEEP_FIELDS or not values.strip():
             raise SimulateError(f"--sweep {spec!r}: use FIELD=v1,v2 with FIELD one of {SWEEP_FIELDS}")
         items = [v.strip() for v in values.split(",") if v.strip()]

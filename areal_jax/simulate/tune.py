@@ -30,6 +30,7 @@ class Knobs:
         pool_bytes: EngineConfig.kv_pool_bytes per generation replica (0: the engine's default).
         eta: RLConfig.max_staleness.
         max_concurrent: RLConfig.max_concurrent (groups in flight per host).
+        kv_dtype: EngineConfig.kv_dtype ("": the config's own).
     """
 
     generation_devices: int
@@ -39,8 +40,11 @@ class Knobs:
     eta: int
     max_concurrent: int
     colocated: bool = False
+    kv_dtype: str = ""
 
     def __post_init__(self):
+        if not isinstance(self.kv_dtype, str):
+            raise ValueError(f"Knobs.kv_dtype must be a str ('' for the config's), got {self.kv_dtype!r}")
         for name in ("generation_devices", "budget", "slots", "max_concurrent"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -1,10 +1,13 @@
 """`areal-jax simulate --tune [--write FILE.gin]`: the config's best point on its target.
 
-    areal-jax simulate --gin_file=CONFIG --tune [--sweep eta=1,2,4] [--sweep split=2,4] [--write TUNED.gin]
+    areal-jax simulate --gin_file=CONFIG --tune [--sweep eta=1,2,4] [--sweep split=2,4]
+        [--sweep kv_dtype=bfloat16,float8_e4m3fn] [--write TUNED.gin]
 
 Searches (simulate/tune.py) the split per host, the trainer's micro-batch budget, the engine's
-slots and KV pool and the groups in flight, and eta within `--sweep eta=...` (default: the
-config's own eta: eta trades staleness for throughput, which the simulator cannot weigh).
+slots and KV pool and the groups in flight, eta within `--sweep eta=...` (default: the config's
+own eta: eta trades staleness for throughput, which the simulator cannot weigh) and the KV
+cache's dtype within `--sweep kv_dtype=...` (default: the config's own, likewise: FP8 keys and
+values hold twice the tokens per byte and change the behaviour policy's numerics).
 Each point is bound as gin parameters after the config's own and simulated as `simulate` would
 (the roofline costs of the target); only points whose programs fit the target with the plan's
 headroom are simulated (plan/fit.py: the hand estimate of each program's peak, or the plan
@@ -22,11 +25,14 @@ import pathlib
 import time
 from typing import Any
 
+import numpy as np
+
 from areal_jax.simulate.driver import COLOCATED
 from areal_jax.simulate.tune import Knobs, SearchResult, budget_candidates, distinct, search
 
 BUDGET_FIELD = "max_tokens_per_microbatch"
-TUNE_SWEEPS = ("eta", "split")  # what --sweep narrows under --tune
+TUNE_SWEEPS = ("eta", "split", "kv_dtype")  # what --sweep narrows under --tune
+KV_DTYPE_SWEEP = "kv_dtype"  # a sweep --tune alone takes (each point is its own engine config)
 
 
 class TuneError(ValueError):
@@ -71,7 +77,27 @@ def bindings(k: Knobs, *, budget_owner: str, paged: bool, buckets: tuple[int, ..
     if paged and k.pool_bytes:
         out.append(f"EngineConfig.kv_pool_bytes = {k.pool_bytes}")
     out += [f"RLConfig.max_staleness = {k.eta}", f"RLConfig.max_concurrent = {k.max_concurrent}"]
+    if k.kv_dtype:
+        out.append(f'EngineConfig.kv_dtype = "{k.kv_dtype}"')
     return out
+
+
+def split_kv_dtype_sweep(specs: list[str]) -> tuple[list[str], list[str]]:
+    """--sweep specs -> (the others, the kv_dtype values), each value checked against the engine's."""
+    from areal_jax.generation.config import KV_DTYPES
+
+    rest, dtypes = [], []
+    for spec in specs:
+        field, eq, values = spec.partition("=")
+        if field.strip() != KV_DTYPE_SWEEP:
+            rest.append(spec)
+            continue
+        items = [v.strip() for v in values.split(",") if v.strip()]
+        bad = [v for v in items if v not in KV_DTYPES]
+        if not eq or not items or bad:
+            raise TuneError(f"--sweep {spec!r}: kv_dtype takes values of {KV_DTYPES}")
+        dtypes += [v for v in items if v not in dtypes]
+    return rest, dtypes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +113,8 @@ class _Space:
     config: Knobs
     config_replicas: int
     page_bytes: int  # one page of one replica (0: the engine does not page on this target)
+    kv_itemsize: int  # the config's cache bytes per element (page_bytes' own)
+    kv_dtype: str  # the config's stored key/value dtype ("bfloat16", "float8_e4m3fn", ...)
     page_size: int
     pages_per_sequence: int
     longest_row: int  # the row bucket holding the longest sequence: no budget below it trains one
@@ -124,28 +152,40 @@ class _Space:
         return dataclasses.replace(self.config, generation_devices=g, budget=budget, slots=slots,
                                    max_concurrent=concurrent, colocated=colocated)
 
-    def pools(self, largest: int, preempts: bool) -> list[int]:
+    def page_bytes_of(self, kv_dtype: str) -> int:
+        """One page's bytes with the cache in `kv_dtype` ("": the config's)."""
+        if not kv_dtype or not self.page_bytes:
+            return self.page_bytes
+        return self.page_bytes // self.kv_itemsize * (1 if kv_dtype == "float8_e4m3fn" else 2)
+
+    def pools(self, largest: int, preempts: bool, kv_dtype: str = "") -> list[int]:
         """The config's pool, and where the leader's samples were preempted (the pool ran dry)
-        larger ones up to `largest`: a pool that never runs dry gains nothing from growing."""
-        if not self.page_bytes or not preempts:
+        larger ones up to `largest`: a pool that never runs dry gains nothing from growing. Bytes
+        are kept across dtypes (FP8 pages hold twice the tokens)."""
+        page = self.page_bytes_of(kv_dtype)
+        if not page or not preempts:
             return [self.config.pool_bytes]
         p0 = self.config.pool_bytes
-        floor = self.pages_per_sequence * self.page_bytes
+        floor = self.pages_per_sequence * page
         sizes = [p0, largest] if largest > 1.05 * p0 else [p0]
-        return distinct([max(floor, s // self.page_bytes * self.page_bytes) for s in sizes])
+        return distinct([max(floor, s // page * page) for s in sizes])
 
-    def refine(self, leader: Knobs, etas: list[int], largest_pool: int, preempts: bool) -> list[Knobs]:
+    def refine(self, leader: Knobs, etas: list[int], largest_pool: int, preempts: bool,
+               kv_dtypes: list[str] = ()) -> list[Knobs]:
         r = self.replicas(leader.generation_devices)
         eta0 = self.config.eta
         out = []
-        for eta in etas:
-            scaled = max(1, leader.max_concurrent * (eta + 1) // (eta0 + 1))
-            for concurrent in distinct([scaled, (eta + 1) * self.local_batch]):
-                demand = -(-concurrent * self.samples // r)  # sequences in flight per replica
-                for per_replica in distinct([leader.slots // r, demand]):
-                    for pool in self.pools(largest_pool, preempts):
-                        out.append(dataclasses.replace(leader, eta=eta, max_concurrent=concurrent,
-                                                       slots=max(1, per_replica) * r, pool_bytes=pool))
+        # The config's own dtype is "" (no binding), so a point is never simulated twice.
+        for kv_dtype in distinct(["" if kv == self.kv_dtype else kv for kv in kv_dtypes] or [leader.kv_dtype]):
+            for eta in etas:
+                scaled = max(1, leader.max_concurrent * (eta + 1) // (eta0 + 1))
+                for concurrent in distinct([scaled, (eta + 1) * self.local_batch]):
+                    demand = -(-concurrent * self.samples // r)  # sequences in flight per replica
+                    for per_replica in distinct([leader.slots // r, demand]):
+                        for pool in self.pools(largest_pool, preempts, kv_dtype):
+                            out.append(dataclasses.replace(leader, eta=eta, max_concurrent=concurrent,
+                                                           slots=max(1, per_replica) * r, pool_bytes=pool,
+                                                           kv_dtype=kv_dtype))
         return out
 
 
@@ -155,8 +195,8 @@ def _space(p, model_cfg) -> _Space:
     job, wl = p.job, p.workload
     replica = job.mesh.generation_tensor * job.mesh.generation_expert
     page_bytes = 0
+    itemsize = job.engine.kv_itemsize(gen_dtype(job))  # 1 with kv_dtype float8_e4m3fn
     if wl.paged:
-        itemsize = job.engine.kv_itemsize(gen_dtype(job))  # 1 with kv_dtype float8_e4m3fn
         page_bytes = job.engine.page_size * 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim \
             * itemsize
     colocated = p.base.colocated
@@ -169,7 +209,8 @@ def _space(p, model_cfg) -> _Space:
     return _Space(devices_per_host=wl.devices_per_host, replica_devices=replica,
                   train_group=job.mesh.train_tensor * job.mesh.train_expert, hosts=wl.hosts,
                   local_batch=wl.local_batch, samples=wl.samples_per_group, config=config,
-                  config_replicas=wl.generation_replicas(p.generation), page_bytes=page_bytes,
+                  config_replicas=wl.generation_replicas(p.generation), page_bytes=page_bytes, kv_itemsize=itemsize,
+                  kv_dtype=str(np.dtype(job.engine.storage_dtype(gen_dtype(job)))),
                   page_size=job.engine.page_size, pages_per_sequence=job.engine.pages_per_sequence,
                   longest_row=trained_row_length(job), buckets=buckets)
 
@@ -183,7 +224,8 @@ def run_tune(args) -> dict[str, Any]:
     if args.calibrate:
         raise TuneError("--tune needs a target's roofline costs (--target or PlanConfig.target), not --calibrate: "
                         "fitted costs hold for the recorded run's split only")
-    sweeps = dict(_parse_sweeps(args.sweep))
+    specs, kv_dtypes = split_kv_dtype_sweep(list(args.sweep or []))
+    sweeps = dict(_parse_sweeps(specs))
     if set(sweeps) - set(TUNE_SWEEPS):
         raise TuneError(f"--tune searches {TUNE_SWEEPS} itself; --sweep {sorted(set(sweeps) - set(TUNE_SWEEPS))} "
                         "does not apply")
@@ -195,6 +237,9 @@ def run_tune(args) -> dict[str, Any]:
     owner = config_owner(base.job, BUDGET_FIELD)
     paged = bool(space.page_bytes)
     etas = list(sweeps.get("eta") or [space.config.eta])
+    if kv_dtypes and not paged:
+        raise TuneError(f"--sweep kv_dtype: the engine does not page its cache on {base.target.name} "
+                        "(EngineConfig.kv_layout), and FP8 keys and values need pages")
     prepared: dict[Knobs, Any] = {}
 
     def job_at(k: Knobs):
@@ -236,7 +281,7 @@ def run_tune(args) -> dict[str, Any]:
     preempting: set[Knobs] = set()
 
     def refine(leader: Knobs):
-        return space.refine(leader, etas, largest_pool, leader in preempting)
+        return space.refine(leader, etas, largest_pool, leader in preempting, kv_dtypes)
 
     def evaluate_noting_preemption(k: Knobs):
         score, row = evaluate(k)
@@ -272,8 +317,10 @@ def run_tune(args) -> dict[str, Any]:
             "assumptions": {
                 "search": "stage 1: every split x micro-batch budget at the config's engine (slots and groups in "
                           "flight per replica kept, as --sweep split); stage 2: the 2 best with the engine's slots, "
-                          "KV pool, groups in flight and eta varied",
+                          "KV pool, groups in flight, eta and the cache's dtype varied",
                 "eta": f"searched over {etas}" + ("" if "eta" in sweeps else " (the config's; widen with --sweep eta=...)"),
+                "kv_dtype": (f"searched over {kv_dtypes}" if kv_dtypes else
+                             "the config's (widen with --sweep kv_dtype=bfloat16,float8_e4m3fn)"),
                 "memory": f"every program of the plan's bounding set within {1 - base.plan_cfg.headroom:.0%} of a "
                           f"device; the hand estimate (plan/estimate.py) unless a point says compiled (the plan "
                           f"cache's peaks, looked up from the best down until one fits, at most {args.tune_top}, within "
@@ -311,11 +358,14 @@ def _with_compiled_peaks(result: SearchResult, args, job_at, model_cfg) -> Searc
     return dataclasses.replace(result, points=tuple(points), refused=tuple(refused))
 
 
+_KV_SHORT = {"": "own", "bfloat16": "bf16", "float8_e4m3fn": "fp8"}  # the table's kv column
+
+
 def format_tune(report: dict[str, Any], top: int) -> str:
     lines = [f"simulate --tune {report['config']} on {report['target']}: {report['simulated']} points simulated, "
              f"{report['refused']} refused on memory, {report['seconds']:.0f} s",
              f"{'#':>2s} {'tok/s/device':>12s} {'trained tok/s':>13s} {'vs config':>9s} {'split':>9s} {'budget':>7s} "
-             f"{'slots':>6s} {'pool GB':>7s} {'conc':>5s} {'eta':>3s} {'peak':>5s}  memory"]
+             f"{'slots':>6s} {'pool GB':>7s} {'kv':>4s} {'conc':>5s} {'eta':>3s} {'peak':>5s}  memory"]
     own, own_rank = report["own"], report["own_rank"]
     ranks = list(range(1, min(top, len(report["points"])) + 1))
     if own_rank and own_rank not in ranks:
@@ -327,7 +377,7 @@ def format_tune(report: dict[str, Any], top: int) -> str:
         mem = pt["memory"]
         lines.append(f"{rank:>2d} {pt['trained_tokens_per_s_per_device']:12,.0f} {pt['trained_tokens_per_s']:13,.0f} "
                      f"{vs:>9s} {pt['split']:>9s} {k['budget']:7d} {k['slots']:6d} {k['pool_bytes'] / 1e9:7.1f} "
-                     f"{k['max_concurrent']:5d} {k['eta']:3d} {mem['peak_fraction']:5.0%}  {mem['source']}"
+                     f"{_KV_SHORT.get(k.get('kv_dtype', ''), 'own'):>4s} {k['max_concurrent']:5d} {k['eta']:3d} {mem['peak_fraction']:5.0%}  {mem['source']}"
                      + ("  (the config)" if rank == own_rank else ""))
     if "knobs" not in own:
         lines.append(f"the config itself does not fit: {own['memory']['source']} "
