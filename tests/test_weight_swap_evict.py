@@ -174,3 +174,31 @@ def test_a_colocated_evicting_engine_holds_no_weights_while_the_trainer_updates(
     np.testing.assert_array_equal(served["embed"], trained["embed"])
     assert all(np.isfinite(m["train/loss"]) for m in result.history)
     assert all(0 <= m["rollout/reprefill_shared_tokens"] <= m["rollout/reprefill_tokens"] for m in result.history)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread's own raise
+def test_a_dead_engine_thread_fails_a_waiting_release_and_push_instead_of_hanging(monkeypatch):
+    """The trainer blocks on `release_weights().result()` (a push under "evict", colocated before
+    every update): if the engine thread dies, that wait, the pending push, and any asked later
+    fail with the thread's error."""
+    engine = GenerationEngine((CFG, OLD), EngineConfig(**BASE))
+
+    def failing_round():  # the round's first step, before any release or swap
+        raise RuntimeError("the round failed")
+
+    monkeypatch.setattr(engine, "_apply_aborts", failing_round)
+    engine.pause()  # the release and the push wait for a round, which fails
+    engine.start()
+    try:
+        released, pushed = engine.release_weights(), engine.update_weights(NEW, version=1)
+        handle = engine.submit(PROMPTS[0], SamplingParams(max_new_tokens=3), seed=0)
+        engine.resume()
+        for future in (released, pushed, handle):
+            with pytest.raises(RuntimeError, match="the round failed"):
+                future.result(timeout=60)
+        with pytest.raises(RuntimeError, match="the round failed"):
+            engine.release_weights().result(timeout=1)
+        with pytest.raises(RuntimeError, match="the round failed"):
+            engine.update_weights(NEW, version=2).result(timeout=1)
+    finally:
+        engine.stop(abort_pending=False)  # aborting would run the failing step again

@@ -112,6 +112,7 @@ class GenerationEngine:
         self._aborts: set[str] = set()
         self._pending_weights: tuple[Params, int, concurrent.futures.Future] | None = None
         self._release: concurrent.futures.Future | None = None  # asked for, not yet done
+        self._failure: BaseException | None = None  # what stopped the engine thread, if anything
         self._released = False  # no weights held: nothing decodes or admits until the next swap
         self._ids = itertools.count()
         self._seeds = itertools.count()
@@ -225,6 +226,9 @@ class GenerationEngine:
                              "of the same model and dtype are expected")
         done: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
+            if self._failure is not None:  # nothing would ever install them
+                done.set_exception(self._failure)
+                return done
             if self._pending_weights is not None:  # a newer push supersedes one not yet applied
                 self._pending_weights[2].set_result(False)
             self._pending_weights = (params, int(version), done)
@@ -241,6 +245,9 @@ class GenerationEngine:
         drops them at once unless in-flight samples must finish first (later rounds then do)."""
         done: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
+            if self._failure is not None:  # nothing would ever drop them
+                done.set_exception(self._failure)
+                return done
             if self._release is not None:
                 self._release.set_result(False)  # superseded by this call
             self._release = done
@@ -486,12 +493,21 @@ class GenerationEngine:
             pass  # the caller cancelled the future; the samples are simply dropped
 
     def _fail_all(self, error: BaseException) -> None:
+        """The engine thread died: every request, and a push or release waiting for a chunk
+        boundary (a trainer blocks on those), fails with `error`, and so does any asked later."""
         with self._lock:
-            requests = list(self._requests.values())
+            self._failure = error
+            futures = [req.future for req in self._requests.values()]
             self._requests.clear()
             self._queue.clear()
-        for req in requests:
+            if self._pending_weights is not None:
+                futures.append(self._pending_weights[2])
+                self._pending_weights = None
+            if self._release is not None:
+                futures.append(self._release)
+                self._release = None
+        for future in futures:
             try:
-                req.future.set_exception(error)
+                future.set_exception(error)
             except concurrent.futures.InvalidStateError:
                 pass
