@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["PrefixTrie"]
+__all__ = ["PrefixTrie", "place_trie"]
 
 
 class PrefixTrie:
@@ -78,3 +78,20 @@ class PrefixTrie:
             stack.extend(reversed(self._children[node].values()))
         return {"token": np.asarray(self._token, np.int64), "depth": depth, "parent": np.asarray(self._parent),
                 "order": order, "end": order + size}
+
+
+def place_trie(trie: PrefixTrie, row: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], offset: int,
+               segment: int) -> dict[str, np.ndarray]:
+    """Lays `trie` out in one packed row from index `offset`: `row` = (input_ids, positions,
+    segment_ids, key_ends), each `[W]`, get every real node's token, depth - 1, `segment` and its
+    subtree's end (row indices). Returns `trie.layout()` for the caller's own per-node arrays."""
+    ids, positions, segments, ends = row
+    lay = trie.layout()
+    real = np.arange(1, len(lay["token"]))
+    at = offset + lay["order"][real]  # the row index of each real node
+    ids[at] = lay["token"][real]
+    positions[at] = lay["depth"][real] - 1
+    segments[at] = segment
+    ends[at] = offset + lay["end"][real]
+    return lay
+

@@ -204,9 +204,8 @@ class EngineCache:
         ec = self.config
         packing = pack_trie_rows(histories, groups, ec.pack_width)
         most = ec.max_pack_rows(self.data)
-        order = list(range(len(packing.rows)))
-        for start in range(0, len(order), most):
-            part = order[start:start + most]
+        for start in range(0, len(packing.rows), most):
+            part = list(range(start, min(start + most, len(packing.rows))))
             trie = TrieRows(*self.put(*packing.arrays(part, ec.pack_rows(len(part), self.data))))
             self.cache = self.programs.reprefill(params, self.cache, trie, *self.put(*self.tables()))
         jax.block_until_ready(self.cache)

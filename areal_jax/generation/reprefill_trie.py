@@ -16,7 +16,7 @@ from collections.abc import Hashable, Mapping
 
 import numpy as np
 
-from areal_jax.prefix_trie import PrefixTrie
+from areal_jax.prefix_trie import PrefixTrie, place_trie
 
 __all__ = ["TRIE_WRITES_PER_NODE", "TriePacking", "pack_trie_rows", "trie_rows_by_length"]
 
@@ -46,13 +46,7 @@ class TriePacking:
         for r, row in enumerate(self.rows[i] for i in rows):
             offset = written = 0
             for k, (slots, trie) in enumerate(row):
-                lay = trie.layout()
-                real = np.arange(1, len(lay["token"]))
-                at = offset + lay["order"][real]  # the row index of each real node
-                ids[r, at] = lay["token"][real]
-                positions[r, at] = lay["depth"][real] - 1
-                segments[r, at] = k + 1
-                ends[r, at] = offset + lay["end"][real]
+                lay = place_trie(trie, (ids[r], positions[r], segments[r], ends[r]), offset, k + 1)
                 for s, path in zip(slots, trie.paths, strict=True):
                     n = path.size
                     node[r, written:written + n] = offset + lay["order"][path]
@@ -95,20 +89,27 @@ def pack_trie_rows(histories: Mapping[int, np.ndarray], groups: Mapping[int, Has
     if too_long:
         raise ValueError(f"histories of slots {too_long[:8]} are empty or longer than a packed row ({width})")
     units = _units(histories, groups, width, writes)
-    rows: list[list[tuple[list[int], PrefixTrie]]] = []
+    sizes = [(trie.num_nodes, sum(histories[s].size for s in slots)) for slots, trie in units]
+    rows = [[units[u] for u in row] for row in _first_fit(sizes, width, writes)]
+    return TriePacking(rows, width, writes)
+
+
+def _first_fit(sizes: list[tuple[int, int]], width: int, writes: int) -> list[list[int]]:
+    """Units of (nodes, writes) into rows holding at most `width` nodes and `writes` writes,
+    first-fit by decreasing node count: each row's unit indices."""
+    rows: list[list[int]] = []
     room: list[list[int]] = []  # per row: [nodes left, writes left]
-    for u in sorted(range(len(units)), key=lambda u: -units[u][1].num_nodes):
-        slots, trie = units[u]
-        need = (trie.num_nodes, sum(histories[s].size for s in slots))
+    for u in sorted(range(len(sizes)), key=lambda u: -sizes[u][0]):
+        nodes, tokens = sizes[u]
         for r, (nodes_left, writes_left) in enumerate(room):
-            if need[0] <= nodes_left and need[1] <= writes_left:
-                rows[r].append(units[u])
-                room[r] = [nodes_left - need[0], writes_left - need[1]]
+            if nodes <= nodes_left and tokens <= writes_left:
+                rows[r].append(u)
+                room[r] = [nodes_left - nodes, writes_left - tokens]
                 break
         else:
-            rows.append([units[u]])
-            room.append([width - need[0], writes - need[1]])
-    return TriePacking(rows, width, writes)
+            rows.append([u])
+            room.append([width - nodes, writes - tokens])
+    return rows
 
 
 def trie_rows_by_length(groups: list[tuple[int, list[int]]], width: int, writes: int | None = None
@@ -128,12 +129,4 @@ def trie_rows_by_length(groups: list[tuple[int, list[int]]], width: int, writes:
             nodes += h if not tokens else tail
             tokens += h
         units.append((nodes, tokens))
-    room: list[list[int]] = []
-    for nodes, tokens in sorted(units, key=lambda u: -u[0]):
-        for r, (nodes_left, writes_left) in enumerate(room):
-            if nodes <= nodes_left and tokens <= writes_left:
-                room[r] = [nodes_left - nodes, writes_left - tokens]
-                break
-        else:
-            room.append([width - nodes, writes - tokens])
-    return len(room), sum(u[0] for u in units)
+    return len(_first_fit(units, width, writes)), sum(u[0] for u in units)

@@ -27,28 +27,32 @@ from areal_jax.models.transformer import (KVCache, Params, Rotary, attention_inp
 
 
 def _packed_inputs(params: Params, cfg: ModelConfig, input_ids: jax.Array, segment_ids: jax.Array, compute_dtype,
-                   attention_impl: str, platform: str | None):
-    """What every layer of a packed prefill shares: positions within segments `[R, W]`, the
-    rotary table, the attention (a flash kernel's closure, or None and the packed mask) and the
-    embedded tokens."""
+                   attention_impl: str, platform: str | None, *, positions: jax.Array | None = None,
+                   key_ends: jax.Array | None = None):
+    """What every layer of a packed prefill shares: positions `[R, W]` (within segments unless
+    given: a trie's nodes' depths), the rotary table, the attention (a flash kernel's closure, or
+    None and the packed mask; with a trie's `key_ends` the kernel runs the jnp reference, as
+    shared-prefix training does) and the embedded tokens."""
     R, W = input_ids.shape
-    positions = segment_positions(segment_ids)
+    positions = segment_positions(segment_ids) if positions is None else positions
     attend = None
     if flash.resolve_impl(attention_impl, platform) == "pallas":
-        attend = lambda q, k, v: training_attention(q, k, v, segment_ids, attention_impl, platform=platform)  # noqa: E731
-    mask = self_attention_mask(R, W, segment_ids) if attend is None else None
+        attend = lambda q, k, v: training_attention(q, k, v, segment_ids, attention_impl,  # noqa: E731
+                                                    platform=platform, key_ends=key_ends)
+    mask = self_attention_mask(R, W, segment_ids, key_ends) if attend is None else None
     return positions, Rotary.at(cfg, positions), attend, mask, embed_tokens(params, input_ids, compute_dtype)
 
 
 def packed_kv(params: Params, cfg: ModelConfig, input_ids: jax.Array, segment_ids: jax.Array, compute_dtype, *,
-              attention_impl: str = "reference", platform: str | None = None
-              ) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
+              attention_impl: str = "reference", platform: str | None = None, positions: jax.Array | None = None,
+              key_ends: jax.Array | None = None) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
     """Positions within each segment `[R, W]` and every layer's keys and values `[R, W, K, H]` of
     packed rows (attention causal within each segment). `attention_impl` resolving to a flash
     kernel on `platform` (kernels/flash_attention.py: GPU, TPU) attends by it; else the blocked
-    formula under the packed mask."""
+    formula under the packed mask. `positions`, `key_ends`: rows of prefix tries (`TrieRows`)."""
     positions, rope, attend, mask, x = _packed_inputs(params, cfg, input_ids, segment_ids, compute_dtype,
-                                                      attention_impl, platform)
+                                                      attention_impl, platform, positions=positions,
+                                                      key_ends=key_ends)
     out = []
     # The last layer's attention output and MLP feed nothing returned, so XLA drops them.
     for i, p in enumerate(split_layers(params)["layers"]):
@@ -137,30 +141,10 @@ class TrieRows(NamedTuple):
     write_pos: jax.Array
 
 
-def _trie_inputs(params: Params, cfg: ModelConfig, trie: TrieRows, compute_dtype, attention_impl: str,
-                 platform: str | None):
-    """`_packed_inputs` of trie rows: the rotary table at the nodes' positions, the attention (a
-    flash kernel's closure taking the trie's `key_ends`: the jnp reference, as shared-prefix
-    training; else None and the trie mask) and the embedded tokens."""
-    R, W = trie.input_ids.shape
-    attend = None
-    if flash.resolve_impl(attention_impl, platform) == "pallas":
-        attend = lambda q, k, v: training_attention(q, k, v, trie.segment_ids, attention_impl,  # noqa: E731
-                                                    platform=platform, key_ends=trie.key_ends)
-    mask = self_attention_mask(R, W, trie.segment_ids, trie.key_ends) if attend is None else None
-    return Rotary.at(cfg, trie.positions), attend, mask, embed_tokens(params, trie.input_ids, compute_dtype)
-
-
-def _trie_kv(params: Params, cfg: ModelConfig, trie: TrieRows, compute_dtype, *, attention_impl: str,
-             platform: str | None) -> list[tuple[jax.Array, jax.Array]]:
-    """Every layer's keys and values `[R, W, K, H]` of the trie rows' nodes (`packed_kv` of a trie)."""
-    rope, attend, mask, x = _trie_inputs(params, cfg, trie, compute_dtype, attention_impl, platform)
-    out = []
-    for i, p in enumerate(split_layers(params)["layers"]):
-        x, kv, _ = decoder_layer(cfg, rope, x, p, mask, None, None, compute_dtype, attend=attend, layer=i,
-                                 valid=trie.segment_ids > 0)
-        out.append(kv)
-    return out
+def _trie_kv(params: Params, cfg: ModelConfig, trie: TrieRows, compute_dtype, **attention):
+    """Every layer's keys and values `[R, W, K, H]` of the trie rows' nodes."""
+    return packed_kv(params, cfg, trie.input_ids, trie.segment_ids, compute_dtype, positions=trie.positions,
+                     key_ends=trie.key_ends, **attention)[1]
 
 
 def _written(trie: TrieRows, x: jax.Array) -> jax.Array:
@@ -200,7 +184,9 @@ def prefill_trie_into_pages(params: Params, cfg: ModelConfig, trie: TrieRows,
     tables = page_tables[jnp.clip(trie.write_slot, 0, page_tables.shape[0] - 1)].reshape(R * E, -1)  # [R*E, M]
     write_at = trie.write_pos.reshape(R * E, 1)
     if isinstance(pools, PagePool):
-        rope, attend, mask, x = _trie_inputs(params, cfg, trie, compute_dtype, attention_impl, platform)
+        _, rope, attend, mask, x = _packed_inputs(params, cfg, trie.input_ids, trie.segment_ids, compute_dtype,
+                                                  attention_impl, platform, positions=trie.positions,
+                                                  key_ends=trie.key_ends)
 
         def layer(carry, xs):
             x, pool = carry

@@ -25,7 +25,7 @@ import pathlib
 import time
 from typing import Any
 
-import numpy as np
+import jax.numpy as jnp
 
 from areal_jax.simulate.driver import COLOCATED
 from areal_jax.simulate.tune import Knobs, SearchResult, budget_candidates, distinct, search
@@ -113,8 +113,7 @@ class _Space:
     config: Knobs
     config_replicas: int
     page_bytes: int  # one page of one replica (0: the engine does not page on this target)
-    kv_itemsize: int  # the config's cache bytes per element (page_bytes' own)
-    kv_dtype: str  # the config's stored key/value dtype ("bfloat16", "float8_e4m3fn", ...)
+    kv_dtype: str  # the config's stored key/value dtype (page_bytes' own: "bfloat16", "float8_e4m3fn", ...)
     page_size: int
     pages_per_sequence: int
     longest_row: int  # the row bucket holding the longest sequence: no budget below it trains one
@@ -156,7 +155,7 @@ class _Space:
         """One page's bytes with the cache in `kv_dtype` ("": the config's)."""
         if not kv_dtype or not self.page_bytes:
             return self.page_bytes
-        return self.page_bytes // self.kv_itemsize * (1 if kv_dtype == "float8_e4m3fn" else 2)
+        return self.page_bytes // jnp.dtype(self.kv_dtype).itemsize * jnp.dtype(kv_dtype).itemsize
 
     def pools(self, largest: int, preempts: bool, kv_dtype: str = "") -> list[int]:
         """The config's pool, and where the leader's samples were preempted (the pool ran dry)
@@ -195,8 +194,8 @@ def _space(p, model_cfg) -> _Space:
     job, wl = p.job, p.workload
     replica = job.mesh.generation_tensor * job.mesh.generation_expert
     page_bytes = 0
-    itemsize = job.engine.kv_itemsize(gen_dtype(job))  # 1 with kv_dtype float8_e4m3fn
     if wl.paged:
+        itemsize = job.engine.kv_itemsize(gen_dtype(job))  # 1 with kv_dtype float8_e4m3fn
         page_bytes = job.engine.page_size * 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim \
             * itemsize
     colocated = p.base.colocated
@@ -209,8 +208,8 @@ def _space(p, model_cfg) -> _Space:
     return _Space(devices_per_host=wl.devices_per_host, replica_devices=replica,
                   train_group=job.mesh.train_tensor * job.mesh.train_expert, hosts=wl.hosts,
                   local_batch=wl.local_batch, samples=wl.samples_per_group, config=config,
-                  config_replicas=wl.generation_replicas(p.generation), page_bytes=page_bytes, kv_itemsize=itemsize,
-                  kv_dtype=str(np.dtype(job.engine.storage_dtype(gen_dtype(job)))),
+                  config_replicas=wl.generation_replicas(p.generation), page_bytes=page_bytes,
+                  kv_dtype=str(jnp.dtype(job.engine.storage_dtype(gen_dtype(job)))),
                   page_size=job.engine.page_size, pages_per_sequence=job.engine.pages_per_sequence,
                   longest_row=trained_row_length(job), buckets=buckets)
 

@@ -39,7 +39,7 @@ import numpy as np
 
 from areal_jax.api.batches import PAD_VALUES, PackedBatch
 from areal_jax.packing import ffd_allocate, pack_sequences
-from areal_jax.prefix_trie import PrefixTrie
+from areal_jax.prefix_trie import PrefixTrie, place_trie
 
 __all__ = ["TREE_INDEX_KEY", "TREE_KEYS", "PrefixTrie", "pack_tree_bin", "trie_units"]
 
@@ -86,16 +86,11 @@ def pack_tree_bin(seqs: Sequence[dict], units: Sequence[tuple[list[int], PrefixT
         offset = 0
         for k, u in enumerate(row):
             taken, trie = units[u]
-            lay = trie.layout()
+            lay = place_trie(trie, tuple(tree[key][r] for key in TREE_KEYS[:4]), offset, k + 1)
             real = np.arange(1, len(lay["token"]))
-            at = offset + lay["order"][real]  # row index of each real node
-            tree["tree_input_ids"][r, at] = lay["token"][real]
-            tree["tree_positions"][r, at] = lay["depth"][real] - 1
-            tree["tree_segment_ids"][r, at] = k + 1
-            tree["tree_key_ends"][r, at] = offset + lay["end"][real]
             flat = r * row_len + offset + lay["order"]  # flat index per node id (the virtual root's unused)
             parent = lay["parent"][real]
-            tree["tree_sources"][r, at] = np.where(parent > 0, flat[parent], flat[real])
+            tree["tree_sources"][r, offset + lay["order"][real]] = np.where(parent > 0, flat[parent], flat[real])
             for i, path in zip(taken, trie.paths):
                 node_at[i] = flat[path]
             offset += trie.num_nodes
