@@ -69,6 +69,16 @@ class EngineConfig:
     # few percent of a re-prefill's FLOPs at these widths, the prompts shared often a third.
     # False: plain packed rows, attended by the platform's flash kernel.
     reprefill_share_prefixes: bool = True
+    # Re-prefill beside decode (paged layout): after an interrupting swap the in-flight samples keep
+    # their slots and pages but pause, and every decode step also recomputes up to this many rows of
+    # their histories per data replica, each row `reprefill_in_decode_width` consecutive tokens of
+    # one slot's history, in the same pass as the step's decode rows (one read of the weights for
+    # both). A decode step at a few hundred live rows leaves much of the compute idle (it waits on
+    # the weights and the cache); the re-prefill fills it instead of running as packed calls that
+    # stop generation. Slots are re-prefilled oldest first and decode again from the chunk after
+    # their last row. 0 (default): the packed re-prefill calls at the swap.
+    reprefill_in_decode_rows: int = 0
+    reprefill_in_decode_width: int = 128
     interruptible: bool = True
     # What an interrupting swap does with the in-flight samples' KV cache. "recompute" (AReaL's
     # semantics): re-prefill every in-flight history under the new weights. "keep" (PipelineRL's
@@ -169,6 +179,16 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {v!r}")
+        for name in ("reprefill_in_decode_rows",):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"EngineConfig.{name} must be an int >= 0 (0: off), got {v!r}")
+        if not isinstance(self.reprefill_in_decode_width, int) or self.reprefill_in_decode_width < 1:
+            raise ValueError(f"EngineConfig.reprefill_in_decode_width must be an int >= 1, "
+                             f"got {self.reprefill_in_decode_width!r}")
+        if self.reprefill_in_decode_rows and self.kv_layout == "dense":
+            raise ValueError("EngineConfig.reprefill_in_decode_rows needs the paged KV cache (its rows attend over "
+                             "their slots' pages): kv_layout 'paged' or 'auto'")
         if not isinstance(self.reprefill_share_prefixes, bool):
             raise ValueError(f"EngineConfig.reprefill_share_prefixes must be a bool, got {self.reprefill_share_prefixes!r}")
         if not isinstance(self.decode_exit_every, int) or self.decode_exit_every < 0:
@@ -325,6 +345,11 @@ class EngineConfig:
         """Buckets of prompts (what admission prefills)."""
         last = self.bucket(self.prompt_limit)
         return tuple(b for b in self.prefill_buckets if b <= last)
+
+    def reprefill_in_decode(self, platform: str) -> bool:
+        """Whether swaps re-prefill beside decode on `platform` (the paged layout only; `auto` is
+        dense on CPU without an FP8 cache, where the packed calls run instead)."""
+        return self.reprefill_in_decode_rows > 0 and self.layout(platform) == "paged"
 
     @property
     def pack_width(self) -> int:
