@@ -9,7 +9,8 @@ Interruptible swap (AReaL): `update_weights(params, version)` may be called from
 takes effect at the next chunk boundary. In-flight samples keep their tokens, logprobs and
 versions; their KV cache is recomputed from prompt + tokens so far under the new weights, and
 later tokens carry the new version (histories are packed several to a row and written straight
-into their slots, `reprefill_pack_width`). With `on_swap="keep"` (PipelineRL's in-flight update)
+into their slots, `reprefill_pack_width`; with `reprefill_in_decode_rows` the longest pause instead
+and the decode steps re-prefill them beside their decode rows, generation/reprefill_rides.py). With `on_swap="keep"` (PipelineRL's in-flight update)
 they continue on the KV cache the old weights wrote instead: no re-prefill. With `interruptible=False` the engine instead stops
 admitting, lets in-flight samples finish on the old weights, then swaps (the ablation).
 `release_weights()` drops the served weights at the next chunk boundary (in-flight samples keep
@@ -105,6 +106,7 @@ class GenerationEngine:
         self._kv = EngineCache(cfg, ec, dtype, mesh=self._mesh, device=next(iter(home.device_set)),
                                counts=self.compile_counts, stats=self._stats, timings=self._timings)
         self._slots = SlotTable(ec, self._kv, self._stats, self._timings, on_done=self._complete_sample)
+        self._rides = self._programs.decode_ride is not None  # swaps re-prefill beside decode
         self._lock = threading.Condition()
         self._queue: collections.deque[Request] = collections.deque()
         self._admission = Admission(ec, self._slots, self._kv, self._queue, self._lock)
@@ -415,9 +417,13 @@ class GenerationEngine:
         # Interrupted samples: recompute their KV cache from prompt + tokens so far (all but the
         # last token, which is the next decode input) under the new weights, in batched calls;
         # with on_swap "keep" they continue on the KV the old weights wrote.
+        # With re-prefill beside decode, the decode steps carry the longest histories instead.
         if self.config.on_swap == "recompute":
-            self._kv.recompute(self._params, {slot: self._slot_sample[slot].history() for slot in active},
-                               {slot: self._slot_sample[slot].request.request_id for slot in active})
+            ride, packed = self._slots.split_for_rides(active) if self._rides else ([], active)
+            self._slots.pause_for_reprefill(ride)
+            if packed:
+                self._kv.recompute(self._params, {slot: self._slot_sample[slot].history() for slot in packed},
+                                   {slot: self._slot_sample[slot].request.request_id for slot in packed})
         done.set_result(True)
         return False
 

@@ -29,11 +29,12 @@ from areal_jax.generation.live_slots import gather_state, live_order, scatter_ou
 from areal_jax.generation.paged import page_bytes, pool_scale_bytes, zero_pools
 from areal_jax.generation.pages import PageAllocator
 from areal_jax.generation.programs import EnginePrograms, build_programs, cache_sharding, mesh_sizes
+from areal_jax.generation.reprefill_rides import RidePlan
 from areal_jax.generation.reprefill_trie import pack_trie_rows
 from areal_jax.generation.requests import EngineStats
 from areal_jax.generation.timings import CallTimings, shape_key
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.decoding import TrieRows
+from areal_jax.models.decoding import RideRows, TrieRows
 from areal_jax.models.transformer import KVCache, Params
 from areal_jax.packing import ffd_allocate
 
@@ -230,13 +231,15 @@ class EngineCache:
     # ---- decoding ------------------------------------------------------------------------------
 
     def dispatch_decode(self, params: Params, state: tuple[np.ndarray, ...], window: int, sampler: str,
-                        last: DecodeChunk | None = None, fresh: np.ndarray | None = None) -> DecodeChunk:
+                        last: DecodeChunk | None = None, fresh: np.ndarray | None = None,
+                        ride: RidePlan | None = None) -> DecodeChunk:
         """Dispatches one decode chunk over every slot (`state`: the per-slot host arrays and
         exit_free) attending over `window` positions (paged: the page tables cut to the window's
         pages, and the batch only the live slots', generation/live_slots.py); `sampler`: the live
         rows' `sampler_kind`. With `last` (a chunk not yet read back) the slots' tokens, positions,
         active and remaining come from its final state on the device, except the slots `fresh [B]`
-        the host changed since then. Returns without waiting for the device."""
+        the host changed since then. With `ride` (generation/reprefill_rides.py) its steps also
+        re-prefill those history rows. Returns without waiting for the device."""
         t0 = time.perf_counter()
         B = self.config.num_slots
         tables = self.tables(self.config.decode_pages(window))
@@ -252,8 +255,13 @@ class EngineCache:
         else:
             head = self.programs.carry(last.final, last.slots, *self.put(state[:4], fresh, order, real))
             inputs = (*head, *self.put(*gathered[4:], *tables))
-        self.cache, (tokens, logprobs, valid, steps, chosen, final) = self.programs.decode(
-            params, self.cache, *inputs, window=window, sampler=sampler)
+        if ride is None:
+            self.cache, (tokens, logprobs, valid, steps, chosen, final) = self.programs.decode(
+                params, self.cache, *inputs, window=window, sampler=sampler)
+        else:
+            rows = RideRows(*self.put(ride.tokens, ride.positions, ride.tables))
+            self.cache, (tokens, logprobs, valid, steps, chosen, final) = self.programs.decode_ride(
+                params, self.cache, *inputs, rows, *self.put(np.int32(ride.steps)), window=window, sampler=sampler)
         return DecodeChunk((tokens, logprobs, valid, steps, chosen), final, np.where(real, order, B), order, real, t0)
 
     def read_decode(self, chunk: DecodeChunk):

@@ -26,11 +26,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from areal_jax.kernels.paged_attention import (FP8, PagePool, calibrate_pool, calibrated_scales, flat_index,
-                                               from_layer_view, layer_view, paged_attention, pool_layout, scale_bytes,
-                                               stacked_page, write_layer, write_tokens)
+from areal_jax.kernels.paged_attention import (FP8, PagePool, calibrate_pool, calibrated_scales,
+                                               chunk_paged_attention, flat_index, from_layer_view, layer_view,
+                                               paged_attention, pool_layout, scale_bytes, stacked_page, write_layer,
+                                               write_tokens)
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.decoding import PagedAttend
+from areal_jax.models.decoding import PagedAttend, RideAttend
 from areal_jax.models.transformer import KVCache
 
 
@@ -106,11 +107,7 @@ def make_attend(page_tables: jax.Array, *, page_size: int, impl: str, platform: 
     stacked = num_layers is not None
 
     def local(pool, q, k, v, positions, tables, layer):
-        if _axis(mesh, "data") is not None:  # this replica's pages, ids from 0
-            tables = tables - jax.lax.axis_index("data") * pages_per_replica
-        if stacked:  # this replica's share of the stacked pool holds its pages layer after layer
-            tables = tables + layer * pages_per_replica
-        view = layer_view(pool, layer) if stacked else pool
+        tables, view = _local_view(pool, tables, layer, mesh, pages_per_replica, stacked)
         view = write_tokens(view, k, v, flat_index(tables, positions[:, None], page_size)[:, 0])
         lengths = jnp.where(positions >= 0, positions + 1, 0)
         out = paged_attention(q, view, lengths, tables, impl=impl, platform=platform)
@@ -126,6 +123,46 @@ def make_attend(page_tables: jax.Array, *, page_size: int, impl: str, platform: 
                             out_specs=(spec, heads), check_vma=False)
     return lambda pool, q, k, v, positions, layer=0: sharded(pool, q, k, v, positions, page_tables,
                                                              jnp.asarray(layer, jnp.int32))
+
+
+def _local_view(pool: PagePool, tables: jax.Array, layer, mesh: Mesh | None, pages_per_replica: int,
+                stacked: bool) -> tuple[jax.Array, PagePool]:
+    """Page tables made local to the replica running (under shard_map) and to `layer`'s share of a
+    stacked pool, and the pool as the kernels read that layer."""
+    if _axis(mesh, "data") is not None:  # this replica's pages, ids from 0
+        tables = tables - jax.lax.axis_index("data") * pages_per_replica
+    if stacked:  # this replica's share of the stacked pool holds its pages layer after layer
+        tables = tables + layer * pages_per_replica
+    return tables, layer_view(pool, layer) if stacked else pool
+
+
+def make_ride_attend(*, page_size: int, impl: str, platform: str | None, mesh: Mesh | None, pages_per_replica: int,
+                     quantized: bool = False, num_layers: int | None = None) -> RideAttend:
+    """The write-and-attend of the re-prefill rows a decode step carries (`RideRows`):
+    `attend(pool, q [R, W, N, H], k, v [R, W, K, H], positions [R, W], tables [R, M], layer)`
+    writes each row's keys and values at its slot's positions, then attends each query causally
+    over its slot's pages (`chunk_paged_attention`, jnp on every platform). Rows lie over "data"
+    (row r of a replica's share is one of its slots), heads over "tensor", as the decode rows."""
+    stacked = num_layers is not None
+
+    def local(pool, q, k, v, positions, tables, layer):
+        tables, view = _local_view(pool, tables, layer, mesh, pages_per_replica, stacked)
+        R, W = positions.shape
+        index = flat_index(tables, positions, page_size).reshape(R * W)
+        view = write_tokens(view, k.reshape(R * W, *k.shape[2:]), v.reshape(R * W, *v.shape[2:]), index)
+        out = chunk_paged_attention(q, view, positions, tables)
+        return view if not stacked else from_layer_view(pool, view, layer), out
+
+    if mesh is None:
+        return lambda pool, q, k, v, positions, tables, layer=0: local(pool, q, k, v, positions, tables, layer)
+    data, tensor = _axis(mesh, "data"), _axis(mesh, "tensor")
+    heads = PartitionSpec(data, None, tensor, None)  # q, k, v [R, W, *, H]
+    rows = PartitionSpec(data, None)
+    spec = pool_spec(mesh, pool_layout(impl, platform), quantized, stacked=stacked)
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(spec, heads, heads, heads, rows, rows, PartitionSpec()),
+                            out_specs=(spec, heads), check_vma=False)
+    return lambda pool, q, k, v, positions, tables, layer=0: sharded(pool, q, k, v, positions, tables,
+                                                                     jnp.asarray(layer, jnp.int32))
 
 
 def insert_pages(pools: tuple[PagePool, ...], block: KVCache, rows: jax.Array, slots: jax.Array,

@@ -33,12 +33,12 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, Sharding
 
 from areal_jax.generation.config import EngineConfig, round_slots
-from areal_jax.generation.paged import insert_pages, insert_pages_stacked, make_attend
+from areal_jax.generation.paged import insert_pages, insert_pages_stacked, make_attend, make_ride_attend
 from areal_jax.generation.sampling import sample_tokens
 from areal_jax.models import moe, quantize
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.sharding import GENERATION_RULES, constrain, sharding_for
-from areal_jax.models.decoding import (paged_decode_step, prefill_block, prefill_into_pages,
+from areal_jax.models.decoding import (RideRows, paged_decode_step, prefill_block, prefill_into_pages,
                                        prefill_into_slots, prefill_trie_into_pages, prefill_trie_into_slots)
 from areal_jax.models.transformer import (KVCache, Params, forward, lm_head, param_axes, param_shapes, split_layers,
                                           stack_layers)
@@ -189,6 +189,9 @@ class EnginePrograms:
     # (params, cache*, TrieRows) -> cache
     reprefill: Any
     decode: Any  # (params, cache*, per-slot state..., exit_free, *, window, sampler) -> (cache, outputs)
+    # paged, with reprefill_in_decode_rows: decode whose steps carry re-prefill rows (after the page
+    # tables: RideRows of [C, R, W] / [C, R, M], ride_steps); None otherwise
+    decode_ride: Any
     carry: Any  # (last chunk's state, its slots, host state, fresh, next order) -> next chunk's state
     counts: collections.Counter
     traced: collections.Counter
@@ -280,28 +283,31 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
         return prefill_trie_into_slots(params, cfg, trie, cache, **attention)
 
     def decode_loop(model_step, cache, tokens, positions, active, remaining, temperature, top_p, top_k, stop_ids,
-                    key_data, exit_free, *, sampler, exit_every):
+                    key_data, exit_free, *, sampler, exit_every, min_steps=0):
         """Up to `decode_chunk` steps for all slots; stops after the step that leaves every slot
         done or at least `exit_free` slots free. Outputs `[B, C]`; steps past the exit are invalid.
-        `model_step(cache, tokens [B], positions [B]) -> (logits [B, V], cache, experts)`, position
-        -1 for an inactive slot (nothing written); experts `[B, L_moe, k]` of the input tokens (MoE;
+        `model_step(cache, tokens [B], positions [B], step, go) -> (logits [B, V], cache, experts)`,
+        position -1 for an inactive slot (nothing written); `step` the step's index in the chunk and
+        `go` whether it runs (a fixed-count loop's tail does not); experts `[B, L_moe, k]` of the input tokens (MoE;
         else None) come out as a fifth output `[B, C, L_moe, k]` (else None); the sixth is the slots'
         state after the chunk (tokens, positions, active, remaining `[B]`, left on the device: the
         next chunk can start from it before the host has read this one's tokens).
 
         The exit is checked every `exit_every` steps (static; the steps between run as a loop of
         fixed trip count, masked once the chunk has exited): on GPU each check is a device-to-host
-        round trip. `sampler` (static): generation/sampling.py's kind for the live rows."""
+        round trip. `sampler` (static): generation/sampling.py's kind for the live rows.
+        `min_steps` (traced): the chunk runs at least this many steps (up to C) whatever the slots
+        do: the steps carrying re-prefill rows (`RideRows`) all run."""
         B, C, S = tokens.shape[0], ec.decode_chunk, ec.max_seq_len
         slot_keys = jax.random.wrap_key_data(key_data)
 
         def exiting(active, i):
-            return (i < C) & jnp.any(active) & (jnp.sum(~active) < exit_free)
+            return (i < C) & ((jnp.any(active) & (jnp.sum(~active) < exit_free)) | (i < min_steps))
 
         def step(carry):
             cache, tokens, positions, active, remaining, i, go, out = carry
             valid = active & go  # nothing runs once the chunk has exited (a fixed-count loop's tail)
-            logits, cache, chosen = model_step(cache, tokens, jnp.where(valid, positions, -1))
+            logits, cache, chosen = model_step(cache, tokens, jnp.where(valid, positions, -1), i, go)
             # The token sampled from the input at position p uses the slot's key folded with p.
             keys = jax.vmap(jax.random.fold_in)(slot_keys, positions)
             new, lp = sample_tokens(logits, keys, temperature, top_p, top_k, kind=sampler)
@@ -337,7 +343,7 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
         counts["decode"] += 1
         traced[program_name("decode", window=window)] += 1
 
-        def model_step(cache, tokens, positions):
+        def model_step(cache, tokens, positions, step, go):
             logits, cache, routing = forward(params, cfg, tokens[:, None], positions[:, None], cache=cache,
                                              cache_window=window, return_routing=True)
             chosen = moe.record(cfg, routing.experts[:, :, 0]) if record else None  # [B, L_moe, k]
@@ -356,10 +362,35 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
                              mesh=mesh, pages_per_replica=pages_per_replica(pools), quantized=pool_of(pools).quantized,
                              num_layers=L if scan else None)
 
-        def model_step(pools, tokens, positions):
+        def model_step(pools, tokens, positions, step, go):
             return paged_decode_step(params, cfg, tokens, positions, pools, attend, return_routing=True)
 
         return decode_loop(model_step, pools, *state, sampler=sampler, exit_every=exit_every)
+
+    def paged_decode_ride(params, pools, *state, window, sampler="filter"):
+        """`paged_decode` whose steps also re-prefill interrupted histories (EngineConfig.
+        reprefill_in_decode_rows): after the page tables, `RideRows` of `[C, R, W]` tokens and
+        positions and `[C, R, M]` tables (step i carries row set i) and the steps holding any
+        (`ride_steps`), which the chunk runs whatever its decode rows do."""
+        *state, page_tables, ride, ride_steps = state
+        counts["decode"] += 1
+        C, R, W = ride.tokens.shape
+        rows = page_tables.shape[0]
+        traced[program_name("decode", window=window, **({} if rows == ec.num_slots else dict(rows=rows)),
+                            ride_rows=R, ride_width=W)] += 1
+        placement = dict(page_size=ec.page_size, impl=ec.attention_impl, platform=platform, mesh=mesh,
+                         pages_per_replica=pages_per_replica(pools), quantized=pool_of(pools).quantized,
+                         num_layers=L if scan else None)
+        attend = make_attend(page_tables, **placement)
+        attend_ride = make_ride_attend(**placement)
+
+        def model_step(pools, tokens, positions, step, go):
+            at = jnp.minimum(step, C - 1)
+            rows_now = RideRows(ride.tokens[at], jnp.where(go, ride.positions[at], -1), ride.tables[at])
+            return paged_decode_step(params, cfg, tokens, positions, pools, attend, return_routing=True,
+                                     ride=rows_now, attend_ride=attend_ride, replicas=data)
+
+        return decode_loop(model_step, pools, *state, sampler=sampler, exit_every=exit_every, min_steps=ride_steps)
 
     def pool_of(pools):  # one layer's pool, or the stacked one
         return pools if scan else pools[0]
@@ -425,6 +456,8 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
         reprefill=jit(((paged_reprefill_trie if paged else reprefill_trie) if ec.reprefill_share_prefixes else
                        (paged_reprefill if paged else reprefill)), donate_argnums=(1,)),
         decode=jit(paged_decode if paged else decode, donate_argnums=(1,), static_argnames=("window", "sampler")),
+        decode_ride=(jit(paged_decode_ride, donate_argnums=(1,), static_argnames=("window", "sampler"))
+                     if paged and ec.reprefill_in_decode_rows else None),
         carry=jax.jit(counted("carry", carry_state)),
         counts=counts, traced=traced, layout=layout, scan_layers=scan)
 

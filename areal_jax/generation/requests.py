@@ -23,6 +23,8 @@ class EngineStats:
     # Re-prefilled history tokens computed once for several samples (reprefill_share_prefixes):
     # reprefill_tokens less the trie nodes the packed calls ran.
     reprefill_shared_tokens: int = 0
+    # Re-prefilled history tokens the decode steps carried (EngineConfig.reprefill_in_decode_rows).
+    reprefill_ride_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
     decode_steps: int = 0

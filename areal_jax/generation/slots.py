@@ -16,6 +16,7 @@ Shapes: B slots, C decode chunk, X stop ids per slot.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import time
@@ -26,6 +27,7 @@ import numpy as np
 from areal_jax.generation.config import EngineConfig
 from areal_jax.generation.engine_cache import DecodeChunk, EngineCache
 from areal_jax.generation.pages import Prefix
+from areal_jax.generation.reprefill_rides import RidePlan, plan_rides
 from areal_jax.generation.requests import EngineStats, Request, Sample, StopReason
 from areal_jax.generation.sampling import MAX_STOP_IDS, sampler_kind
 from areal_jax.generation.timings import CallTimings, decode_key
@@ -44,6 +46,7 @@ class InFlight:
     active: np.ndarray  # `[B]` the slots it ran
     version: int  # the weights it ran: its tokens' version
     window: int
+    rides: bool = False  # its steps carried re-prefill rows (timed as "decode_ride")
 
 
 class SlotTable:
@@ -64,6 +67,9 @@ class SlotTable:
         self.keys = np.zeros((B, 2), np.uint32)  # threefry key data of each slot's sample
         self.preempted: list[Sample] = []  # out of the pool, oldest first: resumed before new admissions
         self.in_flight: InFlight | None = None  # the decode chunk dispatched and not yet read back
+        # Slots paused after a swap while decode steps re-prefill their histories (EngineConfig.
+        # reprefill_in_decode_rows): slot -> history tokens written so far (generation/reprefill_rides.py).
+        self.pending: dict[int, int] = {}
         self._fresh = np.ones(B, bool)  # slots the host changed since the last dispatch
         self._last_read = 0.0  # when the last chunk was read back (perf_counter)
         self._stamps = itertools.count()  # start order of samples
@@ -76,7 +82,40 @@ class SlotTable:
         return [i for i, s in enumerate(self.samples) if s is None]
 
     def running(self) -> list[int]:
+        """Slots holding a sample: decoding, or paused for re-prefill beside decode."""
         return [i for i, s in enumerate(self.samples) if s is not None]
+
+    def decoding(self) -> np.ndarray:
+        """`[B]` the slots a decode chunk advances: holding a sample and not paused."""
+        out = np.array([s is not None for s in self.samples])
+        out[list(self.pending)] = False
+        return out
+
+    def split_for_rides(self, slots: list[int]) -> tuple[list[int], list[int]]:
+        """At an interrupting swap, the in-flight `slots` -> (those the decode steps re-prefill, in
+        the order they ride; the rest, for the packed calls). Per data replica the longest
+        histories first (the earlier started on a tie), each taken while the replica's total stays
+        within EngineConfig.reprefill_in_decode_tokens (0: all): the fewest samples pause for the
+        tokens they carry."""
+        cap, per = self.config.reprefill_in_decode_tokens, self.config.num_slots // self._kv.data
+        size = {s: self.samples[s].history().size for s in slots}
+        ride, taken = [], collections.Counter()
+        for slot in sorted(slots, key=lambda s: (-size[s], self.samples[s].stamp)):
+            if not cap or taken[slot // per] + size[slot] <= cap:
+                ride.append(slot)
+                taken[slot // per] += size[slot]
+        chosen = set(ride)
+        return ride, [s for s in slots if s not in chosen]
+
+    def pause_for_reprefill(self, slots: list[int]) -> None:
+        """After an interrupting swap: `slots` (in the order they ride) keep their samples and pages
+        but stop decoding until the decode steps have re-prefilled their histories under the new
+        weights; any other slot still paused from an earlier swap is the packed calls' now."""
+        self.pending = {}
+        for slot in slots:
+            self.pending[slot] = 0
+            self._fresh[slot] = True
+        self._stats.reprefill_tokens += sum(self.samples[s].history().size for s in slots)
 
     def busy(self) -> bool:
         return any(s is not None for s in self.samples)
@@ -166,6 +205,7 @@ class SlotTable:
         sample = self.samples[slot]
         self.samples[slot] = None
         self._fresh[slot] = True
+        self.pending.pop(slot, None)  # resumed later by a packed re-prefill of its whole history
         self.preempted.append(sample)
         self.preempted.sort(key=lambda x: x.stamp)
         self._stats.preempted_samples += 1
@@ -204,32 +244,66 @@ class SlotTable:
         both chunks' pages, the last chunk is read first and this one reserved exactly (preempting
         as without overlap)."""
         ec = self.config
+        if self.pending:  # a chunk carrying re-prefill rows starts from the host's state, read back at once
+            self.drain()
         if self.in_flight is not None and not self._reserve_ahead():
             self.drain()
         if self.in_flight is None:
             self.reserve_chunk()
-        active = np.array([s is not None for s in self.samples])
-        if not active.any():
+        active = self.decoding()
+        if not active.any() and not self.pending:
             self.drain()
             return
         exit_free = (int((~active).sum()) + ec.refill_after if waiting and ec.refill_after
                      else ec.num_slots + 1)
         # Positions reached by the end of the chunk: the attention window (paged: the pages of the
-        # page tables) must hold them.
-        window = ec.decode_window(int(self._ahead()[0][active].max()) + ec.decode_chunk)
+        # page tables) must hold them, and the re-prefill rows' positions too.
+        reached = int(self._ahead()[0][active].max()) + ec.decode_chunk if active.any() else 0
+        ride = self._plan_rides()
+        if ride is not None:
+            reached = max(reached, ride.last_position + 1)
+        window = ec.decode_window(reached)
+        if ride is not None:
+            ride = dataclasses.replace(ride, tables=ride.tables[:, :, :ec.decode_pages(window)])
         last = self.in_flight
         chunk = self._kv.dispatch_decode(params, (
             self.tokens, self.positions, active, self.remaining, self.temperature, self.top_p, self.top_k,
             self.stop_ids, self.keys, np.int32(exit_free)), window,
             sampler_kind(self.temperature[active], self.top_p[active], self.top_k[active]),
-            None if last is None else last.chunk, self._fresh)
+            None if last is None else last.chunk, self._fresh, ride)
         self._fresh[:] = False
-        self.in_flight = InFlight(chunk, list(self.samples), active, version, window)
+        self.in_flight = InFlight(chunk, list(self.samples), active, version, window, ride is not None)
         if last is not None:
             self._stats.overlapped_chunks += 1
             self._fold(last)
-        if not ec.overlap:
+        if not ec.overlap or ride is not None:
             self.drain()
+        if ride is not None:
+            self._rode(ride)
+
+    def _plan_rides(self) -> RidePlan | None:
+        """The next chunk's re-prefill rows from the paused slots, in their order (None: none
+        paused), with whole page tables: the caller cuts them to the chunk's window."""
+        if not self.pending:
+            return None
+        ec, kv = self.config, self._kv
+        order = list(self.pending)  # as `split_for_rides` chose them
+        return plan_rides({s: self.samples[s].history() for s in order}, self.pending, order, data=kv.data,
+                          slots_per_replica=ec.num_slots // kv.data, rows=ec.reprefill_in_decode_rows,
+                          width=ec.reprefill_in_decode_width, steps=ec.decode_chunk,
+                          page_tables=kv.tables()[0])
+
+    def _rode(self, ride: RidePlan) -> None:
+        """After a chunk carrying `ride` ran (every planned row runs): the paused slots' progress;
+        those whose histories are written decode from the next chunk."""
+        for slot, cursor in ride.cursors.items():
+            if slot in self.pending:  # not finished or preempted meanwhile
+                self.pending[slot] = cursor
+        for slot in ride.done:
+            if self.pending.pop(slot, None) is not None:
+                self._fresh[slot] = True
+        self._stats.prefill_tokens += ride.tokens_carried
+        self._stats.reprefill_ride_tokens += ride.tokens_carried
 
     def drain(self) -> None:
         """Reads back and folds in the chunk in flight, if any."""
@@ -267,7 +341,7 @@ class SlotTable:
         self._stats.chunks += 1
         self._stats.decode_steps += steps
         self._stats.busy_slot_steps += int(valid.sum())
-        self._timings.add("decode", decode_key(flight.window, int(flight.active.sum()), ec.num_slots), steps=steps,
+        self._timings.add("decode_ride" if flight.rides else "decode", decode_key(flight.window, int(flight.active.sum()), ec.num_slots), steps=steps,
                           slot_steps=int(valid.sum()), s=elapsed)
         for slot in np.flatnonzero(flight.active):
             sample = flight.samples[slot]
@@ -299,6 +373,7 @@ class SlotTable:
         sample = self.samples[slot]
         self.samples[slot] = None
         self._fresh[slot] = True
+        self.pending.pop(slot, None)
         if self._kv.pages is not None:
             self._kv.pages.release(slot)
         self._on_done(sample, reason)

@@ -310,6 +310,31 @@ def reference_paged_attention(q: jax.Array, pool: PagePool, lengths: jax.Array, 
     return out.reshape(B, N, H).astype(q.dtype)
 
 
+def chunk_paged_attention(q: jax.Array, pool: PagePool, positions: jax.Array, page_tables: jax.Array) -> jax.Array:
+    """Attention of rows of consecutive queries over their slots' pages, causal: q `[R, W, N, H]`
+    (row r holds W tokens of one slot, query j at `positions[r, j]`, < 0 for padding), page_tables
+    `[R, M]` (each row's slot's pages) -> `[R, W, N, H]`; a query attends to its slot's positions
+    up to its own (its row's keys already written), a padding query gets zeros.
+
+    Gathers each row's M pages once for all its W queries (a decode kernel would read them once
+    per query): the re-prefill rows a decode step carries (models/decoding.py `RideRows`), jnp on
+    every platform."""
+    R, W, N, H = q.shape
+    K, S = pool.num_kv_heads, pool.page_size
+    G, M = N // K, page_tables.shape[1]
+    keys, values = gathered_pages(pool, page_tables)  # [K, R, M*S, H]
+    qg = q.reshape(R, W, K, G, H)
+    scores = jnp.einsum("rwkgh,krsh->rkgws", qg, keys.astype(q.dtype),
+                        preferred_element_type=jnp.float32) * (H ** -0.5)  # [R, K, G, W, M*S]
+    seen = jnp.arange(M * S)[None, None, :] <= positions[:, :, None]  # [R, W, M*S]
+    scores = jnp.where(seen[:, None, None], scores, _NEG)
+    probs = jax.nn.softmax(scores, axis=-1)
+    values = values.astype(q.dtype) if pool.quantized else values
+    out = jnp.einsum("rkgws,krsh->rwkgh", probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
+    out = jnp.where((positions >= 0)[:, :, None, None, None], out, 0.0)
+    return out.reshape(R, W, N, H).astype(q.dtype)
+
+
 # Platform -> kernel with `reference_paged_attention`'s signature (plus keyword options), the pool
 # layout it reads (`Kernel.layout`) and `limits(head_dim, page_size)`. Kernel modules register
 # themselves here, imported on first use (they import this one); the engine never imports a kernel.

@@ -209,28 +209,86 @@ def prefill_trie_into_pages(params: Params, cfg: ModelConfig, trie: TrieRows,
 # writes each slot's new token at its position (< 0: inactive, nothing written) and attends over
 # its pages; `layer` picks the layer's pages of a stacked pool (ignored for a per-layer one).
 PagedAttend = Callable[..., tuple[PagePool, jax.Array]]
+# (pool, q [R, W, N, H], k, v [R, W, K, H], positions [R, W], tables [R, M], layer) -> (pool,
+# attention [R, W, N, H]): the same for the re-prefill rows a decode step carries (`RideRows`).
+RideAttend = Callable[..., tuple[PagePool, jax.Array]]
+
+
+class RideRows(NamedTuple):
+    """Re-prefill rows one decode step carries beside its decode rows (EngineConfig.
+    reprefill_in_decode_rows): row r holds W consecutive tokens of one slot's history.
+      tokens, positions `[R, W]`: the tokens and their positions (< 0: padding, nothing written);
+      tables `[R, M]`: the row's slot's page table (global page ids).
+    Rows are ordered by data replica like the decode rows (a replica's rows are its own slots')."""
+
+    tokens: jax.Array
+    positions: jax.Array
+    tables: jax.Array
+
+
+def _merged(decode: jax.Array, ride: jax.Array, replicas: int) -> jax.Array:
+    """Decode rows `[B, ...]` and ride tokens `[R*W, ...]` as one batch `[B + R*W, ...]` in which
+    each replica's share holds its own decode rows then its own ride tokens, so rows sharded over
+    "data" stay on their replica."""
+    def per(x):
+        return x.reshape(replicas, x.shape[0] // replicas, *x.shape[1:])
+    both = jnp.concatenate([per(decode), per(ride)], axis=1)
+    return both.reshape(decode.shape[0] + ride.shape[0], *decode.shape[1:])
+
+
+def _parted(x: jax.Array, decode_rows: int, replicas: int) -> tuple[jax.Array, jax.Array]:
+    """`_merged`'s inverse: `[B + R*W, ...]` -> (decode rows `[B, ...]`, ride tokens `[R*W, ...]`)."""
+    per = x.reshape(replicas, x.shape[0] // replicas, *x.shape[1:])
+    b = decode_rows // replicas
+    flat = lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])  # noqa: E731
+    return flat(per[:, :b]), flat(per[:, b:])
 
 
 def paged_decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
                       pools: tuple[PagePool, ...] | PagePool, attend: PagedAttend, *, compute_dtype=None,
-                      return_routing: bool = False):
+                      return_routing: bool = False, ride: RideRows | None = None, attend_ride: RideAttend | None = None,
+                      replicas: int = 1):
     """One decode step over a paged cache: tokens, positions `[B]` (position < 0: an inactive slot)
     -> logits `[B, V]` (fp32) and the pools with each token's key and value written. Over per-layer
     pools the layers run unrolled (each pool updated in place, weights split per layer or
     stacked); over one stacked pool (stacked weights) they run as a scan, the pool carried and
     written in place. `attend` writes and reads a layer's pages (generation/ builds it from the
     page tables, per data replica on a mesh). With `return_routing` (MoE models) a third value:
-    the tokens' experts `[B, L_moe, k]` (`moe.record`)."""
+    the tokens' experts `[B, L_moe, k]` (`moe.record`).
+
+    With `ride` (`RideRows`, attended by `attend_ride`; `replicas`: the data replicas both sets of
+    rows lie over) the step also writes the keys and values of those history tokens, in the same
+    pass: every projection and MLP runs once over the B decode rows and the R*W ride tokens
+    together, so the weights are read once for both. Ride tokens get no logits."""
     compute_dtype = compute_dtype or params["embed"].dtype
-    rope = Rotary.at(cfg, jnp.maximum(positions, 0)[:, None])
+    B = tokens.shape[0]
+    if ride is not None:
+        R, W = ride.tokens.shape
+        tokens = _merged(tokens, ride.tokens.reshape(R * W), replicas)
+        every_position = _merged(positions, ride.positions.reshape(R * W), replicas)
+    else:
+        every_position = positions
+    rope = Rotary.at(cfg, jnp.maximum(every_position, 0)[:, None])
     x = embed_tokens(params, tokens[:, None], compute_dtype)
-    valid = (positions >= 0)[:, None]
+    valid = (every_position >= 0)[:, None]
+
+    def attention(pool, q, k, v, i):  # q [T, N, H], k, v [T, K, H] over every row of the step
+        if ride is None:
+            return attend(pool, q, k, v, positions, i)
+        (qd, qr), (kd, kr), (vd, vr) = (_parted(a, B, replicas) for a in (q, k, v))
+        pool, decoded = attend(pool, qd, kd, vd, positions, i)
+        rows = lambda a: a.reshape(R, W, *a.shape[1:])  # noqa: E731
+        pool, ridden = attend_ride(pool, rows(qr), rows(kr), rows(vr), ride.positions, ride.tables, i)
+        return pool, _merged(decoded, ridden.reshape(R * W, *ridden.shape[2:]), replicas)
 
     def layer(x, p, pool, i):
         q, k, v = attention_inputs(cfg, rope, x, p, compute_dtype)
-        pool, attn = attend(pool, q[:, 0], k[:, 0], v[:, 0], positions, i)
+        pool, attn = attention(pool, q[:, 0], k[:, 0], v[:, 0], i)
         x, routing = layer_output(cfg, x, attn[:, None].astype(compute_dtype), p, compute_dtype, i, valid=valid)
-        return x, pool, None if routing is None else routing.experts[:, 0]  # [B, k]
+        if routing is None:
+            return x, pool, None
+        experts = routing.experts[:, 0]  # [T, k]
+        return x, pool, experts if ride is None else _parted(experts, B, replicas)[0]
 
     if isinstance(pools, PagePool):
         def body(carry, xs):
@@ -246,6 +304,8 @@ def paged_decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, posit
             new.append(pool)
             experts.append(chosen)
         new = tuple(new)
+    if ride is not None:
+        x = _parted(x, B, replicas)[0]
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     out = lm_head(params, cfg, x)[:, 0], new
     if not return_routing:
