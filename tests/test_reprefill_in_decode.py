@@ -176,6 +176,40 @@ def test_a_capped_swap_rides_the_longest_histories_and_packs_the_rest(cap):
         assert rides.timings()["reprefill"]
 
 
+def test_on_a_mesh_the_engine_rides_as_one_device_and_its_widest_ride_program_is_specced():
+    """(data=2, tensor=2), a group of four and a swap: the ride rows of each replica carry its own
+    slots (one row of 8 per replica per step), the samples equal a single-device engine's packed
+    re-prefill, and the planner's ride programs compile."""
+    import dataclasses
+
+    from areal_jax.generation import engine_program_specs
+    from areal_jax.generation.programs import param_shardings, placed_like
+    from tests.test_engine_programs import CFG as MESH_CFG
+    from tests.test_engine_programs import MESH_CONFIG, _mesh, run_with_swap
+
+    mesh = _mesh(2, 2)
+    base = dataclasses.replace(MESH_CONFIG, kv_layout="paged", page_size=4, decode_min_rows=1)
+    rides_cfg = dataclasses.replace(base, reprefill_in_decode_rows=1, reprefill_in_decode_width=8)
+    prompts = [[1 + i] * n for i, n in enumerate([5, 9, 3])]
+    sharded, got = run_with_swap(rides_cfg, lambda p: placed_like(p, param_shardings(MESH_CFG, mesh, split=False)),
+                                 prompts, group=0, max_new_tokens=12)
+    _, want = run_with_swap(base, lambda p: p, prompts, group=0, max_new_tokens=12)
+    for g, w in zip(got, want, strict=True):
+        for (t1, l1, v1), (t2, l2, v2) in zip(g, w, strict=True):
+            np.testing.assert_array_equal(t1, t2)
+            np.testing.assert_allclose(l1, l2, atol=2e-5)
+            np.testing.assert_array_equal(v1, v2)
+    assert sharded.stats().reprefill_ride_tokens == sharded.stats().reprefill_tokens > 0
+    specs = {s.name.removeprefix("generation/"): s
+             for s in engine_program_specs(MESH_CFG, rides_cfg, mesh=mesh, param_dtype=jnp.float32)}
+    ride_specs = sorted(n for n in specs if "ride_rows" in n)
+    assert ride_specs == ["decode[window=64,ride_rows=1,ride_width=8]",
+                          "decode[window=64,rows=2,ride_rows=1,ride_width=8]"]
+    assert any("ride_rows=1,ride_width=8" in n for n in sharded._programs.traced), sharded._programs.traced
+    for name in ride_specs:
+        assert specs[name].lower().compile().memory_analysis() is not None
+
+
 def test_the_ride_split_takes_the_longest_that_fit_per_replica():
     from areal_jax.generation.slots import SlotTable
 

@@ -19,7 +19,7 @@ from areal_jax.generation.programs import (CACHE_AXES, LOGITS_AXES, build_progra
 from areal_jax.generation.reprefill_trie import TRIE_WRITES_PER_NODE
 from areal_jax.generation.sampling import MAX_STOP_IDS
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.decoding import TrieRows
+from areal_jax.models.decoding import RideRows, TrieRows
 from areal_jax.models.sharding import GENERATION_RULES, activation_rules, sharding_for
 from areal_jax.models.transformer import KVCache
 
@@ -34,6 +34,9 @@ _PAGED_FIELDS = ("EngineConfig.kv_layout", "EngineConfig.page_size", "EngineConf
 _PREFILL_FIELDS = ("EngineConfig.prefill_buckets", "EngineConfig.max_prompt_len", "EngineConfig.max_prefill_batch",
                    "EngineConfig.max_prefill_tokens", "EngineConfig.prefill_chunk")
 
+_RIDE_FIELDS = ("EngineConfig.decode_min_rows", "EngineConfig.reprefill_in_decode_rows",
+                "EngineConfig.reprefill_in_decode_width")
+
 
 def engine_program_specs(model_cfg: ModelConfig, engine_cfg: EngineConfig, *, mesh: Mesh, param_dtype,
                          cache_dtype=None, role: Role = "generation", platform: str | None = None
@@ -44,7 +47,8 @@ def engine_program_specs(model_cfg: ModelConfig, engine_cfg: EngineConfig, *, me
     max_prompt_len) and row count; first_tokens[rows=R] and insert[rows=R,len=P] for the later
     samples of a group from its kept block; reprefill_packed[rows=R] for every packed row count;
     prefill[rows=R,len=P] + insert for histories longer than a packed row; decode[window=W] for
-    every window (paged: also decode[window=max,rows=R] for every live-slot batch below num_slots);
+    every window (paged: also decode[window=max,rows=R] for every live-slot batch below num_slots;
+    with reprefill_in_decode_rows, decode[window=max,(rows=R,)ride_rows=..,ride_width=..] for every batch);
     split_weights (a swap of stacked weights; split weights install without a program; with
     scan_layers stack_weights, the other way round). Resident:
     the weights and cache where they are not arguments; with role "generation" one incoming weight
@@ -158,6 +162,18 @@ def engine_program_specs(model_cfg: ModelConfig, engine_cfg: EngineConfig, *, me
             add("decode", dict(window=W, rows=data * b), programs.decode,
                 (params, cache, *rows, host((data * b, ec.decode_pages(W)), jnp.int32)), kept + incoming,
                 decode_fields + ("EngineConfig.decode_min_rows",), kwargs=dict(window=W))
+    if programs.decode_ride is not None:  # decode carrying re-prefill rows, every batch at the widest window
+        W, C, R = ec.decode_windows[-1], ec.decode_chunk, data * ec.reprefill_in_decode_rows
+        M = ec.decode_pages(W)
+        ride = (RideRows(host((C, R, ec.reprefill_in_decode_width), jnp.int32),
+                         host((C, R, ec.reprefill_in_decode_width), jnp.int32), host((C, R, M), jnp.int32)),
+                host((), jnp.int32))
+        ride_dims = dict(ride_rows=ec.reprefill_in_decode_rows, ride_width=ec.reprefill_in_decode_width)
+        for b in ec.decode_row_counts(data):
+            rows = tuple(host((data * b, *a.shape[1:]), a.dtype) for a in slot_state[:-1]) + slot_state[-1:]
+            dims = dict(window=W, **({} if data * b == B else dict(rows=data * b)), **ride_dims)
+            add("decode", dims, programs.decode_ride, (params, cache, *rows, host((data * b, M), jnp.int32), *ride),
+                kept + incoming, decode_fields + _RIDE_FIELDS, kwargs=dict(window=W))
     # The change of layout at a swap: stacked -> split, or (scanned) a split push -> stacked.
     add("stack_weights" if scan else "split_weights", {}, programs.split,
         (param_structs(cfg, mesh, param_dtype, split=scan, weight_dtype=ec.weight_dtype if scan else None),),
