@@ -173,6 +173,22 @@ def run_with_swap(config: EngineConfig, placement, prompts, *, group: int, max_n
     return engine, [[(c.tokens, c.logprobs, c.versions) for c in h.result().completions] for h in handles]
 
 
+def mesh_run_matching_one_device(sharded_config: EngineConfig, single_config: EngineConfig, prompts):
+    """`run_with_swap` (request 0 a group of four, 12 new tokens) of `sharded_config` on a (data=2,
+    tensor=2) mesh and of `single_config` on one device, asserting the same tokens, log-probs and
+    versions. Returns the sharded engine and the mesh."""
+    mesh = _mesh(2, 2)
+    sharded, got = run_with_swap(sharded_config, lambda p: placed_like(p, param_shardings(CFG, mesh, split=False)),
+                                 prompts, group=0, max_new_tokens=12)
+    _, want = run_with_swap(single_config, lambda p: p, prompts, group=0, max_new_tokens=12)
+    for g, w in zip(got, want, strict=True):
+        for (t1, l1, v1), (t2, l2, v2) in zip(g, w, strict=True):
+            np.testing.assert_array_equal(t1, t2)
+            np.testing.assert_allclose(l1, l2, atol=2e-5)
+            np.testing.assert_array_equal(v1, v2)
+    return sharded, mesh
+
+
 def test_engine_on_a_mesh_runs_only_specced_programs_and_matches_one_device():
     """Admission, a group larger than the free slots, and a swap that re-prefills packed and long
     histories, on (data=2, tensor=2): every program the engine compiles has a spec, and the

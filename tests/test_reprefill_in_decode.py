@@ -183,22 +183,12 @@ def test_on_a_mesh_the_engine_rides_as_one_device_and_its_widest_ride_program_is
     import dataclasses
 
     from areal_jax.generation import engine_program_specs
-    from areal_jax.generation.programs import param_shardings, placed_like
     from tests.test_engine_programs import CFG as MESH_CFG
-    from tests.test_engine_programs import MESH_CONFIG, _mesh, run_with_swap
+    from tests.test_engine_programs import MESH_CONFIG, mesh_run_matching_one_device
 
-    mesh = _mesh(2, 2)
     base = dataclasses.replace(MESH_CONFIG, kv_layout="paged", page_size=4, decode_min_rows=1)
     rides_cfg = dataclasses.replace(base, reprefill_in_decode_rows=1, reprefill_in_decode_width=8)
-    prompts = [[1 + i] * n for i, n in enumerate([5, 9, 3])]
-    sharded, got = run_with_swap(rides_cfg, lambda p: placed_like(p, param_shardings(MESH_CFG, mesh, split=False)),
-                                 prompts, group=0, max_new_tokens=12)
-    _, want = run_with_swap(base, lambda p: p, prompts, group=0, max_new_tokens=12)
-    for g, w in zip(got, want, strict=True):
-        for (t1, l1, v1), (t2, l2, v2) in zip(g, w, strict=True):
-            np.testing.assert_array_equal(t1, t2)
-            np.testing.assert_allclose(l1, l2, atol=2e-5)
-            np.testing.assert_array_equal(v1, v2)
+    sharded, mesh = mesh_run_matching_one_device(rides_cfg, base, [[1 + i] * n for i, n in enumerate([5, 9, 3])])
     assert sharded.stats().reprefill_ride_tokens == sharded.stats().reprefill_tokens > 0
     specs = {s.name.removeprefix("generation/"): s
              for s in engine_program_specs(MESH_CFG, rides_cfg, mesh=mesh, param_dtype=jnp.float32)}

@@ -160,23 +160,14 @@ def test_on_a_mesh_the_engine_runs_the_specced_trie_program_and_samples_as_one_d
     import dataclasses
 
     from areal_jax.generation import engine_program_specs
-    from areal_jax.generation.programs import param_shardings, placed_like
     from tests.test_engine_programs import CFG as MESH_CFG
-    from tests.test_engine_programs import MESH_CONFIG, _mesh, run_with_swap
+    from tests.test_engine_programs import MESH_CONFIG, mesh_run_matching_one_device
 
-    mesh = _mesh(2, 2)
     # A row of 32 holds two histories' trie.
     plain_cfg = dataclasses.replace(MESH_CONFIG, reprefill_pack_width=32, reprefill_share_prefixes=False)
     shared_cfg = dataclasses.replace(plain_cfg, reprefill_share_prefixes=True)
     prompts = [[1 + i] * n for i, n in enumerate([5, 9, 3])]  # the group of four first: every slot
-    sharded, got = run_with_swap(shared_cfg, lambda p: placed_like(p, param_shardings(MESH_CFG, mesh, split=False)),
-                                 prompts, group=0, max_new_tokens=12)
-    _, want = run_with_swap(plain_cfg, lambda p: p, prompts, group=0, max_new_tokens=12)
-    for g, w in zip(got, want, strict=True):
-        for (t1, l1, v1), (t2, l2, v2) in zip(g, w, strict=True):
-            np.testing.assert_array_equal(t1, t2)
-            np.testing.assert_allclose(l1, l2, atol=2e-5)
-            np.testing.assert_array_equal(v1, v2)
+    sharded, mesh = mesh_run_matching_one_device(shared_cfg, plain_cfg, prompts)
     assert sharded.stats().reprefill_shared_tokens > 0
     specs = {s.name.removeprefix("generation/"): s
              for s in engine_program_specs(MESH_CFG, shared_cfg, mesh=mesh, param_dtype=jnp.float32)}
