@@ -22,7 +22,7 @@ import numpy as np
 from areal_jax.simulate.costs import LinearCosts
 
 OUTLIER_FACTOR = 4.0
-_DECODE_KEY = re.compile(r"w(\d+)_q\d+$")
+_DECODE_KEY = re.compile(r"w(\d+)_q\d+(?:_ride\d+x\d+)?$")  # "_ride4x128": a chunk carrying re-prefill rows
 _SHAPE_KEY = re.compile(r"len(\d+)_rows(\d+)$")
 
 
@@ -79,7 +79,7 @@ def fit_costs(records: Sequence[dict[str, Any]], *, skip_steps: int = 0, reward_
         t = r["timings"]
         for key, v in t.get("decode", {}).items():
             window = int(_DECODE_KEY.match(key).group(1))
-            add("decode", [v["steps"], v["slot_steps"], v["steps"] * window], v["s"])
+            add("decode", [v["steps"], v["slot_steps"], v["steps"] * window, v.get("ride_tokens", 0)], v["s"])
         for kind in ("prefill", "reprefill_long"):
             for key, v in t.get(kind, {}).items():
                 m = _SHAPE_KEY.match(key)
@@ -93,7 +93,7 @@ def fit_costs(records: Sequence[dict[str, Any]], *, skip_steps: int = 0, reward_
         if tr and math.isfinite(tr["s"]):
             add("train", [1.0, tr["minibatches"], tr["microbatches"], tr["padded_tokens"], tr["attention"]], tr["s"])
 
-    widths = {"decode": 3, "prefill": 2, "insert": 1, "reprefill": 2, "train": 5}
+    widths = {"decode": 4, "prefill": 2, "insert": 1, "reprefill": 2, "train": 5}
     coefs, residuals, dropped = {}, {}, {}
     for family, (features, seconds) in rows.items():
         if not seconds:  # the run made no such call (e.g. no swap with samples in flight)
@@ -117,7 +117,9 @@ def fit_costs(records: Sequence[dict[str, Any]], *, skip_steps: int = 0, reward_
     d, p, i, rp, tr = ([float(x) for x in c] for c in (d, p, i, rp, tr))
     costs = LinearCosts(
         decode_step=d[0], decode_slot=d[1], decode_window=d[2], prefill_call=p[0], prefill_token=p[1],
-        insert_call=i[0], reprefill_call=rp[0], reprefill_token=rp[1], train_step=tr[0], train_minibatch=tr[1],
+        insert_call=i[0], reprefill_call=rp[0], reprefill_token=rp[1],
+        # Ride tokens' own rate where the run had ride chunks; else the packed re-prefill's (None).
+        ride_token=d[3] if any(f[3] for f in rows["decode"][0]) else None, train_step=tr[0], train_minibatch=tr[1],
         train_microbatch=tr[2], train_token=tr[3], train_attention=tr[4],
         transfer_s=float(np.mean(transfers)) if transfers else 0.0, reward_s=reward_s,
         label=f"calibrated on {source}")
