@@ -33,7 +33,8 @@ def _run(engine, clock, done, groups, swaps):
     clock.run(lambda: len(done) == len(groups))
 
 
-@pytest.mark.parametrize("changed", [dict(reprefill_in_decode_width=64), dict(reprefill_in_decode_rows=4, on_swap="keep"),
+@pytest.mark.parametrize("changed", [dict(reprefill_in_decode_width=64),
+                                     dict(reprefill_in_decode_rows=4, on_swap="keep"),
                                      dict(reprefill_in_decode_rows=4, interruptible=False)])
 def test_rides_off_or_not_applicable_leave_every_figure_unchanged(changed):
     # Rows 0 (any width), "keep" swaps (nothing re-prefilled) or swaps that wait for the batch to
@@ -51,7 +52,8 @@ def test_rides_off_or_not_applicable_leave_every_figure_unchanged(changed):
 
 def test_rides_on_a_dense_cache_change_nothing():
     # The simulator's dense cache (no pool) has no pages to ride into: the packed calls stay.
-    costs = LinearCosts(decode_step=1e-3, decode_window=1e-6, reprefill_call=5e-3, reprefill_token=1e-5, train_step=0.05)
+    costs = LinearCosts(decode_step=1e-3, decode_window=1e-6, reprefill_call=5e-3, reprefill_token=1e-5,
+                        train_step=0.05)
     row = RowConfig(mode="async", eta=2, generation_devices=2, steps=6, warmup_steps=2)
     dense = dataclasses.replace(WORKLOAD, kv_pool_pages=0)
     base = simulate(row, "uniform:lo=50,hi=380", dense, costs)

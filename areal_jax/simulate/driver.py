@@ -440,6 +440,9 @@ def simulate_rows(args, *, adjust_workload=None, include_sync: bool = True) -> d
                   + (f"; paged KV: {workload.kv_pool_pages} pages of {workload.page_size} tokens per replica, "
                      f"decode by live tokens (kernel blocks of {workload.block_tokens})" if workload.paged
                      else "; dense KV cache, decode over the window of the longest sequence")
+                  + (f"; swaps re-prefill beside decode, {workload.engine.reprefill_in_decode_rows} rows of "
+                     f"{workload.engine.reprefill_in_decode_width} tokens per replica and step"
+                     if workload.paged and workload.engine.reprefill_in_decode_rows else "")
                   + ("; slots per replica kept when the split changes, a sync row's slots capped at one "
                      "batch's samples per host" if fit is None else ""),
         "transfer": (f"{transfer_bytes_per_s(args, target) / 1e9:g} GB/s per host (generation weights"

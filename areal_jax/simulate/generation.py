@@ -1,7 +1,8 @@
 """One host's generation engine, simulated round by round as `generation/engine.py` schedules:
 
     swap pending weights (interruptible: re-prefill every in-flight sample's history, unless
-    EngineConfig.on_swap is "keep"; with weight_swap "evict" first wait out the transfer)
+    EngineConfig.on_swap is "keep", or pend it to ride the decode steps (below); with weight_swap
+    "evict" first wait out the transfer)
     -> admit from the queue head into free slots (one prefill call per bucket batch)
     -> decode chunks of `decode_chunk` steps over every slot, at the window of the longest sequence
 
@@ -81,7 +82,7 @@ class EngineCounters:
     live_tokens: int = 0  # paged: cached tokens the decode steps attended over (sum over steps and slots)
     read_tokens: int = 0  # paged: the same rounded up to the kernel's block per slot (what it reads)
     charged_s: float = 0.0  # other programs on these devices (learned rewards beside the engine), in busy_s
-    ride_tokens: int = 0  # history tokens re-prefilled beside decode (padding left out; reprefill_tokens counts them at the swap)
+    ride_tokens: int = 0  # history tokens re-prefilled beside decode, padding left out (reprefill_tokens: at the swap)
 
 
 @dataclasses.dataclass
@@ -459,7 +460,8 @@ class SimEngine:
 
     def _plan_segment(self, start: float) -> None:
         if self.pending.any():
-            return self._plan_ride_chunk(start)
+            self._plan_ride_chunk(start)
+            return
         ec = self.config
         C = ec.decode_chunk
         active = np.flatnonzero(self.active)
