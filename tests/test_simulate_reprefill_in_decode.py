@@ -1,6 +1,7 @@
 """The simulator's re-prefill beside decode (EngineConfig.reprefill_in_decode_rows): after a swap the
-in-flight samples pause, their histories ride the decode steps R rows of W tokens at a time, and
-they decode again from the chunk after their last row (areal_jax/simulate/generation.py)."""
+in-flight samples pause (all of them, or with reprefill_in_decode_tokens the longest histories that
+fit), their histories ride the decode steps R rows of W tokens at a time, and they decode again from
+the chunk after their last row (areal_jax/simulate/generation.py)."""
 
 import dataclasses
 
@@ -47,7 +48,7 @@ def test_rides_off_or_not_applicable_leave_every_figure_unchanged(changed):
     other = simulate(row, "uniform:lo=50,hi=380", dataclasses.replace(WORKLOAD, engine=dataclasses.replace(
         ENGINE, **changed)), costs)
     assert dataclasses.asdict(other) == dataclasses.asdict(base)
-    assert not any("_ride" in key for r in base.records for key in r["timings"].get("decode", {}))
+    assert not any(r["timings"].get("decode_ride") for r in base.records)
 
 
 def test_rides_on_a_dense_cache_change_nothing():
@@ -114,13 +115,14 @@ def test_one_pending_pair_rides_two_chunks_and_its_first_slot_decodes_in_the_sec
     assert ride2[1:4] == (C, C, [False, True]) and ride2[4][:2].tolist() == [0, 0]
     assert ride2[0] == pytest.approx(C * d + (live + C * block // 2) * c + C * ride_step, rel=1e-12)
     assert after[3] == [False, False] and after[4] is None  # no rides: a plain segment again
-    keys = engine.timings.snapshot()["decode"]
-    ride_keys = [k for k in keys if k.endswith(f"_ride{R}x{W}")]
-    assert ride_keys == [f"w{window}_q1_ride{R}x{W}"] and keys[ride_keys[0]]["ride_tokens"] == 2 * C * R * W
+    timings = engine.timings.snapshot()
+    keys, rides = timings["decode"], timings["decode_ride"]  # the engine's kinds: plain decode keys
+    assert list(rides) == [f"w{window}_q1"] and rides[f"w{window}_q1"]["ride_tokens"] == 2 * C * R * W
+    assert rides[f"w{window}_q1"]["steps"] == 2 * C and rides[f"w{window}_q1"]["slot_steps"] == C
     # Tokens: 13 under version 0, the rest under version 1, slot 1 one chunk behind slot 0.
     assert group.segments == [[[0, 13], [1, 87]], [[0, 13], [1, 87]]]
     assert engine.counters.slot_steps == engine.counters.generated_tokens - 2  # first tokens come with admission
-    assert engine.counters.decode_steps == sum(v["steps"] for v in keys.values())
+    assert engine.counters.decode_steps == sum(v["steps"] for v in [*keys.values(), *rides.values()])
 
 
 def test_rides_take_the_oldest_first_and_a_replicas_own_slots():
@@ -157,9 +159,10 @@ def test_a_small_pool_with_many_swaps_still_generates_every_token(seed):
     assert engine.counters.preemptions > 0 and 0 < engine.counters.ride_tokens <= engine.counters.reprefill_tokens
     for g in groups:
         assert [sum(n for _, n in segs) for segs in g.segments] == g.lengths.tolist()
-    keys = engine.timings.snapshot()["decode"]
-    assert engine.counters.decode_steps == sum(v["steps"] for v in keys.values())
-    assert engine.counters.slot_steps == sum(v["slot_steps"] for v in keys.values())
+    timings = engine.timings.snapshot()
+    chunks = [*timings["decode"].values(), *timings["decode_ride"].values()]
+    assert engine.counters.decode_steps == sum(v["steps"] for v in chunks)
+    assert engine.counters.slot_steps == sum(v["slot_steps"] for v in chunks)
 
 
 def test_calibration_fits_the_ride_tokens_rate_from_ride_chunks():
@@ -170,15 +173,120 @@ def test_calibration_fits_the_ride_tokens_rate_from_ride_chunks():
     costs = LinearCosts(decode_step=1e-3, decode_slot=2e-6, ride_token=3e-7, prefill_call=1e-3, prefill_token=1e-6,
                         train_step=0.05)
     row = RowConfig(mode="async", eta=2, generation_devices=2, steps=10, warmup_steps=2)
-    workload = dataclasses.replace(WORKLOAD, engine=dataclasses.replace(ENGINE, reprefill_in_decode_rows=2,
-                                                                        reprefill_in_decode_width=32))
+    R, W = 2, 32
+    workload = dataclasses.replace(WORKLOAD, engine=dataclasses.replace(ENGINE, reprefill_in_decode_rows=R,
+                                                                        reprefill_in_decode_width=W))
+    data = workload.generation_replicas(row.generation_devices)
     result = simulate(row, "uniform:lo=50,hi=380", workload, costs)
     records = json.loads(json.dumps(list(result.records)))
-    assert any("_ride2x32" in key for r in records for key in r["timings"].get("decode", {}))
+    assert any(r["timings"].get("decode_ride") for r in records) and any(r["timings"].get("decode") for r in records)
     assert not any("reprefill" in r["timings"] or "reprefill_long" in r["timings"] for r in records)
-    fit = fit_costs(records, skip_steps=0)
+    fit = fit_costs(records, skip_steps=0)  # the simulator's records: their ride_tokens
     for name in ("decode_step", "decode_slot", "ride_token"):
         assert getattr(fit.costs, name) == pytest.approx(getattr(costs, name), rel=1e-6), name
+    # The engine records steps, slot_steps and s only: its steps' tokens come from its config.
+    engine_like = json.loads(json.dumps(records))
+    for r in engine_like:
+        for v in r["timings"].get("decode_ride", {}).values():
+            del v["ride_tokens"]
+    assert fit_costs(engine_like, skip_steps=0).costs.ride_token is None  # tokens unknown: the packed rate
+    refit = fit_costs(engine_like, skip_steps=0, ride_tokens_per_step=data * R * W)
+    assert refit.costs.ride_token == pytest.approx(costs.ride_token, rel=1e-6)
+    assert dataclasses.replace(refit.costs, ride_token=None) == dataclasses.replace(fit.costs, ride_token=None)
+    # Records with no ride chunk (older runs, rides off): ride_token None, the rest as fitted.
+    plain = [{**r, "timings": {k: v for k, v in r["timings"].items() if k != "decode_ride"}} for r in records]
+    assert fit_costs(plain, skip_steps=0).costs == dataclasses.replace(fit.costs, ride_token=None)
+
+
+def _swap_engine(histories, *, cap, data=1, share=False, admitted=None):
+    """An engine of len(histories) slots whose samples (one group per replica, prompts of 4) are in
+    flight with those histories (prompt + generated - 1), admitted in `admitted` order (default:
+    slot order); weights version 1 waiting. Packed re-prefill at 1 s a call and 1 ms a token."""
+    config = EngineConfig(num_slots=len(histories), max_seq_len=432, decode_chunk=4, reprefill_in_decode_rows=2,
+                          reprefill_in_decode_width=16, reprefill_in_decode_tokens=cap,
+                          reprefill_share_prefixes=share)
+    costs = LinearCosts(decode_step=1e-3, reprefill_call=1.0, reprefill_token=1e-3)
+    engine, _, _ = _engine(config, costs, data=data)
+    per, prompt = len(histories) // data, 4
+    groups = [SimGroup(r, 0, prompt, np.full(per, 400)) for r in range(data)]
+    for slot, h in enumerate(histories):
+        group = groups[slot // per]
+        group.segments = [[] for _ in range(per)]
+        engine.slot_group[slot], engine.slot_index[slot] = group, slot % per
+        engine.prompt[slot], engine.generated[slot], engine.target[slot] = prompt, h - prompt + 1, 400
+        engine.since_swap[slot] = engine.generated[slot]
+        engine.active[slot] = True
+    engine.started[:] = np.arange(len(histories)) if admitted is None else admitted
+    engine.pending_version = 1
+    return engine
+
+
+def test_a_token_cap_rides_the_longest_histories_that_fit_and_packs_the_rest():
+    """Histories [30, 10, 25, 5], cap 40: longest first, 30 fits (30), 25 does not (55), 10 fits
+    (40), 5 does not (45). Slots 0 and 1 ride, 0 first; slots 2 and 3 (25 + 5 tokens) are
+    re-prefilled at the swap by one packed call, and decode at once."""
+    engine = _swap_engine([30, 10, 25, 5], cap=40)
+    seconds = engine._swap()
+    assert engine.pending.tolist() == [True, True, False, False]
+    assert engine.active.tolist() == [False, False, True, True]
+    assert engine.ride_left.tolist() == [2, 1, 0, 0]  # ceil(h / 16) rows
+    assert [q.tolist() for q in engine._ride_queues()] == [[0, 1]]
+    assert engine.timings.snapshot()["reprefill"] == {"rows1": {"calls": 1, "tokens": 30, "s": 1.0 + 30e-3}}
+    assert seconds == pytest.approx(1.0 + 30e-3)
+    assert engine.counters.reprefill_tokens == 70  # every history, ridden or packed
+
+    # Longest first, not oldest: slot 1 (10) admitted before slot 0 (30) still rides after it.
+    engine = _swap_engine([30, 10, 25, 5], cap=40, admitted=[1, 0, 2, 3])
+    engine._swap()
+    assert [q.tolist() for q in engine._ride_queues()] == [[0, 1]]
+    # Ties go to the earlier admitted: of two 30s under a cap of 40 the earlier rides, then the 10.
+    engine = _swap_engine([30, 30, 10, 5], cap=40, admitted=[3, 2, 1, 0])
+    engine._swap()
+    assert engine.pending.tolist() == [False, True, True, False]
+    # Prefix tries over the packed samples only: one group's prompt (4) once, then 21 + 1 tokens.
+    engine = _swap_engine([30, 10, 25, 5], cap=40, share=True)
+    engine._swap()
+    assert engine.timings.snapshot()["reprefill"] == {"rows1": {"calls": 1, "tokens": 4 + 21 + 1, "s": 1.0 + 26e-3}}
+
+
+def test_the_token_cap_is_per_replica_and_a_pending_slot_restarts_in_the_selection():
+    # Replica 0: [30, 10, 25, 5] as above; replica 1: [35, 20, 3, 2]: 35 (35), 20 (55 no), 3 (38), 2 (40).
+    engine = _swap_engine([30, 10, 25, 5, 35, 20, 3, 2], cap=40, data=2)
+    engine._swap()
+    assert np.flatnonzero(engine.pending).tolist() == [0, 1, 4, 6, 7]
+    assert [q.tolist() for q in engine._ride_queues()] == [[0, 1], [4, 6, 7]]
+    assert engine.timings.snapshot()["reprefill"]["rows1"]["tokens"] == 25 + 5 + 20
+    # A second swap before any ride ran: the pending slots count with their whole histories again,
+    # and a cap of 20 now packs slot 0 (30), rides 10 and 5 in replica 0, 20 in replica 1.
+    engine.config = dataclasses.replace(engine.config, reprefill_in_decode_tokens=20)
+    engine.pending_version = 2
+    engine._swap()
+    assert np.flatnonzero(engine.pending).tolist() == [1, 3, 5]
+    assert engine.active.tolist() == [True, False, True, False, True, False, True, True]
+    assert engine.ride_left[[0, 2, 4, 6, 7]].tolist() == [0] * 5
+    assert engine.counters.reprefill_tokens == 2 * 130
+
+
+def test_a_cap_no_history_fits_is_the_packed_re_prefill_bit_for_bit():
+    # Every history longer than the cap: nothing rides, the run is the rides-off run's.
+    costs = LinearCosts(decode_step=1e-3, decode_token=2e-7, reprefill_call=5e-3, reprefill_token=1e-5,
+                        prefill_call=1e-3, prefill_token=1e-6, train_step=0.05)
+    row = RowConfig(mode="async", eta=2, generation_devices=2, steps=8, warmup_steps=2)
+    base = simulate(row, "uniform:lo=50,hi=380", WORKLOAD, costs)
+    capped = simulate(row, "uniform:lo=50,hi=380", dataclasses.replace(WORKLOAD, engine=dataclasses.replace(
+        ENGINE, reprefill_in_decode_rows=4, reprefill_in_decode_tokens=PROMPT - 1)), costs)
+    assert base.records[-1]["timings"].get("reprefill")
+    assert dataclasses.asdict(capped) == dataclasses.asdict(base)
+
+
+def test_a_cap_every_history_fits_pends_every_sample_longest_first():
+    # Cap 0 rides every sample oldest first (the tests above); a cap holding every history rides
+    # them all too, longest first, with no packed call.
+    for cap, order in ((0, [0, 1, 2, 3]), (70, [0, 2, 1, 3])):
+        engine = _swap_engine([30, 10, 25, 5], cap=cap)
+        assert engine._swap() == 0.0 and engine.pending.all()
+        assert [q.tolist() for q in engine._ride_queues()] == [order]
+        assert not engine.timings.snapshot()["reprefill"]
 
 
 def _roofline(slots=64):
@@ -239,3 +347,24 @@ def test_riding_beside_a_memory_bound_decode_reprefills_the_same_tokens_in_less_
     assert packed_s > 0 and ridden_s == 0
     assert packed_ends[1] - ridden_ends[1] > 0.8 * packed_s
     assert ridden_ends[0] > packed_ends[0]
+
+
+def test_the_token_cap_is_validated():
+    assert EngineConfig(reprefill_in_decode_tokens=0).reprefill_in_decode_tokens == 0
+    for bad in (-1, 1.5):
+        with pytest.raises(ValueError, match="reprefill_in_decode_tokens"):
+            EngineConfig(reprefill_in_decode_tokens=bad)
+
+
+def test_calibration_takes_the_ride_rows_of_the_recorded_runs_config(tmp_path):
+    import json
+    import types
+
+    from areal_jax.simulate.driver import _ride_tokens_per_step
+
+    job = types.SimpleNamespace(engine=EngineConfig(reprefill_in_decode_rows=4, reprefill_in_decode_width=64))
+    workload = dataclasses.replace(WORKLOAD, config_generation_devices=2)  # 2 data replicas a host
+    assert _ride_tokens_per_step(str(tmp_path), job, workload) == 2 * 4 * 64  # no config.json: this config's
+    (tmp_path / "config.json").write_text(json.dumps({"engine": {"reprefill_in_decode_rows": 2,
+                                                                 "reprefill_in_decode_width": 128}}))
+    assert _ride_tokens_per_step(str(tmp_path), job, workload) == 2 * 2 * 128

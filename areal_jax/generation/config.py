@@ -79,6 +79,11 @@ class EngineConfig:
     # their last row. 0 (default): the packed re-prefill calls at the swap.
     reprefill_in_decode_rows: int = 0
     reprefill_in_decode_width: int = 128
+    # The most history tokens per data replica a swap leaves to the decode steps (0: every
+    # in-flight history). The longest in-flight histories ride, as many as fit; the rest are
+    # re-prefilled by the packed calls at the swap, so only a few samples pause (the fewest for the
+    # tokens), and the decode batch stays nearly whole while they ride.
+    reprefill_in_decode_tokens: int = 0
     interruptible: bool = True
     # What an interrupting swap does with the in-flight samples' KV cache. "recompute" (AReaL's
     # semantics): re-prefill every in-flight history under the new weights. "keep" (PipelineRL's
@@ -183,6 +188,9 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"EngineConfig.{name} must be an int >= 0 (0: off), got {v!r}")
+        if not isinstance(self.reprefill_in_decode_tokens, int) or self.reprefill_in_decode_tokens < 0:
+            raise ValueError(f"EngineConfig.reprefill_in_decode_tokens must be an int >= 0 (0: every in-flight "
+                             f"history), got {self.reprefill_in_decode_tokens!r}")
         if not isinstance(self.reprefill_in_decode_width, int) or self.reprefill_in_decode_width < 1:
             raise ValueError(f"EngineConfig.reprefill_in_decode_width must be an int >= 1, "
                              f"got {self.reprefill_in_decode_width!r}")

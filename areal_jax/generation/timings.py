@@ -5,6 +5,7 @@ slots active at the chunk's start; "len16_rows4": a prefill of 4 rows of 16 toke
 accumulates plain numbers only, so a snapshot is a valid metrics record:
 
     decode[key]         = {"steps", "slot_steps", "s"}   (slot_steps: active slots summed over steps)
+    decode_ride[key]    = {"steps", "slot_steps", "s"}   decode chunks carrying re-prefill rows
     prefill[key]        = {"calls", "tokens", "s"}       admission: prefill + scatter + first tokens
     insert[key]         = {"calls", "s"}                 later samples of a group from its kept block
     reprefill[key]      = {"calls", "tokens", "s"}       packed re-prefill after a swap ("rows4")
@@ -20,7 +21,7 @@ import copy
 import threading
 from collections.abc import Mapping
 
-KINDS = ("decode", "prefill", "insert", "reprefill", "reprefill_long")
+KINDS = ("decode", "decode_ride", "prefill", "insert", "reprefill", "reprefill_long")
 
 
 def decode_key(window: int, active: int, num_slots: int) -> str:

@@ -16,13 +16,15 @@ computes the live slots only (decode by live slots: the busiest replica's live c
 pools fragment slightly more).
 
 Re-prefill beside decode (EngineConfig.reprefill_in_decode_rows R > 0, paged, an interrupting
-"recompute" swap): a swap makes every in-flight sample pending instead of re-prefilling it by packed
-calls. A pending slot keeps its slot and pages but stops decoding; its history h = prompt + generated
-- 1 is cut into ceil(h / W) rows of W = reprefill_in_decode_width tokens, which ride R to a step per
-data replica, oldest admitted first (`_plan_ride_chunk`). Every step of a chunk carrying rides pays
-for R x W rows per replica (a fixed shape) over the chunk's window; a slot decodes again from the
-chunk after its last row ran. While slots are pending, segments are one chunk each (the joins change
-the batch after every chunk).
+"recompute" swap): a swap makes in-flight samples pending instead of re-prefilling them by packed
+calls: every one (reprefill_in_decode_tokens 0, oldest admitted first), or per data replica the
+longest histories that fit in reprefill_in_decode_tokens (longest first; the rest re-prefilled by
+the packed calls as without rides, `_select_rides`). A pending slot keeps its slot and pages but
+stops decoding; its history h = prompt + generated - 1 is cut into ceil(h / W) rows of W =
+reprefill_in_decode_width tokens, which ride R to a step per data replica in that order
+(`_plan_ride_chunk`). Every step of a chunk carrying rides pays for R x W rows per replica (a fixed
+shape) over the chunk's window; a slot decodes again from the chunk after its last row ran. While
+slots are pending, segments are one chunk each (the joins change the batch after every chunk).
 
 Rows, buckets, windows and pack widths come from the real `EngineConfig`; the costs from a cost
 model (simulate/costs.py). A run of chunks in which no sample finishes is one event (a segment);
@@ -153,6 +155,7 @@ class SimEngine:
         self.ride_rows = config.reprefill_in_decode_rows if on else 0
         self.pending = np.zeros(B, bool)
         self.ride_left = np.zeros(B, np.int64)
+        self.ride_order = np.zeros(B, np.int64)  # the order pending slots ride in (within their replica)
 
     @property
     def paged(self) -> bool:
@@ -291,17 +294,21 @@ class SimEngine:
         # weight_swap "evict": the engine dropped its weights for the push, so the devices wait out
         # the transfer (charged here, where the new version lands) instead of decoding beside it.
         cost = self.costs.transfer_s if ec.weight_swap == "evict" and not self.push_held else 0.0
-        histories = (self.prompt + self.generated - 1)[self._occupied].tolist()
+        slots = np.flatnonzero(self._occupied)  # a slot pending from an earlier swap restarts
+        histories = (self.prompt + self.generated - 1)[slots].tolist()
         if not histories or ec.on_swap == "keep":  # "keep": in-flight samples continue on their KV
             return cost
-        if self.ride_rows:  # no call: their rows ride the decode steps from here (`_plan_ride_chunk`)
-            self._pend(np.flatnonzero(self._occupied))
-            self.counters.reprefill_tokens += sum(histories)
-            return cost
+        self.counters.reprefill_tokens += sum(histories)
+        if self.ride_rows:  # no call for these: their rows ride the decode steps from here (`_plan_ride_chunk`)
+            ride = self._select_rides(slots)
+            self._pend(ride)
+            slots = np.setdiff1d(slots, ride)  # the rest: the packed calls, decoding again at once
+            self.active[slots], self.pending[slots], self.ride_left[slots] = True, False, 0
+            histories = (self.prompt + self.generated - 1)[slots].tolist()
         packed = [h for h in histories if h <= ec.pack_width]
         if packed:
             if ec.reprefill_share_prefixes:  # each group's prompt once per trie (generation/reprefill_trie.py)
-                rows, tokens = trie_rows_by_length(self._live_groups(ec.pack_width), ec.pack_width)
+                rows, tokens = trie_rows_by_length(self._live_groups(slots, ec.pack_width), ec.pack_width)
             else:
                 rows, tokens = len(ffd_allocate(packed, ec.pack_width)), sum(packed)
             calls = -(-rows // ec.max_pack_rows(self.data))
@@ -309,22 +316,43 @@ class SimEngine:
             self.timings.add("reprefill", shape_key(rows), calls=calls, tokens=tokens, s=seconds)
             cost += seconds
         cost += self._prefill_histories(sorted(h for h in histories if h > ec.pack_width))
-        self.counters.reprefill_tokens += sum(histories)
         return cost
 
+    def _select_rides(self, slots: np.ndarray) -> np.ndarray:
+        """Of the in-flight `slots` (ascending), those whose histories ride the decode steps, in
+        the order they ride. Cap 0 (reprefill_in_decode_tokens): every one, oldest admitted first.
+        Otherwise, per data replica, its slots by history h = prompt + generated - 1, longest first
+        (ties: the earlier admitted), each taken if the replica's tokens so far plus h fit in the
+        cap (one that does not fit is passed over; a shorter one after it may fit)."""
+        cap = self.config.reprefill_in_decode_tokens
+        if not cap:
+            return slots[np.argsort(self.started[slots], kind="stable")]
+        per = self.config.num_slots // self.data
+        history = self.prompt[slots] + self.generated[slots] - 1
+        order = np.lexsort((self.started[slots], -history))  # longest first, then the earlier admitted
+        chosen, taken = [], collections.Counter()
+        for i in order:
+            slot, replica = int(slots[i]), int(slots[i]) // per
+            if taken[replica] + history[i] <= cap:
+                taken[replica] += int(history[i])
+                chosen.append(slot)
+        return np.asarray(chosen, np.int64)
+
     def _pend(self, slots: np.ndarray) -> None:
-        """`slots` stop decoding until their histories (minus the last token, sampled but not yet
-        written) have ridden the decode steps: ceil(h / W) rows each, from the first (a pending slot
-        swapped again restarts)."""
+        """`slots` (in the order they ride) stop decoding until their histories (minus the last
+        token, sampled but not yet written) have ridden the decode steps: ceil(h / W) rows each,
+        from the first (a pending slot swapped again restarts)."""
         history = self.prompt[slots] + self.generated[slots] - 1
         self.active[slots], self.pending[slots] = False, True
         self.ride_left[slots] = -(-history // self.config.reprefill_in_decode_width)
+        self.ride_order[slots] = np.arange(slots.size)
 
-    def _live_groups(self, width: int) -> list[tuple[int, list[int]]]:
-        """(prompt, [each packed history's tokens after it]) per group of the active samples, in
-        the order of their first slot, as the engine groups them at a swap."""
+    def _live_groups(self, slots: np.ndarray, width: int) -> list[tuple[int, list[int]]]:
+        """(prompt, [each packed history's tokens after it]) per group of the in-flight `slots`
+        (ascending) re-prefilled by packed calls, in the order of their first slot, as the engine
+        groups them at a swap."""
         groups: dict[int, tuple[int, list[int]]] = {}
-        for slot in np.flatnonzero(self.active):
+        for slot in slots:
             history = int(self.prompt[slot] + self.generated[slot] - 1)
             if history <= width:
                 group = self.slot_group[slot]
@@ -541,10 +569,10 @@ class SimEngine:
         self._segment = seg
 
     def _ride_queues(self) -> list[np.ndarray]:
-        """Each data replica's pending slots, oldest admitted first: the order their rows ride."""
+        """Each data replica's pending slots in the order their rows ride (`_select_rides`)."""
         per = self.config.num_slots // self.data
         pending = np.flatnonzero(self.pending)
-        order = pending[np.argsort(self.started[pending], kind="stable")]
+        order = pending[np.argsort(self.ride_order[pending], kind="stable")]
         return [order[order // per == r] for r in range(self.data)]
 
     def _ride_progress(self, queues: list[np.ndarray], steps: int) -> tuple[np.ndarray, int, int]:
@@ -614,9 +642,12 @@ class SimEngine:
             self.counters.live_tokens += int(seg.live.sum())
             self.counters.read_tokens += int(seg.read.sum())
         durations = np.diff(np.concatenate([[seg.start], seg.ends]))
-        suffix, ride = self._ride_record(seg)
+        # A chunk carrying ride rows is timed as the engine times it: "decode_ride", the plain key,
+        # plus ride_tokens (the engine records none): its rows' tokens over the host, padding included.
+        kind, ride = ("decode", {}) if seg.ride_left is None else ("decode_ride", {
+            "ride_tokens": int(seg.steps.sum()) * self.data * self.ride_rows * self.config.reprefill_in_decode_width})
         for w, a, st, ss, d in zip(seg.windows, seg.active, seg.steps, seg.slot_steps, durations):
-            self.timings.add("decode", decode_key(int(w), int(a), self.config.num_slots) + suffix, steps=int(st),
+            self.timings.add(kind, decode_key(int(w), int(a), self.config.num_slots), steps=int(st),
                              slot_steps=int(ss), s=float(d), **ride)
         active = np.flatnonzero(self.active)
         got = np.minimum(self.target[active] - self.generated[active], total_steps)
@@ -627,15 +658,6 @@ class SimEngine:
         if seg.ride_left is not None:  # after the decoding slots' tokens: the joining ones decode from the next chunk
             self._rides_ran(seg)
         self._kick()
-
-    def _ride_record(self, seg: _Segment) -> tuple[str, dict[str, int]]:
-        """A ride chunk's timing key suffix ("_ride4x128": R x W rows per replica and step) and
-        its extra field, ride_tokens: the rows' tokens over the host, padding included (what the
-        step computes, as a calibration feature)."""
-        if seg.ride_left is None:
-            return "", {}
-        R, W = self.ride_rows, self.config.reprefill_in_decode_width
-        return f"_ride{R}x{W}", {"ride_tokens": int(seg.steps.sum()) * self.data * R * W}
 
     def _rides_ran(self, seg: _Segment) -> None:
         """A ride chunk's rows have run: slots with none left decode again (under the new weights)."""
