@@ -454,6 +454,9 @@ def simulate_rows(args, *, adjust_workload=None, include_sync: bool = True) -> d
                      else "; dense KV cache, decode over the window of the longest sequence")
                   + (f"; swaps re-prefill beside decode, {workload.engine.reprefill_in_decode_rows} rows of "
                      f"{workload.engine.reprefill_in_decode_width} tokens per replica and step"
+                     + (f", at most {workload.engine.reprefill_in_decode_tokens} history tokens per replica a "
+                        "swap (the longest that fit; the rest packed)" if workload.engine.reprefill_in_decode_tokens
+                        else "")
                      if workload.paged and workload.engine.reprefill_in_decode_rows else "")
                   + ("; slots per replica kept when the split changes, a sync row's slots capped at one "
                      "batch's samples per host" if fit is None else ""),
