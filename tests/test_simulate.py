@@ -79,8 +79,9 @@ def test_calibration_recovers_the_costs_a_run_was_simulated_with():
     assert {"decode", "prefill", "insert", "reprefill", "train"} <= kinds
     fit = fit_costs(records, skip_steps=0)
     for f in dataclasses.fields(LinearCosts):
-        if f.name != "label":
+        if f.name not in ("label", "ride_token"):
             assert getattr(fit.costs, f.name) == pytest.approx(getattr(COSTS, f.name), rel=1e-6, abs=1e-12), f.name
+    assert fit.costs.ride_token is None  # no chunk carried re-prefill rows: they would cost reprefill_token
     assert max(fit.residuals.values()) < 1e-9 and not fit.dropped
 
 

@@ -6,6 +6,14 @@ processed (the features of `LinearCosts`); a feature that never varies independe
 others in the run (say, the minibatch count when every step had 2) cannot be told apart from them
 and is left at 0, its cost carried by the others. Steps before `skip_steps` are left out: they
 compile.
+
+Decode chunks that carried re-prefill rows ("decode_ride", EngineConfig.reprefill_in_decode_rows)
+do not enter the decode fit: their seconds less the plain decode fit's for the same steps, slots and
+window are the rows' cost, fitted per ride token (`LinearCosts.ride_token`). The engine records no
+token count for them; each of its ride steps computes the same R x W rows per data replica, so the
+caller gives that (`ride_tokens_per_step`, the recorded run's engine), and without it (or without
+ride chunks) ride_token stays None: the packed re-prefill's rate. The simulator's own records carry
+ride_tokens, used as they are.
 """
 
 from __future__ import annotations
@@ -62,14 +70,17 @@ def _rel(fitted: float, recorded: float) -> float:
 
 
 def fit_costs(records: Sequence[dict[str, Any]], *, skip_steps: int = 0, reward_s: float = 0.0,
-              source: str = "records") -> Fit:
-    """`records`: per-step metrics dicts (as metrics.jsonl's "metrics") carrying "timings"."""
+              source: str = "records", ride_tokens_per_step: int = 0) -> Fit:
+    """`records`: per-step metrics dicts (as metrics.jsonl's "metrics") carrying "timings";
+    `ride_tokens_per_step`: history tokens (padding included) each step of a "decode_ride" chunk
+    computed over the host, data replicas x reprefill_in_decode_rows x _width (0: unknown)."""
     used = [r for r in records if "timings" in r and int(r.get("step", 0)) >= skip_steps]
     if not used:
         raise ValueError(f"{source}: no step after the first {skip_steps} records per-program timings "
                          "(runs from this version of areal_jax record them in metrics.jsonl)")
     rows: dict[str, tuple[list[list[float]], list[float]]] = {k: ([], []) for k in
                                                               ("decode", "prefill", "insert", "reprefill", "train")}
+    rides: tuple[list[list[float]], list[float], list[float]] = ([], [], [])  # decode features, tokens, s
 
     def add(family, features, seconds):
         rows[family][0].append(features)
@@ -80,6 +91,11 @@ def fit_costs(records: Sequence[dict[str, Any]], *, skip_steps: int = 0, reward_
         for key, v in t.get("decode", {}).items():
             window = int(_DECODE_KEY.match(key).group(1))
             add("decode", [v["steps"], v["slot_steps"], v["steps"] * window], v["s"])
+        for key, v in t.get("decode_ride", {}).items():
+            window = int(_DECODE_KEY.match(key).group(1))
+            rides[0].append([v["steps"], v["slot_steps"], v["steps"] * window])
+            rides[1].append(v.get("ride_tokens", v["steps"] * ride_tokens_per_step))
+            rides[2].append(v["s"])
         for kind in ("prefill", "reprefill_long"):
             for key, v in t.get(kind, {}).items():
                 m = _SHAPE_KEY.match(key)
@@ -112,19 +128,47 @@ def fit_costs(records: Sequence[dict[str, Any]], *, skip_steps: int = 0, reward_
             dropped[family] = int(outliers.sum())
         coefs[family] = coef
         residuals[family] = _rel(float((a @ coef).sum()), float(b.sum()))
+    ride_token = _ride_token(rides, coefs["decode"], residuals, dropped)
     transfers = [r["time/weight_transfer_s"] for r in used if math.isfinite(r.get("time/weight_transfer_s", math.nan))]
     d, p, i, rp, tr = (coefs[k] for k in ("decode", "prefill", "insert", "reprefill", "train"))
     d, p, i, rp, tr = ([float(x) for x in c] for c in (d, p, i, rp, tr))
     costs = LinearCosts(
         decode_step=d[0], decode_slot=d[1], decode_window=d[2], prefill_call=p[0], prefill_token=p[1],
-        insert_call=i[0], reprefill_call=rp[0], reprefill_token=rp[1], train_step=tr[0], train_minibatch=tr[1],
+        insert_call=i[0], reprefill_call=rp[0], reprefill_token=rp[1],
+        ride_token=ride_token, train_step=tr[0], train_minibatch=tr[1],
         train_microbatch=tr[2], train_token=tr[3], train_attention=tr[4],
         transfer_s=float(np.mean(transfers)) if transfers else 0.0, reward_s=reward_s,
         label=f"calibrated on {source}")
     return Fit(costs, len(used), residuals, source, dropped)
 
 
-def fit_run_dir(run_dir: str | pathlib.Path, *, skip_steps: int | None = None, reward_s: float = 0.0) -> Fit:
+def _ride_token(rides, decode: np.ndarray, residuals: dict, dropped: dict) -> float | None:
+    """Seconds per ride token: the ride chunks' seconds beyond the plain decode fit's, through the
+    origin on their tokens (None: no ride chunk, or their tokens unknown). A chunk far above the
+    fit (a compile) is dropped once, as for the families."""
+    features, tokens, seconds = (np.asarray(x, np.float64) for x in rides)
+    if not seconds.size or not (tokens > 0).all():
+        return None
+    extra = seconds - features @ decode
+
+    def fit(keep):
+        return max(0.0, float(tokens[keep] @ extra[keep] / (tokens[keep] @ tokens[keep])))
+
+    keep = np.ones(seconds.size, bool)
+    rate = fit(keep)
+    ratio = seconds / np.maximum(features @ decode + tokens * rate, 1e-9)
+    outliers = ratio > OUTLIER_FACTOR * np.median(ratio)
+    if outliers.any() and outliers.mean() <= 0.2:
+        keep = ~outliers
+        rate = fit(keep)
+        dropped["decode_ride"] = int(outliers.sum())
+    residuals["decode_ride"] = _rel(float((features[keep] @ decode + tokens[keep] * rate).sum()),
+                                    float(seconds[keep].sum()))
+    return rate
+
+
+def fit_run_dir(run_dir: str | pathlib.Path, *, skip_steps: int | None = None, reward_s: float = 0.0,
+                ride_tokens_per_step: int = 0) -> Fit:
     """Fit to RUN_DIR/metrics.jsonl; `skip_steps` None: the first 40% of the steps (compilation)."""
     from areal_jax.metrics import read_jsonl
 
@@ -134,4 +178,5 @@ def fit_run_dir(run_dir: str | pathlib.Path, *, skip_steps: int | None = None, r
     records = [line.get("metrics", line) for line in read_jsonl(path)]
     if skip_steps is None:
         skip_steps = int(round(0.4 * len(records)))
-    return fit_costs(records, skip_steps=skip_steps, reward_s=reward_s, source=str(run_dir))
+    return fit_costs(records, skip_steps=skip_steps, reward_s=reward_s, source=str(run_dir),
+                     ride_tokens_per_step=ride_tokens_per_step)

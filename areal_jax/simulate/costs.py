@@ -2,13 +2,17 @@
 planner's roofline of the target's published figures (`roofline_costs`).
 
 One interface, per host engine and for the whole trainer:
-    decode_chunk_s(steps, slot_steps, window, live_tokens=None, rows=None, live_rows=None)
+    decode_chunk_s(steps, slot_steps, window, live_tokens=None, rows=None, live_rows=None,
+                   ride_rows=0, ride_width=0, ride_window=0)
                                                 a decode chunk (slot_steps: active slots summed over its
                                                 steps; live_tokens: with a paged KV cache, the cached
                                                 tokens its steps read, summed over steps and slots;
                                                 None: the dense cache, every slot read up to `window`;
                                                 paged: rows, the decode batch per replica, and
-                                                live_rows, the live slots of the busiest replica)
+                                                live_rows, the live slots of the busiest replica; and
+                                                with re-prefill beside decode, ride_rows history rows
+                                                of ride_width tokens per step over the host, each
+                                                attending over the chunk's ride_window positions)
     prefill_s(rows, length)                     an admission prefill call (rows of one length bucket)
     insert_s()                                  later samples of a group started from its kept block
     reprefill_s(calls, tokens)                  the packed re-prefill of a weight swap
@@ -36,6 +40,10 @@ class LinearCosts:
 
     decode chunk  = steps x decode_step + slot_steps x decode_slot + steps x window x decode_window
                     (dense; paged: + live tokens x decode_token instead of the window term)
+                    + steps x ride_rows x (ride_width x ride_token + ride_window x decode_token)
+                    (re-prefill beside decode: its tokens at a prefill token's cost, padding
+                    included, and each row reading the window as a decode row reads its cache;
+                    additive, so no idle compute is recovered: an upper bound on the rides' cost)
     prefill call  = prefill_call + rows x length x prefill_token
     re-prefill    = reprefill_call x calls + reprefill_token x tokens
     train step    = train_step + minibatches x train_minibatch + micro-batches x train_microbatch
@@ -51,6 +59,7 @@ class LinearCosts:
     insert_call: float = 0.0
     reprefill_call: float = 0.0
     reprefill_token: float = 0.0
+    ride_token: float | None = None  # per token of a ride row (fitted on ride chunks); None: reprefill_token
     train_step: float = 0.0
     train_minibatch: float = 0.0
     train_microbatch: float = 0.0
@@ -63,13 +72,19 @@ class LinearCosts:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name != "label" and not (isinstance(value, (int, float)) and value >= 0):
+            if f.name == "label" or (f.name == "ride_token" and value is None):
+                continue
+            if not (isinstance(value, (int, float)) and value >= 0):
                 raise ValueError(f"LinearCosts.{f.name} must be a number >= 0, got {value!r}")
 
     def decode_chunk_s(self, steps: int, slot_steps: int, window: int, live_tokens=None, rows=None,
-                       live_rows=None) -> float:
+                       live_rows=None, ride_rows=0, ride_width=0, ride_window=0) -> float:
         if live_tokens is not None:  # rows: fitted to the run's own batches (decode_step per step)
-            return steps * self.decode_step + slot_steps * self.decode_slot + live_tokens * self.decode_token
+            seconds = steps * self.decode_step + slot_steps * self.decode_slot + live_tokens * self.decode_token
+            if ride_rows:  # rides need the paged cache
+                token = self.reprefill_token if self.ride_token is None else self.ride_token
+                seconds = seconds + steps * ride_rows * (ride_width * token + ride_window * self.decode_token)
+            return seconds
         return steps * (self.decode_step + window * self.decode_window) + slot_steps * self.decode_slot
 
     def prefill_s(self, rows: int, length: int) -> float:
@@ -172,27 +187,42 @@ class RooflineCosts:
         return self._time(flops, accessed)
 
     def decode_chunk_s(self, steps: int, slot_steps: int, window: int, live_tokens=None, rows=None,
-                       live_rows=None) -> float:
+                       live_rows=None, ride_rows=0, ride_width=0, ride_window=0) -> float:
         if live_tokens is None:
             return steps * self.decode_step_s(window)
-        return self.paged_decode_s(steps, live_tokens, rows=rows, live_rows=live_rows)
+        return self.paged_decode_s(steps, live_tokens, rows=rows, live_rows=live_rows, ride_rows=ride_rows,
+                                   ride_width=ride_width, ride_window=ride_window)
 
-    def paged_decode_s(self, steps, live_tokens, *, rows=None, live_rows=None):
+    def paged_decode_s(self, steps, live_tokens, *, rows=None, live_rows=None, ride_rows=0, ride_width=0,
+                       ride_window=0):
         """`steps` decode steps of a replica that read `live_tokens` cached tokens over the host
         (summed over steps and slots): the weights once per step plus the live keys and values,
         each replica its share. The engine decodes by live slots (generation/live_slots.py): each
         step computes `rows` rows per replica (EngineConfig.decode_rows of the busiest replica's
         live slots; None: every slot), and a MoE model's step reads the experts its `live_rows`
         live tokens touch (the padding rows repeat a live slot's token; None: `rows`). Arrays
-        (one entry per chunk) work too."""
+        (one entry per chunk) work too.
+
+        Re-prefill beside decode: each step also runs `ride_rows` rows (over the host) of
+        `ride_width` history tokens through the layers (no head: they get no logits), each row's
+        queries attending over `ride_window` positions of its slot's keys and values, which it
+        reads (generation/paged.py's ride attention gathers each row's pages once); the step's one
+        read of the weights serves both (a MoE model's: the experts both sets of tokens touch)."""
         m = self.model
         rows = self.slots_per_replica if rows is None else rows
         live_rows = rows if live_rows is None else live_rows
+        attention = 4.0 * m.num_layers * m.num_heads * m.head_dim  # FLOPs per query and key
         flops = self._row_flops * rows * steps
-        flops = flops + 4.0 * m.num_layers * m.num_heads * m.head_dim * live_tokens / self.replicas \
-            / self.generation_tensor
-        weights = self.weights_read(np.maximum(live_rows, 1))
-        accessed = (weights * steps + live_tokens / self.replicas * self.kv_bytes_per_token) / self.generation_tensor
+        flops = flops + attention * live_tokens / self.replicas / self.generation_tensor
+        touched, cached = np.maximum(live_rows, 1), live_tokens / self.replicas  # per replica
+        if ride_rows:
+            ride_tokens = ride_rows / self.replicas * ride_width  # per replica and step
+            flops = flops + steps * ride_tokens * (self._ride_token_flops
+                                                   + attention * ride_window / self.generation_tensor)
+            cached = cached + steps * ride_rows / self.replicas * ride_window
+            touched = touched + ride_tokens
+        weights = self.weights_read(touched)
+        accessed = (weights * steps + cached * self.kv_bytes_per_token) / self.generation_tensor
         return np.maximum(flops / self.target.peak_flops_per_device, accessed / self.target.bandwidth_per_device)
 
     @functools.cached_property
@@ -200,6 +230,14 @@ class RooflineCosts:
         """FLOPs per device of one decode row (weights and head of one token): a one-token
         prefill's FLOPs are linear in its rows."""
         return self._flops("generation/prefill[rows=1,len=1]", "generation", self.generation_tensor)
+
+    @functools.cached_property
+    def _ride_token_flops(self) -> float:
+        """FLOPs per device of one ride token through the layers: a one-token score (a prefill
+        without the head) less its attention over half a key (plan/estimate.analytic_flops)."""
+        m = self.model
+        score = self._flops("generation/score[rows=1,len=1]", "generation", self.generation_tensor)
+        return score - 2.0 * m.num_layers * m.num_heads * m.head_dim / self.generation_tensor
 
     def prefill_s(self, rows: int, length: int) -> float:
         flops = self._flops(f"generation/prefill[rows={rows},len={length}]", "generation",

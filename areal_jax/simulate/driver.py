@@ -101,6 +101,16 @@ def _run_devices(run_dir: str) -> dict[str, int]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def _ride_tokens_per_step(run_dir: str, job, workload) -> int:
+    """Tokens each step of the recorded run's ride chunks computed over a host: its data replicas x
+    EngineConfig.reprefill_in_decode_rows x _width, those of its config.json (else this config's)."""
+    path = pathlib.Path(run_dir) / "config.json"
+    recorded = (json.loads(path.read_text()).get("engine") or {}) if path.is_file() else {}
+    rows = recorded.get("reprefill_in_decode_rows", job.engine.reprefill_in_decode_rows)
+    width = recorded.get("reprefill_in_decode_width", job.engine.reprefill_in_decode_width)
+    return workload.generation_replicas(workload.config_generation_devices) * int(rows) * int(width)
+
+
 def build_workload(job, *, hosts: int, devices_per_host: int):
     """The Workload of a job's configs; also the config's generation devices per host and whether
     its sides share the devices (MeshConfig.colocated, or hosts too small to split)."""
@@ -286,7 +296,6 @@ def prepare(args, *, gin_params: tuple[str, ...] = (), adjust_workload=None) -> 
     target = None
     fit = None
     if args.calibrate:
-        fit = fit_run_dir(args.calibrate, skip_steps=args.calibrate_skip, reward_s=args.reward_s)
         recorded = _run_devices(args.calibrate)
         devices = args.devices_per_host or recorded.get("devices_per_host") or 1
         hosts = args.hosts or recorded.get("hosts") or 1
@@ -298,6 +307,9 @@ def prepare(args, *, gin_params: tuple[str, ...] = (), adjust_workload=None) -> 
         devices = args.devices_per_host or target.devices_per_host
         hosts = args.hosts or target.hosts
     workload, generation, colocated = build_workload(job, hosts=hosts, devices_per_host=devices)
+    if args.calibrate:
+        fit = fit_run_dir(args.calibrate, skip_steps=args.calibrate_skip, reward_s=args.reward_s,
+                          ride_tokens_per_step=_ride_tokens_per_step(args.calibrate, job, workload))
     if target is not None:
         workload = paged_workload(job, plan_cfg, args.gin_file, target, workload)
     if adjust_workload is not None:
@@ -440,6 +452,12 @@ def simulate_rows(args, *, adjust_workload=None, include_sync: bool = True) -> d
                   + (f"; paged KV: {workload.kv_pool_pages} pages of {workload.page_size} tokens per replica, "
                      f"decode by live tokens (kernel blocks of {workload.block_tokens})" if workload.paged
                      else "; dense KV cache, decode over the window of the longest sequence")
+                  + (f"; swaps re-prefill beside decode, {workload.engine.reprefill_in_decode_rows} rows of "
+                     f"{workload.engine.reprefill_in_decode_width} tokens per replica and step"
+                     + (f", at most {workload.engine.reprefill_in_decode_tokens} history tokens per replica a "
+                        "swap (the longest that fit; the rest packed)" if workload.engine.reprefill_in_decode_tokens
+                        else "")
+                     if workload.paged and workload.engine.reprefill_in_decode_rows else "")
                   + ("; slots per replica kept when the split changes, a sync row's slots capped at one "
                      "batch's samples per host" if fit is None else ""),
         "transfer": (f"{transfer_bytes_per_s(args, target) / 1e9:g} GB/s per host (generation weights"

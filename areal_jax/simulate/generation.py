@@ -1,7 +1,8 @@
 """One host's generation engine, simulated round by round as `generation/engine.py` schedules:
 
     swap pending weights (interruptible: re-prefill every in-flight sample's history, unless
-    EngineConfig.on_swap is "keep"; with weight_swap "evict" first wait out the transfer)
+    EngineConfig.on_swap is "keep", or pend it to ride the decode steps (below); with weight_swap
+    "evict" first wait out the transfer)
     -> admit from the queue head into free slots (one prefill call per bucket batch)
     -> decode chunks of `decode_chunk` steps over every slot, at the window of the longest sequence
 
@@ -13,6 +14,17 @@ weights plus the cached tokens it reads, each slot's rounded up to the kernel's 
 computes the live slots only (decode by live slots: the busiest replica's live count rounded up to
 `EngineConfig.decode_rows`); the replicas of a host share one pool here (the engine's per-replica
 pools fragment slightly more).
+
+Re-prefill beside decode (EngineConfig.reprefill_in_decode_rows R > 0, paged, an interrupting
+"recompute" swap): a swap makes in-flight samples pending instead of re-prefilling them by packed
+calls: per data replica the longest histories that fit in reprefill_in_decode_tokens (0: all;
+longest first, as the engine; the rest re-prefilled by the packed calls as without rides,
+`_select_rides`). A pending slot keeps its slot and pages but
+stops decoding; its history h = prompt + generated - 1 is cut into ceil(h / W) rows of W =
+reprefill_in_decode_width tokens, which ride R to a step per data replica in that order
+(`_plan_ride_chunk`). Every step of a chunk carrying rides pays for R x W rows per replica (a fixed
+shape) over the chunk's window; a slot decodes again from the chunk after its last row ran. While
+slots are pending, segments are one chunk each (the joins change the batch after every chunk).
 
 Rows, buckets, windows and pack widths come from the real `EngineConfig`; the costs from a cost
 model (simulate/costs.py). A run of chunks in which no sample finishes is one event (a segment);
@@ -72,6 +84,7 @@ class EngineCounters:
     live_tokens: int = 0  # paged: cached tokens the decode steps attended over (sum over steps and slots)
     read_tokens: int = 0  # paged: the same rounded up to the kernel's block per slot (what it reads)
     charged_s: float = 0.0  # other programs on these devices (learned rewards beside the engine), in busy_s
+    ride_tokens: int = 0  # history tokens re-prefilled beside decode, padding left out (reprefill_tokens: at the swap)
 
 
 @dataclasses.dataclass
@@ -87,6 +100,8 @@ class _Segment:
     event: Event | None = None
     live: np.ndarray | None = None  # [chunks] paged: cached tokens attended over
     read: np.ndarray | None = None  # [chunks] paged: cached tokens the kernel reads
+    ride_left: np.ndarray | None = None  # [B] a ride chunk (one chunk): each slot's ride rows left after it
+    ride_tokens: int = 0  # a ride chunk: history tokens its rows hold (padding left out)
 
 
 class SimEngine:
@@ -134,6 +149,13 @@ class SimEngine:
         self._held = 0.0  # seconds the trainer holds the shared devices (`hold`)
         self.push_held = False  # the trainer's hold covers the weight push (shared devices)
         self._setup_until = 0.0  # the end of the last round's setup work, counted in busy_s when it began
+        # Re-prefill beside decode: R ride rows per replica and step (0: packed re-prefill calls at a swap).
+        # Pending slots hold their slot and pages without decoding until their ride_left rows have run.
+        on = self.paged and config.interruptible and config.on_swap == "recompute"
+        self.ride_rows = config.reprefill_in_decode_rows if on else 0
+        self.pending = np.zeros(B, bool)
+        self.ride_left = np.zeros(B, np.int64)
+        self.ride_order = np.zeros(B, np.int64)  # the order pending slots ride in (within their replica)
 
     @property
     def paged(self) -> bool:
@@ -143,16 +165,23 @@ class SimEngine:
         return -(-np.minimum(tokens, self.config.max_seq_len) // self.page_size)
 
     def _pages_in_use(self, ahead: int) -> int:
-        """Pages the active samples hold once grown to cover `ahead` more tokens each."""
-        active = self.active
-        return int(self._pages(self.prompt[active] + self.generated[active] + ahead).sum())
+        """Pages the active samples hold once grown to cover `ahead` more tokens each, and the
+        pending ones their history's (they grow once they decode again)."""
+        active, pending = self.active, self.pending
+        held = self._pages(self.prompt[pending] + self.generated[pending]).sum()
+        return int(self._pages(self.prompt[active] + self.generated[active] + ahead).sum() + held)
+
+    @property
+    def _occupied(self) -> np.ndarray:
+        """[B] slots that hold a sample: decoding, or pending its re-prefill beside decode."""
+        return self.active | self.pending
 
     def _room(self, prompt: int) -> int:
         """Samples of a `prompt`-token prompt the pool admits now (each: its prompt and first chunk)."""
         if not self.paged:
             return self.config.num_slots
         # The watermark keeps room for the running samples to grow; an empty engine admits without it.
-        watermark = self.watermark if self.active.any() else 0
+        watermark = self.watermark if self._occupied.any() else 0
         free = self.pool_pages - watermark - self._pages_in_use(self.config.decode_chunk)
         return max(0, free // int(self._pages(prompt + self.config.decode_chunk)))
 
@@ -161,7 +190,7 @@ class SimEngine:
     def submit(self, group: SimGroup) -> None:
         group.segments = [[] for _ in range(group.n)]
         self.queue.append(group)
-        if not self.active.all():  # free slots are refilled at the next chunk boundary
+        if not self._occupied.all():  # free slots are refilled at the next chunk boundary
             self._end_at_next_boundary()
         self._kick()
 
@@ -247,7 +276,7 @@ class SimEngine:
         self.counters.busy_s += setup
         self._setup_until = t + setup  # busy_s holds this round's work ahead of the clock
         self._in_round = False
-        if self.active_samples:
+        if self.active_samples or self.pending.any():
             self._plan_segment(t + setup)
         elif setup > 0 or held > 0:  # the devices are taken until then
             self._round_scheduled = True
@@ -265,13 +294,21 @@ class SimEngine:
         # weight_swap "evict": the engine dropped its weights for the push, so the devices wait out
         # the transfer (charged here, where the new version lands) instead of decoding beside it.
         cost = self.costs.transfer_s if ec.weight_swap == "evict" and not self.push_held else 0.0
-        histories = (self.prompt + self.generated - 1)[self.active].tolist()
+        slots = np.flatnonzero(self._occupied)  # a slot pending from an earlier swap restarts
+        histories = (self.prompt + self.generated - 1)[slots].tolist()
         if not histories or ec.on_swap == "keep":  # "keep": in-flight samples continue on their KV
             return cost
+        self.counters.reprefill_tokens += sum(histories)
+        if self.ride_rows:  # no call for these: their rows ride the decode steps from here (`_plan_ride_chunk`)
+            ride = self._select_rides(slots)
+            self._pend(ride)
+            slots = np.setdiff1d(slots, ride)  # the rest: the packed calls, decoding again at once
+            self.active[slots], self.pending[slots], self.ride_left[slots] = True, False, 0
+            histories = (self.prompt + self.generated - 1)[slots].tolist()
         packed = [h for h in histories if h <= ec.pack_width]
         if packed:
             if ec.reprefill_share_prefixes:  # each group's prompt once per trie (generation/reprefill_trie.py)
-                rows, tokens = trie_rows_by_length(self._live_groups(ec.pack_width), ec.pack_width)
+                rows, tokens = trie_rows_by_length(self._live_groups(slots, ec.pack_width), ec.pack_width)
             else:
                 rows, tokens = len(ffd_allocate(packed, ec.pack_width)), sum(packed)
             calls = -(-rows // ec.max_pack_rows(self.data))
@@ -279,14 +316,41 @@ class SimEngine:
             self.timings.add("reprefill", shape_key(rows), calls=calls, tokens=tokens, s=seconds)
             cost += seconds
         cost += self._prefill_histories(sorted(h for h in histories if h > ec.pack_width))
-        self.counters.reprefill_tokens += sum(histories)
         return cost
 
-    def _live_groups(self, width: int) -> list[tuple[int, list[int]]]:
-        """(prompt, [each packed history's tokens after it]) per group of the active samples, in
-        the order of their first slot, as the engine groups them at a swap."""
+    def _select_rides(self, slots: np.ndarray) -> np.ndarray:
+        """Of the in-flight `slots` (ascending), those whose histories ride the decode steps, in
+        the order they ride, as the engine's `SlotTable.split_for_rides`: per data replica its slots
+        by history h = prompt + generated - 1, longest first (ties: the earlier admitted), each
+        taken if the replica's tokens so far plus h fit in reprefill_in_decode_tokens (0: all; one
+        that does not fit is passed over, a shorter one after it may fit)."""
+        cap = self.config.reprefill_in_decode_tokens
+        per = self.config.num_slots // self.data
+        history = self.prompt[slots] + self.generated[slots] - 1
+        order = np.lexsort((self.started[slots], -history))  # longest first, then the earlier admitted
+        chosen, taken = [], collections.Counter()
+        for i in order:
+            slot, replica = int(slots[i]), int(slots[i]) // per
+            if not cap or taken[replica] + history[i] <= cap:
+                taken[replica] += int(history[i])
+                chosen.append(slot)
+        return np.asarray(chosen, np.int64)
+
+    def _pend(self, slots: np.ndarray) -> None:
+        """`slots` (in the order they ride) stop decoding until their histories (minus the last
+        token, sampled but not yet written) have ridden the decode steps: ceil(h / W) rows each,
+        from the first (a pending slot swapped again restarts)."""
+        history = self.prompt[slots] + self.generated[slots] - 1
+        self.active[slots], self.pending[slots] = False, True
+        self.ride_left[slots] = -(-history // self.config.reprefill_in_decode_width)
+        self.ride_order[slots] = np.arange(slots.size)
+
+    def _live_groups(self, slots: np.ndarray, width: int) -> list[tuple[int, list[int]]]:
+        """(prompt, [each packed history's tokens after it]) per group of the in-flight `slots`
+        (ascending) re-prefilled by packed calls, in the order of their first slot, as the engine
+        groups them at a swap."""
         groups: dict[int, tuple[int, list[int]]] = {}
-        for slot in np.flatnonzero(self.active):
+        for slot in slots:
             history = int(self.prompt[slot] + self.generated[slot] - 1)
             if history <= width:
                 group = self.slot_group[slot]
@@ -314,7 +378,7 @@ class SimEngine:
         paged); returns the calls' seconds. Samples that stop at their first token finish at `t`
         plus the calls so far."""
         ec, cost = self.config, 0.0
-        free = np.flatnonzero(~self.active).tolist()
+        free = np.flatnonzero(~self._occupied).tolist()
         if self.resumes:
             cost, free = self._resume(t, free)
         while free and self.queue and not self.resumes:
@@ -369,15 +433,16 @@ class SimEngine:
         return self._prefill_histories(started), free
 
     def _make_room(self) -> None:
-        """Preempts the samples admitted last until every active one's pages cover the next chunk."""
+        """Preempts the samples admitted last (a pending one too) until every active one's pages
+        cover the next chunk."""
         while self.paged and self._pages_in_use(self.config.decode_chunk) > self.pool_pages:
-            active = np.flatnonzero(self.active)
-            slot = int(active[np.argmax(self.started[active])])
+            held = np.flatnonzero(self._occupied)
+            slot = int(held[np.argmax(self.started[held])])
             self._close_segment(slot)
             self.resumes.append((self.slot_group[slot], int(self.slot_index[slot]), int(self.generated[slot]),
                                  int(self.target[slot])))
             self.slot_group[slot] = None
-            self.active[slot] = False
+            self.active[slot] = self.pending[slot] = False
             self.counters.preemptions += 1
 
     def _start(self, group: SimGroup, free: list[int], t: float) -> list[int]:
@@ -420,19 +485,15 @@ class SimEngine:
     # ---- decode segments ------------------------------------------------------------------------
 
     def _plan_segment(self, start: float) -> None:
+        if self.pending.any():
+            self._plan_ride_chunk(start)
+            return
         ec = self.config
         C = ec.decode_chunk
         active = np.flatnonzero(self.active)
         remaining = self.target[active] - self.generated[active]
         positions_max = int((self.prompt[active] + self.generated[active]).max()) - 1
-        first_finish = int(remaining.min())
-        k = (first_finish - 1) // C  # the chunk in which the first sample finishes
-        last_steps = min(C, int(remaining.max()) - k * C)  # a chunk ends early once every slot is done
-        if ec.refill_after and self.queue:
-            left = np.sort(remaining - k * C)
-            if ec.refill_after <= left.size:
-                last_steps = min(last_steps, int(left[ec.refill_after - 1]))
-        chunks = k + 1
+        chunks, last_steps = self._segment_steps(remaining)
         lengths = self.prompt[active] + self.generated[active]
         if self.paged:  # end the segment before the chunk the pool cannot cover (preemption there)
             covered = self._chunks_covered(lengths, chunks)
@@ -460,6 +521,77 @@ class SimEngine:
             seg.live, seg.read = self._pending_tokens
         seg.event = self.clock.at(float(seg.ends[-1]), self._segment_end)
         self._segment = seg
+
+    def _segment_steps(self, remaining: np.ndarray) -> tuple[int, int]:
+        """(chunks, steps of the last) of the decode segment of active slots with `remaining`
+        tokens to go: it ends with the chunk in which the first of them finishes."""
+        ec = self.config
+        C = ec.decode_chunk
+        first_finish = int(remaining.min())
+        k = (first_finish - 1) // C  # the chunk in which the first sample finishes
+        last_steps = min(C, int(remaining.max()) - k * C)  # a chunk ends early once every slot is done
+        if ec.refill_after and self.queue:
+            left = np.sort(remaining - k * C)
+            if ec.refill_after <= left.size:
+                last_steps = min(last_steps, int(left[ec.refill_after - 1]))
+        return k + 1, last_steps
+
+    def _plan_ride_chunk(self, start: float) -> None:
+        """One decode chunk that carries ride rows: as many steps as its decoding slots take (the
+        first chunk of their segment), or as its rides need if more (at most C); every step pays
+        for R x W ride rows per replica over the chunk's window, which covers the decode rows'
+        positions and the ride rows' (the rows that run are `_ride_progress`'s)."""
+        ec = self.config
+        C, R, W = ec.decode_chunk, self.ride_rows, ec.reprefill_in_decode_width
+        active = np.flatnonzero(self.active)
+        remaining = self.target[active] - self.generated[active]
+        lengths = self.prompt[active] + self.generated[active]
+        decode_steps, needed = 0, 0
+        if active.size:
+            chunks, last_steps = self._segment_steps(remaining)
+            decode_steps, needed = (C if chunks > 1 else last_steps), int(lengths.max()) - 1 + C
+        queues = self._ride_queues()
+        rows_left = max(int(self.ride_left[q].sum()) for q in queues)  # the busiest replica's
+        steps = np.asarray([max(decode_steps, min(C, -(-rows_left // R)))])
+        left, tokens, reach = self._ride_progress(queues, int(steps[0]))
+        window = self._windows[min(int(np.searchsorted(self._windows, max(needed, reach))), self._windows.size - 1)]
+        slot_steps = np.asarray([int(np.minimum(remaining, steps[0]).sum())])
+        live, read, busiest = self._live_tokens(lengths, remaining, steps, active)
+        rows = np.asarray([ec.decode_rows(int(b), self.data) for b in busiest])
+        seconds = np.zeros(1)
+        seconds[:] = self.costs.decode_chunk_s(steps, slot_steps, 0, live_tokens=read, rows=rows, live_rows=busiest,
+                                               ride_rows=self.data * R, ride_width=W, ride_window=int(window))
+        seg = _Segment(start, start + seconds, steps, slot_steps, np.asarray([window]), np.asarray([active.size]),
+                       live=live, read=read, ride_left=left, ride_tokens=tokens)
+        seg.event = self.clock.at(float(seg.ends[-1]), self._segment_end)
+        self._segment = seg
+
+    def _ride_queues(self) -> list[np.ndarray]:
+        """Each data replica's pending slots in the order their rows ride (`_select_rides`)."""
+        per = self.config.num_slots // self.data
+        pending = np.flatnonzero(self.pending)
+        order = pending[np.argsort(self.ride_order[pending], kind="stable")]
+        return [order[order // per == r] for r in range(self.data)]
+
+    def _ride_progress(self, queues: list[np.ndarray], steps: int) -> tuple[np.ndarray, int, int]:
+        """Each replica's R x `steps` ride rows taken from its queue in order (a slot's rows
+        consecutive, from where the last chunk left it): ([B] rows left per slot after them, the
+        history tokens they hold, the largest position they reach + 1)."""
+        R, W = self.ride_rows, self.config.reprefill_in_decode_width
+        left, tokens, reach = self.ride_left.copy(), 0, 0
+        for q in queues:
+            if not q.size:
+                continue
+            history = self.prompt[q] + self.generated[q] - 1  # [n]
+            pieces, rows = -(-history // W), left[q]  # [n] each slot's rows, those still to run
+            ahead = np.cumsum(rows) - rows  # [n] rows of the queue before each slot's
+            run = np.clip(R * steps - ahead, 0, rows)  # [n] rows of each slot this chunk runs
+            done_before = (pieces - rows) * W  # [n] whole rows: fewer than `history` tokens
+            done_after = np.minimum(history, (pieces - rows + run) * W)
+            tokens += int((done_after - done_before).sum())
+            reach = max(reach, int(done_after[run > 0].max()))
+            left[q] = rows - run
+        return left, tokens, reach
 
     def _chunks_covered(self, lengths: np.ndarray, chunks: int) -> int:
         """How many of the next `chunks` chunks the pool covers with every active sample growing
@@ -508,13 +640,27 @@ class SimEngine:
             self.counters.live_tokens += int(seg.live.sum())
             self.counters.read_tokens += int(seg.read.sum())
         durations = np.diff(np.concatenate([[seg.start], seg.ends]))
+        # A chunk carrying ride rows is timed as the engine times it: "decode_ride", the plain key,
+        # plus ride_tokens (the engine records none): its rows' tokens over the host, padding included.
+        kind, ride = ("decode", {}) if seg.ride_left is None else ("decode_ride", {
+            "ride_tokens": int(seg.steps.sum()) * self.data * self.ride_rows * self.config.reprefill_in_decode_width})
         for w, a, st, ss, d in zip(seg.windows, seg.active, seg.steps, seg.slot_steps, durations):
-            self.timings.add("decode", decode_key(int(w), int(a), self.config.num_slots), steps=int(st),
-                             slot_steps=int(ss), s=float(d))
+            self.timings.add(kind, decode_key(int(w), int(a), self.config.num_slots), steps=int(st),
+                             slot_steps=int(ss), s=float(d), **ride)
         active = np.flatnonzero(self.active)
         got = np.minimum(self.target[active] - self.generated[active], total_steps)
         self.generated[active] += got
         self.counters.generated_tokens += int(got.sum())
         for slot in active[self.generated[active] >= self.target[active]]:
             self._finish(int(slot), t)
+        if seg.ride_left is not None:  # after the decoding slots' tokens: the joining ones decode from the next chunk
+            self._rides_ran(seg)
         self._kick()
+
+    def _rides_ran(self, seg: _Segment) -> None:
+        """A ride chunk's rows have run: slots with none left decode again (under the new weights)."""
+        pending = self.pending
+        self.ride_left[pending] = seg.ride_left[pending]
+        joined = pending & (self.ride_left == 0)
+        self.pending[joined], self.active[joined] = False, True
+        self.counters.ride_tokens += seg.ride_tokens
