@@ -202,6 +202,26 @@ def test_a_micro_batch_that_cannot_fit_fails_naming_the_program_and_fields(tmp_p
     assert "TrainEngineConfig.max_tokens_per_microbatch" in out.stdout
 
 
+def test_an_only_that_matches_no_program_says_so(tmp_path):
+    out = _plan(tmp_path, _config(tmp_path), "--target=8xh100", "--only=no_such_program", check=False)
+    assert out.returncode == 2 and "--only 'no_such_program' matches none of the" in out.stderr
+    assert "generation/decode" in out.stderr
+
+
+def test_the_bounding_set_keeps_a_family_per_fixed_dimension():
+    """Decodes carrying re-prefill rows are their own family (their activations are larger): the
+    widest of each is kept, not only the plain decode's."""
+    import types
+
+    from areal_jax.plan.job import bounding_specs
+
+    names = ["generation/decode[window=64]", "generation/decode[window=128]",
+             "generation/decode[window=128,rows=2,ride_rows=1,ride_width=8]",
+             "generation/decode[window=128,rows=4,ride_rows=1,ride_width=8]", "train/grad[rows=2,len=64]"]
+    specs = [types.SimpleNamespace(role=n.split("/")[0], name=n) for n in names]
+    assert [s.name for s in bounding_specs(specs)] == [names[1], names[3], names[4]]
+
+
 def test_no_target_is_a_configuration_error(tmp_path):
     out = _plan(tmp_path, _config(tmp_path), check=False)
     assert out.returncode == 2 and "PlanConfig.target" in out.stderr

@@ -193,8 +193,8 @@ def test_on_a_mesh_the_engine_rides_as_one_device_and_its_widest_ride_program_is
     specs = {s.name.removeprefix("generation/"): s
              for s in engine_program_specs(MESH_CFG, rides_cfg, mesh=mesh, param_dtype=jnp.float32)}
     ride_specs = sorted(n for n in specs if "ride_rows" in n)
-    assert ride_specs == ["decode[window=64,ride_rows=1,ride_width=8]",
-                          "decode[window=64,rows=2,ride_rows=1,ride_width=8]"]
+    assert ride_specs == ["decode[window=64,rows=2,ride_rows=1,ride_width=8]",
+                          "decode[window=64,rows=4,ride_rows=1,ride_width=8]"]
     assert any("ride_rows=1,ride_width=8" in n for n in sharded._programs.traced), sharded._programs.traced
     for name in ride_specs:
         assert specs[name].lower().compile().memory_analysis() is not None
@@ -233,3 +233,28 @@ def test_the_fields_are_validated():
         EngineConfig(**BASE, reprefill_in_decode_width=0)
     with pytest.raises(ValueError, match="needs the paged KV cache"):
         EngineConfig(**{**BASE, "kv_layout": "dense"}, reprefill_in_decode_rows=2)
+
+
+def test_an_rl_loop_reports_the_tokens_its_decode_steps_reprefilled(tmp_path):
+    """An async run (generation beside training, samples long enough to span pushes) with
+    re-prefill beside decode: it trains, and each step's records say how many of the step's
+    re-prefilled tokens rode the decode steps."""
+    from areal_jax.models.tokenizer import Tokenizer
+    from areal_jax.parallel import MeshConfig
+    from areal_jax.rollout.workflow import RLVRConfig
+    from areal_jax.trainer.config import RLConfig
+    from tests.test_rl_loop import REWARD, make_loop
+    from tests.tokenizer_fixtures import build_tiny_tokenizer
+
+    tokenizer = Tokenizer.from_pretrained(build_tiny_tokenizer(tmp_path, "chatml"))
+    loop = make_loop(tokenizer, rl=RLConfig(steps=4, batch_size=2, max_staleness=2, max_concurrent=6),
+                     mesh=MeshConfig(num_generation_devices_per_host=2), devices=jax.devices()[:4],
+                     workflow=RLVRConfig(n_samples=4, max_new_tokens=24, reward=REWARD, filter_all_equal_rewards=False),
+                     engine=EngineConfig(num_slots=16, max_seq_len=64, decode_chunk=2, kv_layout="paged", page_size=4,
+                                         reprefill_in_decode_rows=1, reprefill_in_decode_width=8))
+    result = loop.run()
+    assert result.steps == 4 and all(np.isfinite(m["train/loss"]) for m in result.history)
+    # A history counts as re-prefilled at its swap and as ridden as its rows run, which may fall in
+    # the next step's records: the totals, not each step, are ordered.
+    rode = [m["rollout/reprefill_ride_tokens"] for m in result.history]
+    assert min(rode) >= 0 and 0 < sum(rode) <= sum(m["rollout/reprefill_tokens"] for m in result.history)

@@ -48,7 +48,7 @@ def engine_program_specs(model_cfg: ModelConfig, engine_cfg: EngineConfig, *, me
     samples of a group from its kept block; reprefill_packed[rows=R] for every packed row count;
     prefill[rows=R,len=P] + insert for histories longer than a packed row; decode[window=W] for
     every window (paged: also decode[window=max,rows=R] for every live-slot batch below num_slots;
-    with reprefill_in_decode_rows, decode[window=max,(rows=R,)ride_rows=..,ride_width=..] for every batch);
+    with reprefill_in_decode_rows, decode[window=max,rows=R,ride_rows=..,ride_width=..] for every batch);
     split_weights (a swap of stacked weights; split weights install without a program; with
     scan_layers stack_weights, the other way round). Resident:
     the weights and cache where they are not arguments; with role "generation" one incoming weight
@@ -171,7 +171,7 @@ def engine_program_specs(model_cfg: ModelConfig, engine_cfg: EngineConfig, *, me
         ride_dims = dict(ride_rows=ec.reprefill_in_decode_rows, ride_width=ec.reprefill_in_decode_width)
         for b in ec.decode_row_counts(data):
             rows = tuple(host((data * b, *a.shape[1:]), a.dtype) for a in slot_state[:-1]) + slot_state[-1:]
-            dims = dict(window=W, **({} if data * b == B else dict(rows=data * b)), **ride_dims)
+            dims = dict(window=W, rows=data * b, **ride_dims)  # rows always: the full batch is the family's largest
             add("decode", dims, programs.decode_ride, (params, cache, *rows, host((data * b, M), jnp.int32), *ride),
                 kept + incoming, decode_fields + _RIDE_FIELDS, kwargs=dict(window=W))
     # The change of layout at a swap: stacked -> split, or (scanned) a split push -> stacked.

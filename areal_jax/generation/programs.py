@@ -376,8 +376,8 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
         counts["decode"] += 1
         C, R, W = ride.tokens.shape
         rows = page_tables.shape[0]
-        traced[program_name("decode", window=window, **({} if rows == ec.num_slots else dict(rows=rows)),
-                            ride_rows=R // data, ride_width=W)] += 1  # rows per replica, as configured
+        traced[program_name("decode", window=window, rows=rows, ride_rows=R // data,  # per replica, as configured
+                            ride_width=W)] += 1
         placement = dict(page_size=ec.page_size, impl=ec.attention_impl, platform=platform, mesh=mesh,
                          pages_per_replica=pages_per_replica(pools), quantized=pool_of(pools).quantized,
                          num_layers=L if scan else None)

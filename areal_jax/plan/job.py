@@ -145,17 +145,22 @@ def _dims(name: str) -> dict[str, int]:
 
 def bounding_specs(specs: Sequence[ProgramSpec], keep: Callable[[ProgramSpec], bool] = lambda s: False
                    ) -> list[ProgramSpec]:
-    """The member of each program family (same role and kind, shapes differing) with the largest
-    shapes: memory grows with rows, lengths and windows within a family, so these bound the
-    run's peak. `keep` adds others (the programs the throughput prediction reads)."""
-    families: dict[tuple[str, str], ProgramSpec] = {}
+    """The member of each program family (same role, kind and other dimensions, such as a decode's
+    re-prefill rows; rows, lengths and windows differing) with the largest shapes: memory grows
+    with those within a family, so these bound the run's peak. `keep` adds others (the programs the
+    throughput prediction reads)."""
+    families: dict[tuple, ProgramSpec] = {}
     for s in specs:
-        family = (s.role, s.name.split("[")[0])
+        fixed = tuple(sorted((k, v) for k, v in _dims(s.name).items() if k not in _SHAPE_DIMS))
+        family = (s.role, s.name.split("[")[0], fixed)
         best = families.get(family)
         if best is None or _bigger(_dims(s.name), _dims(best.name)):
             families[family] = s
     chosen = set(id(s) for s in families.values())
     return [s for s in specs if id(s) in chosen or keep(s)]
+
+
+_SHAPE_DIMS = ("rows", "len", "window")  # what varies within a program family
 
 
 def _bigger(a: dict[str, int], b: dict[str, int]) -> bool:
@@ -256,7 +261,11 @@ def plan_inputs(job: JobConfigs, plan_cfg: PlanConfig, target: Target, *, gin_fi
             learned[label] = max(learned.get(label, 0), bytes_per_device(_persistent(s)))
     shared = not job.mesh.reward_devices
     if only:
-        specs = [s for s in specs if only in s.name]
+        matched = [s for s in specs if only in s.name]
+        if not matched:
+            raise PlanError(f"--only {only!r} matches none of the {len(specs)} programs planned "
+                            f"({', '.join(sorted({s.name.split('[')[0] for s in specs}))}); --all plans every shape")
+        specs = matched
 
     from areal_jax.generation.programs import param_structs
 

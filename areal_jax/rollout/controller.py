@@ -118,6 +118,8 @@ class ControllerStats:
     generation_reprefill_tokens: int = 0
     # Of those, tokens a shared prefix spared recomputing (EngineConfig.reprefill_share_prefixes).
     generation_reprefill_shared_tokens: int = 0
+    # Of those, tokens the decode steps carried (EngineConfig.reprefill_in_decode_rows).
+    generation_reprefill_ride_tokens: int = 0
     # KV pages the engine's groups shared so far (their prompts' full pages, paged layout).
     generation_kv_pages_shared: int = 0
 
@@ -339,6 +341,7 @@ class RolloutController:
                 generation_preempted_samples=engine.preempted_samples,
                 generation_reprefill_tokens=engine.reprefill_tokens,
                 generation_reprefill_shared_tokens=getattr(engine, "reprefill_shared_tokens", 0),
+                generation_reprefill_ride_tokens=getattr(engine, "reprefill_ride_tokens", 0),
                 generation_kv_pages_shared=engine.kv_pages_shared)
 
     # ---- the loop -----------------------------------------------------------------------------

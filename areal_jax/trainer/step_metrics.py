@@ -34,6 +34,7 @@ class StepMetrics:
         self._reprefill_seen = 0  # the engine's re-prefilled tokens at the previous step's record
         self._shared_seen = 0  # the engine's shared KV pages at the previous step's record
         self._spared_seen = 0  # the engine's re-prefill tokens spared by shared prefixes, likewise
+        self._rode_seen = 0  # and those its decode steps carried (re-prefill beside decode), likewise
         self._pool_seen = (0, 0)  # the pool's (timeouts, crashes + errors) counted by earlier steps
         self._timings_seen: dict | None = None  # engine timings at the previous step's record
 
@@ -51,6 +52,8 @@ class StepMetrics:
                                      ctl.generation_kv_pages_shared)
         spared, self._spared_seen = (ctl.generation_reprefill_shared_tokens - self._spared_seen,
                                      ctl.generation_reprefill_shared_tokens)
+        rode, self._rode_seen = (ctl.generation_reprefill_ride_tokens - self._rode_seen,
+                                 ctl.generation_reprefill_ride_tokens)
         lag = train.get("version_lag_hist", {})
         metrics = {
             "step": step,
@@ -73,6 +76,9 @@ class StepMetrics:
             "rollout/reprefill_tokens": reprefill,
             # Of those, tokens computed once for several samples (a group's shared prompt).
             "rollout/reprefill_shared_tokens": spared,
+            # Of those, tokens the decode steps re-prefilled beside their decode rows
+            # (EngineConfig.reprefill_in_decode_rows); the rest ran as packed calls.
+            "rollout/reprefill_ride_tokens": rode,
             # KV pages a group's samples shared (their prompt's full pages) since the last step.
             "rollout/kv_pages_shared": shared,
             "throughput/tokens_per_s": train.get("trained_tokens", 0.0) / max(train.get("time_step_s", 1e-9), 1e-9),
