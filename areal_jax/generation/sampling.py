@@ -11,8 +11,6 @@ the environment rather than of the policy, as AReaL and most RL systems do. Gree
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -18,7 +18,6 @@ import itertools
 import json
 import math
 import pathlib
-import sys
 from typing import Any
 
 # Imported by `areal-jax`'s parser: the modules that import jax load only when the command runs.

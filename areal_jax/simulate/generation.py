@@ -15,16 +15,9 @@ computes the live slots only (decode by live slots: the busiest replica's live c
 `EngineConfig.decode_rows`); the replicas of a host share one pool here (the engine's per-replica
 pools fragment slightly more).
 
-Re-prefill beside decode (EngineConfig.reprefill_in_decode_rows R > 0, paged, an interrupting
-"recompute" swap): a swap makes in-flight samples pending instead of re-prefilling them by packed
-calls: per data replica the longest histories that fit in reprefill_in_decode_tokens (0: all;
-longest first, as the engine; the rest re-prefilled by the packed calls as without rides,
-`_select_rides`). A pending slot keeps its slot and pages but
-stops decoding; its history h = prompt + generated - 1 is cut into ceil(h / W) rows of W =
-reprefill_in_decode_width tokens, which ride R to a step per data replica in that order
-(`_plan_ride_chunk`). Every step of a chunk carrying rides pays for R x W rows per replica (a fixed
-shape) over the chunk's window; a slot decodes again from the chunk after its last row ran. While
-slots are pending, segments are one chunk each (the joins change the batch after every chunk).
+Re-prefill beside decode (EngineConfig.reprefill_in_decode_rows, paged, an interrupting "recompute"
+swap): the longest in-flight histories pause and ride the decode steps instead of the packed calls
+(simulate/rides.py, `RideChunks`).
 
 Rows, buckets, windows and pack widths come from the real `EngineConfig`; the costs from a cost
 model (simulate/costs.py). A run of chunks in which no sample finishes is one event (a segment);
@@ -36,7 +29,6 @@ simulated run can be fitted like a real one.
 from __future__ import annotations
 
 import collections
-import dataclasses
 from collections.abc import Callable
 
 import numpy as np
@@ -45,66 +37,14 @@ from areal_jax.generation.config import EngineConfig
 from areal_jax.generation.reprefill_trie import trie_rows_by_length
 from areal_jax.generation.timings import CallTimings, decode_key, shape_key
 from areal_jax.packing import ffd_allocate
-from areal_jax.simulate.events import Event, EventQueue
+from areal_jax.simulate.events import EventQueue
+from areal_jax.simulate.rides import RideChunks
+from areal_jax.simulate.engine_state import EngineCounters, Segment, SimGroup
+
+__all__ = ["EngineCounters", "SimEngine", "SimGroup"]
 
 
-@dataclasses.dataclass(eq=False)
-class SimGroup:
-    """One admitted prompt group."""
-
-    group_id: int
-    admitted_version: int
-    prompt: int
-    lengths: np.ndarray  # [n] completion tokens each sample will generate
-    next_sample: int = 0  # samples [0, next_sample) have started
-    prefix_kept: bool = False  # a prefill block kept for samples that found no slot
-    finished: int = 0
-    # Per sample: [[version, tokens], ...] in generation order.
-    segments: list[list[list[int]]] = dataclasses.field(default_factory=list)
-
-    @property
-    def n(self) -> int:
-        return int(self.lengths.size)
-
-    @property
-    def completion_tokens(self) -> int:
-        return int(self.lengths.sum())
-
-
-@dataclasses.dataclass
-class EngineCounters:
-    busy_s: float = 0.0
-    decode_steps: int = 0
-    slot_steps: int = 0
-    generated_tokens: int = 0
-    reprefill_tokens: int = 0
-    swaps: int = 0
-    preemptions: int = 0  # paged: samples whose KV was dropped for want of pages
-    recomputed_tokens: int = 0  # paged: history tokens prefilled again when they resumed
-    live_tokens: int = 0  # paged: cached tokens the decode steps attended over (sum over steps and slots)
-    read_tokens: int = 0  # paged: the same rounded up to the kernel's block per slot (what it reads)
-    charged_s: float = 0.0  # other programs on these devices (learned rewards beside the engine), in busy_s
-    ride_tokens: int = 0  # history tokens re-prefilled beside decode, padding left out (reprefill_tokens: at the swap)
-
-
-@dataclasses.dataclass
-class _Segment:
-    """Decode chunks planned from `start`: chunk j ends at ends[j]; only the last may finish samples."""
-
-    start: float
-    ends: np.ndarray  # [chunks] absolute end times
-    steps: np.ndarray  # [chunks]
-    slot_steps: np.ndarray  # [chunks]
-    windows: np.ndarray  # [chunks]
-    active: np.ndarray  # [chunks] active slots at each chunk's start
-    event: Event | None = None
-    live: np.ndarray | None = None  # [chunks] paged: cached tokens attended over
-    read: np.ndarray | None = None  # [chunks] paged: cached tokens the kernel reads
-    ride_left: np.ndarray | None = None  # [B] a ride chunk (one chunk): each slot's ride rows left after it
-    ride_tokens: int = 0  # a ride chunk: history tokens its rows hold (padding left out)
-
-
-class SimEngine:
+class SimEngine(RideChunks):
     """The engine of one host. `data`: its generation replicas (row counts are multiples of it)."""
 
     def __init__(self, config: EngineConfig, data: int, costs, clock: EventQueue, *,
@@ -130,7 +70,7 @@ class SimEngine:
         self.pending_version: int | None = None
         self.counters = EngineCounters()
         self.timings = CallTimings()
-        self._segment: _Segment | None = None
+        self._segment: Segment | None = None
         self._round_scheduled = False
         self._in_round = False
         self._windows = np.asarray(config.decode_windows)
@@ -318,33 +258,6 @@ class SimEngine:
         cost += self._prefill_histories(sorted(h for h in histories if h > ec.pack_width))
         return cost
 
-    def _select_rides(self, slots: np.ndarray) -> np.ndarray:
-        """Of the in-flight `slots` (ascending), those whose histories ride the decode steps, in
-        the order they ride, as the engine's `SlotTable.split_for_rides`: per data replica its slots
-        by history h = prompt + generated - 1, longest first (ties: the earlier admitted), each
-        taken if the replica's tokens so far plus h fit in reprefill_in_decode_tokens (0: all; one
-        that does not fit is passed over, a shorter one after it may fit)."""
-        cap = self.config.reprefill_in_decode_tokens
-        per = self.config.num_slots // self.data
-        history = self.prompt[slots] + self.generated[slots] - 1
-        order = np.lexsort((self.started[slots], -history))  # longest first, then the earlier admitted
-        chosen, taken = [], collections.Counter()
-        for i in order:
-            slot, replica = int(slots[i]), int(slots[i]) // per
-            if not cap or taken[replica] + history[i] <= cap:
-                taken[replica] += int(history[i])
-                chosen.append(slot)
-        return np.asarray(chosen, np.int64)
-
-    def _pend(self, slots: np.ndarray) -> None:
-        """`slots` (in the order they ride) stop decoding until their histories (minus the last
-        token, sampled but not yet written) have ridden the decode steps: ceil(h / W) rows each,
-        from the first (a pending slot swapped again restarts)."""
-        history = self.prompt[slots] + self.generated[slots] - 1
-        self.active[slots], self.pending[slots] = False, True
-        self.ride_left[slots] = -(-history // self.config.reprefill_in_decode_width)
-        self.ride_order[slots] = np.arange(slots.size)
-
     def _live_groups(self, slots: np.ndarray, width: int) -> list[tuple[int, list[int]]]:
         """(prompt, [each packed history's tokens after it]) per group of the in-flight `slots`
         (ascending) re-prefilled by packed calls, in the order of their first slot, as the engine
@@ -516,7 +429,7 @@ class SimEngine:
             at = windows == w
             seconds[at] = self.costs.decode_chunk_s(steps[at], slot_steps[at], int(w))
         active_at_start = np.full(chunks, len(active))
-        seg = _Segment(start, start + np.cumsum(seconds), steps, slot_steps, windows, active_at_start)
+        seg = Segment(start, start + np.cumsum(seconds), steps, slot_steps, windows, active_at_start)
         if self.paged:
             seg.live, seg.read = self._pending_tokens
         seg.event = self.clock.at(float(seg.ends[-1]), self._segment_end)
@@ -535,63 +448,6 @@ class SimEngine:
             if ec.refill_after <= left.size:
                 last_steps = min(last_steps, int(left[ec.refill_after - 1]))
         return k + 1, last_steps
-
-    def _plan_ride_chunk(self, start: float) -> None:
-        """One decode chunk that carries ride rows: as many steps as its decoding slots take (the
-        first chunk of their segment), or as its rides need if more (at most C); every step pays
-        for R x W ride rows per replica over the chunk's window, which covers the decode rows'
-        positions and the ride rows' (the rows that run are `_ride_progress`'s)."""
-        ec = self.config
-        C, R, W = ec.decode_chunk, self.ride_rows, ec.reprefill_in_decode_width
-        active = np.flatnonzero(self.active)
-        remaining = self.target[active] - self.generated[active]
-        lengths = self.prompt[active] + self.generated[active]
-        decode_steps, needed = 0, 0
-        if active.size:
-            chunks, last_steps = self._segment_steps(remaining)
-            decode_steps, needed = (C if chunks > 1 else last_steps), int(lengths.max()) - 1 + C
-        queues = self._ride_queues()
-        rows_left = max(int(self.ride_left[q].sum()) for q in queues)  # the busiest replica's
-        steps = np.asarray([max(decode_steps, min(C, -(-rows_left // R)))])
-        left, tokens, reach = self._ride_progress(queues, int(steps[0]))
-        window = self._windows[min(int(np.searchsorted(self._windows, max(needed, reach))), self._windows.size - 1)]
-        slot_steps = np.asarray([int(np.minimum(remaining, steps[0]).sum())])
-        live, read, busiest = self._live_tokens(lengths, remaining, steps, active)
-        rows = np.asarray([ec.decode_rows(int(b), self.data) for b in busiest])
-        seconds = np.zeros(1)
-        seconds[:] = self.costs.decode_chunk_s(steps, slot_steps, 0, live_tokens=read, rows=rows, live_rows=busiest,
-                                               ride_rows=self.data * R, ride_width=W, ride_window=int(window))
-        seg = _Segment(start, start + seconds, steps, slot_steps, np.asarray([window]), np.asarray([active.size]),
-                       live=live, read=read, ride_left=left, ride_tokens=tokens)
-        seg.event = self.clock.at(float(seg.ends[-1]), self._segment_end)
-        self._segment = seg
-
-    def _ride_queues(self) -> list[np.ndarray]:
-        """Each data replica's pending slots in the order their rows ride (`_select_rides`)."""
-        per = self.config.num_slots // self.data
-        pending = np.flatnonzero(self.pending)
-        order = pending[np.argsort(self.ride_order[pending], kind="stable")]
-        return [order[order // per == r] for r in range(self.data)]
-
-    def _ride_progress(self, queues: list[np.ndarray], steps: int) -> tuple[np.ndarray, int, int]:
-        """Each replica's R x `steps` ride rows taken from its queue in order (a slot's rows
-        consecutive, from where the last chunk left it): ([B] rows left per slot after them, the
-        history tokens they hold, the largest position they reach + 1)."""
-        R, W = self.ride_rows, self.config.reprefill_in_decode_width
-        left, tokens, reach = self.ride_left.copy(), 0, 0
-        for q in queues:
-            if not q.size:
-                continue
-            history = self.prompt[q] + self.generated[q] - 1  # [n]
-            pieces, rows = -(-history // W), left[q]  # [n] each slot's rows, those still to run
-            ahead = np.cumsum(rows) - rows  # [n] rows of the queue before each slot's
-            run = np.clip(R * steps - ahead, 0, rows)  # [n] rows of each slot this chunk runs
-            done_before = (pieces - rows) * W  # [n] whole rows: fewer than `history` tokens
-            done_after = np.minimum(history, (pieces - rows + run) * W)
-            tokens += int((done_after - done_before).sum())
-            reach = max(reach, int(done_after[run > 0].max()))
-            left[q] = rows - run
-        return left, tokens, reach
 
     def _chunks_covered(self, lengths: np.ndarray, chunks: int) -> int:
         """How many of the next `chunks` chunks the pool covers with every active sample growing
@@ -656,11 +512,3 @@ class SimEngine:
         if seg.ride_left is not None:  # after the decoding slots' tokens: the joining ones decode from the next chunk
             self._rides_ran(seg)
         self._kick()
-
-    def _rides_ran(self, seg: _Segment) -> None:
-        """A ride chunk's rows have run: slots with none left decode again (under the new weights)."""
-        pending = self.pending
-        self.ride_left[pending] = seg.ride_left[pending]
-        joined = pending & (self.ride_left == 0)
-        self.pending[joined], self.active[joined] = False, True
-        self.counters.ride_tokens += seg.ride_tokens

@@ -41,7 +41,6 @@ roofline fraction.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 
