@@ -22,6 +22,10 @@ Three parts, each recorded on its own (a failure leaves the others' figures):
    packed at max_seq_len as prefix tries (`EngineConfig.reprefill_share_prefixes`) and as plain
    rows: wall tokens/s, tokens re-prefilled and of those shared, and re-prefill seconds (the trie
    attends by the jnp blocked formula, the plain rows by the platform's flash kernel).
+9. ride: the same swapping workload with the re-prefill beside decode (`EngineConfig.
+   reprefill_in_decode_rows` 2 x 128, every history, and capped at 4,096 tokens) against the packed
+   calls: wall tokens/s, tokens re-prefilled and of those ridden, and the seconds of the decode chunks
+   that carried rows (`decode_ride`) against the packed re-prefill's.
 
 Usage: python -m bench.engine_speed_check [--tiny] [--out engine_speed_check.json] [--skip PART]
 (`--only overlap`: that part alone)
@@ -44,7 +48,7 @@ from bench.accelerator_probe import H200_HBM_BYTES_PER_S, PRESETS, run_parts
 from bench.paged_check import KERNEL, _median_s, lognormal_lengths
 
 KV_DTYPES = ("bfloat16", "float8_e4m3fn")
-PARTS = ("kernel", "decode", "swap", "live", "share", "overlap", "scan", "trie")
+PARTS = ("kernel", "decode", "swap", "live", "share", "overlap", "scan", "trie", "ride")
 
 
 def probe_kernel(k: dict, interpret: bool, hbm: float) -> dict:
@@ -93,7 +97,8 @@ def _engine(cfg, params, p: dict, max_seq_len: int, **config):
 def _run(engine, prompts, budgets, seed0: int, swap=None, swap_every: int = 0, n: int = 1):
     """Runs the requests (`n` samples each) to the end (swapping to `swap` every `swap_every`
     rounds): (decode tokens/s, wall tokens/s, re-prefilled tokens, prefill seconds, pages shared,
-    samples preempted, re-prefilled tokens a shared prefix spared)."""
+    samples preempted, re-prefilled tokens a shared prefix spared, re-prefilled tokens that rode
+    decode steps)."""
     from areal_jax.generation import SamplingParams
 
     before, t0 = engine.stats(), time.perf_counter()
@@ -111,7 +116,8 @@ def _run(engine, prompts, budgets, seed0: int, swap=None, swap_every: int = 0, n
             generated / (time.perf_counter() - t0), after.reprefill_tokens - before.reprefill_tokens,
             after.prefill_s - before.prefill_s, after.kv_pages_shared - before.kv_pages_shared,
             after.preempted_samples - before.preempted_samples,
-            after.reprefill_shared_tokens - before.reprefill_shared_tokens)
+            after.reprefill_shared_tokens - before.reprefill_shared_tokens,
+            after.reprefill_ride_tokens - before.reprefill_ride_tokens)
 
 
 def probe_decode(cfg, params, p: dict) -> dict:
@@ -166,6 +172,34 @@ def probe_trie(cfg, params, p: dict, swap_every: int) -> dict:
     out["trie_over_plain_wall"] = out["trie"]["wall_tokens_per_s"] / out["plain"]["wall_tokens_per_s"]
     out["trie_over_plain_reprefill_s"] = (out["trie"]["packed_reprefill_s_total"]
                                           / max(out["plain"]["packed_reprefill_s_total"], 1e-9))
+    return out
+
+
+def probe_ride(cfg, params, p: dict, swap_every: int) -> dict:
+    prompts, budgets, max_seq_len = _workload(cfg, p)
+    other = jax.tree.map(lambda x: x * 1.01, params)
+    out = {"requests": len(prompts), "swap_every_rounds": swap_every}
+    rides = dict(reprefill_in_decode_rows=2, reprefill_in_decode_width=128)
+    for name, config in (("packed", {}), ("ride_all", rides), ("ride_capped", dict(rides, reprefill_in_decode_tokens=4096))):
+        engine = _engine(cfg, params, p, max_seq_len, kv_dtype="bfloat16", **config)
+        _run(engine, prompts, budgets, 10_000, swap=(params, other), swap_every=swap_every)  # compiles
+        before = engine.timings()
+        runs = [_run(engine, prompts, budgets, 20_000 + 1000 * r, swap=(params, other), swap_every=swap_every)
+                for r in range(p["decode_repeats"])]
+        after = engine.timings()
+
+        def seconds(kind):  # over the measured runs
+            return (sum(v["s"] for v in after.get(kind, {}).values())
+                    - sum(v["s"] for v in before.get(kind, {}).values()))
+
+        out[name] = {"wall_tokens_per_s": statistics.median(r[1] for r in runs),
+                     "reprefill_tokens": statistics.median(r[2] for r in runs),
+                     "reprefill_ride_tokens": statistics.median(r[7] for r in runs),
+                     "packed_reprefill_s_total": seconds("reprefill") + seconds("reprefill_long"),
+                     "decode_ride_s_total": seconds("decode_ride"), "decode_s_total": seconds("decode")}
+        del engine
+    for name in ("ride_all", "ride_capped"):
+        out[f"{name}_over_packed_wall"] = out[name]["wall_tokens_per_s"] / out["packed"]["wall_tokens_per_s"]
     return out
 
 
@@ -251,6 +285,7 @@ def main(argv: list[str] | None = None) -> dict:
         "overlap": lambda: probe_overlap(cfg, params, p),
         "scan": lambda: probe_scan(cfg, params, p),
         "trie": lambda: probe_trie(cfg, params, p, args.swap_every),
+        "ride": lambda: probe_ride(cfg, params, p, args.swap_every),
     }
     skip = args.skip + ([name for name in parts if name not in args.only] if args.only else [])
     return run_parts(result, parts, skip, args.out, tag="engine_speed_check")
