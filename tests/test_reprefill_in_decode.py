@@ -258,3 +258,21 @@ def test_an_rl_loop_reports_the_tokens_its_decode_steps_reprefilled(tmp_path):
     # the next step's records: the totals, not each step, are ordered.
     rode = [m["rollout/reprefill_ride_tokens"] for m in result.history]
     assert min(rode) >= 0 and 0 < sum(rode) <= sum(m["rollout/reprefill_tokens"] for m in result.history)
+
+
+def test_an_moe_engine_riding_records_the_new_policys_experts_after_the_swap():
+    """MoE (routed layers beside a dense one): the ride rows go through the experts with the decode
+    rows, and the experts recorded for the tokens decoded after the swap are the trainer's under the
+    new weights over the ridden history, as with the packed re-prefill."""
+    from tests.test_moe_engine_routing import _generate, _params, _trainer_routing
+
+    old, new = _params(1), _params(2)
+    engine, samples = _generate(old, swap=new, kv_layout="paged", page_size=4, decode_min_rows=1,
+                                reprefill_in_decode_rows=1, reprefill_in_decode_width=4)
+    assert engine.stats().reprefill_ride_tokens == engine.stats().reprefill_tokens > 0
+    for prompt, c in samples:
+        np.testing.assert_array_equal(c.versions, [0] * 9 + [1] * 7)
+        seq = prompt + list(c.tokens)
+        before = len(prompt) + 8  # input tokens fed under the old weights
+        np.testing.assert_array_equal(c.moe_routing[:before], _trainer_routing(old, seq)[:before])
+        np.testing.assert_array_equal(c.moe_routing[before:-1], _trainer_routing(new, seq)[before:-1])
