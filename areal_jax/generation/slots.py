@@ -70,6 +70,7 @@ class SlotTable:
         # Slots paused after a swap while decode steps re-prefill their histories (EngineConfig.
         # reprefill_in_decode_rows): slot -> history tokens written so far (generation/reprefill_rides.py).
         self.pending: dict[int, int] = {}
+        self._paused_histories: dict[int, np.ndarray] = {}  # theirs, fixed while paused (none decode)
         self._fresh = np.ones(B, bool)  # slots the host changed since the last dispatch
         self._last_read = 0.0  # when the last chunk was read back (perf_counter)
         self._stamps = itertools.count()  # start order of samples
@@ -112,10 +113,11 @@ class SlotTable:
         but stop decoding until the decode steps have re-prefilled their histories under the new
         weights; any other slot still paused from an earlier swap is the packed calls' now."""
         self.pending = {}
+        self._paused_histories = {s: self.samples[s].history() for s in slots}
         for slot in slots:
             self.pending[slot] = 0
             self._fresh[slot] = True
-        self._stats.reprefill_tokens += sum(self.samples[s].history().size for s in slots)
+        self._stats.reprefill_tokens += sum(h.size for h in self._paused_histories.values())
 
     def busy(self) -> bool:
         return any(s is not None for s in self.samples)
@@ -288,7 +290,7 @@ class SlotTable:
             return None
         ec, kv = self.config, self._kv
         order = list(self.pending)  # as `split_for_rides` chose them
-        return plan_rides({s: self.samples[s].history() for s in order}, self.pending, order, data=kv.data,
+        return plan_rides(self._paused_histories, self.pending, order, data=kv.data,
                           slots_per_replica=ec.num_slots // kv.data, rows=ec.reprefill_in_decode_rows,
                           width=ec.reprefill_in_decode_width, steps=ec.decode_chunk,
                           page_tables=kv.tables()[0])
