@@ -69,14 +69,17 @@ class EngineConfig:
     # few percent of a re-prefill's FLOPs at these widths, the prompts shared often a third.
     # False: plain packed rows, attended by the platform's flash kernel.
     reprefill_share_prefixes: bool = True
-    # Re-prefill beside decode (paged layout): after an interrupting swap the in-flight samples keep
-    # their slots and pages but pause, and every decode step also recomputes up to this many rows of
-    # their histories per data replica, each row `reprefill_in_decode_width` consecutive tokens of
-    # one slot's history, in the same pass as the step's decode rows (one read of the weights for
-    # both). A decode step at a few hundred live rows leaves much of the compute idle (it waits on
-    # the weights and the cache); the re-prefill fills it instead of running as packed calls that
-    # stop generation. Slots are re-prefilled oldest first and decode again from the chunk after
-    # their last row. 0 (default): the packed re-prefill calls at the swap.
+    # Re-prefill beside decode (paged layout; with kv_layout "auto" on CPU, dense unless FP8, the
+    # packed calls run instead): after an interrupting swap the in-flight samples chosen by
+    # `reprefill_in_decode_tokens` keep their slots and pages but pause, and every decode step also
+    # recomputes this many rows of their histories per data replica, each row
+    # `reprefill_in_decode_width` consecutive tokens of one slot's history, in the same pass as the
+    # step's decode rows (one read of the weights for both). A decode step at a few hundred live
+    # rows leaves much of the compute idle (it waits on the weights and the cache); the rows fill
+    # it instead of running as packed calls that stop generation, but a paused sample leaves the
+    # decode batch until its history has ridden: on the shipped colocated configs the simulator
+    # says that costs more than it saves (docs/scale.md, session 29). A slot decodes again from the
+    # chunk after its last row. 0 (default): the packed re-prefill calls at the swap.
     reprefill_in_decode_rows: int = 0
     reprefill_in_decode_width: int = 128
     # The most history tokens per data replica a swap leaves to the decode steps (0: every
@@ -350,11 +353,6 @@ class EngineConfig:
         """Buckets of prompts (what admission prefills)."""
         last = self.bucket(self.prompt_limit)
         return tuple(b for b in self.prefill_buckets if b <= last)
-
-    def reprefill_in_decode(self, platform: str) -> bool:
-        """Whether swaps re-prefill beside decode on `platform` (the paged layout only; `auto` is
-        dense on CPU without an FP8 cache, where the packed calls run instead)."""
-        return self.reprefill_in_decode_rows > 0 and self.layout(platform) == "paged"
 
     @property
     def pack_width(self) -> int:
