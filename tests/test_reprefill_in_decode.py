@@ -201,14 +201,13 @@ def test_on_a_mesh_the_engine_rides_as_one_device_and_its_widest_ride_program_is
 
 
 def test_the_ride_split_takes_the_longest_that_fit_per_replica():
+    import types
+
     from areal_jax.generation.slots import SlotTable
 
-    class Histories:  # what split_for_rides reads of a sample
+    class Histories:  # what split_for_rides reads of a sample: a history of `size` tokens, its start
         def __init__(self, size, stamp):
-            self.size, self.stamp = size, stamp
-
-        def history(self):
-            return np.zeros(self.size, np.int32)
+            self.request, self.tokens, self.stamp = types.SimpleNamespace(prompt=np.zeros(size, np.int32)), [7], stamp
 
     class Cache:
         data, pages = 2, None

@@ -355,17 +355,7 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
         """`decode_loop` over the pages: the last argument is the page tables `[B, M]`, M the pages
         of `window` positions (every position reached is below it)."""
         *state, page_tables = state
-        counts["decode"] += 1
-        rows = page_tables.shape[0]  # the live slots' batch (generation/live_slots.py), else every slot
-        traced[program_name("decode", window=window, **({} if rows == ec.num_slots else dict(rows=rows)))] += 1
-        attend = make_attend(page_tables, page_size=ec.page_size, impl=ec.attention_impl, platform=platform,
-                             mesh=mesh, pages_per_replica=pages_per_replica(pools), quantized=pool_of(pools).quantized,
-                             num_layers=L if scan else None)
-
-        def model_step(pools, tokens, positions, step, go):
-            return paged_decode_step(params, cfg, tokens, positions, pools, attend, return_routing=True)
-
-        return decode_loop(model_step, pools, *state, sampler=sampler, exit_every=exit_every)
+        return decode_pages(params, pools, state, page_tables, window, sampler)
 
     def paged_decode_ride(params, pools, *state, window, sampler="filter"):
         """`paged_decode` whose steps also re-prefill interrupted histories (EngineConfig.
@@ -373,20 +363,27 @@ def build_programs(model_cfg: ModelConfig, engine_cfg: EngineConfig, cache_dtype
         positions and `[C, R, M]` tables (step i carries row set i) and the steps holding any
         (`ride_steps`), which the chunk runs whatever its decode rows do."""
         *state, page_tables, ride, ride_steps = state
+        return decode_pages(params, pools, state, page_tables, window, sampler, ride, ride_steps)
+
+    def decode_pages(params, pools, state, page_tables, window, sampler, ride=None, ride_steps=0):
         counts["decode"] += 1
-        C, R, W = ride.tokens.shape
-        rows = page_tables.shape[0]
-        traced[program_name("decode", window=window, rows=rows, ride_rows=R // data,  # per replica, as configured
-                            ride_width=W)] += 1
+        rows = page_tables.shape[0]  # the live slots' batch (generation/live_slots.py), else every slot
+        if ride is None:
+            traced[program_name("decode", window=window, **({} if rows == ec.num_slots else dict(rows=rows)))] += 1
+        else:  # rows always (the full batch is its family's largest); ride rows per replica, as configured
+            C, R, W = ride.tokens.shape
+            traced[program_name("decode", window=window, rows=rows, ride_rows=R // data, ride_width=W)] += 1
         placement = dict(page_size=ec.page_size, impl=ec.attention_impl, platform=platform, mesh=mesh,
                          pages_per_replica=pages_per_replica(pools), quantized=pool_of(pools).quantized,
                          num_layers=L if scan else None)
         attend = make_attend(page_tables, **placement)
-        attend_ride = make_ride_attend(**placement)
+        attend_ride = make_ride_attend(**placement) if ride is not None else None
 
         def model_step(pools, tokens, positions, step, go):
-            at = jnp.minimum(step, C - 1)
-            rows_now = RideRows(ride.tokens[at], jnp.where(go, ride.positions[at], -1), ride.tables[at])
+            rows_now = None
+            if ride is not None:
+                at = jnp.minimum(step, C - 1)
+                rows_now = RideRows(ride.tokens[at], jnp.where(go, ride.positions[at], -1), ride.tables[at])
             return paged_decode_step(params, cfg, tokens, positions, pools, attend, return_routing=True,
                                      ride=rows_now, attend_ride=attend_ride, replicas=data)
 

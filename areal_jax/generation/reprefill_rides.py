@@ -14,6 +14,7 @@ Shapes: C decode chunk steps, R rows per replica (data x R in all), W row width,
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import numpy as np
@@ -38,6 +39,22 @@ class RidePlan:
     @property
     def tokens_carried(self) -> int:
         return int((self.positions >= 0).sum())
+
+
+def select_rides(slots: list[int], sizes: list[int], starts: list[int], *, slots_per_replica: int, cap: int
+                 ) -> list[int]:
+    """Of the in-flight `slots` (histories of `sizes` tokens, started in the order of `starts`),
+    those whose histories ride the decode steps, in the order they ride: per data replica the
+    longest first (the earlier started on a tie), each taken while the replica's total stays within
+    `cap` (EngineConfig.reprefill_in_decode_tokens, 0: all; one that does not fit is passed over, a
+    shorter one after it may fit). The fewest samples pause for the tokens they carry."""
+    taken: collections.Counter = collections.Counter()
+    ride = []
+    for slot, size, _ in sorted(zip(slots, sizes, starts), key=lambda x: (-x[1], x[2])):
+        if not cap or taken[slot // slots_per_replica] + size <= cap:
+            ride.append(slot)
+            taken[slot // slots_per_replica] += size
+    return ride
 
 
 def plan_rides(histories: dict[int, np.ndarray], cursors: dict[int, int], order: list[int], *, data: int,

@@ -16,7 +16,6 @@ Shapes: B slots, C decode chunk, X stop ids per slot.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import time
@@ -27,7 +26,7 @@ import numpy as np
 from areal_jax.generation.config import EngineConfig
 from areal_jax.generation.engine_cache import DecodeChunk, EngineCache
 from areal_jax.generation.pages import Prefix
-from areal_jax.generation.reprefill_rides import RidePlan, plan_rides
+from areal_jax.generation.reprefill_rides import RidePlan, plan_rides, select_rides
 from areal_jax.generation.requests import EngineStats, Request, Sample, StopReason
 from areal_jax.generation.sampling import MAX_STOP_IDS, sampler_kind
 from areal_jax.generation.timings import CallTimings, decode_key
@@ -95,16 +94,12 @@ class SlotTable:
     def split_for_rides(self, slots: list[int]) -> tuple[list[int], list[int]]:
         """At an interrupting swap, the in-flight `slots` -> (those the decode steps re-prefill, in
         the order they ride; the rest, for the packed calls). Per data replica the longest
-        histories first (the earlier started on a tie), each taken while the replica's total stays
-        within EngineConfig.reprefill_in_decode_tokens (0: all): the fewest samples pause for the
-        tokens they carry."""
-        cap, per = self.config.reprefill_in_decode_tokens, self.config.num_slots // self._kv.data
-        size = {s: self.samples[s].history().size for s in slots}
-        ride, taken = [], collections.Counter()
-        for slot in sorted(slots, key=lambda s: (-size[s], self.samples[s].stamp)):
-            if not cap or taken[slot // per] + size[slot] <= cap:
-                ride.append(slot)
-                taken[slot // per] += size[slot]
+        histories that fit EngineConfig.reprefill_in_decode_tokens (`select_rides`)."""
+        samples = [self.samples[s] for s in slots]
+        sizes = [x.request.prompt.size + len(x.tokens) - 1 for x in samples]  # each `history()`'s
+        ride = select_rides(slots, sizes, [x.stamp for x in samples],
+                            slots_per_replica=self.config.num_slots // self._kv.data,
+                            cap=self.config.reprefill_in_decode_tokens)
         chosen = set(ride)
         return ride, [s for s in slots if s not in chosen]
 

@@ -115,19 +115,8 @@ def fit_costs(records: Sequence[dict[str, Any]], *, skip_steps: int = 0, reward_
         if not seconds:  # the run made no such call (e.g. no swap with samples in flight)
             coefs[family] = np.zeros(widths[family])
             continue
-        a, b = np.asarray(features, np.float64), np.asarray(seconds, np.float64)
-        coef = _independent_nnls([a[:, j] for j in range(a.shape[1])], b)
-        # A call that compiled (a shape first seen inside the window) takes seconds where its peers take
-        # milliseconds: rows whose time is far above the fit, relative to the typical row, are dropped
-        # once (at most a fifth of them) and the rest refitted.
-        ratio = b / np.maximum(a @ coef, 1e-9)
-        outliers = ratio > OUTLIER_FACTOR * np.median(ratio)
-        if outliers.any() and outliers.mean() <= 0.2:
-            a, b = a[~outliers], b[~outliers]
-            coef = _independent_nnls([a[:, j] for j in range(a.shape[1])], b)
-            dropped[family] = int(outliers.sum())
-        coefs[family] = coef
-        residuals[family] = _rel(float((a @ coef).sum()), float(b.sum()))
+        coefs[family] = _fit(family, np.asarray(features, np.float64), np.asarray(seconds, np.float64),
+                             np.zeros(len(seconds)), residuals, dropped)
     ride_token = _ride_token(rides, coefs["decode"], residuals, dropped)
     transfers = [r["time/weight_transfer_s"] for r in used if math.isfinite(r.get("time/weight_transfer_s", math.nan))]
     d, p, i, rp, tr = (coefs[k] for k in ("decode", "prefill", "insert", "reprefill", "train"))
@@ -142,29 +131,34 @@ def fit_costs(records: Sequence[dict[str, Any]], *, skip_steps: int = 0, reward_
     return Fit(costs, len(used), residuals, source, dropped)
 
 
-def _ride_token(rides, decode: np.ndarray, residuals: dict, dropped: dict) -> float | None:
-    """Seconds per ride token: the ride chunks' seconds beyond the plain decode fit's, through the
-    origin on their tokens (None: no ride chunk, or their tokens unknown). A chunk far above the
-    fit (a compile) is dropped once, as for the families."""
-    features, tokens, seconds = (np.asarray(x, np.float64) for x in rides)
-    if not seconds.size or not (tokens > 0).all():
-        return None
-    extra = seconds - features @ decode
+def _fit(family: str, a: np.ndarray, b: np.ndarray, offset: np.ndarray, residuals: dict, dropped: dict
+         ) -> np.ndarray:
+    """Non-negative coefficients of seconds `b` ~ `offset` + `a` @ coef, recording the family's
+    residual (and rows dropped). A call that compiled (a shape first seen inside the window) takes
+    seconds where its peers take milliseconds: rows whose time is far above the fit, relative to the
+    typical row, are dropped once (at most a fifth of them) and the rest refitted."""
+    def solve(keep):
+        return _independent_nnls([a[keep, j] for j in range(a.shape[1])], b[keep] - offset[keep])
 
-    def fit(keep):
-        return max(0.0, float(tokens[keep] @ extra[keep] / (tokens[keep] @ tokens[keep])))
-
-    keep = np.ones(seconds.size, bool)
-    rate = fit(keep)
-    ratio = seconds / np.maximum(features @ decode + tokens * rate, 1e-9)
+    keep = np.ones(b.size, bool)
+    coef = solve(keep)
+    ratio = b / np.maximum(offset + a @ coef, 1e-9)
     outliers = ratio > OUTLIER_FACTOR * np.median(ratio)
     if outliers.any() and outliers.mean() <= 0.2:
         keep = ~outliers
-        rate = fit(keep)
-        dropped["decode_ride"] = int(outliers.sum())
-    residuals["decode_ride"] = _rel(float((features[keep] @ decode + tokens[keep] * rate).sum()),
-                                    float(seconds[keep].sum()))
-    return rate
+        coef = solve(keep)
+        dropped[family] = int(outliers.sum())
+    residuals[family] = _rel(float((offset[keep] + a[keep] @ coef).sum()), float(b[keep].sum()))
+    return coef
+
+
+def _ride_token(rides, decode: np.ndarray, residuals: dict, dropped: dict) -> float | None:
+    """Seconds per ride token: the ride chunks' seconds beyond the plain decode fit's, on their
+    tokens (None: no ride chunk, or their tokens unknown)."""
+    features, tokens, seconds = (np.asarray(x, np.float64) for x in rides)
+    if not seconds.size or not (tokens > 0).all():
+        return None
+    return float(_fit("decode_ride", tokens[:, None], seconds, features @ decode, residuals, dropped)[0])
 
 
 def fit_run_dir(run_dir: str | pathlib.Path, *, skip_steps: int | None = None, reward_s: float = 0.0,

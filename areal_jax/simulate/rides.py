@@ -12,10 +12,9 @@ pending, ride_left, ride_order, ride_rows, prompt, generated, started, active). 
 
 from __future__ import annotations
 
-import collections
-
 import numpy as np
 
+from areal_jax.generation.reprefill_rides import select_rides
 from areal_jax.simulate.engine_state import Segment
 
 
@@ -24,20 +23,12 @@ class RideChunks:
 
     def _select_rides(self, slots: np.ndarray) -> np.ndarray:
         """Of the in-flight `slots` (ascending), those whose histories ride the decode steps, in
-        the order they ride, as the engine's `SlotTable.split_for_rides`: per data replica its slots
-        by history h = prompt + generated - 1, longest first (ties: the earlier admitted), each
-        taken if the replica's tokens so far plus h fit in reprefill_in_decode_tokens (0: all; one
-        that does not fit is passed over, a shorter one after it may fit)."""
-        cap = self.config.reprefill_in_decode_tokens
-        per = self.config.num_slots // self.data
+        the order they ride: the engine's choice (`select_rides`) over histories h = prompt +
+        generated - 1, ties to the earlier admitted."""
         history = self.prompt[slots] + self.generated[slots] - 1
-        order = np.lexsort((self.started[slots], -history))  # longest first, then the earlier admitted
-        chosen, taken = [], collections.Counter()
-        for i in order:
-            slot, replica = int(slots[i]), int(slots[i]) // per
-            if not cap or taken[replica] + history[i] <= cap:
-                taken[replica] += int(history[i])
-                chosen.append(slot)
+        chosen = select_rides(slots.tolist(), history.tolist(), self.started[slots].tolist(),
+                              slots_per_replica=self.config.num_slots // self.data,
+                              cap=self.config.reprefill_in_decode_tokens)
         return np.asarray(chosen, np.int64)
 
     def _pend(self, slots: np.ndarray) -> None:

@@ -189,15 +189,14 @@ class _Space:
 
 
 def _space(p, model_cfg) -> _Space:
+    from areal_jax.generation.paged import page_bytes as bytes_of_page
     from areal_jax.plan.job import gen_dtype
 
     job, wl = p.job, p.workload
     replica = job.mesh.generation_tensor * job.mesh.generation_expert
-    page_bytes = 0
-    if wl.paged:
-        itemsize = job.engine.kv_itemsize(gen_dtype(job))  # 1 with kv_dtype float8_e4m3fn
-        page_bytes = job.engine.page_size * 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim \
-            * itemsize
+    # One page over every layer in the stored dtype (1 byte an element with kv_dtype float8_e4m3fn).
+    page_bytes = (bytes_of_page(model_cfg, job.engine.page_size, job.engine.storage_dtype(gen_dtype(job)))
+                  if wl.paged else 0)
     colocated = p.base.colocated
     config = Knobs(generation_devices=p.generation, budget=budget_of(job), slots=job.engine.num_slots,
                    pool_bytes=wl.kv_pool_pages * page_bytes, eta=job.rl.max_staleness,
